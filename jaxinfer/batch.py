@@ -1,0 +1,165 @@
+"""The ragged batch the step consumes, and the host-side packer that builds it.
+
+A step runs many sequences at once, each contributing a *chunk* of new tokens: a decode
+contributes 1, a prefill contributes a slice of its prompt. Their tokens are flattened into one
+array; per-sequence arrays say where each sequence's tokens start, how long its cache is after
+the step, and which pages hold it. Every array has a fixed padded size taken from a small set of
+buckets, so the step compiles once per bucket.
+
+    token_ids       [T]              flattened new tokens (padding: 0)
+    positions       [T]              position of each token in its sequence
+    cu_q_lens       [S + 1]          sequence s owns tokens cu_q_lens[s] : cu_q_lens[s+1]
+    kv_lens         [S]              cache length of sequence s after this step
+    page_table      [S, pages_per_seq]  page ids of sequence s (unused entries: 0, the scratch page)
+    num_seqs        [1]              sequences in use; slots past it are padding with length 0
+    logits_indices  [R]              token rows whose logits the step computes (padding: 0)
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from jaxinfer.kv_cache import SCRATCH_PAGE
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RaggedBatch:
+    token_ids: jax.Array
+    positions: jax.Array
+    cu_q_lens: jax.Array
+    kv_lens: jax.Array
+    page_table: jax.Array
+    num_seqs: jax.Array
+    logits_indices: jax.Array
+
+
+@dataclasses.dataclass
+class SequenceChunk:
+    """What one sequence contributes to a step (host side)."""
+
+    token_ids: Sequence[int]  # the new tokens
+    start_pos: int  # tokens of this sequence already in the cache
+    pages: Sequence[int]  # the sequence's pages, in order; must cover start_pos + len(token_ids)
+    logits_rows: Sequence[int] = ()  # offsets into token_ids whose logits are needed
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketKey:
+    """The static shape of one compiled step variant."""
+
+    num_tokens: int  # T
+    num_seqs: int  # S
+    num_logits: int  # R
+    query_block: int  # attention query-block size: 1 for decode-only batches
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The fixed set of padded shapes.
+
+    token_buckets: allowed padded token counts T (sorted). The sequence count is padded to
+    min(T, max_num_seqs); logits rows to that too, unless a batch needs more rows (prompt
+    logprobs), then to the next token bucket.
+    """
+
+    token_buckets: tuple[int, ...]
+    max_num_seqs: int
+    pages_per_seq: int
+    prefill_query_block: int = 8
+
+    @staticmethod
+    def default(max_num_batched_tokens: int, max_num_seqs: int, pages_per_seq: int) -> "Buckets":
+        sizes, t = [], 1
+        while t < max_num_batched_tokens:
+            sizes.append(t)
+            t *= 2
+        sizes.append(max_num_batched_tokens)
+        return Buckets(tuple(sizes), max_num_seqs, pages_per_seq)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.token_buckets[-1]
+
+    def round_up(self, n: int) -> int:
+        i = bisect.bisect_left(self.token_buckets, n)
+        if i == len(self.token_buckets):
+            raise ValueError(f"{n} tokens exceed the largest bucket ({self.token_buckets[-1]})")
+        return self.token_buckets[i]
+
+    def key_for(self, num_tokens: int, num_seqs: int, num_logits: int) -> BucketKey:
+        T = self.round_up(max(num_tokens, 1))
+        S = min(T, self.max_num_seqs)
+        if num_seqs > S:
+            raise ValueError(f"{num_seqs} sequences exceed max_num_seqs={self.max_num_seqs}")
+        R = S if num_logits <= S else self.round_up(num_logits)
+        decode_only = num_tokens == num_seqs
+        return BucketKey(T, S, R, 1 if decode_only else self.prefill_query_block)
+
+    def all_keys(self) -> list[BucketKey]:
+        """Every variant the engine may compile for batches without prompt logprobs (for warm-up)."""
+        keys = []
+        for T in self.token_buckets:
+            S = min(T, self.max_num_seqs)
+            if T <= self.max_num_seqs:
+                keys.append(BucketKey(T, S, S, 1))
+            if T > 1:
+                keys.append(BucketKey(T, S, S, self.prefill_query_block))
+        return keys
+
+
+def pack_batch(chunks: Sequence[SequenceChunk], buckets: Buckets, page_size: int) -> tuple[BucketKey, RaggedBatch, list[list[int]]]:
+    """Flattens chunks into a padded RaggedBatch (numpy arrays).
+
+    Returns the bucket key, the batch, and for each chunk the indices (into the R logits rows)
+    of its requested logits rows, in the order of `chunk.logits_rows`.
+    """
+    num_tokens = sum(len(c.token_ids) for c in chunks)
+    num_logits = sum(len(c.logits_rows) for c in chunks)
+    key = buckets.key_for(num_tokens, len(chunks), num_logits)
+    T, S, R = key.num_tokens, key.num_seqs, key.num_logits
+
+    token_ids = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    cu_q_lens = np.zeros(S + 1, np.int32)
+    kv_lens = np.zeros(S, np.int32)
+    page_table = np.full((S, buckets.pages_per_seq), SCRATCH_PAGE, np.int32)
+    logits_indices = np.zeros(R, np.int32)
+    rows_of_chunk: list[list[int]] = []
+
+    t = r = 0
+    for s, c in enumerate(chunks):
+        n = len(c.token_ids)
+        end = c.start_pos + n
+        if len(c.pages) * page_size < end:
+            raise ValueError(f"sequence slot {s}: {len(c.pages)} pages cannot hold {end} tokens")
+        if len(c.pages) > buckets.pages_per_seq:
+            raise ValueError(f"sequence slot {s}: {len(c.pages)} pages exceed pages_per_seq={buckets.pages_per_seq}")
+        token_ids[t : t + n] = c.token_ids
+        positions[t : t + n] = np.arange(c.start_pos, end)
+        cu_q_lens[s + 1] = t + n
+        kv_lens[s] = end
+        page_table[s, : len(c.pages)] = c.pages
+        rows = []
+        for off in c.logits_rows:
+            logits_indices[r] = t + off
+            rows.append(r)
+            r += 1
+        rows_of_chunk.append(rows)
+        t += n
+    cu_q_lens[len(chunks) + 1 :] = t
+    batch = RaggedBatch(
+        token_ids=token_ids,
+        positions=positions,
+        cu_q_lens=cu_q_lens,
+        kv_lens=kv_lens,
+        page_table=page_table,
+        num_seqs=np.array([len(chunks)], np.int32),
+        logits_indices=logits_indices,
+    )
+    return key, batch, rows_of_chunk

@@ -1,0 +1,91 @@
+"""Building blocks of a Llama-family decoder, as pure functions of arrays.
+
+Dtype policy: weights are stored in the parameter dtype and matmuls take their inputs in that
+dtype, accumulating in float32 (`preferred_element_type`); everything else (norms, residual
+stream, RoPE, softmax) runs in the compute dtype of the activations passed in.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """x [..., in] @ w [in, out] (+ b [out]); inputs cast to w's dtype, f32 accumulation, result in x's dtype."""
+    y = jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    if b is not None:
+        y = y + b.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32 as HF does, returned in x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None):
+    """down(silu(gate(x)) * up(x)); x [T, H] -> [T, H]."""
+    return linear(jax.nn.silu(linear(x, w_gate, b_gate)) * linear(x, w_up, b_up), w_down, b_down)
+
+
+# ----------------------------------------------------------------------------- rotary embeddings
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] (float64, host side) with static scaling applied.
+
+    Dynamic NTK scaling depends on the sequence length, so it is applied per token in
+    `rope_cos_sin`; here it returns the unscaled frequencies for it.
+    """
+    D = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    rs = config.rope_scaling
+    if rs.rope_type == "linear":
+        inv = inv / rs.factor
+    elif rs.rope_type == "llama3":
+        old_len = rs.original_max_position_embeddings
+        low_wavelen = old_len / rs.low_freq_factor
+        high_wavelen = old_len / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        smooth = (old_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return inv
+
+
+def rope_cos_sin(config: ModelConfig, positions: jax.Array, seq_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [T, head_dim] (float32) for token positions [T].
+
+    seq_lens [T] is the length of each token's sequence after this step; only dynamic NTK scaling
+    reads it (the base grows once a sequence passes max_position_embeddings, as in HF).
+    """
+    D = config.head_dim
+    rs = config.rope_scaling
+    if rs.rope_type == "dynamic":
+        max_pos = rs.original_max_position_embeddings
+        seq = jnp.maximum(seq_lens, max_pos).astype(jnp.float32)
+        base = config.rope_theta * ((rs.factor * seq / max_pos) - (rs.factor - 1)) ** (D / (D - 2))  # [T]
+        exponents = jnp.arange(0, D, 2, dtype=jnp.float32) / D
+        inv = 1.0 / (base[:, None] ** exponents[None, :])  # [T, D/2]
+    else:
+        inv = jnp.asarray(rope_inv_freq(config), jnp.float32)[None, :]
+    freqs = positions.astype(jnp.float32)[:, None] * inv  # [T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF layout). x [T, heads, D]; cos, sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    xf = x.astype(jnp.float32)
+    out = xf * cos[:, None, :] + rotated.astype(jnp.float32) * sin[:, None, :]
+    return out.astype(x.dtype)

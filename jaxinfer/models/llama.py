@@ -1,0 +1,162 @@
+"""The Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM2) as a Flax NNX module.
+
+The module holds the weights; its `__call__` is a pure function of them, the paged KV cache and a
+ragged batch, meant to run under `jax.jit` after `nnx.split` / `nnx.merge`.
+
+All decoder layers live in one `DecoderLayers` module whose weights carry a leading
+`[num_layers]` axis; the forward pass runs the layers in a `lax.fori_loop` (one compiled layer,
+not N), carrying the residual stream and the whole KV cache, which is updated in place.
+
+Parameter layout (flat names as in `param_shapes`; linear weights are [in, out]):
+
+    embed [V, H]   final_norm [H]   lm_head [H, V] (absent with tied embeddings)
+    layers.attn_norm [L, H]   layers.mlp_norm [L, H]
+    layers.q_proj [L, H, Hq*D]   layers.k_proj / v_proj [L, H, Hkv*D]   layers.o_proj [L, Hq*D, H]
+    layers.gate_proj / up_proj [L, H, I]   layers.down_proj [L, I, H]
+    optional: layers.{q,k,v,o}_bias, layers.{gate,up,down}_bias, layers.{q,k}_norm [L, D]
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxinfer.attention import kv_slots, write_kv_and_attend
+from jaxinfer.batch import RaggedBatch
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv_cache import SCRATCH_PAGE, KVCache
+from jaxinfer.models.layers import apply_rope, linear, rms_norm, rope_cos_sin, swiglu_mlp
+
+
+def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Flat parameter name -> shape, for exactly the parameters this config has."""
+    c = config
+    L, H, I, V, D = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
+    q_dim, kv_dim = c.num_heads * D, c.num_kv_heads * D
+    shapes = {
+        "embed": (V, H),
+        "final_norm": (H,),
+        "layers.attn_norm": (L, H),
+        "layers.q_proj": (L, H, q_dim),
+        "layers.k_proj": (L, H, kv_dim),
+        "layers.v_proj": (L, H, kv_dim),
+        "layers.o_proj": (L, q_dim, H),
+        "layers.mlp_norm": (L, H),
+        "layers.gate_proj": (L, H, I),
+        "layers.up_proj": (L, H, I),
+        "layers.down_proj": (L, I, H),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (H, V)
+    if c.qkv_bias:
+        shapes.update({"layers.q_bias": (L, q_dim), "layers.k_bias": (L, kv_dim), "layers.v_bias": (L, kv_dim)})
+    if c.o_bias:
+        shapes["layers.o_bias"] = (L, H)
+    if c.mlp_bias:
+        shapes.update({"layers.gate_bias": (L, I), "layers.up_bias": (L, I), "layers.down_bias": (L, H)})
+    if c.qk_norm:
+        shapes.update({"layers.q_norm": (L, D), "layers.k_norm": (L, D)})
+    return shapes
+
+
+def _init(name: str, shape, dtype, key) -> jax.Array:
+    if name.endswith("norm"):
+        return jnp.ones(shape, dtype)
+    if name.endswith("bias"):
+        return jnp.zeros(shape, dtype)
+    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+class DecoderLayers(nnx.Module):
+    """The weights of all decoder layers, each stacked on a leading [num_layers] axis."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype, rngs: nnx.Rngs):
+        for name, shape in shapes.items():
+            setattr(self, name, nnx.Param(_init(name, shape, dtype, rngs.params())))
+
+    def stacked(self) -> dict[str, jax.Array]:
+        return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
+
+
+class LlamaForCausalLM(nnx.Module):
+    def __init__(self, config: ModelConfig, *, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.compute_dtype = compute_dtype
+        shapes = param_shapes(config)
+        layer_shapes = {k.split(".", 1)[1]: v for k, v in shapes.items() if k.startswith("layers.")}
+        self.embed = nnx.Param(_init("embed", shapes["embed"], param_dtype, rngs.params()))
+        self.layers = DecoderLayers(layer_shapes, param_dtype, rngs)
+        self.final_norm = nnx.Param(_init("final_norm", shapes["final_norm"], param_dtype, None))
+        if "lm_head" in shapes:
+            self.lm_head = nnx.Param(_init("lm_head", shapes["lm_head"], param_dtype, rngs.params()))
+
+    def __call__(self, kv: KVCache, batch: RaggedBatch, *, query_block: int) -> tuple[jax.Array, KVCache]:
+        """Returns (logits [R, V] float32 for the rows batch.logits_indices, the updated cache)."""
+        c = self.config
+        T = batch.token_ids.shape[0]
+        S = batch.kv_lens.shape[0]
+        page_size = kv.page_size
+
+        x = self.embed[...][batch.token_ids].astype(self.compute_dtype)  # [T, H]
+        slots = kv_slots(batch, page_size, SCRATCH_PAGE)  # [T]
+        seq_of_token = jnp.minimum(jnp.searchsorted(batch.cu_q_lens[1:], jnp.arange(T), side="right"), S - 1)
+        cos, sin = rope_cos_sin(c, batch.positions, batch.kv_lens[seq_of_token])  # [T, D] each
+        stacked = self.layers.stacked()
+        sm_scale = float(c.head_dim) ** -0.5
+
+        def layer(i, carry):
+            x, k_cache, v_cache = carry
+            w = {name: a[i] for name, a in stacked.items()}
+            h = rms_norm(x, w["attn_norm"], c.rms_norm_eps)
+            q = linear(h, w["q_proj"], w.get("q_bias")).reshape(T, c.num_heads, c.head_dim)
+            k = linear(h, w["k_proj"], w.get("k_bias")).reshape(T, c.num_kv_heads, c.head_dim)
+            v = linear(h, w["v_proj"], w.get("v_bias")).reshape(T, c.num_kv_heads, c.head_dim)
+            if c.qk_norm:
+                q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
+                k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            attn, k_cache, v_cache = write_kv_and_attend(
+                q, k, v, k_cache, v_cache, i, slots, batch,
+                sm_scale=sm_scale, sliding_window=c.sliding_window, query_block=query_block,
+            )
+            x = x + linear(attn.reshape(T, c.num_heads * c.head_dim), w["o_proj"], w.get("o_bias"))
+            h = rms_norm(x, w["mlp_norm"], c.rms_norm_eps)
+            x = x + swiglu_mlp(
+                h, w["gate_proj"], w["up_proj"], w["down_proj"], w.get("gate_bias"), w.get("up_bias"), w.get("down_bias")
+            )
+            return x, k_cache, v_cache
+
+        x, k_cache, v_cache = jax.lax.fori_loop(0, c.num_layers, layer, (x, kv.k, kv.v))
+        h = rms_norm(x[batch.logits_indices], self.final_norm[...], c.rms_norm_eps)  # [R, H]
+        if c.tie_word_embeddings:
+            embed = self.embed[...]
+            logits = jnp.einsum("rh,vh->rv", h.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
+        else:
+            lm_head = self.lm_head[...]
+            logits = jnp.dot(h.astype(lm_head.dtype), lm_head, preferred_element_type=jnp.float32)
+        return logits, KVCache(k=k_cache, v=v_cache)
+
+
+def flat_to_nested(flat: dict[str, np.ndarray]) -> dict:
+    """{"layers.q_proj": a} -> {"layers": {"q_proj": a}} (the shape of nnx's pure state dict)."""
+    nested: dict = {}
+    for name, value in flat.items():
+        node = nested
+        *parents, leaf = name.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return nested
+
+
+def nested_to_flat(nested: dict, prefix: str = "") -> dict:
+    flat = {}
+    for k, v in nested.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            flat.update(nested_to_flat(v, name + "."))
+        else:
+            flat[name] = v
+    return flat

@@ -1,0 +1,131 @@
+"""Ragged paged attention in plain jnp: the truth every kernel is held to, and the CPU path.
+
+One call serves a whole mixed batch: sequences prefilling a chunk and sequences decoding one
+token, their queries flattened into one array. Keys and values are read straight from the page
+pool through each sequence's row of the page table; nothing is copied into a contiguous cache.
+
+Layout (all int arrays are int32):
+
+    q             [T, Hq, D]           queries of all sequences, sequence s owning rows
+                                       cu_q_lens[s] : cu_q_lens[s+1]
+    k_pages       [P, page_size, Hkv, D]
+    v_pages       [P, page_size, Hkv, D]
+    kv_lens       [S]                  tokens in the cache for sequence s, this step's included
+    page_indices  [S, pages_per_seq]   page ids of sequence s, in order
+    cu_q_lens     [S + 1]              cumulative query lengths
+    num_seqs      [] or [1]            sequences in use; slots >= num_seqs are padding
+
+The i-th query of sequence s sits at position kv_lens[s] - q_len[s] + i and attends causally to
+cache positions <= its own (and > position - sliding_window when a window is given). Query rows
+past cu_q_lens[num_seqs] are padding and come out as zeros.
+
+How it computes (the same tiling a kernel uses, written with gathers):
+- queries are cut into *query blocks* of `num_queries_per_block` rows of one sequence, so a block
+  reads its sequence's keys once however many queries it holds (1 for pure decode, more for
+  prefill chunks);
+- keys and values are read `num_kv_pages_per_block` pages at a time, in a loop that runs only as far
+  as the longest sequence, with an online softmax carrying (max, sum, accumulator) across blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_KV_TOKENS_PER_BLOCK = 128
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "sliding_window", "soft_cap", "num_queries_per_block", "num_kv_pages_per_block"),
+)
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    num_queries_per_block: int = 8,
+    num_kv_pages_per_block: int | None = None,
+) -> jax.Array:
+    T, Hq, D = q.shape
+    page_size, Hkv = k_pages.shape[1], k_pages.shape[2]
+    S, pages_per_seq = page_indices.shape
+    G = Hq // Hkv  # query heads per KV head
+    Bq = num_queries_per_block
+    C = num_kv_pages_per_block or max(1, DEFAULT_KV_TOKENS_PER_BLOCK // page_size)
+    C = min(C, pages_per_seq)
+    kv_block = C * page_size  # tokens per KV block
+
+    # ---- query blocks: block b covers rows [q_start[b], q_start[b] + Bq) of sequence block_seq[b]
+    num_seqs = jnp.reshape(num_seqs, ())
+    seq_in_use = jnp.arange(S) < num_seqs
+    q_lens = jnp.where(seq_in_use, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
+    blocks_per_seq = _cdiv(q_lens, Bq)
+    cu_blocks = jnp.cumsum(blocks_per_seq)  # [S]
+    NB = min(T, _cdiv(T, Bq) + S)  # static bound on the number of query blocks
+    b = jnp.arange(NB)
+    block_valid = b < cu_blocks[-1]
+    block_seq = jnp.minimum(jnp.searchsorted(cu_blocks, b, side="right"), S - 1)  # [NB]
+    q_offset = (b - (cu_blocks[block_seq] - blocks_per_seq[block_seq])) * Bq  # first query of the block, within its sequence
+    row_in_seq = q_offset[:, None] + jnp.arange(Bq)[None, :]  # [NB, Bq]
+    row_valid = block_valid[:, None] & (row_in_seq < q_lens[block_seq][:, None])
+    rows = jnp.where(row_valid, cu_q_lens[block_seq][:, None] + row_in_seq, T)  # T = out of range: dropped
+    block_kv_len = jnp.where(block_valid, kv_lens[block_seq], 0)  # [NB]
+    q_pos = block_kv_len[:, None] - q_lens[block_seq][:, None] + row_in_seq  # [NB, Bq]
+
+    # [NB, Bq, Hkv, G, D] -> [NB, Hkv, Bq*G, D]; row r of a block is query r // G, head r % G
+    qb = q[jnp.minimum(rows, T - 1)].reshape(NB, Bq, Hkv, G, D)
+    qb = qb.transpose(0, 2, 1, 3, 4).reshape(NB, Hkv, Bq * G, D)
+    q_pos_rows = jnp.repeat(q_pos, G, axis=1)  # [NB, Bq*G]
+    row_valid_rows = jnp.repeat(row_valid, G, axis=1)
+
+    # page table rows of each block, padded to whole KV blocks
+    pad = (-pages_per_seq) % C
+    block_pages = jnp.pad(page_indices, ((0, 0), (0, pad)))[block_seq]  # [NB, pages]
+    num_kv_blocks = _cdiv(jnp.max(block_kv_len), kv_block)
+
+    def kv_step(j, carry):
+        m, l, acc = carry  # [NB, Hkv, Bq*G], same, [NB, Hkv, Bq*G, D]
+        pages = jax.lax.dynamic_slice_in_dim(block_pages, j * C, C, axis=1)  # [NB, C]
+        k = k_pages[pages].reshape(NB, kv_block, Hkv, D).transpose(0, 2, 1, 3)  # [NB, Hkv, kv_block, D]
+        v = v_pages[pages].reshape(NB, kv_block, Hkv, D).transpose(0, 2, 1, 3)
+        s = jnp.einsum("bhqd,bhkd->bhqk", qb, k, preferred_element_type=jnp.float32) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        kv_pos = j * kv_block + jnp.arange(kv_block)  # [kv_block]
+        mask = (kv_pos[None, None, :] <= q_pos_rows[:, :, None]) & (kv_pos[None, None, :] < block_kv_len[:, None, None])
+        if sliding_window is not None:
+            mask &= kv_pos[None, None, :] > q_pos_rows[:, :, None] - sliding_window
+        mask &= row_valid_rows[:, :, None]
+        s = jnp.where(mask[:, None], s, -jnp.inf)  # [NB, Hkv, Bq*G, kv_block]
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
+        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(m - m_safe)
+        l = alpha * l + p.sum(axis=-1)
+        acc = alpha[..., None] * acc + jnp.einsum("bhqk,bhkd->bhqd", p, v.astype(jnp.float32))
+        return m_new, l, acc
+
+    init = (
+        jnp.full((NB, Hkv, Bq * G), -jnp.inf, jnp.float32),
+        jnp.zeros((NB, Hkv, Bq * G), jnp.float32),
+        jnp.zeros((NB, Hkv, Bq * G, D), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(0, num_kv_blocks, kv_step, init)
+    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # [NB, Hkv, Bq*G, D]
+    out = out.reshape(NB, Hkv, Bq, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * Bq, Hq, D)
+    result = jnp.zeros((T, Hq, D), q.dtype)
+    return result.at[rows.reshape(-1)].set(out.astype(q.dtype), mode="drop")
