@@ -1,0 +1,127 @@
+"""`jaxinfer generate | chat | convert`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder, .gguf file or converted folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", help="parameter dtype: auto | float32 | bfloat16 | float16")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _llm(args):
+    from jaxinfer import LLM
+
+    return LLM(
+        args.model, dtype=args.dtype, max_model_len=args.max_model_len, page_size=args.page_size,
+        num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+    )
+
+
+def _sampling(args):
+    from jaxinfer import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+
+
+def cmd_generate(args) -> int:
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        print("jaxinfer generate: give a prompt or --prompts-file", file=sys.stderr)
+        return 2
+    llm = _llm(args)
+    params = _sampling(args)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs):
+        if len(prompts) > 1:
+            print(f"### {prompt}")
+        print(out.outputs[0].text)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    llm = _llm(args)
+    params = _sampling(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("Type a message; an empty line or Ctrl-D quits.", file=sys.stderr)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line.strip()})
+        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        messages.append({"role": "assistant", "content": reply})
+        print(reply, flush=True)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from jaxinfer.llm import _dtype
+    from jaxinfer.loading import load_params, read_config, resolve_model, save_converted
+    from jaxinfer.tokenizer import load_tokenizer
+
+    source = resolve_model(args.src)
+    config = read_config(source)
+    dtype = _dtype(args.dtype, "dtype")
+    _, state = load_params(source, config, dtype, dtype)
+    dst = save_converted(args.dst, config, state, load_tokenizer(source))
+    print(f"wrote {dst} ({config.model_type}, {config.num_layers} layers, {dtype.__name__})")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference in JAX")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for prompts")
+    g.add_argument("prompts", nargs="*")
+    g.add_argument("--prompts-file", help="a file with one prompt per line")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="chat interactively on stdin")
+    c.add_argument("--system", default=None, help="a system message")
+    _add_model_args(c)
+    _add_sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    v = sub.add_parser("convert", help="convert an HF folder or GGUF file to a jaxinfer (orbax) folder")
+    v.add_argument("src")
+    v.add_argument("dst")
+    v.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    v.set_defaults(func=cmd_convert)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"jaxinfer: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

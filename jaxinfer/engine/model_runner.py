@@ -1,0 +1,118 @@
+"""The model runner: owns the parameters, the KV cache and the compiled step variants.
+
+A driver (today `engine.driver`, later the continuous-batching scheduler) hands it a list of
+`ScheduledChunk`s per iteration; the runner packs them into a padded `RaggedBatch`, builds the
+per-row sampling tensors, runs the jitted step with the cache donated, and returns per-chunk
+results as numpy. It keeps no per-request state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from jaxinfer.batch import BucketKey, Buckets, RaggedBatch, SequenceChunk, pack_batch
+from jaxinfer.kv_cache import KVCache
+from jaxinfer.sampling import SamplingTensors
+from jaxinfer.step import StepFunction
+
+
+@dataclasses.dataclass
+class RowSampling:
+    """Sampling parameters for the logits rows of one chunk."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    counter: int = 0  # tokens this sequence has sampled so far
+    target_ids: Sequence[int] = ()  # per logits row: the token whose logprob to report, -1 = sampled one
+
+
+@dataclasses.dataclass
+class ScheduledChunk:
+    chunk: SequenceChunk
+    sampling: RowSampling
+
+
+@dataclasses.dataclass
+class RowResult:
+    token: int
+    logprob: float
+    top_ids: np.ndarray  # [K]
+    top_logprobs: np.ndarray  # [K]
+
+
+class ModelRunner:
+    def __init__(self, graphdef, params, kv: KVCache, buckets: Buckets, *, num_top_logprobs: int = 20):
+        self.params = params
+        self.kv = kv
+        self.buckets = buckets
+        self.num_top_logprobs = num_top_logprobs
+        self.step_fn = StepFunction(graphdef, num_top_logprobs)
+        self.compile_seconds: dict[BucketKey, float] = {}
+
+    @property
+    def num_compiles(self) -> int:
+        return self.step_fn.num_compiles
+
+    def execute(self, scheduled: Sequence[ScheduledChunk], *, want_logprobs: bool = False) -> list[list[RowResult]]:
+        """Runs one step. Returns, per scheduled chunk, one RowResult per requested logits row."""
+        key, batch, rows_of_chunk = pack_batch([s.chunk for s in scheduled], self.buckets, self.kv.page_size)
+        sampling = self._sampling_tensors(key, scheduled, rows_of_chunk)
+        compiles_before = self.step_fn.num_compiles
+        t0 = time.perf_counter()
+        out, self.kv = self.step_fn(self.params, self.kv, batch, sampling, query_block=key.query_block)
+        if want_logprobs:
+            tokens, logprobs, top_ids, top_lps = jax.device_get((out.tokens, out.logprobs, out.top_ids, out.top_logprobs))
+        else:
+            tokens = np.asarray(out.tokens)
+            logprobs = np.zeros(len(tokens), np.float32)
+            top_ids = top_lps = np.zeros((len(tokens), 0))
+        if self.step_fn.num_compiles != compiles_before:
+            self.compile_seconds[key] = time.perf_counter() - t0
+        return [
+            [RowResult(int(tokens[r]), float(logprobs[r]), top_ids[r], top_lps[r]) for r in rows] for rows in rows_of_chunk
+        ]
+
+    def _sampling_tensors(self, key: BucketKey, scheduled, rows_of_chunk) -> SamplingTensors:
+        R = key.num_logits
+        temperature = np.zeros(R, np.float32)
+        top_k = np.zeros(R, np.int32)
+        top_p = np.ones(R, np.float32)
+        seed = np.zeros(R, np.uint32)
+        counter = np.zeros(R, np.int32)
+        target_ids = np.full(R, -1, np.int32)
+        for s, rows in zip(scheduled, rows_of_chunk):
+            p = s.sampling
+            temperature[rows], top_k[rows], top_p[rows] = p.temperature, p.top_k, p.top_p
+            seed[rows], counter[rows] = p.seed, p.counter
+            if p.target_ids:
+                target_ids[rows] = p.target_ids
+        return SamplingTensors(temperature, top_k, top_p, seed, counter, target_ids)
+
+    def warmup(self, keys: Sequence[BucketKey] | None = None) -> None:
+        """Compiles the step for every bucket (or the given ones) with an empty batch."""
+        for key in keys or self.buckets.all_keys():
+            T, S, R = key.num_tokens, key.num_seqs, key.num_logits
+            batch = RaggedBatch(
+                token_ids=np.zeros(T, np.int32),
+                positions=np.zeros(T, np.int32),
+                cu_q_lens=np.zeros(S + 1, np.int32),
+                kv_lens=np.zeros(S, np.int32),
+                page_table=np.zeros((S, self.buckets.pages_per_seq), np.int32),
+                num_seqs=np.zeros(1, np.int32),
+                logits_indices=np.zeros(R, np.int32),
+            )
+            sampling = SamplingTensors(
+                np.zeros(R, np.float32), np.zeros(R, np.int32), np.ones(R, np.float32),
+                np.zeros(R, np.uint32), np.zeros(R, np.int32), np.full(R, -1, np.int32),
+            )
+            t0 = time.perf_counter()
+            out, self.kv = self.step_fn(self.params, self.kv, batch, sampling, query_block=key.query_block)
+            jax.block_until_ready(out.tokens)
+            self.compile_seconds[key] = time.perf_counter() - t0

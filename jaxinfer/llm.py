@@ -1,0 +1,277 @@
+"""The offline API, in vLLM's shape: `LLM(model).generate(prompts, SamplingParams(...))` and `.chat()`."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.batch import Buckets
+from jaxinfer.engine.driver import SequenceState, SimpleDriver
+from jaxinfer.engine.model_runner import ModelRunner
+from jaxinfer.kv_cache import KVCache
+from jaxinfer.loading import load_params, read_config, resolve_model
+from jaxinfer.outputs import CompletionOutput, RequestOutput
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.tokenizer import cache_root, load_tokenizer
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+PromptType = str | Sequence[int] | dict
+
+
+def _on_cpu() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def _dtype(name, what: str):
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        return jnp.dtype(name).type
+    if name == "auto":
+        return jnp.float32 if _on_cpu() else jnp.bfloat16
+    if name not in _DTYPES:
+        raise ValueError(f"{what}={name!r}: expected one of 'auto', {', '.join(map(repr, _DTYPES))}")
+    return _DTYPES[name]
+
+
+def enable_compilation_cache(path: str | os.PathLike | None = None) -> None:
+    """Turns on JAX's persistent compilation cache (unless the user configured one already)."""
+    if jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    jax.config.update("jax_compilation_cache_dir", str(path or cache_root() / "xla"))
+
+
+class LLM:
+    """An LLM with its paged KV cache, ready to generate.
+
+    Args:
+      model: None (the embedded SmolLM2-135M-Instruct), an HF folder, a .gguf file, or a folder
+        written by `jaxinfer convert`.
+      dtype: parameter (and matmul input) dtype: "auto" (float32 on CPU, bfloat16 on TPU/GPU),
+        "float32", "bfloat16", "float16".
+      compute_dtype: dtype of activations, norms and the residual stream (default: float32 on
+        CPU, where bfloat16 elementwise work is slow, bfloat16 elsewhere).
+      kv_cache_dtype: dtype of the KV pages (default: compute_dtype).
+      max_model_len: longest prompt + output (default: the model's max_position_embeddings).
+      page_size: tokens per KV page. num_pages: pages in the pool (default: what fits in
+        kv_cache_memory_bytes, 1 GiB unless given).
+      max_num_batched_tokens / max_num_seqs: per-step token and sequence budgets; the token
+        budget is also the largest shape bucket.
+      seed: seeds the per-request seeds of requests that give none.
+      warmup: compile every shape bucket now rather than on first use.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        *,
+        dtype: str = "auto",
+        compute_dtype: str | None = None,
+        kv_cache_dtype: str | None = None,
+        max_model_len: int | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_cache_memory_bytes: int = 1 << 30,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 64,
+        max_logprobs: int = 20,
+        seed: int = 0,
+        warmup: bool = False,
+        progress: bool = True,
+        compilation_cache_dir: str | os.PathLike | None = None,
+    ):
+        enable_compilation_cache(compilation_cache_dir)
+        t0 = time.perf_counter()
+        self.source = resolve_model(model)
+        self.config = config = read_config(self.source)
+        self.param_dtype = _dtype(dtype, "dtype")
+        self.compute_dtype = _dtype(compute_dtype, "compute_dtype") or (jnp.float32 if _on_cpu() else jnp.bfloat16)
+        self.kv_cache_dtype = _dtype(kv_cache_dtype, "kv_cache_dtype") or self.compute_dtype
+
+        if max_model_len is None:
+            max_model_len = config.max_position_embeddings
+        if not 0 < max_model_len <= config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} must be in [1, {config.max_position_embeddings}] "
+                f"(the model's max_position_embeddings)"
+            )
+        if page_size < 1:
+            raise ValueError(f"page_size={page_size} must be >= 1")
+        self.max_model_len = max_model_len
+        pages_per_seq = -(-max_model_len // page_size)
+        if num_pages is None:
+            itemsize = jnp.dtype(self.kv_cache_dtype).itemsize
+            page_bytes = 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * itemsize
+            num_pages = max(2, min(kv_cache_memory_bytes // page_bytes, max_num_seqs * pages_per_seq + 1))
+        if num_pages < 2:
+            raise ValueError(f"num_pages={num_pages}: need at least 2 (page 0 is the scratch page)")
+        max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
+
+        self.tokenizer = load_tokenizer(self.source)
+        graphdef, params = load_params(self.source, config, self.param_dtype, self.compute_dtype, progress=progress)
+        kv = KVCache.create(config, num_pages, page_size, self.kv_cache_dtype)
+        self.buckets = Buckets.default(max_num_batched_tokens, max_num_seqs, pages_per_seq)
+        self.runner = ModelRunner(graphdef, params, kv, self.buckets, num_top_logprobs=max_logprobs)
+        self.max_logprobs = max_logprobs
+        eos = set(config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.driver = SimpleDriver(
+            self.runner,
+            eos_token_ids=sorted(eos),
+            detokenize=self._detokenize,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+        )
+        self._seed_rng = np.random.default_rng(seed)
+        self._request_counter = 0
+        self.load_seconds = time.perf_counter() - t0
+        if warmup:
+            self.runner.warmup()
+
+    # ------------------------------------------------------------------ public API
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates completions for one prompt or a list of them.
+
+        A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
+        `sampling_params` is one SamplingParams for all prompts or a list with one per prompt.
+        Every prompt is checked before any work starts; a bad one raises ValueError naming it.
+        """
+        texts, token_lists = self._normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(token_lists)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(token_lists):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
+        for i, (ids, p) in enumerate(zip(token_lists, params)):
+            self._validate(i, ids, p)
+
+        seqs: list[SequenceState] = []
+        for i, (ids, p) in enumerate(zip(token_lists, params)):
+            base_seed = p.seed if p.seed is not None else int(self._seed_rng.integers(0, 2**31))
+            limit = self.max_model_len if p.max_tokens is None else min(self.max_model_len, len(ids) + p.max_tokens)
+            for j in range(p.n):
+                seed = base_seed if j == 0 else int(np.random.SeedSequence([base_seed, j]).generate_state(1)[0] >> 1)
+                seqs.append(SequenceState(i, j, list(ids), p, seed, limit))
+
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(seqs), desc="Generating", unit="seq", leave=False)
+        self.driver.run(seqs, on_finish=(lambda s: bar.update(1)) if bar else (lambda s: None))
+        if bar:
+            bar.close()
+
+        outputs = []
+        for i, (text, ids, p) in enumerate(zip(texts, token_lists, params)):
+            mine = sorted((s for s in seqs if s.request_index == i), key=lambda s: s.index)
+            completions = [
+                CompletionOutput(
+                    index=s.index,
+                    text=s.text,
+                    token_ids=s.output_token_ids,
+                    cumulative_logprob=s.cumulative_logprob if p.logprobs is not None else None,
+                    logprobs=s.output_logprobs if p.logprobs is not None else None,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                )
+                for s in mine
+            ]
+            outputs.append(
+                RequestOutput(
+                    request_id=str(self._request_counter),
+                    prompt=text,
+                    prompt_token_ids=list(ids),
+                    prompt_logprobs=mine[0].prompt_logprobs if p.prompt_logprobs is not None else None,
+                    outputs=completions,
+                    finished=True,
+                )
+            )
+            self._request_counter += 1
+        return outputs
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation (a list of {"role", "content"}
+        dicts) or a list of conversations, and generates the assistant's replies."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            )
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ------------------------------------------------------------------ helpers
+    def _normalize_prompts(self, prompts) -> tuple[list[str | None], list[list[int]]]:
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer))
+        ):
+            prompts = [prompts]
+        texts, ids = [], []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                texts.append(p)
+                ids.append(self.tokenizer.encode(p) if p else [])
+            elif isinstance(p, dict) and ("prompt_token_ids" in p or "prompt" in p):
+                text = p.get("prompt")
+                texts.append(text)
+                ids.append(list(p["prompt_token_ids"]) if "prompt_token_ids" in p else self.tokenizer.encode(text or ""))
+            elif isinstance(p, (list, tuple, np.ndarray)):
+                texts.append(None)
+                ids.append([int(t) for t in p])
+            else:
+                raise ValueError(f"prompt {i}: expected a string, a list of token ids or a dict, got {type(p).__name__}")
+        return texts, ids
+
+    def _validate(self, i: int, ids: list[int], p: SamplingParams) -> None:
+        if not ids:
+            raise ValueError(f"prompt {i} is empty (0 tokens)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens, over max_model_len={self.max_model_len} "
+                f"(a prompt needs at most max_model_len - 1 tokens to leave room for one generated token)"
+            )
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self.config.vocab_size})")
+        for field in ("logprobs", "prompt_logprobs"):
+            v = getattr(p, field)
+            if v is not None and v > self.max_logprobs:
+                raise ValueError(f"prompt {i}: SamplingParams.{field}={v} exceeds max_logprobs={self.max_logprobs}")
+        pages_needed = -(-min(self.max_model_len, len(ids) + (p.max_tokens or self.max_model_len)) // self.runner.kv.page_size)
+        if pages_needed > self.runner.kv.num_pages - 1:
+            raise ValueError(
+                f"prompt {i} needs {pages_needed} KV pages but the cache has {self.runner.kv.num_pages - 1}; "
+                f"raise num_pages or lower max_tokens"
+            )
+
+    def _detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

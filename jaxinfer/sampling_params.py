@@ -1,0 +1,66 @@
+"""`SamplingParams`, with vLLM's field names and meanings, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to decode one request.
+
+    n: completions per prompt. temperature: 0 means greedy. top_k: 0 or -1 disables it.
+    top_p: nucleus mass in (0, 1]. seed: makes sampling reproducible whatever else shares the
+    batch. max_tokens: tokens to generate at most. ignore_eos: keep going past EOS.
+    logprobs: also return the top-`logprobs` alternatives of each generated token (0 = only the
+    sampled token's). prompt_logprobs: the same for every prompt token. stop_token_ids: extra
+    tokens that end generation. stop: strings that end generation (trimmed from the text unless
+    include_stop_str_in_output). skip_special_tokens: drop special tokens from the text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    stop_token_ids: list[int] | None = None
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        def bad(field, why):
+            raise ValueError(f"SamplingParams.{field}={getattr(self, field)!r}: {why}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if self.temperature is None or self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not (0.0 < self.top_p <= 1.0):
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be -1 or 0 (disabled) or a positive integer")
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer or None")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1 (or None: up to the context limit)")
+        for field in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, field)
+            if v is not None and (not isinstance(v, int) or v < 0):
+                bad(field, "must be None or an integer >= 0")
+        if self.stop_token_ids is not None and not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative token ids")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

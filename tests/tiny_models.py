@@ -1,0 +1,94 @@
+"""Tiny random Hugging Face models, one per supported family, built and saved locally.
+
+Every weight is random (norm weights around 1, biases non-zero) and scaled so the log-softmax is
+far from uniform: parity tests then compare real distributions, not near-constant ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
+VOCAB = len(SPECIAL_TOKENS) + 256  # byte-level tokenizer: three specials + one token per byte
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+def _common(**kw):
+    base = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    base.update(kw)
+    return base
+
+
+# family name -> (config class, kwargs)
+FAMILIES = {
+    # Llama 2: MHA, no scaling
+    "llama2": (transformers.LlamaConfig, _common(num_key_value_heads=4)),
+    # Llama 3 / 3.1 style: GQA, llama3 rope scaling across the three frequency bands
+    "llama3.1": (transformers.LlamaConfig, _common(rope_theta=10000.0, max_position_embeddings=256, rope_scaling={
+        "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16})),
+    # Llama 3.2 small: tied embeddings, MQA, attention bias (Llama's optional q/k/v/o bias)
+    "llama3.2": (transformers.LlamaConfig, _common(num_key_value_heads=1, tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
+    "llama-linear": (transformers.LlamaConfig, _common(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # dynamic NTK: prompts run past max_position_embeddings so the scaling is exercised
+    "llama-dynamic": (transformers.LlamaConfig, _common(max_position_embeddings=24, rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
+    "mistral": (transformers.MistralConfig, _common(sliding_window=12, head_dim=16)),
+    "qwen2": (transformers.Qwen2Config, _common(num_key_value_heads=1, tie_word_embeddings=False)),
+    "qwen3": (transformers.Qwen3Config, _common(head_dim=24, attention_bias=False)),
+    # SmolLM2 is a Llama with tied embeddings and GQA 3:1
+    "smollm2": (transformers.LlamaConfig, _common(num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True, hidden_size=96)),
+}
+
+
+def build_hf_model(family: str, seed: int = 0):
+    cls, kw = FAMILIES[family]
+    config = cls(**kw)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 * (2.0 if "embed" in name or "lm_head" in name else 1.0))
+    return model
+
+
+def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A real byte-level BPE tokenizer (no merges): one token per byte, plus <pad> <s> </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(alphabet)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token=None
+    )
+    fast.add_special_tokens({"additional_special_tokens": []})
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_hf_model(family: str, directory: Path, seed: int = 0, max_shard_size: str | None = None):
+    """Saves model (safetensors, config.json) and the byte tokenizer into directory."""
+    model = build_hf_model(family, seed)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kwargs)
+    byte_tokenizer().save_pretrained(directory)
+    return model
