@@ -13,54 +13,54 @@ from jaxinfer.batch import RaggedBatch
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 
-def kv_slots(batch: RaggedBatch, page_size: int, scratch_page: int) -> jax.Array:
-    """Slot of each token in one layer's page pool (page * page_size + offset) [T].
+def kv_write_locations(batch: RaggedBatch, page_size: int, scratch_page: int) -> tuple[jax.Array, jax.Array]:
+    """(page, offset) [T] each: where each token's K/V goes in one layer's page pool.
 
-    Padding tokens (past the last real sequence) get slots in the scratch page.
+    Padding tokens (past the last real sequence) go to the scratch page.
     """
     T = batch.token_ids.shape[0]
     S = batch.kv_lens.shape[0]
     t = jnp.arange(T)
-    num_real_tokens = batch.cu_q_lens[batch.num_seqs[0]]
+    is_real = t < batch.cu_q_lens[batch.num_seqs[0]]
     seq = jnp.minimum(jnp.searchsorted(batch.cu_q_lens[1:], t, side="right"), S - 1)  # [T]
-    page = batch.page_table[seq, batch.positions // page_size]
-    slot = page * page_size + batch.positions % page_size
-    return jnp.where(t < num_real_tokens, slot, scratch_page * page_size + t % page_size)
+    page = jnp.where(is_real, batch.page_table[seq, batch.positions // page_size], scratch_page)
+    offset = jnp.where(is_real, batch.positions % page_size, t % page_size)
+    return page, offset
 
 
 def write_kv_and_attend(
     q: jax.Array,  # [T, Hq, D]
     k: jax.Array,  # [T, Hkv, D]
     v: jax.Array,  # [T, Hkv, D]
-    k_cache: jax.Array,  # [L, P, page_size, Hkv, D], all layers
-    v_cache: jax.Array,
-    layer: jax.Array,  # scalar int
-    slots: jax.Array,  # [T] from kv_slots
+    k_pages: jax.Array,  # [L * P, page_size, Hkv, D]: every layer's pages in one pool
+    v_pages: jax.Array,
+    layer_page_offset: jax.Array,  # scalar: layer * P, where this layer's pages start
+    write_page: jax.Array,  # [T] from kv_write_locations
+    write_offset: jax.Array,  # [T]
     batch: RaggedBatch,
     *,
     sm_scale: float,
     sliding_window: int | None,
     query_block: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Returns (attention output [T, Hq, D], k_cache, v_cache)."""
-    L, P, page_size, Hkv, D = k_cache.shape
-    # Fold the layer axis into the page axis: layer l's page p is page l * P + p of one pool.
-    flat_slots = layer * (P * page_size) + slots
-    k_cache = k_cache.reshape(L * P * page_size, Hkv, D).at[flat_slots].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.reshape(L * P * page_size, Hkv, D).at[flat_slots].set(v.astype(v_cache.dtype))
-    k_cache = k_cache.reshape(L * P, page_size, Hkv, D)
-    v_cache = v_cache.reshape(L * P, page_size, Hkv, D)
+    """Returns (attention output [T, Hq, D], k_pages, v_pages).
+
+    The caches keep one shape from the write to the read (and through the layer loop), so XLA
+    updates them in place; mixing shapes of one buffer makes it copy the whole pool.
+    """
+    pages = layer_page_offset + write_page
+    k_pages = k_pages.at[pages, write_offset].set(k.astype(k_pages.dtype))
+    v_pages = v_pages.at[pages, write_offset].set(v.astype(v_pages.dtype))
     out = ragged_paged_attention(
         q,
-        k_cache,
-        v_cache,
+        k_pages,
+        v_pages,
         batch.kv_lens,
-        batch.page_table + layer * P,
+        batch.page_table + layer_page_offset,
         batch.cu_q_lens,
         batch.num_seqs,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         num_queries_per_block=query_block,
     )
-    shape = (L, P, page_size, Hkv, D)
-    return out, k_cache.reshape(shape), v_cache.reshape(shape)
+    return out, k_pages, v_pages

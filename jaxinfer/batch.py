@@ -63,15 +63,20 @@ class BucketKey:
 class Buckets:
     """The fixed set of padded shapes.
 
-    token_buckets: allowed padded token counts T (sorted). The sequence count is padded to
-    min(T, max_num_seqs); logits rows to that too, unless a batch needs more rows (prompt
-    logprobs), then to the next token bucket.
+    token_buckets: allowed padded token counts T (sorted). The padded sequence count S follows
+    from T: a decode-only batch has S = T; a batch with prefill chunks has S = T / 4 (the
+    attention reference does work per sequence slot, so S stays small), except the largest
+    bucket, which holds max_num_seqs sequences so that every batch fits somewhere. Both are
+    capped at max_num_seqs. A batch takes the smallest bucket that holds its tokens and its
+    sequences. Logits rows are padded to S, unless a batch needs more rows (prompt logprobs),
+    then to the next token bucket.
     """
 
     token_buckets: tuple[int, ...]
     max_num_seqs: int
     pages_per_seq: int
     prefill_query_block: int = 8
+    prefill_tokens_per_seq: int = 4
 
     @staticmethod
     def default(max_num_batched_tokens: int, max_num_seqs: int, pages_per_seq: int) -> "Buckets":
@@ -86,6 +91,11 @@ class Buckets:
     def max_tokens(self) -> int:
         return self.token_buckets[-1]
 
+    def seqs_for(self, num_tokens_bucket: int, decode_only: bool) -> int:
+        if decode_only or num_tokens_bucket == self.max_tokens:
+            return min(num_tokens_bucket, self.max_num_seqs)
+        return min(self.max_num_seqs, max(1, num_tokens_bucket // self.prefill_tokens_per_seq))
+
     def round_up(self, n: int) -> int:
         i = bisect.bisect_left(self.token_buckets, n)
         if i == len(self.token_buckets):
@@ -93,22 +103,24 @@ class Buckets:
         return self.token_buckets[i]
 
     def key_for(self, num_tokens: int, num_seqs: int, num_logits: int) -> BucketKey:
-        T = self.round_up(max(num_tokens, 1))
-        S = min(T, self.max_num_seqs)
-        if num_seqs > S:
+        if num_seqs > self.max_num_seqs:
             raise ValueError(f"{num_seqs} sequences exceed max_num_seqs={self.max_num_seqs}")
-        R = S if num_logits <= S else self.round_up(num_logits)
         decode_only = num_tokens == num_seqs
+        T = self.round_up(max(num_tokens, 1))
+        while num_seqs > self.seqs_for(T, decode_only):
+            T = self.round_up(T + 1)
+        S = self.seqs_for(T, decode_only)
+        R = S if num_logits <= S else self.round_up(num_logits)
         return BucketKey(T, S, R, 1 if decode_only else self.prefill_query_block)
 
     def all_keys(self) -> list[BucketKey]:
         """Every variant the engine may compile for batches without prompt logprobs (for warm-up)."""
         keys = []
         for T in self.token_buckets:
-            S = min(T, self.max_num_seqs)
             if T <= self.max_num_seqs:
-                keys.append(BucketKey(T, S, S, 1))
+                keys.append(BucketKey(T, T, T, 1))
             if T > 1:
+                S = self.seqs_for(T, decode_only=False)
                 keys.append(BucketKey(T, S, S, self.prefill_query_block))
         return keys
 

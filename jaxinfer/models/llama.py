@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.attention import kv_slots, write_kv_and_attend
+from jaxinfer.attention import kv_write_locations, write_kv_and_attend
 from jaxinfer.batch import RaggedBatch
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import SCRATCH_PAGE, KVCache
@@ -100,14 +100,18 @@ class LlamaForCausalLM(nnx.Module):
         page_size = kv.page_size
 
         x = self.embed[...][batch.token_ids].astype(self.compute_dtype)  # [T, H]
-        slots = kv_slots(batch, page_size, SCRATCH_PAGE)  # [T]
+        write_page, write_offset = kv_write_locations(batch, page_size, SCRATCH_PAGE)  # [T] each
         seq_of_token = jnp.minimum(jnp.searchsorted(batch.cu_q_lens[1:], jnp.arange(T), side="right"), S - 1)
         cos, sin = rope_cos_sin(c, batch.positions, batch.kv_lens[seq_of_token])  # [T, D] each
         stacked = self.layers.stacked()
         sm_scale = float(c.head_dim) ** -0.5
 
+        # Fold the layer axis into the page axis: layer i's page p is page i * P + p of one pool.
+        L, num_pages = kv.k.shape[:2]
+        pool_shape = (L * num_pages,) + kv.k.shape[2:]  # [L * P, page_size, Hkv, D]
+
         def layer(i, carry):
-            x, k_cache, v_cache = carry
+            x, k_pages, v_pages = carry
             w = {name: a[i] for name, a in stacked.items()}
             h = rms_norm(x, w["attn_norm"], c.rms_norm_eps)
             q = linear(h, w["q_proj"], w.get("q_bias")).reshape(T, c.num_heads, c.head_dim)
@@ -117,8 +121,8 @@ class LlamaForCausalLM(nnx.Module):
                 q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
                 k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            attn, k_cache, v_cache = write_kv_and_attend(
-                q, k, v, k_cache, v_cache, i, slots, batch,
+            attn, k_pages, v_pages = write_kv_and_attend(
+                q, k, v, k_pages, v_pages, i * num_pages, write_page, write_offset, batch,
                 sm_scale=sm_scale, sliding_window=c.sliding_window, query_block=query_block,
             )
             x = x + linear(attn.reshape(T, c.num_heads * c.head_dim), w["o_proj"], w.get("o_bias"))
@@ -126,9 +130,11 @@ class LlamaForCausalLM(nnx.Module):
             x = x + swiglu_mlp(
                 h, w["gate_proj"], w["up_proj"], w["down_proj"], w.get("gate_bias"), w.get("up_bias"), w.get("down_bias")
             )
-            return x, k_cache, v_cache
+            return x, k_pages, v_pages
 
-        x, k_cache, v_cache = jax.lax.fori_loop(0, c.num_layers, layer, (x, kv.k, kv.v))
+        x, k_pages, v_pages = jax.lax.fori_loop(
+            0, c.num_layers, layer, (x, kv.k.reshape(pool_shape), kv.v.reshape(pool_shape))
+        )
         h = rms_norm(x[batch.logits_indices], self.final_norm[...], c.rms_norm_eps)  # [R, H]
         if c.tie_word_embeddings:
             embed = self.embed[...]
@@ -136,7 +142,7 @@ class LlamaForCausalLM(nnx.Module):
         else:
             lm_head = self.lm_head[...]
             logits = jnp.dot(h.astype(lm_head.dtype), lm_head, preferred_element_type=jnp.float32)
-        return logits, KVCache(k=k_cache, v=v_cache)
+        return logits, KVCache(k=k_pages.reshape(kv.k.shape), v=v_pages.reshape(kv.v.shape))
 
 
 def flat_to_nested(flat: dict[str, np.ndarray]) -> dict:

@@ -1,0 +1,40 @@
+"""checkpoints_conv: read HF safetensors and GGUF checkpoints into jaxinfer's parameter layout,
+and save/restore converted parameters with orbax.
+
+Knows HF config dicts and tensor names, never the engine: the caller passes the parameter spec.
+
+    config = read_checkpoint_config(path)              # HF model dir or .gguf file
+    tensors = iter_checkpoint_tensors(path, config)    # (hf_name, array), one at a time
+    params = load_params(tensors, spec, model_type=config["model_type"], source=str(path))
+    save_params(out_dir, nested_params); restore_params(out_dir, abstract_tree)
+"""
+
+from checkpoints_conv.errors import CheckpointError
+from checkpoints_conv.gguf_io import SUPPORTED_TYPES as SUPPORTED_GGUF_TYPES
+from checkpoints_conv.gguf_io import iter_gguf_tensors, read_gguf_config, unpermute_qk
+from checkpoints_conv.hf import iter_safetensors, read_hf_config
+from checkpoints_conv.loader import load_params
+from checkpoints_conv.name_maps import HF_NAME_MAPS, GGUF_ARCHS, Target, map_hf_name
+from checkpoints_conv.orbax_io import restore_params, save_params, saved_param_shapes
+from checkpoints_conv.source import is_gguf, iter_checkpoint_tensors, read_checkpoint_config
+
+__all__ = [
+    "CheckpointError",
+    "GGUF_ARCHS",
+    "HF_NAME_MAPS",
+    "SUPPORTED_GGUF_TYPES",
+    "Target",
+    "is_gguf",
+    "iter_checkpoint_tensors",
+    "iter_gguf_tensors",
+    "iter_safetensors",
+    "load_params",
+    "map_hf_name",
+    "read_checkpoint_config",
+    "read_gguf_config",
+    "read_hf_config",
+    "restore_params",
+    "save_params",
+    "saved_param_shapes",
+    "unpermute_qk",
+]

@@ -1,0 +1,181 @@
+"""Read GGUF files (llama.cpp): an HF-style config dict and HF-named float32 tensors.
+
+Named `gguf_io` so it never shadows the `gguf` package it uses. The header is parsed by
+`gguf_file`; dequantization is `gguf.quants.dequantize`.
+
+GGUF stores a [out, in] matrix with dims (in, out); `gguf_file` reverses them, so the
+arrays here already have HF's layout ([out, in] for linear weights, [V, H] for token_embd).
+llama.cpp's converter permuted the rows of attn_q / attn_k of llama-arch models (interleaved
+rotary pairs); `unpermute_qk` undoes that, as transformers' GGUF loader does, so the tensors equal
+the original HF ones up to quantization error.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from checkpoints_conv.errors import CheckpointError
+from checkpoints_conv.gguf_file import GgufHeader, GgufTensorInfo, read_gguf_header, read_tensor_bytes
+from checkpoints_conv.name_maps import GgufArch, gguf_arch
+
+Q = GGMLQuantizationType
+SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+
+# llama.cpp writes llama3-style rope scaling as per-dimension factors in this tensor; it is not a
+# model parameter and has no HF config equivalent here (transformers' GGUF loader drops it too).
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+
+
+def _f32(value: float) -> float:
+    """A float32 metadata value as the shortest decimal that round-trips (1e-05, not 9.99999974e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _architecture(header: GgufHeader) -> tuple[str, GgufArch]:
+    arch_name = header.metadata.get("general.architecture")
+    if arch_name is None:
+        raise CheckpointError(f"{header.path}: GGUF metadata has no general.architecture")
+    return arch_name, gguf_arch(arch_name, source=str(header.path))
+
+
+def _rope_parameters(meta: dict, arch_name: str) -> dict:
+    """HF `rope_parameters` from `{arch}.rope.freq_base` and `{arch}.rope.scaling.*`."""
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": _f32(meta.get(f"{arch_name}.rope.freq_base", 10000.0))}
+    scaling_type = meta.get(f"{arch_name}.rope.scaling.type")
+    if scaling_type and scaling_type != "none":
+        params["rope_type"] = scaling_type
+        renames = {
+            "factor": ("factor", _f32),
+            "original_context_length": ("original_max_position_embeddings", int),
+            "attn_factor": ("attention_factor", _f32),
+            "yarn_beta_fast": ("beta_fast", _f32),
+            "yarn_beta_slow": ("beta_slow", _f32),
+        }
+        for gguf_key, (hf_key, convert) in renames.items():
+            value = meta.get(f"{arch_name}.rope.scaling.{gguf_key}")
+            if value is not None:
+                params[hf_key] = convert(value)
+    return params
+
+
+def read_gguf_config(path: str | Path) -> dict:
+    """An HF config.json-style dict from the metadata of the GGUF file at `path`.
+
+    Keys: model_type, hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+    head_dim, intermediate_size, vocab_size, rms_norm_eps, rope_parameters {rope_type, rope_theta,
+    ...}, max_position_embeddings, tie_word_embeddings, bos_token_id, eos_token_id (the last two
+    only when the file has them). Unknown general.architecture -> CheckpointError naming it.
+    """
+    header = read_gguf_header(path)
+    meta = header.metadata
+    arch_name, arch = _architecture(header)
+
+    def need(key: str) -> Any:
+        value = meta.get(f"{arch_name}.{key}")
+        if value is None:
+            raise CheckpointError(f"{header.path}: GGUF metadata lacks {arch_name}.{key}")
+        return value
+
+    hidden, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = meta.get(f"{arch_name}.attention.key_length") or meta.get(f"{arch_name}.rope.dimension_count")
+    tensor_names = {t.name for t in header.tensors}
+    config: dict[str, Any] = {
+        "model_type": arch.model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(meta.get(f"{arch_name}.attention.head_count_kv", n_heads)),
+        "head_dim": int(head_dim) if head_dim else hidden // n_heads,
+        "intermediate_size": int(need("feed_forward_length")),
+        "vocab_size": _vocab_size(header, arch_name),
+        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
+        "rope_parameters": _rope_parameters(meta, arch_name),
+        "max_position_embeddings": int(need("context_length")),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    for key in ("bos_token_id", "eos_token_id"):
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            config[key] = int(value)
+    if ROPE_FREQS_TENSOR in tensor_names:
+        warnings.warn(
+            f"{header.path}: has {ROPE_FREQS_TENSOR} (llama3-style per-dimension rope factors); they are "
+            "not carried into rope_parameters and the tensor is skipped",
+            stacklevel=2,
+        )
+    return config
+
+
+def _vocab_size(header: GgufHeader, arch_name: str) -> int:
+    """`{arch}.vocab_size`, else the number of `tokenizer.ggml.tokens`, else token_embd's rows."""
+    value = header.metadata.get(f"{arch_name}.vocab_size")
+    if value is not None:
+        return int(value)
+    tokens = header.metadata.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens)
+    for tensor in header.tensors:
+        if tensor.name == "token_embd.weight":
+            return int(tensor.shape[0])
+    raise CheckpointError(f"{header.path}: cannot tell the vocabulary size (no vocab_size, tokens or token_embd)")
+
+
+def unpermute_qk(weight: np.ndarray, n_heads: int, name: str = "") -> np.ndarray:
+    """Undo llama.cpp's rotary row permutation of a q/k projection.
+
+    `weight` is [n_heads*D, ...] (a [out, in] weight or an [out] bias). Within each head llama.cpp
+    stored rows in interleaved pair order (0, D/2, 1, D/2+1, ...); this restores HF's half-split
+    order (0, 1, ..., D-1). `n_heads` is num_attention_heads for q, num_key_value_heads for k.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * n_heads):
+        raise CheckpointError(f"GGUF tensor {name!r}: {rows} rows do not split into {n_heads} heads of even size")
+    half = rows // n_heads // 2
+    return weight.reshape(n_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def iter_gguf_tensors(path: str | Path, config: dict) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield `(hf_name, float32 array)` for each tensor of the GGUF file, read and dequantized one
+    at a time.
+
+    Arrays have HF's layout ([out, in] for linear weights). `config` is the dict read_gguf_config
+    returned (its head counts undo the llama Q/K permutation). A tensor whose name has no HF
+    equivalent is yielded under its GGUF name, for the loader to report as unexpected. A type
+    outside SUPPORTED_TYPES raises CheckpointError naming the tensor and the type.
+    """
+    header = read_gguf_header(path)
+    _, arch = _architecture(header)
+    q_heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads", q_heads))
+    for info in header.tensors:
+        if info.name == ROPE_FREQS_TENSOR:
+            continue
+        hf_name = arch.hf_name(info.name)
+        array = _dequantize(header.path, info)
+        if arch.permuted_qk and hf_name is not None:
+            if ".self_attn.q_proj." in hf_name:
+                array = unpermute_qk(array, q_heads, info.name)
+            elif ".self_attn.k_proj." in hf_name:
+                array = unpermute_qk(array, kv_heads, info.name)
+        yield (hf_name or info.name), array
+
+
+def _dequantize(path: Path, info: GgufTensorInfo) -> np.ndarray:
+    """The tensor as float32 with its logical shape `info.shape`."""
+    if info.ggml_type not in SUPPORTED_TYPES:
+        supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+        raise CheckpointError(
+            f"{path}: tensor {info.name!r} has GGUF type {info.type_name}, which is not supported (supported: {supported})"
+        )
+    raw = read_tensor_bytes(path, info)
+    try:
+        array = dequantize(raw, info.ggml_type)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: cannot dequantize tensor {info.name!r} ({info.type_name}): {e}") from e
+    return np.asarray(array, dtype=np.float32).reshape(info.shape)

