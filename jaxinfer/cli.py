@@ -86,7 +86,7 @@ def cmd_convert(args) -> int:
     config = read_config(source)
     dtype = _dtype(args.dtype, "dtype")
     _, state = load_params(source, config, dtype, dtype)
-    dst = save_converted(args.dst, config, state, load_tokenizer(source))
+    dst = save_converted(args.dst, config, state, load_tokenizer(source), overwrite=args.overwrite)
     print(f"wrote {dst} ({config.model_type}, {config.num_layers} layers, {dtype.__name__})")
     return 0
 
@@ -113,12 +113,13 @@ def main(argv=None) -> int:
     v.add_argument("src")
     v.add_argument("dst")
     v.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    v.add_argument("--overwrite", action="store_true", help="replace an existing converted folder")
     v.set_defaults(func=cmd_convert)
 
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)
         return 1
 

@@ -99,7 +99,7 @@ def load_params(
     graphdef, state = abstract_model(config, param_dtype, compute_dtype)
     if source.kind == "orbax":
         abstract = state.to_pure_dict()
-        restored = checkpoints_conv.restore_params(source.path / "params", abstract)
+        restored = checkpoints_conv.restore_params(source.path / "params", abstract, allow_cast=True)
         nnx.replace_by_pure_dict(state, restored)
         return graphdef, state
     if source.kind == "gguf":
@@ -114,14 +114,14 @@ def load_params(
     return graphdef, state
 
 
-def save_converted(dst: str | os.PathLike, config: ModelConfig, state: nnx.State, tokenizer) -> Path:
+def save_converted(dst: str | os.PathLike, config: ModelConfig, state: nnx.State, tokenizer, *, overwrite: bool = False) -> Path:
     """Writes a folder `LLM(model=dst)` loads: config.json, orbax params, tokenizer, marker."""
     dst = Path(dst).expanduser().absolute()
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
     flat = nested_to_flat(state.to_pure_dict())
     dtypes = sorted({str(a.dtype) for a in flat.values()})
-    checkpoints_conv.save_params(dst / "params", state.to_pure_dict())
+    checkpoints_conv.save_params(dst / "params", state.to_pure_dict(), overwrite=overwrite)
     tokenizer.save_pretrained(dst)
     (dst / CONVERTED_MARKER).write_text(json.dumps({"format": "jaxinfer-orbax-v1", "param_dtypes": dtypes}, indent=2))
     return dst

@@ -49,12 +49,14 @@ class RowResult:
 
 class ModelRunner:
     def __init__(self, graphdef, params, kv: KVCache, buckets: Buckets, *, num_top_logprobs: int = 20):
+        self.graphdef = graphdef
         self.params = params
         self.kv = kv
         self.buckets = buckets
         self.num_top_logprobs = num_top_logprobs
         self.step_fn = StepFunction(graphdef, num_top_logprobs)
         self.compile_seconds: dict[BucketKey, float] = {}
+        self.keys_seen: set[BucketKey] = set()  # bucket variants executed so far
 
     @property
     def num_compiles(self) -> int:
@@ -64,6 +66,7 @@ class ModelRunner:
         """Runs one step. Returns, per scheduled chunk, one RowResult per requested logits row."""
         key, batch, rows_of_chunk = pack_batch([s.chunk for s in scheduled], self.buckets, self.kv.page_size)
         sampling = self._sampling_tensors(key, scheduled, rows_of_chunk)
+        self.keys_seen.add(key)
         compiles_before = self.step_fn.num_compiles
         t0 = time.perf_counter()
         out, self.kv = self.step_fn(self.params, self.kv, batch, sampling, query_block=key.query_block)

@@ -1,0 +1,178 @@
+"""The public API (`LLM`, `SamplingParams`, `RequestOutput`) on a tiny random model with a real tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from jaxinfer import LLM, SamplingParams
+from tiny_models import save_hf_model
+
+ENGINE_ARGS = dict(max_model_len=96, page_size=4, num_pages=200, max_num_batched_tokens=32, max_num_seqs=8, progress=False)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    hf = save_hf_model("smollm2", directory)
+    return directory, hf
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(str(model_dir[0]), **ENGINE_ARGS)
+
+
+def hf_logprobs(hf, ids) -> np.ndarray:
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1).numpy()
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def test_prompt_forms_give_the_same_output(llm):
+    ids = llm.get_tokenizer().encode("hello there")
+    a, b, c = llm.generate(["hello there", ids, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    assert a.prompt == "hello there" and a.prompt_token_ids == ids
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+    assert len(a.outputs[0].token_ids) == 6 and a.outputs[0].finish_reason == "length"
+    assert a.outputs[0].text == llm.get_tokenizer().decode(a.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_greedy_tokens_and_logprobs_match_transformers(llm, model_dir):
+    _, hf = model_dir
+    ids = llm.get_tokenizer().encode("the paged cache")
+    out = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3, prompt_logprobs=2), use_tqdm=False)[0]
+    gen = out.outputs[0].token_ids
+    truth = hf_logprobs(hf, ids + gen)
+    for i, tok in enumerate(gen):
+        row = truth[len(ids) - 1 + i]
+        assert tok == int(np.argmax(row))  # greedy = HF's argmax
+        entry = out.outputs[0].logprobs[i]
+        assert list(entry)[0] == tok and entry[tok].rank == 1
+        assert abs(entry[tok].logprob - row[tok]) < 1e-4
+        assert len(entry) == 3  # the sampled token is the top-1, plus two more of the top 3
+    assert abs(out.outputs[0].cumulative_logprob - sum(truth[len(ids) - 1 + i][t] for i, t in enumerate(gen))) < 1e-3
+    # prompt logprobs: None for the first token, then the logprob of each actual prompt token
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for pos in range(1, len(ids)):
+        entry = out.prompt_logprobs[pos]
+        assert abs(entry[ids[pos]].logprob - truth[pos - 1][ids[pos]]) < 1e-4
+        assert len(entry) <= 3
+
+
+def test_seeded_sampling_reproduces_whatever_shares_the_batch(llm):
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=8, ignore_eos=True)
+    alone = llm.generate("a seeded request", p, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = llm.generate(
+        ["other prompt one", "a seeded request", "x" * 40],
+        [SamplingParams(temperature=0.7, max_tokens=12), p, SamplingParams(temperature=0.0, max_tokens=3)],
+        use_tqdm=False,
+    )[1].outputs[0].token_ids
+    assert alone == crowd
+    other_seed = llm.generate("a seeded request", SamplingParams(**{**p.__dict__, "seed": 99}), use_tqdm=False)[0]
+    assert other_seed.outputs[0].token_ids != alone
+
+
+def test_n_completions(llm):
+    out = llm.generate("abc", SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # different samples
+    greedy = llm.generate("abc", SamplingParams(n=2, temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+
+
+def test_stop_conditions(llm):
+    base = llm.generate("stop here", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    third = base.token_ids[2]
+    by_id = llm.generate("stop here", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, stop_token_ids=[third]), use_tqdm=False)[0].outputs[0]
+    assert by_id.token_ids == base.token_ids[: base.token_ids.index(third) + 1]
+    assert by_id.finish_reason == "stop" and by_id.stop_reason == third
+    text = base.text
+    stop = text[-1]  # a character the greedy continuation produces
+    by_str = llm.generate("stop here", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert by_str.finish_reason == "stop" and by_str.stop_reason == stop
+    assert by_str.text == text[: text.index(stop)]
+    with_stop = llm.generate("stop here", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, stop=stop, include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert with_stop.text == text[: text.index(stop) + 1]
+
+
+def test_eos_ends_generation_unless_ignored(llm):
+    tokens = llm.generate("zz", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    saved = llm.driver.eos_token_ids
+    llm.driver.eos_token_ids = {tokens[2]}  # pretend the third greedy token is the model's EOS
+    try:
+        out = llm.generate("zz", SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0].outputs[0]
+        ignored = llm.generate("zz", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.driver.eos_token_ids = saved
+    assert out.token_ids == tokens[: tokens.index(tokens[2]) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    assert ignored.token_ids == tokens and ignored.finish_reason == "length"
+
+
+def test_chat_applies_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
+    assert out.prompt == "<s>user\nhi</s>\n<s>assistant\n"
+    assert len(out.outputs[0].token_ids) == 6
+
+
+# ----------------------------------------------------------------------------- buckets
+def test_ten_prompt_lengths_compile_no_more_variants_than_buckets(model_dir):
+    llm = LLM(str(model_dir[0]), **ENGINE_ARGS)
+    for n in [1, 2, 3, 5, 8, 13, 21, 30, 47, 70]:  # one at a time: each prefill picks its own bucket
+        llm.generate([[5 + i % 200 for i in range(n)]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert llm.runner.num_compiles == len(llm.runner.keys_seen)  # every bucket compiled exactly once
+    assert llm.runner.num_compiles <= len(llm.buckets.all_keys())
+
+
+def test_nothing_compiles_after_warmup(model_dir):
+    llm = LLM(str(model_dir[0]), warmup=True, **ENGINE_ARGS)
+    assert llm.runner.num_compiles == len(llm.buckets.all_keys())
+    prompts = [[7] * n for n in (4, 9, 17, 33, 60, 2, 1)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    llm.generate(prompts[::-1], [SamplingParams(temperature=0.8, top_p=0.5, seed=i, max_tokens=1 + i) for i in range(7)], use_tqdm=False)
+    assert llm.runner.num_compiles == len(llm.buckets.all_keys())
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "field,value",
+    [("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("n", 0), ("top_k", -2), ("max_tokens", 0),
+     ("logprobs", -1), ("prompt_logprobs", -3), ("stop_token_ids", [-1]), ("stop", [""]), ("seed", "7")],
+)
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
+        SamplingParams(**{field: value})
+
+
+def test_empty_prompt_is_rejected_by_index(llm):
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        llm.generate(["fine", ""], GREEDY, use_tqdm=False)
+
+
+def test_prompt_over_max_model_len_is_rejected_by_index(llm):
+    with pytest.raises(ValueError, match=r"prompt 0 has 120 tokens, over max_model_len=96"):
+        llm.generate([[5] * 120, [5] * 3], GREEDY, use_tqdm=False)
+    # the engine is still fine afterwards
+    assert len(llm.generate([[5] * 3], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 6
+
+
+def test_token_id_outside_vocabulary_is_rejected(llm):
+    with pytest.raises(ValueError, match="token id 100000 outside the vocabulary"):
+        llm.generate([[1, 100000]], GREEDY, use_tqdm=False)
+
+
+def test_unknown_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="unknown architecture.*gpt2"):
+        LLM(str(tmp_path), progress=False)
+
+
+def test_missing_model_path_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        LLM(str(tmp_path / "nowhere"), progress=False)

