@@ -63,24 +63,38 @@ class BucketKey:
 class Buckets:
     """The fixed set of padded shapes.
 
-    token_buckets: allowed padded token counts T (sorted). The padded sequence count S follows
-    from T: a decode-only batch has S = T; a batch with prefill chunks has S = T / 4 (the
-    attention reference does work per sequence slot, so S stays small), except the largest
-    bucket, which holds max_num_seqs sequences so that every batch fits somewhere. Both are
-    capped at max_num_seqs. A batch takes the smallest bucket that holds its tokens and its
-    sequences. Logits rows are padded to S, unless a batch needs more rows (prompt logprobs),
-    then to the next token bucket.
+    token_buckets: allowed padded token counts T (sorted). Each T comes in up to three kinds, told
+    apart by the padded sequence count S and the attention query-block size (how many queries of
+    one sequence share a gather of its pages):
+
+    - decode:  every sequence contributes one token; S = T, query blocks of 1;
+    - prefill: at most `few_seqs` sequences (a long prompt, maybe with a few decodes); S =
+               few_seqs, query blocks of `prefill_query_block` (large: few blocks, big matmuls);
+    - mixed:   anything else; S = T / 4 (the largest bucket: max_num_seqs, so that every batch
+               fits somewhere), query blocks of `mixed_query_block` (small: the many decodes
+               in such a batch each take a whole block).
+
+    S is capped at max_num_seqs. A batch takes the smallest T that holds its tokens and
+    sequences. Logits rows are padded to S, unless a batch needs more (prompt logprobs), then to
+    the next token bucket.
     """
 
     token_buckets: tuple[int, ...]
     max_num_seqs: int
     pages_per_seq: int
-    prefill_query_block: int = 8
-    prefill_tokens_per_seq: int = 4
+    few_seqs: int = 4
+    prefill_query_block: int = 64
+    mixed_query_block: int = 8
 
     @staticmethod
     def default(max_num_batched_tokens: int, max_num_seqs: int, pages_per_seq: int) -> "Buckets":
-        sizes, t = [], 1
+        """Token buckets 2, 4, 8, ... up to max_num_batched_tokens.
+
+        There is no 1-token bucket: with one token, XLA:CPU turned the KV scatter into a
+        dynamic-update-slice and copied the whole page pool each layer (seen with small
+        max_model_len); one padding token avoids that at no measurable cost.
+        """
+        sizes, t = [], 2
         while t < max_num_batched_tokens:
             sizes.append(t)
             t *= 2
@@ -91,37 +105,42 @@ class Buckets:
     def max_tokens(self) -> int:
         return self.token_buckets[-1]
 
-    def seqs_for(self, num_tokens_bucket: int, decode_only: bool) -> int:
-        if decode_only or num_tokens_bucket == self.max_tokens:
-            return min(num_tokens_bucket, self.max_num_seqs)
-        return min(self.max_num_seqs, max(1, num_tokens_bucket // self.prefill_tokens_per_seq))
-
     def round_up(self, n: int) -> int:
         i = bisect.bisect_left(self.token_buckets, n)
         if i == len(self.token_buckets):
             raise ValueError(f"{n} tokens exceed the largest bucket ({self.token_buckets[-1]})")
         return self.token_buckets[i]
 
+    def _kind(self, T: int, kind: str) -> tuple[int, int]:
+        """(S, query block) of a bucket kind at T tokens."""
+        if kind == "decode":
+            return min(T, self.max_num_seqs), 1
+        if kind == "prefill":
+            return min(self.few_seqs, T, self.max_num_seqs), min(self.prefill_query_block, T)
+        S = self.max_num_seqs if T == self.max_tokens else max(1, T // 4)
+        return min(S, T, self.max_num_seqs), self.mixed_query_block
+
     def key_for(self, num_tokens: int, num_seqs: int, num_logits: int) -> BucketKey:
         if num_seqs > self.max_num_seqs:
             raise ValueError(f"{num_seqs} sequences exceed max_num_seqs={self.max_num_seqs}")
-        decode_only = num_tokens == num_seqs
+        kind = "decode" if num_tokens == num_seqs else "prefill" if num_seqs <= self.few_seqs else "mixed"
         T = self.round_up(max(num_tokens, 1))
-        while num_seqs > self.seqs_for(T, decode_only):
+        while num_seqs > self._kind(T, kind)[0]:
             T = self.round_up(T + 1)
-        S = self.seqs_for(T, decode_only)
+        S, query_block = self._kind(T, kind)
         R = S if num_logits <= S else self.round_up(num_logits)
-        return BucketKey(T, S, R, 1 if decode_only else self.prefill_query_block)
+        return BucketKey(T, S, R, query_block)
 
     def all_keys(self) -> list[BucketKey]:
         """Every variant the engine may compile for batches without prompt logprobs (for warm-up)."""
         keys = []
         for T in self.token_buckets:
-            if T <= self.max_num_seqs:
-                keys.append(BucketKey(T, T, T, 1))
-            if T > 1:
-                S = self.seqs_for(T, decode_only=False)
-                keys.append(BucketKey(T, S, S, self.prefill_query_block))
+            kinds = (["decode"] if T <= self.max_num_seqs else []) + (["prefill", "mixed"] if T > 1 else [])
+            for kind in kinds:
+                S, qb = self._kind(T, kind)
+                key = BucketKey(T, S, S, qb)
+                if key not in keys:
+                    keys.append(key)
         return keys
 
 

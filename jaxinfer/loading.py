@@ -102,10 +102,7 @@ def load_params(
         restored = checkpoints_conv.restore_params(source.path / "params", abstract, allow_cast=True)
         nnx.replace_by_pure_dict(state, restored)
         return graphdef, state
-    if source.kind == "gguf":
-        tensors = checkpoints_conv.iter_gguf_tensors(source.path, checkpoints_conv.read_gguf_config(source.path))
-    else:
-        tensors = checkpoints_conv.iter_safetensors(source.path)
+    tensors = checkpoints_conv.iter_checkpoint_tensors(source.path, checkpoints_conv.read_checkpoint_config(source.path))
     np_dtype = np.dtype(jnp.dtype(param_dtype))
     spec = {name: (shape, np_dtype) for name, shape in param_shapes(config).items()}
     flat = checkpoints_conv.load_params(tensors, spec, model_type=config.model_type, source=str(source.path), progress=progress)

@@ -121,6 +121,29 @@ def test_chat_applies_the_template(llm):
     assert len(out.outputs[0].token_ids) == 6
 
 
+def test_bfloat16_parameters_stay_close_to_float32(model_dir):
+    _, hf = model_dir
+    llm16 = LLM(str(model_dir[0]), dtype="bfloat16", **ENGINE_ARGS)
+    ids = llm16.get_tokenizer().encode("low precision weights")
+    out = llm16.generate(ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    truth = hf_logprobs(hf, ids)
+    errors = [abs(out.prompt_logprobs[i][ids[i]].logprob - truth[i - 1][ids[i]]) for i in range(1, len(ids))]
+    assert max(errors) < 0.1  # bf16 weights, f32 activations
+
+
+def test_cli_generate(model_dir, tmp_path, capsys):
+    from jaxinfer.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first prompt\nsecond prompt\n")
+    args = ["generate", "--model", str(model_dir[0]), "--max-tokens", "3", "--max-model-len", "64", "--prompts-file", str(prompts)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "### first prompt" in printed and "### second prompt" in printed
+    assert main(["generate", "--model", str(model_dir[0] / "missing"), "x"]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- buckets
 def test_ten_prompt_lengths_compile_no_more_variants_than_buckets(model_dir):
     llm = LLM(str(model_dir[0]), **ENGINE_ARGS)
@@ -137,6 +160,20 @@ def test_nothing_compiles_after_warmup(model_dir):
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     llm.generate(prompts[::-1], [SamplingParams(temperature=0.8, top_p=0.5, seed=i, max_tokens=1 + i) for i in range(7)], use_tqdm=False)
     assert llm.runner.num_compiles == len(llm.buckets.all_keys())
+
+
+def test_no_bucket_copies_the_kv_pool(model_dir):
+    """The cache is donated and updated in place: no compiled variant holds a pool-sized copy.
+    (A 1-token bucket with a short max_model_len used to copy the pool twice per layer.)"""
+    import re
+
+    llm = LLM(str(model_dir[0]), **{**ENGINE_ARGS, "max_model_len": 64, "max_num_batched_tokens": 16})
+    pool_elems = llm.runner.kv.k.size
+    for key in llm.buckets.all_keys():
+        hlo = llm.runner.compiled_hlo(key)
+        copies = [m for m in re.finditer(r"= \w+\[([\d,]+)\]\S* copy\(", hlo)
+                  if np.prod([int(d) for d in m.group(1).split(",")]) == pool_elems]
+        assert not copies, f"{key}: {len(copies)} whole-pool copies"
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -57,7 +57,10 @@ class PagePool:
         self.free = list(range(num_pages - 1, 0, -1))
 
     def allocate(self, n: int) -> list[int]:
-        pages, self.free = self.free[-n:] if n else [], self.free[:-n] if n else self.free
+        if n > len(self.free):
+            raise RuntimeError(f"asked for {n} pages, {len(self.free)} free")
+        split = len(self.free) - n
+        pages, self.free = self.free[split:], self.free[:split]
         return pages[::-1]
 
     def release(self, pages: list[int]) -> None:

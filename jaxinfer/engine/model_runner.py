@@ -98,24 +98,35 @@ class ModelRunner:
                 target_ids[rows] = p.target_ids
         return SamplingTensors(temperature, top_k, top_p, seed, counter, target_ids)
 
+    def _empty_inputs(self, key: BucketKey) -> tuple[RaggedBatch, SamplingTensors]:
+        """A batch of the key's shapes with no sequences in it (every token writes to scratch)."""
+        T, S, R = key.num_tokens, key.num_seqs, key.num_logits
+        batch = RaggedBatch(
+            token_ids=np.zeros(T, np.int32),
+            positions=np.zeros(T, np.int32),
+            cu_q_lens=np.zeros(S + 1, np.int32),
+            kv_lens=np.zeros(S, np.int32),
+            page_table=np.zeros((S, self.buckets.pages_per_seq), np.int32),
+            num_seqs=np.zeros(1, np.int32),
+            logits_indices=np.zeros(R, np.int32),
+        )
+        sampling = SamplingTensors(
+            np.zeros(R, np.float32), np.zeros(R, np.int32), np.ones(R, np.float32),
+            np.zeros(R, np.uint32), np.zeros(R, np.int32), np.full(R, -1, np.int32),
+        )
+        return batch, sampling
+
     def warmup(self, keys: Sequence[BucketKey] | None = None) -> None:
-        """Compiles the step for every bucket (or the given ones) with an empty batch."""
+        """Compiles the step for every bucket (or the given ones) by running an empty batch."""
         for key in keys or self.buckets.all_keys():
-            T, S, R = key.num_tokens, key.num_seqs, key.num_logits
-            batch = RaggedBatch(
-                token_ids=np.zeros(T, np.int32),
-                positions=np.zeros(T, np.int32),
-                cu_q_lens=np.zeros(S + 1, np.int32),
-                kv_lens=np.zeros(S, np.int32),
-                page_table=np.zeros((S, self.buckets.pages_per_seq), np.int32),
-                num_seqs=np.zeros(1, np.int32),
-                logits_indices=np.zeros(R, np.int32),
-            )
-            sampling = SamplingTensors(
-                np.zeros(R, np.float32), np.zeros(R, np.int32), np.ones(R, np.float32),
-                np.zeros(R, np.uint32), np.zeros(R, np.int32), np.full(R, -1, np.int32),
-            )
+            batch, sampling = self._empty_inputs(key)
             t0 = time.perf_counter()
             out, self.kv = self.step_fn(self.params, self.kv, batch, sampling, query_block=key.query_block)
             jax.block_until_ready(out.tokens)
             self.compile_seconds[key] = time.perf_counter() - t0
+
+    def compiled_hlo(self, key: BucketKey) -> str:
+        """The optimized HLO of one bucket's step (for inspection; compiles if needed)."""
+        batch, sampling = self._empty_inputs(key)
+        lowered = self.step_fn._step.lower(self.params, self.kv, batch, sampling, query_block=key.query_block)
+        return lowered.compile().as_text()
