@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -93,6 +94,12 @@ class LLM:
         self.param_dtype = _dtype(dtype, "dtype")
         self.compute_dtype = _dtype(compute_dtype, "compute_dtype") or (jnp.float32 if _on_cpu() else jnp.bfloat16)
         self.kv_cache_dtype = _dtype(kv_cache_dtype, "kv_cache_dtype") or self.compute_dtype
+        if _on_cpu() and self.param_dtype != jnp.float32:
+            warnings.warn(
+                f"dtype={jnp.dtype(self.param_dtype).name} on the CPU: XLA:CPU runs small-batch 16-bit matmuls "
+                "several times slower than float32 (scripts/bench_step.py shows it); use it to save memory, not time",
+                stacklevel=2,
+            )
 
         if max_model_len is None:
             max_model_len = config.max_position_embeddings

@@ -133,7 +133,7 @@ class SimpleDriver:
             end = seq.num_cached + n
             rows, targets = [], []
             if seq.params.prompt_logprobs is not None:
-                # row i predicts token end-of-row + 1; only rows whose next token is a prompt token
+                # row i scores the token after it, while that token is still part of the prompt
                 for i in range(n):
                     nxt = seq.num_cached + i + 1
                     if nxt < len(seq.prompt_token_ids):
