@@ -98,7 +98,7 @@ def load_params(
 ) -> tuple[nnx.GraphDef, nnx.State]:
     graphdef, state = abstract_model(config, param_dtype, compute_dtype)
     if source.kind == "orbax":
-        abstract = state.to_pure_dict()
+        abstract = nnx.to_pure_dict(state)
         restored = checkpoints_conv.restore_params(source.path / "params", abstract, allow_cast=True)
         nnx.replace_by_pure_dict(state, restored)
         return graphdef, state
@@ -116,9 +116,9 @@ def save_converted(dst: str | os.PathLike, config: ModelConfig, state: nnx.State
     dst = Path(dst).expanduser().absolute()
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
-    flat = nested_to_flat(state.to_pure_dict())
+    flat = nested_to_flat(nnx.to_pure_dict(state))
     dtypes = sorted({str(a.dtype) for a in flat.values()})
-    checkpoints_conv.save_params(dst / "params", state.to_pure_dict(), overwrite=overwrite)
+    checkpoints_conv.save_params(dst / "params", nnx.to_pure_dict(state), overwrite=overwrite)
     tokenizer.save_pretrained(dst)
     (dst / CONVERTED_MARKER).write_text(json.dumps({"format": "jaxinfer-orbax-v1", "param_dtypes": dtypes}, indent=2))
     return dst
