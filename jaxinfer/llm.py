@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.batch import Buckets
-from jaxinfer.engine.driver import SequenceState, SimpleDriver
+from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.loading import load_params, read_config, resolve_model
-from jaxinfer.outputs import CompletionOutput, RequestOutput
+from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import cache_root, load_tokenizer
 
@@ -64,6 +64,8 @@ class LLM:
         kv_cache_memory_bytes, 1 GiB unless given).
       max_num_batched_tokens / max_num_seqs: per-step token and sequence budgets; the token
         budget is also the largest shape bucket.
+      enable_prefix_caching: share the KV pages of common prompt prefixes (on by default).
+      log_stats_interval: seconds between engine stats lines on the "jaxinfer" logger (None: off).
       seed: seeds the per-request seeds of requests that give none.
       warmup: compile every shape bucket now rather than on first use.
     """
@@ -82,6 +84,8 @@ class LLM:
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 64,
         max_logprobs: int = 20,
+        enable_prefix_caching: bool = True,
+        log_stats_interval: float | None = None,
         seed: int = 0,
         warmup: bool = False,
         progress: bool = True,
@@ -125,19 +129,22 @@ class LLM:
         kv = KVCache.create(config, num_pages, page_size, self.kv_cache_dtype)
         self.buckets = Buckets.default(max_num_batched_tokens, max_num_seqs, pages_per_seq)
         self.runner = ModelRunner(graphdef, params, kv, self.buckets, num_top_logprobs=max_logprobs)
-        self.max_logprobs = max_logprobs
         eos = set(config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.driver = SimpleDriver(
+        self.engine = LLMEngine(
             self.runner,
-            eos_token_ids=sorted(eos),
-            detokenize=self._detokenize,
+            self.tokenizer,
+            vocab_size=config.vocab_size,
+            max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
+            eos_token_ids=sorted(eos),
+            max_logprobs=max_logprobs,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+            log_stats_interval=log_stats_interval,
         )
-        self._seed_rng = np.random.default_rng(seed)
-        self._request_counter = 0
         self.load_seconds = time.perf_counter() - t0
         if warmup:
             self.runner.warmup()
@@ -159,62 +166,70 @@ class LLM:
         `sampling_params` is one SamplingParams for all prompts or a list with one per prompt.
         Every prompt is checked before any work starts; a bad one raises ValueError naming it.
         """
-        texts, token_lists = self._normalize_prompts(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(token_lists)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(token_lists):
-                raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
-        for i, (ids, p) in enumerate(zip(token_lists, params)):
-            self._validate(i, ids, p)
-
-        seqs: list[SequenceState] = []
-        for i, (ids, p) in enumerate(zip(token_lists, params)):
-            base_seed = p.seed if p.seed is not None else int(self._seed_rng.integers(0, 2**31))
-            limit = self.max_model_len if p.max_tokens is None else min(self.max_model_len, len(ids) + p.max_tokens)
-            for j in range(p.n):
-                seed = base_seed if j == 0 else int(np.random.SeedSequence([base_seed, j]).generate_state(1)[0] >> 1)
-                seqs.append(SequenceState(i, j, list(ids), p, seed, limit))
-
+        prompts, params = self._pair(prompts, sampling_params)
+        request_ids = self._add_requests(prompts, params)
+        finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(seqs), desc="Generating", unit="seq", leave=False)
-        self.driver.run(seqs, on_finish=(lambda s: bar.update(1)) if bar else (lambda s: None))
+            bar = tqdm(total=len(request_ids), desc="Generating", unit="req", leave=False)
+        while len(finished) < len(request_ids):
+            for out in self.engine.step():
+                if out.finished and out.request_id in request_ids:
+                    finished[out.request_id] = out
+                    if bar:
+                        bar.update(1)
         if bar:
             bar.close()
+        return [finished[r] for r in request_ids]
 
-        outputs = []
-        for i, (text, ids, p) in enumerate(zip(texts, token_lists, params)):
-            mine = sorted((s for s in seqs if s.request_index == i), key=lambda s: s.index)
-            completions = [
-                CompletionOutput(
-                    index=s.index,
-                    text=s.text,
-                    token_ids=s.output_token_ids,
-                    cumulative_logprob=s.cumulative_logprob if p.logprobs is not None else None,
-                    logprobs=s.output_logprobs if p.logprobs is not None else None,
-                    finish_reason=s.finish_reason,
-                    stop_reason=s.stop_reason,
-                )
-                for s in mine
-            ]
-            outputs.append(
-                RequestOutput(
-                    request_id=str(self._request_counter),
-                    prompt=text,
-                    prompt_token_ids=list(ids),
-                    prompt_logprobs=mine[0].prompt_logprobs if p.prompt_logprobs is not None else None,
-                    outputs=completions,
-                    finished=True,
-                )
-            )
-            self._request_counter += 1
-        return outputs
+    def stream(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ):
+        """Like `generate`, but yields each RequestOutput as it advances (text so far, finished flag),
+        so callers can print tokens as they come. Stopping the iteration aborts what is left."""
+        prompts, params = self._pair(prompts, sampling_params)
+        request_ids = set(self._add_requests(prompts, params))
+        remaining = set(request_ids)
+        try:
+            while remaining:
+                for out in self.engine.step():
+                    if out.request_id in request_ids:
+                        if out.finished:
+                            remaining.discard(out.request_id)
+                        yield out
+        finally:
+            for request_id in remaining:
+                self.engine.abort_request(request_id)
+
+    def _pair(self, prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer))
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        return prompts, params
+
+    def _add_requests(self, prompts: list, params: list[SamplingParams]) -> list[str]:
+        """Checks every prompt first (a bad one raises ValueError naming its index, before any
+        work), then queues them all."""
+        tokenized = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            text, ids = self.engine.tokenize(prompt, f"prompt {i}")
+            self.engine.validate(ids, p, f"prompt {i}")
+            tokenized.append({"prompt": text, "prompt_token_ids": ids})
+        return [self.engine.add_request(None, t, p).request_id for t, p in zip(tokenized, params)]
 
     def chat(
         self,
@@ -235,50 +250,3 @@ class LLM:
             )
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-    # ------------------------------------------------------------------ helpers
-    def _normalize_prompts(self, prompts) -> tuple[list[str | None], list[list[int]]]:
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer))
-        ):
-            prompts = [prompts]
-        texts, ids = [], []
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                texts.append(p)
-                ids.append(self.tokenizer.encode(p) if p else [])
-            elif isinstance(p, dict) and ("prompt_token_ids" in p or "prompt" in p):
-                text = p.get("prompt")
-                texts.append(text)
-                ids.append(list(p["prompt_token_ids"]) if "prompt_token_ids" in p else self.tokenizer.encode(text or ""))
-            elif isinstance(p, (list, tuple, np.ndarray)):
-                texts.append(None)
-                ids.append([int(t) for t in p])
-            else:
-                raise ValueError(f"prompt {i}: expected a string, a list of token ids or a dict, got {type(p).__name__}")
-        return texts, ids
-
-    def _validate(self, i: int, ids: list[int], p: SamplingParams) -> None:
-        if not ids:
-            raise ValueError(f"prompt {i} is empty (0 tokens)")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt {i} has {len(ids)} tokens, over max_model_len={self.max_model_len} "
-                f"(a prompt needs at most max_model_len - 1 tokens to leave room for one generated token)"
-            )
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self.config.vocab_size})")
-        for field in ("logprobs", "prompt_logprobs"):
-            v = getattr(p, field)
-            if v is not None and v > self.max_logprobs:
-                raise ValueError(f"prompt {i}: SamplingParams.{field}={v} exceeds max_logprobs={self.max_logprobs}")
-        pages_needed = -(-min(self.max_model_len, len(ids) + (p.max_tokens or self.max_model_len)) // self.runner.kv.page_size)
-        if pages_needed > self.runner.kv.num_pages - 1:
-            raise ValueError(
-                f"prompt {i} needs {pages_needed} KV pages but the cache has {self.runner.kv.num_pages - 1}; "
-                f"raise num_pages or lower max_tokens"
-            )
-
-    def _detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

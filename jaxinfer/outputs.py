@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass
@@ -38,3 +39,4 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None
     outputs: list[CompletionOutput]
     finished: bool
+    metrics: Any = None  # engine.request.RequestMetrics: arrival, first token, finish; ttft / tpot / e2e

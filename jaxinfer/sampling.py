@@ -6,8 +6,21 @@ the same tokens whatever else shares the batch. Sampling is Gumbel-max over the 
 temperature-scaled logits; batches that need no filtering skip the sort, and all-greedy batches
 skip the random draw (`lax.cond` picks one branch at run time, no recompile).
 
-Reported log-probabilities are those of the model's raw distribution (log-softmax of the logits,
-before temperature and filtering), as vLLM reports them.
+Optional per-row processing, in vLLM's order (each feature is a static switch: a `None` field in
+`SamplingTensors` changes the pytree structure, so it selects a separate compiled variant and a
+batch without it traces exactly the code it traced before the feature existed):
+
+- penalties (`history_ids` set; then all four penalty fields must be set): built on the device from
+  each row's token history (prompt ids, then output ids, -1 padded to a static H). Repetition
+  penalty acts on tokens seen in the prompt or the output (positive logits divided by it, others
+  multiplied); presence subtracts once per token present in the output; frequency subtracts its
+  value times the token's output count. Applied to the raw logits, so greedy rows take the argmax
+  of the penalized logits.
+- `banned_ids` [R, B]: logits set to -inf (the engine's min_tokens bans EOS/stop ids this way).
+- `min_p` (random rows only; argmax-invariant): after temperature, tokens whose probability is
+  below min_p times the row's largest probability are dropped, before top-k/top-p.
+
+Penalties and bans change which token is chosen, never the reported logprobs.
 """
 
 from __future__ import annotations
@@ -27,6 +40,14 @@ class SamplingTensors:
     seed: jax.Array  # [R] uint32
     counter: jax.Array  # [R] int32, tokens sampled so far by the row's request (folded into the key)
     target_ids: jax.Array  # [R] int32, token whose logprob to report; -1 = the sampled token
+    # Optional features; None = off for the whole batch (and not compiled in).
+    min_p: jax.Array | None = None  # [R] float32, 0 = off
+    banned_ids: jax.Array | None = None  # [R, B] int32, -1 = padding
+    history_ids: jax.Array | None = None  # [R, H] int32: prompt ids then output ids, -1 = padding
+    num_prompt_history: jax.Array | None = None  # [R] int32: the first this-many history ids are prompt
+    repetition_penalty: jax.Array | None = None  # [R] float32, 1 = off
+    presence_penalty: jax.Array | None = None  # [R] float32, 0 = off
+    frequency_penalty: jax.Array | None = None  # [R] float32, 0 = off
 
 
 @jax.tree_util.register_dataclass
@@ -53,15 +74,62 @@ def filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) ->
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+def history_counts(history_ids: jax.Array, num_prompt: jax.Array, V: int) -> tuple[jax.Array, jax.Array]:
+    """Per-row token counts from a -1 padded history [R, H] whose first num_prompt[r] ids are prompt.
+
+    Returns (output_counts [R, V] int32, seen [R, V] bool: in the prompt or the output).
+    """
+    R, H = history_ids.shape
+    valid = history_ids >= 0
+    is_output = valid & (jnp.arange(H)[None, :] >= num_prompt[:, None])
+    ids = jnp.where(valid, history_ids, V)  # padding scatters out of bounds and is dropped
+    rows = jnp.broadcast_to(jnp.arange(R)[:, None], (R, H))
+    output_counts = jnp.zeros((R, V), jnp.int32).at[rows, ids].add(is_output.astype(jnp.int32), mode="drop")
+    all_counts = jnp.zeros((R, V), jnp.int32).at[rows, ids].add(1, mode="drop")
+    return output_counts, all_counts > 0
+
+
+def apply_penalties(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """vLLM's repetition (prompt + output), frequency and presence (output only) penalties. [R, V]."""
+    output_counts, seen = history_counts(st.history_ids, st.num_prompt_history, logits.shape[-1])
+    rep = jnp.where(seen, st.repetition_penalty[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - st.frequency_penalty[:, None] * output_counts.astype(logits.dtype)
+    return logits - st.presence_penalty[:, None] * (output_counts > 0).astype(logits.dtype)
+
+
+def ban_tokens(logits: jax.Array, banned_ids: jax.Array) -> jax.Array:
+    """Sets each row's banned ids [R, B] (-1 = padding) to -inf. [R, V]."""
+    R, V = logits.shape
+    ids = jnp.where(banned_ids >= 0, banned_ids, V)  # padding scatters out of bounds and is dropped
+    rows = jnp.broadcast_to(jnp.arange(R)[:, None], banned_ids.shape)
+    return logits.at[rows, ids].set(-jnp.inf, mode="drop")
+
+
+def filter_min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Masks tokens whose probability is below min_p x the row's top probability (on scaled logits)."""
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    drop = jnp.exp(scaled - top) < min_p[:, None]
+    return jnp.where(drop, -jnp.inf, scaled)
+
+
 def sample(logits: jax.Array, st: SamplingTensors, num_top_logprobs: int) -> SampleOutput:
     """logits [R, V] float32 -> one token per row, with log-probabilities."""
     V = logits.shape[-1]
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)  # of the raw logits, whatever the processing
+    penalty_fields = (st.num_prompt_history, st.repetition_penalty, st.presence_penalty, st.frequency_penalty)
+    if st.history_ids is not None:
+        assert all(f is not None for f in penalty_fields), "penalties need all their SamplingTensors fields"
+        logits = apply_penalties(logits, st)
+    if st.banned_ids is not None:
+        logits = ban_tokens(logits, st.banned_ids)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_random = st.temperature > 0
 
     def draw():
         scaled = logits / jnp.where(is_random, st.temperature, 1.0)[:, None]
+        if st.min_p is not None:
+            scaled = filter_min_p(scaled, st.min_p)
         needs_filter = jnp.any(((st.top_k > 0) & (st.top_k < V)) | (st.top_p < 1.0))
         scaled = jax.lax.cond(needs_filter, filter_top_k_top_p, lambda x, *_: x, scaled, st.top_k, st.top_p)
         keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(st.seed, st.counter)

@@ -10,8 +10,13 @@ class SamplingParams:
     """How to decode one request.
 
     n: completions per prompt. temperature: 0 means greedy. top_k: 0 or -1 disables it.
-    top_p: nucleus mass in (0, 1]. seed: makes sampling reproducible whatever else shares the
-    batch. max_tokens: tokens to generate at most. ignore_eos: keep going past EOS.
+    top_p: nucleus mass in (0, 1]. min_p: drop tokens below min_p x the top token's probability.
+    repetition_penalty (1 = off): logits of tokens already in the prompt or output are divided
+    (if positive) or multiplied (if negative) by it. presence_penalty / frequency_penalty (0 =
+    off): subtracted once / once per occurrence from tokens already in the output. seed: makes
+    sampling reproducible whatever else shares the batch. max_tokens: tokens to generate at
+    most. min_tokens: EOS and stop_token_ids cannot end generation before this many tokens.
+    ignore_eos: keep going past EOS.
     logprobs: also return the top-`logprobs` alternatives of each generated token (0 = only the
     sampled token's). prompt_logprobs: the same for every prompt token. stop_token_ids: extra
     tokens that end generation. stop: strings that end generation (trimmed from the text unless
@@ -22,8 +27,13 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16
+    min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -46,6 +56,17 @@ class SamplingParams:
             bad("top_k", "must be -1 or 0 (disabled) or a positive integer")
         if self.top_k == -1:
             self.top_k = 0
+        if not (0.0 <= self.min_p <= 1.0):
+            bad("min_p", "must be in [0, 1]")
+        if not self.repetition_penalty > 0:
+            bad("repetition_penalty", "must be > 0 (1 disables it)")
+        for field in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, field) <= 2.0:
+                bad(field, "must be in [-2, 2]")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "must be an integer or None")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):

@@ -103,13 +103,13 @@ def test_stop_conditions(llm):
 
 def test_eos_ends_generation_unless_ignored(llm):
     tokens = llm.generate("zz", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
-    saved = llm.driver.eos_token_ids
-    llm.driver.eos_token_ids = {tokens[2]}  # pretend the third greedy token is the model's EOS
+    saved = llm.engine.eos_token_ids
+    llm.engine.eos_token_ids = {tokens[2]}  # pretend the third greedy token is the model's EOS
     try:
         out = llm.generate("zz", SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0].outputs[0]
         ignored = llm.generate("zz", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     finally:
-        llm.driver.eos_token_ids = saved
+        llm.engine.eos_token_ids = saved
     assert out.token_ids == tokens[: tokens.index(tokens[2]) + 1]
     assert out.finish_reason == "stop" and out.stop_reason is None
     assert ignored.token_ids == tokens and ignored.finish_reason == "length"
@@ -180,7 +180,8 @@ def test_no_bucket_copies_the_kv_pool(model_dir):
 @pytest.mark.parametrize(
     "field,value",
     [("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("n", 0), ("top_k", -2), ("max_tokens", 0),
-     ("logprobs", -1), ("prompt_logprobs", -3), ("stop_token_ids", [-1]), ("stop", [""]), ("seed", "7")],
+     ("logprobs", -1), ("prompt_logprobs", -3), ("stop_token_ids", [-1]), ("stop", [""]), ("seed", "7"),
+     ("min_p", 1.5), ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("min_tokens", -1)],
 )
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
@@ -188,19 +189,19 @@ def test_invalid_sampling_params_name_the_field(field, value):
 
 
 def test_empty_prompt_is_rejected_by_index(llm):
-    with pytest.raises(ValueError, match="prompt 1 is empty"):
+    with pytest.raises(ValueError, match="prompt 1: the prompt is empty"):
         llm.generate(["fine", ""], GREEDY, use_tqdm=False)
 
 
 def test_prompt_over_max_model_len_is_rejected_by_index(llm):
-    with pytest.raises(ValueError, match=r"prompt 0 has 120 tokens, over max_model_len=96"):
+    with pytest.raises(ValueError, match=r"prompt 0: the prompt has 120 tokens, over max_model_len=96"):
         llm.generate([[5] * 120, [5] * 3], GREEDY, use_tqdm=False)
     # the engine is still fine afterwards
     assert len(llm.generate([[5] * 3], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 6
 
 
 def test_token_id_outside_vocabulary_is_rejected(llm):
-    with pytest.raises(ValueError, match="token id 100000 outside the vocabulary"):
+    with pytest.raises(ValueError, match="token id 100000 is outside the vocabulary"):
         llm.generate([[1, 100000]], GREEDY, use_tqdm=False)
 
 

@@ -9,6 +9,7 @@ results as numpy. It keeps no per-request state.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Sequence
 
@@ -19,6 +20,8 @@ from jaxinfer.batch import BucketKey, Buckets, RaggedBatch, SequenceChunk, pack_
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.sampling import SamplingTensors
 from jaxinfer.step import StepFunction
+
+BANNED_IDS_MULTIPLE = 8  # banned-id columns are padded to a multiple of this (one variant for up to 8)
 
 
 @dataclasses.dataclass
@@ -31,6 +34,17 @@ class RowSampling:
     seed: int = 0
     counter: int = 0  # tokens this sequence has sampled so far
     target_ids: Sequence[int] = ()  # per logits row: the token whose logprob to report, -1 = sampled one
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off; on prompt and output tokens
+    presence_penalty: float = 0.0  # 0 = off; on output tokens
+    frequency_penalty: float = 0.0  # 0 = off; on output tokens
+    banned_ids: Sequence[int] = ()  # never sampled (min_tokens: EOS and stop ids)
+    history: Sequence[int] = ()  # prompt ids then output ids so far; only read when a penalty is on
+    num_prompt_history: int = 0  # how many leading `history` ids are the prompt
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclasses.dataclass
@@ -90,13 +104,38 @@ class ModelRunner:
         seed = np.zeros(R, np.uint32)
         counter = np.zeros(R, np.int32)
         target_ids = np.full(R, -1, np.int32)
+        min_p = np.zeros(R, np.float32)
         for s, rows in zip(scheduled, rows_of_chunk):
             p = s.sampling
             temperature[rows], top_k[rows], top_p[rows] = p.temperature, p.top_k, p.top_p
-            seed[rows], counter[rows] = p.seed, p.counter
+            seed[rows], counter[rows], min_p[rows] = p.seed, p.counter, p.min_p
             if p.target_ids:
                 target_ids[rows] = p.target_ids
-        return SamplingTensors(temperature, top_k, top_p, seed, counter, target_ids)
+        st = SamplingTensors(temperature, top_k, top_p, seed, counter, target_ids, min_p=min_p)
+        # Static switches: the fields stay None (a separate, cheaper compiled variant) unless some row needs them.
+        max_banned = max((len(s.sampling.banned_ids) for s in scheduled), default=0)
+        if max_banned:
+            st.banned_ids = np.full((R, -(-max_banned // BANNED_IDS_MULTIPLE) * BANNED_IDS_MULTIPLE), -1, np.int32)
+            for s, rows in zip(scheduled, rows_of_chunk):
+                st.banned_ids[np.asarray(rows)[:, None], np.arange(len(s.sampling.banned_ids))] = s.sampling.banned_ids
+        if any(s.sampling.uses_penalties for s in scheduled):
+            H = self.buckets.pages_per_seq * self.kv.page_size  # the longest a sequence can be
+            st.history_ids = np.full((R, H), -1, np.int32)
+            st.num_prompt_history = np.zeros(R, np.int32)
+            st.repetition_penalty = np.ones(R, np.float32)
+            st.presence_penalty = np.zeros(R, np.float32)
+            st.frequency_penalty = np.zeros(R, np.float32)
+            for s, rows in zip(scheduled, rows_of_chunk):
+                p = s.sampling
+                if not p.uses_penalties:
+                    continue
+                if len(p.history) > H:
+                    raise ValueError(f"history of {len(p.history)} tokens exceeds the maximum sequence length {H}")
+                st.history_ids[np.asarray(rows)[:, None], np.arange(len(p.history))] = p.history
+                st.num_prompt_history[rows] = p.num_prompt_history
+                st.repetition_penalty[rows], st.presence_penalty[rows] = p.repetition_penalty, p.presence_penalty
+                st.frequency_penalty[rows] = p.frequency_penalty
+        return st
 
     def _empty_inputs(self, key: BucketKey) -> tuple[RaggedBatch, SamplingTensors]:
         """A batch of the key's shapes with no sequences in it (every token writes to scratch)."""
@@ -112,8 +151,8 @@ class ModelRunner:
         )
         sampling = SamplingTensors(
             np.zeros(R, np.float32), np.zeros(R, np.int32), np.ones(R, np.float32),
-            np.zeros(R, np.uint32), np.zeros(R, np.int32), np.full(R, -1, np.int32),
-        )
+            np.zeros(R, np.uint32), np.zeros(R, np.int32), np.full(R, -1, np.int32), min_p=np.zeros(R, np.float32),
+        )  # the variant without penalties or banned ids, which is what most batches use
         return batch, sampling
 
     def warmup(self, keys: Sequence[BucketKey] | None = None) -> None:
@@ -130,3 +169,20 @@ class ModelRunner:
         batch, sampling = self._empty_inputs(key)
         lowered = self.step_fn._step.lower(self.params, self.kv, batch, sampling, query_block=key.query_block)
         return lowered.compile().as_text()
+
+    def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copies whole pages (every layer, K and V) src -> dst on the device, in place.
+
+        Used for copy-on-write. The list is padded to a power of two with scratch-to-scratch
+        copies so only a few sizes ever compile.
+        """
+        n = 1 << max(0, (len(copies) - 1).bit_length())
+        src = np.zeros(n, np.int32)
+        dst = np.zeros(n, np.int32)
+        src[: len(copies)], dst[: len(copies)] = zip(*copies)
+        self.kv = _copy_pages(self.kv, src, dst)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _copy_pages(kv: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    return KVCache(k=kv.k.at[:, dst].set(kv.k[:, src]), v=kv.v.at[:, dst].set(kv.v[:, src]))

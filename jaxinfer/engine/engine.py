@@ -1,0 +1,369 @@
+"""`LLMEngine`: the continuous-batching loop, for custom drivers (and under `LLM`).
+
+    engine.add_request("a", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step():        # RequestOutputs that changed this step
+            print(out.request_id, out.outputs[0].text)
+
+One `step()`: the scheduler picks sequences and chunk sizes, the runner copies pages that
+copy-on-write asked for and runs the jitted step, then each sequence takes its sampled token:
+logprobs, incremental detokenization, stop checks; finished sequences free their pages. A request
+with n > 1 runs as one sequence through its prompt; the step that finishes the prompt samples n
+tokens from the last row (one seed each) and forks the sequence n - 1 times, sharing every
+prompt page.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from jaxinfer.batch import SequenceChunk
+from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.detokenizer import IncrementalDetokenizer
+from jaxinfer.engine.model_runner import ModelRunner, RowResult, RowSampling, ScheduledChunk
+from jaxinfer.engine.request import Request, RequestMetrics, Sequence, SequenceStatus
+from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler
+from jaxinfer.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from jaxinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxinfer")
+
+
+@dataclasses.dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of usable pages held by sequences
+    prefix_cache_hit_rate: float  # cached pages found / pages looked up
+    num_preemptions: int
+    num_compiles: int
+    num_steps: int
+    num_generated_tokens: int
+    num_prompt_tokens_computed: int
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        eos_token_ids,
+        max_logprobs: int = 20,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        log_stats_interval: float | None = None,
+    ):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.eos_token_ids = set(eos_token_ids)
+        self.block_manager = BlockManager(runner.kv.num_pages, runner.kv.page_size, enable_prefix_caching=enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+        self.requests: dict[str, Request] = {}
+        self._seed_rng = np.random.default_rng(seed)
+        self._counter = 0
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens_computed = 0
+        self.log_stats_interval = log_stats_interval
+        self._last_log = time.time()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queues a request. A bad one raises ValueError naming it; nothing else is affected."""
+        params = params or SamplingParams()
+        request_id = str(self._counter) if request_id is None else str(request_id)
+        self._counter += 1
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r}: a request with this id is already running")
+        text, ids = self.tokenize(prompt, f"request {request_id!r}")
+        self.validate(ids, params, f"request {request_id!r}")
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31))
+        limit = self.max_model_len if params.max_tokens is None else min(self.max_model_len, len(ids) + params.max_tokens)
+        request = Request(request_id, text, ids, params, seed, limit, priority,
+                          RequestMetrics(arrival_time if arrival_time is not None else time.time()))
+        seq = Sequence(request, 0, list(ids), seed)
+        request.seqs.append(seq)
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+        return request
+
+    def abort_request(self, request_id: str) -> None:
+        """Stops a request at once: its sequences finish with reason "abort" and free their pages."""
+        request = self.requests.pop(str(request_id), None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        request.metrics.finished_time = time.time()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """Runs one iteration; returns the outputs of the requests it advanced (finished ones last time)."""
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("no waiting request fits in the KV cache; raise num_pages")  # add_request prevents this
+            return []
+        if plan.page_copies:
+            self.runner.copy_pages(plan.page_copies)
+        chunks = [self._chunk(s) for s in plan.scheduled]
+        want_logprobs = any(
+            s.seq.request.params.logprobs is not None or s.seq.request.wants_prompt_logprobs for s in plan.scheduled
+        )
+        results = self.runner.execute(chunks, want_logprobs=want_logprobs)
+        self.num_steps += 1
+        now = time.time()
+        touched: dict[str, Request] = {}
+        for sched, chunk, rows in zip(plan.scheduled, chunks, results):
+            self._advance(sched, chunk, rows, now)
+            touched[sched.seq.request.request_id] = sched.seq.request
+        outputs = []
+        for request in touched.values():
+            if request.finished:
+                request.metrics.finished_time = now
+                self.requests.pop(request.request_id, None)
+            outputs.append(self._output(request))
+        self._maybe_log()
+        return outputs
+
+    def _chunk(self, s: ScheduledSeq) -> ScheduledChunk:
+        seq, request = s.seq, s.seq.request
+        start = seq.num_computed
+        rows, targets = [], []
+        if request.wants_prompt_logprobs and seq.index == 0:
+            have = len(request.prompt_logprobs or [None])
+            for i in range(s.num_tokens):
+                nxt = start + i + 1  # the row at offset i scores token nxt
+                if have <= nxt < len(request.prompt_token_ids):
+                    rows.append(i)
+                    targets.append(request.prompt_token_ids[nxt])
+        seeds = [seq.seed]
+        if s.samples:
+            n = 1 if request.forked else request.params.n
+            seeds = [seq.seed] + [_child_seed(request.seed, j) for j in range(1, n)]
+            rows += [s.num_tokens - 1] * n
+            targets += [-1] * n
+        p = request.params
+        num_out = len(seq.output_token_ids)
+        banned = ()
+        if num_out < p.min_tokens and not p.ignore_eos:
+            banned = tuple(sorted(self.eos_token_ids | set(p.stop_token_ids or ())))
+        elif num_out < p.min_tokens:
+            banned = tuple(p.stop_token_ids or ())
+        sampling = RowSampling(
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+            seed=[seq.seed] * (len(rows) - len(seeds)) + seeds if s.samples else seq.seed,
+            counter=num_out, target_ids=targets,
+            repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty, banned_ids=banned,
+        )
+        if sampling.uses_penalties:  # history as of the sampled row: everything up to this chunk's end
+            sampling.history = seq.token_ids[: start + s.num_tokens]
+            sampling.num_prompt_history = min(len(request.prompt_token_ids), start + s.num_tokens)
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = time.time()
+        tokens = seq.token_ids[start : start + s.num_tokens]
+        pages = self.block_manager.page_table(seq.seq_id)
+        return ScheduledChunk(SequenceChunk(tokens, start, pages, rows), sampling)
+
+    def _advance(self, s: ScheduledSeq, chunk: ScheduledChunk, rows: list[RowResult], now: float) -> None:
+        seq, request = s.seq, s.seq.request
+        seq.num_computed += s.num_tokens
+        self.block_manager.mark_computed(seq.seq_id, seq.num_computed, seq.token_ids)
+        if seq.is_prefill or s.num_tokens > 1:
+            self.num_prompt_tokens_computed += s.num_tokens - (1 if s.samples else 0)
+        samples = []
+        for row, target in zip(rows, chunk.sampling.target_ids):
+            if target >= 0:
+                if request.prompt_logprobs is None:
+                    request.prompt_logprobs = [None]
+                request.prompt_logprobs.append(self._position_logprobs(target, row, request.params.prompt_logprobs))
+            else:
+                samples.append(row)
+        if not samples:
+            return
+        if not request.forked:  # the prompt is done: make the n completions, sharing its pages
+            for j, row in enumerate(samples[1:], start=1):
+                child = Sequence(request, j, list(seq.token_ids), _child_seed(request.seed, j), num_computed=seq.num_computed)
+                self.block_manager.fork(seq.seq_id, child.seq_id)
+                request.seqs.append(child)
+                self.scheduler.add_running(child)
+                self._append_token(child, row, now)
+            request.forked = True
+        self._append_token(seq, samples[0], now)
+
+    def _append_token(self, seq: Sequence, row: RowResult, now: float) -> None:
+        request, p = seq.request, seq.request.params
+        token = row.token
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += row.logprob
+        if p.logprobs is not None:
+            seq.output_logprobs.append(self._position_logprobs(token, row, p.logprobs))
+        m = request.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        m.num_generated_tokens += 1
+        self.num_generated_tokens += 1
+
+        num_out = len(seq.token_ids) - len(request.prompt_token_ids)
+        if not p.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif p.stop_token_ids and token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        else:
+            if seq.detokenizer is None:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                         skip_special_tokens=p.skip_special_tokens)
+            delta = seq.detokenizer.add(token)
+            seq.text = seq.detokenizer.text
+            if p.stop and delta:
+                self._check_stop_strings(seq, len(delta))
+            if seq.finish_reason is None and (num_out >= (p.max_tokens or self.max_model_len) or len(seq.token_ids) >= request.max_len):
+                seq.finish_reason = "length"
+                seq.text += seq.detokenizer.flush()
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+
+    def _check_stop_strings(self, seq: Sequence, delta_len: int) -> None:
+        p = seq.request.params
+        longest = max(len(s) for s in p.stop)
+        window_start = max(0, len(seq.text) - delta_len - longest + 1)
+        hits = [(seq.text.find(s, window_start), s) for s in p.stop]
+        hits = [(at, s) for at, s in hits if at >= 0]
+        if hits:
+            at, stop = min(hits)
+            seq.text = seq.text[: at + len(stop)] if p.include_stop_str_in_output else seq.text[:at]
+            seq.finish_reason, seq.stop_reason = "stop", stop
+
+    def _position_logprobs(self, token: int, row: RowResult, n: int) -> PositionLogprobs:
+        decode = lambda t: self.tokenizer.decode([t])  # noqa: E731
+        top_ids = [int(t) for t in row.top_ids[:n]]
+        entry: PositionLogprobs = {}
+        if token not in top_ids[:n]:
+            rank = top_ids.index(token) + 1 if token in top_ids else None
+            entry[token] = Logprob(row.logprob, rank, decode(token))
+        for rank, (tid, lp) in enumerate(zip(top_ids, row.top_logprobs[:n]), start=1):
+            entry.setdefault(tid, Logprob(float(lp), rank, decode(tid)))
+        if token in entry:  # the chosen token first
+            entry = {token: entry[token], **{k: v for k, v in entry.items() if k != token}}
+        return entry
+
+    def _output(self, request: Request) -> RequestOutput:
+        p = request.params
+        seqs = sorted(request.seqs, key=lambda s: s.index)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=request.prompt_logprobs if p.prompt_logprobs is not None else None,
+            outputs=[
+                CompletionOutput(
+                    index=s.index, text=s.text, token_ids=list(s.output_token_ids),
+                    cumulative_logprob=s.cumulative_logprob if p.logprobs is not None else None,
+                    logprobs=s.output_logprobs if p.logprobs is not None else None,
+                    finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                )
+                for s in seqs
+            ],
+            finished=request.finished,
+            metrics=request.metrics,
+        )
+
+    # ------------------------------------------------------------------ input checks
+    def tokenize(self, prompt, label: str) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt given as a string, token ids, or a dict."""
+        if isinstance(prompt, str):
+            return prompt, (self.tokenizer.encode(prompt) if prompt else [])
+        if isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt):
+            text = prompt.get("prompt")
+            ids = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else self.tokenizer.encode(text or "")
+            return text, [int(t) for t in ids]
+        if isinstance(prompt, (list, tuple, np.ndarray)):
+            return None, [int(t) for t in prompt]
+        raise ValueError(f"{label}: expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def validate(self, ids: list[int], p: SamplingParams, label: str) -> None:
+        """Raises ValueError, starting with `label`, for a prompt the engine cannot run."""
+        if not ids:
+            raise ValueError(f"{label}: the prompt is empty (0 tokens)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"{label}: the prompt has {len(ids)} tokens, over max_model_len={self.max_model_len} "
+                f"(a prompt needs at most max_model_len - 1 tokens to leave room for one generated token)"
+            )
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{label}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        for field in ("logprobs", "prompt_logprobs"):
+            v = getattr(p, field)
+            if v is not None and v > self.max_logprobs:
+                raise ValueError(f"{label}: SamplingParams.{field}={v} exceeds max_logprobs={self.max_logprobs}")
+        if p.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"{label}: SamplingParams.n={p.n} exceeds max_num_seqs={self.scheduler.max_num_seqs}")
+        total = min(self.max_model_len, len(ids) + (p.max_tokens or self.max_model_len))
+        need = self.block_manager.pages_needed(total) + (1 if p.n > 1 else 0) * (p.n - 1)
+        if need > self.block_manager.num_usable_pages:
+            raise ValueError(
+                f"{label}: needs {need} KV pages but the cache has {self.block_manager.num_usable_pages}; "
+                f"raise num_pages or lower max_tokens"
+            )
+
+    # ------------------------------------------------------------------ stats
+    def get_stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage,
+            prefix_cache_hit_rate=bm.stats.hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_compiles=self.runner.num_compiles,
+            num_steps=self.num_steps,
+            num_generated_tokens=self.num_generated_tokens,
+            num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+        )
+
+    def _maybe_log(self) -> None:
+        if self.log_stats_interval is None or time.time() - self._last_log < self.log_stats_interval:
+            return
+        self._last_log = time.time()
+        s = self.get_stats()
+        logger.info(
+            "running %d, waiting %d, KV cache %.1f%%, prefix hit rate %.1f%%, preemptions %d, compiles %d, "
+            "generated %d tokens in %d steps",
+            s.num_running, s.num_waiting, 100 * s.kv_cache_usage, 100 * s.prefix_cache_hit_rate,
+            s.num_preemptions, s.num_compiles, s.num_generated_tokens, s.num_steps,
+        )
+
+
+def _child_seed(seed: int, index: int) -> int:
+    """Seed of completion `index` of a request seeded with `seed` (completion 0 uses `seed`)."""
+    if index == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, index]).generate_state(1)[0] >> 1)

@@ -1,0 +1,124 @@
+"""Requests and the sequences they run as.
+
+A `Request` is what a user submitted: a prompt and its `SamplingParams`. It runs as one or more
+`Sequence`s: one while its prompt is prefilled, then `n` of them (the first sequence is forked
+after prefill, sharing every prompt page). A sequence's life:
+
+    WAITING --admitted--> RUNNING --finished--> FINISHED
+       ^                     |
+       +----preempted--------+   (pages freed; recomputed from its tokens when readmitted)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import time
+
+from jaxinfer.engine.detokenizer import IncrementalDetokenizer
+from jaxinfer.outputs import PositionLogprobs
+from jaxinfer.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Wall-clock times (time.time()) of a request's milestones, and what follows from them."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_generated_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token (s)."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (s)."""
+        if self.last_token_time is None or self.first_token_time is None or self.num_generated_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_generated_tokens - 1)
+
+    @property
+    def e2e(self) -> float | None:
+        """Arrival to finish (s)."""
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    request: "Request"
+    index: int  # completion index within the request
+    token_ids: list[int]  # prompt + output
+    seed: int
+    seq_id: int = dataclasses.field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    output_logprobs: list[PositionLogprobs] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    text: str = ""
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than the newest token is uncomputed (a prompt, or a recompute)."""
+        return self.num_uncomputed > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the seed of completion 0; others derive from it
+    max_len: int  # prompt + tokens it may generate, within max_model_len
+    priority: int = 0  # lower runs first (vLLM's convention)
+    metrics: RequestMetrics = dataclasses.field(default_factory=lambda: RequestMetrics(time.time()))
+    seqs: list[Sequence] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    forked: bool = False  # the n completions exist
+
+    @property
+    def finished(self) -> bool:
+        done = all(s.finished for s in self.seqs)
+        return done and (self.forked or any(s.finish_reason == "abort" for s in self.seqs))
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Still collecting prompt logprobs (only on the first pass over the prompt)."""
+        return self.params.prompt_logprobs is not None and (
+            self.prompt_logprobs is None or len(self.prompt_logprobs) < len(self.prompt_token_ids)
+        )

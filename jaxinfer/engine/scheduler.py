@@ -1,0 +1,135 @@
+"""Iteration-level scheduler (Orca-style continuous batching with chunked prefill).
+
+Each call to `schedule()` decides what one step computes, within two budgets:
+`max_num_batched_tokens` (tokens in the step) and `max_num_seqs` (running sequences).
+
+1. Running sequences that decode (one uncomputed token) go first, best priority first.
+2. Then running sequences still prefilling (a prompt, or a recompute after preemption) get
+   chunks of what budget is left.
+3. Then waiting sequences are admitted in order (priority, arrival) while pages and budgets
+   allow; their prompt's cached prefix pages are reused and only the rest is prefilled. A
+   sequence that does not fit blocks those behind it (FCFS), and nothing is admitted in a step
+   that had to preempt.
+
+When a running sequence needs a page and none is free, the lowest-priority running sequence
+not yet scheduled this step is preempted: its pages are freed and it goes back to waiting with
+its tokens, to be recomputed (with whatever prefix pages are still cached) when readmitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxinfer.engine.block_manager import BlockManager, OutOfPagesError
+from jaxinfer.engine.request import Sequence, SequenceStatus
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # computed this step, starting at seq.num_computed
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the sequence's newest token, so the step samples the next one."""
+        return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    page_copies: list[tuple[int, int]]  # (src, dst) device page copies to do before the step
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+def priority_order(seq: Sequence) -> tuple:
+    return (seq.request.priority, seq.request.metrics.arrival_time, seq.seq_id)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_batched_tokens: int, max_num_seqs: int):
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one (it already holds pages)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Removes a finished or aborted sequence and frees its pages at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.seq_id in self.block_manager.seqs:
+            self.block_manager.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        copies: list[tuple[int, int]] = []
+        preempted: list[Sequence] = []
+
+        # decodes first, then prefill chunks; best priority first within each group
+        queue = sorted(self.running, key=lambda s: (s.is_prefill, priority_order(s)))
+        while queue and budget > 0 and len(scheduled) < self.max_num_seqs:
+            seq = queue.pop(0)
+            n = min(seq.num_uncomputed, budget)
+            new_slots = max(0, seq.num_computed + n - bm.seqs[seq.seq_id].num_tokens)
+            while not bm.can_append(seq.seq_id, new_slots):
+                victim = max(queue + [seq], key=priority_order)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+                queue.remove(victim)
+            if seq in preempted:
+                continue
+            copies += bm.prepare_append(seq.seq_id, new_slots)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+        if not preempted:
+            for seq in sorted(self.waiting, key=priority_order):
+                # a request that will fork into n completions needs room for all of them
+                slots = 1 if seq.request.forked else seq.request.params.n
+                if budget == 0 or len(self.running) + slots > self.max_num_seqs or len(scheduled) >= self.max_num_seqs:
+                    break
+                try:
+                    seq.num_computed = bm.allocate(seq.seq_id, seq.token_ids)
+                except OutOfPagesError:
+                    break
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                n = min(seq.num_uncomputed, budget)
+                scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+        return SchedulerOutput(scheduled, copies, preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.seq_id)
+        self.running.remove(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)

@@ -1,0 +1,364 @@
+"""BlockManager: pages, ref counts, prefix cache, LRU eviction, copy-on-write, invariants."""
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from jaxinfer.engine.block_manager import BlockManager, OutOfPagesError, page_key
+
+PS = 4
+
+
+def snapshot(bm):
+    return (
+        {k: (list(s.pages), s.num_tokens, s.num_computed, list(s.hashes)) for k, s in bm.seqs.items()},
+        list(bm._free), list(bm._evictable), dict(bm._page_of_key), list(bm.ref_counts),
+        (bm.stats.queries, bm.stats.hits, bm.stats.evictions),
+    )
+
+
+def prefill(bm, sid, tokens):
+    """Allocate and 'compute' a whole prompt; returns num_cached_tokens."""
+    cached = bm.allocate(sid, tokens)
+    bm.mark_computed(sid, len(tokens), tokens)
+    bm.check_invariants()
+    return cached
+
+
+# ---------------------------------------------------------------------- basics
+def test_allocate_and_free_basics():
+    bm = BlockManager(num_pages=8, page_size=PS)
+    assert bm.num_free_pages == 7 and bm.usage == 0.0
+    assert bm.allocate("a", list(range(10))) == 0  # 3 pages
+    pages = bm.page_table("a")
+    assert len(pages) == 3 and 0 not in pages and len(set(pages)) == 3
+    assert bm.num_free_pages == 4 and bm.usage == pytest.approx(3 / 7)
+    assert all(bm.ref_counts[p] == 1 for p in pages)
+    bm.check_invariants()
+    bm.free("a")
+    bm.check_invariants()
+    assert bm.num_free_pages == 7 and bm.num_cached_pages == 0  # nothing was computed, nothing cached
+    with pytest.raises(ValueError):
+        bm.allocate("b", [])
+    bm.allocate("b", [1])
+    with pytest.raises(ValueError):
+        bm.allocate("b", [1])
+
+
+def test_scratch_page_never_handed_out():
+    bm = BlockManager(num_pages=5, page_size=1, enable_prefix_caching=False)
+    bm.allocate("a", [1, 2, 3, 4])
+    assert sorted(bm.page_table("a")) == [1, 2, 3, 4]
+    assert not bm.can_allocate(1)
+    with pytest.raises(OutOfPagesError):
+        bm.allocate("b", [1])
+
+
+def test_allocation_failure_is_atomic():
+    bm = BlockManager(num_pages=6, page_size=PS)
+    prefill(bm, "a", list(range(12)))  # 3 full pages, all registered
+    bm.free("a")  # 3 evictable
+    bm.allocate("b", [99] * 4)  # 1 page
+    before = snapshot(bm)
+    assert not bm.can_allocate(20)
+    with pytest.raises(OutOfPagesError, match="'c'"):
+        bm.allocate("c", list(range(12)) + [7] * 8)  # 3 hits + 2 new > 4 - 3 available
+    assert snapshot(bm) == before
+    bm.check_invariants()
+    with pytest.raises(OutOfPagesError):
+        bm.prepare_append("b", 100)
+    assert snapshot(bm) == before
+
+
+# ---------------------------------------------------------------------- prefix cache
+def test_shared_prefix_reuses_pages():
+    bm = BlockManager(num_pages=16, page_size=PS)
+    prefix = list(range(100, 112))  # 3 full pages
+    assert prefill(bm, "a", prefix + [1, 2]) == 0
+    assert bm.num_cached_pages == 3
+    cached = bm.allocate("b", prefix + [5, 6, 7])
+    assert cached == 12
+    assert bm.page_table("b")[:3] == bm.page_table("a")[:3]
+    assert bm.page_table("b")[3] != bm.page_table("a")[3]
+    assert all(bm.ref_counts[p] == 2 for p in bm.page_table("a")[:3])
+    assert (bm.stats.queries, bm.stats.hits) == (3 + 3, 3)  # in pages
+    bm.check_invariants()
+    # a different first page breaks the chain even if later pages match
+    assert bm.allocate("c", [0, 0, 0, 0] + prefix[4:] + [1]) == 0
+    assert bm.stats.hits == 3
+    bm.check_invariants()
+
+
+def test_fully_cached_prompt_leaves_last_token_to_compute():
+    bm = BlockManager(num_pages=16, page_size=PS)
+    prompt = list(range(12))  # page aligned: 3 full pages, all cached after "a"
+    prefill(bm, "a", prompt)
+    cached = bm.allocate("b", prompt)
+    assert cached == 8 < len(prompt)  # back off one page: the last page is recomputed privately
+    assert bm.page_table("b")[:2] == bm.page_table("a")[:2]
+    assert bm.page_table("b")[2] != bm.page_table("a")[2]
+    bm.check_invariants()
+    # the recomputed page holds content that is cached already: not registered twice
+    bm.mark_computed("b", 12, prompt)
+    bm.check_invariants()
+    assert bm.num_cached_pages == 3
+    # non-aligned prompt: every full page hit, the partial one is computed
+    assert bm.allocate("c", prompt + [1]) == 12
+    bm.check_invariants()
+
+
+def test_mark_computed_registers_pages_as_they_fill():
+    bm = BlockManager(num_pages=16, page_size=PS)
+    tokens = list(range(6))
+    bm.allocate("a", tokens)
+    bm.mark_computed("a", 3, tokens)
+    assert bm.num_cached_pages == 0
+    bm.mark_computed("a", 6, tokens)
+    assert bm.num_cached_pages == 1
+    for t in (6, 7):  # decode two tokens: the second page fills
+        bm.prepare_append("a", 1)
+        tokens.append(t)
+        bm.mark_computed("a", len(tokens), tokens)
+    assert bm.num_cached_pages == 2
+    assert bm.allocate("b", list(range(8)) + [9]) == 8
+    with pytest.raises(ValueError):
+        bm.mark_computed("a", 5, tokens)  # going backwards
+    bm.check_invariants()
+
+
+def test_lru_eviction_order_and_reuse_after_free():
+    bm = BlockManager(num_pages=7, page_size=PS)  # 6 usable pages
+    a, b = [1] * 8 + [0], [2] * 8 + [0]
+    prefill(bm, "a", a)  # 3 pages, 2 cached
+    prefill(bm, "b", b)
+    pa, pb = bm.page_table("a"), bm.page_table("b")
+    bm.free("a")
+    bm.free("b")
+    bm.check_invariants()
+    # released tail first: a's page 1, a's page 0, then b's
+    assert list(bm._evictable) == [pa[1], pa[0], pb[1], pb[0]]
+    assert bm.num_cached_pages == 4 and bm.num_free_pages == 6
+    # a freed-but-cached prefix is reused by a later identical prompt
+    assert bm.allocate("b2", b) == 8 and bm.page_table("b2")[:2] == pb[:2]
+    bm.check_invariants()
+    # 1 free page + 2 evictable (a's); a new 3-page prompt evicts them
+    bm.allocate("c", [3] * 12)
+    assert bm.stats.evictions == 2
+    assert set(bm.page_table("c")) >= {pa[0], pa[1]}
+    bm.check_invariants()
+    bm.free("c")
+    bm.free("b2")
+    assert bm.allocate("a2", a) == 0  # evicted: a miss
+    bm.check_invariants()
+
+
+def test_lru_touch_on_hit_moves_to_back():
+    bm = BlockManager(num_pages=5, page_size=PS)  # 4 usable
+    prefill(bm, "a", [1] * 4 + [0])
+    prefill(bm, "b", [2] * 4 + [0])
+    pa, pb = bm.page_table("a")[0], bm.page_table("b")[0]
+    bm.free("a")
+    bm.free("b")
+    assert bm.allocate("a2", [1] * 4 + [5]) == 4  # touch a's cached page
+    bm.free("a2")
+    bm.allocate("big", [9] * 12)  # 3 pages: 2 free + evicts b's page, not a's (touched later)
+    assert bm.stats.evictions == 1
+    assert pb in bm.page_table("big") and pa not in bm.page_table("big")
+    bm.check_invariants()
+    bm.free("big")
+    assert bm.allocate("a3", [1] * 4 + [6]) == 4
+    bm.free("a3")
+    bm.reset_prefix_cache()
+    assert bm.num_cached_pages == 0 and bm.num_free_pages == 4
+    bm.check_invariants()
+
+
+# ---------------------------------------------------------------------- copy-on-write
+def test_fork_mid_page_copy_on_write():
+    bm = BlockManager(num_pages=16, page_size=PS)
+    tokens = list(range(10))  # 2 full pages + 2 tokens in the third
+    prefill(bm, "p", tokens)
+    bm.fork("p", "c")
+    bm.check_invariants()
+    shared = bm.page_table("p")
+    assert bm.page_table("c") == shared and all(bm.ref_counts[p] == 2 for p in shared)
+
+    copies_c = bm.prepare_append("c", 1)
+    assert len(copies_c) == 1 and copies_c[0][0] == shared[2]
+    new_c = copies_c[0][1]
+    assert bm.page_table("c") == shared[:2] + [new_c] and new_c not in shared
+    assert bm.ref_counts[shared[2]] == 1 and bm.ref_counts[new_c] == 1
+    bm.check_invariants()
+
+    assert bm.prepare_append("p", 1) == []  # the parent's last page is private now
+    assert bm.page_table("p") == shared
+    assert all(bm.ref_counts[p] == 2 for p in shared[:2])  # full pages stay shared
+    bm.check_invariants()
+
+    # appending across a page boundary: copy once, then a fresh page
+    bm.mark_computed("c", 11, tokens + [7])
+    bm.fork("c", "d")
+    copies = bm.prepare_append("d", 3)  # positions 11..13: finishes page 2, opens page 3
+    assert len(copies) == 1 and copies[0][0] == new_c
+    assert len(bm.page_table("d")) == 4 and bm.page_table("d")[:2] == shared[:2]
+    bm.check_invariants()
+    # page-aligned fork: nothing to copy
+    bm.mark_computed("p", 11, tokens + [8])
+    bm.prepare_append("p", 1)
+    bm.mark_computed("p", 12, tokens + [8, 9])
+    bm.fork("p", "q")
+    assert bm.prepare_append("q", 1) == [] and bm.prepare_append("p", 1) == []
+    assert bm.page_table("q")[:3] == bm.page_table("p")[:3]
+    bm.check_invariants()
+    for s in ["p", "c", "d", "q"]:
+        bm.free(s)
+    bm.check_invariants()
+    assert all(r == 0 for r in bm.ref_counts)
+
+
+def test_fork_requires_computed_slots():
+    bm = BlockManager(num_pages=8, page_size=PS)
+    bm.allocate("p", list(range(6)))
+    with pytest.raises(ValueError, match="uncomputed"):
+        bm.fork("p", "c")
+
+
+# ---------------------------------------------------------------------- caching off
+def test_prefix_caching_disabled():
+    bm = BlockManager(num_pages=16, page_size=PS, enable_prefix_caching=False)
+    prompt = list(range(13))
+    assert prefill(bm, "a", prompt) == 0
+    assert prefill(bm, "b", prompt) == 0
+    assert not set(bm.page_table("a")) & set(bm.page_table("b"))
+    assert bm.num_cached_pages == 0 and bm.stats.hits == 0 and bm.stats.queries == 0
+    bm.free("a")
+    assert bm.num_free_pages == 16 - 1 - 4 and not bm._evictable
+    assert prefill(bm, "c", prompt) == 0
+    bm.check_invariants()
+
+
+# ---------------------------------------------------------------------- property-based fuzz
+BASES = [[7, 7, 7, 1, 2, 3, 4, 5, 6, 8, 9, 10], [7, 7, 7, 1, 9, 9, 9, 9, 5, 5], [3] * 12]
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Drives the manager against a simulated device: every page holds token ids in its slots.
+    Hits must return pages whose content is the prompt's; writes must only touch private pages."""
+
+    @initialize(num_pages=st.integers(2, 14), page_size=st.integers(1, 4), caching=st.booleans())
+    def setup(self, num_pages, page_size, caching):
+        self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=caching)
+        self.ps = page_size
+        self.device = {p: [None] * page_size for p in range(num_pages)}
+        self.tokens = {}  # seq id -> its tokens (prompt + appended)
+        self.next_id = 0
+
+    def _write(self, sid, start, end):
+        seq = self.bm.seqs[sid]
+        for pos in range(start, end):
+            page = seq.pages[pos // self.ps]
+            assert self.bm.ref_counts[page] == 1, f"write into shared page {page}"
+            self.device[page][pos % self.ps] = self.tokens[sid][pos]
+        self.bm.mark_computed(sid, end, self.tokens[sid])
+
+    def _try(self, fn):
+        before = snapshot(self.bm)
+        try:
+            return fn()
+        except OutOfPagesError:
+            assert snapshot(self.bm) == before
+            return None
+
+    @rule(base=st.integers(0, len(BASES) - 1), cut=st.integers(1, 12),
+          tail=st.lists(st.integers(0, 3), max_size=6), chunk=st.integers(0, 8))
+    def allocate(self, base, cut, tail, chunk):
+        prompt = BASES[base][:cut] + tail
+        sid = self.next_id
+        self.next_id += 1
+        fits = self.bm.can_allocate(len(prompt))
+        cached = self._try(lambda: self.bm.allocate(sid, prompt))
+        if cached is None:
+            assert not fits
+            return
+        assert cached % self.ps == 0 and cached < len(prompt)
+        pages = self.bm.seqs[sid].pages
+        for pos in range(cached):  # a hit really holds this prompt's K/V
+            assert self.device[pages[pos // self.ps]][pos % self.ps] == prompt[pos]
+        self.tokens[sid] = list(prompt)
+        self._write(sid, cached, min(len(prompt), cached + chunk))  # maybe a partial prefill
+
+    @precondition(lambda self: any(s.num_computed < s.num_tokens for s in self.bm.seqs.values()))
+    @rule(data=st.data(), chunk=st.integers(1, 8))
+    def continue_prefill(self, data, chunk):
+        sid = data.draw(st.sampled_from(sorted(k for k, s in self.bm.seqs.items() if s.num_computed < s.num_tokens)))
+        seq = self.bm.seqs[sid]
+        self._write(sid, seq.num_computed, min(seq.num_tokens, seq.num_computed + chunk))
+
+    def _done(self):
+        return sorted(k for k, s in self.bm.seqs.items() if s.num_computed == s.num_tokens)
+
+    @precondition(lambda self: self._done())
+    @rule(data=st.data(), new=st.lists(st.integers(0, 3), min_size=1, max_size=5))
+    def append(self, data, new):
+        sid = data.draw(st.sampled_from(self._done()))
+        fits = self.bm.can_append(sid, len(new))
+        copies = self._try(lambda: self.bm.prepare_append(sid, len(new)))
+        if copies is None:
+            assert not fits
+            return
+        assert fits
+        for src, dst in copies:
+            assert self.bm.ref_counts[dst] == 1 and dst in self.bm.seqs[sid].pages
+            self.device[dst] = list(self.device[src])
+        start = len(self.tokens[sid])
+        self.tokens[sid] += new
+        self._write(sid, start, len(self.tokens[sid]))
+
+    @precondition(lambda self: self._done())
+    @rule(data=st.data())
+    def fork(self, data):
+        sid = data.draw(st.sampled_from(self._done()))
+        child = self.next_id
+        self.next_id += 1
+        self.bm.fork(sid, child)
+        self.tokens[child] = list(self.tokens[sid])
+
+    @precondition(lambda self: self.bm.seqs)
+    @rule(data=st.data())
+    def free(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.bm.seqs)))
+        self.bm.free(sid)
+        del self.tokens[sid]
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "bm"):
+            return
+        self.bm.check_invariants()
+        for sid, seq in self.bm.seqs.items():  # every computed slot holds the sequence's token
+            for pos in range(seq.num_computed):
+                assert self.device[seq.pages[pos // self.ps]][pos % self.ps] == self.tokens[sid][pos]
+
+    def teardown(self):
+        if not hasattr(self, "bm"):
+            return
+        for sid in list(self.bm.seqs):
+            self.bm.free(sid)
+        self.bm.check_invariants()
+        assert all(r == 0 for r in self.bm.ref_counts)
+        assert self.bm.num_free_pages == self.bm.num_usable_pages  # no leaks
+        assert self.bm.usage == 0.0
+
+
+TestBlockManagerFuzz = BlockManagerMachine.TestCase
+TestBlockManagerFuzz.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+def test_page_key_chains():
+    a = page_key(b"", [1, 2])
+    assert page_key(b"", [1, 2]) == a and page_key(b"", [2, 1]) != a
+    assert page_key(a, [3, 4]) != page_key(page_key(b"", [9, 9]), [3, 4])
+    assert page_key(b"lora1", [1, 2]) != a

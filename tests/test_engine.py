@@ -1,0 +1,197 @@
+"""The continuous-batching engine: scheduling never changes what a request generates."""
+
+from __future__ import annotations
+
+import hypothesis
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from tiny_models import save_hf_model
+
+BASE = dict(max_model_len=128, page_size=4, max_num_seqs=16, progress=False)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("engine-model")
+    save_hf_model("llama3.2", directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def roomy(model_dir):
+    """Plenty of pages and a large token budget: the unconstrained reference."""
+    return LLM(model_dir, num_pages=1024, max_num_batched_tokens=128, **BASE)
+
+
+def workload(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(3, 250, int(rng.integers(1, 40)))] for _ in range(n)]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 24)), ignore_eos=True) for _ in range(n)]
+    return prompts, params
+
+
+def alone(llm, prompts, params):
+    return [llm.generate([p], [sp], use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+
+
+def together(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_64_requests_batched_with_chunked_prefill_equal_each_request_alone(model_dir, roomy):
+    prompts, params = workload()
+    reference = alone(roomy, prompts, params)
+    # a 16-token budget: prompts are prefilled in chunks interleaved with other requests' decodes
+    tight = LLM(model_dir, num_pages=1024, max_num_batched_tokens=16, **BASE)
+    assert together(tight, prompts, params) == reference
+    stats = tight.engine.get_stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.num_generated_tokens == sum(len(r) for r in reference)
+
+
+def test_shared_prefixes_hit_the_cache_and_change_nothing(model_dir, roomy):
+    system = [int(t) for t in np.random.default_rng(1).integers(3, 250, 30)]
+    prompts = [system + [5 + i, 9, 17 + i] for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    off = LLM(model_dir, num_pages=1024, max_num_batched_tokens=128, enable_prefix_caching=False, **BASE)
+    without = together(off, prompts, params)
+    assert off.engine.block_manager.stats.hits == 0
+    on = LLM(model_dir, num_pages=1024, max_num_batched_tokens=16, **BASE)
+    on.generate(prompts[:1], params, use_tqdm=False)  # computes and caches the shared pages
+    hits_before = on.engine.block_manager.stats.hits
+    assert together(on, prompts, params) == without
+    assert on.engine.block_manager.stats.hits - hits_before >= 7 * (30 // 4)  # every later prompt reuses 7 full pages
+    assert on.engine.get_stats().prefix_cache_hit_rate > 0
+
+
+def test_a_pool_too_small_preempts_and_everything_still_completes_identically(model_dir, roomy):
+    prompts, params = workload(24, seed=3)
+    reference = alone(roomy, prompts, params)
+    small = LLM(model_dir, num_pages=40, max_num_batched_tokens=32, **BASE)
+    assert together(small, prompts, params) == reference
+    assert small.engine.get_stats().num_preemptions > 0
+    small.engine.block_manager.check_invariants()
+    assert small.engine.block_manager.num_free_pages == small.engine.block_manager.num_usable_pages
+
+
+def test_n_samples_share_prompt_pages(model_dir):
+    llm = LLM(model_dir, num_pages=256, max_num_batched_tokens=64, **BASE)
+    prompt = list(range(3, 40))  # 37 tokens: 9 full pages and a shared partial one
+    out = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs) == 4 and len({tuple(c.token_ids) for c in out.outputs}) > 1
+    # the same seed gives the same four completions when run again
+    again = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_abort_frees_pages_at_once_and_others_finish(model_dir):
+    llm = LLM(model_dir, num_pages=256, max_num_batched_tokens=32, **BASE)
+    engine = engine_ = llm.engine
+    engine.add_request("keep", list(range(3, 20)), SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    engine.add_request("drop", list(range(3, 30)), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    used = engine.block_manager.num_usable_pages - engine.block_manager.num_free_pages
+    engine_.abort_request("drop")
+    assert engine.block_manager.num_usable_pages - engine.block_manager.num_free_pages < used
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert set(done) == {"keep"} and len(done["keep"].outputs[0].token_ids) == 10
+    engine.block_manager.check_invariants()
+
+
+def test_an_over_long_prompt_fails_alone(model_dir):
+    llm = LLM(model_dir, num_pages=256, max_num_batched_tokens=32, **BASE)
+    engine = llm.engine
+    engine.add_request("ok", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine.step()
+    with pytest.raises(ValueError, match=r"request 'long': the prompt has 200 tokens, over max_model_len=128"):
+        engine.add_request("long", [5] * 200, SamplingParams(max_tokens=4))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].request_id == "ok" and outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+
+
+def test_streaming_yields_growing_text_and_metrics(model_dir):
+    llm = LLM(model_dir, num_pages=256, max_num_batched_tokens=32, **BASE)
+    seen = [out for out in llm.stream("stream me", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))]
+    lengths = [len(o.outputs[0].token_ids) for o in seen]
+    assert lengths == sorted(lengths) and lengths[-1] == 5 and seen[-1].finished and not seen[0].finished
+    m = seen[-1].metrics
+    assert m.ttft is not None and m.ttft >= 0 and m.e2e >= m.ttft and m.tpot is not None
+
+
+def test_priority_runs_first_when_only_one_fits(model_dir):
+    llm = LLM(model_dir, num_pages=256, max_num_batched_tokens=32, **{**BASE, "max_num_seqs": 1})
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request("low", [5, 6], params, priority=5)
+    engine.add_request("high", [7, 8], params, priority=0)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["high", "low"]
+
+
+def test_min_tokens_keeps_eos_away(model_dir):
+    llm = LLM(model_dir, num_pages=256, max_num_batched_tokens=32, **BASE)
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    llm.engine.eos_token_ids = {greedy[0]}  # the model's first greedy choice becomes its EOS
+    stopped = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == [greedy[0]] and stopped.finish_reason == "stop"
+    held = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=8, min_tokens=3), use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= 3 and greedy[0] not in held.token_ids[:3]
+
+
+def test_repetition_penalty_changes_a_repetitive_greedy_output(model_dir):
+    llm = LLM(model_dir, num_pages=256, max_num_batched_tokens=32, **BASE)
+    prompts, _ = workload(24, seed=3)
+    plain = llm.generate([prompts[11]], SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    assert len(set(plain)) == 1  # this prompt makes the tiny model repeat one token
+    penalized = llm.generate([prompts[11]], SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, repetition_penalty=3.0,
+                                                           frequency_penalty=1.0), use_tqdm=False)[0].outputs[0].token_ids
+    assert len(set(penalized)) > 3
+
+
+@hypothesis.settings(max_examples=12, deadline=None)
+@hypothesis.given(data=st.data())
+def test_fuzz_arrivals_aborts_forks_and_preemption_leak_no_pages(fuzz_llm, data):
+    from jaxinfer.engine.engine import LLMEngine
+
+    # a fresh engine (scheduler, pages, prefix cache) over the same compiled runner for each example
+    engine = LLMEngine(fuzz_llm.runner, fuzz_llm.tokenizer, vocab_size=fuzz_llm.config.vocab_size, max_model_len=128,
+                       max_num_batched_tokens=16, max_num_seqs=6, eos_token_ids=[2])
+    bm = engine.block_manager
+    live: list[str] = []
+    for step in range(data.draw(st.integers(5, 40))):
+        action = data.draw(st.sampled_from(["add", "add", "abort", "step", "step", "step"]))
+        if action == "add":
+            rid = f"r{step}-{data.draw(st.integers(0, 10**6))}"
+            prefix = [7, 8, 9, 10, 11, 12, 13, 14]  # shared by many requests: prefix hits
+            tail = data.draw(st.lists(st.integers(3, 250), min_size=0, max_size=20))
+            params = SamplingParams(n=data.draw(st.integers(1, 3)), temperature=data.draw(st.sampled_from([0.0, 1.0])),
+                                    seed=step, max_tokens=data.draw(st.integers(1, 12)), ignore_eos=True)
+            engine.add_request(rid, prefix + tail, params)
+            live.append(rid)
+        elif action == "abort" and live:
+            engine.abort_request(live.pop(data.draw(st.integers(0, len(live) - 1))))
+        else:
+            for out in engine.step():
+                if out.finished and out.request_id in live:
+                    live.remove(out.request_id)
+        bm.check_invariants()
+    while engine.has_unfinished_requests():
+        engine.step()
+        bm.check_invariants()
+    assert not bm.seqs and bm.num_free_pages == bm.num_usable_pages  # nothing leaked, nothing still owned
+
+
+@pytest.fixture(scope="module")
+def fuzz_llm(model_dir):
+    # a small pool so that forks, copy-on-write and preemption all happen
+    return LLM(model_dir, num_pages=30, max_num_batched_tokens=16, **{**BASE, "max_num_seqs": 6})
