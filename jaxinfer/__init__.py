@@ -7,9 +7,11 @@
     print(out[0].outputs[0].text)
 """
 
+from jaxinfer.beam_search import BeamSearchParams
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.llm import LLM
 from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "ModelConfig"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "Logprob", "ModelConfig"]

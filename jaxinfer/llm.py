@@ -184,6 +184,13 @@ class LLM:
             bar.close()
         return [finished[r] for r in request_ids]
 
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: "BeamSearchParams") -> list:
+        """Beam search over the engine (see jaxinfer.beam_search); returns one BeamSearchOutput per prompt."""
+        from jaxinfer.beam_search import beam_search
+
+        prompts, _ = self._pair(prompts, None)
+        return beam_search(self, prompts, params)
+
     def stream(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -195,3 +195,36 @@ def test_fuzz_arrivals_aborts_forks_and_preemption_leak_no_pages(fuzz_llm, data)
 def fuzz_llm(model_dir):
     # a small pool so that forks, copy-on-write and preemption all happen
     return LLM(model_dir, num_pages=30, max_num_batched_tokens=16, **{**BASE, "max_num_seqs": 6})
+
+
+def hf_beam_search(hf, prompt, width, steps):
+    """Reference: plain beam search over HF's log-softmax (no EOS handling: ignore_eos)."""
+    import torch
+
+    beams = [([], 0.0)]
+    for _ in range(steps):
+        cands = []
+        for toks, score in beams:
+            with torch.no_grad():
+                lp = torch.log_softmax(hf(torch.tensor([prompt + toks])).logits[0, -1].double(), -1).numpy()
+            for t in np.argsort(-lp)[: 2 * width]:
+                cands.append((toks + [int(t)], score + float(lp[t])))
+        beams = sorted(cands, key=lambda c: c[1], reverse=True)[:width]
+    return beams
+
+
+def test_beam_search_matches_a_reference_and_width_one_is_greedy(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from jaxinfer import BeamSearchParams
+
+    llm = LLM(model_dir, num_pages=512, max_num_batched_tokens=64, **BASE)
+    prompt = [9, 30, 41, 77, 12, 5]
+    greedy = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.beam_search([prompt], BeamSearchParams(beam_width=1, max_tokens=5, ignore_eos=True))[0].sequences[0].token_ids == greedy
+    out = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True, length_penalty=0.0))[0]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    want = hf_beam_search(hf, prompt, 3, 4)
+    assert [b.token_ids for b in out.sequences] == [toks for toks, _ in want]
+    for beam, (_, score) in zip(out.sequences, want):
+        assert abs(beam.cumulative_logprob - score) < 1e-3
