@@ -65,6 +65,8 @@ class LLM:
       max_num_batched_tokens / max_num_seqs: per-step token and sequence budgets; the token
         budget is also the largest shape bucket.
       enable_prefix_caching: share the KV pages of common prompt prefixes (on by default).
+      preemption_mode: when the KV pool runs dry, "recompute" a preempted sequence's cache on
+        readmission (default) or "swap" its pages to host memory and back.
       log_stats_interval: seconds between engine stats lines on the "jaxinfer" logger (None: off).
       seed: seeds the per-request seeds of requests that give none.
       warmup: compile every shape bucket now rather than on first use.
@@ -85,6 +87,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_logprobs: int = 20,
         enable_prefix_caching: bool = True,
+        preemption_mode: str = "recompute",
         log_stats_interval: float | None = None,
         seed: int = 0,
         warmup: bool = False,
@@ -142,6 +145,7 @@ class LLM:
             eos_token_ids=sorted(eos),
             max_logprobs=max_logprobs,
             enable_prefix_caching=enable_prefix_caching,
+            preemption_mode=preemption_mode,
             seed=seed,
             log_stats_interval=log_stats_interval,
         )

@@ -66,12 +66,18 @@ def test_shared_prefixes_hit_the_cache_and_change_nothing(model_dir, roomy):
     assert on.engine.get_stats().prefix_cache_hit_rate > 0
 
 
-def test_a_pool_too_small_preempts_and_everything_still_completes_identically(model_dir, roomy):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_pool_too_small_preempts_and_everything_still_completes_identically(model_dir, roomy, mode):
     prompts, params = workload(24, seed=3)
     reference = alone(roomy, prompts, params)
-    small = LLM(model_dir, num_pages=40, max_num_batched_tokens=32, **BASE)
+    small = LLM(model_dir, num_pages=40, max_num_batched_tokens=32, preemption_mode=mode, **BASE)
+    computed = []
+    if mode == "swap":  # count the tokens restored from host memory instead of recomputed
+        original = small.runner.write_pages
+        small.runner.write_pages = lambda pages, k, v: (computed.append(len(pages)), original(pages, k, v))
     assert together(small, prompts, params) == reference
     assert small.engine.get_stats().num_preemptions > 0
+    assert (sum(computed) > 0) == (mode == "swap")
     small.engine.block_manager.check_invariants()
     assert small.engine.block_manager.num_free_pages == small.engine.block_manager.num_usable_pages
 
@@ -165,7 +171,8 @@ def test_fuzz_arrivals_aborts_forks_and_preemption_leak_no_pages(fuzz_llm, data)
 
     # a fresh engine (scheduler, pages, prefix cache) over the same compiled runner for each example
     engine = LLMEngine(fuzz_llm.runner, fuzz_llm.tokenizer, vocab_size=fuzz_llm.config.vocab_size, max_model_len=128,
-                       max_num_batched_tokens=16, max_num_seqs=6, eos_token_ids=[2])
+                       max_num_batched_tokens=16, max_num_seqs=6, eos_token_ids=[2],
+                       preemption_mode=data.draw(st.sampled_from(["recompute", "swap"])))
     bm = engine.block_manager
     live: list[str] = []
     for step in range(data.draw(st.integers(5, 40))):

@@ -25,7 +25,7 @@ from jaxinfer.batch import SequenceChunk
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from jaxinfer.engine.model_runner import ModelRunner, RowResult, RowSampling, ScheduledChunk
-from jaxinfer.engine.request import Request, RequestMetrics, Sequence, SequenceStatus
+from jaxinfer.engine.request import Request, RequestMetrics, Sequence, SwappedKV
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler
 from jaxinfer.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
@@ -59,6 +59,7 @@ class LLMEngine:
         eos_token_ids,
         max_logprobs: int = 20,
         enable_prefix_caching: bool = True,
+        preemption_mode: str = "recompute",
         seed: int = 0,
         log_stats_interval: float | None = None,
     ):
@@ -69,7 +70,8 @@ class LLMEngine:
         self.max_logprobs = max_logprobs
         self.eos_token_ids = set(eos_token_ids)
         self.block_manager = BlockManager(runner.kv.num_pages, runner.kv.page_size, enable_prefix_caching=enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+        self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens=max_num_batched_tokens,
+                                   max_num_seqs=max_num_seqs, preemption_mode=preemption_mode)
         self.requests: dict[str, Request] = {}
         self._seed_rng = np.random.default_rng(seed)
         self._counter = 0
@@ -129,6 +131,13 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("no waiting request fits in the KV cache; raise num_pages")  # add_request prevents this
             return []
+        for seq, pages, num_computed in plan.swap_out:  # before anything can overwrite the freed pages
+            k, v = self.runner.read_pages(pages)
+            seq.swapped = SwappedKV(k, v, num_computed)
+        for seq, first, pages in plan.swap_in:
+            self.runner.write_pages(pages, seq.swapped.k[:, first : first + len(pages)], seq.swapped.v[:, first : first + len(pages)])
+            self.block_manager.mark_computed(seq.seq_id, seq.num_computed, seq.token_ids)
+            seq.swapped = None
         if plan.page_copies:
             self.runner.copy_pages(plan.page_copies)
         chunks = [self._chunk(s) for s in plan.scheduled]

@@ -183,6 +183,21 @@ class ModelRunner:
         self.kv = _copy_pages(self.kv, src, dst)
 
 
+    def read_pages(self, pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """K and V of the given pages, all layers, on the host: [L, len(pages), page_size, Hkv, D] each."""
+        idx = np.asarray(pages, np.int32)
+        return np.asarray(self.kv.k[:, idx]), np.asarray(self.kv.v[:, idx])
+
+    def write_pages(self, pages: Sequence[int], k: np.ndarray, v: np.ndarray) -> None:
+        """Writes host K/V (as read_pages returns them) into the given pages, in place."""
+        self.kv = _write_pages(self.kv, np.asarray(pages, np.int32), k, v)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_pages(kv: KVCache, pages: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+    return KVCache(k=kv.k.at[:, pages].set(k.astype(kv.k.dtype)), v=kv.v.at[:, pages].set(v.astype(kv.v.dtype)))
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _copy_pages(kv: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     return KVCache(k=kv.k.at[:, dst].set(kv.k[:, src]), v=kv.v.at[:, dst].set(kv.v[:, src]))

@@ -59,6 +59,15 @@ class RequestMetrics:
 
 
 @dataclasses.dataclass(eq=False)
+class SwappedKV:
+    """A preempted sequence's computed K/V, saved on the host: [L, pages, page_size, Hkv, D] each."""
+
+    k: object
+    v: object
+    num_computed: int
+
+
+@dataclasses.dataclass(eq=False)
 class Sequence:
     request: "Request"
     index: int  # completion index within the request
@@ -74,6 +83,8 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""
     num_preemptions: int = 0
+    swapped: SwappedKV | None = None  # K/V saved to host memory when preempted in swap mode
+
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,7 +13,9 @@ Each call to `schedule()` decides what one step computes, within two budgets:
 
 When a running sequence needs a page and none is free, the lowest-priority running sequence
 not yet scheduled this step is preempted: its pages are freed and it goes back to waiting with
-its tokens, to be recomputed (with whatever prefix pages are still cached) when readmitted.
+its tokens. With preemption_mode="recompute" (the default) its K/V are recomputed (with
+whatever prefix pages are still cached) when it is readmitted; with "swap" the engine first
+copies its pages to host memory and, on readmission, back into the new pages.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     page_copies: list[tuple[int, int]]  # (src, dst) device page copies to do before the step
     preempted: list[Sequence]
+    # swap mode: (seq, its computed pages, tokens computed): copy to host before anything writes
+    swap_out: list[tuple[Sequence, list[int], int]] = dataclasses.field(default_factory=list)
+    # swap mode: (seq, index of its first page to restore, the pages to restore its saved K/V into)
+    swap_in: list[tuple[Sequence, int, list[int]]] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -51,7 +57,11 @@ def priority_order(seq: Sequence) -> tuple:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, *, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, block_manager: BlockManager, *, max_num_batched_tokens: int, max_num_seqs: int,
+                 preemption_mode: str = "recompute"):
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode={preemption_mode!r}: expected 'recompute' or 'swap'")
+        self.preemption_mode = preemption_mode
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -88,6 +98,8 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
+        swap_out: list[tuple[Sequence, list[int], int]] = []
+        swap_in: list[tuple[Sequence, int, list[int]]] = []
 
         # decodes first, then prefill chunks; best priority first within each group
         queue = sorted(self.running, key=lambda s: (s.is_prefill, priority_order(s)))
@@ -97,6 +109,9 @@ class Scheduler:
             new_slots = max(0, seq.num_computed + n - bm.seqs[seq.seq_id].num_tokens)
             while not bm.can_append(seq.seq_id, new_slots):
                 victim = max(queue + [seq], key=priority_order)
+                if self.preemption_mode == "swap" and victim.num_computed > 0:
+                    pages = bm.page_table(victim.seq_id)[: bm.pages_needed(victim.num_computed)]
+                    swap_out.append((victim, pages, victim.num_computed))
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -118,13 +133,20 @@ class Scheduler:
                     seq.num_computed = bm.allocate(seq.seq_id, seq.token_ids)
                 except OutOfPagesError:
                     break
+                if seq.swapped is not None and seq.swapped.num_computed > seq.num_computed:
+                    # restore its saved K/V instead of recomputing them; prefix-cache hits (shared,
+                    # read-only pages) keep their content, only the pages after them are written
+                    first = seq.num_computed // bm.page_size
+                    last = bm.pages_needed(seq.swapped.num_computed)
+                    swap_in.append((seq, first, bm.page_table(seq.seq_id)[first:last]))
+                    seq.num_computed = seq.swapped.num_computed
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 n = min(seq.num_uncomputed, budget)
                 scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
-        return SchedulerOutput(scheduled, copies, preempted)
+        return SchedulerOutput(scheduled, copies, preempted, swap_out, swap_in)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq.seq_id)
