@@ -13,6 +13,8 @@ buckets, so the step compiles once per bucket.
     page_table      [S, pages_per_seq]  page ids of sequence s (unused entries: 0, the scratch page)
     num_seqs        [1]              sequences in use; slots past it are padding with length 0
     logits_indices  [R]              token rows whose logits the step computes (padding: 0)
+    token_src       [T]              -1, or the row of the previous step's sampled tokens that is
+                                     this token (a token still on the device: see step.py)
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class RaggedBatch:
     page_table: jax.Array
     num_seqs: jax.Array
     logits_indices: jax.Array
+    token_src: jax.Array
 
 
 @dataclasses.dataclass
@@ -47,6 +50,9 @@ class SequenceChunk:
     start_pos: int  # tokens of this sequence already in the cache
     pages: Sequence[int]  # the sequence's pages, in order; must cover start_pos + len(token_ids)
     logits_rows: Sequence[int] = ()  # offsets into token_ids whose logits are needed
+    # {offset: row}: tokens not known on the host yet, taken on the device from row `row` of the
+    # previous step's sampled tokens (their entry in token_ids is ignored)
+    device_tokens: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +167,7 @@ def pack_batch(chunks: Sequence[SequenceChunk], buckets: Buckets, page_size: int
     kv_lens = np.zeros(S, np.int32)
     page_table = np.full((S, buckets.pages_per_seq), SCRATCH_PAGE, np.int32)
     logits_indices = np.zeros(R, np.int32)
+    token_src = np.full(T, -1, np.int32)
     rows_of_chunk: list[list[int]] = []
 
     t = r = 0
@@ -171,7 +178,9 @@ def pack_batch(chunks: Sequence[SequenceChunk], buckets: Buckets, page_size: int
             raise ValueError(f"sequence slot {s}: {len(c.pages)} pages cannot hold {end} tokens")
         if len(c.pages) > buckets.pages_per_seq:
             raise ValueError(f"sequence slot {s}: {len(c.pages)} pages exceed pages_per_seq={buckets.pages_per_seq}")
-        token_ids[t : t + n] = c.token_ids
+        token_ids[t : t + n] = [max(tok, 0) for tok in c.token_ids]
+        for off, row in c.device_tokens.items():
+            token_src[t + off] = row
         positions[t : t + n] = np.arange(c.start_pos, end)
         cu_q_lens[s + 1] = t + n
         kv_lens[s] = end
@@ -192,5 +201,6 @@ def pack_batch(chunks: Sequence[SequenceChunk], buckets: Buckets, page_size: int
         page_table=page_table,
         num_seqs=np.array([len(chunks)], np.int32),
         logits_indices=logits_indices,
+        token_src=token_src,
     )
     return key, batch, rows_of_chunk

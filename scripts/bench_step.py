@@ -342,7 +342,7 @@ def run_jaxinfer(args, dtype: str) -> dict:
             chunks = used_chunks[row["what"]]
             key, batch, rows = pack_batch(chunks, runner.buckets, page_size)
             sampling = runner._sampling_tensors(key, [ScheduledChunk(c, RowSampling()) for c in chunks], rows)
-            hlo = runner.step_fn._step.lower(runner.params, runner.kv, batch, sampling, query_block=key.query_block).compile().as_text()
+            hlo = runner.step_fn._step.lower(runner.params, runner.kv, batch, sampling, runner.token_buffer, query_block=key.query_block).compile().as_text()
             n = 0
             for m in re.finditer(r"= \w+\[([\d,]+)\]\S* copy\(", hlo):
                 if int(np.prod([int(d) for d in m.group(1).split(",")])) == cache_elems:

@@ -235,3 +235,31 @@ def test_beam_search_matches_a_reference_and_width_one_is_greedy(model_dir):
     assert [b.token_ids for b in out.sequences] == [toks for toks, _ in want]
     for beam, (_, score) in zip(out.sequences, want):
         assert abs(beam.cumulative_logprob - score) < 1e-3
+
+
+def test_step_n_plus_1_is_dispatched_before_step_n_is_read(model_dir):
+    """Host/device overlap: decode steps are launched before the previous step's tokens are read."""
+    llm = LLM(model_dir, num_pages=256, max_num_batched_tokens=32, **BASE)
+    runner, events, handles = llm.runner, [], []
+    dispatch, collect = runner.dispatch, runner.collect
+
+    def traced_dispatch(*a, **k):
+        handle = dispatch(*a, **k)
+        handles.append(handle)
+        events.append(("dispatch", len(handles) - 1))
+        return handle
+
+    def traced_collect(handle):
+        events.append(("collect", next(i for i, h in enumerate(handles) if h is handle)))
+        return collect(handle)
+
+    runner.dispatch, runner.collect = traced_dispatch, traced_collect
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 4
+    prompts, _ = workload(4, seed=5)
+    out = together(llm, prompts, params)
+    runner.dispatch, runner.collect = dispatch, collect
+    steps = len(handles)
+    assert sorted(i for kind, i in events if kind == "collect") == list(range(steps))  # every step read once
+    overlapped = [k for k in range(steps - 1) if events.index(("dispatch", k + 1)) < events.index(("collect", k))]
+    assert len(overlapped) >= steps // 2  # most steps were launched before their predecessor was read
+    assert out == alone(llm, prompts, params)

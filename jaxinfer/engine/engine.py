@@ -25,7 +25,7 @@ from jaxinfer.batch import SequenceChunk
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from jaxinfer.engine.model_runner import ModelRunner, RowResult, RowSampling, ScheduledChunk
-from jaxinfer.engine.request import Request, RequestMetrics, Sequence, SwappedKV
+from jaxinfer.engine.request import PENDING, Request, RequestMetrics, Sequence, SwappedKV
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler
 from jaxinfer.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
@@ -80,6 +80,7 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.log_stats_interval = log_stats_interval
         self._last_log = time.time()
+        self._inflight: _InFlight | None = None  # the dispatched step not processed yet
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -125,12 +126,31 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """Runs one iteration; returns the outputs of the requests it advanced (finished ones last time)."""
+        """Runs one iteration; returns the outputs of the requests it advanced.
+
+        Pipelined: it schedules and dispatches step N+1 first, then reads and processes step N,
+        whose sampled tokens step N+1 already takes on the device. A sequence whose step-N token
+        ends it (EOS, stop) has a wasted slot in step N+1, whose result is ignored. When step N
+        must be read before scheduling (its tokens feed penalties, or a request forks into n
+        completions), it is processed first.
+        """
+        outputs: list[RequestOutput] = []
+        previous, self._inflight = self._inflight, None
+        if previous is not None and previous.must_sync:
+            outputs += self._process(previous)
+            previous = None
         plan = self.scheduler.schedule()
-        if not plan.scheduled:
+        if plan.scheduled:
+            self._inflight = self._dispatch(plan)
+        if previous is not None:
+            outputs += self._process(previous)
+        if not plan.scheduled and previous is None and not outputs:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("no waiting request fits in the KV cache; raise num_pages")  # add_request prevents this
-            return []
+        self._maybe_log()
+        return outputs
+
+    def _dispatch(self, plan) -> "_InFlight":
         for seq, pages, num_computed in plan.swap_out:  # before anything can overwrite the freed pages
             k, v = self.runner.read_pages(pages)
             seq.swapped = SwappedKV(k, v, num_computed)
@@ -144,25 +164,28 @@ class LLMEngine:
         want_logprobs = any(
             s.seq.request.params.logprobs is not None or s.seq.request.wants_prompt_logprobs for s in plan.scheduled
         )
-        results = self.runner.execute(chunks, want_logprobs=want_logprobs)
+        handle = self.runner.dispatch(chunks, want_logprobs=want_logprobs)
         self.num_steps += 1
-        now = time.time()
-        touched: dict[str, Request] = {}
-        for sched, chunk, rows in zip(plan.scheduled, chunks, results):
-            self._advance(sched, chunk, rows, now)
-            touched[sched.seq.request.request_id] = sched.seq.request
-        outputs = []
-        for request in touched.values():
-            if request.finished:
-                request.metrics.finished_time = now
-                self.requests.pop(request.request_id, None)
-            outputs.append(self._output(request))
-        self._maybe_log()
-        return outputs
+        inflight = _InFlight(plan.scheduled, chunks, handle)
+        for s, chunk, rows in zip(plan.scheduled, chunks, handle.rows_of_chunk):
+            seq, request = s.seq, s.seq.request
+            seq.num_computed += s.num_tokens
+            if not s.samples:
+                continue
+            sample_rows = [r for r, t in zip(rows, chunk.sampling.target_ids) if t < 0]
+            seq.token_ids.append(PENDING)  # the sampled token, known on the device only for now
+            seq.pending[len(seq.token_ids) - 1] = sample_rows[0]
+            p = request.params
+            num_out = len(seq.token_ids) - len(request.prompt_token_ids)
+            if num_out >= (p.max_tokens or self.max_model_len) or len(seq.token_ids) >= request.max_len:
+                seq.hold = True  # this token ends it: nothing more to schedule
+            if not request.forked or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                inflight.must_sync = True
+        return inflight
 
     def _chunk(self, s: ScheduledSeq) -> ScheduledChunk:
         seq, request = s.seq, s.seq.request
-        start = seq.num_computed
+        start = s.start
         rows, targets = [], []
         if request.wants_prompt_logprobs and seq.index == 0:
             have = len(request.prompt_logprobs or [None])
@@ -198,14 +221,29 @@ class LLMEngine:
             request.metrics.first_scheduled_time = time.time()
         tokens = seq.token_ids[start : start + s.num_tokens]
         pages = self.block_manager.page_table(seq.seq_id)
-        return ScheduledChunk(SequenceChunk(tokens, start, pages, rows), sampling)
+        device_tokens = {i: seq.pending[start + i] for i in range(s.num_tokens) if start + i in seq.pending}
+        return ScheduledChunk(SequenceChunk(tokens, start, pages, rows, device_tokens), sampling)
+
+    def _process(self, inflight: "_InFlight") -> list[RequestOutput]:
+        """Reads a dispatched step's tokens and applies them: logprobs, forks, stop checks."""
+        results = self.runner.collect(inflight.handle)
+        now = time.time()
+        touched: dict[str, Request] = {}
+        for sched, chunk, rows in zip(inflight.scheduled, inflight.chunks, results):
+            if sched.seq.finished:  # finished or aborted after this step was dispatched
+                continue
+            self._advance(sched, chunk, rows, now)
+            touched[sched.seq.request.request_id] = sched.seq.request
+        outputs = []
+        for request in touched.values():
+            if request.finished:
+                request.metrics.finished_time = now
+                self.requests.pop(request.request_id, None)
+            outputs.append(self._output(request))
+        return outputs
 
     def _advance(self, s: ScheduledSeq, chunk: ScheduledChunk, rows: list[RowResult], now: float) -> None:
         seq, request = s.seq, s.seq.request
-        seq.num_computed += s.num_tokens
-        self.block_manager.mark_computed(seq.seq_id, seq.num_computed, seq.token_ids)
-        if seq.is_prefill or s.num_tokens > 1:
-            self.num_prompt_tokens_computed += s.num_tokens - (1 if s.samples else 0)
         samples = []
         for row, target in zip(rows, chunk.sampling.target_ids):
             if target >= 0:
@@ -214,22 +252,34 @@ class LLMEngine:
                 request.prompt_logprobs.append(self._position_logprobs(target, row, request.params.prompt_logprobs))
             else:
                 samples.append(row)
+        end = s.start + s.num_tokens
+        if samples:
+            index = end  # where this step's sampled token sits in token_ids
+            seq.token_ids[index] = samples[0].token
+            seq.pending.pop(index, None)
+        if seq.seq_id in self.block_manager.seqs and seq.num_computed >= end:  # not preempted meanwhile
+            self.block_manager.mark_computed(seq.seq_id, end, seq.token_ids)
+        if s.num_tokens > 1:
+            self.num_prompt_tokens_computed += s.num_tokens
         if not samples:
             return
         if not request.forked:  # the prompt is done: make the n completions, sharing its pages
             for j, row in enumerate(samples[1:], start=1):
-                child = Sequence(request, j, list(seq.token_ids), _child_seed(request.seed, j), num_computed=seq.num_computed)
+                child = Sequence(request, j, seq.token_ids[:end] + [row.token], _child_seed(request.seed, j), num_computed=end)
                 self.block_manager.fork(seq.seq_id, child.seq_id)
                 request.seqs.append(child)
                 self.scheduler.add_running(child)
-                self._append_token(child, row, now)
+                self._on_token(child, row, end, now)
             request.forked = True
-        self._append_token(seq, samples[0], now)
+        self._on_token(seq, samples[0], end, now)
+        if seq.finished:
+            del seq.token_ids[end + 1 :]  # drop tokens of steps dispatched after the one that ended it
+            seq.pending.clear()
 
-    def _append_token(self, seq: Sequence, row: RowResult, now: float) -> None:
+    def _on_token(self, seq: Sequence, row: RowResult, index: int, now: float) -> None:
+        """A newly sampled token (already in seq.token_ids): logprobs, metrics, text, stop checks."""
         request, p = seq.request, seq.request.params
         token = row.token
-        seq.token_ids.append(token)
         seq.cumulative_logprob += row.logprob
         if p.logprobs is not None:
             seq.output_logprobs.append(self._position_logprobs(token, row, p.logprobs))
@@ -240,7 +290,8 @@ class LLMEngine:
         m.num_generated_tokens += 1
         self.num_generated_tokens += 1
 
-        num_out = len(seq.token_ids) - len(request.prompt_token_ids)
+        length = index + 1  # the sequence's length up to this token (later pending tokens excluded)
+        num_out = length - len(request.prompt_token_ids)
         if not p.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
         elif p.stop_token_ids and token in p.stop_token_ids:
@@ -253,7 +304,7 @@ class LLMEngine:
             seq.text = seq.detokenizer.text
             if p.stop and delta:
                 self._check_stop_strings(seq, len(delta))
-            if seq.finish_reason is None and (num_out >= (p.max_tokens or self.max_model_len) or len(seq.token_ids) >= request.max_len):
+            if seq.finish_reason is None and (num_out >= (p.max_tokens or self.max_model_len) or length >= request.max_len):
                 seq.finish_reason = "length"
                 seq.text += seq.detokenizer.flush()
         if seq.finish_reason is not None:
@@ -369,6 +420,14 @@ class LLMEngine:
             s.num_running, s.num_waiting, 100 * s.kv_cache_usage, 100 * s.prefix_cache_hit_rate,
             s.num_preemptions, s.num_compiles, s.num_generated_tokens, s.num_steps,
         )
+
+
+@dataclasses.dataclass
+class _InFlight:
+    scheduled: list[ScheduledSeq]
+    chunks: list[ScheduledChunk]
+    handle: object  # model_runner.InFlightStep
+    must_sync: bool = False  # read it before scheduling the next step
 
 
 def _child_seed(seed: int, index: int) -> int:

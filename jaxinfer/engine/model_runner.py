@@ -14,11 +14,12 @@ import time
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.batch import BucketKey, Buckets, RaggedBatch, SequenceChunk, pack_batch
 from jaxinfer.kv_cache import KVCache
-from jaxinfer.sampling import SamplingTensors
+from jaxinfer.sampling import SampleOutput, SamplingTensors
 from jaxinfer.step import StepFunction
 
 BANNED_IDS_MULTIPLE = 8  # banned-id columns are padded to a multiple of this (one variant for up to 8)
@@ -61,6 +62,15 @@ class RowResult:
     top_logprobs: np.ndarray  # [K]
 
 
+@dataclasses.dataclass
+class InFlightStep:
+    """A dispatched step whose results have not been read yet."""
+
+    out: SampleOutput  # device arrays
+    rows_of_chunk: list[list[int]]
+    want_logprobs: bool
+
+
 class ModelRunner:
     def __init__(self, graphdef, params, kv: KVCache, buckets: Buckets, *, num_top_logprobs: int = 20):
         self.graphdef = graphdef
@@ -68,7 +78,8 @@ class ModelRunner:
         self.kv = kv
         self.buckets = buckets
         self.num_top_logprobs = num_top_logprobs
-        self.step_fn = StepFunction(graphdef, num_top_logprobs)
+        self.step_fn = StepFunction(graphdef, num_top_logprobs, max_rows=buckets.max_tokens)
+        self.token_buffer = jnp.zeros(buckets.max_tokens, jnp.int32)  # the last step's sampled tokens, on the device
         self.compile_seconds: dict[BucketKey, float] = {}
         self.keys_seen: set[BucketKey] = set()  # bucket variants executed so far
 
@@ -76,25 +87,41 @@ class ModelRunner:
     def num_compiles(self) -> int:
         return self.step_fn.num_compiles
 
-    def execute(self, scheduled: Sequence[ScheduledChunk], *, want_logprobs: bool = False) -> list[list[RowResult]]:
-        """Runs one step. Returns, per scheduled chunk, one RowResult per requested logits row."""
+    def dispatch(self, scheduled: Sequence[ScheduledChunk], *, want_logprobs: bool = False) -> "InFlightStep":
+        """Packs and launches one step without waiting for it (JAX dispatch is asynchronous).
+
+        Tokens marked in a chunk's `device_tokens` are read on the device from the previous
+        dispatched step's sampled tokens. `collect` reads the results.
+        """
         key, batch, rows_of_chunk = pack_batch([s.chunk for s in scheduled], self.buckets, self.kv.page_size)
         sampling = self._sampling_tensors(key, scheduled, rows_of_chunk)
         self.keys_seen.add(key)
         compiles_before = self.step_fn.num_compiles
         t0 = time.perf_counter()
-        out, self.kv = self.step_fn(self.params, self.kv, batch, sampling, query_block=key.query_block)
-        if want_logprobs:
+        out, self.token_buffer, self.kv = self.step_fn(
+            self.params, self.kv, batch, sampling, self.token_buffer, query_block=key.query_block
+        )
+        if self.step_fn.num_compiles != compiles_before:  # tracing and compiling happen at dispatch
+            self.compile_seconds[key] = time.perf_counter() - t0
+        return InFlightStep(out, rows_of_chunk, want_logprobs)
+
+    def collect(self, step: "InFlightStep") -> list[list[RowResult]]:
+        """Waits for a dispatched step; per chunk, one RowResult per requested logits row. Only the
+        sampled tokens (and logprobs when asked for) come to the host."""
+        out = step.out
+        if step.want_logprobs:
             tokens, logprobs, top_ids, top_lps = jax.device_get((out.tokens, out.logprobs, out.top_ids, out.top_logprobs))
         else:
             tokens = np.asarray(out.tokens)
             logprobs = np.zeros(len(tokens), np.float32)
             top_ids = top_lps = np.zeros((len(tokens), 0))
-        if self.step_fn.num_compiles != compiles_before:
-            self.compile_seconds[key] = time.perf_counter() - t0
         return [
-            [RowResult(int(tokens[r]), float(logprobs[r]), top_ids[r], top_lps[r]) for r in rows] for rows in rows_of_chunk
+            [RowResult(int(tokens[r]), float(logprobs[r]), top_ids[r], top_lps[r]) for r in rows] for rows in step.rows_of_chunk
         ]
+
+    def execute(self, scheduled: Sequence[ScheduledChunk], *, want_logprobs: bool = False) -> list[list[RowResult]]:
+        """Runs one step and waits for it."""
+        return self.collect(self.dispatch(scheduled, want_logprobs=want_logprobs))
 
     def _sampling_tensors(self, key: BucketKey, scheduled, rows_of_chunk) -> SamplingTensors:
         R = key.num_logits
@@ -148,6 +175,7 @@ class ModelRunner:
             page_table=np.zeros((S, self.buckets.pages_per_seq), np.int32),
             num_seqs=np.zeros(1, np.int32),
             logits_indices=np.zeros(R, np.int32),
+            token_src=np.full(T, -1, np.int32),
         )
         sampling = SamplingTensors(
             np.zeros(R, np.float32), np.zeros(R, np.int32), np.ones(R, np.float32),
@@ -160,14 +188,16 @@ class ModelRunner:
         for key in keys or self.buckets.all_keys():
             batch, sampling = self._empty_inputs(key)
             t0 = time.perf_counter()
-            out, self.kv = self.step_fn(self.params, self.kv, batch, sampling, query_block=key.query_block)
+            out, self.token_buffer, self.kv = self.step_fn(
+                self.params, self.kv, batch, sampling, self.token_buffer, query_block=key.query_block
+            )
             jax.block_until_ready(out.tokens)
             self.compile_seconds[key] = time.perf_counter() - t0
 
     def compiled_hlo(self, key: BucketKey) -> str:
         """The optimized HLO of one bucket's step (for inspection; compiles if needed)."""
         batch, sampling = self._empty_inputs(key)
-        lowered = self.step_fn._step.lower(self.params, self.kv, batch, sampling, query_block=key.query_block)
+        lowered = self.step_fn._step.lower(self.params, self.kv, batch, sampling, self.token_buffer, query_block=key.query_block)
         return lowered.compile().as_text()
 
     def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:

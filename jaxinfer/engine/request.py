@@ -21,6 +21,7 @@ from jaxinfer.outputs import PositionLogprobs
 from jaxinfer.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
+PENDING = -1  # placeholder for a sampled token still on the device
 
 
 class SequenceStatus(enum.Enum):
@@ -84,6 +85,10 @@ class Sequence:
     text: str = ""
     num_preemptions: int = 0
     swapped: SwappedKV | None = None  # K/V saved to host memory when preempted in swap mode
+    # tokens sampled by a dispatched step not read back yet: index in token_ids -> row of that
+    # step's sampled tokens (their entry in token_ids is PENDING until then)
+    pending: dict[int, int] = dataclasses.field(default_factory=dict)
+    hold: bool = False  # its pending token ends it (length): don't schedule it again
 
 
     @property

@@ -29,12 +29,13 @@ from jaxinfer.engine.request import Sequence, SequenceStatus
 @dataclasses.dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # computed this step, starting at seq.num_computed
+    num_tokens: int  # computed this step, starting at `start`
+    start: int = dataclasses.field(init=False)  # seq.num_computed when scheduled
+    samples: bool = dataclasses.field(init=False)  # the chunk reaches the newest token: sample the next one
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the sequence's newest token, so the step samples the next one."""
-        return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
+    def __post_init__(self):
+        self.start = self.seq.num_computed
+        self.samples = self.start + self.num_tokens == len(self.seq.token_ids)
 
 
 @dataclasses.dataclass
@@ -102,7 +103,7 @@ class Scheduler:
         swap_in: list[tuple[Sequence, int, list[int]]] = []
 
         # decodes first, then prefill chunks; best priority first within each group
-        queue = sorted(self.running, key=lambda s: (s.is_prefill, priority_order(s)))
+        queue = sorted((s for s in self.running if not s.hold), key=lambda s: (s.is_prefill, priority_order(s)))
         while queue and budget > 0 and len(scheduled) < self.max_num_seqs:
             seq = queue.pop(0)
             n = min(seq.num_uncomputed, budget)
