@@ -194,12 +194,13 @@ class LLMEngine:
                 if have <= nxt < len(request.prompt_token_ids):
                     rows.append(i)
                     targets.append(request.prompt_token_ids[nxt])
-        seeds = [seq.seed]
-        if s.samples:
+        seed: int | list[int] = seq.seed
+        if s.samples:  # the last row samples; before its request forks, it samples all n completions
             n = 1 if request.forked else request.params.n
-            seeds = [seq.seed] + [_child_seed(request.seed, j) for j in range(1, n)]
             rows += [s.num_tokens - 1] * n
             targets += [-1] * n
+            # prompt-logprob rows keep the sequence's seed; sample row j gets completion j's seed
+            seed = [seq.seed] * (len(rows) - n) + [_child_seed(seq.seed, j) for j in range(n)]
         p = request.params
         num_out = len(seq.output_token_ids)
         banned = ()
@@ -209,7 +210,7 @@ class LLMEngine:
             banned = tuple(p.stop_token_ids or ())
         sampling = RowSampling(
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-            seed=[seq.seed] * (len(rows) - len(seeds)) + seeds if s.samples else seq.seed,
+            seed=seed,
             counter=num_out, target_ids=targets,
             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, banned_ids=banned,

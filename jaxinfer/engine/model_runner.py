@@ -32,7 +32,7 @@ class RowSampling:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | Sequence[int] = 0  # one seed, or one per logits row
     counter: int = 0  # tokens this sequence has sampled so far
     target_ids: Sequence[int] = ()  # per logits row: the token whose logprob to report, -1 = sampled one
     min_p: float = 0.0  # 0 = off
