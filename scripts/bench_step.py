@@ -473,10 +473,13 @@ def _passthrough(args) -> list[str]:
     return out
 
 
-def run_child(args, system: str, dtype: str) -> dict:
+def run_worker(script: str, worker: str, extra_args: list[str], *, wall_key: str = "wall_s", **labels) -> dict:
+    """Runs `script --worker WORKER` in a child process (its own RSS and thread pools) and returns
+    the JSON result it writes, with the child's wall time (under `wall_key`) and the load average
+    before and after. On failure: `labels` plus the error and the tail of its stdout."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"{system}:{dtype}", "--result", str(result), *_passthrough(args)]
+        cmd = [sys.executable, os.path.abspath(script), "--worker", worker, "--result", str(result), *extra_args]
         load_before = os.getloadavg()
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # the child's stderr (progress) passes through
@@ -484,12 +487,16 @@ def run_child(args, system: str, dtype: str) -> dict:
         load_after = os.getloadavg()
         if proc.returncode != 0 or not result.is_file():
             tail = proc.stdout[-2000:] if proc.stdout else ""
-            return {"system": system, "dtype": dtype, "error": f"child exited with {proc.returncode}", "stdout_tail": tail, "wall_s": wall}
+            return {**labels, "error": f"child exited with {proc.returncode}", "stdout_tail": tail, wall_key: wall}
         res = json.loads(result.read_text())
-    res["wall_s"] = wall
+    res[wall_key] = wall
     res["loadavg_before"] = [round(x, 2) for x in load_before]
     res["loadavg_after"] = [round(x, 2) for x in load_after]
     return res
+
+
+def run_child(args, system: str, dtype: str) -> dict:
+    return run_worker(__file__, f"{system}:{dtype}", _passthrough(args), system=system, dtype=dtype)
 
 
 def _version(dist: str) -> str:

@@ -39,14 +39,12 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import Phases, _fmt, _model_path, _ratio, environment, log  # noqa: E402  (shared conventions)
+from bench_step import Phases, _fmt, _model_path, _ratio, environment, log, run_worker  # noqa: E402  (shared conventions)
 
 DEFAULT_WORKLOAD = "/work/shared/bench/workload_cpu.json"
 AGREE_PREFIX = 16
@@ -373,22 +371,7 @@ def _passthrough(args) -> list[str]:
 
 
 def run_child(args, system: str, setting: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"{system}:{setting}", "--result", str(result), *_passthrough(args)]
-        load_before = os.getloadavg()
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-        wall = time.perf_counter() - t0
-        load_after = os.getloadavg()
-        if proc.returncode != 0 or not result.is_file():
-            return {"system": system, "setting": setting, "error": f"child exited with {proc.returncode}",
-                    "stdout_tail": proc.stdout[-2000:] if proc.stdout else "", "child_wall_s": wall}
-        res = json.loads(result.read_text())
-    res["child_wall_s"] = wall
-    res["loadavg_before"] = [round(x, 2) for x in load_before]
-    res["loadavg_after"] = [round(x, 2) for x in load_after]
-    return res
+    return run_worker(__file__, f"{system}:{setting}", _passthrough(args), wall_key="child_wall_s", system=system, setting=setting)
 
 
 def agreement(jax_toks: list[list[int]], hf: dict, reqs: list[dict]) -> dict:
