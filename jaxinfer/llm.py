@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,9 @@ from jaxinfer.loading import load_params, read_config, resolve_model
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import cache_root, load_tokenizer
+
+if TYPE_CHECKING:
+    from jaxinfer.beam_search import BeamSearchParams
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 

@@ -365,7 +365,6 @@ def run_jaxinfer(args, dtype: str) -> dict:
 # ----------------------------------------------------------------------------- transformers worker
 def run_transformers(args, dtype: str) -> dict:
     ph = Phases()
-    import numpy as np
     import torch
 
     torch.set_num_threads(args.threads)

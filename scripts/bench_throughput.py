@@ -35,7 +35,6 @@ compare ratios measured in one run rather than absolute numbers across runs.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics

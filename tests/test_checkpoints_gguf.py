@@ -6,7 +6,6 @@ package's decoders.
 """
 
 import os
-import re
 from pathlib import Path
 
 import numpy as np

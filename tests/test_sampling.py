@@ -158,7 +158,6 @@ def test_greedy_under_penalties_and_raw_logprobs():
 
 
 def test_banned_ids_are_never_sampled():
-    rng = np.random.default_rng(5)
     row = np.array([4.0, 3.9, 3.8, 0.0, -1.0, -2.0], np.float32)
     n = 500
     banned = np.full((n, 8), -1, np.int32)
