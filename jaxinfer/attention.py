@@ -1,7 +1,8 @@
 """The one attention entry point of the model: write this step's K/V into the pages, then attend.
 
-The model calls `write_kv_and_attend` once per layer. Today it always uses the plain-jnp
-reference from `pallas_kernels.ragged_paged_attention`; the Pallas kernels plug in here.
+The model calls `write_kv_and_attend` once per layer. Today it always runs the work-list
+(split-KV) jnp version from `pallas_kernels.ragged_paged_attention.split_kv`, which XLA compiles
+well on the CPU; the Pallas kernels plug in here.
 """
 
 from __future__ import annotations
@@ -9,8 +10,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.batch import RaggedBatch
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from jaxinfer.batch import MAX_PREFILL_CHUNKS, RaggedBatch
+from pallas_kernels.ragged_paged_attention import split_kv
+
+# KV tokens per work item: decodes (one query row per block) do best with short items, query
+# blocks of a prefill chunk with longer ones (measured on the CPU, scripts/bench_step.py).
+DECODE_KV_TOKENS_PER_ITEM = 32
+PREFILL_KV_TOKENS_PER_ITEM = 128
 
 
 def kv_write_locations(batch: RaggedBatch, page_size: int, scratch_page: int) -> tuple[jax.Array, jax.Array]:
@@ -51,16 +57,22 @@ def write_kv_and_attend(
     pages = layer_page_offset + write_page
     k_pages = k_pages.at[pages, write_offset].set(k.astype(k_pages.dtype))
     v_pages = v_pages.at[pages, write_offset].set(v.astype(v_pages.dtype))
-    out = ragged_paged_attention(
-        q,
-        k_pages,
-        v_pages,
-        batch.kv_lens,
-        batch.page_table + layer_page_offset,
-        batch.cu_q_lens,
-        batch.num_seqs,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        num_queries_per_block=query_block,
+    page_size = k_pages.shape[1]
+    T, S = q.shape[0], batch.kv_lens.shape[0]
+    attend = lambda query_block, kv_tokens, items, **kw: split_kv.ragged_paged_attention(
+        q, k_pages, v_pages, batch.kv_lens, batch.page_table + layer_page_offset, batch.cu_q_lens, batch.num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, num_queries_per_block=query_block,
+        num_kv_pages_per_block=max(1, kv_tokens // page_size), items_per_step=items, **kw,
     )
-    return out, k_pages, v_pages
+    if query_block == 1:  # a decode bucket: every sequence has one query
+        return attend(1, DECODE_KV_TOKENS_PER_ITEM, 16), k_pages, v_pages
+    # Otherwise two passes over disjoint sequences: the one-token ones with query blocks of 1, the
+    # (at most MAX_PREFILL_CHUNKS) prefill chunks with large query blocks. Rows a pass does not
+    # serve come out as zeros, so the sum is the answer.
+    q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
+    decodes = attend(1, DECODE_KV_TOKENS_PER_ITEM, 16, seq_mask=q_lens == 1, max_query_blocks=S)
+    chunks = attend(
+        query_block, PREFILL_KV_TOKENS_PER_ITEM, 8,
+        seq_mask=q_lens > 1, max_query_blocks=min(T, -(-T // query_block) + min(S, MAX_PREFILL_CHUNKS)),
+    )
+    return decodes + chunks, k_pages, v_pages

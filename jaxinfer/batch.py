@@ -65,6 +65,15 @@ class BucketKey:
     query_block: int  # attention query-block size: 1 for decode-only batches
 
 
+# At most this many sequences contribute more than one token (a prefill chunk) to one step. The
+# scheduler keeps to it, `pack_batch` checks it, and attention sizes its prefill pass by it.
+MAX_PREFILL_CHUNKS = 4
+
+
+def num_prefill_chunks(chunks: Sequence["SequenceChunk"]) -> int:
+    return sum(len(c.token_ids) > 1 for c in chunks)
+
+
 @dataclasses.dataclass(frozen=True)
 class Buckets:
     """The fixed set of padded shapes.
@@ -75,10 +84,13 @@ class Buckets:
 
     - decode:  every sequence contributes one token; S = T, query blocks of 1;
     - prefill: at most `few_seqs` sequences (a long prompt, maybe with a few decodes); S =
-               few_seqs, query blocks of `prefill_query_block` (large: few blocks, big matmuls);
+               few_seqs;
     - mixed:   anything else; S = T / 4 (the largest bucket: max_num_seqs, so that every batch
-               fits somewhere), query blocks of `mixed_query_block` (small: the many decodes
-               in such a batch each take a whole block).
+               fits somewhere).
+
+    Prefill and mixed batches hold at most MAX_PREFILL_CHUNKS multi-token chunks; attention
+    serves their one-token sequences with query blocks of 1 and their chunks with query blocks
+    of `prefill_query_block` (large: few blocks, big matmuls).
 
     S is capped at max_num_seqs. A batch takes the smallest T that holds its tokens and
     sequences. Logits rows are padded to S, unless a batch needs more (prompt logprobs), then to
@@ -88,9 +100,8 @@ class Buckets:
     token_buckets: tuple[int, ...]
     max_num_seqs: int
     pages_per_seq: int
-    few_seqs: int = 4
+    few_seqs: int = MAX_PREFILL_CHUNKS
     prefill_query_block: int = 64
-    mixed_query_block: int = 8
 
     @staticmethod
     def default(max_num_batched_tokens: int, max_num_seqs: int, pages_per_seq: int) -> "Buckets":
@@ -124,7 +135,7 @@ class Buckets:
         if kind == "prefill":
             return min(self.few_seqs, T, self.max_num_seqs), min(self.prefill_query_block, T)
         S = self.max_num_seqs if T == self.max_tokens else max(1, T // 4)
-        return min(S, T, self.max_num_seqs), self.mixed_query_block
+        return min(S, T, self.max_num_seqs), min(self.prefill_query_block, T)
 
     def key_for(self, num_tokens: int, num_seqs: int, num_logits: int) -> BucketKey:
         if num_seqs > self.max_num_seqs:
@@ -158,6 +169,8 @@ def pack_batch(chunks: Sequence[SequenceChunk], buckets: Buckets, page_size: int
     """
     num_tokens = sum(len(c.token_ids) for c in chunks)
     num_logits = sum(len(c.logits_rows) for c in chunks)
+    if num_prefill_chunks(chunks) > MAX_PREFILL_CHUNKS:
+        raise ValueError(f"{num_prefill_chunks(chunks)} multi-token chunks in one step; at most {MAX_PREFILL_CHUNKS} are allowed")
     key = buckets.key_for(num_tokens, len(chunks), num_logits)
     T, S, R = key.num_tokens, key.num_seqs, key.num_logits
 

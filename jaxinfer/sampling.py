@@ -48,6 +48,9 @@ class SamplingTensors:
     repetition_penalty: jax.Array | None = None  # [R] float32, 1 = off
     presence_penalty: jax.Array | None = None  # [R] float32, 0 = off
     frequency_penalty: jax.Array | None = None  # [R] float32, 0 = off
+    # [1] bool: does any row want logprobs? False skips log-softmax and top-k at run time
+    # (a lax.cond, not a new variant). None = always compute them.
+    want_logprobs: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -115,8 +118,8 @@ def filter_min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
 
 def sample(logits: jax.Array, st: SamplingTensors, num_top_logprobs: int) -> SampleOutput:
     """logits [R, V] float32 -> one token per row, with log-probabilities."""
-    V = logits.shape[-1]
-    logprobs = jax.nn.log_softmax(logits, axis=-1)  # of the raw logits, whatever the processing
+    R, V = logits.shape
+    raw_logits = logits  # logprobs are of the raw logits, whatever the processing
     penalty_fields = (st.num_prompt_history, st.repetition_penalty, st.presence_penalty, st.frequency_penalty)
     if st.history_ids is not None:
         assert all(f is not None for f in penalty_fields), "penalties need all their SamplingTensors fields"
@@ -139,10 +142,22 @@ def sample(logits: jax.Array, st: SamplingTensors, num_top_logprobs: int) -> Sam
 
     tokens = jax.lax.cond(jnp.any(is_random), draw, lambda: greedy)
     target = jnp.where(st.target_ids >= 0, st.target_ids, tokens)
-    token_logprobs = jnp.take_along_axis(logprobs, target[:, None], axis=-1)[:, 0]
-    if num_top_logprobs > 0:
-        top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top_logprobs)
+
+    def with_logprobs():
+        logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
+        token_logprobs = jnp.take_along_axis(logprobs, target[:, None], axis=-1)[:, 0]
+        if num_top_logprobs > 0:
+            top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top_logprobs)
+        else:
+            top_logprobs, top_ids = jnp.zeros((R, 0), jnp.float32), jnp.zeros((R, 0), jnp.int32)
+        return token_logprobs, top_ids.astype(jnp.int32), top_logprobs
+
+    def without_logprobs():
+        K = num_top_logprobs
+        return jnp.zeros(R, jnp.float32), jnp.zeros((R, K), jnp.int32), jnp.zeros((R, K), jnp.float32)
+
+    if st.want_logprobs is None:
+        token_logprobs, top_ids, top_logprobs = with_logprobs()
     else:
-        top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
-        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
-    return SampleOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
+        token_logprobs, top_ids, top_logprobs = jax.lax.cond(jnp.any(st.want_logprobs), with_logprobs, without_logprobs)
+    return SampleOutput(tokens, token_logprobs, top_ids, top_logprobs)

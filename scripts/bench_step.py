@@ -171,7 +171,7 @@ def run_jaxinfer(args, dtype: str) -> dict:
         jax.config.update("jax_enable_compilation_cache", False)
     import numpy as np
 
-    from jaxinfer.batch import SequenceChunk
+    from jaxinfer.batch import MAX_PREFILL_CHUNKS, SequenceChunk
     from jaxinfer.engine.model_runner import RowSampling, ScheduledChunk
     from jaxinfer.llm import LLM
 
@@ -272,7 +272,7 @@ def run_jaxinfer(args, dtype: str) -> dict:
         batch, used = [], 0
         for piece in pieces + [None]:
             s, start, n = piece or (None, 0, 0)
-            if s is None or used + n > max_tokens or len(batch) >= runner.buckets.max_num_seqs:
+            if s is None or used + n > max_tokens or len(batch) >= MAX_PREFILL_CHUNKS:
                 if batch:
                     dt, _, nc = step(batch)
                     fill_times.append(dt)

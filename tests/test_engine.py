@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.batch import MAX_PREFILL_CHUNKS
 from tiny_models import save_hf_model
 
 BASE = dict(max_model_len=128, page_size=4, max_num_seqs=16, progress=False)
@@ -46,7 +47,12 @@ def test_64_requests_batched_with_chunked_prefill_equal_each_request_alone(model
     reference = alone(roomy, prompts, params)
     # a 16-token budget: prompts are prefilled in chunks interleaved with other requests' decodes
     tight = LLM(model_dir, num_pages=1024, max_num_batched_tokens=16, **BASE)
+    chunks_per_step = []  # multi-token chunks in each step
+    dispatch = tight.runner.dispatch
+    tight.runner.dispatch = lambda scheduled, **kw: (
+        chunks_per_step.append(sum(len(s.chunk.token_ids) > 1 for s in scheduled)), dispatch(scheduled, **kw))[1]
     assert together(tight, prompts, params) == reference
+    assert 1 < max(chunks_per_step) <= MAX_PREFILL_CHUNKS  # several prompts share steps, within the cap
     stats = tight.engine.get_stats()
     assert stats.num_running == stats.num_waiting == 0 and stats.num_generated_tokens == sum(len(r) for r in reference)
 

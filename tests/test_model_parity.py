@@ -32,7 +32,7 @@ class PagedModel:
         self.kv = KVCache.create(self.config, num_pages, page_size)
         self.step = StepFunction(graphdef, num_top_logprobs=0)
         self.page_size = page_size
-        self.buckets = Buckets((4, 64), max_num_seqs=4, pages_per_seq=-(-max_len // page_size))
+        self.buckets = Buckets((4, 64), max_num_seqs=8, pages_per_seq=-(-max_len // page_size))
         self.free_pages = list(np.random.default_rng(0).permutation(np.arange(1, num_pages)))
         self.owned: set[int] = set()
 
@@ -112,16 +112,20 @@ def test_parity(family_model, page_size):
             np.testing.assert_array_less(np.abs(out[0] - truth[i][pos[i]]).max(), TOL)
             pos[i] += 1
 
-    # (c) one prompt prefilled in chunks of 5, 3, 11, 14 (a decode of another sequence rides along)
+    # (c) one prompt prefilled in chunks of 5, 3, 11, 14, with one-token steps of other sequences
+    # riding along: one rider (a "prefill" bucket), then four (a "mixed" bucket). A rider recomputes
+    # position 0 of sequence i, rewriting the same K/V, and its logits are checked too.
     long_seq = seqs[2]
     chunk_pages = model.allocate(len(long_seq))
     chunk_truth = hf_logprobs(hf, long_seq, [5, 3, 11, 14])
     start = 0
-    for n in (5, 3, 11, 14):
+    for n, num_riders in zip((5, 3, 11, 14), (1, 4, 1, 4)):
         piece = long_seq[start : start + n]
-        rider = SequenceChunk([seqs[0][0]], 0, pages[0][:1], [])  # rewrites position 0 of seq 0 with the same K/V
-        out, _ = model.run([SequenceChunk(piece, start, chunk_pages, list(range(n))), rider])
+        riders = [SequenceChunk([seqs[i][0]], 0, pages[i][:1], [0]) for i in range(num_riders)]
+        out, *rider_outs = model.run([SequenceChunk(piece, start, chunk_pages, list(range(n)))] + riders)
         np.testing.assert_array_less(np.abs(out - chunk_truth[start : start + n]).max(), TOL)
+        for i, rider_out in enumerate(rider_outs):
+            np.testing.assert_array_less(np.abs(rider_out[0] - truth[i][0]).max(), TOL)
         start += n
 
     # (e) padded slots (the 4- and 64-token buckets were mostly padding) wrote nothing outside scratch

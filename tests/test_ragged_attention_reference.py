@@ -1,4 +1,8 @@
-"""The jnp ragged paged attention reference against a per-sequence numpy loop."""
+"""The jnp ragged paged attention implementations against a per-sequence numpy loop.
+
+Both plain-jnp versions are checked: `reference` (the truth kernels are held to) and `split_kv`
+(the work-list version the XLA CPU path runs).
+"""
 
 import hypothesis
 import hypothesis.strategies as st
@@ -6,7 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import reference, split_kv
+
+IMPLS = {"reference": reference.ragged_paged_attention, "split_kv": split_kv.ragged_paged_attention}
+
+pytestmark = pytest.mark.parametrize("ragged_paged_attention", list(IMPLS.values()), ids=list(IMPLS))
 
 
 def numpy_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, sliding_window=None, soft_cap=None):
@@ -59,7 +67,7 @@ def make_case(rng, q_lens, kv_lens, *, Hq, Hkv, D, page_size, num_pages=None, pa
     return q, k_pages, v_pages, kv, page_indices, cu, np.array([S], np.int32)
 
 
-def check(case, *, sm_scale=0.125, tol=2e-5, **kw):
+def check(ragged_paged_attention, case, *, sm_scale=0.125, tol=2e-5, **kw):
     q, k_pages, v_pages, kv_lens, page_indices, cu, num_seqs = case
     got = np.asarray(
         ragged_paged_attention(
@@ -70,34 +78,35 @@ def check(case, *, sm_scale=0.125, tol=2e-5, **kw):
     )
     kw.pop("num_queries_per_block", None)
     kw.pop("num_kv_pages_per_block", None)
+    kw.pop("items_per_step", None)
     want = numpy_attention(q, k_pages, v_pages, kv_lens, page_indices, cu, int(num_seqs[0]), sm_scale, **kw)
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("Hq,Hkv", [(4, 4), (4, 2), (8, 2), (8, 1)])
-def test_mixed_prefill_and_decode(page_size, Hq, Hkv):
+def test_mixed_prefill_and_decode(ragged_paged_attention, page_size, Hq, Hkv):
     rng = np.random.default_rng(0)
     # a fresh prefill, a decode, a chunk continuing a prefill, a one-token prompt, a zero-length slot
     case = make_case(rng, [20, 1, 8, 1, 0], [20, 37, 50, 1, 0], Hq=Hq, Hkv=Hkv, D=64, page_size=page_size, pad_seqs=2, pad_tokens=5)
-    check(case, num_queries_per_block=8)
-    check(case, num_queries_per_block=1, num_kv_pages_per_block=1)
+    check(ragged_paged_attention, case, num_queries_per_block=8)
+    check(ragged_paged_attention, case, num_queries_per_block=1, num_kv_pages_per_block=1)
 
 
-def test_lengths_at_and_across_page_boundaries():
+def test_lengths_at_and_across_page_boundaries(ragged_paged_attention):
     rng = np.random.default_rng(1)
     case = make_case(rng, [16, 1, 17, 15, 1], [16, 17, 33, 32, 16], Hq=4, Hkv=2, D=128, page_size=16)
-    check(case, num_queries_per_block=4)
+    check(ragged_paged_attention, case, num_queries_per_block=4)
 
 
-def test_sliding_window_and_soft_cap():
+def test_sliding_window_and_soft_cap(ragged_paged_attention):
     rng = np.random.default_rng(2)
     case = make_case(rng, [30, 1, 5], [30, 40, 25], Hq=4, Hkv=2, D=32, page_size=4)
-    check(case, sliding_window=7, num_queries_per_block=8)
-    check(case, soft_cap=5.0, sm_scale=1.0, num_queries_per_block=2)
+    check(ragged_paged_attention, case, sliding_window=7, num_queries_per_block=8)
+    check(ragged_paged_attention, case, soft_cap=5.0, sm_scale=1.0, num_queries_per_block=2)
 
 
-def test_padding_rows_are_zero():
+def test_padding_rows_are_zero(ragged_paged_attention):
     rng = np.random.default_rng(3)
     case = make_case(rng, [3, 1], [3, 9], Hq=2, Hkv=1, D=16, page_size=4, pad_seqs=3, pad_tokens=6)
     q, k, v, kv, pi, cu, n = case
@@ -105,7 +114,7 @@ def test_padding_rows_are_zero():
     assert np.all(out[4:] == 0)
 
 
-def test_bfloat16_inputs():
+def test_bfloat16_inputs(ragged_paged_attention):
     rng = np.random.default_rng(4)
     case = make_case(rng, [12, 1, 3], [12, 30, 9], Hq=8, Hkv=2, D=64, page_size=8)
     case16 = tuple(jnp.asarray(x, jnp.bfloat16) if x.dtype == np.float32 else jnp.asarray(x) for x in case)
@@ -122,9 +131,10 @@ def test_bfloat16_inputs():
     heads=st.sampled_from([(2, 2), (4, 2), (4, 1)]),
     bq=st.sampled_from([1, 3, 8]),
 )
-def test_random_ragged_batches(seqs, page_size, heads, bq):
+def test_random_ragged_batches(ragged_paged_attention, seqs, page_size, heads, bq):
     q_lens = [q for q, _ in seqs]
     kv_lens = [q + ctx if q else 0 for q, ctx in seqs]
     hypothesis.assume(sum(q_lens) > 0)
     case = make_case(np.random.default_rng(sum(kv_lens)), q_lens, kv_lens, Hq=heads[0], Hkv=heads[1], D=16, page_size=page_size, pad_seqs=1, pad_tokens=2)
-    check(case, num_queries_per_block=bq, num_kv_pages_per_block=2)
+    check(ragged_paged_attention, case, num_queries_per_block=bq, num_kv_pages_per_block=2)
+

@@ -51,6 +51,20 @@ def test_greedy_and_logprobs():
     np.testing.assert_allclose(np.asarray(tgt.logprobs), logsm[:, 7], atol=1e-5)
 
 
+def test_logprobs_are_skipped_at_run_time_when_no_row_wants_them():
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.standard_normal((4, 30)).astype(np.float32))
+    logsm = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    run = jax.jit(lambda lg, st: sample(lg, st, num_top_logprobs=3))
+    wanted = run(logits, dataclasses.replace(tensors(4), want_logprobs=np.array([True])))
+    skipped = run(logits, dataclasses.replace(tensors(4), want_logprobs=np.array([False])))
+    assert run._cache_size() == 1  # one compiled variant serves both
+    np.testing.assert_array_equal(np.asarray(wanted.tokens), np.asarray(skipped.tokens))
+    np.testing.assert_allclose(np.asarray(wanted.logprobs), logsm.max(-1), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(wanted.top_logprobs), -np.sort(-logsm, -1)[:, :3], atol=1e-5)
+    assert not np.any(np.asarray(skipped.logprobs)) and not np.any(np.asarray(skipped.top_logprobs))
+
+
 def test_seeded_rows_do_not_depend_on_their_neighbours():
     rng = np.random.default_rng(2)
     row = rng.standard_normal(40).astype(np.float32)

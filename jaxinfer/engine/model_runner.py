@@ -94,7 +94,7 @@ class ModelRunner:
         dispatched step's sampled tokens. `collect` reads the results.
         """
         key, batch, rows_of_chunk = pack_batch([s.chunk for s in scheduled], self.buckets, self.kv.page_size)
-        sampling = self._sampling_tensors(key, scheduled, rows_of_chunk)
+        sampling = self._sampling_tensors(key, scheduled, rows_of_chunk, want_logprobs)
         self.keys_seen.add(key)
         compiles_before = self.step_fn.num_compiles
         t0 = time.perf_counter()
@@ -123,7 +123,7 @@ class ModelRunner:
         """Runs one step and waits for it."""
         return self.collect(self.dispatch(scheduled, want_logprobs=want_logprobs))
 
-    def _sampling_tensors(self, key: BucketKey, scheduled, rows_of_chunk) -> SamplingTensors:
+    def _sampling_tensors(self, key: BucketKey, scheduled, rows_of_chunk, want_logprobs: bool = False) -> SamplingTensors:
         R = key.num_logits
         temperature = np.zeros(R, np.float32)
         top_k = np.zeros(R, np.int32)
@@ -138,7 +138,9 @@ class ModelRunner:
             seed[rows], counter[rows], min_p[rows] = p.seed, p.counter, p.min_p
             if p.target_ids:
                 target_ids[rows] = p.target_ids
-        st = SamplingTensors(temperature, top_k, top_p, seed, counter, target_ids, min_p=min_p)
+        st = SamplingTensors(
+            temperature, top_k, top_p, seed, counter, target_ids, min_p=min_p, want_logprobs=np.array([want_logprobs])
+        )
         # Static switches: the fields stay None (a separate, cheaper compiled variant) unless some row needs them.
         max_banned = max((len(s.sampling.banned_ids) for s in scheduled), default=0)
         if max_banned:
@@ -180,6 +182,7 @@ class ModelRunner:
         sampling = SamplingTensors(
             np.zeros(R, np.float32), np.zeros(R, np.int32), np.ones(R, np.float32),
             np.zeros(R, np.uint32), np.zeros(R, np.int32), np.full(R, -1, np.int32), min_p=np.zeros(R, np.float32),
+            want_logprobs=np.array([False]),
         )  # the variant without penalties or banned ids, which is what most batches use
         return batch, sampling
 

@@ -5,7 +5,8 @@ Each call to `schedule()` decides what one step computes, within two budgets:
 
 1. Running sequences that decode (one uncomputed token) go first, best priority first.
 2. Then running sequences still prefilling (a prompt, or a recompute after preemption) get
-   chunks of what budget is left.
+   chunks of what budget is left, at most `max_prefill_chunks` multi-token chunks per step (the
+   attention's prefill pass is sized for that many; see batch.py).
 3. Then waiting sequences are admitted in order (priority, arrival) while pages and budgets
    allow; their prompt's cached prefix pages are reused and only the rest is prefilled. A
    sequence that does not fit blocks those behind it (FCFS), and nothing is admitted in a step
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxinfer.batch import MAX_PREFILL_CHUNKS
 from jaxinfer.engine.block_manager import BlockManager, OutOfPagesError
 from jaxinfer.engine.request import Sequence, SequenceStatus
 
@@ -59,13 +61,14 @@ def priority_order(seq: Sequence) -> tuple:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_batched_tokens: int, max_num_seqs: int,
-                 preemption_mode: str = "recompute"):
+                 preemption_mode: str = "recompute", max_prefill_chunks: int = MAX_PREFILL_CHUNKS):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode={preemption_mode!r}: expected 'recompute' or 'swap'")
         self.preemption_mode = preemption_mode
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.max_prefill_chunks = max_prefill_chunks  # multi-token chunks per step (see batch.py)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -104,9 +107,13 @@ class Scheduler:
 
         # decodes first, then prefill chunks; best priority first within each group
         queue = sorted((s for s in self.running if not s.hold), key=lambda s: (s.is_prefill, priority_order(s)))
+        num_chunks = 0  # scheduled multi-token chunks
         while queue and budget > 0 and len(scheduled) < self.max_num_seqs:
             seq = queue.pop(0)
             n = min(seq.num_uncomputed, budget)
+            if n > 1 and num_chunks >= self.max_prefill_chunks:
+                continue  # waits for a later step
+            num_chunks += n > 1
             new_slots = max(0, seq.num_computed + n - bm.seqs[seq.seq_id].num_tokens)
             while not bm.can_append(seq.seq_id, new_slots):
                 victim = max(queue + [seq], key=priority_order)
@@ -130,6 +137,8 @@ class Scheduler:
                 slots = 1 if seq.request.forked else seq.request.params.n
                 if budget == 0 or len(self.running) + slots > self.max_num_seqs or len(scheduled) >= self.max_num_seqs:
                     break
+                if num_chunks >= self.max_prefill_chunks:
+                    break
                 try:
                     seq.num_computed = bm.allocate(seq.seq_id, seq.token_ids)
                 except OutOfPagesError:
@@ -146,6 +155,7 @@ class Scheduler:
                 self.running.append(seq)
                 n = min(seq.num_uncomputed, budget)
                 scheduled.append(ScheduledSeq(seq, n))
+                num_chunks += n > 1
                 budget -= n
         return SchedulerOutput(scheduled, copies, preempted, swap_out, swap_in)
 

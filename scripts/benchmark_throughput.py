@@ -18,15 +18,23 @@ SmolLM2-135M-Instruct, greedy, ignore_eos, each with its own max_new_tokens) on 
      --hf-batch-sizes; tokens past a request's own max_new_tokens are waste, not counted.
      A batch size whose run would pass --hf-budget seconds is measured on an evenly spread subset
      of its batches (said so in the table).
+     And transformers' own continuous batching (`init_continuous_batching` / `add_request`, paged
+     KV, the installed version's API), with every request's max_new_tokens, unless --no-hf-cb.
   3. greedy agreement: fraction of requests whose jaxinfer tokens equal transformers' tokens (all
      max_new_tokens of them, and the first 16), against the best transformers batch size.
 
 Useful tok/s = generated tokens the requests asked for / wall seconds; total tok/s adds their
-prompt tokens. Every system/setting runs in its own child process (RSS and thread pools never mix).
+prompt tokens. TTFT (arrival to first token; all requests arrive at the start) and TPOT (mean gap
+between a request's tokens) are given as p50 / p90 / p99 over requests.
 
-    python scripts/bench_throughput.py                                   # everything, ~25 min on 2 cores
-    python scripts/bench_throughput.py --limit 8 --hf-batch-sizes 8 --settings 512/64
-    python scripts/bench_throughput.py --skip-hf --json /tmp/tp.json
+--sweep-max-num-seqs runs jaxinfer again for each max_num_seqs on the first --sweep-limit requests
+(each after compiling all its buckets) and draws throughput against TPOT p50 (--plot, a PNG; needs
+matplotlib: pip install matplotlib). Every system/setting runs in its own child process (RSS and thread pools never mix).
+
+    python scripts/benchmark_throughput.py                                   # everything, ~25 min on 2 cores
+    python scripts/benchmark_throughput.py --limit 8 --hf-batch-sizes 8 --settings 512/64
+    python scripts/benchmark_throughput.py --skip-hf --json /tmp/tp.json
+    python scripts/benchmark_throughput.py --skip-hf --skip-jax --sweep-max-num-seqs 1,2,4,8,16,32,64 --plot sweep.png
 
 The CPU is shared with whatever else runs: the load average before/after each child is printed;
 compare ratios measured in one run rather than absolute numbers across runs.
@@ -82,6 +90,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-budget", type=float, default=360.0,
                    help="seconds per transformers batch size; past it the remaining batches are skipped and the "
                    "figure is over an evenly spread subset (default 360)")
+    p.add_argument("--no-hf-cb", dest="hf_cb", action="store_false", help="skip transformers' continuous batching (generate_batch API)")
+    p.add_argument("--sweep-max-num-seqs", type=_csv_ints, default=[], help="jaxinfer max_num_seqs values for the throughput-latency sweep")
+    p.add_argument("--sweep-limit", type=int, default=16, help="requests per sweep point (default 16, the first ones)")
+    p.add_argument("--sweep-batched-tokens", type=int, default=512, help="max_num_batched_tokens of the sweep (default 512)")
+    p.add_argument("--plot", default="max_num_seqs_sweep.png", help="PNG of the sweep (default max_num_seqs_sweep.png)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for transformers (default 2)")
     p.add_argument("--skip-hf", action="store_true", help="benchmark jaxinfer only")
     p.add_argument("--skip-jax", action="store_true", help="benchmark transformers only")
@@ -110,6 +123,15 @@ def load_workload(args) -> dict:
     }
 
 
+def _pcts(xs) -> dict | None:
+    """p50 / p90 / p99 of the values that are not None (nearest rank)."""
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    pick = lambda q: xs[min(len(xs) - 1, max(0, int(round(q * len(xs) + 0.5)) - 1))]
+    return {"p50": pick(0.50), "p90": pick(0.90), "p99": pick(0.99)}
+
+
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return statistics.fmean(xs) if xs else None
@@ -130,7 +152,7 @@ def run_jaxinfer(args, setting: str) -> dict:
     T, S = (int(x) for x in setting.split("/"))
     ph.mark("import")
     llm = LLM(args.model, dtype="float32", max_model_len=args.max_model_len, max_num_batched_tokens=T, max_num_seqs=S,
-              enable_prefix_caching=args.prefix_caching, progress=False)
+              enable_prefix_caching=args.prefix_caching, progress=False, warmup=not args.cold)  # --no-cold: compile every bucket now
     runner, engine = llm.runner, llm.engine
     ph.mark("load")
     res: dict = {
@@ -204,6 +226,7 @@ def run_jaxinfer(args, setting: str) -> dict:
             "useful_tok_s": useful / wall, "total_tok_s": (useful + prompt_toks) / wall,
             "mean_ttft_s": _mean([o.metrics.ttft for o in outs]), "mean_tpot_s": _mean([o.metrics.tpot for o in outs]),
             "mean_e2e_s": _mean([o.metrics.e2e for o in outs]),
+            "ttft_pcts": _pcts([o.metrics.ttft for o in outs]), "tpot_pcts": _pcts([o.metrics.tpot for o in outs]),
             "steps": s1.num_steps - s0.num_steps, "preemptions": s1.num_preemptions - s0.num_preemptions,
             "prefix_queries": bm_stats.queries - q0, "prefix_hits": bm_stats.hits - h0,
             "prefix_hit_rate": (bm_stats.hits - h0) / (bm_stats.queries - q0) if bm_stats.queries - q0 else 0.0,
@@ -352,6 +375,7 @@ def run_transformers(args, batch_size: str) -> dict:
         "useful_tokens": useful, "prompt_tokens": prompt_toks, "wasted_tokens": waste,
         "useful_tok_s": useful / wall, "total_tok_s": (useful + prompt_toks) / wall,
         "mean_ttft_s": _mean([v["ttft"] for v in per_req.values()]), "mean_tpot_s": _mean([v["tpot"] for v in per_req.values()]),
+        "ttft_pcts": _pcts([v["ttft"] for v in per_req.values()]), "tpot_pcts": _pcts([v["tpot"] for v in per_req.values()]),
         "batch_seconds": bsecs,
         "token_ids": {str(i): v["tokens"] for i, v in per_req.items()},
     })
@@ -361,6 +385,72 @@ def run_transformers(args, batch_size: str) -> dict:
     res["phases"] = ph.rows
     res["peak_rss_mib"] = Phases.peak_mib()
     return res
+
+
+def run_transformers_cb(args, setting: str) -> dict:
+    """transformers' continuous batching: every request submitted at once with its own max_new_tokens."""
+    ph = Phases()
+    import copy
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    wl = load_workload(args)
+    reqs = wl["requests"]
+    ph.mark("import")
+    path = _model_path(args)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    load_s = time.perf_counter() - t0
+    ph.mark("load")
+    gcfg = copy.deepcopy(model.generation_config)
+    gcfg.eos_token_id = None  # ignore_eos
+    gcfg.do_sample = False
+    for k in ("temperature", "top_p", "top_k"):
+        setattr(gcfg, k, None)
+    gcfg.max_new_tokens = max(r["max_new_tokens"] for r in reqs)
+    results = {}
+    with torch.inference_mode():
+        manager = model.init_continuous_batching(generation_config=gcfg)
+        manager.start()
+        ph.mark("start")
+        t_run0 = time.perf_counter()
+        for i, r in enumerate(reqs):
+            manager.add_request(r["prompt_token_ids"], request_id=str(i), max_new_tokens=r["max_new_tokens"], record_timestamps=True)
+        while len(results) < len(reqs):
+            out = manager.get_result(timeout=600)
+            if out is None:
+                break
+            if out.is_finished():
+                results[out.request_id] = out
+        wall = time.perf_counter() - t_run0
+        manager.stop(block=True)
+    ph.mark("generate")
+    errors = {k: o.error for k, o in results.items() if o.error}
+    wrong = [int(k) for k, o in results.items() if len(o.generated_tokens) != reqs[int(k)]["max_new_tokens"]]
+    if len(results) < len(reqs) or errors or wrong:
+        log(f"  !! transformers CB: {len(results)}/{len(reqs)} finished, errors {list(errors.items())[:3]}, wrong lengths {wrong[:10]}")
+    ttft, tpot = [], []
+    for o in results.values():
+        ts = o.timestamps or []
+        ttft.append(ts[0] - t_run0 if ts else None)
+        tpot.append((ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else None)
+    useful = sum(reqs[int(k)]["max_new_tokens"] for k in results)
+    prompt_toks = sum(len(reqs[int(k)]["prompt_token_ids"]) for k in results)
+    log(f"  transformers CB: {len(results)} requests in {wall:.1f} s, {useful / wall:.1f} useful tok/s")
+    return {
+        "system": "transformers", "setting": "continuous batching", "subset": False, "load_seconds": load_s,
+        "wall_s": wall, "requests": len(results), "useful_tokens": useful, "prompt_tokens": prompt_toks, "wasted_tokens": 0,
+        "useful_tok_s": useful / wall, "total_tok_s": (useful + prompt_toks) / wall,
+        "mean_ttft_s": _mean(ttft), "mean_tpot_s": _mean(tpot), "ttft_pcts": _pcts(ttft), "tpot_pcts": _pcts(tpot),
+        "errors": errors, "wrong_lengths": wrong,
+        "token_ids": {k: list(o.generated_tokens) for k, o in results.items()},
+        "phases": ph.rows, "peak_rss_mib": Phases.peak_mib(),
+    }
 
 
 # ----------------------------------------------------------------------------- driver
@@ -380,8 +470,11 @@ def _passthrough(args) -> list[str]:
     return out
 
 
-def run_child(args, system: str, setting: str) -> dict:
-    return run_worker(__file__, f"{system}:{setting}", _passthrough(args), wall_key="child_wall_s", system=system, setting=setting)
+def run_child(args, system: str, setting: str, limit: int | None = None) -> dict:
+    extra = _passthrough(args)
+    if limit:
+        extra = [a for i, a in enumerate(extra) if a != "--limit" and (i == 0 or extra[i - 1] != "--limit")] + ["--limit", str(limit), "--no-cold"]
+    return run_worker(__file__, f"{system}:{setting}", extra, wall_key="child_wall_s", system=system, setting=setting)
 
 
 def agreement(jax_toks: list[list[int]], hf: dict, reqs: list[dict]) -> dict:
@@ -404,13 +497,17 @@ def agreement(jax_toks: list[list[int]], hf: dict, reqs: list[dict]) -> dict:
             "mean_common_prefix_frac": _mean(common), "first_divergence": first_diff}
 
 
+def _pct_ms(p: dict | None, spec: str) -> str:
+    return "—" if not p else " / ".join(format(p[k] * 1e3, spec) for k in ("p50", "p90", "p99"))
+
+
 def _ms(x):
     return _fmt(None if x is None else x * 1e3, ".0f")
 
 
 def render(args, env: dict, wl: dict, results: list[dict], agree: dict | None) -> str:
     L = []
-    L.append(f"## bench_throughput: {wl['name']} ({len(wl['requests'])} of {wl['n_requests_in_file']} requests"
+    L.append(f"## benchmark_throughput: {wl['name']} ({len(wl['requests'])} of {wl['n_requests_in_file']} requests"
              f"{', --limit' if args.limit else ''}), float32, greedy, ignore_eos\n")
     L.append(f"- date: {env['date']}")
     L.append(f"- workload: {wl['name']}, sha256_of_requests {wl['sha256_of_requests']}; "
@@ -421,12 +518,13 @@ def render(args, env: dict, wl: dict, results: list[dict], agree: dict | None) -
     L.append("- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()))
     L.append(f"- jaxinfer: max_model_len {args.max_model_len}, prefix caching {'on' if args.prefix_caching else 'off'}, other LLM "
              f"defaults; jax persistent compile cache {'on' if args.compile_cache else 'off (cold pass compiles for real)'}; "
-             f"transformers: torch threads {args.threads}, static batches sorted by prompt length, left padding, EOS disabled")
+             f"transformers: torch threads {args.threads}, EOS disabled; static batches sorted by prompt length with left padding "
+             f"(B=...), and its continuous batching API")
     L.append("")
     ok = [r for r in results if "error" not in r]
     hf = [r for r in ok if r["system"] == "transformers"]
     best = max(hf, key=lambda r: r["useful_tok_s"]) if hf else None
-    head = ["system", "setting", "pass", "wall s", "useful tok/s", "total tok/s", "mean TTFT ms", "mean TPOT ms",
+    head = ["system", "setting", "pass", "wall s", "useful tok/s", "total tok/s", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms",
             "steps", "compiles (s)", "preempt.", "prefix hit", "× transformers best"]
     L.append("| " + " | ".join(head) + " |")
     L.append("|" + "---|" * len(head))
@@ -438,16 +536,16 @@ def render(args, env: dict, wl: dict, results: list[dict], agree: dict | None) -
             for name, p in r["passes"].items():
                 L.append("| " + " | ".join([
                     "jaxinfer", r["setting"], name, f"{p['wall_s']:.1f}", f"{p['useful_tok_s']:.1f}", f"{p['total_tok_s']:.1f}",
-                    _ms(p["mean_ttft_s"]), _fmt(p["mean_tpot_s"] and p["mean_tpot_s"] * 1e3, ".1f"), str(p["steps"]),
+                    _pct_ms(p.get("ttft_pcts"), ".0f"), _pct_ms(p.get("tpot_pcts"), ".0f"), str(p["steps"]),
                     f"{p['compiles']} ({p['compile_seconds']:.1f})", str(p["preemptions"]), f"{100 * p['prefix_hit_rate']:.1f}%",
                     _fmt(_ratio(p["useful_tok_s"], best and best["useful_tok_s"]), ".2f") if p["requests"] == len(wl["requests"]) else "—",
                 ]) + " |")
         else:
-            sub = f" (subset: {r['batches_run']}/{r['batches_total']} batches, {r['requests']} req)" if r["subset"] else ""
+            sub = f" (subset: {r['batches_run']}/{r['batches_total']} batches, {r['requests']} req)" if r.get("subset") else ""
             L.append("| " + " | ".join([
                 "transformers" + (" **best**" if r is best else ""), r["setting"] + sub, "—", f"{r['wall_s']:.1f}",
-                f"{r['useful_tok_s']:.1f}", f"{r['total_tok_s']:.1f}", _ms(r["mean_ttft_s"]),
-                _fmt(r["mean_tpot_s"] and r["mean_tpot_s"] * 1e3, ".1f"), "—", "n/a (eager)", "—", "—",
+                f"{r['useful_tok_s']:.1f}", f"{r['total_tok_s']:.1f}", _pct_ms(r.get("ttft_pcts"), ".0f"),
+                _pct_ms(r.get("tpot_pcts"), ".0f"), "—", "n/a (eager)", "—", "—",
                 _fmt(_ratio(r["useful_tok_s"], best["useful_tok_s"]), ".2f"),
             ]) + " |")
     if agree:
@@ -470,7 +568,7 @@ def render(args, env: dict, wl: dict, results: list[dict], agree: dict | None) -
             L.append(f"| jaxinfer | {r['setting']} | {r['load_seconds']:.1f} | {r['num_pages']} | {w['host_outside_step_s']:.1f} | 0 | "
                      f"{r['peak_rss_mib']:.0f} | {_fmt(lb[0], '.2f')} → {_fmt(la[0], '.2f')} | {r['child_wall_s']:.0f} |")
         else:
-            L.append(f"| transformers | {r['setting']} | {r['load_seconds']:.1f} | — | — | {r['wasted_tokens']} | "
+            L.append(f"| transformers | {r['setting']} | {r['load_seconds']:.1f} | — | — | {r.get('wasted_tokens', 0)} | "
                      f"{r['peak_rss_mib']:.0f} | {_fmt(lb[0], '.2f')} → {_fmt(la[0], '.2f')} | {r['child_wall_s']:.0f} |")
     for r in ok:
         if r["system"] != "jaxinfer":
@@ -487,11 +585,48 @@ def render(args, env: dict, wl: dict, results: list[dict], agree: dict | None) -
     return "\n".join(L)
 
 
+def render_sweep(args, sweep: list[dict]) -> str:
+    """The max_num_seqs sweep as a table, and as a throughput-latency curve in a PNG when matplotlib is there."""
+    rows = []
+    for r in sweep:
+        w = r["passes"]["warm"]
+        rows.append((r["max_num_seqs"], w["useful_tok_s"], w["tpot_pcts"] and w["tpot_pcts"]["p50"], w["ttft_pcts"] and w["ttft_pcts"]["p50"],
+                     w["mean_e2e_s"], w["compiles"]))
+    L = [f"max_num_seqs sweep (jaxinfer, max_num_batched_tokens {args.sweep_batched_tokens}, first {args.sweep_limit} requests, "
+         "warm pass after compiling every bucket):\n",
+         "| max_num_seqs | useful tok/s | TPOT p50 ms | TTFT p50 ms | mean E2E s | compiles in pass |", "|---|---|---|---|---|---|"]
+    for S, tps, tpot, ttft, e2e, nc in rows:
+        L.append(f"| {S} | {tps:.1f} | {_fmt(tpot and tpot * 1e3, '.0f')} | {_fmt(ttft and ttft * 1e3, '.0f')} | {_fmt(e2e, '.1f')} | {nc} |")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        L.append("\n(no PNG: matplotlib is not installed; pip install matplotlib)")
+        return "\n".join(L)
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    xs = [tpot * 1e3 for _, _, tpot, *_ in rows]
+    ys = [tps for _, tps, *_ in rows]
+    ax.plot(xs, ys, "o-")
+    for (S, *_), x, y in zip(rows, xs, ys):
+        ax.annotate(f"{S}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("TPOT p50 (ms per output token)")
+    ax.set_ylabel("useful generated tokens / s")
+    ax.set_title(f"jaxinfer, SmolLM2-135M f32, CPU: max_num_seqs sweep ({args.sweep_limit} requests)", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(args.plot)
+    L.append(f"\nthroughput-latency curve written to {args.plot}")
+    return "\n".join(L)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         system, setting = args.worker.split(":")
-        res = run_jaxinfer(args, setting) if system == "jaxinfer" else run_transformers(args, setting)
+        worker = {"jaxinfer": run_jaxinfer, "transformers": run_transformers, "transformers-cb": run_transformers_cb}[system]
+        res = worker(args, setting)
         Path(args.result).write_text(json.dumps(res, indent=1, default=str))
         return 0
 
@@ -502,6 +637,8 @@ def main(argv=None) -> int:
         jobs += [("jaxinfer", f"{t}/{s}") for t, s in args.settings]
     if not args.skip_hf:
         jobs += [("transformers", str(b)) for b in args.hf_batch_sizes]
+        if args.hf_cb:
+            jobs.append(("transformers-cb", "cb"))
     results = []
     t0 = time.perf_counter()
     for system, setting in jobs:
@@ -510,6 +647,15 @@ def main(argv=None) -> int:
         if "error" in r:
             log(f"!! {system} {setting}: {r['error']}\n{r.get('stdout_tail', '')}")
         results.append(r)
+    sweep = []
+    for S in args.sweep_max_num_seqs:
+        setting = f"{args.sweep_batched_tokens}/{S}"
+        log(f"== sweep: jaxinfer {setting} on {args.sweep_limit} requests (loadavg {os.getloadavg()[0]:.2f})")
+        r = run_child(args, "jaxinfer", setting, limit=args.sweep_limit)
+        if "error" in r:
+            log(f"!! sweep {setting}: {r['error']}\n{r.get('stdout_tail', '')}")
+            continue
+        sweep.append(r)
     env["total_seconds"] = time.perf_counter() - t0
 
     agree = None
@@ -526,13 +672,15 @@ def main(argv=None) -> int:
                                            for r in jx[1:]}
     table = render(args, env, wl, results, agree)
     print(table)
+    if sweep:
+        print("\n" + render_sweep(args, sweep))
     if agree and agree.get("jax_settings_identical"):
         print("\njaxinfer settings vs " + jx[0]["setting"] + ", fraction of requests with identical tokens: "
               + ", ".join(f"{k}: {100 * v:.1f}%" for k, v in agree["jax_settings_identical"].items()))
     print(f"\ntotal {env['total_seconds']:.0f} s")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "environment": env, "workload": {k: v for k, v in wl.items() if k != "requests"},
-                                                   "results": results, "agreement": agree}, indent=1, default=str))
+                                                   "results": results, "agreement": agree, "sweep": sweep}, indent=1, default=str))
         log(f"wrote {args.json_out}")
     return 0 if all("error" not in r for r in results) else 1
 

@@ -1,0 +1,168 @@
+"""Ragged paged attention as a work list of (query block, KV block) pairs: the fast XLA path.
+
+Same inputs and result as `reference.ragged_paged_attention`, computed the way a split-KV
+("flash-decoding") kernel does it, in plain jnp:
+
+1. Queries are cut into query blocks of `num_queries_per_block` rows of one sequence, as in the
+   reference.
+2. Each query block needs only the KV blocks it can see: from the window start (0 without a
+   sliding window) up to its last query's position. Every (query block, KV block) pair that is
+   needed becomes one *work item*; nothing is padded to the longest sequence of the batch.
+3. A loop takes `items_per_step` work items at a time: it gathers their pages, computes scores,
+   and keeps for each item the partial softmax statistics (max m, sum l, unnormalised output o).
+4. The partials of one query block are merged at the end: M = max m, l = sum exp(m - M) l,
+   o = sum exp(m - M) o, output = o / l.
+
+The reference loops every query block to the batch's longest context; on a batch of decodes with
+mixed lengths most of that is padding. Here the work is the sum of what each block needs, which
+is what makes the XLA CPU path fast. The trip count of the loop is dynamic, the shapes static.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_KV_TOKENS_PER_BLOCK = 128
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "num_queries_per_block",
+        "num_kv_pages_per_block",
+        "items_per_step",
+        "max_query_blocks",
+    ),
+)
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [P, page_size, Hkv, D]
+    v_pages: jax.Array,  # [P, page_size, Hkv, D]
+    kv_lens: jax.Array,  # [S]
+    page_indices: jax.Array,  # [S, pages_per_seq]
+    cu_q_lens: jax.Array,  # [S + 1]
+    num_seqs: jax.Array,  # [] or [1]
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    num_queries_per_block: int = 8,
+    num_kv_pages_per_block: int | None = None,
+    items_per_step: int = 32,
+    seq_mask: jax.Array | None = None,  # [S] bool: serve only these sequences (others' rows come out 0)
+    max_query_blocks: int | None = None,  # static bound on query blocks, when the caller knows a smaller one
+) -> jax.Array:
+    T, Hq, D = q.shape
+    page_size, Hkv = k_pages.shape[1], k_pages.shape[2]
+    S, pages_per_seq = page_indices.shape
+    G = Hq // Hkv
+    Bq = num_queries_per_block
+    C = num_kv_pages_per_block or max(1, DEFAULT_KV_TOKENS_PER_BLOCK // page_size)
+    C = min(C, pages_per_seq)
+    kv_block = C * page_size
+    max_kv_blocks = _cdiv(pages_per_seq, C)  # KV blocks of the longest possible sequence
+
+    # ---- query blocks (as in the reference): block b = rows of sequence block_seq[b]
+    num_seqs = jnp.reshape(num_seqs, ())
+    seq_in_use = jnp.arange(S) < num_seqs
+    if seq_mask is not None:
+        seq_in_use &= seq_mask
+    q_lens = jnp.where(seq_in_use, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
+    blocks_per_seq = _cdiv(q_lens, Bq)
+    cu_blocks = jnp.cumsum(blocks_per_seq)
+    NB = max_query_blocks or min(T, _cdiv(T, Bq) + S)
+    b = jnp.arange(NB)
+    block_valid = b < cu_blocks[-1]
+    block_seq = jnp.minimum(jnp.searchsorted(cu_blocks, b, side="right"), S - 1)  # [NB]
+    q_offset = (b - (cu_blocks[block_seq] - blocks_per_seq[block_seq])) * Bq
+    row_in_seq = q_offset[:, None] + jnp.arange(Bq)[None, :]  # [NB, Bq]
+    block_q_len = q_lens[block_seq]
+    row_valid = block_valid[:, None] & (row_in_seq < block_q_len[:, None])
+    rows = jnp.where(row_valid, cu_q_lens[block_seq][:, None] + row_in_seq, T)
+    block_kv_len = jnp.where(block_valid, kv_lens[block_seq], 0)
+    q_pos = block_kv_len[:, None] - block_q_len[:, None] + row_in_seq  # [NB, Bq]
+
+    qb = q[jnp.minimum(rows, T - 1)].reshape(NB, Bq, Hkv, G, D)
+    qb = qb.transpose(0, 2, 1, 3, 4).reshape(NB, Hkv, Bq * G, D)  # row r: query r // G, head r % G
+    q_pos_rows = jnp.repeat(q_pos, G, axis=1)  # [NB, Bq*G]
+    row_valid_rows = jnp.repeat(row_valid, G, axis=1)
+
+    # ---- the KV blocks each query block needs: [first_kv_block, last_kv_block]
+    last_pos = jnp.minimum(q_offset + Bq, block_q_len) - 1 + block_kv_len - block_q_len  # last query's position
+    first_pos = block_kv_len - block_q_len + q_offset
+    lo = jnp.zeros_like(first_pos) if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+    first_kv_block = lo // kv_block
+    kv_blocks_needed = jnp.where(block_valid, last_pos // kv_block + 1 - first_kv_block, 0)  # [NB]
+    cu_items = jnp.cumsum(kv_blocks_needed)
+    num_items = cu_items[-1]
+
+    # ---- partial results of every work item, merged per query block at the end
+    W = items_per_step
+    NI = _cdiv(NB * max_kv_blocks, W) * W  # static bound on work items
+    pad = max_kv_blocks * C - pages_per_seq
+    seq_pages = jnp.pad(page_indices, ((0, 0), (0, pad))).reshape(S, max_kv_blocks, C)
+
+    # every work item's query block and KV block, computed once for the static bound NI
+    item = jnp.arange(NI)
+    item_valid_all = item < num_items
+    owner = jnp.searchsorted(cu_items, item, side="right", method="compare_all")  # NB past the end
+    item_block_all = jnp.minimum(owner, NB - 1)
+    kv_blk_all = first_kv_block[item_block_all] + item - (cu_items[item_block_all] - kv_blocks_needed[item_block_all])
+    kv_blk_all = jnp.clip(kv_blk_all, 0, max_kv_blocks - 1)
+    item_pages_all = seq_pages[block_seq[item_block_all], kv_blk_all]  # [NI, C]
+
+    def work(i, partials):
+        m_all, l_all, o_all = partials
+        start = i * W
+        item_valid = jax.lax.dynamic_slice_in_dim(item_valid_all, start, W)  # [W]
+        item_block = jax.lax.dynamic_slice_in_dim(item_block_all, start, W)
+        kv_blk = jax.lax.dynamic_slice_in_dim(kv_blk_all, start, W)
+        pages = jax.lax.dynamic_slice_in_dim(item_pages_all, start, W)  # [W, C]
+        k = k_pages[pages].reshape(W, kv_block, Hkv, D)
+        v = v_pages[pages].reshape(W, kv_block, Hkv, D)
+        s = jnp.einsum("whrd,wkhd->whrk", qb[item_block], k, preferred_element_type=jnp.float32) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        kv_pos = kv_blk[:, None] * kv_block + jnp.arange(kv_block)[None, :]  # [W, kv_block]
+        qp = q_pos_rows[item_block]  # [W, Bq*G]
+        mask = (kv_pos[:, None, :] <= qp[:, :, None]) & (kv_pos[:, None, :] < block_kv_len[item_block][:, None, None])
+        if sliding_window is not None:
+            mask &= kv_pos[:, None, :] > qp[:, :, None] - sliding_window
+        mask &= row_valid_rows[item_block][:, :, None] & item_valid[:, None, None]
+        s = jnp.where(mask[:, None], s, -jnp.inf)  # [W, Hkv, Bq*G, kv_block]
+        m = s.max(axis=-1)
+        p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m)[..., None])
+        l = p.sum(axis=-1)
+        o = jnp.einsum("whrk,wkhd->whrd", p, v.astype(jnp.float32))
+        m_all = jax.lax.dynamic_update_slice_in_dim(m_all, m, start, axis=0)
+        l_all = jax.lax.dynamic_update_slice_in_dim(l_all, l, start, axis=0)
+        o_all = jax.lax.dynamic_update_slice_in_dim(o_all, o, start, axis=0)
+        return m_all, l_all, o_all
+
+    partials = (
+        jnp.full((NI, Hkv, Bq * G), -jnp.inf, jnp.float32),
+        jnp.zeros((NI, Hkv, Bq * G), jnp.float32),
+        jnp.zeros((NI, Hkv, Bq * G, D), jnp.float32),
+    )
+    m_all, l_all, o_all = jax.lax.fori_loop(0, _cdiv(num_items, W), work, partials)
+
+    # ---- merge the partials of each query block (items past num_items land in no block)
+    m_blk = jax.ops.segment_max(m_all, owner, num_segments=NB)  # [NB, Hkv, Bq*G]
+    m_blk = jnp.where(m_blk == -jnp.inf, 0.0, m_blk)
+    scale = jnp.exp(m_all - m_blk[jnp.minimum(owner, NB - 1)])  # [NI, Hkv, Bq*G]; exp(-inf) = 0 for empty items
+    l_blk = jax.ops.segment_sum(scale * l_all, owner, num_segments=NB)
+    o_blk = jax.ops.segment_sum(scale[..., None] * o_all, owner, num_segments=NB)
+    out = o_blk / jnp.where(l_blk == 0.0, 1.0, l_blk)[..., None]  # [NB, Hkv, Bq*G, D]
+    out = out.reshape(NB, Hkv, Bq, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * Bq, Hq, D)
+    result = jnp.zeros((T, Hq, D), q.dtype)
+    return result.at[rows.reshape(-1)].set(out.astype(q.dtype), mode="drop")
