@@ -152,7 +152,8 @@ class Buckets:
         """Every variant the engine may compile for batches without prompt logprobs (for warm-up)."""
         keys = []
         for T in self.token_buckets:
-            kinds = (["decode"] if T <= self.max_num_seqs else []) + (["prefill", "mixed"] if T > 1 else [])
+            # decode batches hold up to max_num_seqs tokens (and a single one pads to the smallest T)
+            kinds = (["decode"] if T <= max(self.max_num_seqs, self.token_buckets[0]) else []) + (["prefill", "mixed"] if T > 1 else [])
             for kind in kinds:
                 S, qb = self._kind(T, kind)
                 key = BucketKey(T, S, S, qb)

@@ -517,7 +517,8 @@ def render(args, env: dict, wl: dict, results: list[dict], agree: dict | None) -
     L.append(f"- jax devices: {', '.join(devs) or '—'}")
     L.append("- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()))
     L.append(f"- jaxinfer: max_model_len {args.max_model_len}, prefix caching {'on' if args.prefix_caching else 'off'}, other LLM "
-             f"defaults; jax persistent compile cache {'on' if args.compile_cache else 'off (cold pass compiles for real)'}; "
+             f"defaults; jax persistent compile cache {'on' if args.compile_cache else 'off'}; "
+             f"{'a cold pass compiles what it meets' if args.cold else 'every bucket compiled before the timed pass (LLM warmup=True)'}; "
              f"transformers: torch threads {args.threads}, EOS disabled; static batches sorted by prompt length with left padding "
              f"(B=...), and its continuous batching API")
     L.append("")
