@@ -1,0 +1,262 @@
+"""Weight quantization: the quantizers in `jaxinfer.quantization` and the reference quantized matmul.
+
+Read as a specification: what each mode promises about its rounding error, how int4 is packed,
+what `quantized_matmul` computes, and which parameters `quantize_params` touches.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import quantization as qz
+from pallas_kernels.quantized_matmul import dequantize, quantized_matmul, unpack_int4
+
+
+def weight(shape, seed=0, dtype=jnp.float32):
+    """Gaussian weights with a few large outliers, as real checkpoints have."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(0.0, 0.02, shape)
+    w.flat[rng.integers(0, w.size, 4)] *= 20
+    return jnp.asarray(w, dtype)
+
+
+# ----------------------------------------------------------------------------- round trips
+def test_int8_round_trip_error_is_at_most_half_a_step_per_column():
+    w = weight((64, 48))
+    q, scales = qz.quantize_int8(w)
+    assert q.dtype == jnp.int8 and q.shape == (64, 48)
+    assert scales.dtype == jnp.float32 and scales.shape == (48,)
+    np.testing.assert_allclose(scales, np.abs(w).max(axis=0) / 127, rtol=1e-6)
+    err = np.abs(np.asarray(qz.dequantize_int8(q, scales)) - np.asarray(w))
+    assert np.all(err <= np.asarray(scales)[None, :] / 2 * (1 + 1e-5))
+    assert np.abs(np.asarray(q)).max() == 127  # each column's absmax lands on the end of the range
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_round_trip_error_is_at_most_half_a_step_per_group(group_size):
+    K, N = 256, 24
+    w = weight((K, N), seed=group_size)
+    packed, scales = qz.quantize_int4(w, group_size)
+    assert packed.dtype == jnp.uint8 and packed.shape == (K // 2, N)
+    assert scales.dtype == jnp.float32 and scales.shape == (K // group_size, N)
+    groups = np.asarray(w).reshape(K // group_size, group_size, N)
+    np.testing.assert_allclose(scales, np.abs(groups).max(axis=1) / 7, rtol=1e-6)
+    err = np.abs(np.asarray(qz.dequantize_int4(packed, scales, group_size)) - np.asarray(w))
+    step = np.repeat(np.asarray(scales), group_size, axis=0)  # [K, N]: the scale of each element's group
+    assert np.all(err <= step / 2 * (1 + 1e-5))
+
+
+def test_fp8_round_trip_keeps_three_mantissa_bits():
+    w = weight((64, 40))
+    q, scales = qz.quantize_fp8(w)
+    assert q.dtype == jnp.float8_e4m3fn and scales.shape == (40,)
+    np.testing.assert_allclose(scales, np.abs(w).max(axis=0) / 448, rtol=1e-6)
+    assert np.all(np.isfinite(np.asarray(q, np.float32)))
+    w_np, back = np.asarray(w), np.asarray(qz.dequantize_fp8(q, scales))
+    # Normal numbers: relative error <= 2^-4 (3 mantissa bits, round to nearest). Near zero the
+    # subnormal spacing 2^-9 (times the scale) bounds the absolute error instead.
+    bound = np.maximum(np.abs(w_np) * 2.0**-4, np.asarray(scales)[None, :] * 2.0**-10)
+    assert np.all(np.abs(back - w_np) <= bound * (1 + 1e-5))
+    assert np.median(np.abs(back - w_np) / np.abs(w_np)) < 0.03
+
+
+@pytest.mark.parametrize("mode", qz.MODES)
+def test_an_all_zero_column_quantizes_to_zero(mode):
+    w = weight((64, 8)).at[:, 3].set(0.0)
+    qw = qz.quantize(w, mode, group_size=32)
+    back = np.asarray(qw.dequantize())
+    assert np.all(back[:, 3] == 0) and np.all(np.isfinite(back))
+
+
+def test_bf16_weights_quantize_like_their_f32_values():
+    w = weight((64, 16), dtype=jnp.bfloat16)
+    q_bf16, s_bf16 = qz.quantize_int8(w)
+    q_f32, s_f32 = qz.quantize_int8(w.astype(jnp.float32))
+    np.testing.assert_array_equal(q_bf16, q_f32)
+    np.testing.assert_array_equal(s_bf16, s_f32)
+
+
+# ----------------------------------------------------------------------------- int4 packing layout
+def test_int4_packing_puts_even_k_in_the_low_nibble_stored_as_value_plus_8():
+    # K = 4, N = 2. Column 0 holds k = 0..3 -> -8, 7, 0, -1; column 1 holds 1, 2, -3, 5.
+    q = jnp.array([[-8, 1], [7, 2], [0, -3], [-1, 5]], jnp.int8)
+    packed = qz.pack_int4(q)
+    # Row i = (value(2i+1) + 8) << 4 | (value(2i) + 8)
+    expected = np.array(
+        [
+            [(7 + 8) << 4 | (-8 + 8), (2 + 8) << 4 | (1 + 8)],   # 0xF0, 0xA9
+            [(-1 + 8) << 4 | (0 + 8), (5 + 8) << 4 | (-3 + 8)],  # 0x78, 0xD5
+        ],
+        np.uint8,
+    )
+    assert expected.tolist() == [[0xF0, 0xA9], [0x78, 0xD5]]
+    np.testing.assert_array_equal(packed, expected)
+    np.testing.assert_array_equal(unpack_int4(packed), q)
+
+
+def test_int4_dequantize_applies_the_scale_of_each_k_group():
+    # K = 64 with group 32: rows 0..31 use scales[0], rows 32..63 use scales[1].
+    q = jnp.ones((64, 1), jnp.int8)
+    scales = jnp.array([[2.0], [3.0]], jnp.float32)
+    w = dequantize(qz.pack_int4(q), scales, mode="int4", group_size=32)
+    np.testing.assert_array_equal(w[:32], 2.0)
+    np.testing.assert_array_equal(w[32:], 3.0)
+
+
+# ----------------------------------------------------------------------------- quantized matmul
+MATMUL_CASES = [("int8", None), ("int4", 32), ("int4", 128), ("fp8", None)]
+
+
+@pytest.mark.parametrize("mode,group_size", MATMUL_CASES)
+@pytest.mark.parametrize("x_dtype,rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+def test_quantized_matmul_is_x_times_the_dequantized_weight(mode, group_size, x_dtype, rtol):
+    M, K, N = 8, 256, 32
+    qw = qz.quantize(weight((K, N), seed=1), mode, group_size)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(M, K)), x_dtype)
+    y = quantized_matmul(x, qw.qweight, qw.scales, mode=mode, group_size=group_size)
+    assert y.shape == (M, N) and y.dtype == x_dtype
+    expected = np.asarray(x, np.float64) @ np.asarray(qw.dequantize(), np.float64)
+    # f32: accumulation order only. bf16: the f32 result rounded once to bf16 (8 mantissa bits).
+    atol = rtol * np.abs(expected).max()
+    np.testing.assert_allclose(np.asarray(y, np.float64), expected, rtol=rtol, atol=atol)
+
+
+def test_quantized_matmul_is_close_to_the_unquantized_matmul():
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(4, 128)), jnp.float32)
+    w = weight((128, 16), seed=3)
+    exact = np.asarray(x @ w)
+    for mode, group_size, tol in [("int8", None, 0.02), ("fp8", None, 0.05), ("int4", 32, 0.2)]:
+        qw = qz.quantize(w, mode, group_size)
+        y = np.asarray(quantized_matmul(x, qw.qweight, qw.scales, mode=mode, group_size=group_size))
+        assert np.linalg.norm(y - exact) / np.linalg.norm(exact) < tol, mode
+
+
+# ----------------------------------------------------------------------------- stacked [L, K, N]
+@pytest.mark.parametrize("mode,group_size", MATMUL_CASES)
+def test_stacked_weights_are_quantized_layer_by_layer(mode, group_size):
+    L, K, N = 3, 128, 16
+    w = weight((L, K, N), seed=4) * jnp.array([1.0, 10.0, 0.1])[:, None, None]  # very different layers
+    qw = qz.quantize(w, mode, group_size)
+    assert qw.shape == (L, K, N)
+    assert qw.scales.shape == ((L, K // group_size, N) if mode == "int4" else (L, N))
+    for i in range(L):
+        layer = jax.tree.map(lambda a: a[i], qw)  # how a loop over layers takes one
+        alone = qz.quantize(w[i], mode, group_size)
+        assert layer.mode == mode and layer.group_size == group_size
+        np.testing.assert_array_equal(np.asarray(layer.qweight, np.float32), np.asarray(alone.qweight, np.float32))
+        np.testing.assert_array_equal(layer.scales, alone.scales)
+    np.testing.assert_array_equal(qw.dequantize()[1], qz.quantize(w[1], mode, group_size).dequantize())
+
+
+def test_quantized_weight_is_a_pytree_with_static_mode():
+    qw = qz.quantize(weight((64, 8)), "int4", group_size=32)
+    leaves, treedef = jax.tree.flatten(qw)
+    assert [leaf.dtype for leaf in leaves] == [jnp.uint8, jnp.float32]
+    back = jax.tree.unflatten(treedef, leaves)
+    assert (back.mode, back.group_size) == ("int4", 32) and back.qweight is qw.qweight
+
+    @jax.jit
+    def f(x, w: qz.QuantizedWeight):
+        return quantized_matmul(x, w.qweight, w.scales, mode=w.mode, group_size=w.group_size)
+
+    x = jnp.ones((2, 64), jnp.float32)
+    np.testing.assert_allclose(f(x, qw), x @ qw.dequantize(), rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- whole parameter dicts
+def llama_like_params(L=2, H=64, I=128, V=32, dtype=jnp.bfloat16):
+    shapes = {
+        "embed": (V, H),
+        "final_norm": (H,),
+        "layers.attn_norm": (L, H),
+        "layers.q_proj": (L, H, H),
+        "layers.k_proj": (L, H, H // 2),
+        "layers.v_proj": (L, H, H // 2),
+        "layers.q_bias": (L, H),
+        "layers.o_proj": (L, H, H),
+        "layers.mlp_norm": (L, H),
+        "layers.gate_proj": (L, H, I),
+        "layers.up_proj": (L, H, I),
+        "layers.down_proj": (L, I, H),
+        "lm_head": (H, V),
+    }
+    return {name: weight(shape, seed=i, dtype=dtype) for i, (name, shape) in enumerate(shapes.items())}
+
+
+@pytest.mark.parametrize("mode", qz.MODES)
+def test_quantize_params_replaces_only_the_matmul_weights(mode):
+    params = llama_like_params()
+    out = qz.quantize_params(params, mode, group_size=64)
+    quantized = {name for name, v in out.items() if isinstance(v, qz.QuantizedWeight)}
+    assert quantized == {
+        "layers.q_proj", "layers.k_proj", "layers.v_proj", "layers.o_proj",
+        "layers.gate_proj", "layers.up_proj", "layers.down_proj", "lm_head",
+    }
+    for name in params.keys() - quantized:  # embed, norms, biases: the very same arrays
+        assert out[name] is params[name]
+    for name in quantized:
+        assert out[name].mode == mode and out[name].shape == params[name].shape
+    assert all(not isinstance(v, qz.QuantizedWeight) for v in params.values())  # input untouched
+
+
+def test_quantize_params_skip_keeps_named_weights():
+    params = llama_like_params()
+    out = qz.quantize_params(params, "int8", skip=("lm_head",))
+    assert out["lm_head"] is params["lm_head"]
+    assert isinstance(out["layers.q_proj"], qz.QuantizedWeight)
+
+
+def test_int4_g128_stores_a_big_weight_in_under_a_3_5th_of_its_bf16_bytes():
+    w = jnp.zeros((2048, 1024), jnp.bfloat16)
+    params = {"layers.up_proj": w, "final_norm": jnp.ones((1024,), jnp.bfloat16)}
+    quantized = qz.quantize_params(params, "int4", group_size=128)
+    # K*N/2 bytes of nibbles + K/128*N*4 bytes of scales = 0.53 bytes per weight vs 2.
+    assert quantized["layers.up_proj"].nbytes < w.nbytes / 3.5
+    assert qz.param_bytes(quantized) == quantized["layers.up_proj"].nbytes + 1024 * 2
+    assert qz.param_bytes(params) == w.nbytes + 1024 * 2
+    assert qz.param_bytes(qz.quantize_params(params, "int8")) < qz.param_bytes(params) / 1.9
+
+
+# ----------------------------------------------------------------------------- errors
+def test_unknown_mode_raises_naming_mode():
+    w = weight((64, 8))
+    with pytest.raises(ValueError, match="mode"):
+        qz.quantize(w, "int3")
+    with pytest.raises(ValueError, match="mode"):
+        qz.quantize_params({"lm_head": w}, "nf4")
+    with pytest.raises(ValueError, match="mode"):
+        quantized_matmul(jnp.ones((1, 64)), *qz.quantize_int8(w), mode="int2")
+
+
+@pytest.mark.parametrize("group_size", [None, 16, 48, 256])
+def test_unsupported_int4_group_size_raises_naming_group_size(group_size):
+    w = weight((256, 8))
+    with pytest.raises(ValueError, match="group_size"):
+        qz.quantize_int4(w, group_size)
+    with pytest.raises(ValueError, match="group_size"):
+        qz.quantize_params({"lm_head": w}, "int4", group_size=group_size)
+    packed, scales = qz.quantize_int4(w, 32)
+    with pytest.raises(ValueError, match="group_size"):
+        quantized_matmul(jnp.ones((1, 256)), packed, scales, mode="int4", group_size=group_size)
+
+
+def test_group_size_that_does_not_divide_k_raises_naming_group_size():
+    with pytest.raises(ValueError, match="group_size"):
+        qz.quantize_int4(weight((96, 8)), 64)
+    with pytest.raises(ValueError, match="layers.q_proj.*group_size"):
+        qz.quantize_params({"layers.q_proj": weight((2, 96, 8))}, "int4", group_size=64)
+
+
+def test_group_size_with_a_per_channel_mode_raises_in_the_matmul():
+    q, scales = qz.quantize_int8(weight((64, 8)))
+    with pytest.raises(ValueError, match="group_size"):
+        quantized_matmul(jnp.ones((1, 64)), q, scales, mode="int8", group_size=128)
+
+
+def test_mismatched_layout_raises():
+    q, scales = qz.quantize_int8(weight((64, 8)))
+    with pytest.raises(ValueError, match="qweight"):
+        quantized_matmul(jnp.ones((1, 64)), q.astype(jnp.float32), scales, mode="int8")
+    with pytest.raises(ValueError, match="scales"):
+        quantized_matmul(jnp.ones((1, 64)), q, scales[:4], mode="int8")
