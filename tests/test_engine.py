@@ -173,7 +173,7 @@ def test_repetition_penalty_changes_a_repetitive_greedy_output(model_dir):
 FUZZ_STEPS = []
 
 
-@hypothesis.settings(max_examples=50, deadline=None, derandomize=True)
+@hypothesis.settings(max_examples=50, deadline=None, derandomize=True, database=None)
 @hypothesis.given(data=st.data())
 def test_fuzz_arrivals_aborts_forks_and_preemption_leak_no_pages(fuzz_llm, data):
     from jaxinfer.engine.engine import LLMEngine
@@ -184,7 +184,7 @@ def test_fuzz_arrivals_aborts_forks_and_preemption_leak_no_pages(fuzz_llm, data)
                        preemption_mode=data.draw(st.sampled_from(["recompute", "swap"])))
     bm = engine.block_manager
     live: list[str] = []
-    for step in range(data.draw(st.integers(5, 80))):
+    for step in range(data.draw(st.integers(20, 100))):
         action = data.draw(st.sampled_from(["add", "add", "abort", "step", "step", "step"]))
         if action == "add":
             rid = f"r{step}-{data.draw(st.integers(0, 10**6))}"
@@ -213,7 +213,7 @@ def test_fuzz_covered_thousands_of_steps_with_preemptions_and_hits():
     if not FUZZ_STEPS:
         pytest.skip("run together with the fuzz test")
     steps, preemptions, hits = (sum(col) for col in zip(*FUZZ_STEPS))
-    assert steps >= 1000 and preemptions > 0 and hits > 0
+    assert steps >= 1000 and preemptions > 0 and hits > 0, (steps, preemptions, hits)
 
 
 @pytest.fixture(scope="module")
