@@ -70,10 +70,6 @@ class BucketKey:
 MAX_PREFILL_CHUNKS = 4
 
 
-def num_prefill_chunks(chunks: Sequence["SequenceChunk"]) -> int:
-    return sum(len(c.token_ids) > 1 for c in chunks)
-
-
 @dataclasses.dataclass(frozen=True)
 class Buckets:
     """The fixed set of padded shapes.
@@ -170,8 +166,9 @@ def pack_batch(chunks: Sequence[SequenceChunk], buckets: Buckets, page_size: int
     """
     num_tokens = sum(len(c.token_ids) for c in chunks)
     num_logits = sum(len(c.logits_rows) for c in chunks)
-    if num_prefill_chunks(chunks) > MAX_PREFILL_CHUNKS:
-        raise ValueError(f"{num_prefill_chunks(chunks)} multi-token chunks in one step; at most {MAX_PREFILL_CHUNKS} are allowed")
+    num_prefill_chunks = sum(len(c.token_ids) > 1 for c in chunks)
+    if num_prefill_chunks > MAX_PREFILL_CHUNKS:
+        raise ValueError(f"{num_prefill_chunks} multi-token chunks in one step; at most {MAX_PREFILL_CHUNKS} are allowed")
     key = buckets.key_for(num_tokens, len(chunks), num_logits)
     T, S, R = key.num_tokens, key.num_seqs, key.num_logits
 

@@ -276,34 +276,44 @@ def _spread_order(n: int) -> list[int]:
     return order
 
 
-def run_transformers(args, batch_size: str) -> dict:
-    ph = Phases()
+def _hf_greedy_model(args, ph: Phases):
+    """The transformers peer: the GGUF in float32 on `args.threads` torch threads, and a greedy
+    generation config with EOS disabled (= ignore_eos: EOS may be chosen and generation goes on;
+    min_new_tokens would mask it instead). Returns (model, generation config, load seconds)."""
     import copy
 
     import torch
 
     torch.set_num_threads(args.threads)
     import transformers
-    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+    from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
-    B = int(batch_size)
-    wl = load_workload(args)
-    reqs = wl["requests"]
     ph.mark("import")
     path = _model_path(args)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     load_s = time.perf_counter() - t0
     ph.mark("load")
-    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     gcfg = copy.deepcopy(model.generation_config)
-    gcfg.eos_token_id = None  # ignore_eos: EOS may be chosen and generation goes on (min_new_tokens would mask it instead)
-    gcfg.pad_token_id = pad_id
+    gcfg.eos_token_id = None
+    gcfg.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     gcfg.do_sample = False
     for k in ("temperature", "top_p", "top_k"):
         setattr(gcfg, k, None)
+    return model, gcfg, load_s
+
+
+def run_transformers(args, batch_size: str) -> dict:
+    ph = Phases()
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    B = int(batch_size)
+    wl = load_workload(args)
+    reqs = wl["requests"]
+    model, gcfg, load_s = _hf_greedy_model(args, ph)
+    pad_id = gcfg.pad_token_id
 
     class StepClock(LogitsProcessor):
         """Records when each generation step's logits are ready (step k chooses new token k)."""
@@ -390,28 +400,10 @@ def run_transformers(args, batch_size: str) -> dict:
 def run_transformers_cb(args, setting: str) -> dict:
     """transformers' continuous batching: every request submitted at once with its own max_new_tokens."""
     ph = Phases()
-    import copy
-
     import torch
 
-    torch.set_num_threads(args.threads)
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    transformers.logging.set_verbosity_error()
-    wl = load_workload(args)
-    reqs = wl["requests"]
-    ph.mark("import")
-    path = _model_path(args)
-    t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    load_s = time.perf_counter() - t0
-    ph.mark("load")
-    gcfg = copy.deepcopy(model.generation_config)
-    gcfg.eos_token_id = None  # ignore_eos
-    gcfg.do_sample = False
-    for k in ("temperature", "top_p", "top_k"):
-        setattr(gcfg, k, None)
+    reqs = load_workload(args)["requests"]
+    model, gcfg, load_s = _hf_greedy_model(args, ph)
     gcfg.max_new_tokens = max(r["max_new_tokens"] for r in reqs)
     results = {}
     with torch.inference_mode():
@@ -454,27 +446,26 @@ def run_transformers_cb(args, setting: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
-def _passthrough(args) -> list[str]:
+def _passthrough(args, limit: int | None = None) -> list[str]:
+    """The child's flags; a sweep child runs `limit` requests after compiling every bucket (--no-cold)."""
+    limit = limit or args.limit
     out = ["--workload", args.workload, "--max-model-len", str(args.max_model_len), "--hf-budget", str(args.hf_budget),
            "--threads", str(args.threads), "--warmup-requests", str(args.warmup_requests)]
-    if args.limit:
-        out += ["--limit", str(args.limit)]
+    if limit:
+        out += ["--limit", str(limit)]
     if args.model:
         out += ["--model", args.model]
     if args.compile_cache:
         out.append("--compile-cache")
     if not args.prefix_caching:
         out.append("--no-prefix-caching")
-    if not args.cold:
+    if not args.cold or limit != args.limit:
         out.append("--no-cold")
     return out
 
 
 def run_child(args, system: str, setting: str, limit: int | None = None) -> dict:
-    extra = _passthrough(args)
-    if limit:
-        extra = [a for i, a in enumerate(extra) if a != "--limit" and (i == 0 or extra[i - 1] != "--limit")] + ["--limit", str(limit), "--no-cold"]
-    return run_worker(__file__, f"{system}:{setting}", extra, wall_key="child_wall_s", system=system, setting=setting)
+    return run_worker(__file__, f"{system}:{setting}", _passthrough(args, limit), wall_key="child_wall_s", system=system, setting=setting)
 
 
 def agreement(jax_toks: list[list[int]], hf: dict, reqs: list[dict]) -> dict:
