@@ -83,22 +83,23 @@ def pack_int4(q: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames="group_size")
 def quantize_int4(w: jax.Array, group_size: int) -> tuple[jax.Array, jax.Array]:
-    """w [..., K, N] -> (uint8 [..., K // 2, N], f32 scales [..., K // group_size, N]).
+    """w [..., K, N] -> (uint8 [..., Kp // 2, N], f32 scales [..., Kp // group_size, N]).
 
-    Each run of `group_size` rows of a column shares a scale; |w - q * scale| <= scale / 2.
+    Kp is K rounded up to a multiple of group_size (the weight is padded with zero rows). Each
+    run of `group_size` rows of a column shares a scale; |w - q * scale| <= scale / 2.
     """
     check_mode("int4", group_size)
     *lead, K, N = w.shape
-    if K % group_size:
-        raise ValueError(f"group_size = {group_size} must divide K = {K} (weight shape {tuple(w.shape)})")
-    wg = w.astype(jnp.float32).reshape(*lead, K // group_size, group_size, N)  # [..., G, g, N]
+    Kp = -(-K // group_size) * group_size
+    wf = jnp.pad(w.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, Kp - K), (0, 0)])
+    wg = wf.reshape(*lead, Kp // group_size, group_size, N)                   # [..., G, g, N]
     scales = jnp.max(jnp.abs(wg), axis=-2) / INT4_MAX                         # [..., G, N]
     q = jnp.clip(jnp.round(wg / _safe(scales)[..., None, :]), -8, INT4_MAX)
-    return pack_int4(q.reshape(*lead, K, N)), scales
+    return pack_int4(q.reshape(*lead, Kp, N)), scales
 
 
 def dequantize_int4(packed: jax.Array, scales: jax.Array, group_size: int) -> jax.Array:
-    """(uint8 [..., K // 2, N], [..., K // group_size, N]) -> f32 [..., K, N]."""
+    """(uint8 [..., Kp // 2, N], [..., Kp // group_size, N]) -> f32 [..., Kp, N] (padding rows included)."""
     return qmm.dequantize(packed, scales, mode="int4", group_size=group_size)
 
 
@@ -122,8 +123,8 @@ def dequantize_fp8(qweight: jax.Array, scales: jax.Array) -> jax.Array:
 class QuantizedWeight:
     """A quantized [K, N] (or stacked [L, K, N]) matmul weight.
 
-    qweight and scales are the pytree's leaves (laid out as in the module docstring); mode and
-    group_size are static, so `jax.tree.map(lambda a: a[i], qw)` takes layer i of a stacked
+    qweight and scales are the pytree's leaves (laid out as in the module docstring); mode,
+    group_size and in_features (K, which int4 may store padded) are static, so `jax.tree.map(lambda a: a[i], qw)` takes layer i of a stacked
     weight and jit sees the mode as part of the program.
     """
 
@@ -131,12 +132,14 @@ class QuantizedWeight:
     scales: jax.Array
     mode: str
     group_size: int | None = None
+    in_features: int | None = None  # K; None: all of qweight's rows (2 per byte row for int4)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the weight this stands for ([..., K, N])."""
         *lead, rows, N = self.qweight.shape
-        return (*lead, 2 * rows if self.mode == "int4" else rows, N)
+        stored = 2 * rows if self.mode == "int4" else rows
+        return (*lead, self.in_features or stored, N)
 
     @property
     def nbytes(self) -> int:
@@ -144,10 +147,13 @@ class QuantizedWeight:
 
     def dequantize(self) -> jax.Array:
         """The float32 weight [..., K, N]."""
-        return qmm.dequantize(self.qweight, self.scales, mode=self.mode, group_size=self.group_size)
+        w = qmm.dequantize(self.qweight, self.scales, mode=self.mode, group_size=self.group_size)
+        return w[..., : self.shape[-2], :]
 
 
-jax.tree_util.register_dataclass(QuantizedWeight, data_fields=["qweight", "scales"], meta_fields=["mode", "group_size"])
+jax.tree_util.register_dataclass(
+    QuantizedWeight, data_fields=["qweight", "scales"], meta_fields=["mode", "group_size", "in_features"]
+)
 
 
 def quantize(w: jax.Array, mode: str, group_size: int | None = None) -> QuantizedWeight:
@@ -156,7 +162,7 @@ def quantize(w: jax.Array, mode: str, group_size: int | None = None) -> Quantize
     if mode == "int8":
         return QuantizedWeight(*quantize_int8(w), mode="int8")
     if mode == "int4":
-        return QuantizedWeight(*quantize_int4(w, group_size), mode="int4", group_size=group_size)
+        return QuantizedWeight(*quantize_int4(w, group_size), mode="int4", group_size=group_size, in_features=w.shape[-2])
     return QuantizedWeight(*quantize_fp8(w), mode="fp8")
 
 
@@ -186,8 +192,6 @@ def quantize_params(
         if name in skip or name.rsplit(".", 1)[-1] not in MATMUL_WEIGHT_NAMES or w.ndim not in (2, 3):
             out[name] = w
             continue
-        if mode == "int4" and w.shape[-2] % group_size:
-            raise ValueError(f"{name}: group_size = {group_size} must divide K = {w.shape[-2]} (shape {tuple(w.shape)})")
         out[name] = quantize(w, mode, group_size)
     return out
 

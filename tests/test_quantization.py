@@ -241,11 +241,18 @@ def test_unsupported_int4_group_size_raises_naming_group_size(group_size):
         quantized_matmul(jnp.ones((1, 256)), packed, scales, mode="int4", group_size=group_size)
 
 
-def test_group_size_that_does_not_divide_k_raises_naming_group_size():
-    with pytest.raises(ValueError, match="group_size"):
-        qz.quantize_int4(weight((96, 8)), 64)
-    with pytest.raises(ValueError, match="layers.q_proj.*group_size"):
-        qz.quantize_params({"layers.q_proj": weight((2, 96, 8))}, "int4", group_size=64)
+def test_int4_pads_k_with_zero_rows_up_to_a_whole_group():
+    # SmolLM2-135M's hidden size 576 is 4.5 groups of 128: stored as 640 rows, the last 64 zero.
+    w = weight((576, 8), seed=7)
+    qw = qz.quantize(w, "int4", group_size=128)
+    assert qw.qweight.shape == (320, 8) and qw.scales.shape == (5, 8) and qw.shape == (576, 8)
+    np.testing.assert_array_equal(np.asarray(qz.dequantize_int4(qw.qweight, qw.scales, 128))[576:], 0.0)
+    assert np.abs(np.asarray(qw.dequantize() - w)).max() <= np.asarray(qw.scales).max() / 2 + 1e-7
+    x = jnp.asarray(np.random.default_rng(8).normal(size=(3, 576)), jnp.float32)
+    y = quantized_matmul(x, qw.qweight, qw.scales, mode="int4", group_size=128)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ np.asarray(qw.dequantize()), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="K = 500"):  # short by more than the padding
+        quantized_matmul(x[:, :500], qw.qweight, qw.scales, mode="int4", group_size=128)
 
 
 def test_group_size_with_a_per_channel_mode_raises_in_the_matmul():

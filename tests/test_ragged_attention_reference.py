@@ -124,6 +124,36 @@ def test_bfloat16_inputs(ragged_paged_attention):
     np.testing.assert_allclose(out, want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
+def test_quantized_kv_pages_are_dequantized_with_their_scales(ragged_paged_attention, kv_dtype):
+    rng = np.random.default_rng(5)
+    q, k, v, *rest = make_case(rng, [9, 1, 4], [9, 21, 13], Hq=4, Hkv=2, D=32, page_size=4)
+    k_scale, v_scale = 0.05, 0.02
+    if kv_dtype == jnp.int8:
+        k_q = np.clip(np.round(k / k_scale), -127, 127).astype(np.int8)
+        v_q = np.clip(np.round(v / v_scale), -127, 127).astype(np.int8)
+    else:
+        k_q = jnp.asarray(k / k_scale, jnp.float8_e4m3fn)
+        v_q = jnp.asarray(v / v_scale, jnp.float8_e4m3fn)
+    out = np.asarray(
+        ragged_paged_attention(jnp.asarray(q), jnp.asarray(k_q), jnp.asarray(v_q), *map(jnp.asarray, rest),
+                               sm_scale=0.125, k_scale=k_scale, v_scale=v_scale, num_queries_per_block=4),
+        np.float64,
+    )
+    # the truth: float attention over exactly the values the quantized pages stand for
+    k_deq = np.asarray(jnp.asarray(k_q, jnp.float32)) * k_scale
+    v_deq = np.asarray(jnp.asarray(v_q, jnp.float32)) * v_scale
+    want = numpy_attention(q, k_deq, v_deq, *rest[:3], int(rest[3][0]), 0.125)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+
+
+def test_quantized_kv_pages_need_a_scale(ragged_paged_attention):
+    q, k, v, *rest = make_case(np.random.default_rng(6), [2], [2], Hq=2, Hkv=1, D=16, page_size=4)
+    args = [jnp.asarray(q), jnp.asarray(k, jnp.int8), jnp.asarray(v, jnp.int8), *map(jnp.asarray, rest)]
+    with pytest.raises(ValueError, match="k_scale"):
+        ragged_paged_attention(*args, sm_scale=0.25)
+
+
 @hypothesis.settings(max_examples=25, deadline=None)
 @hypothesis.given(
     seqs=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 30)), min_size=1, max_size=5),

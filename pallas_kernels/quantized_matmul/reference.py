@@ -12,7 +12,9 @@ result comes back in x's dtype. This file also fixes the storage layout of each 
 
 int4 packs two values of K per byte: byte row i holds k = 2i in its low nibble and k = 2i + 1 in
 its high nibble, each stored as the unsigned nibble q + 8 (so q is in [-8, 7]). group_size is one
-of 32, 64, 128 and divides K. All three are symmetric (no zero point); how the scales are chosen
+of 32, 64, 128. When it does not divide K (SmolLM2's hidden size 576 with groups of 128), the
+weight is stored padded with zero rows up to Kp = the next multiple of group_size: qweight is
+[Kp // 2, N], scales [Kp // group_size, N], and x [M, K] is read as if padded with zero columns. All three are symmetric (no zero point); how the scales are chosen
 is the quantizer's business (`jaxinfer.quantization`), not this file's.
 
 `dequantize` also accepts leading axes ([..., K, N] weights with [..., N] or [..., G, N] scales),
@@ -57,7 +59,7 @@ def _check_layout(qweight: jax.Array, scales: jax.Array, mode: str, group_size: 
     if mode == "int4":
         K = 2 * rows
         if K % group_size:
-            raise ValueError(f"K = {K} is not a multiple of group_size = {group_size}")
+            raise ValueError(f"int4 qweight holds K = {K} rows, not a multiple of group_size = {group_size} (pad K)")
         want_scales = (*lead, K // group_size, N)
     else:
         want_scales = (*lead, N)
@@ -74,7 +76,7 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
 
 
 def dequantize(qweight: jax.Array, scales: jax.Array, *, mode: str, group_size: int | None = None) -> jax.Array:
-    """The float32 weight [..., K, N] that (qweight, scales) stand for."""
+    """The float32 weight [..., K, N] that (qweight, scales) stand for (int4: padded K, Kp rows)."""
     _check_layout(qweight, scales, mode, group_size)
     if mode == "int4":
         q = unpack_int4(qweight).astype(jnp.float32)                        # [..., K, N]
@@ -103,8 +105,11 @@ def quantized_matmul(
     check_mode(mode, group_size)
     if x.ndim != 2 or qweight.ndim != 2:
         raise ValueError(f"x must be [M, K] and qweight 2-D, got {x.shape} and {qweight.shape}")
-    w = dequantize(qweight, scales, mode=mode, group_size=group_size)  # [K, N] f32
-    if x.shape[1] != w.shape[0]:
-        raise ValueError(f"x has K = {x.shape[1]} but the weight has K = {w.shape[0]}")
+    w = dequantize(qweight, scales, mode=mode, group_size=group_size)  # [K, N] f32 ([Kp, N] for int4)
+    K = x.shape[1]
+    padded = mode == "int4" and w.shape[0] - group_size < K < w.shape[0]
+    if K != w.shape[0] and not padded:
+        raise ValueError(f"x has K = {K} but the weight has K = {w.shape[0]}")
+    w = w[:K]  # the zero rows of a padded int4 weight meet x's (absent) zero columns
     y = jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return y.astype(x.dtype)

@@ -19,6 +19,10 @@ The i-th query of sequence s sits at position kv_lens[s] - q_len[s] + i and atte
 cache positions <= its own (and > position - sliding_window when a window is given). Query rows
 past cu_q_lens[num_seqs] are padding and come out as zeros.
 
+Options: `sliding_window` (a query sees the last `sliding_window` positions, its own included),
+`soft_cap` (scores become soft_cap * tanh(score / soft_cap) before the softmax), and int8 or
+float8_e4m3fn pages with per-tensor scales `k_scale` / `v_scale` (entry * scale is the value).
+
 How it computes (the same tiling a kernel uses, written with gathers):
 - queries are cut into *query blocks* of `num_queries_per_block` rows of one sequence, so a block
   reads its sequence's keys once however many queries it holds (1 for pure decode, more for
@@ -36,6 +40,25 @@ import jax.numpy as jnp
 
 DEFAULT_KV_TOKENS_PER_BLOCK = 128
 
+# KV pages may be stored quantized, one float scale per tensor (k_scale, v_scale): the value a
+# page entry stands for is entry * scale, dequantized in float32 as the pages are read.
+QUANTIZED_KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+
+def check_kv_scales(k_pages, v_pages, k_scale, v_scale) -> None:
+    """ValueError unless quantized pages come with their scale and float pages without one."""
+    for name, pages, scale in (("k", k_pages, k_scale), ("v", v_pages, v_scale)):
+        quantized = pages.dtype in QUANTIZED_KV_DTYPES
+        if quantized and scale is None:
+            raise ValueError(f"{name}_pages are {pages.dtype}: pass {name}_scale (the float they are multiplied by)")
+        if not quantized and scale is not None:
+            raise ValueError(f"{name}_scale is given but {name}_pages are {pages.dtype}, not int8/float8_e4m3fn")
+
+
+def dequantize_kv(x: jax.Array, scale: float | None) -> jax.Array:
+    """Quantized K or V values -> float32 (x * scale); float pages pass through unchanged."""
+    return x if scale is None else x.astype(jnp.float32) * scale
+
 
 def _cdiv(a, b):
     return (a + b - 1) // b
@@ -43,7 +66,9 @@ def _cdiv(a, b):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "soft_cap", "num_queries_per_block", "num_kv_pages_per_block"),
+    static_argnames=(
+        "sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale", "num_queries_per_block", "num_kv_pages_per_block"
+    ),
 )
 def ragged_paged_attention(
     q: jax.Array,
@@ -57,9 +82,12 @@ def ragged_paged_attention(
     sm_scale: float = 1.0,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
     num_queries_per_block: int = 8,
     num_kv_pages_per_block: int | None = None,
 ) -> jax.Array:
+    check_kv_scales(k_pages, v_pages, k_scale, v_scale)
     T, Hq, D = q.shape
     page_size, Hkv = k_pages.shape[1], k_pages.shape[2]
     S, pages_per_seq = page_indices.shape
@@ -102,6 +130,7 @@ def ragged_paged_attention(
         pages = jax.lax.dynamic_slice_in_dim(block_pages, j * C, C, axis=1)  # [NB, C]
         k = k_pages[pages].reshape(NB, kv_block, Hkv, D).transpose(0, 2, 1, 3)  # [NB, Hkv, kv_block, D]
         v = v_pages[pages].reshape(NB, kv_block, Hkv, D).transpose(0, 2, 1, 3)
+        k, v = dequantize_kv(k, k_scale), dequantize_kv(v, v_scale)
         s = jnp.einsum("bhqd,bhkd->bhqk", qb, k, preferred_element_type=jnp.float32) * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)

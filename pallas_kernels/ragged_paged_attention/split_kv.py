@@ -25,6 +25,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.reference import check_kv_scales, dequantize_kv
+
 DEFAULT_KV_TOKENS_PER_BLOCK = 128
 
 
@@ -38,6 +40,8 @@ def _cdiv(a, b):
         "sm_scale",
         "sliding_window",
         "soft_cap",
+        "k_scale",
+        "v_scale",
         "num_queries_per_block",
         "num_kv_pages_per_block",
         "items_per_step",
@@ -56,12 +60,15 @@ def ragged_paged_attention(
     sm_scale: float = 1.0,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: float | None = None,  # int8 / fp8 pages: entry * scale is the value (see reference.py)
+    v_scale: float | None = None,
     num_queries_per_block: int = 8,
     num_kv_pages_per_block: int | None = None,
     items_per_step: int = 32,
     seq_mask: jax.Array | None = None,  # [S] bool: serve only these sequences (others' rows come out 0)
     max_query_blocks: int | None = None,  # static bound on query blocks, when the caller knows a smaller one
 ) -> jax.Array:
+    check_kv_scales(k_pages, v_pages, k_scale, v_scale)
     T, Hq, D = q.shape
     page_size, Hkv = k_pages.shape[1], k_pages.shape[2]
     S, pages_per_seq = page_indices.shape
@@ -128,8 +135,8 @@ def ragged_paged_attention(
         item_block = jax.lax.dynamic_slice_in_dim(item_block_all, start, W)
         kv_blk = jax.lax.dynamic_slice_in_dim(kv_blk_all, start, W)
         pages = jax.lax.dynamic_slice_in_dim(item_pages_all, start, W)  # [W, C]
-        k = k_pages[pages].reshape(W, kv_block, Hkv, D)
-        v = v_pages[pages].reshape(W, kv_block, Hkv, D)
+        k = dequantize_kv(k_pages[pages].reshape(W, kv_block, Hkv, D), k_scale)
+        v = dequantize_kv(v_pages[pages].reshape(W, kv_block, Hkv, D), v_scale)
         s = jnp.einsum("whrd,wkhd->whrk", qb[item_block], k, preferred_element_type=jnp.float32) * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
