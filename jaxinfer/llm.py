@@ -17,6 +17,7 @@ from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.loading import load_params, read_config, resolve_model
 from jaxinfer.outputs import RequestOutput
+from jaxinfer.quantization import INT4_GROUP_SIZES, MODES, quantize_model
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import cache_root, load_tokenizer
 
@@ -62,6 +63,10 @@ class LLM:
       compute_dtype: dtype of activations, norms and the residual stream (default: float32 on
         CPU, where bfloat16 elementwise work is slow, bfloat16 elsewhere).
       kv_cache_dtype: dtype of the KV pages (default: compute_dtype).
+      quantization: weight-only quantization of the matmul weights after loading: None / "none",
+        "int8" (per output channel), "int4" (per group of `quantization_group_size` input rows,
+        packed two per byte) or "fp8" (e4m3, per output channel). The embedding stays in `dtype`.
+      quantization_group_size: int4 group size, 32, 64 or 128.
       max_model_len: longest prompt + output (default: the model's max_position_embeddings).
       page_size: tokens per KV page. num_pages: pages in the pool (default: what fits in
         kv_cache_memory_bytes, 1 GiB unless given).
@@ -82,6 +87,8 @@ class LLM:
         dtype: str = "auto",
         compute_dtype: str | None = None,
         kv_cache_dtype: str | None = None,
+        quantization: str | None = None,
+        quantization_group_size: int = 128,
         max_model_len: int | None = None,
         page_size: int = 16,
         num_pages: int | None = None,
@@ -111,6 +118,14 @@ class LLM:
                 stacklevel=2,
             )
 
+        if quantization == "none":
+            quantization = None
+        if quantization not in (None, *MODES):
+            raise ValueError(f"quantization={quantization!r}: expected 'none', {', '.join(map(repr, MODES))}")
+        if quantization == "int4" and quantization_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size={quantization_group_size!r}: expected one of {INT4_GROUP_SIZES}")
+        self.quantization = quantization
+
         if max_model_len is None:
             max_model_len = config.max_position_embeddings
         if not 0 < max_model_len <= config.max_position_embeddings:
@@ -132,6 +147,8 @@ class LLM:
 
         self.tokenizer = load_tokenizer(self.source)
         graphdef, params = load_params(self.source, config, self.param_dtype, self.compute_dtype, progress=progress)
+        if quantization is not None:
+            graphdef, params = quantize_model(graphdef, params, quantization, quantization_group_size)
         kv = KVCache.create(config, num_pages, page_size, self.kv_cache_dtype)
         self.buckets = Buckets.default(max_num_batched_tokens, max_num_seqs, pages_per_seq)
         self.runner = ModelRunner(graphdef, params, kv, self.buckets, num_top_logprobs=max_logprobs)

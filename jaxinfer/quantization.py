@@ -5,7 +5,7 @@ Three modes, all symmetric (no zero point), the storage layout fixed by
 
     mode   per                          scale                 values
     int8   output column                absmax / 127          int8 in [-127, 127]
-    int4   group of `group_size` rows   absmax / 7            [-8, 7] packed two per byte (uint8)
+    int4   group of `group_size` rows   absmax / 7 (bf16)     [-8, 7] packed two per byte (uint8)
     fp8    output column                absmax / 448          float8_e4m3fn
 
 Weights are [K, N] (in, out) as `layers.linear` takes them, or stacked [L, K, N] as the decoder
@@ -46,6 +46,7 @@ __all__ = [
     "quantize_fp8",
     "quantize_int4",
     "quantize_int8",
+    "quantize_model",
     "quantize_params",
 ]
 
@@ -83,7 +84,7 @@ def pack_int4(q: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames="group_size")
 def quantize_int4(w: jax.Array, group_size: int) -> tuple[jax.Array, jax.Array]:
-    """w [..., K, N] -> (uint8 [..., Kp // 2, N], f32 scales [..., Kp // group_size, N]).
+    """w [..., K, N] -> (uint8 [..., Kp // 2, N], bf16 scales [..., Kp // group_size, N]).
 
     Kp is K rounded up to a multiple of group_size (the weight is padded with zero rows). Each
     run of `group_size` rows of a column shares a scale; |w - q * scale| <= scale / 2.
@@ -93,8 +94,9 @@ def quantize_int4(w: jax.Array, group_size: int) -> tuple[jax.Array, jax.Array]:
     Kp = -(-K // group_size) * group_size
     wf = jnp.pad(w.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, Kp - K), (0, 0)])
     wg = wf.reshape(*lead, Kp // group_size, group_size, N)                   # [..., G, g, N]
-    scales = jnp.max(jnp.abs(wg), axis=-2) / INT4_MAX                         # [..., G, N]
-    q = jnp.clip(jnp.round(wg / _safe(scales)[..., None, :]), -8, INT4_MAX)
+    # Rounded to the stored bf16 first, so q is the nearest level under the scale actually kept.
+    scales = (jnp.max(jnp.abs(wg), axis=-2) / INT4_MAX).astype(jnp.bfloat16)  # [..., G, N]
+    q = jnp.clip(jnp.round(wg / _safe(scales.astype(jnp.float32))[..., None, :]), -8, INT4_MAX)
     return pack_int4(q.reshape(*lead, Kp, N)), scales
 
 
@@ -194,6 +196,28 @@ def quantize_params(
             continue
         out[name] = quantize(w, mode, group_size)
     return out
+
+
+def quantize_model(graphdef, state, mode: str, group_size: int = 128, skip: Iterable[str] = ()):
+    """(graphdef, state) of a loaded nnx model -> the same with its matmul weights quantized.
+
+    Each quantized parameter becomes an nnx.Param holding a QuantizedWeight, so the model's
+    forward sees it where it used to see the array (`models.layers.matmul` takes either). The
+    unquantized arrays are not kept.
+    """
+    from flax import nnx  # the model container; the rest of this module is plain JAX
+
+    from jaxinfer.models.llama import nested_to_flat
+
+    flat = nested_to_flat(nnx.to_pure_dict(state))
+    quantized = {k: v for k, v in quantize_params(flat, mode, group_size, skip).items() if isinstance(v, QuantizedWeight)}
+    model = nnx.merge(graphdef, state)
+    del flat, state
+    for name, qw in quantized.items():
+        *path, leaf = name.split(".")
+        owner = functools.reduce(getattr, path, model)
+        setattr(owner, leaf, nnx.Param(qw))
+    return nnx.split(model)
 
 
 def param_bytes(params) -> int:

@@ -39,11 +39,11 @@ def test_int4_round_trip_error_is_at_most_half_a_step_per_group(group_size):
     w = weight((K, N), seed=group_size)
     packed, scales = qz.quantize_int4(w, group_size)
     assert packed.dtype == jnp.uint8 and packed.shape == (K // 2, N)
-    assert scales.dtype == jnp.float32 and scales.shape == (K // group_size, N)
+    assert scales.dtype == jnp.bfloat16 and scales.shape == (K // group_size, N)  # 16-bit scales, as GPTQ/AWQ
     groups = np.asarray(w).reshape(K // group_size, group_size, N)
-    np.testing.assert_allclose(scales, np.abs(groups).max(axis=1) / 7, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(scales, np.float32), np.abs(groups).max(axis=1) / 7, rtol=2**-8)
     err = np.abs(np.asarray(qz.dequantize_int4(packed, scales, group_size)) - np.asarray(w))
-    step = np.repeat(np.asarray(scales), group_size, axis=0)  # [K, N]: the scale of each element's group
+    step = np.repeat(np.asarray(scales, np.float32), group_size, axis=0)  # [K, N]: the scale of each element's group
     assert np.all(err <= step / 2 * (1 + 1e-5))
 
 
@@ -98,7 +98,7 @@ def test_int4_packing_puts_even_k_in_the_low_nibble_stored_as_value_plus_8():
 def test_int4_dequantize_applies_the_scale_of_each_k_group():
     # K = 64 with group 32: rows 0..31 use scales[0], rows 32..63 use scales[1].
     q = jnp.ones((64, 1), jnp.int8)
-    scales = jnp.array([[2.0], [3.0]], jnp.float32)
+    scales = jnp.array([[2.0], [3.0]], jnp.bfloat16)
     w = dequantize(qz.pack_int4(q), scales, mode="int4", group_size=32)
     np.testing.assert_array_equal(w[:32], 2.0)
     np.testing.assert_array_equal(w[32:], 3.0)
@@ -152,7 +152,7 @@ def test_stacked_weights_are_quantized_layer_by_layer(mode, group_size):
 def test_quantized_weight_is_a_pytree_with_static_mode():
     qw = qz.quantize(weight((64, 8)), "int4", group_size=32)
     leaves, treedef = jax.tree.flatten(qw)
-    assert [leaf.dtype for leaf in leaves] == [jnp.uint8, jnp.float32]
+    assert [leaf.dtype for leaf in leaves] == [jnp.uint8, jnp.bfloat16]
     back = jax.tree.unflatten(treedef, leaves)
     assert (back.mode, back.group_size) == ("int4", 32) and back.qweight is qw.qweight
 
@@ -267,3 +267,6 @@ def test_mismatched_layout_raises():
         quantized_matmul(jnp.ones((1, 64)), q.astype(jnp.float32), scales, mode="int8")
     with pytest.raises(ValueError, match="scales"):
         quantized_matmul(jnp.ones((1, 64)), q, scales[:4], mode="int8")
+    packed, group_scales = qz.quantize_int4(weight((64, 8)), 32)
+    with pytest.raises(ValueError, match="scales must be bfloat16"):
+        quantized_matmul(jnp.ones((1, 64)), packed, group_scales.astype(jnp.float32), mode="int4", group_size=32)

@@ -14,11 +14,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.quantization import QuantizedWeight
+from pallas_kernels import quantized_matmul as qmm
 
 
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x [..., in] @ w [in, out] (+ b [out]); inputs cast to w's dtype, f32 accumulation, result in x's dtype."""
-    y = jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+def matmul(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
+    """x [..., in] @ w [in, out] -> float32 [..., out].
+
+    A plain weight takes x cast to its dtype with f32 accumulation. A QuantizedWeight (int8 /
+    int4 / fp8, see jaxinfer.quantization) goes through the quantized matmul, which dequantizes
+    inside the call.
+    """
+    if isinstance(w, QuantizedWeight):
+        x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+        y = qmm.quantized_matmul(x2.astype(jnp.float32), w.qweight, w.scales, mode=w.mode, group_size=w.group_size)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def linear(x: jax.Array, w: jax.Array | QuantizedWeight, b: jax.Array | None = None) -> jax.Array:
+    """x [..., in] @ w [in, out] (+ b [out]); f32 accumulation, result in x's dtype."""
+    y = matmul(x, w)
     if b is not None:
         y = y + b.astype(jnp.float32)
     return y.astype(x.dtype)

@@ -27,7 +27,7 @@ from jaxinfer.attention import kv_write_locations, write_kv_and_attend
 from jaxinfer.batch import RaggedBatch
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import SCRATCH_PAGE, KVCache
-from jaxinfer.models.layers import apply_rope, linear, rms_norm, rope_cos_sin, swiglu_mlp
+from jaxinfer.models.layers import apply_rope, linear, matmul, rms_norm, rope_cos_sin, swiglu_mlp
 
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -77,7 +77,8 @@ class DecoderLayers(nnx.Module):
             setattr(self, name, nnx.Param(_init(name, shape, dtype, rngs.params())))
 
     def stacked(self) -> dict[str, jax.Array]:
-        return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
+        """name -> [L, ...] array (or a QuantizedWeight standing for a [L, K, N] one)."""
+        return {name: var.get_value() for name, var in vars(self).items() if isinstance(var, nnx.Param)}
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -112,7 +113,7 @@ class LlamaForCausalLM(nnx.Module):
 
         def layer(i, carry):
             x, k_pages, v_pages = carry
-            w = {name: a[i] for name, a in stacked.items()}
+            w = {name: jax.tree.map(lambda a: a[i], p) for name, p in stacked.items()}  # layer i's weights
             h = rms_norm(x, w["attn_norm"], c.rms_norm_eps)
             q = linear(h, w["q_proj"], w.get("q_bias")).reshape(T, c.num_heads, c.head_dim)
             k = linear(h, w["k_proj"], w.get("k_bias")).reshape(T, c.num_kv_heads, c.head_dim)
@@ -140,8 +141,7 @@ class LlamaForCausalLM(nnx.Module):
             embed = self.embed[...]
             logits = jnp.einsum("rh,vh->rv", h.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
         else:
-            lm_head = self.lm_head[...]
-            logits = jnp.dot(h.astype(lm_head.dtype), lm_head, preferred_element_type=jnp.float32)
+            logits = matmul(h, self.lm_head.get_value())
         return logits, KVCache(k=k_pages.reshape(kv.k.shape), v=v_pages.reshape(kv.v.shape))
 
 

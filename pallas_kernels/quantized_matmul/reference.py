@@ -7,14 +7,16 @@ result comes back in x's dtype. This file also fixes the storage layout of each 
 
     mode    qweight                 scales                     w[k, n] =
     int8    int8 [K, N]             f32 [N]                    qweight[k, n] * scales[n]
-    int4    uint8 [K // 2, N]       f32 [K // group_size, N]   q(k, n) * scales[k // group_size, n]
+    int4    uint8 [K // 2, N]       bf16 [K // group_size, N]  q(k, n) * scales[k // group_size, n]
     fp8     float8_e4m3fn [K, N]    f32 [N]                    qweight[k, n] * scales[n]
 
 int4 packs two values of K per byte: byte row i holds k = 2i in its low nibble and k = 2i + 1 in
 its high nibble, each stored as the unsigned nibble q + 8 (so q is in [-8, 7]). group_size is one
 of 32, 64, 128. When it does not divide K (SmolLM2's hidden size 576 with groups of 128), the
 weight is stored padded with zero rows up to Kp = the next multiple of group_size: qweight is
-[Kp // 2, N], scales [Kp // group_size, N], and x [M, K] is read as if padded with zero columns. All three are symmetric (no zero point); how the scales are chosen
+[Kp // 2, N], scales [Kp // group_size, N], and x [M, K] is read as if padded with zero columns.
+int4 keeps its scales in bfloat16 (as GPTQ/AWQ kernels keep theirs in 16 bits): one per 128
+weights, f32 scales would cost 0.25 bits per weight, bf16 0.125. Kernels widen them to f32. All three are symmetric (no zero point); how the scales are chosen
 is the quantizer's business (`jaxinfer.quantization`), not this file's.
 
 `dequantize` also accepts leading axes ([..., K, N] weights with [..., N] or [..., G, N] scales),
@@ -32,6 +34,7 @@ MODES = ("int8", "int4", "fp8")
 INT4_GROUP_SIZES = (32, 64, 128)
 
 _QWEIGHT_DTYPE = {"int8": jnp.int8, "int4": jnp.uint8, "fp8": jnp.float8_e4m3fn}
+SCALES_DTYPE = {"int8": jnp.float32, "int4": jnp.bfloat16, "fp8": jnp.float32}
 
 
 def check_mode(mode: str, group_size: int | None) -> None:
@@ -63,6 +66,8 @@ def _check_layout(qweight: jax.Array, scales: jax.Array, mode: str, group_size: 
         want_scales = (*lead, K // group_size, N)
     else:
         want_scales = (*lead, N)
+    if scales.dtype != jnp.dtype(SCALES_DTYPE[mode]):
+        raise ValueError(f"scales must be {jnp.dtype(SCALES_DTYPE[mode])} for mode={mode!r}, got {scales.dtype}")
     if tuple(scales.shape) != want_scales:
         raise ValueError(f"scales must have shape {want_scales} for qweight {qweight.shape} (mode={mode!r}), got {scales.shape}")
 

@@ -1,0 +1,45 @@
+"""Scoring a text with a model: per-position log-probabilities and perplexity.
+
+One ragged prefill step over the whole text on a private KV cache (nothing shared with a
+running engine), so it works on any (graphdef, params) pair, e.g. before and after quantization.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxinfer.batch import Buckets, SequenceChunk, pack_batch
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv_cache import KVCache
+from jaxinfer.step import StepFunction
+
+
+def prompt_log_softmax(
+    config: ModelConfig, graphdef: nnx.GraphDef, params: nnx.State, token_ids: list[int], page_size: int = 16
+) -> np.ndarray:
+    """log-softmax [n, V] (float64) of the next-token distribution at every position of token_ids."""
+    n = len(token_ids)
+    if not 0 < n <= config.max_position_embeddings:
+        raise ValueError(f"token_ids has {n} tokens; need 1..{config.max_position_embeddings} (max_position_embeddings)")
+    num_pages = -(-n // page_size)
+    bucket = 1 << max(4, (n - 1).bit_length())  # one power-of-two token bucket that holds the text
+    key, batch, rows = pack_batch(
+        [SequenceChunk(list(token_ids), 0, list(range(1, num_pages + 1)), list(range(n)))],
+        Buckets((bucket,), max_num_seqs=1, pages_per_seq=num_pages),
+        page_size,
+    )
+    kv = KVCache.create(config, num_pages + 1, page_size)  # page 0 is the scratch page
+    step = StepFunction(graphdef, num_top_logprobs=0)
+    logits, _ = step.forward(params, kv, jax.tree.map(jnp.asarray, batch), query_block=key.query_block)
+    return np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)[rows[0]]
+
+
+def perplexity(config: ModelConfig, graphdef: nnx.GraphDef, params: nnx.State, token_ids: list[int]) -> float:
+    """exp(mean negative log-likelihood) of token_ids[1:] given their prefixes."""
+    if len(token_ids) < 2:
+        raise ValueError("perplexity needs at least 2 tokens")
+    logprobs = prompt_log_softmax(config, graphdef, params, token_ids)
+    return float(np.exp(-np.mean(logprobs[np.arange(len(token_ids) - 1), token_ids[1:]])))
