@@ -1,8 +1,14 @@
 """The one attention entry point of the model: write this step's K/V into the pages, then attend.
 
-The model calls `write_kv_and_attend` once per layer. Today it always runs the work-list
-(split-KV) jnp version from `pallas_kernels.ragged_paged_attention.split_kv`, which XLA compiles
-well on the CPU; the Pallas kernels plug in here.
+The model calls `write_kv_and_attend` once per layer. Which attention runs is the model's
+`Kernels` choice (jaxinfer.kernels):
+
+- reference: the work-list (split-KV) jnp version from
+  `pallas_kernels.ragged_paged_attention.split_kv`, which XLA compiles well on the CPU;
+- Pallas (TPU or GPU): the ragged paged attention kernel of that platform, one call for the
+  whole mixed batch; and in steps of at least FLASH_MIN_TOKENS tokens whose every sequence starts
+  at position 0 (a fresh prefill, no cached prefix), the flash attention kernel over this step's
+  own K and V instead (chosen at run time by a lax.cond).
 """
 
 from __future__ import annotations
@@ -11,12 +17,38 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.batch import MAX_PREFILL_CHUNKS, RaggedBatch
+from jaxinfer.kernels import Kernels
 from pallas_kernels.ragged_paged_attention import split_kv
 
 # KV tokens per work item: decodes (one query row per block) do best with short items, query
 # blocks of a prefill chunk with longer ones (measured on the CPU, scripts/bench_step.py).
 DECODE_KV_TOKENS_PER_ITEM = 32
 PREFILL_KV_TOKENS_PER_ITEM = 128
+# A step this long that only prefills fresh sequences runs flash attention (Pallas kernels only).
+FLASH_MIN_TOKENS = 256
+
+
+def _pallas_attention(kernels: Kernels, q, k, v, k_pages, v_pages, page_table, batch: RaggedBatch, *, sm_scale, sliding_window, query_block):
+    """The platform's ragged paged attention kernel (flash attention for a long fresh prefill). [T, Hq, D]"""
+    if kernels.platform == "tpu":
+        from pallas_kernels.flash_attention import flash_attention_tpu as flash
+        from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention as ragged
+    else:
+        from pallas_kernels.flash_attention import flash_attention_gpu as flash
+        from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention as ragged
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, interpret=kernels.interpret)
+
+    def paged():
+        return ragged(q, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs,
+                      num_queries_per_block=query_block, **options)
+
+    T, S = q.shape[0], batch.kv_lens.shape[0]
+    if query_block == 1 or T < FLASH_MIN_TOKENS:
+        return paged()
+    q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
+    in_use = jnp.arange(S) < batch.num_seqs[0]
+    fresh_prefill = jnp.all(jnp.where(in_use, batch.kv_lens == q_lens, True))  # no sequence has a cached prefix
+    return jax.lax.cond(fresh_prefill, lambda: flash(q, k, v, batch.cu_q_lens, batch.num_seqs, causal=True, **options), paged)
 
 
 def kv_write_locations(batch: RaggedBatch, page_size: int, scratch_page: int) -> tuple[jax.Array, jax.Array]:
@@ -48,6 +80,7 @@ def write_kv_and_attend(
     sm_scale: float,
     sliding_window: int | None,
     query_block: int,
+    kernels: Kernels = Kernels(),
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Returns (attention output [T, Hq, D], k_pages, v_pages).
 
@@ -57,6 +90,10 @@ def write_kv_and_attend(
     pages = layer_page_offset + write_page
     k_pages = k_pages.at[pages, write_offset].set(k.astype(k_pages.dtype))
     v_pages = v_pages.at[pages, write_offset].set(v.astype(v_pages.dtype))
+    if kernels.pallas:
+        out = _pallas_attention(kernels, q, k, v, k_pages, v_pages, batch.page_table + layer_page_offset, batch,
+                                sm_scale=sm_scale, sliding_window=sliding_window, query_block=query_block)
+        return out, k_pages, v_pages
     page_size = k_pages.shape[1]
     T, S = q.shape[0], batch.kv_lens.shape[0]
     attend = lambda query_block, kv_tokens, items, **kw: split_kv.ragged_paged_attention(

@@ -14,6 +14,7 @@ import numpy as np
 from jaxinfer.batch import Buckets
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.model_runner import ModelRunner
+from jaxinfer.kernels import resolve_kernels
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.loading import load_params, read_config, resolve_model
 from jaxinfer.outputs import RequestOutput
@@ -67,6 +68,10 @@ class LLM:
         "int8" (per output channel), "int4" (per group of `quantization_group_size` input rows,
         packed two per byte) or "fp8" (e4m3, per output channel). The embedding stays in `dtype`.
       quantization_group_size: int4 group size, 32, 64 or 128.
+      attention_impl: "auto" (Pallas kernels on TPU and GPU, the XLA reference paths on the CPU),
+        "reference", "pallas" (on the CPU: the TPU kernels in interpret mode, slow), or
+        "pallas-tpu" / "pallas-gpu" to pick a platform's kernels (interpret mode elsewhere). Covers
+        attention and the quantized matmul; see jaxinfer.kernels.
       max_model_len: longest prompt + output (default: the model's max_position_embeddings).
       page_size: tokens per KV page. num_pages: pages in the pool (default: what fits in
         kv_cache_memory_bytes, 1 GiB unless given).
@@ -89,6 +94,7 @@ class LLM:
         kv_cache_dtype: str | None = None,
         quantization: str | None = None,
         quantization_group_size: int = 128,
+        attention_impl: str = "auto",
         max_model_len: int | None = None,
         page_size: int = 16,
         num_pages: int | None = None,
@@ -125,6 +131,7 @@ class LLM:
         if quantization == "int4" and quantization_group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"quantization_group_size={quantization_group_size!r}: expected one of {INT4_GROUP_SIZES}")
         self.quantization = quantization
+        self.kernels = resolve_kernels(attention_impl)
 
         if max_model_len is None:
             max_model_len = config.max_position_embeddings
@@ -146,7 +153,9 @@ class LLM:
         max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
 
         self.tokenizer = load_tokenizer(self.source)
-        graphdef, params = load_params(self.source, config, self.param_dtype, self.compute_dtype, progress=progress)
+        graphdef, params = load_params(
+            self.source, config, self.param_dtype, self.compute_dtype, kernels=self.kernels, progress=progress
+        )
         if quantization is not None:
             graphdef, params = quantize_model(graphdef, params, quantization, quantization_group_size)
         kv = KVCache.create(config, num_pages, page_size, self.kv_cache_dtype)

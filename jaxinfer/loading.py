@@ -25,6 +25,7 @@ from flax import nnx
 
 import checkpoints_conv
 from jaxinfer.config import ModelConfig
+from jaxinfer.kernels import Kernels
 from jaxinfer.models.llama import LlamaForCausalLM, flat_to_nested, nested_to_flat, param_shapes
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -85,18 +86,18 @@ def read_config(source: ModelSource) -> ModelConfig:
     return ModelConfig.from_hf_dict(hf, source=str(source.path / "config.json"))
 
 
-def abstract_model(config: ModelConfig, param_dtype, compute_dtype) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(config: ModelConfig, param_dtype, compute_dtype, kernels: Kernels = Kernels()) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's structure and a State of ShapeDtypeStructs (no memory allocated)."""
     model = nnx.eval_shape(
-        lambda: LlamaForCausalLM(config, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=nnx.Rngs(0))
+        lambda: LlamaForCausalLM(config, param_dtype=param_dtype, compute_dtype=compute_dtype, kernels=kernels, rngs=nnx.Rngs(0))
     )
     return nnx.split(model)
 
 
 def load_params(
-    source: ModelSource, config: ModelConfig, param_dtype, compute_dtype, *, progress: bool = True
+    source: ModelSource, config: ModelConfig, param_dtype, compute_dtype, *, kernels: Kernels = Kernels(), progress: bool = True
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    graphdef, state = abstract_model(config, param_dtype, compute_dtype)
+    graphdef, state = abstract_model(config, param_dtype, compute_dtype, kernels)
     if source.kind == "orbax":
         abstract = nnx.to_pure_dict(state)
         restored = checkpoints_conv.restore_params(source.path / "params", abstract, allow_cast=True)

@@ -14,27 +14,36 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.kernels import Kernels
 from jaxinfer.quantization import QuantizedWeight
-from pallas_kernels import quantized_matmul as qmm
+from pallas_kernels.quantized_matmul import reference as qmm_reference
 
 
-def matmul(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array | QuantizedWeight, kernels: Kernels = Kernels()) -> jax.Array:
     """x [..., in] @ w [in, out] -> float32 [..., out].
 
     A plain weight takes x cast to its dtype with f32 accumulation. A QuantizedWeight (int8 /
     int4 / fp8, see jaxinfer.quantization) goes through the quantized matmul, which dequantizes
-    inside the call.
+    inside the call: the jnp reference, or the Pallas kernel of `kernels.platform`.
     """
-    if isinstance(w, QuantizedWeight):
-        x2 = x.reshape(-1, x.shape[-1])  # [M, in]
-        y = qmm.quantized_matmul(x2.astype(jnp.float32), w.qweight, w.scales, mode=w.mode, group_size=w.group_size)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    if not isinstance(w, QuantizedWeight):
+        return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+    if kernels.platform == "tpu":
+        from pallas_kernels.quantized_matmul.tpu import quantized_matmul
+    elif kernels.platform == "gpu":
+        from pallas_kernels.quantized_matmul.gpu import quantized_matmul
+    else:
+        quantized_matmul = qmm_reference.quantized_matmul
+        x2 = x2.astype(jnp.float32)  # the reference computes in x's dtype; keep f32 accumulation
+    options = dict(interpret=kernels.interpret) if kernels.pallas else {}
+    y = quantized_matmul(x2, w.qweight, w.scales, mode=w.mode, group_size=w.group_size, **options)
+    return y.astype(jnp.float32).reshape(*x.shape[:-1], y.shape[-1])
 
 
-def linear(x: jax.Array, w: jax.Array | QuantizedWeight, b: jax.Array | None = None) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | QuantizedWeight, b: jax.Array | None = None, kernels: Kernels = Kernels()) -> jax.Array:
     """x [..., in] @ w [in, out] (+ b [out]); f32 accumulation, result in x's dtype."""
-    y = matmul(x, w)
+    y = matmul(x, w, kernels)
     if b is not None:
         y = y + b.astype(jnp.float32)
     return y.astype(x.dtype)
@@ -47,9 +56,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (weight.astype(jnp.float32) * xf).astype(x.dtype)
 
 
-def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None):
+def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, kernels: Kernels = Kernels()):
     """down(silu(gate(x)) * up(x)); x [T, H] -> [T, H]."""
-    return linear(jax.nn.silu(linear(x, w_gate, b_gate)) * linear(x, w_up, b_up), w_down, b_down)
+    gate, up = linear(x, w_gate, b_gate, kernels), linear(x, w_up, b_up, kernels)
+    return linear(jax.nn.silu(gate) * up, w_down, b_down, kernels)
 
 
 # ----------------------------------------------------------------------------- rotary embeddings

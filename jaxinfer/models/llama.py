@@ -26,6 +26,7 @@ from flax import nnx
 from jaxinfer.attention import kv_write_locations, write_kv_and_attend
 from jaxinfer.batch import RaggedBatch
 from jaxinfer.config import ModelConfig
+from jaxinfer.kernels import Kernels
 from jaxinfer.kv_cache import SCRATCH_PAGE, KVCache
 from jaxinfer.models.layers import apply_rope, linear, matmul, rms_norm, rope_cos_sin, swiglu_mlp
 
@@ -82,9 +83,12 @@ class DecoderLayers(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    def __init__(self, config: ModelConfig, *, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self, config: ModelConfig, *, param_dtype=jnp.float32, compute_dtype=jnp.float32, kernels: Kernels = Kernels(), rngs: nnx.Rngs
+    ):
         self.config = config
         self.compute_dtype = compute_dtype
+        self.kernels = kernels  # static: XLA paths or Pallas kernels (jaxinfer.kernels)
         shapes = param_shapes(config)
         layer_shapes = {k.split(".", 1)[1]: v for k, v in shapes.items() if k.startswith("layers.")}
         self.embed = nnx.Param(_init("embed", shapes["embed"], param_dtype, rngs.params()))
@@ -106,6 +110,7 @@ class LlamaForCausalLM(nnx.Module):
         cos, sin = rope_cos_sin(c, batch.positions, batch.kv_lens[seq_of_token])  # [T, D] each
         stacked = self.layers.stacked()
         sm_scale = float(c.head_dim) ** -0.5
+        kernels = self.kernels
 
         # Fold the layer axis into the page axis: layer i's page p is page i * P + p of one pool.
         L, num_pages = kv.k.shape[:2]
@@ -115,21 +120,22 @@ class LlamaForCausalLM(nnx.Module):
             x, k_pages, v_pages = carry
             w = {name: jax.tree.map(lambda a: a[i], p) for name, p in stacked.items()}  # layer i's weights
             h = rms_norm(x, w["attn_norm"], c.rms_norm_eps)
-            q = linear(h, w["q_proj"], w.get("q_bias")).reshape(T, c.num_heads, c.head_dim)
-            k = linear(h, w["k_proj"], w.get("k_bias")).reshape(T, c.num_kv_heads, c.head_dim)
-            v = linear(h, w["v_proj"], w.get("v_bias")).reshape(T, c.num_kv_heads, c.head_dim)
+            q = linear(h, w["q_proj"], w.get("q_bias"), kernels).reshape(T, c.num_heads, c.head_dim)
+            k = linear(h, w["k_proj"], w.get("k_bias"), kernels).reshape(T, c.num_kv_heads, c.head_dim)
+            v = linear(h, w["v_proj"], w.get("v_bias"), kernels).reshape(T, c.num_kv_heads, c.head_dim)
             if c.qk_norm:
                 q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
                 k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn, k_pages, v_pages = write_kv_and_attend(
                 q, k, v, k_pages, v_pages, i * num_pages, write_page, write_offset, batch,
-                sm_scale=sm_scale, sliding_window=c.sliding_window, query_block=query_block,
+                sm_scale=sm_scale, sliding_window=c.sliding_window, query_block=query_block, kernels=kernels,
             )
-            x = x + linear(attn.reshape(T, c.num_heads * c.head_dim), w["o_proj"], w.get("o_bias"))
+            x = x + linear(attn.reshape(T, c.num_heads * c.head_dim), w["o_proj"], w.get("o_bias"), kernels)
             h = rms_norm(x, w["mlp_norm"], c.rms_norm_eps)
             x = x + swiglu_mlp(
-                h, w["gate_proj"], w["up_proj"], w["down_proj"], w.get("gate_bias"), w.get("up_bias"), w.get("down_bias")
+                h, w["gate_proj"], w["up_proj"], w["down_proj"], w.get("gate_bias"), w.get("up_bias"), w.get("down_bias"),
+                kernels,
             )
             return x, k_pages, v_pages
 
@@ -141,7 +147,7 @@ class LlamaForCausalLM(nnx.Module):
             embed = self.embed[...]
             logits = jnp.einsum("rh,vh->rv", h.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
         else:
-            logits = matmul(h, self.lm_head.get_value())
+            logits = matmul(h, self.lm_head.get_value(), kernels)
         return logits, KVCache(k=k_pages.reshape(kv.k.shape), v=v_pages.reshape(kv.v.shape))
 
 

@@ -1,0 +1,94 @@
+"""The whole model with the Pallas kernels (interpret mode) gives the reference model's logits.
+
+One tiny model (untied LM head, biases, 4 query heads on 1 KV head) runs the same steps twice,
+once on the XLA reference paths and once with a platform's Pallas kernels: a long fresh prefill
+(which takes the flash attention kernel), then a mixed step of decodes and prefill chunks with
+cached prefixes (the ragged paged attention kernel), with and without quantized weights (the
+quantized matmul kernel). Each step's log-probabilities must agree.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.attention import FLASH_MIN_TOKENS
+from jaxinfer.batch import Buckets, SequenceChunk, pack_batch
+from jaxinfer.kernels import Kernels, resolve_kernels
+from jaxinfer.kv_cache import KVCache
+from jaxinfer.loading import load_params, read_config, resolve_model
+from jaxinfer.quantization import quantize_model
+from jaxinfer.step import StepFunction
+from tiny_models import save_hf_model
+
+PAGE_SIZE = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-qwen2-kernels")
+    save_hf_model("qwen2", directory)
+    return directory
+
+
+def run_steps(model_dir, kernels: Kernels, quantization: str | None) -> list[np.ndarray]:
+    """Log-softmax [rows, V] of every requested row of the two steps, in order."""
+    source = resolve_model(model_dir)
+    config = read_config(source)
+    graphdef, params = load_params(source, config, jnp.float32, jnp.float32, kernels=kernels, progress=False)
+    if quantization:
+        graphdef, params = quantize_model(graphdef, params, quantization, group_size=32)
+    step = StepFunction(graphdef, num_top_logprobs=0)
+    kv = KVCache.create(config, 80, PAGE_SIZE)
+    buckets = Buckets((16, FLASH_MIN_TOKENS), max_num_seqs=4, pages_per_seq=32)
+    rng = np.random.default_rng(0)
+    a, b, c = (list(rng.integers(3, 250, size=n)) for n in (150, 90, 30))
+    pages = {name: list(range(1 + 24 * i, 25 + 24 * i)) for i, name in enumerate("abc")}
+
+    steps = [
+        # a long step of fresh prefills only (every sequence starts at 0): flash attention
+        [SequenceChunk(a[:140], 0, pages["a"], [0, 77, 139]), SequenceChunk(b[:80], 0, pages["b"], [5, 79])],
+        # decodes and chunks on top of cached prefixes, plus one fresh prompt: ragged paged attention
+        [
+            SequenceChunk(a[140:141], 140, pages["a"], [0]),
+            SequenceChunk(b[80:90], 80, pages["b"], [0, 9]),
+            SequenceChunk(c[:30], 0, pages["c"], [0, 15, 29]),
+        ],
+        # a decode-only step
+        [SequenceChunk(a[141:142], 141, pages["a"], [0]), SequenceChunk(b[90 - 1 : 90], 89, pages["b"], [0])],
+    ]
+    out = []
+    for chunks in steps:
+        key, batch, rows = pack_batch(chunks, buckets, PAGE_SIZE)
+        logits, kv = step.forward(params, kv, jax.tree.map(jnp.asarray, batch), query_block=key.query_block)
+        logprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
+        out += [logprobs[r] for r in rows]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_logprobs(model_dir):
+    return {q: run_steps(model_dir, Kernels(), q) for q in (None, "int4")}
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+@pytest.mark.parametrize("quantization", [None, "int4"], ids=["float", "int4"])
+def test_model_with_pallas_kernels_matches_the_reference_model(model_dir, reference_logprobs, platform, quantization):
+    got = run_steps(model_dir, Kernels(platform, interpret=True), quantization)
+    want = reference_logprobs[quantization]
+    assert len(got) == len(want) == 7
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-4)
+
+
+def test_attention_impl_resolves_per_backend():
+    assert resolve_kernels("auto", "cpu") == Kernels("reference")
+    assert resolve_kernels("auto", "tpu") == Kernels("tpu", interpret=False)
+    assert resolve_kernels("auto", "cuda") == Kernels("gpu", interpret=False)
+    assert resolve_kernels("pallas", "cpu") == Kernels("tpu", interpret=True)
+    assert resolve_kernels("pallas-gpu", "cpu") == Kernels("gpu", interpret=True)
+    assert resolve_kernels("reference", "tpu") == Kernels("reference")
+    with pytest.raises(ValueError, match="attention_impl='triton'"):
+        resolve_kernels("triton", "cpu")
