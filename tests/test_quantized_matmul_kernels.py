@@ -116,10 +116,11 @@ BAD_INPUTS = [  # (what is wrong, mode, group_size, x, qweight, scales, message)
     ("group size for int8", "int8", 32, (1, 64), jnp.zeros((64, 8), jnp.int8), jnp.ones(8), "group_size applies"),
     ("int8 stored as uint8", "int8", None, (1, 64), jnp.zeros((64, 8), jnp.uint8), jnp.ones(8), "qweight must be int8"),
     ("fp8 scales per group", "fp8", None, (1, 64), jnp.zeros((64, 8), jnp.float8_e4m3fn), jnp.ones((2, 8)), "scales must have shape"),
-    ("int4 scales per column", "int4", 32, (1, 64), jnp.zeros((32, 8), jnp.uint8), jnp.ones(8), "scales must have shape"),
-    ("int4 K not whole groups", "int4", 64, (1, 96), jnp.zeros((48, 8), jnp.uint8), jnp.ones((1, 8)), "not a multiple of group_size"),
+    ("int4 scales per column", "int4", 32, (1, 64), jnp.zeros((32, 8), jnp.uint8), jnp.ones(8, jnp.bfloat16), "scales must have shape"),
+    ("int4 scales in f32", "int4", 32, (1, 64), jnp.zeros((32, 8), jnp.uint8), jnp.ones((2, 8)), "scales must be bfloat16"),
+    ("int4 K not whole groups", "int4", 64, (1, 96), jnp.zeros((48, 8), jnp.uint8), jnp.ones((1, 8), jnp.bfloat16), "not a multiple of group_size"),
     ("x shorter than weight", "int8", None, (1, 48), jnp.zeros((64, 8), jnp.int8), jnp.ones(8), "x has K"),
-    ("x beyond int4 padding", "int4", 32, (1, 32), jnp.zeros((32, 8), jnp.uint8), jnp.ones((2, 8)), "x has K"),
+    ("x beyond int4 padding", "int4", 32, (1, 32), jnp.zeros((32, 8), jnp.uint8), jnp.ones((2, 8), jnp.bfloat16), "x has K"),
     ("x not 2-D", "int8", None, (1, 1, 64), jnp.zeros((64, 8), jnp.int8), jnp.ones(8), "x must be"),
 ]
 

@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.compat import patch_interpret_mode
-from pallas_kernels.quantized_matmul.reference import _check_layout, check_mode
+from pallas_kernels.quantized_matmul.reference import check_matmul_inputs
 
 SMALL_M = 16  # the smallest tile a tensor-core dot takes; decode batches are padded (masked) up to it
 
@@ -143,18 +143,9 @@ def quantized_matmul(
     num_stages: int = 3,
     interpret: bool = False,
 ) -> jax.Array:          # [M, N] in x's dtype
-    check_mode(mode, group_size)
-    if x.ndim != 2 or qweight.ndim != 2:
-        raise ValueError(f"x must be [M, K] and qweight 2-D, got {x.shape} and {qweight.shape}")
-    _check_layout(qweight, scales, mode, group_size)
-    if x.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
+    Kw = check_matmul_inputs(x, qweight, scales, mode, group_size)  # the weight's K (int4: padded Kp)
     M, K = x.shape
     N = qweight.shape[1]
-    Kw = 2 * qweight.shape[0] if mode == "int4" else qweight.shape[0]  # the weight's K (int4: padded Kp)
-    padded = mode == "int4" and Kw - group_size < K < Kw
-    if K != Kw and not padded:
-        raise ValueError(f"x has K = {K} but the weight has K = {Kw}")
 
     small_m = M <= SMALL_M
     bm = block_m or (SMALL_M if small_m else 64)

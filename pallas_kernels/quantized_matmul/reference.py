@@ -51,7 +51,7 @@ def check_mode(mode: str, group_size: int | None) -> None:
         raise ValueError(f"group_size applies to mode='int4' only (mode={mode!r} is per output channel), got {group_size!r}")
 
 
-def _check_layout(qweight: jax.Array, scales: jax.Array, mode: str, group_size: int | None) -> None:
+def check_layout(qweight: jax.Array, scales: jax.Array, mode: str, group_size: int | None) -> None:
     check_mode(mode, group_size)
     want = jnp.dtype(_QWEIGHT_DTYPE[mode])
     if qweight.dtype != want:
@@ -82,7 +82,7 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
 
 def dequantize(qweight: jax.Array, scales: jax.Array, *, mode: str, group_size: int | None = None) -> jax.Array:
     """The float32 weight [..., K, N] that (qweight, scales) stand for (int4: padded K, Kp rows)."""
-    _check_layout(qweight, scales, mode, group_size)
+    check_layout(qweight, scales, mode, group_size)
     if mode == "int4":
         q = unpack_int4(qweight).astype(jnp.float32)                        # [..., K, N]
         *lead, K, N = q.shape
@@ -90,6 +90,23 @@ def dequantize(qweight: jax.Array, scales: jax.Array, *, mode: str, group_size: 
         return (q * scales.astype(jnp.float32)[..., :, None, :]).reshape(*lead, K, N)
     # int8 and fp8: one scale per output column.
     return qweight.astype(jnp.float32) * scales.astype(jnp.float32)[..., None, :]
+
+
+def check_matmul_inputs(x: jax.Array, qweight: jax.Array, scales: jax.Array, mode: str, group_size: int | None) -> int:
+    """ValueError naming the argument at fault unless x [M, K] and the weight fit; returns the
+    weight's stored K (int4: the padded Kp, which x's K may fall short of by less than a group)."""
+    check_mode(mode, group_size)
+    if x.ndim != 2 or qweight.ndim != 2:
+        raise ValueError(f"x must be [M, K] and qweight 2-D, got {x.shape} and {qweight.shape}")
+    check_layout(qweight, scales, mode, group_size)
+    if x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
+    K = x.shape[1]
+    Kw = 2 * qweight.shape[0] if mode == "int4" else qweight.shape[0]
+    padded = mode == "int4" and Kw - group_size < K < Kw
+    if K != Kw and not padded:
+        raise ValueError(f"x has K = {K} but the weight has K = {Kw}")
+    return Kw
 
 
 @functools.partial(jax.jit, static_argnames=("mode", "group_size"))
@@ -107,14 +124,8 @@ def quantized_matmul(
     so this is the product of the numbers the quantized weight represents; a kernel feeding bf16
     to the matrix unit is compared against it with a tolerance.
     """
-    check_mode(mode, group_size)
-    if x.ndim != 2 or qweight.ndim != 2:
-        raise ValueError(f"x must be [M, K] and qweight 2-D, got {x.shape} and {qweight.shape}")
+    check_matmul_inputs(x, qweight, scales, mode, group_size)
     w = dequantize(qweight, scales, mode=mode, group_size=group_size)  # [K, N] f32 ([Kp, N] for int4)
-    K = x.shape[1]
-    padded = mode == "int4" and w.shape[0] - group_size < K < w.shape[0]
-    if K != w.shape[0] and not padded:
-        raise ValueError(f"x has K = {K} but the weight has K = {w.shape[0]}")
-    w = w[:K]  # the zero rows of a padded int4 weight meet x's (absent) zero columns
+    w = w[: x.shape[1]]  # the zero rows of a padded int4 weight meet x's (absent) zero columns
     y = jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return y.astype(x.dtype)

@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.compat import patch_interpret_mode
-from pallas_kernels.quantized_matmul.reference import _check_layout, check_mode
+from pallas_kernels.quantized_matmul.reference import check_matmul_inputs
 
 LANES = 128  # TPU vreg lane width: the minor dim of a block is a multiple of this, or the whole dim
 
@@ -139,20 +139,11 @@ def quantized_matmul(
     block_k: int = 512,
     interpret=False,     # False on TPU; True or pltpu.InterpretParams() elsewhere
 ) -> jax.Array:          # [M, N] in x's dtype
-    check_mode(mode, group_size)
-    if x.ndim != 2 or qweight.ndim != 2:
-        raise ValueError(f"x must be [M, K] and qweight 2-D, got {x.shape} and {qweight.shape}")
-    _check_layout(qweight, scales, mode, group_size)
-    if x.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
+    Kw = check_matmul_inputs(x, qweight, scales, mode, group_size)  # the weight's K (int4: padded Kp)
     if block_m < 1 or block_n < 1 or block_n % LANES or block_k < 1:
         raise ValueError(f"block sizes must be positive and block_n a multiple of {LANES}, got {block_m, block_n, block_k}")
     M, K = x.shape
     N = qweight.shape[1]
-    Kw = 2 * qweight.shape[0] if mode == "int4" else qweight.shape[0]  # the weight's K (int4: padded Kp)
-    padded = mode == "int4" and Kw - group_size < K < Kw
-    if K != Kw and not padded:
-        raise ValueError(f"x has K = {K} but the weight has K = {Kw}")
     if interpret:
         patch_interpret_mode()
 
