@@ -49,6 +49,19 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight, b: jax.Array | None = N
     return y.astype(x.dtype)
 
 
+def add_rms_norm(x: jax.Array, residual: jax.Array, weight: jax.Array, eps: float, kernels: Kernels = Kernels()):
+    """(rms_norm(x + residual), x + residual): the residual add fused with the next norm, one pass
+    over [T, H] on accelerators (pallas_kernels.fused_rms_norm); the reference on the CPU."""
+    if kernels.platform == "tpu":
+        from pallas_kernels.fused_rms_norm import add_rms_norm_tpu as fused
+    elif kernels.platform == "gpu":
+        from pallas_kernels.fused_rms_norm import add_rms_norm_gpu as fused
+    else:
+        from pallas_kernels.fused_rms_norm import add_rms_norm_reference as fused
+    options = dict(interpret=kernels.interpret) if kernels.pallas else {}
+    return fused(x, residual, weight, eps=eps, **options)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis, computed in float32 as HF does, returned in x's dtype."""
     xf = x.astype(jnp.float32)

@@ -28,7 +28,7 @@ from jaxinfer.batch import RaggedBatch
 from jaxinfer.config import ModelConfig
 from jaxinfer.kernels import Kernels
 from jaxinfer.kv_cache import SCRATCH_PAGE, KVCache
-from jaxinfer.models.layers import apply_rope, linear, matmul, rms_norm, rope_cos_sin, swiglu_mlp
+from jaxinfer.models.layers import add_rms_norm, apply_rope, linear, matmul, rms_norm, rope_cos_sin, swiglu_mlp
 
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -116,10 +116,12 @@ class LlamaForCausalLM(nnx.Module):
         L, num_pages = kv.k.shape[:2]
         pool_shape = (L * num_pages,) + kv.k.shape[2:]  # [L * P, page_size, Hkv, D]
 
+        # The loop carries the residual stream as (hidden, residual): each norm takes in the add
+        # that precedes it (add_rms_norm), so on accelerators the add and the norm are one pass.
         def layer(i, carry):
-            x, k_pages, v_pages = carry
+            hidden, residual, k_pages, v_pages = carry  # [T, H] each; the stream is hidden + residual
             w = {name: jax.tree.map(lambda a: a[i], p) for name, p in stacked.items()}  # layer i's weights
-            h = rms_norm(x, w["attn_norm"], c.rms_norm_eps)
+            h, residual = add_rms_norm(hidden, residual, w["attn_norm"], c.rms_norm_eps, kernels)
             q = linear(h, w["q_proj"], w.get("q_bias"), kernels).reshape(T, c.num_heads, c.head_dim)
             k = linear(h, w["k_proj"], w.get("k_bias"), kernels).reshape(T, c.num_kv_heads, c.head_dim)
             v = linear(h, w["v_proj"], w.get("v_bias"), kernels).reshape(T, c.num_kv_heads, c.head_dim)
@@ -131,18 +133,19 @@ class LlamaForCausalLM(nnx.Module):
                 q, k, v, k_pages, v_pages, i * num_pages, write_page, write_offset, batch,
                 sm_scale=sm_scale, sliding_window=c.sliding_window, query_block=query_block, kernels=kernels,
             )
-            x = x + linear(attn.reshape(T, c.num_heads * c.head_dim), w["o_proj"], w.get("o_bias"), kernels)
-            h = rms_norm(x, w["mlp_norm"], c.rms_norm_eps)
-            x = x + swiglu_mlp(
+            attn_out = linear(attn.reshape(T, c.num_heads * c.head_dim), w["o_proj"], w.get("o_bias"), kernels)
+            h, residual = add_rms_norm(attn_out, residual, w["mlp_norm"], c.rms_norm_eps, kernels)
+            hidden = swiglu_mlp(
                 h, w["gate_proj"], w["up_proj"], w["down_proj"], w.get("gate_bias"), w.get("up_bias"), w.get("down_bias"),
                 kernels,
             )
-            return x, k_pages, v_pages
+            return hidden, residual, k_pages, v_pages
 
-        x, k_pages, v_pages = jax.lax.fori_loop(
-            0, c.num_layers, layer, (x, kv.k.reshape(pool_shape), kv.v.reshape(pool_shape))
+        hidden, residual, k_pages, v_pages = jax.lax.fori_loop(
+            0, c.num_layers, layer, (x, jnp.zeros_like(x), kv.k.reshape(pool_shape), kv.v.reshape(pool_shape))
         )
-        h = rms_norm(x[batch.logits_indices], self.final_norm[...], c.rms_norm_eps)  # [R, H]
+        rows = batch.logits_indices
+        h, _ = add_rms_norm(hidden[rows], residual[rows], self.final_norm[...], c.rms_norm_eps, kernels)  # [R, H]
         if c.tie_word_embeddings:
             embed = self.embed[...]
             logits = jnp.einsum("rh,vh->rv", h.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
