@@ -154,7 +154,7 @@ def test_quantized_kv_pages_need_a_scale(ragged_paged_attention):
         ragged_paged_attention(*args, sm_scale=0.25)
 
 
-@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.settings(max_examples=15, deadline=None)
 @hypothesis.given(
     seqs=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 30)), min_size=1, max_size=5),
     page_size=st.sampled_from([1, 2, 8]),
