@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.batch import Buckets, SequenceChunk, pack_batch
-from jaxinfer.kv_cache import KVCache
+from jaxinfer.evaluate import prompt_log_softmax
 from jaxinfer.loading import default_model_path
-from jaxinfer.step import StepFunction
 
 pytestmark = pytest.mark.slow
 
@@ -24,17 +21,6 @@ def smollm2():
     return LLM(max_model_len=512, num_pages=64, max_num_batched_tokens=64, max_num_seqs=4, progress=False)
 
 
-def our_logprobs(llm: LLM, token_ids: list[int], params=None) -> np.ndarray:
-    """log-softmax at every position of one prompt, one ragged prefill step on a private cache."""
-    step = StepFunction(llm.runner.graphdef, num_top_logprobs=0)
-    kv = KVCache.create(llm.config, 8, 16)
-    buckets = Buckets((64,), max_num_seqs=1, pages_per_seq=4)
-    n = len(token_ids)
-    key, batch, rows = pack_batch([SequenceChunk(token_ids, 0, [1, 2, 3, 4], list(range(n)))], buckets, 16)
-    logits, _ = step.forward(params or llm.runner.params, kv, jax.tree.map(jnp.asarray, batch), query_block=key.query_block)
-    return np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)[rows[0]]
-
-
 def test_gguf_logits_match_transformers_gguf_loading(smollm2):
     from transformers import AutoModelForCausalLM
 
@@ -43,7 +29,7 @@ def test_gguf_logits_match_transformers_gguf_loading(smollm2):
     ids = smollm2.get_tokenizer().encode(PROMPT)
     with torch.no_grad():
         truth = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1).numpy()
-    ours = our_logprobs(smollm2, ids)
+    ours = prompt_log_softmax(smollm2.config, smollm2.runner.graphdef, smollm2.runner.params, ids)
     assert np.abs(ours - truth).max() < 1e-3
 
 
