@@ -40,8 +40,8 @@ def main() -> None:
 
     print(f"model {llm.source.path.name}, text {Path(args.text).name} ({len(ids)} tokens)")
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {platform.processor() or platform.machine()}\n")
-    print(f"| mode | perplexity | vs none | matmul weights MB | x smaller than bf16 | all params MB | s |")
-    print(f"|---|---|---|---|---|---|---|")
+    print("| mode | perplexity | vs none | matmul weights MB | x smaller than bf16 | all params MB | s |")
+    print("|---|---|---|---|---|---|---|")
     base = None
     for mode, group_size in MODES:
         t0 = time.perf_counter()
