@@ -1,9 +1,12 @@
 """Map a stream of HF-named tensors onto jaxinfer's flat, layer-stacked parameter arrays.
 
-The caller gives the target spec: flat param name -> (shape, dtype). A param is *stacked* when
-its HF tensors are per layer (`layers.*`): its shape is [L, *per_layer_shape] and layer i's
-tensor fills slot i; L comes from the spec. Each target array is allocated once and filled in place, so at most one
-source tensor (plus its cast copy) is held besides the result.
+The caller gives the target spec: flat param name -> (shape, dtype), or (shape, dtype, parts)
+for a fused param. A param is *stacked* when its HF tensors are per layer (`layers.*`): its shape
+is [L, *per_layer_shape] and layer i's tensor fills slot i; L comes from the spec. A fused param
+holds several HF tensors side by side on its last axis; `parts` lists them in order as
+(part name, width), e.g. `(("q", 576), ("k", 192), ("v", 192))` for `layers.qkv_proj`, and the
+name map says which part each HF tensor is. Each target array is allocated once and filled in
+place, so at most one source tensor (plus its cast copy) is held besides the result.
 """
 
 from __future__ import annotations
@@ -16,21 +19,28 @@ from tqdm.auto import tqdm
 from checkpoints_conv.errors import CheckpointError
 from checkpoints_conv.name_maps import ArchNames, Target, arch_names
 
-Spec = dict[str, tuple[tuple[int, ...], np.dtype]]
+Parts = tuple[tuple[str, int], ...]  # (part name, width on the last axis), in order
+Spec = dict[str, tuple[tuple[int, ...], np.dtype] | tuple[tuple[int, ...], np.dtype, Parts]]
 
 _MAX_LISTED = 10
 
 
 class _Slots:
-    """Which slots of one target array are filled, and by which tensor."""
+    """Which (layer, part) slots of one target array are filled, and by which tensor."""
 
-    def __init__(self, n_layers: int | None) -> None:
-        self.filled_by: dict[int | None, str] = {}
+    def __init__(self, n_layers: int | None, parts: Parts) -> None:
+        self.filled_by: dict[tuple[int | None, str | None], str] = {}
         self.n_layers = n_layers
+        self.parts = dict(parts)  # part -> width
+        self.offsets, start = {}, 0  # part -> first index on the last axis
+        for name, width in parts:
+            self.offsets[name] = start
+            start += width
 
-    def missing(self) -> list[int | None]:
-        wanted = [None] if self.n_layers is None else range(self.n_layers)
-        return [slot for slot in wanted if slot not in self.filled_by]
+    def missing(self) -> list[tuple[int | None, str | None]]:
+        layers = [None] if self.n_layers is None else range(self.n_layers)
+        parts = list(self.parts) or [None]
+        return [(layer, part) for layer in layers for part in parts if (layer, part) not in self.filled_by]
 
 
 def load_params(
@@ -54,10 +64,15 @@ def load_params(
     Returns flat param name -> numpy array of exactly the spec's shape and dtype.
     """
     names = arch_names(model_type)
-    out = {param: np.empty(tuple(shape), dtype=np.dtype(dtype)) for param, (shape, dtype) in spec.items()}
+    out, slots = {}, {}
     stacked = names.stacked_params()
-    slots = {param: _Slots(arr.shape[0] if param in stacked else None) for param, arr in out.items()}
-    total = len(tensors) if hasattr(tensors, "__len__") else sum(s.n_layers or 1 for s in slots.values())
+    for param, (shape, dtype, *parts) in spec.items():
+        parts = tuple(parts[0]) if parts else ()
+        if parts and sum(width for _, width in parts) != shape[-1]:
+            raise ValueError(f"spec of {param!r}: parts {parts} do not add up to its last dim {shape[-1]}")
+        out[param] = np.empty(tuple(shape), dtype=np.dtype(dtype))
+        slots[param] = _Slots(shape[0] if param in stacked else None, parts)
+    total = len(tensors) if hasattr(tensors, "__len__") else sum((s.n_layers or 1) * max(1, len(s.parts)) for s in slots.values())
 
     for hf_name, array in tqdm(tensors, total=total, desc=f"loading {source}", unit="tensor", disable=not progress):
         target = names.target(hf_name)
@@ -80,7 +95,13 @@ def load_params(
 
 def _place(dest: np.ndarray, slots: _Slots, target: Target, hf_name: str, array: np.ndarray, source: str) -> None:
     """Check `array` (HF layout) against `dest`'s slot, then write it there transposed and cast."""
-    param, layer = target.param, target.layer
+    param, layer, part = target.param, target.layer, target.part
+    where = f"{'' if layer is None else f' layer {layer}'}{'' if part is None else f' part {part!r}'}"
+    if (part is None) != (not slots.parts) or (part is not None and part not in slots.parts):
+        raise CheckpointError(
+            f"{source}: tensor {hf_name!r} maps to param {param!r}{'' if part is None else f' part {part!r}'}, "
+            f"but the spec gives that param {'parts ' + str(list(slots.parts)) if slots.parts else 'no parts'}"
+        )
     if (layer is None) != (slots.n_layers is None):
         raise CheckpointError(
             f"{source}: tensor {hf_name!r} maps to param {param!r} "
@@ -90,30 +111,32 @@ def _place(dest: np.ndarray, slots: _Slots, target: Target, hf_name: str, array:
         raise CheckpointError(
             f"{source}: tensor {hf_name!r} is for layer {layer}, but param {param!r} has {slots.n_layers} layers"
         )
-    slot_shape = dest.shape if layer is None else dest.shape[1:]
-    expected_hf = slot_shape[::-1] if target.transpose else slot_shape
+    dest_slot = dest if layer is None else dest[layer]
+    if part is not None:  # a range of the last axis
+        start = slots.offsets[part]
+        dest_slot = dest_slot[..., start : start + slots.parts[part]]
+    expected_hf = dest_slot.shape[::-1] if target.transpose else dest_slot.shape
     if tuple(array.shape) != tuple(expected_hf):
         raise CheckpointError(
             f"{source}: tensor {hf_name!r} has shape {tuple(array.shape)}, expected {tuple(expected_hf)} "
-            f"(param {param!r}{'' if layer is None else f' layer {layer}'}"
-            f"{', stored transposed' if target.transpose else ''})"
+            f"(param {param!r}{where}{', stored transposed' if target.transpose else ''})"
         )
-    if layer in slots.filled_by:
+    if (layer, part) in slots.filled_by:
         raise CheckpointError(
-            f"{source}: tensor {hf_name!r} fills param {param!r}{'' if layer is None else f' layer {layer}'}, "
-            f"which {slots.filled_by[layer]!r} already filled"
+            f"{source}: tensor {hf_name!r} fills param {param!r}{where}, "
+            f"which {slots.filled_by[layer, part]!r} already filled"
         )
-    dest_slot = dest if layer is None else dest[layer]
     dest_slot[...] = array.T if target.transpose else array  # numpy casts to dest.dtype here
-    slots.filled_by[layer] = hf_name
+    slots.filled_by[layer, part] = hf_name
 
 
 def _check_complete(slots: dict[str, _Slots], names: ArchNames, source: str) -> None:
     """CheckpointError listing every expected tensor that never came (HF name, param, layer)."""
     missing = [
-        f"{names.hf_name(param, slot)!r} (param {param!r}{'' if slot is None else f' layer {slot}'})"
+        f"{names.hf_name(param, layer, part)!r} (param {param!r}{'' if layer is None else f' layer {layer}'}"
+        f"{'' if part is None else f' part {part!r}'})"
         for param, s in slots.items()
-        for slot in s.missing()
+        for layer, part in s.missing()
     ]
     if missing:
         shown = "; ".join(missing[:_MAX_LISTED])

@@ -1,8 +1,14 @@
 """Per-architecture tensor names: HF checkpoint name -> jaxinfer parameter, and GGUF name -> HF name.
 
 jaxinfer's parameters are flat names; every per-layer tensor is stacked on a leading layer axis L
-(`layers.q_proj` is [L, H, Hq*D]). Linear weights are stored [in, out], while HF stores [out, in],
+(`layers.o_proj` is [L, Hq*D, H]). Linear weights are stored [in, out], while HF stores [out, in],
 so those entries say `transpose=True`.
+
+Some parameters are *fused*: several HF tensors side by side on the last axis. `layers.qkv_proj`
+is [L, H, (Hq + 2*Hkv)*D] = [q | k | v] and `layers.gate_up_proj` is [L, H, 2*I] = [gate | up],
+so each runs as one matmul. Their entries name the `part` an HF tensor fills; how wide each part
+is comes with the caller's spec (it depends on the model's config, which this module does not
+read).
 
 Adding an architecture is adding an entry: an `ArchNames` to `HF_NAME_MAPS` (keyed by HF
 `model_type`) and, if it ships as GGUF, a `GgufArch` to `GGUF_ARCHS` (keyed by `general.architecture`).
@@ -17,26 +23,37 @@ from typing import Mapping, NamedTuple
 from checkpoints_conv.errors import CheckpointError
 
 
+class Dest(NamedTuple):
+    """Where an HF tensor goes, without the layer: `param` (flat name), whether the HF array is
+    transposed ([out, in] -> [in, out]) and, for a fused param, the `part` it fills."""
+
+    param: str
+    transpose: bool
+    part: str | None = None
+
+
 class Target(NamedTuple):
     """Where one HF tensor goes: `param` (flat name), `layer` (slot on the stacked axis, or None
-    for an unstacked param) and whether the HF array is transposed ([out, in] -> [in, out])."""
+    for an unstacked param), whether the HF array is transposed ([out, in] -> [in, out]) and, for
+    a fused param, the `part` (a range of its last axis) it fills."""
 
     param: str
     layer: int | None
     transpose: bool
+    part: str | None = None
 
 
 @dataclass(frozen=True)
 class ArchNames:
     """How one architecture names its HF tensors.
 
-    `globals` maps a full HF name to (param, transpose); `per_layer` maps the part after
-    `{layer_prefix}{i}.` to (param, transpose). Names ending in one of `ignored_suffixes` are
+    `globals` maps a full HF name to its `Dest`; `per_layer` maps the part after
+    `{layer_prefix}{i}.` to its `Dest`. Names ending in one of `ignored_suffixes` are
     buffers that are not parameters (e.g. rotary `inv_freq`) and are skipped by the loader.
     """
 
-    globals: Mapping[str, tuple[str, bool]]
-    per_layer: Mapping[str, tuple[str, bool]]
+    globals: Mapping[str, Dest]
+    per_layer: Mapping[str, Dest]
     layer_prefix: str = "model.layers."
     ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
     _layer_re: re.Pattern = field(init=False, repr=False, compare=False)
@@ -47,12 +64,12 @@ class ArchNames:
     def target(self, hf_name: str) -> Target | None:
         """The `Target` of `hf_name`, or None when this architecture has no such tensor."""
         if hf_name in self.globals:
-            param, transpose = self.globals[hf_name]
-            return Target(param, None, transpose)
+            dest = self.globals[hf_name]
+            return Target(dest.param, None, dest.transpose, dest.part)
         m = self._layer_re.fullmatch(hf_name)
         if m and m.group(2) in self.per_layer:
-            param, transpose = self.per_layer[m.group(2)]
-            return Target(param, int(m.group(1)), transpose)
+            dest = self.per_layer[m.group(2)]
+            return Target(dest.param, int(m.group(1)), dest.transpose, dest.part)
         return None
 
     def is_ignored(self, hf_name: str) -> bool:
@@ -61,43 +78,44 @@ class ArchNames:
 
     def stacked_params(self) -> set[str]:
         """Params filled per layer, i.e. stacked on a leading layer axis."""
-        return {param for param, _ in self.per_layer.values()}
+        return {dest.param for dest in self.per_layer.values()}
 
-    def hf_name(self, param: str, layer: int | None) -> str:
-        """The HF tensor name that fills `param` (at `layer` when stacked); for error messages."""
+    def hf_name(self, param: str, layer: int | None, part: str | None = None) -> str:
+        """The HF tensor name that fills `param` (at `layer` when stacked; its `part` when fused);
+        for error messages."""
         if layer is None:
-            for name, (p, _) in self.globals.items():
-                if p == param:
+            for name, dest in self.globals.items():
+                if (dest.param, dest.part) == (param, part):
                     return name
         else:
-            for suffix, (p, _) in self.per_layer.items():
-                if p == param:
+            for suffix, dest in self.per_layer.items():
+                if (dest.param, dest.part) == (param, part):
                     return f"{self.layer_prefix}{layer}.{suffix}"
-        return f"<no HF name known for param {param!r}>"
+        return f"<no HF name known for param {param!r}{'' if part is None else f' part {part!r}'}>"
 
 
-def _linear(hf_module: str, param: str, bias_param: str) -> dict[str, tuple[str, bool]]:
-    """Weight ([out, in], transposed) and bias entries of one HF linear layer."""
-    return {f"{hf_module}.weight": (param, True), f"{hf_module}.bias": (bias_param, False)}
+def _linear(hf_module: str, param: str, bias_param: str, part: str | None = None) -> dict[str, Dest]:
+    """Weight ([out, in], transposed) and bias entries of one HF linear layer (`part` of a fused param)."""
+    return {f"{hf_module}.weight": Dest(param, True, part), f"{hf_module}.bias": Dest(bias_param, False, part)}
 
 
 LLAMA_NAMES = ArchNames(
     globals={
-        "model.embed_tokens.weight": ("embed", False),  # [V, H]
-        "model.norm.weight": ("final_norm", False),  # [H]
-        "lm_head.weight": ("lm_head", True),  # HF [V, H] -> [H, V]
+        "model.embed_tokens.weight": Dest("embed", False),  # [V, H]
+        "model.norm.weight": Dest("final_norm", False),  # [H]
+        "lm_head.weight": Dest("lm_head", True),  # HF [V, H] -> [H, V]
     },
     per_layer={
-        "input_layernorm.weight": ("layers.attn_norm", False),
-        **_linear("self_attn.q_proj", "layers.q_proj", "layers.q_bias"),
-        **_linear("self_attn.k_proj", "layers.k_proj", "layers.k_bias"),
-        **_linear("self_attn.v_proj", "layers.v_proj", "layers.v_bias"),
+        "input_layernorm.weight": Dest("layers.attn_norm", False),
+        **_linear("self_attn.q_proj", "layers.qkv_proj", "layers.qkv_bias", part="q"),
+        **_linear("self_attn.k_proj", "layers.qkv_proj", "layers.qkv_bias", part="k"),
+        **_linear("self_attn.v_proj", "layers.qkv_proj", "layers.qkv_bias", part="v"),
         **_linear("self_attn.o_proj", "layers.o_proj", "layers.o_bias"),
-        "self_attn.q_norm.weight": ("layers.q_norm", False),  # Qwen3
-        "self_attn.k_norm.weight": ("layers.k_norm", False),  # Qwen3
-        "post_attention_layernorm.weight": ("layers.mlp_norm", False),
-        **_linear("mlp.gate_proj", "layers.gate_proj", "layers.gate_bias"),
-        **_linear("mlp.up_proj", "layers.up_proj", "layers.up_bias"),
+        "self_attn.q_norm.weight": Dest("layers.q_norm", False),  # Qwen3
+        "self_attn.k_norm.weight": Dest("layers.k_norm", False),  # Qwen3
+        "post_attention_layernorm.weight": Dest("layers.mlp_norm", False),
+        **_linear("mlp.gate_proj", "layers.gate_up_proj", "layers.gate_up_bias", part="gate"),
+        **_linear("mlp.up_proj", "layers.gate_up_proj", "layers.gate_up_bias", part="up"),
         **_linear("mlp.down_proj", "layers.down_proj", "layers.down_bias"),
     },
 )

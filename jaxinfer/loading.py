@@ -26,10 +26,12 @@ from flax import nnx
 import checkpoints_conv
 from jaxinfer.config import ModelConfig
 from jaxinfer.kernels import Kernels
-from jaxinfer.models.llama import LlamaForCausalLM, flat_to_nested, nested_to_flat, param_shapes
+from jaxinfer.models.llama import LlamaForCausalLM, flat_to_nested, nested_to_flat, param_parts, param_shapes
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTED_MARKER = "jaxinfer.json"
+# v2: Q/K/V and gate/up fused into layers.qkv_proj / layers.gate_up_proj (v1 kept them apart).
+CONVERTED_FORMAT = "jaxinfer-orbax-v2"
 
 
 @dataclasses.dataclass
@@ -99,17 +101,32 @@ def load_params(
 ) -> tuple[nnx.GraphDef, nnx.State]:
     graphdef, state = abstract_model(config, param_dtype, compute_dtype, kernels)
     if source.kind == "orbax":
+        check_converted_format(source.path)
         abstract = nnx.to_pure_dict(state)
         restored = checkpoints_conv.restore_params(source.path / "params", abstract, allow_cast=True)
         nnx.replace_by_pure_dict(state, restored)
         return graphdef, state
     tensors = checkpoints_conv.iter_checkpoint_tensors(source.path, checkpoints_conv.read_checkpoint_config(source.path))
     np_dtype = np.dtype(jnp.dtype(param_dtype))
-    spec = {name: (shape, np_dtype) for name, shape in param_shapes(config).items()}
+    parts = param_parts(config)
+    spec = {name: (shape, np_dtype, parts.get(name, ())) for name, shape in param_shapes(config).items()}
     flat = checkpoints_conv.load_params(tensors, spec, model_type=config.model_type, source=str(source.path), progress=progress)
     arrays = {name: jax.device_put(a) for name, a in flat.items()}
     nnx.replace_by_pure_dict(state, flat_to_nested(arrays))
     return graphdef, state
+
+
+def check_converted_format(path: Path) -> None:
+    """ValueError naming the folder when `jaxinfer convert` wrote it in a format this version cannot read."""
+    try:
+        fmt = json.loads((path / CONVERTED_MARKER).read_text()).get("format")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path / CONVERTED_MARKER}: unreadable marker ({e}); convert the model again") from None
+    if fmt != CONVERTED_FORMAT:
+        raise ValueError(
+            f"{path}: converted in format {fmt!r}, this jaxinfer reads {CONVERTED_FORMAT!r} "
+            f"(the parameter layout changed); run `jaxinfer convert` on the original checkpoint again"
+        )
 
 
 def save_converted(dst: str | os.PathLike, config: ModelConfig, state: nnx.State, tokenizer, *, overwrite: bool = False) -> Path:
@@ -121,5 +138,5 @@ def save_converted(dst: str | os.PathLike, config: ModelConfig, state: nnx.State
     dtypes = sorted({str(a.dtype) for a in flat.values()})
     checkpoints_conv.save_params(dst / "params", nnx.to_pure_dict(state), overwrite=overwrite)
     tokenizer.save_pretrained(dst)
-    (dst / CONVERTED_MARKER).write_text(json.dumps({"format": "jaxinfer-orbax-v1", "param_dtypes": dtypes}, indent=2))
+    (dst / CONVERTED_MARKER).write_text(json.dumps({"format": CONVERTED_FORMAT, "param_dtypes": dtypes}, indent=2))
     return dst

@@ -170,11 +170,11 @@ def quantize(w: jax.Array, mode: str, group_size: int | None = None) -> Quantize
 
 # ----------------------------------------------------------------------------- whole parameter dicts
 # The matmul weights of `jaxinfer.models.llama.param_shapes`, matched on the last dot-separated
-# part of the name: the attention and MLP projections ("layers.q_proj", stacked [L, K, N]) and
+# part of the name: the attention and MLP projections ("layers.qkv_proj", stacked [L, K, N]) and
 # the untied LM head ([H, V]). Everything else (embed, *_norm, *_bias) stays as it is: the
 # embedding is a row gather, not a matmul, and norms and biases are tiny.
 MATMUL_WEIGHT_NAMES = frozenset(
-    {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
+    {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
 )
 
 

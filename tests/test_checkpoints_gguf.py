@@ -276,11 +276,14 @@ def test_smollm2_loads_into_a_tied_spec():
     hq, hkv = config["num_attention_heads"], config["num_key_value_heads"]
     shapes = {
         "embed": (v, h), "final_norm": (h,), "layers.attn_norm": (l, h), "layers.mlp_norm": (l, h),
-        "layers.q_proj": (l, h, hq * d), "layers.k_proj": (l, h, hkv * d), "layers.v_proj": (l, h, hkv * d),
-        "layers.o_proj": (l, hq * d, h), "layers.gate_proj": (l, h, i), "layers.up_proj": (l, h, i),
-        "layers.down_proj": (l, i, h),
+        "layers.qkv_proj": (l, h, (hq + 2 * hkv) * d), "layers.o_proj": (l, hq * d, h),
+        "layers.gate_up_proj": (l, h, 2 * i), "layers.down_proj": (l, i, h),
     }
-    spec = {name: (shape, np.dtype(np.float32)) for name, shape in shapes.items()}
+    parts = {
+        "layers.qkv_proj": (("q", hq * d), ("k", hkv * d), ("v", hkv * d)),
+        "layers.gate_up_proj": (("gate", i), ("up", i)),
+    }
+    spec = {name: (shape, np.dtype(np.float32), parts.get(name, ())) for name, shape in shapes.items()}
     params = load_params(iter_gguf_tensors(SMOLLM2, config), spec, model_type="llama", source=str(SMOLLM2), progress=False)
     assert {k: a.shape for k, a in params.items()} == shapes
     assert all(np.isfinite(a).all() for a in params.values())

@@ -13,26 +13,30 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 RNG = np.random.default_rng(1)
 
 
+QKV_PARTS = (("q", HQ * D), ("k", HKV * D), ("v", HKV * D))
+GATE_UP_PARTS = (("gate", I), ("up", I))
+QKV = HQ * D + 2 * HKV * D
+
+
 def make_spec(*, bias=False, tied=False, dtype=np.float32):
-    """A jaxinfer-style spec (what the model would pass) for a tiny Llama/Qwen2."""
+    """A jaxinfer-style spec (what the model would pass) for a tiny Llama/Qwen2: Q/K/V and
+    gate/up fused, each fused param with its parts."""
     spec = {
         "embed": (V, H),
         "layers.attn_norm": (L, H),
-        "layers.q_proj": (L, H, HQ * D),
-        "layers.k_proj": (L, H, HKV * D),
-        "layers.v_proj": (L, H, HKV * D),
+        "layers.qkv_proj": (L, H, QKV),
         "layers.o_proj": (L, HQ * D, H),
         "layers.mlp_norm": (L, H),
-        "layers.gate_proj": (L, H, I),
-        "layers.up_proj": (L, H, I),
+        "layers.gate_up_proj": (L, H, 2 * I),
         "layers.down_proj": (L, I, H),
         "final_norm": (H,),
     }
     if bias:
-        spec.update({"layers.q_bias": (L, HQ * D), "layers.k_bias": (L, HKV * D), "layers.v_bias": (L, HKV * D)})
+        spec["layers.qkv_bias"] = (L, QKV)
     if not tied:
         spec["lm_head"] = (H, V)
-    return {name: (shape, np.dtype(dtype)) for name, shape in spec.items()}
+    parts = {"layers.qkv_proj": QKV_PARTS, "layers.qkv_bias": QKV_PARTS, "layers.gate_up_proj": GATE_UP_PARTS}
+    return {name: (shape, np.dtype(dtype), parts.get(name, ())) for name, shape in spec.items()}
 
 
 def make_hf_tensors(*, bias=False, lm_head=True):
@@ -67,21 +71,34 @@ def load(tensors, spec, model_type="llama"):
 def test_maps_transposes_stacks_and_casts():
     hf = make_hf_tensors(bias=True)
     params = load(hf, make_spec(bias=True, dtype=BF16), model_type="qwen2")
-    assert {k: v.shape for k, v in params.items()} == {k: s for k, (s, _) in make_spec(bias=True).items()}
+    assert {k: v.shape for k, v in params.items()} == {k: s for k, (s, *_) in make_spec(bias=True).items()}
     assert all(v.dtype == BF16 for v in params.values())
     np.testing.assert_array_equal(params["embed"], hf["model.embed_tokens.weight"].astype(BF16))
     np.testing.assert_array_equal(params["lm_head"], hf["lm_head.weight"].T.astype(BF16))
     for i in range(L):
-        np.testing.assert_array_equal(params["layers.q_proj"][i], hf[f"model.layers.{i}.self_attn.q_proj.weight"].T.astype(BF16))
         np.testing.assert_array_equal(params["layers.down_proj"][i], hf[f"model.layers.{i}.mlp.down_proj.weight"].T.astype(BF16))
-        np.testing.assert_array_equal(params["layers.k_bias"][i], hf[f"model.layers.{i}.self_attn.k_proj.bias"].astype(BF16))
         np.testing.assert_array_equal(params["layers.mlp_norm"][i], hf[f"model.layers.{i}.post_attention_layernorm.weight"].astype(BF16))
+
+
+def test_fused_params_hold_their_parts_side_by_side():
+    """layers.qkv_proj = [q | k | v] and layers.gate_up_proj = [gate | up] on the last axis, each
+    part transposed like an unfused weight; the fused bias likewise."""
+    hf = make_hf_tensors(bias=True)
+    params = load(hf, make_spec(bias=True), model_type="qwen2")
+    for i in range(L):
+        attn = lambda name, kind="weight": hf[f"model.layers.{i}.self_attn.{name}.{kind}"]  # noqa: E731
+        mlp = lambda name: hf[f"model.layers.{i}.mlp.{name}.weight"]  # noqa: E731
+        want_qkv = np.concatenate([attn("q_proj").T, attn("k_proj").T, attn("v_proj").T], axis=1)
+        np.testing.assert_array_equal(params["layers.qkv_proj"][i], want_qkv)
+        want_bias = np.concatenate([attn("q_proj", "bias"), attn("k_proj", "bias"), attn("v_proj", "bias")])
+        np.testing.assert_array_equal(params["layers.qkv_bias"][i], want_bias)
+        np.testing.assert_array_equal(params["layers.gate_up_proj"][i], np.concatenate([mlp("gate_proj").T, mlp("up_proj").T], axis=1))
 
 
 def test_bf16_source_into_f32_spec_is_exact():
     hf = {k: v.astype(BF16) for k, v in make_hf_tensors().items()}
     params = load(hf, make_spec(dtype=np.float32))
-    np.testing.assert_array_equal(params["layers.up_proj"][1], hf["model.layers.1.mlp.up_proj.weight"].T.astype(np.float32))
+    np.testing.assert_array_equal(params["layers.gate_up_proj"][1][:, I:], hf["model.layers.1.mlp.up_proj.weight"].T.astype(np.float32))
 
 
 def test_tied_spec_drops_a_stored_lm_head():
@@ -90,16 +107,24 @@ def test_tied_spec_drops_a_stored_lm_head():
 
 
 def test_qwen3_qk_norms_map():
-    assert map_hf_name("qwen3", "model.layers.5.self_attn.k_norm.weight") == ("layers.k_norm", 5, False)
-    assert map_hf_name("llama", "lm_head.weight") == ("lm_head", None, True)
+    assert map_hf_name("qwen3", "model.layers.5.self_attn.k_norm.weight") == ("layers.k_norm", 5, False, None)
+    assert map_hf_name("qwen3", "model.layers.5.self_attn.k_proj.weight") == ("layers.qkv_proj", 5, True, "k")
+    assert map_hf_name("llama", "lm_head.weight") == ("lm_head", None, True, None)
     assert map_hf_name("llama", "model.layers.0.mlp.experts.0.w1.weight") is None
 
 
 def test_missing_tensor_names_it_and_its_param_and_layer():
     hf = make_hf_tensors()
     del hf["model.layers.1.mlp.up_proj.weight"]
-    with pytest.raises(CheckpointError, match=re.escape("'model.layers.1.mlp.up_proj.weight' (param 'layers.up_proj' layer 1)")):
+    with pytest.raises(CheckpointError, match=re.escape("'model.layers.1.mlp.up_proj.weight' (param 'layers.gate_up_proj' layer 1 part 'up')")):
         load(hf, make_spec())
+
+
+def test_spec_parts_must_cover_the_fused_axis():
+    spec = make_spec()
+    spec["layers.gate_up_proj"] = ((L, H, 2 * I), np.dtype(np.float32), (("gate", I), ("up", I - 1)))
+    with pytest.raises(ValueError, match=r"'layers\.gate_up_proj': parts .* do not add up to its last dim"):
+        load(make_hf_tensors(), spec)
 
 
 def test_missing_untied_lm_head():
@@ -114,14 +139,14 @@ def test_unexpected_tensor_is_named():
 
 
 def test_bias_for_a_model_without_biases_is_unexpected():
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.self_attn\.q_proj\.bias'.*'layers\.q_bias'"):
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.self_attn\.q_proj\.bias'.*'layers\.qkv_bias'"):
         load(make_hf_tensors(bias=True), make_spec(bias=False))
 
 
 def test_wrong_shape_gives_both_shapes():
     hf = make_hf_tensors()
     hf["model.layers.0.self_attn.k_proj.weight"] = np.zeros((HQ * D, H), np.float32)
-    expected = f"'model.layers.0.self_attn.k_proj.weight' has shape {(HQ * D, H)}, expected {(HKV * D, H)}"
+    expected = f"'model.layers.0.self_attn.k_proj.weight' has shape {(HQ * D, H)}, expected {(HKV * D, H)} (param 'layers.qkv_proj' layer 0 part 'k'"
     with pytest.raises(CheckpointError, match=re.escape(expected)):
         load(hf, make_spec())
 

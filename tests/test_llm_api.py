@@ -214,3 +214,12 @@ def test_unknown_architecture_is_named(tmp_path):
 def test_missing_model_path_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         LLM(str(tmp_path / "nowhere"), progress=False)
+
+
+def test_folder_converted_in_an_older_layout_is_named(tmp_path):
+    """A converted folder whose marker names another format (v1: separate q/k/v and gate/up
+    params) is refused with the folder and the fix, not an orbax shape error."""
+    save_hf_model("qwen2", tmp_path)
+    (tmp_path / "jaxinfer.json").write_text(json.dumps({"format": "jaxinfer-orbax-v1"}))
+    with pytest.raises(ValueError, match=r"converted in format 'jaxinfer-orbax-v1'.*run `jaxinfer convert`"):
+        LLM(str(tmp_path), max_model_len=64, progress=False)

@@ -170,14 +170,11 @@ def llama_like_params(L=2, H=64, I=128, V=32, dtype=jnp.bfloat16):
         "embed": (V, H),
         "final_norm": (H,),
         "layers.attn_norm": (L, H),
-        "layers.q_proj": (L, H, H),
-        "layers.k_proj": (L, H, H // 2),
-        "layers.v_proj": (L, H, H // 2),
-        "layers.q_bias": (L, H),
+        "layers.qkv_proj": (L, H, 2 * H),
+        "layers.qkv_bias": (L, 2 * H),
         "layers.o_proj": (L, H, H),
         "layers.mlp_norm": (L, H),
-        "layers.gate_proj": (L, H, I),
-        "layers.up_proj": (L, H, I),
+        "layers.gate_up_proj": (L, H, 2 * I),
         "layers.down_proj": (L, I, H),
         "lm_head": (H, V),
     }
@@ -189,10 +186,7 @@ def test_quantize_params_replaces_only_the_matmul_weights(mode):
     params = llama_like_params()
     out = qz.quantize_params(params, mode, group_size=64)
     quantized = {name for name, v in out.items() if isinstance(v, qz.QuantizedWeight)}
-    assert quantized == {
-        "layers.q_proj", "layers.k_proj", "layers.v_proj", "layers.o_proj",
-        "layers.gate_proj", "layers.up_proj", "layers.down_proj", "lm_head",
-    }
+    assert quantized == {"layers.qkv_proj", "layers.o_proj", "layers.gate_up_proj", "layers.down_proj", "lm_head"}
     for name in params.keys() - quantized:  # embed, norms, biases: the very same arrays
         assert out[name] is params[name]
     for name in quantized:
@@ -204,16 +198,16 @@ def test_quantize_params_skip_keeps_named_weights():
     params = llama_like_params()
     out = qz.quantize_params(params, "int8", skip=("lm_head",))
     assert out["lm_head"] is params["lm_head"]
-    assert isinstance(out["layers.q_proj"], qz.QuantizedWeight)
+    assert isinstance(out["layers.qkv_proj"], qz.QuantizedWeight)
 
 
 def test_int4_g128_stores_a_big_weight_in_under_a_3_5th_of_its_bf16_bytes():
     w = jnp.zeros((2048, 1024), jnp.bfloat16)
-    params = {"layers.up_proj": w, "final_norm": jnp.ones((1024,), jnp.bfloat16)}
+    params = {"layers.gate_up_proj": w, "final_norm": jnp.ones((1024,), jnp.bfloat16)}
     quantized = qz.quantize_params(params, "int4", group_size=128)
     # K*N/2 bytes of nibbles + K/128*N*4 bytes of scales = 0.53 bytes per weight vs 2.
-    assert quantized["layers.up_proj"].nbytes < w.nbytes / 3.5
-    assert qz.param_bytes(quantized) == quantized["layers.up_proj"].nbytes + 1024 * 2
+    assert quantized["layers.gate_up_proj"].nbytes < w.nbytes / 3.5
+    assert qz.param_bytes(quantized) == quantized["layers.gate_up_proj"].nbytes + 1024 * 2
     assert qz.param_bytes(params) == w.nbytes + 1024 * 2
     assert qz.param_bytes(qz.quantize_params(params, "int8")) < qz.param_bytes(params) / 1.9
 

@@ -39,7 +39,7 @@ def test_quantized_model_computes_with_exactly_the_dequantized_weights(tiny_qwen
     _, config, graphdef, params = tiny_qwen2
     q_graphdef, q_params = quantize_model(graphdef, params, mode, group_size)
     quantized = {k: v for k, v in nested_to_flat(nnx.to_pure_dict(q_params)).items() if isinstance(v, QuantizedWeight)}
-    assert set(quantized) == {f"layers.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")} | {"lm_head"}
+    assert set(quantized) == {f"layers.{n}" for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")} | {"lm_head"}
 
     # The same float model with each matmul weight replaced by what its quantized form stands for.
     flat = nested_to_flat(nnx.to_pure_dict(params))
@@ -92,7 +92,7 @@ def test_smollm2_perplexity_and_memory_per_quantization_mode():
     base = perplexity(llm.config, llm.runner.graphdef, llm.runner.params, ids)
     assert 5 < base < 60  # a sane language model on plain English
     bound = {"int8": 0.01, "fp8": 0.03, ("int4", 32): 0.35, ("int4", 128): 0.50}
-    weight_names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    weight_names = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     flat = nested_to_flat(nnx.to_pure_dict(llm.runner.params))
     bf16_bytes = sum(a.size * 2 for k, a in flat.items() if k.split(".")[-1] in weight_names)
     for mode, group_size in CASES:

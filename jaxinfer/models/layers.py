@@ -69,10 +69,34 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (weight.astype(jnp.float32) * xf).astype(x.dtype)
 
 
-def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, kernels: Kernels = Kernels()):
-    """down(silu(gate(x)) * up(x)); x [T, H] -> [T, H]."""
-    gate, up = linear(x, w_gate, b_gate, kernels), linear(x, w_up, b_up, kernels)
-    return linear(jax.nn.silu(gate) * up, w_down, b_down, kernels)
+def swiglu(gate_up: jax.Array) -> jax.Array:
+    """[..., 2I] = [gate | up] -> silu(gate) * up [..., I], in float32, returned in the input's dtype."""
+    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    return (jax.nn.silu(gate) * up).astype(gate_up.dtype)
+
+
+def swiglu_mlp(x, w_gate_up, w_down, b_gate_up=None, b_down=None, kernels: Kernels = Kernels()):
+    """down(silu(gate(x)) * up(x)); x [T, H] -> [T, H]. w_gate_up [H, 2I] = [gate | up].
+
+    Gate and up are one matmul. With Pallas kernels, a float weight without bias goes through the
+    SwiGLU matmul kernel (pallas_kernels.swiglu_matmul), which applies silu(gate) * up to its
+    accumulators, so the [T, 2I] projection never reaches memory; otherwise the matmul (quantized
+    or not) is followed by `swiglu`.
+    """
+    if kernels.pallas and b_gate_up is None and not isinstance(w_gate_up, QuantizedWeight) and _swiglu_kernel_fits(w_gate_up, kernels):
+        if kernels.platform == "tpu":
+            from pallas_kernels.swiglu_matmul import swiglu_matmul_tpu as fused
+        else:
+            from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu as fused
+        hidden = fused(x, w_gate_up, interpret=kernels.interpret)
+    else:
+        hidden = swiglu(linear(x, w_gate_up, b_gate_up, kernels))
+    return linear(hidden, w_down, b_down, kernels)
+
+
+def _swiglu_kernel_fits(w_gate_up: jax.Array, kernels: Kernels) -> bool:
+    """The TPU kernel tiles each half of the weight in blocks of 128 columns."""
+    return kernels.platform != "tpu" or (w_gate_up.shape[-1] // 2) % 128 == 0
 
 
 # ----------------------------------------------------------------------------- rotary embeddings

@@ -11,9 +11,13 @@ Parameter layout (flat names as in `param_shapes`; linear weights are [in, out])
 
     embed [V, H]   final_norm [H]   lm_head [H, V] (absent with tied embeddings)
     layers.attn_norm [L, H]   layers.mlp_norm [L, H]
-    layers.q_proj [L, H, Hq*D]   layers.k_proj / v_proj [L, H, Hkv*D]   layers.o_proj [L, Hq*D, H]
-    layers.gate_proj / up_proj [L, H, I]   layers.down_proj [L, I, H]
-    optional: layers.{q,k,v,o}_bias, layers.{gate,up,down}_bias, layers.{q,k}_norm [L, D]
+    layers.qkv_proj [L, H, (Hq + 2*Hkv)*D] = [q | k | v]      layers.o_proj [L, Hq*D, H]
+    layers.gate_up_proj [L, H, 2*I] = [gate | up]             layers.down_proj [L, I, H]
+    optional: layers.qkv_bias [L, (Hq + 2*Hkv)*D], layers.o_bias [L, H],
+              layers.gate_up_bias [L, 2*I], layers.down_bias [L, H], layers.{q,k}_norm [L, D]
+
+Q, K and V are one matmul, and gate and up another (`param_parts` says which columns hold which
+HF projection; the checkpoint loaders fill them in place).
 """
 
 from __future__ import annotations
@@ -36,30 +40,49 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     c = config
     L, H, I, V, D = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
     q_dim, kv_dim = c.num_heads * D, c.num_kv_heads * D
+    qkv_dim = q_dim + 2 * kv_dim
     shapes = {
         "embed": (V, H),
         "final_norm": (H,),
         "layers.attn_norm": (L, H),
-        "layers.q_proj": (L, H, q_dim),
-        "layers.k_proj": (L, H, kv_dim),
-        "layers.v_proj": (L, H, kv_dim),
+        "layers.qkv_proj": (L, H, qkv_dim),
         "layers.o_proj": (L, q_dim, H),
         "layers.mlp_norm": (L, H),
-        "layers.gate_proj": (L, H, I),
-        "layers.up_proj": (L, H, I),
+        "layers.gate_up_proj": (L, H, 2 * I),
         "layers.down_proj": (L, I, H),
     }
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (H, V)
     if c.qkv_bias:
-        shapes.update({"layers.q_bias": (L, q_dim), "layers.k_bias": (L, kv_dim), "layers.v_bias": (L, kv_dim)})
+        shapes["layers.qkv_bias"] = (L, qkv_dim)
     if c.o_bias:
         shapes["layers.o_bias"] = (L, H)
     if c.mlp_bias:
-        shapes.update({"layers.gate_bias": (L, I), "layers.up_bias": (L, I), "layers.down_bias": (L, H)})
+        shapes.update({"layers.gate_up_bias": (L, 2 * I), "layers.down_bias": (L, H)})
     if c.qk_norm:
         shapes.update({"layers.q_norm": (L, D), "layers.k_norm": (L, D)})
     return shapes
+
+
+def param_parts(config: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+    """Fused param -> its parts in order on the last axis, as (name, width); the loaders' map."""
+    c = config
+    qkv = (("q", c.num_heads * c.head_dim), ("k", c.num_kv_heads * c.head_dim), ("v", c.num_kv_heads * c.head_dim))
+    gate_up = (("gate", c.intermediate_size), ("up", c.intermediate_size))
+    parts = {"layers.qkv_proj": qkv, "layers.qkv_bias": qkv, "layers.gate_up_proj": gate_up, "layers.gate_up_bias": gate_up}
+    return {name: p for name, p in parts.items() if name in param_shapes(config)}
+
+
+def split_qkv(qkv: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """[T, (Hq + 2*Hkv)*D] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""
+    c = config
+    T = qkv.shape[0]
+    q_end = c.num_heads * c.head_dim
+    k_end = q_end + c.num_kv_heads * c.head_dim
+    q = qkv[:, :q_end].reshape(T, c.num_heads, c.head_dim)
+    k = qkv[:, q_end:k_end].reshape(T, c.num_kv_heads, c.head_dim)
+    v = qkv[:, k_end:].reshape(T, c.num_kv_heads, c.head_dim)
+    return q, k, v
 
 
 def _init(name: str, shape, dtype, key) -> jax.Array:
@@ -122,9 +145,7 @@ class LlamaForCausalLM(nnx.Module):
             hidden, residual, k_pages, v_pages = carry  # [T, H] each; the stream is hidden + residual
             w = {name: jax.tree.map(lambda a: a[i], p) for name, p in stacked.items()}  # layer i's weights
             h, residual = add_rms_norm(hidden, residual, w["attn_norm"], c.rms_norm_eps, kernels)
-            q = linear(h, w["q_proj"], w.get("q_bias"), kernels).reshape(T, c.num_heads, c.head_dim)
-            k = linear(h, w["k_proj"], w.get("k_bias"), kernels).reshape(T, c.num_kv_heads, c.head_dim)
-            v = linear(h, w["v_proj"], w.get("v_bias"), kernels).reshape(T, c.num_kv_heads, c.head_dim)
+            q, k, v = split_qkv(linear(h, w["qkv_proj"], w.get("qkv_bias"), kernels), c)  # one matmul
             if c.qk_norm:
                 q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
                 k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
@@ -135,10 +156,7 @@ class LlamaForCausalLM(nnx.Module):
             )
             attn_out = linear(attn.reshape(T, c.num_heads * c.head_dim), w["o_proj"], w.get("o_bias"), kernels)
             h, residual = add_rms_norm(attn_out, residual, w["mlp_norm"], c.rms_norm_eps, kernels)
-            hidden = swiglu_mlp(
-                h, w["gate_proj"], w["up_proj"], w["down_proj"], w.get("gate_bias"), w.get("up_bias"), w.get("down_bias"),
-                kernels,
-            )
+            hidden = swiglu_mlp(h, w["gate_up_proj"], w["down_proj"], w.get("gate_up_bias"), w.get("down_bias"), kernels)
             return hidden, residual, k_pages, v_pages
 
         hidden, residual, k_pages, v_pages = jax.lax.fori_loop(
