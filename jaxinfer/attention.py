@@ -1,7 +1,9 @@
-"""The one attention entry point of the model: write this step's K/V into the pages, then attend.
+"""The one attention entry point of the model: rotate q and k, write this step's K/V into the
+pages, then attend.
 
-The model calls `write_kv_and_attend` once per layer. Which attention runs is the model's
-`Kernels` choice (jaxinfer.kernels):
+The model calls `write_kv_and_attend` once per layer. RoPE and the KV write are one Pallas kernel
+on accelerators (`rope_and_write_kv`). Which attention runs is the model's `Kernels` choice
+(jaxinfer.kernels):
 
 - reference: the work-list (split-KV) jnp version from
   `pallas_kernels.ragged_paged_attention.split_kv`, which XLA compiles well on the CPU;
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxinfer.batch import MAX_PREFILL_CHUNKS, RaggedBatch
 from jaxinfer.kernels import Kernels
+from jaxinfer.models.layers import apply_rope
 from pallas_kernels.ragged_paged_attention import split_kv
 
 # KV tokens per work item: decodes (one query row per block) do best with short items, query
@@ -66,10 +69,32 @@ def kv_write_locations(batch: RaggedBatch, page_size: int, scratch_page: int) ->
     return page, offset
 
 
+def rope_and_write_kv(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset, kernels: Kernels = Kernels()):
+    """RoPE on q and k, then the rotated keys and the values into their page slots.
+
+    q [T, Hq, D], k / v [T, Hkv, D], cos / sin [T, D], pools [N, page_size, Hkv, D], write_page /
+    write_offset [T] (pool page, slot). Returns (q_rot, k_rot, k_pages, v_pages). With Pallas
+    kernels this is one kernel (pallas_kernels.rope_kv_write) that writes each token's row into
+    its page in place; the XLA path rotates and scatters.
+    """
+    if kernels.platform == "tpu":
+        from pallas_kernels.rope_kv_write import rope_kv_write_tpu as fused
+    elif kernels.platform == "gpu":
+        from pallas_kernels.rope_kv_write import rope_kv_write_gpu as fused
+    else:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_pages = k_pages.at[write_page, write_offset].set(k.astype(k_pages.dtype))
+        v_pages = v_pages.at[write_page, write_offset].set(v.astype(v_pages.dtype))
+        return q, k, k_pages, v_pages
+    return fused(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset, interpret=kernels.interpret)
+
+
 def write_kv_and_attend(
-    q: jax.Array,  # [T, Hq, D]
-    k: jax.Array,  # [T, Hkv, D]
+    q: jax.Array,  # [T, Hq, D], before RoPE
+    k: jax.Array,  # [T, Hkv, D], before RoPE
     v: jax.Array,  # [T, Hkv, D]
+    cos: jax.Array,  # [T, D]: each token's rotation (layers.rope_cos_sin)
+    sin: jax.Array,  # [T, D]
     k_pages: jax.Array,  # [L * P, page_size, Hkv, D]: every layer's pages in one pool
     v_pages: jax.Array,
     layer_page_offset: jax.Array,  # scalar: layer * P, where this layer's pages start
@@ -87,9 +112,9 @@ def write_kv_and_attend(
     The caches keep one shape from the write to the read (and through the layer loop), so XLA
     updates them in place; mixing shapes of one buffer makes it copy the whole pool.
     """
-    pages = layer_page_offset + write_page
-    k_pages = k_pages.at[pages, write_offset].set(k.astype(k_pages.dtype))
-    v_pages = v_pages.at[pages, write_offset].set(v.astype(v_pages.dtype))
+    q, k, k_pages, v_pages = rope_and_write_kv(
+        q, k, v, cos, sin, k_pages, v_pages, layer_page_offset + write_page, write_offset, kernels
+    )
     if kernels.pallas:
         out = _pallas_attention(kernels, q, k, v, k_pages, v_pages, batch.page_table + layer_page_offset, batch,
                                 sm_scale=sm_scale, sliding_window=sliding_window, query_block=query_block)

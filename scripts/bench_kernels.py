@@ -30,6 +30,18 @@ baseline, and the max abs error against the folder's reference.py.
      xla-dequant (dequantize to the benchmark dtype, then XLA's dot), pallas-gpu, pallas-tpu.
      Errors are against that mode's reference; speedups against dense.
      Bytes = x + weight as stored (+ scales) + out; FLOPs = 2 M N K.
+  5. SwiGLU matmul (pallas_kernels/swiglu_matmul): silu(x @ W_gate) * (x @ W_up) for x [M, H] and
+     w_gate_up [H, 2I] (--HI), M in --M. Baseline: XLA's unfused dot to [M, 2I], then silu * up
+     ("xla unfused", what the model runs without the kernel). Bytes = x + weight + out;
+     FLOPs = 4 M H I.
+  6. fused add + RMSNorm (pallas_kernels/fused_rms_norm): x, residual [T, H] for T in --norm-rows, H
+     from --HI. Baseline: the reference (XLA fuses it as it can). Bytes = 2 reads + 2 writes of [T, H].
+  7. RoPE + KV write (pallas_kernels/rope_kv_write): q [T, Hq, D], k, v [T, Hkv, D] rotated and
+     written to the T slots of a page pool just big enough for them (page 0 spare), in shuffled
+     order, T in --norm-rows. Baseline: the reference (rotate, then XLA's scatter). The timed
+     calls do not donate the pool, so every implementation also copies it once per call (the
+     same for all; the pool is kept that small for this reason). Bytes = q, k, v, cos, sin read
+     + q, k out + the K/V rows written.
 
 The Pallas kernels of another platform (and all of them on the CPU, where none compiles) only run
 with --interpret: once each, untimed (interpret mode is not a performance measurement), to print
@@ -68,7 +80,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import _fmt, _version, environment, log  # noqa: E402  (shared conventions)
 
-KERNELS = ("rpa", "flash", "qmm")
+KERNELS = ("rpa", "flash", "qmm", "swiglu", "norm", "rope_kv")
 QMM_MODES = (("int8", None), ("int4", 128), ("fp8", None))
 
 
@@ -113,16 +125,19 @@ DEFAULTS = {
     "accelerator": dict(
         batches=[8, 32, 64], contexts=[1024, 4096, 32768], mixed="512:2048,512:4096,1024:1024,32x1:4096",
         flash_segments="4096;8192;2048x4", M=[1, 8, 64, 512], KN="4096x14336,14336x4096",
+        HI="4096x14336", norm_rows=[8, 512, 8192],
         heads=(32, 8), bandwidth_gib=2.0, reps=20,
     ),
     "cpu": dict(
         batches=[4, 16], contexts=[512, 2048], mixed="256:1024,256:256,8x1:1024",
         flash_segments="1024;512x2", M=[1, 8, 64], KN="1024x2816,2816x1024",
+        HI="1024x2816", norm_rows=[8, 512],
         heads=(32, 8), bandwidth_gib=0.25, reps=10,
     ),
     "quick": dict(
         batches=[2, 4], contexts=[64, 256], mixed="32:128,32:32,2x1:128",
         flash_segments="256;128x2", M=[1, 8], KN="256x512",
+        HI="256x256", norm_rows=[8, 64],
         heads=(8, 2), bandwidth_gib=1 / 32, reps=5,
     ),
 }
@@ -144,6 +159,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--flash-segments", type=_segments, default=None, help='flash attention shapes: ";"-separated LEN or LENxCOUNT segments')
     p.add_argument("--M", type=_csv_ints, default=None, help="quantized matmul rows (tokens)")
     p.add_argument("--KN", type=_pairs, default=None, help="quantized matmul weight shapes KxN, comma-separated")
+    p.add_argument("--HI", type=_pairs, default=None, help="SwiGLU matmul shapes HxI (hidden x intermediate), comma-separated")
+    p.add_argument("--norm-rows", type=_csv_ints, default=None, help="token counts for add+RMSNorm and RoPE + KV write")
     p.add_argument("--heads", type=_csv_ints, default=None, help="query heads, KV heads (default 32,8; quick 8,2)")
     p.add_argument("--head-dim", type=int, default=128, help="attention head_dim (default 128)")
     p.add_argument("--page-size", type=int, default=16, help="KV page size in tokens (default 16)")
@@ -166,12 +183,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def fill_defaults(args, backend: str) -> None:
     """Backend-dependent defaults for every option left unset."""
     d = DEFAULTS["quick" if args.quick else ("cpu" if backend == "cpu" else "accelerator")]
-    for name in ("batches", "contexts", "M", "reps", "bandwidth_gib"):
+    for name in ("batches", "contexts", "M", "reps", "bandwidth_gib", "norm_rows"):
         if getattr(args, name) is None:
             setattr(args, name, d[name])
     args.mixed = _mixed(d["mixed"]) if args.mixed is None else args.mixed
     args.flash_segments = args.flash_segments or _segments(d["flash_segments"])
     args.KN = args.KN or _pairs(d["KN"])
+    args.HI = args.HI or _pairs(d["HI"])
     args.heads = tuple(args.heads or d["heads"])
     args.dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
 
@@ -617,6 +635,114 @@ def bench_quantized_matmul(ctx: Context) -> None:
         del w_dense, quantized
 
 
+# ----------------------------------------------------------------------------- SwiGLU matmul
+def _pallas_kernels(ctx: Context, package: str, attr: str) -> dict[str, tuple[Callable, bool]]:
+    """platform -> (the package's kernel for it, interpret?) for every platform whose kernel runs here."""
+    kernels = {}
+    for platform in ("gpu", "tpu"):
+        mode = ctx.pallas_mode(platform)
+        kernel = mode and ctx.load(f"pallas_kernels.{package}.{platform}", attr)
+        if kernel:
+            kernels[platform] = (kernel, mode == "interpret")
+    return kernels
+
+
+def bench_swiglu_matmul(ctx: Context) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.swiglu_matmul import reference
+
+    itemsize = jnp.dtype(ctx.dtype).itemsize
+    kernels = _pallas_kernels(ctx, "swiglu_matmul", "swiglu_matmul")
+
+    def xla_unfused(x, w):  # the model without the kernel: one dot to [M, 2I], then silu(gate) * up
+        gate_up = jnp.dot(x, w, preferred_element_type=jnp.float32)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        return (jax.nn.silu(gate) * up).astype(x.dtype)
+
+    for H, I in ctx.args.HI:
+        w = (jax.random.normal(jax.random.key(4), (H, 2 * I), jnp.float32) / math.sqrt(H)).astype(ctx.dtype)  # [H, 2I]
+        for M in ctx.args.M:
+            x = jax.random.normal(jax.random.key(5), (M, H), ctx.dtype)  # [M, H]
+            cands = [
+                Candidate("reference", reference.swiglu_matmul, (x, w), compare_to=None),
+                Candidate("xla unfused", xla_unfused, (x, w)),
+            ]
+            for platform, (kernel, interpret) in kernels.items():
+                cands.append(Candidate(f"pallas-{platform}", functools.partial(kernel, interpret=interpret), (x, w),
+                                       interpret=interpret))
+            run_case(ctx, "swiglu matmul", f"M={M} H={H} I={I}", cands, bytes_moved=(M * H + M * I) * itemsize + w.nbytes,
+                     flops=4.0 * M * H * I, baseline="xla unfused")
+            del x, cands
+        del w
+
+
+# ----------------------------------------------------------------------------- fused add + RMSNorm
+def bench_fused_rms_norm(ctx: Context) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.fused_rms_norm import reference
+
+    kernels = _pallas_kernels(ctx, "fused_rms_norm", "add_rms_norm")
+    H = ctx.args.HI[0][0]
+    for T in ctx.args.norm_rows:
+        x = jax.random.normal(jax.random.key(6), (T, H), ctx.dtype)  # [T, H]
+        residual = jax.random.normal(jax.random.key(7), (T, H), ctx.dtype)
+        weight = 1.0 + 0.1 * jax.random.normal(jax.random.key(8), (H,), ctx.dtype)
+        normed = lambda fn: (lambda x, r, w: fn(x, r, w, eps=1e-6)[0])  # noqa: E731  (compare the normed output)
+        cands = [Candidate("reference", normed(reference.add_rms_norm), (x, residual, weight), compare_to=None)]
+        for platform, (kernel, interpret) in kernels.items():
+            fn = functools.partial(kernel, interpret=interpret)
+            cands.append(Candidate(f"pallas-{platform}", normed(fn), (x, residual, weight), interpret=interpret))
+        run_case(ctx, "add + rms_norm", f"T={T} H={H}", cands, bytes_moved=4.0 * x.nbytes, flops=0.0)
+        del x, residual, cands
+
+
+# ----------------------------------------------------------------------------- RoPE + KV write
+def bench_rope_kv_write(ctx: Context) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.rope_kv_write import reference
+
+    a = ctx.args
+    Hq, Hkv = a.heads
+    D, page_size = a.head_dim, a.page_size
+    kernels = _pallas_kernels(ctx, "rope_kv_write", "rope_kv_write")
+    itemsize = jnp.dtype(ctx.dtype).itemsize
+    for T in a.norm_rows:
+        P = _cdiv(T, page_size) + 1  # page 0 is the scratch page: never written here
+        keys = jax.random.split(jax.random.key(9), 3)
+        q = jax.random.normal(keys[0], (T, Hq, D), ctx.dtype)
+        k = jax.random.normal(keys[1], (T, Hkv, D), ctx.dtype)
+        v = jax.random.normal(keys[2], (T, Hkv, D), ctx.dtype)
+        angles = jnp.arange(T, dtype=jnp.float32)[:, None] * jnp.linspace(1.0, 1e-4, D)[None, :]  # [T, D]
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        slots = np.random.default_rng(0).permutation(np.arange(page_size, P * page_size))[:T]
+        page, offset = jnp.asarray(slots // page_size, jnp.int32), jnp.asarray(slots % page_size, jnp.int32)
+        pool = jnp.zeros((P, page_size, Hkv, D), ctx.dtype)
+        args = (q, k, v, cos, sin, pool, pool, page, offset)
+
+        def rotated_q_and_written_k(fn):  # the output compared: q_rot and the K rows the call wrote
+            def run(*args):
+                q_rot, _, k_pages, _ = fn(*args)
+                page, offset = args[7], args[8]
+                return jnp.concatenate([q_rot.reshape(T, -1), k_pages[page, offset].reshape(T, -1)], axis=1)
+            return run
+
+        cands = [Candidate("reference", rotated_q_and_written_k(reference.rope_kv_write), args, compare_to=None)]
+        for platform, (kernel, interpret) in kernels.items():
+            fn = functools.partial(kernel, interpret=interpret)
+            cands.append(Candidate(f"pallas-{platform}", rotated_q_and_written_k(fn), args, interpret=interpret))
+        nbytes = (2 * q.size + 3 * k.size + 2 * v.size) * itemsize + 2 * cos.size * 4
+        run_case(ctx, "rope + kv write", f"T={T} Hq/Hkv={Hq}/{Hkv} D={D} page={page_size}", cands,
+                 bytes_moved=nbytes, flops=0.0)
+        del q, k, v, pool, args, cands
+
+
 # ----------------------------------------------------------------------------- report
 COLUMNS = ("kernel", "impl", "shape", "ms", "GB/s", "% BW", "TFLOP/s", "speedup", "max abs err", "note")
 
@@ -640,7 +766,8 @@ def render(ctx: Context, env: dict) -> str:
              f"page_size {a.page_size}; reps {a.reps} (median), warm-up {a.warmup}, ~{a.rep_ms:g} ms per rep"
              + ("; --quick" if a.quick else "") + ("; --interpret" if a.interpret else ""))
     L.append(f"- measured bandwidth (the 100% of '% BW'): {_fmt(ctx.peak_gbs, '.1f')} GB/s")
-    L.append("- speedup: against `reference` for attention, against the dense `jnp.dot` for quantized matmul; "
+    L.append("- speedup: against `reference` for attention, norm and RoPE + KV write, against the dense `jnp.dot` for "
+             "quantized matmul, against XLA's unfused dot + silu * up for the SwiGLU matmul; "
              "max abs err: against the folder's reference.py (the quantized one for each matmul mode); "
              "✗ marks an error above "
              + ("1e-3" if a.dtype == "float32" else "3e-2") + " x max|reference|")
@@ -683,7 +810,8 @@ def main(argv=None) -> int:
     log(f"== bandwidth probe ({args.bandwidth_gib:g} GiB)")
     bandwidth_probe(ctx)
     for name, bench in (("rpa", bench_ragged_paged_attention), ("flash", bench_flash_attention),
-                        ("qmm", bench_quantized_matmul)):
+                        ("qmm", bench_quantized_matmul), ("swiglu", bench_swiglu_matmul), ("norm", bench_fused_rms_norm),
+                        ("rope_kv", bench_rope_kv_write)):
         if name in args.kernels:
             log(f"== {name}")
             bench(ctx)

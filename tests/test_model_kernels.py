@@ -3,8 +3,10 @@
 One tiny model (untied LM head, biases, 4 query heads on 1 KV head) runs the same steps twice,
 once on the XLA reference paths and once with a platform's Pallas kernels: a long fresh prefill
 (which takes the flash attention kernel), then a mixed step of decodes and prefill chunks with
-cached prefixes (the ragged paged attention kernel), with and without quantized weights (the
-quantized matmul kernel). Each step's log-probabilities must agree.
+cached prefixes (the ragged paged attention kernel), then a decode step. Every step also runs the
+RoPE + KV-write kernel and the fused add + RMSNorm; the weights are int4 except gate/up, so the
+quantized matmul kernel and the SwiGLU matmul kernel (float weights only) both run. Each step's
+log-probabilities must agree.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ PAGE_SIZE = 8
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-qwen2-kernels")
-    save_hf_model("qwen2", directory)
+    save_hf_model("qwen2", directory, intermediate_size=128)  # 128: the TPU SwiGLU kernel's column tile
     return directory
 
 
@@ -39,7 +41,7 @@ def run_steps(model_dir, kernels: Kernels, quantization: str | None) -> list[np.
     config = read_config(source)
     graphdef, params = load_params(source, config, jnp.float32, jnp.float32, kernels=kernels, progress=False)
     if quantization:
-        graphdef, params = quantize_model(graphdef, params, quantization, group_size=32)
+        graphdef, params = quantize_model(graphdef, params, quantization, group_size=32, skip=("layers.gate_up_proj",))
     step = StepFunction(graphdef, num_top_logprobs=0)
     kv = KVCache.create(config, 80, PAGE_SIZE)
     buckets = Buckets((16, FLASH_MIN_TOKENS), max_num_seqs=4, pages_per_seq=32)
@@ -73,8 +75,9 @@ def reference_logprobs(model_dir):
     return run_steps(model_dir, Kernels(), "int4")
 
 
-# int4 weights: one run exercises every kernel the model has (attention, flash, quantized matmul,
-# add+RMSNorm); the kernels' own tests cover float and every quantization mode.
+# int4 weights but a float gate/up: one run exercises every kernel the model has (attention, flash,
+# RoPE + KV write, quantized matmul, SwiGLU matmul, add+RMSNorm); the kernels' own tests cover
+# the other dtypes and every quantization mode.
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_model_with_pallas_kernels_matches_the_reference_model(model_dir, reference_logprobs, platform):
     got = run_steps(model_dir, Kernels(platform, interpret=True), "int4")

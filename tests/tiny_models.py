@@ -50,9 +50,10 @@ FAMILIES = {
 }
 
 
-def build_hf_model(family: str, seed: int = 0):
+def build_hf_model(family: str, seed: int = 0, **overrides):
+    """A random model of `family`; `overrides` change its config (e.g. intermediate_size=128)."""
     cls, kw = FAMILIES[family]
-    config = cls(**kw)
+    config = cls(**{**kw, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -85,9 +86,9 @@ def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
     return fast
 
 
-def save_hf_model(family: str, directory: Path, seed: int = 0, max_shard_size: str | None = None):
+def save_hf_model(family: str, directory: Path, seed: int = 0, max_shard_size: str | None = None, **overrides):
     """Saves model (safetensors, config.json) and the byte tokenizer into directory."""
-    model = build_hf_model(family, seed)
+    model = build_hf_model(family, seed, **overrides)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     byte_tokenizer().save_pretrained(directory)

@@ -32,7 +32,7 @@ from jaxinfer.batch import RaggedBatch
 from jaxinfer.config import ModelConfig
 from jaxinfer.kernels import Kernels
 from jaxinfer.kv_cache import SCRATCH_PAGE, KVCache
-from jaxinfer.models.layers import add_rms_norm, apply_rope, linear, matmul, rms_norm, rope_cos_sin, swiglu_mlp
+from jaxinfer.models.layers import add_rms_norm, linear, matmul, rms_norm, rope_cos_sin, swiglu_mlp
 
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -149,9 +149,8 @@ class LlamaForCausalLM(nnx.Module):
             if c.qk_norm:
                 q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
                 k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            attn, k_pages, v_pages = write_kv_and_attend(
-                q, k, v, k_pages, v_pages, i * num_pages, write_page, write_offset, batch,
+            attn, k_pages, v_pages = write_kv_and_attend(  # RoPE, KV write, attention
+                q, k, v, cos, sin, k_pages, v_pages, i * num_pages, write_page, write_offset, batch,
                 sm_scale=sm_scale, sliding_window=c.sliding_window, query_block=query_block, kernels=kernels,
             )
             attn_out = linear(attn.reshape(T, c.num_heads * c.head_dim), w["o_proj"], w.get("o_bias"), kernels)

@@ -92,9 +92,17 @@ def visible_keys(q_pos, k_pos, q_seg, k_seg, *, causal, sliding_window):
     return mask
 
 
+def dot_precision(dtype):
+    """HIGHEST for float32 operands (both Pallas lowerings otherwise may take one bf16 / tf32 pass),
+    the default for 16-bit ones."""
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
 def attention_scores(q, k, *, sm_scale, soft_cap):
     """q [M, D] . k [N, D] -> float32 scores [M, N], scaled and soft-capped."""
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    s = jax.lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), precision=dot_precision(q.dtype), preferred_element_type=jnp.float32
+    )
     s = s * sm_scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)

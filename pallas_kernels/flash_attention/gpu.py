@@ -68,7 +68,9 @@ def _kernel(
         for q, (m, l, acc) in zip(q_tiles, state):
             scores = common.attention_scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap)  # [block_q, block_k]
             m, l, p, alpha = common.online_softmax_step(m, l, scores, visible)
-            acc = alpha * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            acc = alpha * acc + jnp.dot(
+                p.astype(v.dtype), v, precision=common.dot_precision(v.dtype), preferred_element_type=jnp.float32
+            )
             new_state.append((m, l, acc))
         return tuple(new_state)
 

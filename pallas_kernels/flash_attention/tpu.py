@@ -82,7 +82,10 @@ def _kernel(
         )  # [block_q, block_k], the same for every head
         m_next, l_next, p, alpha = common.online_softmax_step(m_ref[...], l_ref[...], scores, visible[None])
         v = v_ref[...]
-        pv = jnp.dot(p.reshape(G * block_q, block_k).astype(v.dtype), v, preferred_element_type=jnp.float32)
+        pv = jnp.dot(
+            p.reshape(G * block_q, block_k).astype(v.dtype), v,
+            precision=common.dot_precision(v.dtype), preferred_element_type=jnp.float32,
+        )
         acc_ref[...] = alpha * acc_ref[...] + pv.reshape(G, block_q, D)
         m_ref[...] = m_next
         l_ref[...] = l_next

@@ -59,8 +59,10 @@ def _is_power_of_two(n: int) -> bool:
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a [m, k] @ b [k, n] with f32 accumulation (f32 inputs: IEEE f32 in the Triton lowering, not tf32)."""
-    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+    """a [m, k] @ b [k, n] with f32 accumulation; f32 inputs at HIGHEST precision (IEEE f32: the
+    Triton lowering turns the default precision into tf32)."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _tile(ref, rows: jax.Array, cols: jax.Array, row_start, col_start, n_rows: int, n_cols: int):

@@ -258,7 +258,8 @@ def _kernel(
         # zero them so that 0 * garbage cannot leak into the sum
         v = jnp.where((kv_pos_col >= blk.lo_pos) & (kv_pos_col <= blk.last_pos), v, jnp.zeros_like(v))
 
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [R, K]
+        precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # f32: no single bf16 pass
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)  # [R, K]
         s = s * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -273,7 +274,9 @@ def _kernel(
         p = jnp.exp(s - m_safe)
         alpha = jnp.exp(m - m_safe)
         l = alpha * l + p.sum(axis=1, keepdims=True)
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        pv = jax.lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )
         acc = alpha * acc + pv
         return 1 - slot, m_new, l, acc
 
