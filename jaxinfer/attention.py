@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxinfer.batch import MAX_PREFILL_CHUNKS, RaggedBatch
 from jaxinfer.kernels import Kernels
-from jaxinfer.models.layers import apply_rope
+from pallas_kernels.rope_kv_write import gpu_supports, rope_kv_write_gpu, rope_kv_write_reference, rope_kv_write_tpu
 from pallas_kernels.ragged_paged_attention import split_kv
 
 # KV tokens per work item: decodes (one query row per block) do best with short items, query
@@ -75,18 +75,15 @@ def rope_and_write_kv(q, k, v, cos, sin, k_pages, v_pages, write_page, write_off
     q [T, Hq, D], k / v [T, Hkv, D], cos / sin [T, D], pools [N, page_size, Hkv, D], write_page /
     write_offset [T] (pool page, slot). Returns (q_rot, k_rot, k_pages, v_pages). With Pallas
     kernels this is one kernel (pallas_kernels.rope_kv_write) that writes each token's row into
-    its page in place; the XLA path rotates and scatters.
+    its page in place; the XLA path rotates and scatters. The TPU kernel copies rows as they are,
+    so it needs k / v in the pools' dtype; the GPU kernel needs head_dim / 2 to be a power of two.
     """
-    if kernels.platform == "tpu":
-        from pallas_kernels.rope_kv_write import rope_kv_write_tpu as fused
-    elif kernels.platform == "gpu":
-        from pallas_kernels.rope_kv_write import rope_kv_write_gpu as fused
-    else:
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_pages = k_pages.at[write_page, write_offset].set(k.astype(k_pages.dtype))
-        v_pages = v_pages.at[write_page, write_offset].set(v.astype(v_pages.dtype))
-        return q, k, k_pages, v_pages
-    return fused(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset, interpret=kernels.interpret)
+    args = (q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset)
+    if kernels.platform == "tpu" and k.dtype == k_pages.dtype and v.dtype == v_pages.dtype:
+        return rope_kv_write_tpu(*args, interpret=kernels.interpret)
+    if kernels.platform == "gpu" and gpu_supports(q.shape[-1]):
+        return rope_kv_write_gpu(*args, interpret=kernels.interpret)
+    return rope_kv_write_reference(*args)  # the XLA path (and shapes a kernel does not take)
 
 
 def write_kv_and_attend(

@@ -144,11 +144,3 @@ def rope_cos_sin(config: ModelConfig, positions: jax.Array, seq_lens: jax.Array)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF layout). x [T, heads, D]; cos, sin [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    xf = x.astype(jnp.float32)
-    out = xf * cos[:, None, :] + rotated.astype(jnp.float32) * sin[:, None, :]
-    return out.astype(x.dtype)

@@ -175,4 +175,5 @@ def quantized_matmul(
         grid=(pl.cdiv(M, bm), pl.cdiv(N, bn)),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
+        name="quantized_matmul",
     )(*operands)

@@ -188,6 +188,7 @@ def quantized_matmul(
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
+        name="quantized_matmul",
     )(*operands)
     return out[:M]
 

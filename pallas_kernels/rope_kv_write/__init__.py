@@ -1,0 +1,47 @@
+"""RoPE on q and k plus the KV-cache write, in one pass (what vLLM's rotary embedding and
+reshape_and_cache do as two kernels).
+
+`rope_kv_write(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset)
+ -> (q_rot, k_rot, k_pages, v_pages)`: see `reference.py` for shapes and semantics.
+
+- `rope_kv_write_reference`: plain jnp (rotate, then an XLA scatter), the truth the kernels match.
+- `rope_kv_write_tpu`: Pallas Mosaic TPU kernel; rows DMA'd from VMEM into their pages in HBM
+  (tuning: block_tokens, interpret).
+- `rope_kv_write_gpu`: Pallas Triton GPU kernel; one program per few tokens (tuning:
+  block_tokens, num_warps, interpret); needs head_dim / 2 to be a power of two (`gpu_supports`).
+- `rope_kv_write`: picks one of them for the default backend (CPU -> reference).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.rope_kv_write.gpu import rope_kv_write as rope_kv_write_gpu
+from pallas_kernels.rope_kv_write.gpu import supports as gpu_supports
+from pallas_kernels.rope_kv_write.reference import apply_rope
+from pallas_kernels.rope_kv_write.reference import rope_kv_write as rope_kv_write_reference
+from pallas_kernels.rope_kv_write.tpu import rope_kv_write as rope_kv_write_tpu
+
+
+def rope_kv_write(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset, *, backend: str | None = None, **tuning):
+    """Dispatch on `backend` (default: jax.default_backend()): "tpu" and "gpu" run their kernel with
+    the `tuning` keywords; anything else runs the reference, which takes no tuning keywords."""
+    backend = backend or jax.default_backend()
+    args = (q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset)
+    if backend == "tpu":
+        return rope_kv_write_tpu(*args, **tuning)
+    if backend in ("gpu", "cuda", "rocm"):
+        return rope_kv_write_gpu(*args, **tuning)
+    if tuning:
+        raise TypeError(f"the reference takes no tuning keywords: {sorted(tuning)}")
+    return rope_kv_write_reference(*args)
+
+
+__all__ = [
+    "apply_rope",
+    "gpu_supports",
+    "rope_kv_write",
+    "rope_kv_write_gpu",
+    "rope_kv_write_reference",
+    "rope_kv_write_tpu",
+]
