@@ -195,20 +195,26 @@ def test_kernel_padding_rows_are_zero_and_do_not_leak(kernel):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_kernel_property_random_segments(kernel):
-    """Any segment lengths (some empty), any number of segments in use, same compiled kernel."""
+    """Any segment lengths (some empty), any number of segments in use, two head shapes, both
+    dtypes, with or without a sliding window (a few compiled variants)."""
 
-    @hypothesis.settings(max_examples=8, deadline=None, database=None)
+    @hypothesis.settings(max_examples=10, deadline=None, database=None)
     @hypothesis.given(
         lens=st.lists(st.integers(0, 14), min_size=1, max_size=5).filter(lambda ls: sum(ls) <= T),
         num_seqs=st.integers(0, 5),
+        heads=st.sampled_from([(4, 2, 64), (8, 1, 128)]),  # (Hq, Hkv, D): GQA 2 and 8
+        dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+        sliding_window=st.sampled_from([None, 5]),
         seed=st.integers(0, 2**16),
     )
-    def run(lens, num_seqs, seed):
+    def run(lens, num_seqs, heads, dtype, sliding_window, seed):
         lens = (lens + [0] * 5)[:5]  # fixed S = 5 so shapes stay the same
-        q, k, v, cu, _ = make_batch(seed, lens, num_heads=4, num_kv_heads=2, head_dim=64)
+        Hq, Hkv, D = heads
+        q, k, v, cu, _ = make_batch(seed, lens, num_heads=Hq, num_kv_heads=Hkv, head_dim=D, dtype=dtype)
         ns = jnp.array([num_seqs], jnp.int32)
-        out = check_kernel(kernel, q, k, v, cu, ns, sm_scale=64**-0.5)
-        assert_close(out, numpy_attention(q, k, v, cu, ns, sm_scale=64**-0.5), jnp.float32)
+        opts = dict(sm_scale=D**-0.5, sliding_window=sliding_window)
+        out = check_kernel(kernel, q, k, v, cu, ns, **opts)
+        assert_close(out, numpy_attention(q, k, v, cu, ns, **opts), dtype)
 
     run()
 

@@ -119,34 +119,40 @@ def test_quantized_pages_without_a_scale_and_uneven_heads_are_rejected():
         kernel((q[:, :3], k, v, *rest))
 
 
-# ---- random ragged batches, all of one padded shape (one compile for every example)
+# ---- random ragged batches, padded to a few fixed shapes (one compile per head shape and dtype)
 MAX_SEQS, MAX_TOKENS, PAGE, PAGES_PER_SEQ = 4, 24, 4, 9
 
 
-def padded_case(seed, q_lens, kv_lens):
+def padded_case(seed, q_lens, kv_lens, *, Hq, Hkv, D, dtype):
     """make_case padded to the fixed shape: MAX_SEQS slots, MAX_TOKENS rows, a fixed page table and pool."""
-    case = make_case(np.random.default_rng(seed), q_lens, kv_lens, Hq=4, Hkv=2, D=32, page_size=PAGE,
+    case = make_case(np.random.default_rng(seed), q_lens, kv_lens, Hq=Hq, Hkv=Hkv, D=D, page_size=PAGE,
                      num_pages=MAX_SEQS * (PAGES_PER_SEQ - 1) + 2, pad_seqs=MAX_SEQS - len(q_lens),
                      pad_tokens=MAX_TOKENS - sum(q_lens))
     q, k, v, kv, page_indices, cu, n = case
     page_indices = np.pad(page_indices, ((0, 0), (0, PAGES_PER_SEQ - page_indices.shape[1])))
+    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
     return q, k, v, kv, page_indices, cu, n
 
 
 @hypothesis.settings(max_examples=12, deadline=None, database=None)
 @hypothesis.given(
     seqs=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 24)), min_size=1, max_size=MAX_SEQS),
+    heads=st.sampled_from([(4, 2, 64), (8, 1, 128)]),  # (Hq, Hkv, D): GQA 2 and 8, both head dims
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    sliding_window=st.sampled_from([None, 5]),
     seed=st.integers(0, 2**16),
 )
-def test_random_ragged_batches_match_reference(seqs, seed):
+def test_random_ragged_batches_match_reference(seqs, heads, dtype, sliding_window, seed):
     q_lens = [q for q, _ in seqs]
     kv_lens = [q + ctx if q else ctx for q, ctx in seqs]  # a sequence may have context but no query
-    case = padded_case(seed, q_lens, kv_lens)
-    got = kernel(case, sm_scale=0.125, num_queries_per_block=2, num_kv_pages_per_block=2, num_kv_splits=3)
-    # here the truth is reference.py itself: one shape, so it compiles once for all examples
-    want = reference.ragged_paged_attention(*map(jnp.asarray, case), sm_scale=0.125)
-    assert_close(got, want, F32_TOL)
-    assert np.all(np.asarray(got)[sum(q_lens):] == 0)
+    Hq, Hkv, D = heads
+    case = padded_case(seed, q_lens, kv_lens, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype)
+    opts = dict(sm_scale=0.125, sliding_window=sliding_window)
+    got = kernel(case, num_queries_per_block=2, num_kv_pages_per_block=2, num_kv_splits=3, **opts)
+    # here the truth is reference.py itself: few shapes, so it compiles once per shape for all examples
+    want = reference.ragged_paged_attention(*map(jnp.asarray, case), **opts)
+    assert_close(got, want, F32_TOL if dtype == jnp.float32 else BF16_TOL)
+    assert np.all(np.asarray(got, np.float32)[sum(q_lens):] == 0)
 
 
 # ---- the GPU lowering, checked without a GPU

@@ -212,20 +212,24 @@ MAX_SEQS, MAX_TOKENS, PAGES_PER_SEQ, NUM_PAGES = 6, 56, 10, 48
     seqs=st.lists(st.tuples(st.integers(0, 10), st.integers(0, 24)), min_size=1, max_size=MAX_SEQS - 1),
     drop_last_seq=st.booleans(),
     sliding_window=st.sampled_from([None, 6]),
+    heads=st.sampled_from([(4, 2, 64), (8, 1, 128)]),  # (Hq, Hkv, D): GQA 2 and 8, both head dims
+    dtype=st.sampled_from([np.float32, jnp.bfloat16]),
     seed=st.integers(0, 2**16),
 )
-def test_random_ragged_batches(seqs, drop_last_seq, sliding_window, seed):
+def test_random_ragged_batches(seqs, drop_last_seq, sliding_window, heads, dtype, seed):
     q_lens = [q for q, _ in seqs]
     kv_lens = [q + context if q else context for q, context in seqs]  # zero-length queries may have a cache
+    Hq, Hkv, D = heads
     case = make_case(
-        np.random.default_rng(seed), q_lens, kv_lens, Hq=4, Hkv=2, D=64, page_size=4,
+        np.random.default_rng(seed), q_lens, kv_lens, Hq=Hq, Hkv=Hkv, D=D, page_size=4,
         num_pages=NUM_PAGES, pad_seqs=MAX_SEQS - len(seqs), pad_tokens=MAX_TOKENS - sum(q_lens),
     )
     q, k, v, kv, page_indices, cu, num_seqs = case
+    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
     page_indices = np.pad(page_indices, ((0, 0), (0, PAGES_PER_SEQ - page_indices.shape[1])))
     if drop_last_seq:  # the last sequence becomes padding: its rows must come out zero
         num_seqs = num_seqs - 1
     case = (q, k, v, kv, page_indices, cu, num_seqs)
     got, want = run_kernel_and_reference(case, sliding_window=sliding_window, num_queries_per_block=4, num_kv_pages_per_block=2)
-    assert_close(got, want, F32_TOL)
+    assert_close(got, want, F32_TOL if dtype == np.float32 else BF16_TOL)
     assert np.all(got[real_rows(case) :] == 0)
