@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxinfer.batch import MAX_PREFILL_CHUNKS, RaggedBatch
 from jaxinfer.kernels import Kernels
-from pallas_kernels.rope_kv_write import gpu_supports, rope_kv_write_gpu, rope_kv_write_reference, rope_kv_write_tpu
+from pallas_kernels.rope_kv_write import gpu_supports, rope_kv_write_gpu, rope_kv_write_reference, rope_kv_write_tpu, tpu_supports
 from pallas_kernels.ragged_paged_attention import split_kv
 
 # KV tokens per work item: decodes (one query row per block) do best with short items, query
@@ -76,10 +76,13 @@ def rope_and_write_kv(q, k, v, cos, sin, k_pages, v_pages, write_page, write_off
     write_offset [T] (pool page, slot). Returns (q_rot, k_rot, k_pages, v_pages). With Pallas
     kernels this is one kernel (pallas_kernels.rope_kv_write) that writes each token's row into
     its page in place; the XLA path rotates and scatters. The TPU kernel copies rows as they are,
-    so it needs k / v in the pools' dtype; the GPU kernel needs head_dim / 2 to be a power of two.
+    so it needs k / v in the pools' dtype, and on a real TPU head counts that are multiples of 8
+    and head_dim a multiple of 128 (its lane roll; interpret mode takes any shape, so the tests
+    exercise it on tiny models); the GPU kernel needs head_dim / 2 to be a power of two.
     """
     args = (q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset)
-    if kernels.platform == "tpu" and k.dtype == k_pages.dtype and v.dtype == v_pages.dtype:
+    tpu_fits = tpu_supports(q.shape[1], k.shape[1], q.shape[2]) or kernels.interpret  # see the kernel's docstring
+    if kernels.platform == "tpu" and tpu_fits and k.dtype == k_pages.dtype and v.dtype == v_pages.dtype:
         return rope_kv_write_tpu(*args, interpret=kernels.interpret)
     if kernels.platform == "gpu" and gpu_supports(q.shape[-1]):
         return rope_kv_write_gpu(*args, interpret=kernels.interpret)

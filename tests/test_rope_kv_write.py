@@ -120,6 +120,20 @@ def test_kernel_matches_reference_for_random_slots(backend, T, num_padding, page
     assert_matches(KERNELS[backend](*case), rope_kv_write_reference(*case), jnp.float32)
 
 
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_unwritten_slots_keep_their_bits_and_odd_head_counts_work(backend):
+    # SmolLM2's 9 query / 3 KV heads (not powers of two: the GPU kernel pads and masks them), bf16
+    case = make_case(7, T=13, Hq=9, Hkv=3, D=64, page_size=4, num_pages=8, dtype=jnp.bfloat16, num_padding=3)
+    got = KERNELS[backend](*case)
+    assert_matches(got, rope_kv_write_reference(*case), jnp.bfloat16)
+    written = np.zeros(case[5].shape[:2], bool)
+    written[np.asarray(case[7]), np.asarray(case[8])] = True
+    written[0] = True  # the padding tokens' scratch page
+    for new, old in ((got[2], case[5]), (got[3], case[6])):
+        new, old = np.asarray(new).view(np.uint16), np.asarray(old).view(np.uint16)
+        np.testing.assert_array_equal(new[~written], old[~written])
+
+
 def test_tpu_kernel_in_the_tpu_simulator_has_no_race(capfd):
     """The TPU simulator runs each DMA as started ("eager"), checks every copy's bounds and reports
     reads of a buffer a DMA is still writing, and a semaphore left non-zero at exit (a DMA never

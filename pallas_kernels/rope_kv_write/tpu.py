@@ -25,13 +25,18 @@ roll(x, D/2) = concat(x[D/2:], x[:D/2]) (the same for either direction: the shif
 axis) and sin_signed = concat(-sin[:D/2], sin[D/2:]) is built once in the wrapper. `pltpu.roll`
 is a native lane rotation; no slice at a lane offset of D/2 is needed.
 
-VMEM per step, b bytes per element, double-buffered inputs and outputs:
+VMEM per step, b bytes per element, double-buffered inputs and outputs (heads padded to whole
+sublane tiles when fewer than 8, or 16 in bf16):
     2 x bt x (2 Hq + 3 Hkv) x D x b  +  2 x 2 x bt x D x 4  (cos, sin)
 bt = 128, Hq = 32, Hkv = 8, D = 128 in bf16: 4.5 MiB + 0.5 MiB. `block_tokens` is a multiple of
 8 (a sublane tile of cos / sin), checked unless interpreting.
 
 Verified on the CPU with `interpret=True` and in the TPU simulator (`pltpu.InterpretParams`,
-race detection on) only, and lowered to Mosaic for "tpu" (no TPU here).
+race detection on) only, and lowered to Mosaic for "tpu" (no TPU here). The lowering check does
+not run Mosaic's layout passes, and those rotate a vector only when its last two dims are whole
+(8, 128) tiles: the roll here is over [bt, heads, D] in float32, so `supports` asks for head
+counts that are multiples of 8 and head_dim a multiple of 128 (Llama-3-8B: 32 / 8 heads of 128).
+The model leaves other shapes to the XLA path rather than risk a compile error on the chip.
 """
 
 from __future__ import annotations
@@ -47,6 +52,11 @@ from pallas_kernels.compat import patch_interpret_mode
 from pallas_kernels.rope_kv_write.reference import check_inputs
 
 SUBLANES = 8
+
+
+def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Shapes whose [bt, heads, D] float32 roll is whole (8, 128) tiles (see the module docstring)."""
+    return num_heads % 8 == 0 and num_kv_heads % 8 == 0 and head_dim % 128 == 0
 
 
 def _rotate(x, cos, sin_signed):
