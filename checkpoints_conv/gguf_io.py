@@ -23,6 +23,7 @@ from gguf.quants import dequantize
 from checkpoints_conv.errors import CheckpointError
 from checkpoints_conv.gguf_file import GgufHeader, GgufTensorInfo, read_gguf_header, read_tensor_bytes
 from checkpoints_conv.name_maps import GgufArch, gguf_arch
+from checkpoints_conv.tensor_source import TensorSource
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
@@ -140,30 +141,61 @@ def unpermute_qk(weight: np.ndarray, n_heads: int, name: str = "") -> np.ndarray
     return weight.reshape(n_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+class GgufSource(TensorSource):
+    """The tensors of a GGUF file under their HF names, as float32 in HF layout.
+
+    `config` is the dict read_gguf_config returned (its head counts undo the llama Q/K
+    permutation). A tensor whose name has no HF equivalent is listed under its GGUF name, for the
+    loader to report as unexpected. Quantized blocks run along rows, so a read dequantizes the
+    whole tensor and slices it; the last few tensors are kept, so the blocks of several devices
+    cost one dequantization. A type outside SUPPORTED_TYPES raises CheckpointError naming the
+    tensor and the type when it is read.
+    """
+
+    CACHED_TENSORS = 4  # enough for q, k and v of one layer
+
+    def __init__(self, path: str | Path, config: dict):
+        self.header = read_gguf_header(path)
+        _, self.arch = _architecture(self.header)
+        self.q_heads = int(config["num_attention_heads"])
+        self.kv_heads = int(config.get("num_key_value_heads", self.q_heads))
+        self._info = {}
+        for info in self.header.tensors:
+            if info.name != ROPE_FREQS_TENSOR:
+                self._info[self.arch.hf_name(info.name) or info.name] = info
+        self._cache: dict[str, np.ndarray] = {}
+
+    def listing(self) -> list[tuple[str, tuple[int, ...]]]:
+        return [(name, tuple(info.shape)) for name, info in self._info.items()]
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        if name not in self._cache:
+            if len(self._cache) >= self.CACHED_TENSORS:
+                del self._cache[next(iter(self._cache))]  # the oldest
+            self._cache[name] = self._load(name)
+        array = self._cache[name]
+        return array if index is None else array[index]
+
+    def _load(self, name: str) -> np.ndarray:
+        info = self._info[name]
+        array = _dequantize(self.header.path, info)
+        if self.arch.permuted_qk and name != info.name:
+            if ".self_attn.q_proj." in name:
+                array = unpermute_qk(array, self.q_heads, info.name)
+            elif ".self_attn.k_proj." in name:
+                array = unpermute_qk(array, self.kv_heads, info.name)
+        return array
+
+    def close(self) -> None:
+        self._cache.clear()
+
+
 def iter_gguf_tensors(path: str | Path, config: dict) -> Iterator[tuple[str, np.ndarray]]:
     """Yield `(hf_name, float32 array)` for each tensor of the GGUF file, read and dequantized one
-    at a time.
-
-    Arrays have HF's layout ([out, in] for linear weights). `config` is the dict read_gguf_config
-    returned (its head counts undo the llama Q/K permutation). A tensor whose name has no HF
-    equivalent is yielded under its GGUF name, for the loader to report as unexpected. A type
-    outside SUPPORTED_TYPES raises CheckpointError naming the tensor and the type.
-    """
-    header = read_gguf_header(path)
-    _, arch = _architecture(header)
-    q_heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads", q_heads))
-    for info in header.tensors:
-        if info.name == ROPE_FREQS_TENSOR:
-            continue
-        hf_name = arch.hf_name(info.name)
-        array = _dequantize(header.path, info)
-        if arch.permuted_qk and hf_name is not None:
-            if ".self_attn.q_proj." in hf_name:
-                array = unpermute_qk(array, q_heads, info.name)
-            elif ".self_attn.k_proj." in hf_name:
-                array = unpermute_qk(array, kv_heads, info.name)
-        yield (hf_name or info.name), array
+    at a time (HF layout; names as `GgufSource` lists them)."""
+    source = GgufSource(path, config)
+    for name, _ in source.listing():
+        yield name, source._load(name)
 
 
 def _dequantize(path: Path, info: GgufTensorInfo) -> np.ndarray:

@@ -11,10 +11,12 @@ import json
 from pathlib import Path
 from typing import Iterator
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors returns bf16 tensors as it)
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from checkpoints_conv.errors import CheckpointError
+from checkpoints_conv.tensor_source import TensorSource
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -88,3 +90,50 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, np.ndarray]]:
             raise CheckpointError(f"{file}: truncated or corrupt safetensors file: {e}") from e
         except OSError as e:
             raise CheckpointError(f"{file}: cannot read safetensors file: {e}") from e
+
+
+class SafetensorsSource(TensorSource):
+    """The tensors of an HF model directory, read as slices of the memory-mapped safetensors
+    files: a device's shard of a tensor costs only its own bytes. Files open on first use."""
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        self._file_of: dict[str, Path] = {}
+        self._listing: list[tuple[str, tuple[int, ...]]] = []
+        self._open: dict[Path, object] = {}
+        for file, indexed_names in safetensors_shards(self.model_dir).items():
+            f = self._handle(file)
+            names = list(f.keys())
+            if indexed_names is not None:
+                absent = sorted(indexed_names - set(names))
+                if absent:
+                    raise CheckpointError(f"{file}: the index assigns tensor(s) {absent[:5]} to this shard but it lacks them")
+            for name in names:
+                if indexed_names is not None and name not in indexed_names:
+                    continue  # the index assigns it to another shard
+                self._file_of[name] = file
+                self._listing.append((name, tuple(f.get_slice(name).get_shape())))
+
+    def _handle(self, file: Path):
+        if file not in self._open:
+            try:
+                self._open[file] = safe_open(str(file), framework="numpy")
+            except SafetensorError as e:
+                raise CheckpointError(f"{file}: truncated or corrupt safetensors file: {e}") from e
+            except OSError as e:
+                raise CheckpointError(f"{file}: cannot read safetensors file: {e}") from e
+        return self._open[file]
+
+    def listing(self) -> list[tuple[str, tuple[int, ...]]]:
+        return list(self._listing)
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        file = self._file_of[name]
+        try:
+            tensor = self._handle(file).get_slice(name)
+            return np.asarray(tensor[index] if index else tensor[:])
+        except SafetensorError as e:
+            raise CheckpointError(f"{file}: cannot read tensor {name!r}: {e}") from e
+
+    def close(self) -> None:
+        self._open.clear()

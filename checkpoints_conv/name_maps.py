@@ -24,8 +24,8 @@ from checkpoints_conv.errors import CheckpointError
 
 
 class Dest(NamedTuple):
-    """Where an HF tensor goes, without the layer: `param` (flat name), whether the HF array is
-    transposed ([out, in] -> [in, out]) and, for a fused param, the `part` it fills."""
+    """Where an HF tensor goes, without the layer (and expert): `param` (flat name), whether the HF
+    array is transposed ([out, in] -> [in, out]) and, for a fused param, the `part` it fills."""
 
     param: str
     transpose: bool
@@ -34,13 +34,20 @@ class Dest(NamedTuple):
 
 class Target(NamedTuple):
     """Where one HF tensor goes: `param` (flat name), `layer` (slot on the stacked axis, or None
-    for an unstacked param), whether the HF array is transposed ([out, in] -> [in, out]) and, for
-    a fused param, the `part` (a range of its last axis) it fills."""
+    for an unstacked param), whether the HF array is transposed ([out, in] -> [in, out]), for a
+    fused param the `part` (a range of its last axis) it fills, and for a mixture-of-experts
+    weight the `expert` (slot on the second stacked axis: `[L, E, ...]`)."""
 
     param: str
     layer: int | None
     transpose: bool
     part: str | None = None
+    expert: int | None = None
+
+    @property
+    def slot(self) -> tuple[int, ...]:
+        """Indices on the param's leading stacked axes: (), (layer,) or (layer, expert)."""
+        return tuple(i for i in (self.layer, self.expert) if i is not None)
 
 
 @dataclass(frozen=True)
@@ -48,18 +55,24 @@ class ArchNames:
     """How one architecture names its HF tensors.
 
     `globals` maps a full HF name to its `Dest`; `per_layer` maps the part after
-    `{layer_prefix}{i}.` to its `Dest`. Names ending in one of `ignored_suffixes` are
-    buffers that are not parameters (e.g. rotary `inv_freq`) and are skipped by the loader.
+    `{layer_prefix}{i}.` to its `Dest`; `per_expert` maps the part after
+    `{layer_prefix}{i}.{expert_prefix}{e}.` to its `Dest` (mixture-of-experts weights, stacked
+    [L, E, ...]). Names ending in one of `ignored_suffixes` are buffers that are not parameters
+    (e.g. rotary `inv_freq`) and are skipped by the loader.
     """
 
     globals: Mapping[str, Dest]
     per_layer: Mapping[str, Dest]
+    per_expert: Mapping[str, Dest] = field(default_factory=dict)
+    expert_prefix: str = "mlp.experts."
     layer_prefix: str = "model.layers."
     ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
     _layer_re: re.Pattern = field(init=False, repr=False, compare=False)
+    _expert_re: re.Pattern = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_layer_re", re.compile(re.escape(self.layer_prefix) + r"(\d+)\.(.+)"))
+        object.__setattr__(self, "_expert_re", re.compile(re.escape(self.expert_prefix) + r"(\d+)\.(.+)"))
 
     def target(self, hf_name: str) -> Target | None:
         """The `Target` of `hf_name`, or None when this architecture has no such tensor."""
@@ -67,30 +80,39 @@ class ArchNames:
             dest = self.globals[hf_name]
             return Target(dest.param, None, dest.transpose, dest.part)
         m = self._layer_re.fullmatch(hf_name)
-        if m and m.group(2) in self.per_layer:
-            dest = self.per_layer[m.group(2)]
-            return Target(dest.param, int(m.group(1)), dest.transpose, dest.part)
+        if m is None:
+            return None
+        layer, rest = int(m.group(1)), m.group(2)
+        if rest in self.per_layer:
+            dest = self.per_layer[rest]
+            return Target(dest.param, layer, dest.transpose, dest.part)
+        e = self._expert_re.fullmatch(rest)
+        if e and e.group(2) in self.per_expert:
+            dest = self.per_expert[e.group(2)]
+            return Target(dest.param, layer, dest.transpose, dest.part, int(e.group(1)))
         return None
 
     def is_ignored(self, hf_name: str) -> bool:
         """True for non-parameter buffers that checkpoints sometimes carry."""
         return hf_name.endswith(self.ignored_suffixes)
 
-    def stacked_params(self) -> set[str]:
-        """Params filled per layer, i.e. stacked on a leading layer axis."""
-        return {dest.param for dest in self.per_layer.values()}
+    def num_slot_axes(self, param: str) -> int:
+        """How many leading stacked axes `param` has: 0 (global), 1 (per layer), 2 (per layer and expert)."""
+        if any(dest.param == param for dest in self.per_expert.values()):
+            return 2
+        return 1 if any(dest.param == param for dest in self.per_layer.values()) else 0
 
-    def hf_name(self, param: str, layer: int | None, part: str | None = None) -> str:
-        """The HF tensor name that fills `param` (at `layer` when stacked; its `part` when fused);
-        for error messages."""
-        if layer is None:
-            for name, dest in self.globals.items():
-                if (dest.param, dest.part) == (param, part):
-                    return name
-        else:
-            for suffix, dest in self.per_layer.items():
-                if (dest.param, dest.part) == (param, part):
-                    return f"{self.layer_prefix}{layer}.{suffix}"
+    def hf_name(self, param: str, slot: tuple[int, ...], part: str | None = None) -> str:
+        """The HF tensor name that fills `param` at `slot` ((), (layer,) or (layer, expert)) and
+        `part` (when fused); for error messages."""
+        table = {0: self.globals, 1: self.per_layer, 2: self.per_expert}[len(slot)]
+        for key, dest in table.items():
+            if (dest.param, dest.part) == (param, part):
+                if len(slot) == 0:
+                    return key
+                if len(slot) == 1:
+                    return f"{self.layer_prefix}{slot[0]}.{key}"
+                return f"{self.layer_prefix}{slot[0]}.{self.expert_prefix}{slot[1]}.{key}"
         return f"<no HF name known for param {param!r}{'' if part is None else f' part {part!r}'}>"
 
 
@@ -120,12 +142,42 @@ LLAMA_NAMES = ArchNames(
     },
 )
 
+_ATTENTION = {k: v for k, v in LLAMA_NAMES.per_layer.items() if not k.startswith("mlp.")}
+
+
+def _moe_names(router: str, expert_prefix: str, gate: str, up: str, down: str, shared: bool = False) -> ArchNames:
+    """A mixture-of-experts decoder: Llama attention, a router, per-expert SwiGLU weights (HF
+    stores each expert apart; here they stack on [L, E, ...]) and optionally a shared expert."""
+    per_layer = dict(_ATTENTION)
+    per_layer[f"{router}.weight"] = Dest("layers.router", True)  # HF [E, H] -> [H, E]
+    if shared:  # Qwen2-MoE: one always-on expert, scaled by sigmoid(x @ shared_expert_gate)
+        per_layer.update({
+            "mlp.shared_expert.gate_proj.weight": Dest("layers.shared_gate_up", True, "gate"),
+            "mlp.shared_expert.up_proj.weight": Dest("layers.shared_gate_up", True, "up"),
+            "mlp.shared_expert.down_proj.weight": Dest("layers.shared_down", True),
+            "mlp.shared_expert_gate.weight": Dest("layers.shared_expert_gate", True),  # [1, H] -> [H, 1]
+        })
+    per_expert = {
+        f"{gate}.weight": Dest("layers.experts_gate_up", True, "gate"),
+        f"{up}.weight": Dest("layers.experts_gate_up", True, "up"),
+        f"{down}.weight": Dest("layers.experts_down", True),
+    }
+    return ArchNames(LLAMA_NAMES.globals, per_layer, per_expert, expert_prefix=expert_prefix)
+
+
+MIXTRAL_NAMES = _moe_names("block_sparse_moe.gate", "block_sparse_moe.experts.", "w1", "w3", "w2")
+QWEN2_MOE_NAMES = _moe_names("mlp.gate", "mlp.experts.", "gate_proj", "up_proj", "down_proj", shared=True)
+QWEN3_MOE_NAMES = _moe_names("mlp.gate", "mlp.experts.", "gate_proj", "up_proj", "down_proj")
+
 # HF model_type -> its names. Which of the params exist (e.g. biases) is up to the caller's spec.
 HF_NAME_MAPS: dict[str, ArchNames] = {
     "llama": LLAMA_NAMES,
     "mistral": LLAMA_NAMES,
     "qwen2": LLAMA_NAMES,
     "qwen3": LLAMA_NAMES,
+    "mixtral": MIXTRAL_NAMES,
+    "qwen2_moe": QWEN2_MOE_NAMES,
+    "qwen3_moe": QWEN3_MOE_NAMES,
 }
 
 

@@ -8,8 +8,9 @@ from typing import Iterator
 import numpy as np
 
 from checkpoints_conv.errors import CheckpointError
-from checkpoints_conv.gguf_io import iter_gguf_tensors, read_gguf_config
-from checkpoints_conv.hf import iter_safetensors, read_hf_config
+from checkpoints_conv.gguf_io import GgufSource, iter_gguf_tensors, read_gguf_config
+from checkpoints_conv.hf import SafetensorsSource, iter_safetensors, read_hf_config
+from checkpoints_conv.tensor_source import TensorSource
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -30,3 +31,8 @@ def read_checkpoint_config(path: str | Path) -> dict:
 def iter_checkpoint_tensors(path: str | Path, config: dict) -> Iterator[tuple[str, np.ndarray]]:
     """`(hf_name, array)` pairs of a GGUF file (float32) or an HF model directory (stored dtype)."""
     return iter_gguf_tensors(path, config) if is_gguf(path) else iter_safetensors(path)
+
+
+def open_checkpoint(path: str | Path, config: dict) -> TensorSource:
+    """Random access to the tensors of a GGUF file or an HF model directory (see tensor_source)."""
+    return GgufSource(path, config) if is_gguf(path) else SafetensorsSource(path)

@@ -15,13 +15,24 @@ on accelerators (`rope_and_write_kv`). Which attention runs is the model's `Kern
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from jaxinfer.batch import MAX_PREFILL_CHUNKS, RaggedBatch
 from jaxinfer.kernels import Kernels
-from pallas_kernels.rope_kv_write import gpu_supports, rope_kv_write_gpu, rope_kv_write_reference, rope_kv_write_tpu, tpu_supports
 from pallas_kernels.ragged_paged_attention import split_kv
+from pallas_kernels.rope_kv_write import (
+    apply_rope,
+    gpu_supports,
+    rope_kv_write_gpu,
+    rope_kv_write_reference,
+    rope_kv_write_tpu,
+    tpu_supports,
+)
+from sharding.mesh import ParallelConfig
+from sharding.ring_attention import merge_partials, ring_attention
 
 # KV tokens per work item: decodes (one query row per block) do best with short items, query
 # blocks of a prefill chunk with longer ones (measured on the CPU, scripts/bench_step.py).
@@ -106,28 +117,43 @@ def write_kv_and_attend(
     sliding_window: int | None,
     query_block: int,
     kernels: Kernels = Kernels(),
+    parallel: ParallelConfig = ParallelConfig(),
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Returns (attention output [T, Hq, D], k_pages, v_pages).
+
+    With sequence parallelism (parallel.sp > 1) q, k and v are this device's block of the step's
+    rows ([T / sp, ...]) and the rest is every row's: see `attend_sequence_parallel`.
 
     The caches keep one shape from the write to the read (and through the layer loop), so XLA
     updates them in place; mixing shapes of one buffer makes it copy the whole pool.
     """
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, query_block=query_block, kernels=kernels)
+    if parallel.sp > 1:
+        return attend_sequence_parallel(q, k, v, cos, sin, k_pages, v_pages, layer_page_offset, write_page, write_offset,
+                                        batch, mode=parallel.sp_attention, **options)
     q, k, k_pages, v_pages = rope_and_write_kv(
         q, k, v, cos, sin, k_pages, v_pages, layer_page_offset + write_page, write_offset, kernels
     )
+    return paged_attention(q, k, v, k_pages, v_pages, layer_page_offset, batch, **options), k_pages, v_pages
+
+
+def paged_attention(q, k, v, k_pages, v_pages, layer_page_offset, batch: RaggedBatch, *, sm_scale, sliding_window,
+                    query_block: int, kernels: Kernels = Kernels()) -> jax.Array:
+    """Attention of this step's queries q [T, Hq, D] (rotated; K/V already in the pages) over one
+    layer's pages; k, v [T, Hkv, D] are this step's own rotated keys and values (flash attention
+    of a fresh prefill reads them instead of the pages). [T, Hq, D]."""
     if kernels.pallas:
-        out = _pallas_attention(kernels, q, k, v, k_pages, v_pages, batch.page_table + layer_page_offset, batch,
-                                sm_scale=sm_scale, sliding_window=sliding_window, query_block=query_block)
-        return out, k_pages, v_pages
+        return _pallas_attention(kernels, q, k, v, k_pages, v_pages, batch.page_table + layer_page_offset, batch,
+                                 sm_scale=sm_scale, sliding_window=sliding_window, query_block=query_block)
     page_size = k_pages.shape[1]
     T, S = q.shape[0], batch.kv_lens.shape[0]
-    attend = lambda query_block, kv_tokens, items, **kw: split_kv.ragged_paged_attention(
+    attend = lambda query_block, kv_tokens, items, **kw: split_kv.ragged_paged_attention(  # noqa: E731
         q, k_pages, v_pages, batch.kv_lens, batch.page_table + layer_page_offset, batch.cu_q_lens, batch.num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, num_queries_per_block=query_block,
         num_kv_pages_per_block=max(1, kv_tokens // page_size), items_per_step=items, **kw,
     )
     if query_block == 1:  # a decode bucket: every sequence has one query
-        return attend(1, DECODE_KV_TOKENS_PER_ITEM, 16), k_pages, v_pages
+        return attend(1, DECODE_KV_TOKENS_PER_ITEM, 16)
     # Otherwise two passes over disjoint sequences: the one-token ones with query blocks of 1, the
     # (at most MAX_PREFILL_CHUNKS) prefill chunks with large query blocks. Rows a pass does not
     # serve come out as zeros, so the sum is the answer.
@@ -137,4 +163,88 @@ def write_kv_and_attend(
         query_block, PREFILL_KV_TOKENS_PER_ITEM, 8,
         seq_mask=q_lens > 1, max_query_blocks=min(T, -(-T // query_block) + min(S, MAX_PREFILL_CHUNKS)),
     )
-    return decodes + chunks, k_pages, v_pages
+    return decodes + chunks
+
+
+# ----------------------------------------------------------------------------- sequence parallelism
+def local_view(batch: RaggedBatch, first_row, num_rows: int) -> RaggedBatch:
+    """The rows first_row : first_row + num_rows of a ragged batch as a ragged batch of their own.
+
+    Each sequence keeps the part of its queries that falls in the rows (maybe none), and its
+    kv_lens becomes the length after its last query there, so query i of the part still sits at
+    kv_lens - q_len + i: every attention implementation runs unchanged on it.
+    """
+    cu = batch.cu_q_lens
+    q_lens = cu[1:] - cu[:-1]
+    end_in_rows = jnp.clip(first_row + num_rows - cu[:-1], 0, q_lens)  # [S]: how many of its queries end before the rows' end
+    local_rows = lambda a: jax.lax.dynamic_slice_in_dim(a, first_row, num_rows)  # noqa: E731
+    return dataclasses.replace(
+        batch,
+        token_ids=local_rows(batch.token_ids),
+        positions=local_rows(batch.positions),
+        token_src=local_rows(batch.token_src),
+        cu_q_lens=jnp.clip(cu - first_row, 0, num_rows),
+        kv_lens=batch.kv_lens - q_lens + end_in_rows,
+    )
+
+
+def attend_sequence_parallel(q, k, v, cos, sin, k_pages, v_pages, layer_page_offset, write_page, write_offset,
+                             batch: RaggedBatch, *, mode: str, sm_scale, sliding_window, query_block: int,
+                             kernels: Kernels = Kernels()):
+    """Attention with the step's rows split over the mesh axis "sequence" (sp devices).
+
+    q [Tl, Hq, D], k / v [Tl, Hkv, D]: this device's block of rows (before RoPE); cos / sin /
+    write_page / write_offset [T] and the batch: every row's (T = sp * Tl). The KV cache is
+    replicated over the axis, so every device writes all T rows' K/V into its pages and later
+    steps (decodes) need nothing special. Two ways to get the other devices' K/V:
+
+    - "allgather": all-gather K and V, write them, then run the usual paged attention for this
+      device's queries (their `local_view` of the batch): the kernels apply unchanged;
+    - "ring" (ring attention): the K/V blocks travel around the ring (`sharding.ring_attention`);
+      at each hop a device writes the block it holds into its pages and attends its queries to
+      it with an online softmax, never holding more than two blocks; the cached part of each
+      sequence (earlier steps) is one more partial, from the pages (split-KV, `kv_end`), merged
+      in. Both give the same result; the ring overlaps communication with compute.
+    Returns (out [Tl, Hq, D], k_pages, v_pages).
+    """
+    sp = jax.lax.axis_size("sequence")
+    Tl = q.shape[0]
+    first_row = jax.lax.axis_index("sequence") * Tl
+    mine = lambda a: jax.lax.dynamic_slice_in_dim(a, first_row, Tl)  # noqa: E731  (this device's rows of a [T, ...] array)
+    q, k = apply_rope(q, mine(cos), mine(sin)), apply_rope(k, mine(cos), mine(sin))
+    pages = layer_page_offset + write_page
+    view = local_view(batch, first_row, Tl)
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window)
+
+    if mode == "allgather":
+        k_all = jax.lax.all_gather(k, "sequence", axis=0, tiled=True)  # [T, Hkv, D]
+        v_all = jax.lax.all_gather(v, "sequence", axis=0, tiled=True)
+        k_pages = k_pages.at[pages, write_offset].set(k_all.astype(k_pages.dtype))
+        v_pages = v_pages.at[pages, write_offset].set(v_all.astype(v_pages.dtype))
+        out = paged_attention(q, k, v, k_pages, v_pages, layer_page_offset, view, query_block=query_block,
+                              kernels=kernels, **options)
+        return out, k_pages, v_pages
+
+    T = Tl * sp
+    S = batch.kv_lens.shape[0]
+    q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
+    seq_all = jnp.minimum(jnp.searchsorted(batch.cu_q_lens[1:], jnp.arange(T), side="right"), S - 1)  # [T]
+    valid_all = jnp.arange(T) < batch.cu_q_lens[batch.num_seqs[0]]
+    cached_out, cached_lse = split_kv.ragged_paged_attention(  # earlier steps' K/V, from the pages
+        q, k_pages, v_pages, view.kv_lens, view.page_table + layer_page_offset, view.cu_q_lens, view.num_seqs,
+        kv_end=batch.kv_lens - q_lens, return_lse=True, num_queries_per_block=query_block,
+        num_kv_pages_per_block=max(1, PREFILL_KV_TOKENS_PER_ITEM // k_pages.shape[1]), **options,
+    )
+
+    def write_block(pools, k_block, v_block, origin):
+        rows = origin * Tl + jnp.arange(Tl)
+        k_pool, v_pool = pools
+        return (k_pool.at[pages[rows], write_offset[rows]].set(k_block.astype(k_pool.dtype)),
+                v_pool.at[pages[rows], write_offset[rows]].set(v_block.astype(v_pool.dtype)))
+
+    ring_out, ring_lse, (k_pages, v_pages) = ring_attention(
+        q, k, v, mine(seq_all), mine(batch.positions), mine(valid_all), seq_all, batch.positions, valid_all,
+        axis_name="sequence", axis_size=sp, carry=(k_pages, v_pages), on_block=write_block, **options,
+    )
+    out, _ = merge_partials(cached_out, cached_lse, ring_out, ring_lse)
+    return out.astype(q.dtype), k_pages, v_pages

@@ -100,19 +100,25 @@ class Buckets:
     prefill_query_block: int = 64
 
     @staticmethod
-    def default(max_num_batched_tokens: int, max_num_seqs: int, pages_per_seq: int) -> "Buckets":
-        """Token buckets 2, 4, 8, ... up to max_num_batched_tokens.
+    def default(max_num_batched_tokens: int, max_num_seqs: int, pages_per_seq: int, token_multiple: int = 1) -> "Buckets":
+        """Token buckets 2, 4, 8, ... up to max_num_batched_tokens, each rounded up to a multiple of
+        `token_multiple` (sequence parallelism splits a step's tokens evenly over that many devices).
 
         There is no 1-token bucket: with one token, XLA:CPU turned the KV scatter into a
         dynamic-update-slice and copied the whole page pool each layer (seen with small
         max_model_len); one padding token avoids that at no measurable cost.
         """
+        if max_num_batched_tokens % token_multiple:
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens} must be a multiple of {token_multiple} "
+                f"(the sequence-parallel size splits every step's tokens evenly)"
+            )
         sizes, t = [], 2
         while t < max_num_batched_tokens:
-            sizes.append(t)
+            sizes.append(-(-t // token_multiple) * token_multiple)
             t *= 2
         sizes.append(max_num_batched_tokens)
-        return Buckets(tuple(sizes), max_num_seqs, pages_per_seq)
+        return Buckets(tuple(sorted(set(sizes))), max_num_seqs, pages_per_seq)
 
     @property
     def max_tokens(self) -> int:
@@ -133,10 +139,14 @@ class Buckets:
         S = self.max_num_seqs if T == self.max_tokens else max(1, T // 4)
         return min(S, T, self.max_num_seqs), min(self.prefill_query_block, T)
 
-    def key_for(self, num_tokens: int, num_seqs: int, num_logits: int) -> BucketKey:
+    def key_for(self, num_tokens: int, num_seqs: int, num_logits: int, decode: bool | None = None) -> BucketKey:
+        """The smallest bucket for a batch of these sizes. `decode`: every sequence contributes one
+        token (default: num_tokens == num_seqs); several replicas' batches share one bucket, so
+        the runner passes their largest sizes and whether all of them decode."""
         if num_seqs > self.max_num_seqs:
             raise ValueError(f"{num_seqs} sequences exceed max_num_seqs={self.max_num_seqs}")
-        kind = "decode" if num_tokens == num_seqs else "prefill" if num_seqs <= self.few_seqs else "mixed"
+        decode = num_tokens == num_seqs if decode is None else decode
+        kind = "decode" if decode else "prefill" if num_seqs <= self.few_seqs else "mixed"
         T = self.round_up(max(num_tokens, 1))
         while num_seqs > self._kind(T, kind)[0]:
             T = self.round_up(T + 1)
@@ -158,8 +168,24 @@ class Buckets:
         return keys
 
 
-def pack_batch(chunks: Sequence[SequenceChunk], buckets: Buckets, page_size: int) -> tuple[BucketKey, RaggedBatch, list[list[int]]]:
-    """Flattens chunks into a padded RaggedBatch (numpy arrays).
+def shared_key(replica_chunks: Sequence[Sequence[SequenceChunk]], buckets: Buckets) -> BucketKey:
+    """The one bucket that holds every replica's chunks (each replica's batch is padded to it)."""
+    sizes = [(sum(len(c.token_ids) for c in chunks), len(chunks), sum(len(c.logits_rows) for c in chunks))
+             for chunks in replica_chunks]
+    decode = all(all(len(c.token_ids) == 1 for c in chunks) for chunks in replica_chunks)
+    return buckets.key_for(*(max(size[i] for size in sizes) for i in range(3)), decode=decode)
+
+
+def stack_replicas(batches: Sequence[RaggedBatch]) -> RaggedBatch:
+    """Per-replica batches of one bucket -> one batch whose arrays lead with a [replicas] axis."""
+    return jax.tree.map(lambda *a: np.stack(a), *batches)
+
+
+def pack_batch(
+    chunks: Sequence[SequenceChunk], buckets: Buckets, page_size: int, key: BucketKey | None = None
+) -> tuple[BucketKey, RaggedBatch, list[list[int]]]:
+    """Flattens chunks into a padded RaggedBatch (numpy arrays), in the bucket `key` (default:
+    the smallest that holds them).
 
     Returns the bucket key, the batch, and for each chunk the indices (into the R logits rows)
     of its requested logits rows, in the order of `chunk.logits_rows`.
@@ -169,8 +195,10 @@ def pack_batch(chunks: Sequence[SequenceChunk], buckets: Buckets, page_size: int
     num_prefill_chunks = sum(len(c.token_ids) > 1 for c in chunks)
     if num_prefill_chunks > MAX_PREFILL_CHUNKS:
         raise ValueError(f"{num_prefill_chunks} multi-token chunks in one step; at most {MAX_PREFILL_CHUNKS} are allowed")
-    key = buckets.key_for(num_tokens, len(chunks), num_logits)
+    key = key or buckets.key_for(num_tokens, len(chunks), num_logits)
     T, S, R = key.num_tokens, key.num_seqs, key.num_logits
+    if num_tokens > T or len(chunks) > S or num_logits > R or (key.query_block == 1 and num_tokens != len(chunks)):
+        raise ValueError(f"{len(chunks)} chunks of {num_tokens} tokens and {num_logits} logits rows do not fit bucket {key}")
 
     token_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)

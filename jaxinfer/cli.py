@@ -1,4 +1,13 @@
-"""`jaxinfer generate | chat | convert`."""
+"""`jaxinfer generate | chat | convert`.
+
+Parallel runs: `--tensor-parallel-size/-tp`, `--data-parallel-size/-dp`,
+`--sequence-parallel-size/-sp`, `--expert-parallel-size/-ep` (or `--enable-expert-parallel`)
+lay the model out on a mesh of every process's devices. On several hosts every process runs the
+same command with `--coordinator HOST:PORT --num-processes N --process-id I` (or the
+JAXINFER_COORDINATOR / JAXINFER_NUM_PROCESSES / JAXINFER_PROCESS_ID environment, which
+`scripts/launch_multihost.py` sets), or `--multihost` alone where JAX finds the hosts itself
+(TPU VMs, SLURM). Only process 0 prints.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +23,41 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    par = p.add_argument_group("parallelism (a device mesh over every process's devices)")
+    par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="Megatron sharding of heads and MLP")
+    par.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="independent replicas, requests balanced")
+    par.add_argument("--sequence-parallel-size", "-sp", type=int, default=1, help="a step's tokens split (long prefills)")
+    par.add_argument("--sequence-parallel-attention", choices=("allgather", "ring"), default="allgather")
+    par.add_argument("--expert-parallel-size", "-ep", type=int, default=None, help="MoE experts split over devices")
+    par.add_argument("--enable-expert-parallel", action="store_true",
+                     help="as in vLLM: the data-parallel replicas split the experts (ep = dp)")
+    _add_distributed_args(p)
+
+
+def _add_distributed_args(p: argparse.ArgumentParser) -> None:
+    d = p.add_argument_group("multi-host: every process runs the same command")
+    d.add_argument("--coordinator", default=None, help="HOST:PORT of process 0's coordinator (env JAXINFER_COORDINATOR)")
+    d.add_argument("--num-processes", type=int, default=None, help="env JAXINFER_NUM_PROCESSES")
+    d.add_argument("--process-id", type=int, default=None, help="env JAXINFER_PROCESS_ID")
+    d.add_argument("--multihost", action="store_true", help="join a multi-process run JAX discovers itself (TPU VMs, SLURM)")
+
+
+def _maybe_initialize_distributed(args) -> None:
+    """jax.distributed.initialize when flags or the environment ask for a multi-process run."""
+    import os
+
+    from sharding.mesh import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, initialize_distributed
+
+    given = (getattr(args, "coordinator", None), getattr(args, "num_processes", None), getattr(args, "process_id", None))
+    from_env = any(os.environ.get(v) for v in (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID))
+    if getattr(args, "multihost", False) or from_env or any(v is not None for v in given):
+        initialize_distributed(*given)
+
+
+def _is_main_process() -> bool:
+    import jax
+
+    return jax.process_index() == 0
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -30,6 +74,10 @@ def _llm(args):
     return LLM(
         args.model, dtype=args.dtype, max_model_len=args.max_model_len, page_size=args.page_size,
         num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+        sequence_parallel_size=args.sequence_parallel_size, expert_parallel_size=args.expert_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel, sequence_parallel_attention=args.sequence_parallel_attention,
+        progress=_is_main_process(),
     )
 
 
@@ -52,9 +100,11 @@ def cmd_generate(args) -> int:
     llm = _llm(args)
     params = _sampling(args)
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=_is_main_process())
     else:
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(prompts, params, use_tqdm=_is_main_process())
+    if not _is_main_process():
+        return 0
     for prompt, out in zip(prompts, outputs):
         if len(prompts) > 1:
             print(f"### {prompt}")
@@ -118,6 +168,7 @@ def main(argv=None) -> int:
 
     args = parser.parse_args(argv)
     try:
+        _maybe_initialize_distributed(args)
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)

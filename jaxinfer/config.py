@@ -12,6 +12,14 @@ Supported families and what distinguishes them:
 | mistral    | no        | no     | no          | sliding_window                          |
 | qwen2      | yes       | no     | no          | Qwen2 / 2.5; optional sliding window    |
 | qwen3      | attention_bias | attention_bias | yes | explicit head_dim                  |
+| mixtral    | no        | no     | no          | MoE: num_local_experts, top-k renormalised |
+| qwen2_moe  | qkv_bias (yes) | no | no          | MoE + a shared expert behind a sigmoid gate |
+| qwen3_moe  | attention_bias | attention_bias | yes | MoE                                |
+
+Mixture-of-experts models replace every layer's MLP by `num_experts` SwiGLU experts of width
+`moe_intermediate_size`; a router picks `num_experts_per_tok` of them per token (softmax over all
+experts, top-k, renormalised over the k when `norm_topk_prob`). Configs that mix dense and
+sparse layers (`decoder_sparse_step` > 1, `mlp_only_layers`) are refused.
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ import json
 import os
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
 _ARCHITECTURE_TO_MODEL_TYPE = {
@@ -29,6 +38,9 @@ _ARCHITECTURE_TO_MODEL_TYPE = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -70,6 +82,16 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # mixture of experts (num_experts == 0: a dense SwiGLU MLP of intermediate_size)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's width
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
+    norm_topk_prob: bool = False  # renormalise the k routing weights to sum to 1
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def q_per_kv(self) -> int:
@@ -111,11 +133,14 @@ class ModelConfig:
 
         rope_theta, rope_scaling = _parse_rope(d, source)
         attention_bias = bool(d.get("attention_bias", False))
-        qkv_bias = {"qwen2": True, "mistral": False}.get(model_type, attention_bias)
-        o_bias = attention_bias if model_type in ("llama", "qwen3") else False
+        qkv_bias = {"qwen2": True, "mistral": False, "mixtral": False, "qwen2_moe": bool(d.get("qkv_bias", True))}.get(
+            model_type, attention_bias
+        )
+        o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_moe") else False
+        moe = _parse_moe(d, model_type, source) if model_type in MOE_MODEL_TYPES else {}
 
         sliding_window = d.get("sliding_window")
-        if model_type in ("qwen2", "qwen3"):
+        if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             layer_types = d.get("layer_types")
             if layer_types is not None:
                 kinds = set(layer_types)
@@ -147,10 +172,11 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=int(sliding_window) if sliding_window else None,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            **moe,
         )
 
     @classmethod
@@ -196,7 +222,48 @@ class ModelConfig:
         if self.sliding_window:
             d["sliding_window"] = self.sliding_window
             d["use_sliding_window"] = True
+        if self.model_type == "qwen2_moe":
+            d["qkv_bias"] = self.qkv_bias
+        if self.is_moe:
+            d.update(
+                num_experts=self.num_experts,
+                num_local_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+            )
+            if self.model_type == "mixtral":
+                d["intermediate_size"] = self.moe_intermediate_size
         return d
+
+
+def _parse_moe(d: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json."""
+    num_experts = d.get("num_local_experts") if model_type == "mixtral" else d.get("num_experts", d.get("num_local_experts"))
+    top_k = d.get("num_experts_per_tok")
+    if not num_experts or not top_k:
+        raise ConfigError(f"{source}: a {model_type} model needs num_experts (num_local_experts) and num_experts_per_tok")
+    if not 0 < int(top_k) <= int(num_experts):
+        raise ConfigError(f"{source}: num_experts_per_tok={top_k} must be in [1, {num_experts}]")
+    if int(d.get("decoder_sparse_step", 1)) != 1 or d.get("mlp_only_layers"):
+        raise ConfigError(
+            f"{source}: decoder_sparse_step={d.get('decoder_sparse_step')} / mlp_only_layers={d.get('mlp_only_layers')}: "
+            "models mixing dense and mixture-of-experts layers are not supported (every layer must be sparse)"
+        )
+    if model_type == "mixtral":
+        return dict(num_experts=int(num_experts), num_experts_per_tok=int(top_k),
+                    moe_intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True)
+    width = d.get("moe_intermediate_size")
+    if not width:
+        raise ConfigError(f"{source} is missing required field 'moe_intermediate_size' (model_type={model_type})")
+    return dict(
+        num_experts=int(num_experts),
+        num_experts_per_tok=int(top_k),
+        moe_intermediate_size=int(width),
+        shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0,
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+    )
 
 
 def _parse_rope(d: dict[str, Any], source: str) -> tuple[float, RopeScaling]:

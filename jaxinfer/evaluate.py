@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.batch import Buckets, SequenceChunk, pack_batch
+from jaxinfer.batch import Buckets, SequenceChunk, pack_batch, stack_replicas
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.step import StepFunction
@@ -33,8 +33,8 @@ def prompt_log_softmax(
     )
     kv = KVCache.create(config, num_pages + 1, page_size)  # page 0 is the scratch page
     step = StepFunction(graphdef, num_top_logprobs=0)
-    logits, _ = step.forward(params, kv, jax.tree.map(jnp.asarray, batch), query_block=key.query_block)
-    return np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)[rows[0]]
+    logits, _ = step.forward(params, kv, step.place_inputs(stack_replicas([batch])), query_block=key.query_block)
+    return np.asarray(jax.nn.log_softmax(logits[0], axis=-1), np.float64)[rows[0]]
 
 
 def perplexity(config: ModelConfig, graphdef: nnx.GraphDef, params: nnx.State, token_ids: list[int]) -> float:

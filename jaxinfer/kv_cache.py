@@ -33,9 +33,16 @@ class KVCache:
     v: jax.Array  # [L, P, page_size, Hkv, D]
 
     @staticmethod
-    def create(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> "KVCache":
-        shape = (config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim)
-        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    def create(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, *, tp: int = 1,
+               sharding=None) -> "KVCache":
+        """Zeroed pages. With tensor parallelism the cache holds the KV heads the tp layout stores
+        (param_layout.num_kv_heads_stored: replicated when there are fewer than tp). `sharding`
+        (a jax Sharding for k and v) places each device's part directly, nothing whole anywhere."""
+        from jaxinfer.models.param_layout import num_kv_heads_stored
+
+        shape = (config.num_layers, num_pages, page_size, num_kv_heads_stored(config, tp), config.head_dim)
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+        return KVCache(k=zeros(), v=zeros())
 
     @property
     def num_pages(self) -> int:

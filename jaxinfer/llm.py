@@ -17,10 +17,13 @@ from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.kernels import resolve_kernels
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.loading import load_params, read_config, resolve_model
+from jaxinfer.models.param_layout import num_kv_heads_stored
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.quantization import INT4_GROUP_SIZES, MODES, quantize_model
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.step import kv_partition_spec, param_partition_specs, put_global
 from jaxinfer.tokenizer import cache_root, load_tokenizer
+from sharding.mesh import ParallelConfig, ShardingError, make_mesh
 
 if TYPE_CHECKING:
     from jaxinfer.beam_search import BeamSearchParams
@@ -53,6 +56,31 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> None:
     jax.config.update("jax_compilation_cache_dir", str(path or cache_root() / "xla"))
 
 
+def _parallel_config(tp, dp, sp, ep, enable_expert_parallel, sp_attention, config) -> ParallelConfig:
+    """The mesh sizes from LLM's vLLM-style arguments, checked against the model."""
+    if ep is None:
+        ep, dp = (dp, 1) if enable_expert_parallel else (1, dp)
+    if ep > 1 and not config.is_moe:
+        raise ShardingError(f"expert parallelism (size {ep}) needs a mixture-of-experts model; {config.model_type} has no experts")
+    parallel = ParallelConfig(dp=dp, tp=tp, sp=sp, ep=ep, sp_attention=sp_attention)
+    parallel.check_model(config)
+    return parallel
+
+
+def _check_quantized_split(config, tp: int, mode: str, group_size: int) -> None:
+    """int4 groups run along a weight's input dim: a row-parallel weight (o, down, LM head) split
+    over tp shards needs each shard's rows to be whole groups."""
+    if tp == 1 or mode != "int4":
+        return
+    for what, rows in (("o_proj", config.num_heads * config.head_dim), ("down_proj", config.intermediate_size),
+                       ("lm_head", config.hidden_size)):
+        if (rows // tp) % group_size:
+            raise ShardingError(
+                f"quantization='int4' with tensor_parallel_size={tp}: {what} has {rows} input rows, {rows // tp} per shard, "
+                f"not a multiple of quantization_group_size={group_size}; use int8 / fp8 or a smaller group size"
+            )
+
+
 class LLM:
     """An LLM with its paged KV cache, ready to generate.
 
@@ -73,8 +101,20 @@ class LLM:
         "pallas-tpu" / "pallas-gpu" to pick a platform's kernels (interpret mode elsewhere). Covers
         attention and the quantized matmul; see jaxinfer.kernels.
       max_model_len: longest prompt + output (default: the model's max_position_embeddings).
-      page_size: tokens per KV page. num_pages: pages in the pool (default: what fits in
-        kv_cache_memory_bytes, 1 GiB unless given).
+      page_size: tokens per KV page. num_pages: pages in each replica's pool (default: what fits
+        in kv_cache_memory_bytes per replica, 1 GiB unless given; with tensor parallelism each
+        device holds 1 / tp of it).
+      tensor_parallel_size / data_parallel_size / sequence_parallel_size / expert_parallel_size:
+        the device mesh (sharding.mesh; vLLM's names where vLLM has them). Tensor: Megatron
+        sharding of heads and MLP. Data: independent replicas, each with its own KV pages, the
+        requests balanced over them. Sequence: a step's tokens split over devices (long
+        prefills), `sequence_parallel_attention` "allgather" or "ring". Expert (MoE models):
+        experts split over devices, tokens dispatched with all_to_all; the expert axis is also
+        data parallel for attention. `enable_expert_parallel=True` without an
+        expert_parallel_size turns the data-parallel replicas into expert-parallel ones, as in
+        vLLM (ep = data_parallel_size). The mesh spans every process's devices (call
+        `sharding.mesh.initialize_distributed` first on several hosts; every process then runs
+        the same `LLM` calls in lockstep).
       max_num_batched_tokens / max_num_seqs: per-step token and sequence budgets; the token
         budget is also the largest shape bucket.
       enable_prefix_caching: share the KV pages of common prompt prefixes (on by default).
@@ -109,6 +149,12 @@ class LLM:
         warmup: bool = False,
         progress: bool = True,
         compilation_cache_dir: str | os.PathLike | None = None,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        sequence_parallel_size: int = 1,
+        expert_parallel_size: int | None = None,
+        enable_expert_parallel: bool = False,
+        sequence_parallel_attention: str = "allgather",
     ):
         enable_compilation_cache(compilation_cache_dir)
         t0 = time.perf_counter()
@@ -132,6 +178,11 @@ class LLM:
             raise ValueError(f"quantization_group_size={quantization_group_size!r}: expected one of {INT4_GROUP_SIZES}")
         self.quantization = quantization
         self.kernels = resolve_kernels(attention_impl)
+        self.parallel = parallel = _parallel_config(
+            tensor_parallel_size, data_parallel_size, sequence_parallel_size, expert_parallel_size,
+            enable_expert_parallel, sequence_parallel_attention, config,
+        )
+        self.mesh = make_mesh(parallel)
 
         if max_model_len is None:
             max_model_len = config.max_position_embeddings
@@ -144,9 +195,9 @@ class LLM:
             raise ValueError(f"page_size={page_size} must be >= 1")
         self.max_model_len = max_model_len
         pages_per_seq = -(-max_model_len // page_size)
-        if num_pages is None:
+        if num_pages is None:  # per replica
             itemsize = jnp.dtype(self.kv_cache_dtype).itemsize
-            page_bytes = 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * itemsize
+            page_bytes = 2 * config.num_layers * page_size * num_kv_heads_stored(config, parallel.tp) * config.head_dim * itemsize
             num_pages = max(2, min(kv_cache_memory_bytes // page_bytes, max_num_seqs * pages_per_seq + 1))
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages}: need at least 2 (page 0 is the scratch page)")
@@ -154,13 +205,20 @@ class LLM:
 
         self.tokenizer = load_tokenizer(self.source)
         graphdef, params = load_params(
-            self.source, config, self.param_dtype, self.compute_dtype, kernels=self.kernels, progress=progress
+            self.source, config, self.param_dtype, self.compute_dtype, kernels=self.kernels, parallel=parallel,
+            mesh=self.mesh, progress=progress,
         )
         if quantization is not None:
+            _check_quantized_split(config, parallel.tp, quantization, quantization_group_size)
             graphdef, params = quantize_model(graphdef, params, quantization, quantization_group_size)
-        kv = KVCache.create(config, num_pages, page_size, self.kv_cache_dtype)
-        self.buckets = Buckets.default(max_num_batched_tokens, max_num_seqs, pages_per_seq)
-        self.runner = ModelRunner(graphdef, params, kv, self.buckets, num_top_logprobs=max_logprobs)
+        param_specs = param_partition_specs(params, config)
+        params = put_global(params, param_specs, self.mesh)  # quantized weights: onto their shards
+        kv_sharding = jax.sharding.NamedSharding(self.mesh, kv_partition_spec().k)
+        kv = KVCache.create(config, num_pages * parallel.num_replicas, page_size, self.kv_cache_dtype, tp=parallel.tp,
+                            sharding=kv_sharding)
+        self.buckets = Buckets.default(max_num_batched_tokens, max_num_seqs, pages_per_seq, token_multiple=parallel.sp)
+        self.runner = ModelRunner(graphdef, params, kv, self.buckets, num_top_logprobs=max_logprobs, mesh=self.mesh,
+                                  param_specs=param_specs)
         eos = set(config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

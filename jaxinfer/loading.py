@@ -6,8 +6,10 @@ A model reference is one of:
 - a Hugging Face folder (config.json + *.safetensors);
 - a folder written by `jaxinfer convert` (jaxinfer.json + config.json + orbax params + tokenizer).
 
-Weights are read tensor by tensor by `checkpoints_conv`, cast to the parameter dtype, and placed
-on the device one array at a time.
+Weights are read by `checkpoints_conv` and placed on the devices of the mesh with each
+parameter's sharding (`sharding.rules`): every process reads from the safetensors only the slices
+its devices hold. Converted folders hold the tensor-parallel degree 1 layout and are restored
+onto any mesh (fused parameters are re-laid out for the mesh's tensor-parallel degree).
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ from flax import nnx
 import checkpoints_conv
 from jaxinfer.config import ModelConfig
 from jaxinfer.kernels import Kernels
-from jaxinfer.models.llama import LlamaForCausalLM, flat_to_nested, nested_to_flat, param_parts, param_shapes
+from jaxinfer.models.llama import LlamaForCausalLM, flat_to_nested, nested_to_flat
+from jaxinfer.models.param_layout import loader_spec, param_axes, param_shapes, relayout_indices
+from sharding import rules
+from sharding.mesh import ParallelConfig, make_mesh
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTED_MARKER = "jaxinfer.json"
@@ -88,32 +93,77 @@ def read_config(source: ModelSource) -> ModelConfig:
     return ModelConfig.from_hf_dict(hf, source=str(source.path / "config.json"))
 
 
-def abstract_model(config: ModelConfig, param_dtype, compute_dtype, kernels: Kernels = Kernels()) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(
+    config: ModelConfig, param_dtype, compute_dtype, kernels: Kernels = Kernels(), parallel: ParallelConfig = ParallelConfig()
+) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's structure and a State of ShapeDtypeStructs (no memory allocated)."""
     model = nnx.eval_shape(
-        lambda: LlamaForCausalLM(config, param_dtype=param_dtype, compute_dtype=compute_dtype, kernels=kernels, rngs=nnx.Rngs(0))
+        lambda: LlamaForCausalLM(config, param_dtype=param_dtype, compute_dtype=compute_dtype, kernels=kernels,
+                                 parallel=parallel, rngs=nnx.Rngs(0))
     )
     return nnx.split(model)
 
 
+def param_shardings(config: ModelConfig, mesh, tp: int | None = None) -> dict:
+    """Flat param name -> NamedSharding on `mesh` (tp: the layout's degree, default the mesh's).
+    An axis that does not divide evenly (a tp = 1 layout restored onto a bigger mesh) is left whole."""
+    tp = mesh.shape["tensor"] if tp is None else tp
+    shapes = param_shapes(config, tp)
+    out = {}
+    for name, spec in rules.param_specs(param_axes(config)).items():
+        fits = [axis if axis is None or shapes[name][i] % _axis_size(mesh, axis) == 0 else None for i, axis in enumerate(spec)]
+        out[name] = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*fits))
+    return out
+
+
+def _axis_size(mesh, axis) -> int:
+    names = axis if isinstance(axis, tuple) else (axis,)
+    return int(np.prod([mesh.shape[n] for n in names]))
+
+
 def load_params(
-    source: ModelSource, config: ModelConfig, param_dtype, compute_dtype, *, kernels: Kernels = Kernels(), progress: bool = True
+    source: ModelSource, config: ModelConfig, param_dtype, compute_dtype, *, kernels: Kernels = Kernels(),
+    parallel: ParallelConfig = ParallelConfig(), mesh=None, progress: bool = True,
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    graphdef, state = abstract_model(config, param_dtype, compute_dtype, kernels)
+    """The model's structure and its parameters, placed on `mesh` (default: one device) with the
+    shardings of `sharding.rules` in the tensor-parallel layout of `parallel.tp`."""
+    mesh = mesh if mesh is not None else make_mesh(ParallelConfig(), jax.devices()[:1])
+    parallel.check_model(config)
+    graphdef, state = abstract_model(config, param_dtype, compute_dtype, kernels, parallel)
+    shardings = param_shardings(config, mesh, parallel.tp)
     if source.kind == "orbax":
         check_converted_format(source.path)
-        abstract = nnx.to_pure_dict(state)
-        restored = checkpoints_conv.restore_params(source.path / "params", abstract, allow_cast=True)
-        nnx.replace_by_pure_dict(state, restored)
-        return graphdef, state
-    tensors = checkpoints_conv.iter_checkpoint_tensors(source.path, checkpoints_conv.read_checkpoint_config(source.path))
-    np_dtype = np.dtype(jnp.dtype(param_dtype))
-    parts = param_parts(config)
-    spec = {name: (shape, np_dtype, parts.get(name, ())) for name, shape in param_shapes(config).items()}
-    flat = checkpoints_conv.load_params(tensors, spec, model_type=config.model_type, source=str(source.path), progress=progress)
-    arrays = {name: jax.device_put(a) for name, a in flat.items()}
-    nnx.replace_by_pure_dict(state, flat_to_nested(arrays))
+        flat = restore_converted(source.path / "params", config, param_dtype, mesh, parallel.tp)
+    else:
+        tensors = checkpoints_conv.open_checkpoint(source.path, checkpoints_conv.read_checkpoint_config(source.path))
+        spec = loader_spec(config, jnp.dtype(param_dtype), parallel.tp)
+        flat = checkpoints_conv.load_params(tensors, spec, model_type=config.model_type, source=str(source.path),
+                                            shardings=shardings, progress=progress)
+    nnx.replace_by_pure_dict(state, flat_to_nested(flat))
     return graphdef, state
+
+
+def relayout(flat: dict, config: ModelConfig, tp_from: int, tp_to: int, shardings: dict) -> dict:
+    """Fused params in the tp_from shard-major layout -> the tp_to one (a gather of columns on the
+    device, placed with `shardings`); the other params unchanged."""
+    out = dict(flat)
+    for name, idx in relayout_indices(config, tp_from, tp_to).items():
+        if name in flat:
+            take = jax.jit(lambda a, i: jnp.take(a, i, axis=-1), out_shardings=shardings[name])
+            out[name] = take(flat[name], idx)
+    return out
+
+
+def restore_converted(path: Path, config: ModelConfig, param_dtype, mesh, tp: int) -> dict:
+    """Params saved by `save_converted` (tp = 1 layout) -> flat dict on `mesh` in the tp layout.
+    Each process reads its devices' slices of the orbax checkpoint."""
+    saved_shardings = param_shardings(config, mesh, tp=1)
+    abstract = {
+        name: jax.ShapeDtypeStruct(shape, jnp.dtype(param_dtype), sharding=saved_shardings[name])
+        for name, shape in param_shapes(config, 1).items()
+    }
+    restored = nested_to_flat(checkpoints_conv.restore_params(path, flat_to_nested(abstract), allow_cast=True))
+    return relayout(restored, config, 1, tp, param_shardings(config, mesh, tp))
 
 
 def check_converted_format(path: Path) -> None:
@@ -129,14 +179,23 @@ def check_converted_format(path: Path) -> None:
         )
 
 
-def save_converted(dst: str | os.PathLike, config: ModelConfig, state: nnx.State, tokenizer, *, overwrite: bool = False) -> Path:
-    """Writes a folder `LLM(model=dst)` loads: config.json, orbax params, tokenizer, marker."""
+def save_converted(
+    dst: str | os.PathLike, config: ModelConfig, state: nnx.State, tokenizer, *, tp: int = 1, overwrite: bool = False
+) -> Path:
+    """Writes a folder `LLM(model=dst)` loads: config.json, orbax params, tokenizer, marker.
+
+    `state` may be sharded on a mesh (tp: its tensor-parallel layout); the params are saved in
+    the tp = 1 layout, each process writing its own shards, so the folder restores onto any mesh.
+    """
     dst = Path(dst).expanduser().absolute()
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
     flat = nested_to_flat(nnx.to_pure_dict(state))
+    if tp != 1:
+        mesh = next(iter(flat.values())).sharding.mesh
+        flat = relayout(flat, config, tp, 1, param_shardings(config, mesh, tp=1))
     dtypes = sorted({str(a.dtype) for a in flat.values()})
-    checkpoints_conv.save_params(dst / "params", nnx.to_pure_dict(state), overwrite=overwrite)
+    checkpoints_conv.save_params(dst / "params", flat_to_nested(flat), overwrite=overwrite)
     tokenizer.save_pretrained(dst)
     (dst / CONVERTED_MARKER).write_text(json.dumps({"format": CONVERTED_FORMAT, "param_dtypes": dtypes}, indent=2))
     return dst

@@ -2,10 +2,23 @@
 
     step(params, kv, batch, sampling, prev_tokens, query_block=...) -> (SampleOutput, token_buffer, kv)
 
-Sampled tokens stay on the device: the step also returns them padded into a fixed-size
-`token_buffer` [max_rows], and the next step takes that buffer as `prev_tokens`, reading the
-tokens its batch marks in `batch.token_src`. So the host can dispatch step N+1 before it has
-read step N's tokens.
+Every array here has a leading *replica* axis: a model runs as `num_replicas` independent
+attention replicas (data parallelism; with MoE expert parallelism the expert axis counts too),
+each with its own ragged batch, its own KV pages and its own sampled tokens. With one replica
+that axis has size 1.
+
+The step runs per device in `jax.shard_map` over the mesh (`sharding.mesh.make_mesh`; one device
+by default), with the PartitionSpecs of `sharding.rules`: parameters split over "tensor" (and
+experts over "expert"), the KV cache split on pages over the replica axes and on KV heads over
+"tensor", batch and sampling inputs split on the replica axis. Inside, each device runs the
+model on its shards (the collectives are in `jaxinfer.models.llama`), samples, and all-gathers
+the sampled tokens over the replicas, so every device (every process, on several hosts) holds
+all of them and the host reads them without a cross-host transfer.
+
+Sampled tokens stay on the device: the step also returns them padded into a per-replica
+`token_buffer` [replicas, max_rows], and the next step takes that buffer as `prev_tokens`,
+reading the tokens its batch marks in `batch.token_src`. So the host can dispatch step N+1 before
+it has read step N's tokens.
 
 `params` is the model's nnx.State (a pytree of arrays); the model's structure (its graphdef) is
 closed over. One compiled variant exists per bucket (the padded shapes of `batch` plus the static
@@ -19,35 +32,134 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.batch import RaggedBatch
 from jaxinfer.kv_cache import KVCache
+from jaxinfer.models.param_layout import param_axes
 from jaxinfer.sampling import SampleOutput, SamplingTensors, sample
+from sharding import rules
+from sharding.mesh import ParallelConfig, make_mesh
+
+
+def state_param_names(params) -> list[str]:
+    """The flat parameter name ("layers.qkv_proj") of every leaf of an nnx State, in leaf order."""
+    names = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
+        names.append(".".join(str(k) for k in keys))
+    return names
+
+
+def param_partition_specs(params, config) -> object:
+    """A tree like `params` (an nnx State, maybe holding QuantizedWeights) of PartitionSpecs."""
+    axes = param_axes(config)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    specs = []
+    for path, leaf in leaves:
+        name = ".".join(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
+        leaf_axes = axes[name]
+        field = path[-1].name if isinstance(path[-1], jax.tree_util.GetAttrKey) else None
+        if field == "scales" and leaf.ndim == len(leaf_axes) - 1:  # per-column scales: [..., N]
+            leaf_axes = leaf_axes[:-2] + leaf_axes[-1:]
+        specs.append(rules.logical_to_spec(leaf_axes))
+    return jax.tree_util.tree_unflatten(treedef, specs)
+
+
+def kv_partition_spec() -> KVCache:
+    spec = rules.logical_to_spec(rules.KV_CACHE_AXES)
+    return KVCache(k=spec, v=spec)
+
+
+def _per_replica_specs(tree):
+    """PartitionSpec of every array of a per-replica input tree (leading axis = replica)."""
+    return jax.tree.map(lambda a: rules.per_replica(np.ndim(a)), tree)
+
+
+def put_global(tree, specs, mesh: Mesh):
+    """Arrays -> jax Arrays placed with NamedSharding(mesh, spec). Host (numpy) arrays: every
+    process passes the same global values (the engine runs in lockstep on every host) and places
+    its own shards; jax Arrays are resharded on the devices."""
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def put(a, sharding):
+        if isinstance(a, jax.Array):
+            return jax.device_put(a, sharding)
+        return jax.make_array_from_callback(np.shape(a), sharding, lambda index: np.asarray(a)[index])
+
+    return jax.tree.map(put, tree, shardings)
 
 
 class StepFunction:
-    def __init__(self, graphdef: nnx.GraphDef, num_top_logprobs: int, max_rows: int = 1):
+    def __init__(self, graphdef: nnx.GraphDef, num_top_logprobs: int, max_rows: int = 1, *,
+                 mesh: Mesh | None = None, param_specs=None):
+        """`mesh` defaults to one device; `param_specs` (`param_partition_specs`) is needed with a
+        mesh of more than one device (on one device every parameter is whole)."""
         self.num_compiles = 0
-        self.max_rows = max_rows  # size of the token buffer handed from one step to the next
+        self.max_rows = max_rows  # size of each replica's token buffer handed from one step to the next
+        self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig(), jax.devices()[:1])
+        if param_specs is None and self.mesh.size > 1:
+            raise ValueError("StepFunction on a mesh of several devices needs param_specs")
+        self.param_specs = param_specs
+        self.num_replicas = rules.num_replicas(self.mesh)
+        self.kv_specs = kv_partition_spec()
+        replicas = rules.REPLICA_AXES
 
-        def step(params, kv: KVCache, batch: RaggedBatch, sampling: SamplingTensors, prev_tokens, *, query_block: int):
-            self.num_compiles += 1  # runs only while tracing, i.e. once per compiled variant
-            from_device = prev_tokens[jnp.maximum(batch.token_src, 0)]
+        def gather_replicas(x):  # [1, ...] per device -> [replicas, ...] on every device
+            return jax.lax.all_gather(x[0], replicas, axis=0, tiled=False) if self.num_replicas > 1 else x
+
+        def per_device_step(params, kv, batch, sampling, prev_tokens, query_block):
+            batch, sampling = jax.tree.map(lambda a: a[0], (batch, sampling))  # this replica's
+            from_device = prev_tokens[0][jnp.maximum(batch.token_src, 0)]
             batch = dataclasses.replace(batch, token_ids=jnp.where(batch.token_src >= 0, from_device, batch.token_ids))
             model = nnx.merge(graphdef, params)
             logits, kv = model(kv, batch, query_block=query_block)
             out = sample(logits, sampling, num_top_logprobs)
             token_buffer = jnp.zeros(max_rows, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
-            return out, token_buffer, kv
+            return jax.tree.map(lambda a: gather_replicas(a[None]), out), token_buffer[None], kv
 
-        def forward(params, kv: KVCache, batch: RaggedBatch, *, query_block: int):
-            """The raw logits [R, V] (for tests and scoring); not the serving path."""
-            model = nnx.merge(graphdef, params)
-            return model(kv, batch, query_block=query_block)
+        def per_device_forward(params, kv, batch, query_block):
+            batch = jax.tree.map(lambda a: a[0], batch)
+            logits, kv = nnx.merge(graphdef, params)(kv, batch, query_block=query_block)
+            return gather_replicas(logits[None]), kv
+
+        def step(params, kv, batch, sampling, prev_tokens, *, query_block: int):
+            self.num_compiles += 1  # runs only while tracing, i.e. once per compiled variant
+            out_specs = (jax.tree.map(lambda _: rules.replicated(), SampleOutput(0, 0, 0, 0)), rules.per_replica(2), self.kv_specs)
+            return jax.shard_map(
+                lambda *a: per_device_step(*a, query_block), mesh=self.mesh,
+                in_specs=(self._specs(params), self.kv_specs, _per_replica_specs(batch), _per_replica_specs(sampling),
+                          rules.per_replica(2)),
+                out_specs=out_specs, check_vma=False,
+            )(params, kv, batch, sampling, prev_tokens)
+
+        def forward(params, kv, batch, *, query_block: int):
+            """The raw logits [replicas, R, V] (for tests and scoring); not the serving path."""
+            return jax.shard_map(
+                lambda *a: per_device_forward(*a, query_block), mesh=self.mesh,
+                in_specs=(self._specs(params), self.kv_specs, _per_replica_specs(batch)),
+                out_specs=(rules.replicated(), self.kv_specs), check_vma=False,
+            )(params, kv, batch)
 
         self._step = jax.jit(step, donate_argnums=(1,), static_argnames=("query_block",))
-        self.forward = jax.jit(forward, donate_argnums=(1,), static_argnames=("query_block",))
+        self._forward = jax.jit(forward, donate_argnums=(1,), static_argnames=("query_block",))
+
+    def _specs(self, params):
+        if self.param_specs is None:  # one device: every parameter whole
+            return jax.tree.map(lambda _: rules.replicated(), params)
+        return self.param_specs
+
+    def place_inputs(self, tree):
+        """A tree of per-replica host arrays ([replicas, ...]: batches, sampling tensors) -> device
+        arrays split over the replicas."""
+        return put_global(tree, _per_replica_specs(tree), self.mesh)
 
     def __call__(self, params, kv, batch, sampling, prev_tokens, *, query_block: int) -> tuple[SampleOutput, jax.Array, KVCache]:
         return self._step(params, kv, batch, sampling, prev_tokens, query_block=query_block)
+
+    def forward(self, params, kv, batch, *, query_block: int):
+        return self._forward(params, kv, batch, query_block=query_block)

@@ -37,21 +37,34 @@ class ShardingError(ValueError):
     """A parallel configuration that cannot run: the message names the size at fault."""
 
 
+SP_ATTENTION_MODES = ("allgather", "ring")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """Sizes of the mesh axes: data (replicas), tensor (Megatron TP), sequence (long-prefill SP),
-    expert (MoE EP). Their product is the number of devices the mesh uses."""
+    expert (MoE EP). Their product is the number of devices the mesh uses. `sp_attention` picks how
+    sequence-parallel attention sees the other devices' keys and values: "allgather" or "ring"
+    (see jaxinfer.attention.attend_sequence_parallel)."""
 
     dp: int = 1
     tp: int = 1
     sp: int = 1
     ep: int = 1
+    sp_attention: str = "allgather"
 
     def __post_init__(self):
         for name in ("dp", "tp", "sp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ShardingError(f"{name}={value!r}: every parallel size must be a positive integer")
+        if self.sp_attention not in SP_ATTENTION_MODES:
+            raise ShardingError(f"sp_attention={self.sp_attention!r}: expected one of {SP_ATTENTION_MODES}")
+
+    @property
+    def num_replicas(self) -> int:
+        """Attention replicas: data x expert (outside its MoE layers the expert axis is data parallel)."""
+        return self.dp * self.ep
 
     @property
     def num_devices(self) -> int:
@@ -64,6 +77,14 @@ class ParallelConfig:
 
     def describe(self) -> str:
         return " x ".join(f"{name}={size}" for name, size in zip(("dp", "sp", "ep", "tp"), self.axis_sizes))
+
+    def check_model(self, config) -> None:
+        """check_model_fits for a jaxinfer ModelConfig."""
+        check_model_fits(
+            self, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, hidden_size=config.hidden_size,
+            intermediate_size=config.moe_intermediate_size if config.is_moe else config.intermediate_size,
+            num_experts=config.num_experts or None, shared_expert_size=config.shared_expert_intermediate_size or None,
+        )
 
 
 def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
@@ -102,15 +123,22 @@ def check_model_fits(
     num_heads: int,
     num_kv_heads: int,
     intermediate_size: int,
+    hidden_size: int | None = None,
     num_experts: int | None = None,
+    shared_expert_size: int | None = None,
 ) -> None:
-    """ShardingError naming the first model dimension the parallel sizes cannot split."""
+    """ShardingError naming the first model dimension the parallel sizes cannot split.
+    For a MoE model `intermediate_size` is each expert's width."""
     tp, ep = parallel.tp, parallel.ep
     if num_heads % tp:
         raise ShardingError(f"tensor_parallel_size={tp} does not divide the model's {num_heads} attention heads")
     kv_heads_per_shard(num_kv_heads, tp)
     if intermediate_size % tp:
         raise ShardingError(f"tensor_parallel_size={tp} does not divide the MLP's intermediate size {intermediate_size}")
+    if shared_expert_size and shared_expert_size % tp:
+        raise ShardingError(f"tensor_parallel_size={tp} does not divide the shared expert's size {shared_expert_size}")
+    if hidden_size is not None and hidden_size % tp:
+        raise ShardingError(f"tensor_parallel_size={tp} does not divide the hidden size {hidden_size} (the embedding is split on it)")
     if ep > 1 and not num_experts:
         raise ShardingError(f"expert_parallel_size={ep} needs a mixture-of-experts model; this one has no experts")
     if num_experts and num_experts % ep:

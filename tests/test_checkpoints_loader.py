@@ -107,10 +107,19 @@ def test_tied_spec_drops_a_stored_lm_head():
 
 
 def test_qwen3_qk_norms_map():
-    assert map_hf_name("qwen3", "model.layers.5.self_attn.k_norm.weight") == ("layers.k_norm", 5, False, None)
-    assert map_hf_name("qwen3", "model.layers.5.self_attn.k_proj.weight") == ("layers.qkv_proj", 5, True, "k")
-    assert map_hf_name("llama", "lm_head.weight") == ("lm_head", None, True, None)
+    assert map_hf_name("qwen3", "model.layers.5.self_attn.k_norm.weight") == ("layers.k_norm", 5, False, None, None)
+    assert map_hf_name("qwen3", "model.layers.5.self_attn.k_proj.weight") == ("layers.qkv_proj", 5, True, "k", None)
+    assert map_hf_name("llama", "lm_head.weight") == ("lm_head", None, True, None, None)
     assert map_hf_name("llama", "model.layers.0.mlp.experts.0.w1.weight") is None
+
+
+def test_expert_weights_map_to_a_layer_and_an_expert():
+    """Mixtral names its experts w1 (gate), w3 (up), w2 (down); the Qwen MoEs gate/up/down_proj."""
+    assert map_hf_name("mixtral", "model.layers.3.block_sparse_moe.experts.7.w3.weight") == ("layers.experts_gate_up", 3, True, "up", 7)
+    assert map_hf_name("mixtral", "model.layers.3.block_sparse_moe.gate.weight") == ("layers.router", 3, True, None, None)
+    assert map_hf_name("qwen3_moe", "model.layers.0.mlp.experts.12.down_proj.weight") == ("layers.experts_down", 0, True, None, 12)
+    assert map_hf_name("qwen2_moe", "model.layers.1.mlp.shared_expert.up_proj.weight") == ("layers.shared_gate_up", 1, True, "up", None)
+    assert map_hf_name("qwen3_moe", "model.layers.1.mlp.gate_proj.weight") is None  # no dense MLP in an MoE layer
 
 
 def test_missing_tensor_names_it_and_its_param_and_layer():

@@ -50,7 +50,7 @@ def test_64_requests_batched_with_chunked_prefill_equal_each_request_alone(model
     chunks_per_step = []  # multi-token chunks in each step
     dispatch = tight.runner.dispatch
     tight.runner.dispatch = lambda scheduled, **kw: (
-        chunks_per_step.append(sum(len(s.chunk.token_ids) > 1 for s in scheduled)), dispatch(scheduled, **kw))[1]
+        chunks_per_step.append(sum(len(s.chunk.token_ids) > 1 for s in scheduled[0])), dispatch(scheduled, **kw))[1]
     assert together(tight, prompts, params) == reference
     assert 1 < max(chunks_per_step) <= MAX_PREFILL_CHUNKS  # several prompts share steps, within the cap
     stats = tight.engine.get_stats()
@@ -80,7 +80,7 @@ def test_a_pool_too_small_preempts_and_everything_still_completes_identically(mo
     computed = []
     if mode == "swap":  # count the tokens restored from host memory instead of recomputed
         original = small.runner.write_pages
-        small.runner.write_pages = lambda pages, k, v: (computed.append(len(pages)), original(pages, k, v))
+        small.runner.write_pages = lambda replica, pages, k, v: (computed.append(len(pages)), original(replica, pages, k, v))
     assert together(small, prompts, params) == reference
     assert small.engine.get_stats().num_preemptions > 0
     assert (sum(computed) > 0) == (mode == "swap")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.attention import FLASH_MIN_TOKENS
-from jaxinfer.batch import Buckets, SequenceChunk, pack_batch
+from jaxinfer.batch import Buckets, SequenceChunk, pack_batch, stack_replicas
 from jaxinfer.kernels import Kernels, resolve_kernels
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.loading import load_params, read_config, resolve_model
@@ -65,8 +65,8 @@ def run_steps(model_dir, kernels: Kernels, quantization: str | None) -> list[np.
     out = []
     for chunks in steps:
         key, batch, rows = pack_batch(chunks, buckets, PAGE_SIZE)
-        logits, kv = step.forward(params, kv, jax.tree.map(jnp.asarray, batch), query_block=key.query_block)
-        logprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
+        logits, kv = step.forward(params, kv, step.place_inputs(stack_replicas([batch])), query_block=key.query_block)
+        logprobs = np.asarray(jax.nn.log_softmax(logits[0], axis=-1), np.float64)
         out += [logprobs[r] for r in rows]
     return out
 
@@ -113,7 +113,7 @@ def test_every_kernel_is_in_the_step(model_dir, platform):
     buckets = Buckets((16, FLASH_MIN_TOKENS), max_num_seqs=4, pages_per_seq=32)
     key, batch, _ = pack_batch([SequenceChunk(list(range(3, 203)), 0, list(range(1, 26)), [0])], buckets, PAGE_SIZE)
     forward = lambda params, kv, batch: step.forward(params, kv, batch, query_block=key.query_block)  # noqa: E731
-    names = pallas_call_names(jax.make_jaxpr(forward)(params, kv, jax.tree.map(jnp.asarray, batch)))
+    names = pallas_call_names(jax.make_jaxpr(forward)(params, kv, step.place_inputs(stack_replicas([batch]))))
     kernels = ("add_rms_norm", "rope_kv_write", "swiglu_matmul", "ragged_paged_attention", "flash_attention", "quantized_matmul")
     assert [k for k in kernels if not any(name.startswith(k) for name in names)] == [], names
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxinfer.batch import Buckets, SequenceChunk, pack_batch
+from jaxinfer.batch import Buckets, SequenceChunk, pack_batch, stack_replicas
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.loading import load_params, read_config, resolve_model
 from jaxinfer.step import StepFunction
@@ -46,8 +46,9 @@ class PagedModel:
     def run(self, chunks: list[SequenceChunk]) -> list[np.ndarray]:
         """One step; returns per chunk the log-softmax [rows, V] of its requested rows."""
         key, batch, rows = pack_batch(chunks, self.buckets, self.page_size)
-        logits, self.kv = self.step.forward(self.params, self.kv, jax.tree.map(jnp.asarray, batch), query_block=key.query_block)
-        logprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
+        batch = self.step.place_inputs(stack_replicas([batch]))
+        logits, self.kv = self.step.forward(self.params, self.kv, batch, query_block=key.query_block)
+        logprobs = np.asarray(jax.nn.log_softmax(logits[0], axis=-1), np.float64)
         return [logprobs[r] for r in rows]
 
     def unowned_pages_untouched(self) -> bool:

@@ -47,6 +47,13 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, _common(head_dim=24, attention_bias=False)),
     # SmolLM2 is a Llama with tied embeddings and GQA 3:1
     "smollm2": (transformers.LlamaConfig, _common(num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True, hidden_size=96)),
+    # mixtures of experts: Mixtral (top-2 of 4, renormalised), Qwen2-MoE (q/k/v bias, a shared
+    # expert behind a sigmoid gate, top-k not renormalised), Qwen3-MoE (q/k norms, renormalised)
+    "mixtral": (transformers.MixtralConfig, _common(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, _common(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                       shared_expert_intermediate_size=48, norm_topk_prob=False)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, _common(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                       norm_topk_prob=True, head_dim=24)),
 }
 
 

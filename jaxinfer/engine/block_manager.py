@@ -115,6 +115,18 @@ class BlockManager:
         """Fraction of usable pages held by at least one sequence."""
         return 1.0 - self.num_free_pages / self.num_usable_pages
 
+    def num_cached_prefix_pages(self, token_ids: Sequence[int], *, salt: bytes = b"") -> int:
+        """How many leading pages of a prompt `allocate` would find in the prefix cache now (a
+        read-only look-up: no stats, no state change)."""
+        if not self.enable_prefix_caching:
+            return 0
+        ps, parent = self.page_size, salt
+        for i in range((len(token_ids) - 1) // ps):
+            parent = page_key(parent, token_ids[i * ps : (i + 1) * ps])
+            if parent not in self._page_of_key:
+                return i
+        return (len(token_ids) - 1) // ps
+
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 

@@ -11,6 +11,13 @@ logprobs, incremental detokenization, stop checks; finished sequences free their
 with n > 1 runs as one sequence through its prompt; the step that finishes the prompt samples n
 tokens from the last row (one seed each) and forks the sequence n - 1 times, sharing every
 prompt page.
+
+Data parallelism: the runner's model has `num_replicas` attention replicas, each with its own
+pages. Each replica has its own `BlockManager` and `Scheduler` (with the full token and sequence
+budgets), and every step runs all replicas' choices together. A request is assigned to one
+replica when it arrives: the one holding the longest cached prefix of its prompt, then the one
+with the least work queued (unfinished sequences, then KV usage), so the replicas stay balanced
+and prefix hits stay where the prefix is.
 """
 
 from __future__ import annotations
@@ -31,6 +38,14 @@ from jaxinfer.outputs import CompletionOutput, Logprob, PositionLogprobs, Reques
 from jaxinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxinfer")
+
+
+@dataclasses.dataclass
+class Replica:
+    """One attention replica's host state: its page pool and its scheduler."""
+
+    block_manager: BlockManager
+    scheduler: Scheduler
 
 
 @dataclasses.dataclass
@@ -69,9 +84,11 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self.eos_token_ids = set(eos_token_ids)
-        self.block_manager = BlockManager(runner.kv.num_pages, runner.kv.page_size, enable_prefix_caching=enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens=max_num_batched_tokens,
-                                   max_num_seqs=max_num_seqs, preemption_mode=preemption_mode)
+        self.replicas = []
+        for _ in range(runner.num_replicas):
+            bm = BlockManager(runner.pages_per_replica, runner.page_size, enable_prefix_caching=enable_prefix_caching)
+            self.replicas.append(Replica(bm, Scheduler(bm, max_num_batched_tokens=max_num_batched_tokens,
+                                                       max_num_seqs=max_num_seqs, preemption_mode=preemption_mode)))
         self.requests: dict[str, Request] = {}
         self._seed_rng = np.random.default_rng(seed)
         self._counter = 0
@@ -81,6 +98,27 @@ class LLMEngine:
         self.log_stats_interval = log_stats_interval
         self._last_log = time.time()
         self._inflight: _InFlight | None = None  # the dispatched step not processed yet
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """The first replica's block manager (the only one without data parallelism)."""
+        return self.replicas[0].block_manager
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The first replica's scheduler (the only one without data parallelism)."""
+        return self.replicas[0].scheduler
+
+    def _replica(self, seq: Sequence) -> Replica:
+        return self.replicas[seq.request.replica]
+
+    def _pick_replica(self, token_ids: list[int]) -> int:
+        """The replica a new request runs on: the longest cached prefix, then the least work."""
+        def rank(i: int):
+            bm, sched = self.replicas[i].block_manager, self.replicas[i].scheduler
+            unfinished = sum(seq.request.params.n if not seq.request.forked else 1 for seq in sched.waiting) + len(sched.running)
+            return (-bm.num_cached_prefix_pages(token_ids), unfinished, bm.usage, i)
+        return min(range(len(self.replicas)), key=rank)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -103,11 +141,12 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31))
         limit = self.max_model_len if params.max_tokens is None else min(self.max_model_len, len(ids) + params.max_tokens)
         request = Request(request_id, text, ids, params, seed, limit, priority,
-                          RequestMetrics(arrival_time if arrival_time is not None else time.time()))
+                          RequestMetrics(arrival_time if arrival_time is not None else time.time()),
+                          replica=self._pick_replica(ids))
         seq = Sequence(request, 0, list(ids), seed)
         request.seqs.append(seq)
         self.requests[request_id] = request
-        self.scheduler.add(seq)
+        self._replica(seq).scheduler.add(seq)
         return request
 
     def abort_request(self, request_id: str) -> None:
@@ -118,7 +157,7 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.finished:
                 seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
+                self._replica(seq).scheduler.finish(seq)
         request.metrics.finished_time = time.time()
 
     def has_unfinished_requests(self) -> bool:
@@ -139,48 +178,57 @@ class LLMEngine:
         if previous is not None and previous.must_sync:
             outputs += self._process(previous)
             previous = None
-        plan = self.scheduler.schedule()
-        if plan.scheduled:
-            self._inflight = self._dispatch(plan)
+        plans = [replica.scheduler.schedule() for replica in self.replicas]
+        if any(plan.scheduled for plan in plans):
+            self._inflight = self._dispatch(plans)
         if previous is not None:
             outputs += self._process(previous)
-        if not plan.scheduled and previous is None and not outputs:
-            if self.scheduler.waiting and not self.scheduler.running:
+        if self._inflight is None and previous is None and not outputs:
+            if any(r.scheduler.waiting and not r.scheduler.running for r in self.replicas):
                 raise RuntimeError("no waiting request fits in the KV cache; raise num_pages")  # add_request prevents this
         self._maybe_log()
         return outputs
 
-    def _dispatch(self, plan) -> "_InFlight":
-        for seq, pages, num_computed in plan.swap_out:  # before anything can overwrite the freed pages
-            k, v = self.runner.read_pages(pages)
-            seq.swapped = SwappedKV(k, v, num_computed)
-        for seq, first, pages in plan.swap_in:
-            self.runner.write_pages(pages, seq.swapped.k[:, first : first + len(pages)], seq.swapped.v[:, first : first + len(pages)])
-            self.block_manager.mark_computed(seq.seq_id, seq.num_computed, seq.token_ids)
-            seq.swapped = None
-        if plan.page_copies:
-            self.runner.copy_pages(plan.page_copies)
-        chunks = [self._chunk(s) for s in plan.scheduled]
+    def _dispatch(self, plans: list) -> "_InFlight":
+        """Launches one step for every replica's plan (SchedulerOutput)."""
+        copies = []
+        for r, plan in enumerate(plans):
+            bm = self.replicas[r].block_manager
+            for seq, pages, num_computed in plan.swap_out:  # before anything can overwrite the freed pages
+                k, v = self.runner.read_pages(r, pages)
+                seq.swapped = SwappedKV(k, v, num_computed)
+            for seq, first, pages in plan.swap_in:
+                self.runner.write_pages(r, pages, seq.swapped.k[:, first : first + len(pages)],
+                                        seq.swapped.v[:, first : first + len(pages)])
+                bm.mark_computed(seq.seq_id, seq.num_computed, seq.token_ids)
+                seq.swapped = None
+            copies += [(r, copy) for copy in plan.page_copies]
+        if copies:
+            self.runner.copy_pages(copies)
+        scheduled = [plan.scheduled for plan in plans]
+        chunks = [[self._chunk(s) for s in replica_scheduled] for replica_scheduled in scheduled]
         want_logprobs = any(
-            s.seq.request.params.logprobs is not None or s.seq.request.wants_prompt_logprobs for s in plan.scheduled
+            s.seq.request.params.logprobs is not None or s.seq.request.wants_prompt_logprobs
+            for replica_scheduled in scheduled for s in replica_scheduled
         )
         handle = self.runner.dispatch(chunks, want_logprobs=want_logprobs)
         self.num_steps += 1
-        inflight = _InFlight(plan.scheduled, chunks, handle)
-        for s, chunk, rows in zip(plan.scheduled, chunks, handle.rows_of_chunk):
-            seq, request = s.seq, s.seq.request
-            seq.num_computed += s.num_tokens
-            if not s.samples:
-                continue
-            sample_rows = [r for r, t in zip(rows, chunk.sampling.target_ids) if t < 0]
-            seq.token_ids.append(PENDING)  # the sampled token, known on the device only for now
-            seq.pending[len(seq.token_ids) - 1] = sample_rows[0]
-            p = request.params
-            num_out = len(seq.token_ids) - len(request.prompt_token_ids)
-            if num_out >= (p.max_tokens or self.max_model_len) or len(seq.token_ids) >= request.max_len:
-                seq.hold = True  # this token ends it: nothing more to schedule
-            if not request.forked or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-                inflight.must_sync = True
+        inflight = _InFlight(scheduled, chunks, handle)
+        for replica_scheduled, replica_chunks, replica_rows in zip(scheduled, chunks, handle.rows_of_chunk):
+            for s, chunk, rows in zip(replica_scheduled, replica_chunks, replica_rows):
+                seq, request = s.seq, s.seq.request
+                seq.num_computed += s.num_tokens
+                if not s.samples:
+                    continue
+                sample_rows = [r for r, t in zip(rows, chunk.sampling.target_ids) if t < 0]
+                seq.token_ids.append(PENDING)  # the sampled token, known on the device only for now
+                seq.pending[len(seq.token_ids) - 1] = sample_rows[0]
+                p = request.params
+                num_out = len(seq.token_ids) - len(request.prompt_token_ids)
+                if num_out >= (p.max_tokens or self.max_model_len) or len(seq.token_ids) >= request.max_len:
+                    seq.hold = True  # this token ends it: nothing more to schedule
+                if not request.forked or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                    inflight.must_sync = True
         return inflight
 
     def _chunk(self, s: ScheduledSeq) -> ScheduledChunk:
@@ -221,7 +269,7 @@ class LLMEngine:
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = time.time()
         tokens = seq.token_ids[start : start + s.num_tokens]
-        pages = self.block_manager.page_table(seq.seq_id)
+        pages = self._replica(seq).block_manager.page_table(seq.seq_id)
         device_tokens = {i: seq.pending[start + i] for i in range(s.num_tokens) if start + i in seq.pending}
         return ScheduledChunk(SequenceChunk(tokens, start, pages, rows, device_tokens), sampling)
 
@@ -230,11 +278,12 @@ class LLMEngine:
         results = self.runner.collect(inflight.handle)
         now = time.time()
         touched: dict[str, Request] = {}
-        for sched, chunk, rows in zip(inflight.scheduled, inflight.chunks, results):
-            if sched.seq.finished:  # finished or aborted after this step was dispatched
-                continue
-            self._advance(sched, chunk, rows, now)
-            touched[sched.seq.request.request_id] = sched.seq.request
+        for replica_scheduled, replica_chunks, replica_results in zip(inflight.scheduled, inflight.chunks, results):
+            for sched, chunk, rows in zip(replica_scheduled, replica_chunks, replica_results):
+                if sched.seq.finished:  # finished or aborted after this step was dispatched
+                    continue
+                self._advance(sched, chunk, rows, now)
+                touched[sched.seq.request.request_id] = sched.seq.request
         outputs = []
         for request in touched.values():
             if request.finished:
@@ -258,8 +307,9 @@ class LLMEngine:
             index = end  # where this step's sampled token sits in token_ids
             seq.token_ids[index] = samples[0].token
             seq.pending.pop(index, None)
-        if seq.seq_id in self.block_manager.seqs and seq.num_computed >= end:  # not preempted meanwhile
-            self.block_manager.mark_computed(seq.seq_id, end, seq.token_ids)
+        replica = self._replica(seq)
+        if seq.seq_id in replica.block_manager.seqs and seq.num_computed >= end:  # not preempted meanwhile
+            replica.block_manager.mark_computed(seq.seq_id, end, seq.token_ids)
         if s.num_tokens > 1:
             self.num_prompt_tokens_computed += s.num_tokens
         if not samples:
@@ -267,9 +317,9 @@ class LLMEngine:
         if not request.forked:  # the prompt is done: make the n completions, sharing its pages
             for j, row in enumerate(samples[1:], start=1):
                 child = Sequence(request, j, seq.token_ids[:end] + [row.token], _child_seed(request.seed, j), num_computed=end)
-                self.block_manager.fork(seq.seq_id, child.seq_id)
+                replica.block_manager.fork(seq.seq_id, child.seq_id)
                 request.seqs.append(child)
-                self.scheduler.add_running(child)
+                replica.scheduler.add_running(child)
                 self._on_token(child, row, end, now)
             request.forked = True
         self._on_token(seq, samples[0], end, now)
@@ -309,7 +359,7 @@ class LLMEngine:
                 seq.finish_reason = "length"
                 seq.text += seq.detokenizer.flush()
         if seq.finish_reason is not None:
-            self.scheduler.finish(seq)
+            self._replica(seq).scheduler.finish(seq)
 
     def _check_stop_strings(self, seq: Sequence, delta_len: int) -> None:
         p = seq.request.params
@@ -397,13 +447,16 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:
-        bm = self.block_manager
+        """Totals over the replicas (KV usage: the mean; prefix hit rate: over all look-ups)."""
+        bms = [r.block_manager for r in self.replicas]
+        scheds = [r.scheduler for r in self.replicas]
+        queries = sum(bm.stats.queries for bm in bms)
         return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=bm.usage,
-            prefix_cache_hit_rate=bm.stats.hit_rate,
-            num_preemptions=self.scheduler.num_preemptions,
+            num_running=sum(len(s.running) for s in scheds),
+            num_waiting=sum(len(s.waiting) for s in scheds),
+            kv_cache_usage=sum(bm.usage for bm in bms) / len(bms),
+            prefix_cache_hit_rate=sum(bm.stats.hits for bm in bms) / queries if queries else 0.0,
+            num_preemptions=sum(s.num_preemptions for s in scheds),
             num_compiles=self.runner.num_compiles,
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
@@ -425,8 +478,8 @@ class LLMEngine:
 
 @dataclasses.dataclass
 class _InFlight:
-    scheduled: list[ScheduledSeq]
-    chunks: list[ScheduledChunk]
+    scheduled: list[list[ScheduledSeq]]  # per replica
+    chunks: list[list[ScheduledChunk]]
     handle: object  # model_runner.InFlightStep
     must_sync: bool = False  # read it before scheduling the next step
 

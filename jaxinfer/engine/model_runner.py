@@ -1,9 +1,14 @@
 """The model runner: owns the parameters, the KV cache and the compiled step variants.
 
-A driver (today `engine.driver`, later the continuous-batching scheduler) hands it a list of
-`ScheduledChunk`s per iteration; the runner packs them into a padded `RaggedBatch`, builds the
-per-row sampling tensors, runs the jitted step with the cache donated, and returns per-chunk
-results as numpy. It keeps no per-request state.
+The engine hands it, per iteration, one list of `ScheduledChunk`s per replica (one replica
+without data parallelism); the runner packs each replica's chunks into a `RaggedBatch` padded to
+one shared bucket, stacks them on a leading replica axis, builds the per-row sampling tensors,
+runs the jitted step with the cache donated, and returns per-chunk results as numpy. It keeps no
+per-request state.
+
+Page ids in chunks are the replica's own (each replica's block manager hands out 1 ..
+pages_per_replica - 1, page 0 being its scratch page); the cache holds the replicas' pools one
+after the other on its page axis, split over the replica axes of the mesh.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.batch import BucketKey, Buckets, RaggedBatch, SequenceChunk, pack_batch
+from jaxinfer.batch import BucketKey, Buckets, RaggedBatch, SequenceChunk, pack_batch, shared_key, stack_replicas
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.sampling import SampleOutput, SamplingTensors
 from jaxinfer.step import StepFunction
@@ -66,20 +71,28 @@ class RowResult:
 class InFlightStep:
     """A dispatched step whose results have not been read yet."""
 
-    out: SampleOutput  # device arrays
-    rows_of_chunk: list[list[int]]
+    out: SampleOutput  # device arrays, [replicas, R]
+    rows_of_chunk: list[list[list[int]]]  # per replica, per chunk: its logits rows
     want_logprobs: bool
 
 
 class ModelRunner:
-    def __init__(self, graphdef, params, kv: KVCache, buckets: Buckets, *, num_top_logprobs: int = 20):
+    def __init__(self, graphdef, params, kv: KVCache, buckets: Buckets, *, num_top_logprobs: int = 20,
+                 mesh=None, param_specs=None):
+        """kv: the whole cache, [L, replicas * pages_per_replica, ...], placed on `mesh` (default:
+        one device) with the step's KV sharding."""
         self.graphdef = graphdef
         self.params = params
         self.kv = kv
         self.buckets = buckets
         self.num_top_logprobs = num_top_logprobs
-        self.step_fn = StepFunction(graphdef, num_top_logprobs, max_rows=buckets.max_tokens)
-        self.token_buffer = jnp.zeros(buckets.max_tokens, jnp.int32)  # the last step's sampled tokens, on the device
+        self.step_fn = StepFunction(graphdef, num_top_logprobs, max_rows=buckets.max_tokens, mesh=mesh, param_specs=param_specs)
+        self.num_replicas = self.step_fn.num_replicas
+        if kv.num_pages % self.num_replicas:
+            raise ValueError(f"{kv.num_pages} KV pages do not split over {self.num_replicas} replicas")
+        self.pages_per_replica = kv.num_pages // self.num_replicas
+        # the last step's sampled tokens, on the device: [replicas, max_rows]
+        self.token_buffer = self._put(np.zeros((self.num_replicas, buckets.max_tokens), np.int32))
         self.compile_seconds: dict[BucketKey, float] = {}
         self.keys_seen: set[BucketKey] = set()  # bucket variants executed so far
 
@@ -87,14 +100,34 @@ class ModelRunner:
     def num_compiles(self) -> int:
         return self.step_fn.num_compiles
 
-    def dispatch(self, scheduled: Sequence[ScheduledChunk], *, want_logprobs: bool = False) -> "InFlightStep":
+    @property
+    def page_size(self) -> int:
+        return self.kv.page_size
+
+    def _put(self, tree):
+        return self.step_fn.place_inputs(tree)
+
+    def dispatch(self, scheduled: Sequence[Sequence[ScheduledChunk]], *, want_logprobs: bool = False) -> "InFlightStep":
         """Packs and launches one step without waiting for it (JAX dispatch is asynchronous).
 
-        Tokens marked in a chunk's `device_tokens` are read on the device from the previous
-        dispatched step's sampled tokens. `collect` reads the results.
+        `scheduled`: one list of chunks per replica. Tokens marked in a chunk's `device_tokens`
+        are read on the device from the previous dispatched step's sampled tokens of the same
+        replica. `collect` reads the results.
         """
-        key, batch, rows_of_chunk = pack_batch([s.chunk for s in scheduled], self.buckets, self.kv.page_size)
-        sampling = self._sampling_tensors(key, scheduled, rows_of_chunk, want_logprobs)
+        if len(scheduled) != self.num_replicas:
+            raise ValueError(f"got chunks for {len(scheduled)} replicas, the runner has {self.num_replicas}")
+        key = shared_key([[s.chunk for s in chunks] for chunks in scheduled], self.buckets)
+        packed = [pack_batch([s.chunk for s in chunks], self.buckets, self.page_size, key) for chunks in scheduled]
+        rows_of_chunk = [rows for _, _, rows in packed]
+        batch = stack_replicas([b for _, b, _ in packed])
+        everything = [s for chunks in scheduled for s in chunks]  # the optional sampling features are per step
+        num_banned = max((len(s.sampling.banned_ids) for s in everything), default=0)
+        penalties = any(s.sampling.uses_penalties for s in everything)
+        sampling = jax.tree.map(lambda *a: np.stack(a), *(
+            self._sampling_tensors(key, chunks, rows, want_logprobs, num_banned, penalties)
+            for chunks, rows in zip(scheduled, rows_of_chunk)
+        ))
+        batch, sampling = self._put((batch, sampling))
         self.keys_seen.add(key)
         compiles_before = self.step_fn.num_compiles
         t0 = time.perf_counter()
@@ -105,25 +138,34 @@ class ModelRunner:
             self.compile_seconds[key] = time.perf_counter() - t0
         return InFlightStep(out, rows_of_chunk, want_logprobs)
 
-    def collect(self, step: "InFlightStep") -> list[list[RowResult]]:
-        """Waits for a dispatched step; per chunk, one RowResult per requested logits row. Only the
-        sampled tokens (and logprobs when asked for) come to the host."""
+    def collect(self, step: "InFlightStep") -> list[list[list[RowResult]]]:
+        """Waits for a dispatched step; per replica, per chunk, one RowResult per requested logits
+        row. Only the sampled tokens (and logprobs when asked for) come to the host."""
         out = step.out
         if step.want_logprobs:
             tokens, logprobs, top_ids, top_lps = jax.device_get((out.tokens, out.logprobs, out.top_ids, out.top_logprobs))
         else:
             tokens = np.asarray(out.tokens)
-            logprobs = np.zeros(len(tokens), np.float32)
-            top_ids = top_lps = np.zeros((len(tokens), 0))
+            logprobs = np.zeros(tokens.shape, np.float32)
+            top_ids = top_lps = np.zeros(tokens.shape + (0,))
         return [
-            [RowResult(int(tokens[r]), float(logprobs[r]), top_ids[r], top_lps[r]) for r in rows] for rows in step.rows_of_chunk
+            [[RowResult(int(tokens[i, r]), float(logprobs[i, r]), top_ids[i, r], top_lps[i, r]) for r in rows] for rows in replica_rows]
+            for i, replica_rows in enumerate(step.rows_of_chunk)
         ]
 
-    def execute(self, scheduled: Sequence[ScheduledChunk], *, want_logprobs: bool = False) -> list[list[RowResult]]:
+    def execute(self, scheduled: Sequence[Sequence[ScheduledChunk]], *, want_logprobs: bool = False) -> list[list[list[RowResult]]]:
         """Runs one step and waits for it."""
         return self.collect(self.dispatch(scheduled, want_logprobs=want_logprobs))
 
-    def _sampling_tensors(self, key: BucketKey, scheduled, rows_of_chunk, want_logprobs: bool = False) -> SamplingTensors:
+    def _sampling_tensors(self, key: BucketKey, scheduled, rows_of_chunk, want_logprobs: bool = False,
+                          max_banned: int | None = None, penalties: bool | None = None) -> SamplingTensors:
+        """One replica's per-row sampling tensors. The optional fields are switched on by
+        `max_banned` (columns of banned ids) and `penalties`, by default when one of these chunks
+        needs them; a step passes what any replica needs, so the replicas' trees stack."""
+        if max_banned is None:
+            max_banned = max((len(s.sampling.banned_ids) for s in scheduled), default=0)
+        if penalties is None:
+            penalties = any(s.sampling.uses_penalties for s in scheduled)
         R = key.num_logits
         temperature = np.zeros(R, np.float32)
         top_k = np.zeros(R, np.int32)
@@ -142,12 +184,11 @@ class ModelRunner:
             temperature, top_k, top_p, seed, counter, target_ids, min_p=min_p, want_logprobs=np.array([want_logprobs])
         )
         # Static switches: the fields stay None (a separate, cheaper compiled variant) unless some row needs them.
-        max_banned = max((len(s.sampling.banned_ids) for s in scheduled), default=0)
         if max_banned:
             st.banned_ids = np.full((R, -(-max_banned // BANNED_IDS_MULTIPLE) * BANNED_IDS_MULTIPLE), -1, np.int32)
             for s, rows in zip(scheduled, rows_of_chunk):
                 st.banned_ids[np.asarray(rows)[:, None], np.arange(len(s.sampling.banned_ids))] = s.sampling.banned_ids
-        if any(s.sampling.uses_penalties for s in scheduled):
+        if penalties:
             H = self.buckets.pages_per_seq * self.kv.page_size  # the longest a sequence can be
             st.history_ids = np.full((R, H), -1, np.int32)
             st.num_prompt_history = np.zeros(R, np.int32)
@@ -167,7 +208,8 @@ class ModelRunner:
         return st
 
     def _empty_inputs(self, key: BucketKey) -> tuple[RaggedBatch, SamplingTensors]:
-        """A batch of the key's shapes with no sequences in it (every token writes to scratch)."""
+        """Batches of the key's shapes with no sequences in them (every token writes to scratch),
+        one per replica, on the device."""
         T, S, R = key.num_tokens, key.num_seqs, key.num_logits
         batch = RaggedBatch(
             token_ids=np.zeros(T, np.int32),
@@ -184,7 +226,8 @@ class ModelRunner:
             np.zeros(R, np.uint32), np.zeros(R, np.int32), np.full(R, -1, np.int32), min_p=np.zeros(R, np.float32),
             want_logprobs=np.array([False]),
         )  # the variant without penalties or banned ids, which is what most batches use
-        return batch, sampling
+        stacked = jax.tree.map(lambda a: np.stack([a] * self.num_replicas), (batch, sampling))
+        return self._put(stacked)
 
     def warmup(self, keys: Sequence[BucketKey] | None = None) -> None:
         """Compiles the step for every bucket (or the given ones) by running an empty batch."""
@@ -203,8 +246,14 @@ class ModelRunner:
         lowered = self.step_fn._step.lower(self.params, self.kv, batch, sampling, self.token_buffer, query_block=key.query_block)
         return lowered.compile().as_text()
 
-    def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
-        """Copies whole pages (every layer, K and V) src -> dst on the device, in place.
+    # ------------------------------------------------------------------ whole pages (copy-on-write, swapping)
+    def _global_pages(self, replica: int, pages: Sequence[int]) -> np.ndarray:
+        """A replica's page ids -> ids on the cache's page axis (replica r's pool starts at r * P)."""
+        return replica * self.pages_per_replica + np.asarray(pages, np.int32)
+
+    def copy_pages(self, copies: Sequence[tuple[int, tuple[int, int]]]) -> None:
+        """Copies whole pages (every layer, K and V) src -> dst on the device, in place; `copies`
+        holds (replica, (src, dst)) pairs of that replica's page ids.
 
         Used for copy-on-write. The list is padded to a power of two with scratch-to-scratch
         copies so only a few sizes ever compile.
@@ -212,25 +261,40 @@ class ModelRunner:
         n = 1 << max(0, (len(copies) - 1).bit_length())
         src = np.zeros(n, np.int32)
         dst = np.zeros(n, np.int32)
-        src[: len(copies)], dst[: len(copies)] = zip(*copies)
-        self.kv = _copy_pages(self.kv, src, dst)
+        for i, (replica, (s, d)) in enumerate(copies):
+            src[i], dst[i] = self._global_pages(replica, [s, d])
+        self.kv = _page_ops(self.step_fn.mesh)[0](self.kv, src, dst)
+
+    def read_pages(self, replica: int, pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """K and V of a replica's pages, all layers, on the host: [L, len(pages), page_size, Hkv, D]
+        each (all KV heads, gathered from their tensor shards; every process gets them)."""
+        k, v = _page_ops(self.step_fn.mesh)[2](self.kv, self._global_pages(replica, pages))
+        return np.asarray(k), np.asarray(v)
+
+    def write_pages(self, replica: int, pages: Sequence[int], k: np.ndarray, v: np.ndarray) -> None:
+        """Writes host K/V (as read_pages returns them) into a replica's pages, in place."""
+        self.kv = _page_ops(self.step_fn.mesh)[1](self.kv, self._global_pages(replica, pages), k, v)
 
 
-    def read_pages(self, pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """K and V of the given pages, all layers, on the host: [L, len(pages), page_size, Hkv, D] each."""
-        idx = np.asarray(pages, np.int32)
-        return np.asarray(self.kv.k[:, idx]), np.asarray(self.kv.v[:, idx])
+@functools.cache
+def _page_ops(mesh):
+    """Jitted whole-page copy / write / read on the cache of `mesh` (the cache keeps the step's
+    sharding; reads come back replicated, so every process can fetch them)."""
+    from jaxinfer.step import kv_partition_spec
 
-    def write_pages(self, pages: Sequence[int], k: np.ndarray, v: np.ndarray) -> None:
-        """Writes host K/V (as read_pages returns them) into the given pages, in place."""
-        self.kv = _write_pages(self.kv, np.asarray(pages, np.int32), k, v)
+    kv_sharding = jax.tree.map(lambda spec: jax.sharding.NamedSharding(mesh, spec), kv_partition_spec(),
+                               is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
+    def copy(kv: KVCache, src, dst) -> KVCache:
+        return KVCache(k=kv.k.at[:, dst].set(kv.k[:, src]), v=kv.v.at[:, dst].set(kv.v[:, src]))
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _write_pages(kv: KVCache, pages: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
-    return KVCache(k=kv.k.at[:, pages].set(k.astype(kv.k.dtype)), v=kv.v.at[:, pages].set(v.astype(kv.v.dtype)))
+    def write(kv: KVCache, pages, k, v) -> KVCache:
+        return KVCache(k=kv.k.at[:, pages].set(k.astype(kv.k.dtype)), v=kv.v.at[:, pages].set(v.astype(kv.v.dtype)))
 
+    def read(kv: KVCache, pages):
+        return kv.k[:, pages], kv.v[:, pages]
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _copy_pages(kv: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    return KVCache(k=kv.k.at[:, dst].set(kv.k[:, src]), v=kv.v.at[:, dst].set(kv.v[:, src]))
+    return (jax.jit(copy, donate_argnums=0, out_shardings=kv_sharding),
+            jax.jit(write, donate_argnums=0, out_shardings=kv_sharding),
+            jax.jit(read, out_shardings=(everywhere, everywhere)))

@@ -126,6 +126,7 @@ class Request:
     seqs: list[Sequence] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     forked: bool = False  # the n completions exist
+    replica: int = 0  # the data-parallel replica its sequences run on (its pages live there)
 
     @property
     def finished(self) -> bool:

@@ -76,7 +76,12 @@ def swiglu(gate_up: jax.Array) -> jax.Array:
 
 
 def swiglu_mlp(x, w_gate_up, w_down, b_gate_up=None, b_down=None, kernels: Kernels = Kernels()):
-    """down(silu(gate(x)) * up(x)); x [T, H] -> [T, H]. w_gate_up [H, 2I] = [gate | up].
+    """down(silu(gate(x)) * up(x)); x [T, H] -> [T, H]. w_gate_up [H, 2I] = [gate | up]."""
+    return linear(gate_up_swiglu(x, w_gate_up, b_gate_up, kernels), w_down, b_down, kernels)
+
+
+def gate_up_swiglu(x, w_gate_up, b_gate_up=None, kernels: Kernels = Kernels()):
+    """silu(gate(x)) * up(x): x [T, H] -> [T, I] in x's dtype. w_gate_up [H, 2I] = [gate | up].
 
     Gate and up are one matmul. With Pallas kernels, a float weight without bias goes through the
     SwiGLU matmul kernel (pallas_kernels.swiglu_matmul), which applies silu(gate) * up to its
@@ -88,10 +93,8 @@ def swiglu_mlp(x, w_gate_up, w_down, b_gate_up=None, b_down=None, kernels: Kerne
             from pallas_kernels.swiglu_matmul import swiglu_matmul_tpu as fused
         else:
             from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu as fused
-        hidden = fused(x, w_gate_up, interpret=kernels.interpret)
-    else:
-        hidden = swiglu(linear(x, w_gate_up, b_gate_up, kernels))
-    return linear(hidden, w_down, b_down, kernels)
+        return fused(x, w_gate_up, interpret=kernels.interpret)
+    return swiglu(linear(x, w_gate_up, b_gate_up, kernels))
 
 
 def _swiglu_kernel_fits(w_gate_up: jax.Array, kernels: Kernels) -> bool:

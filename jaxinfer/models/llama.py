@@ -1,23 +1,27 @@
-"""The Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM2) as a Flax NNX module.
+"""The Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM2) and its
+mixture-of-experts relatives (Mixtral, Qwen2-MoE, Qwen3-MoE) as one Flax NNX module.
 
 The module holds the weights; its `__call__` is a pure function of them, the paged KV cache and a
 ragged batch, meant to run under `jax.jit` after `nnx.split` / `nnx.merge`.
 
 All decoder layers live in one `DecoderLayers` module whose weights carry a leading
 `[num_layers]` axis; the forward pass runs the layers in a `lax.fori_loop` (one compiled layer,
-not N), carrying the residual stream and the whole KV cache, which is updated in place.
+not N), carrying the residual stream and the whole KV cache, which is updated in place. The
+parameter layout is `jaxinfer.models.param_layout`'s. A MoE model differs only in its MLP
+(`jaxinfer.models.moe`).
 
-Parameter layout (flat names as in `param_shapes`; linear weights are [in, out]):
+**Parallel.** The step runs the model inside `jax.shard_map` over the device mesh (see
+jaxinfer/step.py), so `__call__` sees this device's shards and does its own collectives, each
+only when its axis has more than one device (on one device the program is the plain one):
 
-    embed [V, H]   final_norm [H]   lm_head [H, V] (absent with tied embeddings)
-    layers.attn_norm [L, H]   layers.mlp_norm [L, H]
-    layers.qkv_proj [L, H, (Hq + 2*Hkv)*D] = [q | k | v]      layers.o_proj [L, Hq*D, H]
-    layers.gate_up_proj [L, H, 2*I] = [gate | up]             layers.down_proj [L, I, H]
-    optional: layers.qkv_bias [L, (Hq + 2*Hkv)*D], layers.o_bias [L, H],
-              layers.gate_up_bias [L, 2*I], layers.down_bias [L, H], layers.{q,k}_norm [L, D]
-
-Q, K and V are one matmul, and gate and up another (`param_parts` says which columns hold which
-HF projection; the checkpoint loaders fill them in place).
+- tensor (Megatron): the fused QKV and gate/up columns, o and down rows, and the hidden dim of the
+  embedding / LM head are split; one `psum` after o_proj and one after down_proj per layer, an
+  all-gather of the embedded tokens and a `psum` of the logits per step;
+- sequence: this replica's T tokens are split in `sp` contiguous blocks for everything but
+  attention, which sees all of this step's K/V (all-gathered, or passed around a ring), see
+  `jaxinfer.attention.attend_sequence_parallel`; the logits rows are summed over the axis;
+- expert (MoE): experts are split, tokens dispatched with all_to_all (`jaxinfer.models.moe`);
+- data and expert also index replicas: each device sees only its replica's batch and KV pages.
 """
 
 from __future__ import annotations
@@ -32,56 +36,21 @@ from jaxinfer.batch import RaggedBatch
 from jaxinfer.config import ModelConfig
 from jaxinfer.kernels import Kernels
 from jaxinfer.kv_cache import SCRATCH_PAGE, KVCache
-from jaxinfer.models.layers import add_rms_norm, linear, matmul, rms_norm, rope_cos_sin, swiglu_mlp
+from jaxinfer.models import moe
+from jaxinfer.models.layers import add_rms_norm, gate_up_swiglu, linear, matmul, rms_norm, rope_cos_sin
+from jaxinfer.models.param_layout import param_shapes
+from sharding.mesh import ParallelConfig, kv_heads_per_shard
 
 
-def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Flat parameter name -> shape, for exactly the parameters this config has."""
-    c = config
-    L, H, I, V, D = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
-    q_dim, kv_dim = c.num_heads * D, c.num_kv_heads * D
-    qkv_dim = q_dim + 2 * kv_dim
-    shapes = {
-        "embed": (V, H),
-        "final_norm": (H,),
-        "layers.attn_norm": (L, H),
-        "layers.qkv_proj": (L, H, qkv_dim),
-        "layers.o_proj": (L, q_dim, H),
-        "layers.mlp_norm": (L, H),
-        "layers.gate_up_proj": (L, H, 2 * I),
-        "layers.down_proj": (L, I, H),
-    }
-    if not c.tie_word_embeddings:
-        shapes["lm_head"] = (H, V)
-    if c.qkv_bias:
-        shapes["layers.qkv_bias"] = (L, qkv_dim)
-    if c.o_bias:
-        shapes["layers.o_bias"] = (L, H)
-    if c.mlp_bias:
-        shapes.update({"layers.gate_up_bias": (L, 2 * I), "layers.down_bias": (L, H)})
-    if c.qk_norm:
-        shapes.update({"layers.q_norm": (L, D), "layers.k_norm": (L, D)})
-    return shapes
-
-
-def param_parts(config: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
-    """Fused param -> its parts in order on the last axis, as (name, width); the loaders' map."""
-    c = config
-    qkv = (("q", c.num_heads * c.head_dim), ("k", c.num_kv_heads * c.head_dim), ("v", c.num_kv_heads * c.head_dim))
-    gate_up = (("gate", c.intermediate_size), ("up", c.intermediate_size))
-    parts = {"layers.qkv_proj": qkv, "layers.qkv_bias": qkv, "layers.gate_up_proj": gate_up, "layers.gate_up_bias": gate_up}
-    return {name: p for name, p in parts.items() if name in param_shapes(config)}
-
-
-def split_qkv(qkv: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """[T, (Hq + 2*Hkv)*D] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""
-    c = config
+def split_qkv(qkv: jax.Array, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """[T, (Hq + 2*Hkv)*D] = [q | k | v] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (this
+    device's heads: the shard-major layout puts each shard's q, k and v side by side)."""
     T = qkv.shape[0]
-    q_end = c.num_heads * c.head_dim
-    k_end = q_end + c.num_kv_heads * c.head_dim
-    q = qkv[:, :q_end].reshape(T, c.num_heads, c.head_dim)
-    k = qkv[:, q_end:k_end].reshape(T, c.num_kv_heads, c.head_dim)
-    v = qkv[:, k_end:].reshape(T, c.num_kv_heads, c.head_dim)
+    q_end = num_heads * head_dim
+    k_end = q_end + num_kv_heads * head_dim
+    q = qkv[:, :q_end].reshape(T, num_heads, head_dim)
+    k = qkv[:, q_end:k_end].reshape(T, num_kv_heads, head_dim)
+    v = qkv[:, k_end:].reshape(T, num_kv_heads, head_dim)
     return q, k, v
 
 
@@ -107,12 +76,20 @@ class DecoderLayers(nnx.Module):
 
 class LlamaForCausalLM(nnx.Module):
     def __init__(
-        self, config: ModelConfig, *, param_dtype=jnp.float32, compute_dtype=jnp.float32, kernels: Kernels = Kernels(), rngs: nnx.Rngs
+        self,
+        config: ModelConfig,
+        *,
+        param_dtype=jnp.float32,
+        compute_dtype=jnp.float32,
+        kernels: Kernels = Kernels(),
+        parallel: ParallelConfig = ParallelConfig(),
+        rngs: nnx.Rngs,
     ):
         self.config = config
         self.compute_dtype = compute_dtype
         self.kernels = kernels  # static: XLA paths or Pallas kernels (jaxinfer.kernels)
-        shapes = param_shapes(config)
+        self.parallel = parallel  # static: the mesh's axis sizes (sharding.mesh.ParallelConfig)
+        shapes = param_shapes(config, parallel.tp)  # global shapes; __call__ sees this device's shards
         layer_shapes = {k.split(".", 1)[1]: v for k, v in shapes.items() if k.startswith("layers.")}
         self.embed = nnx.Param(_init("embed", shapes["embed"], param_dtype, rngs.params()))
         self.layers = DecoderLayers(layer_shapes, param_dtype, rngs)
@@ -121,54 +98,108 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = nnx.Param(_init("lm_head", shapes["lm_head"], param_dtype, rngs.params()))
 
     def __call__(self, kv: KVCache, batch: RaggedBatch, *, query_block: int) -> tuple[jax.Array, KVCache]:
-        """Returns (logits [R, V] float32 for the rows batch.logits_indices, the updated cache)."""
-        c = self.config
+        """One device's part of a step (see the module docstring).
+
+        kv: this device's pages, [L, P, page_size, Hkv_local, D]; batch: its replica's batch (T
+        tokens, S sequence slots). Returns (logits [R, V] float32 for the rows
+        batch.logits_indices, the same on every device of the replica; the updated cache).
+        """
+        c, par, kernels = self.config, self.parallel, self.kernels
         T = batch.token_ids.shape[0]
         S = batch.kv_lens.shape[0]
+        num_heads = c.num_heads // par.tp  # this device's query heads
+        num_kv_heads = kv_heads_per_shard(c.num_kv_heads, par.tp)
+        Tl = T // par.sp  # this device's tokens: rows first_row : first_row + Tl of the step
+        first_row = jax.lax.axis_index("sequence") * Tl if par.sp > 1 else 0
         page_size = kv.page_size
 
-        x = self.embed[...][batch.token_ids].astype(self.compute_dtype)  # [T, H]
-        write_page, write_offset = kv_write_locations(batch, page_size, SCRATCH_PAGE)  # [T] each
+        x = self._embed(jax.lax.dynamic_slice_in_dim(batch.token_ids, first_row, Tl))  # [Tl, H]
+        write_page, write_offset = kv_write_locations(batch, page_size, SCRATCH_PAGE)  # [T] each: every token's slot
         seq_of_token = jnp.minimum(jnp.searchsorted(batch.cu_q_lens[1:], jnp.arange(T), side="right"), S - 1)
         cos, sin = rope_cos_sin(c, batch.positions, batch.kv_lens[seq_of_token])  # [T, D] each
         stacked = self.layers.stacked()
         sm_scale = float(c.head_dim) ** -0.5
-        kernels = self.kernels
 
         # Fold the layer axis into the page axis: layer i's page p is page i * P + p of one pool.
         L, num_pages = kv.k.shape[:2]
-        pool_shape = (L * num_pages,) + kv.k.shape[2:]  # [L * P, page_size, Hkv, D]
+        pool_shape = (L * num_pages,) + kv.k.shape[2:]  # [L * P, page_size, Hkv_local, D]
 
         # The loop carries the residual stream as (hidden, residual): each norm takes in the add
         # that precedes it (add_rms_norm), so on accelerators the add and the norm are one pass.
         def layer(i, carry):
-            hidden, residual, k_pages, v_pages = carry  # [T, H] each; the stream is hidden + residual
+            hidden, residual, k_pages, v_pages = carry  # [Tl, H] each; the stream is hidden + residual
             w = {name: jax.tree.map(lambda a: a[i], p) for name, p in stacked.items()}  # layer i's weights
             h, residual = add_rms_norm(hidden, residual, w["attn_norm"], c.rms_norm_eps, kernels)
-            q, k, v = split_qkv(linear(h, w["qkv_proj"], w.get("qkv_bias"), kernels), c)  # one matmul
+            qkv = linear(h, w["qkv_proj"], w.get("qkv_bias"), kernels)  # one matmul: [Tl, (Hq + 2*Hkv)*D] local
+            q, k, v = split_qkv(qkv, num_heads, num_kv_heads, c.head_dim)
             if c.qk_norm:
                 q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
                 k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
             attn, k_pages, v_pages = write_kv_and_attend(  # RoPE, KV write, attention
                 q, k, v, cos, sin, k_pages, v_pages, i * num_pages, write_page, write_offset, batch,
                 sm_scale=sm_scale, sliding_window=c.sliding_window, query_block=query_block, kernels=kernels,
+                parallel=par,
             )
-            attn_out = linear(attn.reshape(T, c.num_heads * c.head_dim), w["o_proj"], w.get("o_bias"), kernels)
+            attn_out = self._row_parallel(attn.reshape(Tl, num_heads * c.head_dim), w["o_proj"], w.get("o_bias"))
             h, residual = add_rms_norm(attn_out, residual, w["mlp_norm"], c.rms_norm_eps, kernels)
-            hidden = swiglu_mlp(h, w["gate_up_proj"], w["down_proj"], w.get("gate_up_bias"), w.get("down_bias"), kernels)
+            if c.is_moe:
+                hidden = self._tensor_sum(moe.moe_mlp(h, w, c, par, kernels)).astype(h.dtype)
+            else:
+                hidden = self._row_parallel(gate_up_swiglu(h, w["gate_up_proj"], w.get("gate_up_bias"), kernels),
+                                            w["down_proj"], w.get("down_bias"))
             return hidden, residual, k_pages, v_pages
 
         hidden, residual, k_pages, v_pages = jax.lax.fori_loop(
             0, c.num_layers, layer, (x, jnp.zeros_like(x), kv.k.reshape(pool_shape), kv.v.reshape(pool_shape))
         )
-        rows = batch.logits_indices
-        h, _ = add_rms_norm(hidden[rows], residual[rows], self.final_norm[...], c.rms_norm_eps, kernels)  # [R, H]
-        if c.tie_word_embeddings:
-            embed = self.embed[...]
+        hidden, residual = self._logits_rows(hidden, residual, batch.logits_indices, first_row)  # [R, H] each
+        h, _ = add_rms_norm(hidden, residual, self.final_norm[...], c.rms_norm_eps, kernels)
+        return self._lm_head(h), KVCache(k=k_pages.reshape(kv.k.shape), v=v_pages.reshape(kv.v.shape))
+
+    # ------------------------------------------------------------------ the parallel pieces
+    def _tensor_sum(self, partial: jax.Array) -> jax.Array:
+        """Adds the tensor-parallel shards' partial sums (the Megatron all-reduce)."""
+        return jax.lax.psum(partial, "tensor") if self.parallel.tp > 1 else partial
+
+    def _row_parallel(self, x, w, b=None):
+        """x [T, K_local] @ w [K_local, H], summed over the tensor shards, + b; in x's dtype."""
+        y = self._tensor_sum(matmul(x, w, self.kernels))  # float32
+        if b is not None:
+            y = y + b.astype(jnp.float32)
+        return y.astype(x.dtype)
+
+    def _hidden_shard(self, h: jax.Array) -> jax.Array:
+        """This tensor shard's columns of h [R, H] (the embedding's hidden dim is split)."""
+        tp = self.parallel.tp
+        if tp == 1:
+            return h
+        width = h.shape[-1] // tp
+        return jax.lax.dynamic_slice_in_dim(h, jax.lax.axis_index("tensor") * width, width, axis=-1)
+
+    def _embed(self, token_ids: jax.Array) -> jax.Array:
+        """token_ids [T] -> [T, H] in the compute dtype; the table's hidden dim is split over tensor."""
+        x = self.embed[...][token_ids].astype(self.compute_dtype)  # [T, H / tp]
+        return jax.lax.all_gather(x, "tensor", axis=1, tiled=True) if self.parallel.tp > 1 else x
+
+    def _logits_rows(self, hidden, residual, rows, first_row):
+        """The rows [R] of this replica's step that need logits, from the devices holding them."""
+        if self.parallel.sp == 1:
+            return hidden[rows], residual[rows]
+        local = rows - first_row
+        mine = ((local >= 0) & (local < hidden.shape[0]))[:, None]
+        local = jnp.clip(local, 0, hidden.shape[0] - 1)
+        pick = lambda a: jax.lax.psum(jnp.where(mine, a[local], 0).astype(jnp.float32), "sequence").astype(a.dtype)  # noqa: E731
+        return pick(hidden), pick(residual)
+
+    def _lm_head(self, h: jax.Array) -> jax.Array:
+        """h [R, H] -> logits [R, V] float32 (the LM head, or the tied embedding)."""
+        h = self._hidden_shard(h)
+        if self.config.tie_word_embeddings:
+            embed = self.embed[...]  # [V, H / tp]
             logits = jnp.einsum("rh,vh->rv", h.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
         else:
-            logits = matmul(h, self.lm_head.get_value(), kernels)
-        return logits, KVCache(k=k_pages.reshape(kv.k.shape), v=v_pages.reshape(kv.v.shape))
+            logits = matmul(h, self.lm_head.get_value(), self.kernels)
+        return self._tensor_sum(logits)
 
 
 def flat_to_nested(flat: dict[str, np.ndarray]) -> dict:

@@ -16,6 +16,17 @@ Same inputs and result as `reference.ragged_paged_attention`, computed the way a
 The reference loops every query block to the batch's longest context; on a batch of decodes with
 mixed lengths most of that is padding. Here the work is the sum of what each block needs, which
 is what makes the XLA CPU path fast. The trip count of the loop is dynamic, the shapes static.
+
+Two options make the result a *partial* attention that can be merged with others:
+
+- `kv_end` [S]: sequence s sees only cache positions < kv_end[s] (on top of the causal, window
+  and kv_lens rules). KV blocks wholly at or past kv_end get no work item, so they are never
+  read. With kv_end = kv_lens - q_lens a step attends to what earlier steps wrote and nothing of
+  its own; its own keys can then be attended densely (e.g. by ring attention) and the two merged.
+- `return_lse=True`: also return the log-sum-exp of the visible scores of every (row, head),
+  which is what two partials over disjoint keys need to be merged exactly:
+      lse = logaddexp(lse_a, lse_b),  out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b.
+  A row that sees no key has output 0 and lse -inf.
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ def _cdiv(a, b):
         "num_kv_pages_per_block",
         "items_per_step",
         "max_query_blocks",
+        "return_lse",
     ),
 )
 def ragged_paged_attention(
@@ -67,7 +79,9 @@ def ragged_paged_attention(
     items_per_step: int = 32,
     seq_mask: jax.Array | None = None,  # [S] bool: serve only these sequences (others' rows come out 0)
     max_query_blocks: int | None = None,  # static bound on query blocks, when the caller knows a smaller one
-) -> jax.Array:
+    kv_end: jax.Array | None = None,  # [S] int32: sequence s sees only cache positions < kv_end[s]
+    return_lse: bool = False,  # also return lse [T, Hq] float32 (log-sum-exp of the visible scores)
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     check_kv_scales(k_pages, v_pages, k_scale, v_scale)
     T, Hq, D = q.shape
     page_size, Hkv = k_pages.shape[1], k_pages.shape[2]
@@ -98,6 +112,8 @@ def ragged_paged_attention(
     rows = jnp.where(row_valid, cu_q_lens[block_seq][:, None] + row_in_seq, T)
     block_kv_len = jnp.where(block_valid, kv_lens[block_seq], 0)
     q_pos = block_kv_len[:, None] - block_q_len[:, None] + row_in_seq  # [NB, Bq]
+    # keys a block may see lie below kv_visible_end (kv_lens, or kv_end when that is smaller)
+    kv_visible_end = block_kv_len if kv_end is None else jnp.minimum(block_kv_len, kv_end[block_seq])  # [NB]
 
     qb = q[jnp.minimum(rows, T - 1)].reshape(NB, Bq, Hkv, G, D)
     qb = qb.transpose(0, 2, 1, 3, 4).reshape(NB, Hkv, Bq * G, D)  # row r: query r // G, head r % G
@@ -109,7 +125,12 @@ def ragged_paged_attention(
     first_pos = block_kv_len - block_q_len + q_offset
     lo = jnp.zeros_like(first_pos) if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
     first_kv_block = lo // kv_block
-    kv_blocks_needed = jnp.where(block_valid, last_pos // kv_block + 1 - first_kv_block, 0)  # [NB]
+    hi = last_pos  # last position any query of the block may see
+    sees_keys = block_valid
+    if kv_end is not None:
+        hi = jnp.minimum(hi, kv_visible_end - 1)
+        sees_keys = block_valid & (hi >= lo)  # blocks whose visible range is empty get no work item
+    kv_blocks_needed = jnp.where(sees_keys, hi // kv_block + 1 - first_kv_block, 0)  # [NB]
     cu_items = jnp.cumsum(kv_blocks_needed)
     num_items = cu_items[-1]
 
@@ -142,7 +163,7 @@ def ragged_paged_attention(
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = kv_blk[:, None] * kv_block + jnp.arange(kv_block)[None, :]  # [W, kv_block]
         qp = q_pos_rows[item_block]  # [W, Bq*G]
-        mask = (kv_pos[:, None, :] <= qp[:, :, None]) & (kv_pos[:, None, :] < block_kv_len[item_block][:, None, None])
+        mask = (kv_pos[:, None, :] <= qp[:, :, None]) & (kv_pos[:, None, :] < kv_visible_end[item_block][:, None, None])
         if sliding_window is not None:
             mask &= kv_pos[:, None, :] > qp[:, :, None] - sliding_window
         mask &= row_valid_rows[item_block][:, :, None] & item_valid[:, None, None]
@@ -172,4 +193,22 @@ def ragged_paged_attention(
     out = o_blk / jnp.where(l_blk == 0.0, 1.0, l_blk)[..., None]  # [NB, Hkv, Bq*G, D]
     out = out.reshape(NB, Hkv, Bq, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * Bq, Hq, D)
     result = jnp.zeros((T, Hq, D), q.dtype)
-    return result.at[rows.reshape(-1)].set(out.astype(q.dtype), mode="drop")
+    result = result.at[rows.reshape(-1)].set(out.astype(q.dtype), mode="drop")
+    if not return_lse:
+        return result
+    return result, _scatter_lse(m_blk, l_blk, rows, T)
+
+
+def _scatter_lse(m_blk, l_blk, rows, T):
+    """Per-block softmax statistics -> lse [T, Hq] float32 in row order, -inf where nothing is visible.
+
+    m_blk, l_blk [NB, Hkv, Bq*G]: the max (0 where nothing is visible) and the sum of exp(score - max)
+    of every block row and head; rows [NB, Bq]: the output row of each block row (T = none).
+    """
+    NB, Hkv, BqG = l_blk.shape
+    Bq = rows.shape[1]
+    G = BqG // Bq
+    lse = jnp.where(l_blk > 0.0, m_blk + jnp.log(jnp.where(l_blk > 0.0, l_blk, 1.0)), -jnp.inf)
+    lse = lse.reshape(NB, Hkv, Bq, G).transpose(0, 2, 1, 3).reshape(NB * Bq, Hkv * G)  # [NB*Bq, Hq]
+    result = jnp.full((T, Hkv * G), -jnp.inf, jnp.float32)
+    return result.at[rows.reshape(-1)].set(lse, mode="drop")

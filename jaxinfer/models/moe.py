@@ -1,0 +1,55 @@
+"""The mixture-of-experts MLP of Mixtral, Qwen2-MoE and Qwen3-MoE (replaces a dense layer's MLP).
+
+    router_logits = x @ W_router                                  # [T, E]
+    weights, ids  = top-k of softmax(router_logits)               # [T, k] each, in float32
+                    (renormalised to sum to 1 when config.norm_topk_prob; Mixtral always)
+    out           = sum_j weights[:, j] * expert_{ids[:, j]}(x)   # SwiGLU experts
+                  + sigmoid(x @ W_shared_gate) * shared_expert(x) # Qwen2-MoE only
+
+The experts run as a grouped matmul over the tokens sorted by expert
+(`sharding.expert_parallel.moe_experts`); with expert parallelism each device holds E / ep experts
+and the (token, expert) pairs travel to their expert's device and back with all_to_all, dropping
+none. With tensor parallelism every expert's (and the shared expert's) width is split too, so
+this returns a partial sum the decoder adds over the tensor axis with its other MLP.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.kernels import Kernels
+from jaxinfer.models.layers import gate_up_swiglu, matmul
+from sharding.expert_parallel import moe_experts
+from sharding.mesh import ParallelConfig
+
+
+def route(router_logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """router_logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32), as HF routes:
+    softmax over all experts in float32, the k largest, optionally renormalised over those k."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights, ids.astype(jnp.int32)
+
+
+def moe_mlp(x: jax.Array, w: dict, config: ModelConfig, parallel: ParallelConfig, kernels: Kernels = Kernels()) -> jax.Array:
+    """x [T, H] -> this tensor shard's partial MLP output [T, H] float32.
+
+    w: one layer's weights: router [H, E], experts_gate_up [E_local, H, 2*Ie_local],
+    experts_down [E_local, Ie_local, H] and, for Qwen2-MoE, shared_gate_up [H, 2*Is_local],
+    shared_down [Is_local, H], shared_expert_gate [H, 1].
+    """
+    weights, ids = route(matmul(x, w["router"], kernels), config.num_experts_per_tok, config.norm_topk_prob)
+    w_gate_up, w_down = w["experts_gate_up"], w["experts_down"]
+    out = moe_experts(
+        x.astype(w_gate_up.dtype), ids, weights, w_gate_up, w_down,
+        expert_axis="expert" if parallel.ep > 1 else None, num_experts=config.num_experts,
+    )
+    if "shared_gate_up" in w:
+        shared = matmul(gate_up_swiglu(x, w["shared_gate_up"], None, kernels), w["shared_down"], kernels)  # [T, H] partial
+        gate = jax.nn.sigmoid(matmul(x, w["shared_expert_gate"], kernels))  # [T, 1]: the same on every shard
+        out = out + gate * shared
+    return out

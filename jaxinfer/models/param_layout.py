@@ -1,0 +1,169 @@
+"""The parameter layout of the decoder: every parameter's shape, its logical axes, and which HF
+projection fills which columns of a fused parameter, for a tensor-parallel degree `tp`.
+
+Flat names; linear weights are [in, out]; per-layer weights stack on a leading [L] axis, expert
+weights on [L, E]:
+
+    embed [V, H]   final_norm [H]   lm_head [H, V] (absent with tied embeddings)
+    layers.attn_norm [L, H]   layers.mlp_norm [L, H]
+    layers.qkv_proj [L, H, (Hq + 2*Hkv')*D]                    layers.o_proj [L, Hq*D, H]
+    dense MLP:  layers.gate_up_proj [L, H, 2*I]                 layers.down_proj [L, I, H]
+    MoE:        layers.router [L, H, E]
+                layers.experts_gate_up [L, E, H, 2*Ie]          layers.experts_down [L, E, Ie, H]
+                Qwen2-MoE: layers.shared_gate_up [L, H, 2*Is], layers.shared_down [L, Is, H],
+                           layers.shared_expert_gate [L, H, 1]
+    optional: layers.qkv_bias [L, (Hq + 2*Hkv')*D], layers.o_bias [L, H],
+              layers.gate_up_bias [L, 2*I], layers.down_bias [L, H], layers.{q,k}_norm [L, D]
+
+**Fused columns, shard-major.** Tensor parallelism splits the last axis of a fused parameter into
+`tp` equal, contiguous shards, and each shard must hold whole heads and matching gate/up
+columns. So the columns are laid out shard by shard: `qkv_proj` is
+`[q_0 | k_0 | v_0 | q_1 | k_1 | v_1 | ...]` (shard t: its Hq/tp query heads and the KV heads they
+use) and `gate_up_proj` is `[gate_0 | up_0 | gate_1 | up_1 | ...]`. With tp = 1 that is plain
+`[q | k | v]` and `[gate | up]`, the layout checkpoints are converted to.
+
+**Replicated KV heads.** With more shards than KV heads (tp > Hkv) every shard still needs the
+KV head its query heads use, so each KV head is stored tp / Hkv times (Hkv' = tp, one per shard),
+and the KV cache has tp heads. Otherwise Hkv' = Hkv. `sharding.mesh.kv_heads_per_shard` decides.
+
+Logical axis names (`param_axes`) say what each dimension is; `sharding.rules` maps them to mesh
+axes (tensor parallelism shards "qkv", "heads", "mlp" and "embed_tp", expert parallelism "experts").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from sharding.mesh import kv_heads_per_shard
+
+Segment = tuple[str, int, int]  # (part, first row of that part's HF tensor, width)
+
+
+def num_kv_heads_stored(config: ModelConfig, tp: int = 1) -> int:
+    """KV heads in the cache and in qkv_proj: Hkv, or tp when KV heads are replicated."""
+    return kv_heads_per_shard(config.num_kv_heads, tp) * tp
+
+
+def param_shapes(config: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]:
+    """Flat parameter name -> global shape, for exactly the parameters this config has."""
+    c = config
+    L, H, V, D = c.num_layers, c.hidden_size, c.vocab_size, c.head_dim
+    q_dim, kv_dim = c.num_heads * D, num_kv_heads_stored(c, tp) * D
+    qkv_dim = q_dim + 2 * kv_dim
+    shapes = {
+        "embed": (V, H),
+        "final_norm": (H,),
+        "layers.attn_norm": (L, H),
+        "layers.qkv_proj": (L, H, qkv_dim),
+        "layers.o_proj": (L, q_dim, H),
+        "layers.mlp_norm": (L, H),
+    }
+    if c.is_moe:
+        E, Ie, Is = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+        shapes.update({
+            "layers.router": (L, H, E),
+            "layers.experts_gate_up": (L, E, H, 2 * Ie),
+            "layers.experts_down": (L, E, Ie, H),
+        })
+        if Is:
+            shapes.update({"layers.shared_gate_up": (L, H, 2 * Is), "layers.shared_down": (L, Is, H),
+                           "layers.shared_expert_gate": (L, H, 1)})
+    else:
+        shapes.update({"layers.gate_up_proj": (L, H, 2 * c.intermediate_size), "layers.down_proj": (L, c.intermediate_size, H)})
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (H, V)
+    if c.qkv_bias:
+        shapes["layers.qkv_bias"] = (L, qkv_dim)
+    if c.o_bias:
+        shapes["layers.o_bias"] = (L, H)
+    if c.mlp_bias and not c.is_moe:
+        shapes.update({"layers.gate_up_bias": (L, 2 * c.intermediate_size), "layers.down_bias": (L, H)})
+    if c.qk_norm:
+        shapes.update({"layers.q_norm": (L, D), "layers.k_norm": (L, D)})
+    return shapes
+
+
+# What each dimension of each parameter is. Names ending in "norm" are [L, H] or [L, D] vectors.
+_AXES = {
+    "embed": ("vocab", "embed_tp"),
+    "lm_head": ("embed_tp", "vocab"),
+    "final_norm": ("embed",),
+    "layers.attn_norm": ("layers", "embed"),
+    "layers.mlp_norm": ("layers", "embed"),
+    "layers.qkv_proj": ("layers", "embed", "qkv"),
+    "layers.qkv_bias": ("layers", "qkv"),
+    "layers.o_proj": ("layers", "heads", "embed"),
+    "layers.o_bias": ("layers", "embed"),
+    "layers.q_norm": ("layers", "head_dim"),
+    "layers.k_norm": ("layers", "head_dim"),
+    "layers.gate_up_proj": ("layers", "embed", "mlp"),
+    "layers.gate_up_bias": ("layers", "mlp"),
+    "layers.down_proj": ("layers", "mlp", "embed"),
+    "layers.down_bias": ("layers", "embed"),
+    "layers.router": ("layers", "embed", "num_experts"),
+    "layers.experts_gate_up": ("layers", "experts", "embed", "mlp"),
+    "layers.experts_down": ("layers", "experts", "mlp", "embed"),
+    "layers.shared_gate_up": ("layers", "embed", "mlp"),
+    "layers.shared_down": ("layers", "mlp", "embed"),
+    "layers.shared_expert_gate": ("layers", "embed", None),
+}
+
+
+def param_axes(config: ModelConfig) -> dict[str, tuple[str | None, ...]]:
+    """Flat parameter name -> logical axis name of each of its dimensions."""
+    return {name: _AXES[name] for name in param_shapes(config)}
+
+
+def param_columns(config: ModelConfig, tp: int = 1) -> dict[str, tuple[Segment, ...]]:
+    """Fused parameter -> the HF rows on its last axis, shard by shard (see the module docstring)."""
+    c = config
+    D = c.head_dim
+    q_local = c.num_heads // tp * D
+    kv_local = kv_heads_per_shard(c.num_kv_heads, tp)
+    shards_per_kv_head = max(1, tp // c.num_kv_heads)  # > 1: KV heads replicated
+
+    qkv = []
+    for t in range(tp):
+        first_kv = t // shards_per_kv_head if shards_per_kv_head > 1 else t * kv_local
+        qkv += [("q", t * q_local, q_local), ("k", first_kv * D, kv_local * D), ("v", first_kv * D, kv_local * D)]
+
+    def gate_up(width: int) -> list[Segment]:
+        local = width // tp
+        return [seg for t in range(tp) for seg in (("gate", t * local, local), ("up", t * local, local))]
+
+    columns = {"layers.qkv_proj": tuple(qkv), "layers.qkv_bias": tuple(qkv)}
+    if c.is_moe:
+        columns["layers.experts_gate_up"] = tuple(gate_up(c.moe_intermediate_size))
+        if c.shared_expert_intermediate_size:
+            columns["layers.shared_gate_up"] = tuple(gate_up(c.shared_expert_intermediate_size))
+    else:
+        columns["layers.gate_up_proj"] = columns["layers.gate_up_bias"] = tuple(gate_up(c.intermediate_size))
+    shapes = param_shapes(c, tp)
+    return {name: segs for name, segs in columns.items() if name in shapes}
+
+
+def loader_spec(config: ModelConfig, dtype, tp: int = 1) -> dict[str, tuple]:
+    """The spec `checkpoints_conv.load_params` fills: name -> (shape, numpy dtype, columns)."""
+    columns = param_columns(config, tp)
+    np_dtype = np.dtype(dtype)
+    return {name: (shape, np_dtype, columns.get(name, ())) for name, shape in param_shapes(config, tp).items()}
+
+
+def relayout_indices(config: ModelConfig, tp_from: int, tp_to: int) -> dict[str, np.ndarray]:
+    """For each fused parameter, the columns of its tp_from layout that make its tp_to layout
+    (`new = old[..., idx]`): how params saved under one tensor-parallel degree are restored
+    under another. Empty when both layouts are the same."""
+    if tp_from == tp_to:
+        return {}
+    out = {}
+    src_cols, dst_cols = param_columns(config, tp_from), param_columns(config, tp_to)
+    for name, dst in dst_cols.items():
+        where = {}  # (part, HF row) -> a column of the tp_from layout holding it
+        col = 0
+        for part, start, width in src_cols[name]:
+            for r in range(width):
+                where.setdefault((part, start + r), col + r)
+            col += width
+        out[name] = np.array([where[part, start + r] for part, start, width in dst for r in range(width)], np.int32)
+    return out

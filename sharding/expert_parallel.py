@@ -1,0 +1,176 @@
+"""The expert computation of a mixture-of-experts (MoE) layer, on one device or expert-parallel.
+
+The router has already chosen, for each token t, k experts `expert_ids[t, :]` and their mixing
+weights `expert_weights[t, :]`. Every expert is a SwiGLU MLP,
+
+    expert_e(x) = (silu(x @ Wg[e]) * (x @ Wu[e])) @ Wd[e],
+
+with the weights of all E experts stacked: `w_gate_up [E, H, 2I]` (last axis = [gate | up]) and
+`w_down [E, I, H]`. The layer output is
+
+    out[t] = sum_j expert_weights[t, j] * expert_{expert_ids[t, j]}(x[t]).
+
+Three ways to compute it:
+
+    reference_moe(x, ids, weights, w_gate_up, w_down)        # every expert on every token: the truth
+    moe_experts(x, ids, weights, w_gate_up, w_down, num_experts=E)   # one device, grouped matmul
+    moe_experts(..., expert_axis="expert", num_experts=E)    # inside jax.shard_map: expert-parallel
+
+Expert-parallel (EP) layout: the mesh axis `expert` has size ep; device e holds experts
+[e * E/ep, (e + 1) * E/ep) and its OWN tokens. Each (token, slot) pair is sent to the device that
+owns its expert with `jax.lax.all_to_all` (XLA:CPU has no `ragged_all_to_all`, so the buffers are
+padded), computed there with one grouped matmul per weight, and sent back the same way:
+
+    send_x   [ep, T*k, H]  row (d, r): the r-th pair this device sends to device d (zeros past the end)
+    send_ids [ep, T*k]     its local expert id on device d, or E/ep (= "no pair") for an empty slot
+      -- all_to_all -->    recv_x [ep, T*k, H], recv_ids [ep, T*k]: block s = what device s sent here
+    grouped_expert_mlp over the ep*T*k received rows (empty slots sorted last: zero-size group)
+      -- all_to_all -->    back [ep, T*k, H]: back[d, r] = the result of the pair sent to (d, r)
+
+The sender remembers (destination d, row r) of every pair, so the return trip needs no metadata.
+A buffer holds T*k rows per destination, so no pair is ever dropped, even if all go to one device.
+
+Memory per device (f32 words), with P = T*k pairs of this device's T tokens:
+    weights      3 * (E/ep) * H * I
+    buffers      ep*P*H each for send, receive, sorted copy, result, unsorted result, return:
+                 at most 6 * ep*P*H (XLA reuses some), plus 2 * ep*P int32 expert ids
+    MLP          3 * ep*P*I (gate/up product [ep*P, 2I] and hidden [ep*P, I])
+    own pairs    2 * P*H (pair rows out, pair results back)
+i.e. O(ep * T * k * (H + I)): the price of dropping no token without ragged_all_to_all.
+
+Tensor parallelism composes without code here: if I is split over another mesh axis (each device's
+w_gate_up = [its gate columns | its up columns], w_down = its rows), `moe_experts` returns that
+device's partial sum and the caller adds the partials with `jax.lax.psum(out, "tensor")`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _swiglu_expert(x, w_gate_up, w_down):
+    """One expert's SwiGLU MLP on rows x [N, H]: (silu(x @ Wg) * (x @ Wu)) @ Wd. [N, H]."""
+    gate, up = jnp.split(x @ w_gate_up, 2, axis=-1)  # [N, I] each
+    return (jax.nn.silu(gate) * up) @ w_down  # [N, H]
+
+
+def reference_moe(x, expert_ids, expert_weights, w_gate_up, w_down):
+    """Every expert on every token, masked by the routing: the readable truth (O(T*E) work). [T, H] float32."""
+    x = x.astype(jnp.float32)  # [T, H]
+    num_experts = w_gate_up.shape[0]
+    # mix[t, e] = total weight token t gives expert e (0 where not routed).
+    one_hot = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32)  # [T, k, E]
+    mix = jnp.einsum("tk,tke->te", expert_weights.astype(jnp.float32), one_hot)  # [T, E]
+    out = jnp.zeros_like(x)  # [T, H]
+    for e in range(num_experts):
+        out = out + mix[:, e:e + 1] * _swiglu_expert(x, w_gate_up[e], w_down[e])
+    return out
+
+
+def grouped_expert_mlp(x_sorted, group_sizes, w_gate_up, w_down):
+    """x_sorted [N, H]: rows grouped by expert (group_sizes [E_loc] rows for each local expert, in order;
+    rows past sum(group_sizes) are padding and come out 0). One jax.lax.ragged_dot for gate/up and one for
+    down (a grouped matmul; no per-expert Python loop). Returns [N, H] float32."""
+    x_sorted = x_sorted.astype(jnp.float32)
+    group_sizes = group_sizes.astype(jnp.int32)
+    gate_up = jax.lax.ragged_dot(x_sorted, w_gate_up, group_sizes,
+                                 preferred_element_type=jnp.float32)  # [N, 2I]
+    gate, up = jnp.split(gate_up, 2, axis=-1)  # [N, I] each
+    hidden = jax.nn.silu(gate) * up  # [N, I]; padding rows: silu(0) * 0 = 0
+    # ragged_dot leaves rows past sum(group_sizes) at 0, so padding rows come out 0.
+    return jax.lax.ragged_dot(hidden, w_down, group_sizes, preferred_element_type=jnp.float32)  # [N, H]
+
+
+def _sort_by_group(group_of_row, num_groups):
+    """Order that groups rows by group id (stable), and the size of each group.
+
+    group_of_row [N] int32 in [0, num_groups]; the value num_groups marks an empty row, which sorts
+    last and counts in no group (padding for grouped_expert_mlp).
+    Returns (order [N]: row indices in grouped order, group_sizes [num_groups] int32)."""
+    order = jnp.argsort(group_of_row, stable=True)  # [N]
+    one_hot = jax.nn.one_hot(group_of_row, num_groups, dtype=jnp.int32)  # [N, G]; empty rows all 0
+    return order, one_hot.sum(axis=0)  # [N], [G]
+
+
+def _grouped_mlp_unsorted(rows, group_of_row, w_gate_up, w_down):
+    """grouped_expert_mlp on rows [N, H] in any order, group_of_row [N] (E_loc = empty row).
+    Returns [N, H] in the input order; empty rows give 0."""
+    order, group_sizes = _sort_by_group(group_of_row, w_gate_up.shape[0])
+    out_sorted = grouped_expert_mlp(rows[order], group_sizes, w_gate_up, w_down)  # [N, H]
+    return jnp.zeros_like(out_sorted).at[order].set(out_sorted)  # undo the sort
+
+
+def _combine_slots(pair_out, expert_weights):
+    """Weighted sum over the k slots: pair_out [T*k, H] (pair t*k + j), weights [T, k] -> [T, H]."""
+    num_tokens, k = expert_weights.shape
+    pair_out = pair_out.reshape(num_tokens, k, -1)  # [T, k, H]
+    return jnp.einsum("tk,tkh->th", expert_weights.astype(jnp.float32), pair_out)
+
+
+def _local_moe(x, expert_ids, expert_weights, w_gate_up, w_down):
+    """All experts on this device: group the T*k pairs by expert, one grouped matmul, combine. [T, H]."""
+    k = expert_ids.shape[1]
+    pair_rows = jnp.repeat(x, k, axis=0)  # [T*k, H]; pair t*k + j is token t, slot j
+    pair_out = _grouped_mlp_unsorted(pair_rows, expert_ids.reshape(-1), w_gate_up, w_down)  # [T*k, H]
+    return _combine_slots(pair_out, expert_weights)
+
+
+def _dispatch_slots(destination, ep):
+    """Row of each pair inside its destination's send buffer: the pairs going to one device are
+    numbered 0, 1, 2, ... in pair order. destination [P] int32 in [0, ep) -> rank [P] int32."""
+    one_hot = jax.nn.one_hot(destination, ep, dtype=jnp.int32)  # [P, ep]
+    count_so_far = jnp.cumsum(one_hot, axis=0) - one_hot  # [P, ep]: earlier pairs per destination
+    return jnp.take_along_axis(count_so_far, destination[:, None], axis=1)[:, 0]  # [P]
+
+
+def _expert_parallel_moe(x, expert_ids, expert_weights, w_gate_up, w_down, expert_axis, num_experts):
+    """Expert-parallel MoE on this device's tokens (see the module docstring for the layout). [T, H]."""
+    ep = jax.lax.axis_size(expert_axis)
+    experts_per_device = w_gate_up.shape[0]  # E_loc
+    if experts_per_device * ep != num_experts:
+        raise ValueError(f"num_experts={num_experts} but the expert axis has {ep} devices holding "
+                         f"{experts_per_device} experts each")
+    num_tokens, k = expert_ids.shape
+    num_pairs = num_tokens * k  # P = T*k: the capacity of every destination's buffer
+
+    # 1. Where each pair goes: destination device, its row there, its expert's local id there.
+    pair_expert = expert_ids.reshape(-1).astype(jnp.int32)  # [P]
+    destination = pair_expert // experts_per_device  # [P]
+    local_expert = pair_expert % experts_per_device  # [P]
+    rank = _dispatch_slots(destination, ep)  # [P]
+    pair_rows = jnp.repeat(x.astype(jnp.float32), k, axis=0)  # [P, H]
+
+    # 2. Fill the send buffers; empty slots get the out-of-range expert id E_loc (no group).
+    send_x = jnp.zeros((ep, num_pairs, x.shape[-1]), jnp.float32).at[destination, rank].set(pair_rows)  # [ep, P, H]
+    send_ids = jnp.full((ep, num_pairs), experts_per_device, jnp.int32).at[destination, rank].set(local_expert)  # [ep, P]
+
+    # 3. Exchange: block s of the received buffers is what device s sent to this device.
+    recv_x = jax.lax.all_to_all(send_x, expert_axis, split_axis=0, concat_axis=0)  # [ep, P, H]
+    recv_ids = jax.lax.all_to_all(send_ids, expert_axis, split_axis=0, concat_axis=0)  # [ep, P]
+
+    # 4. This device's experts on every received row (empty rows give 0).
+    recv_out = _grouped_mlp_unsorted(recv_x.reshape(ep * num_pairs, -1), recv_ids.reshape(-1),
+                                     w_gate_up, w_down).reshape(ep, num_pairs, -1)  # [ep, P, H]
+
+    # 5. Send the results back: back[d, r] answers the pair this device put at send_x[d, r].
+    back = jax.lax.all_to_all(recv_out, expert_axis, split_axis=0, concat_axis=0)  # [ep, P, H]
+    pair_out = back[destination, rank]  # [P, H]
+    return _combine_slots(pair_out, expert_weights)
+
+
+def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, expert_axis=None, num_experts):
+    """The routed experts' contribution [T, H] float32.
+    expert_axis=None: every expert is local (w_gate_up [E, H, 2I]): sort the (token, slot) pairs by expert,
+    grouped_expert_mlp, unsort, weighted sum over the k slots.
+    expert_axis='expert' (call inside jax.shard_map over a mesh with that axis, size ep): this device holds
+    experts [e * E/ep, (e + 1) * E/ep) (w_gate_up [E/ep, H, 2I]) and its own tokens x (each device along the
+    expert axis has DIFFERENT tokens). Dispatch every (token, slot) pair to the device owning its expert with
+    jax.lax.all_to_all, compute there with grouped_expert_mlp, send the results back with all_to_all, combine
+    with the weights. NO token may be dropped: the per-destination buffer holds all T*k pairs (worst case: all
+    to one device). Empty buffer slots must not disturb the grouped matmul (give them zero group)."""
+    if expert_axis is None:
+        if w_gate_up.shape[0] != num_experts:
+            raise ValueError(f"num_experts={num_experts} but w_gate_up stacks {w_gate_up.shape[0]} experts")
+        return _local_moe(x.astype(jnp.float32), expert_ids.astype(jnp.int32), expert_weights, w_gate_up, w_down)
+    return _expert_parallel_moe(x, expert_ids, expert_weights, w_gate_up, w_down, expert_axis, num_experts)

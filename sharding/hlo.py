@@ -1,0 +1,73 @@
+"""Count the collectives in a compiled XLA program (its optimized HLO text).
+
+    hlo = jax.jit(f).lower(*args).compile().as_text()
+    ops = collectives(hlo)                  # every all-reduce / all-gather / all-to-all / ... with its bytes
+    body = layer_loop_body(hlo)             # the computation of the (outermost) while loop's body
+    Counter(op.kind for op in ops if op.computation == body)
+
+The decoder runs its layers in one `lax.fori_loop`, so the loop body holds one layer's
+collectives: tests assert Megatron's two all-reduces per layer there, and `scripts/comm_model.py`
+turns the bytes into a per-token communication volume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute", "ragged-all-to-all")
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")  # unindented "name (params) -> shape {"
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z][\w\-]*)\(")
+_ARRAY_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+_WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str  # "all-reduce", "all-gather", ... (async "-start" halves counted once, "-done" not)
+    bytes: int  # size of its result (per device)
+    computation: str  # the HLO computation it sits in
+
+
+def _shape_bytes(shape: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY_SHAPE.findall(shape):
+        if dtype in _DTYPE_BYTES:
+            total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective op of the program, in text order."""
+    ops, computation = [], ""
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and not line[:1].isspace():
+            computation = header.group(1)
+            continue
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        shape, op = m.groups()
+        kind = op.removesuffix("-start")
+        if kind in COLLECTIVE_KINDS and not op.endswith("-done"):
+            ops.append(Collective(kind, _shape_bytes(shape), computation))
+    return ops
+
+
+def while_bodies(hlo_text: str) -> list[str]:
+    """Names of the body computations of every while loop, in text order."""
+    return _WHILE_BODY.findall(hlo_text)
+
+
+def layer_loop_body(hlo_text: str) -> str:
+    """The body of the while loop holding the most collectives: the decoder's layer loop."""
+    ops = collectives(hlo_text)
+    bodies = while_bodies(hlo_text)
+    if not bodies:
+        raise ValueError("the program has no while loop")
+    return max(bodies, key=lambda body: sum(op.computation == body for op in ops))

@@ -1,0 +1,97 @@
+"""A model on a device mesh, driven step by step: the harness of the sharding tests.
+
+`MeshModel(model_dir, ParallelConfig(...))` loads a checkpoint onto a mesh (every process's
+devices) with one page allocator per replica; `run_scenario` runs the same steps on any mesh (a
+ragged prefill of four prompts, three decode steps, a prompt prefilled in two chunks beside
+them), dealing sequence i to replica i % replicas, and returns the logits of every requested
+row. No torch here: multi-process workers import it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.batch import BucketKey, Buckets, SequenceChunk, pack_batch, stack_replicas
+from jaxinfer.kv_cache import KVCache
+from jaxinfer.loading import load_params, read_config, resolve_model
+from jaxinfer.step import StepFunction, kv_partition_spec, param_partition_specs
+from sharding.mesh import ParallelConfig, make_mesh
+
+PAGE_SIZE = 4
+PAGES_PER_REPLICA = 48
+KEY = BucketKey(num_tokens=32, num_seqs=8, num_logits=32, query_block=8)  # every step uses this one bucket
+BUCKETS = Buckets((32,), max_num_seqs=8, pages_per_seq=12)
+REL_TOL = 1e-5
+
+SHAPES = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=8, intermediate_size=96)
+
+
+class MeshModel:
+    """A model loaded onto a mesh, with one page allocator per replica."""
+
+    def __init__(self, model_dir, parallel: ParallelConfig):
+        source = resolve_model(model_dir)
+        self.config = config = read_config(source)
+        self.mesh = make_mesh(parallel)
+        graphdef, self.params = load_params(source, config, jnp.float32, jnp.float32, parallel=parallel, mesh=self.mesh,
+                                            progress=False)
+        self.step = StepFunction(graphdef, 0, mesh=self.mesh, param_specs=param_partition_specs(self.params, config))
+        self.replicas = parallel.num_replicas
+        sharding = jax.sharding.NamedSharding(self.mesh, kv_partition_spec().k)
+        self.kv = KVCache.create(config, PAGES_PER_REPLICA * self.replicas, PAGE_SIZE, tp=parallel.tp, sharding=sharding)
+        self.next_page = [1] * self.replicas  # page 0 of every replica is its scratch page
+
+    def allocate(self, replica: int, num_tokens: int) -> list[int]:
+        n = -(-num_tokens // PAGE_SIZE)
+        first = self.next_page[replica]
+        self.next_page[replica] += n
+        assert self.next_page[replica] <= PAGES_PER_REPLICA
+        return list(range(first, first + n))
+
+    def run(self, chunks: list[tuple[int, SequenceChunk]]) -> list[np.ndarray]:
+        """One step of (replica, chunk) pairs; the logits [rows, V] of each chunk's requested rows."""
+        per_replica = [[c for r, c in chunks if r == replica] for replica in range(self.replicas)]
+        packed = [pack_batch(cs, BUCKETS, PAGE_SIZE, KEY) for cs in per_replica]
+        batch = self.step.place_inputs(stack_replicas([b for _, b, _ in packed]))
+        logits, self.kv = self.step.forward(self.params, self.kv, batch, query_block=KEY.query_block)
+        logits = np.asarray(logits, np.float64)  # [replicas, R, V]
+        rows = {replica: iter(rows) for replica, (_, _, rows) in enumerate(packed)}
+        return [logits[r][next(rows[r])] for r, _ in chunks]
+
+
+def run_scenario(model: MeshModel) -> list[np.ndarray]:
+    """Prefill, decodes, and a chunked prefill riding along with decodes; sequence i on replica i % replicas."""
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    prompts = [list(map(int, rng.integers(3, vocab, n))) for n in (5, 9, 3, 12)]
+    extra = [list(map(int, rng.integers(3, vocab, 4))) for _ in prompts]  # decoded one by one
+    late = list(map(int, rng.integers(3, vocab, 11)))  # prefilled in chunks of 6 and 5
+    replica = lambda i: i % model.replicas  # noqa: E731
+    pages = [model.allocate(replica(i), len(p) + len(e)) for i, (p, e) in enumerate(zip(prompts, extra))]
+    late_pages = model.allocate(replica(4), len(late))
+    out = model.run([(replica(i), SequenceChunk(p, 0, pages[i], list(range(len(p))))) for i, p in enumerate(prompts)])
+    for t in range(3):
+        decodes = [(replica(i), SequenceChunk([extra[i][t]], len(p) + t, pages[i], [0])) for i, p in enumerate(prompts)]
+        if t == 1:
+            decodes.append((replica(4), SequenceChunk(late[:6], 0, late_pages, list(range(6)))))
+        if t == 2:
+            decodes.append((replica(4), SequenceChunk(late[6:], 6, late_pages, list(range(5)))))
+        out += model.run(decodes)
+    return out
+
+
+def mesh_id(p: ParallelConfig) -> str:
+    """"dp2-tp4", "sp4-ring": the sizes above 1, for test ids."""
+    sizes = [f"{name}{size}" for name, size in (("dp", p.dp), ("sp", p.sp), ("ep", p.ep), ("tp", p.tp)) if size > 1]
+    return "-".join(sizes + ([p.sp_attention] if p.sp > 1 else []))
+
+
+def assert_same_logits(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert np.abs(g - w).max() / np.abs(w).max() < REL_TOL
+
+

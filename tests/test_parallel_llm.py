@@ -1,0 +1,114 @@
+"""`LLM(..., tensor_parallel_size=, data_parallel_size=, expert_parallel_size=, ...)`: the same
+engine on a mesh of the 8 CPU devices generates what it generates on one device; bad parallel
+configurations fail at once with a message naming the size at fault."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from sharding.mesh import ShardingError
+from tiny_models import save_hf_model
+
+BASE = dict(max_model_len=96, page_size=4, num_pages=160, max_num_seqs=8, max_num_batched_tokens=32, progress=False)
+SHAPES = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=8, intermediate_size=96)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("dense-llm")
+    save_hf_model("llama3.1", directory, **SHAPES)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("moe-llm")
+    save_hf_model("mixtral", directory, **SHAPES, num_local_experts=8)
+    return str(directory)
+
+
+def prompts(n=10, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, 250, int(rng.integers(2, 30)))] for _ in range(n)]
+
+
+def tokens(llm, prompt_list, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_list, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def dense_reference(dense_dir):
+    return tokens(LLM(dense_dir, **BASE), prompts())
+
+
+def test_greedy_generation_with_tp4_equals_tp1_token_for_token(dense_dir, dense_reference):
+    llm = LLM(dense_dir, tensor_parallel_size=4, **BASE)
+    assert llm.mesh.shape["tensor"] == 4
+    assert tokens(llm, prompts()) == dense_reference
+
+
+def test_data_parallel_replicas_share_the_requests_and_change_nothing(dense_dir, dense_reference):
+    llm = LLM(dense_dir, data_parallel_size=2, tensor_parallel_size=2, **BASE)
+    assert tokens(llm, prompts()) == dense_reference
+    engine = llm.engine
+    assert len(engine.replicas) == 2
+    # balanced: with ten requests arriving together, each replica takes five
+    replicas = [engine.add_request(None, p, GREEDY).replica for p in prompts()]
+    assert sorted(np.bincount(replicas)) == [5, 5]
+    while engine.has_unfinished_requests():
+        engine.step()
+    for replica in engine.replicas:
+        replica.block_manager.check_invariants()
+
+
+def test_a_request_goes_to_the_replica_holding_its_prefix(dense_dir):
+    llm = LLM(dense_dir, data_parallel_size=2, **BASE)
+    shared = list(range(3, 40))  # 9 full pages
+    llm.generate([shared + [50]], GREEDY, use_tqdm=False)  # computes and caches them on one replica
+    holder = next(i for i, r in enumerate(llm.engine.replicas) if r.block_manager.num_cached_pages)
+    for _ in range(3):  # though the other replica is idle, the prefix wins
+        assert llm.engine.add_request(None, shared + [60], GREEDY).replica == holder
+    hits = llm.engine.replicas[holder].block_manager.stats.hits
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.engine.replicas[holder].block_manager.stats.hits > hits
+
+
+def test_moe_generation_with_expert_parallelism_equals_one_device(moe_dir):
+    reference = tokens(LLM(moe_dir, **BASE), prompts(6))
+    assert tokens(LLM(moe_dir, expert_parallel_size=4, tensor_parallel_size=2, **BASE), prompts(6)) == reference
+    # vLLM's spelling: the data-parallel replicas become expert-parallel ones
+    llm = LLM(moe_dir, data_parallel_size=2, enable_expert_parallel=True, **BASE)
+    assert (llm.parallel.dp, llm.parallel.ep) == (1, 2)
+    assert tokens(llm, prompts(6)) == reference
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tensor_parallel_size=3), r"tensor_parallel_size=3 does not divide the model's 8 attention heads"),
+    (dict(tensor_parallel_size=16), r"tensor_parallel_size=16 does not divide the model's 8 attention heads"),
+    (dict(data_parallel_size=4, tensor_parallel_size=4), r"needs 16 devices, but only 8 are available"),
+    (dict(expert_parallel_size=2), r"expert parallelism \(size 2\) needs a mixture-of-experts model"),
+    (dict(sequence_parallel_size=2, max_num_batched_tokens=33), r"max_num_batched_tokens=33 must be a multiple of 2"),
+    (dict(sequence_parallel_attention="ulysses", sequence_parallel_size=2), r"sp_attention='ulysses'"),
+])
+def test_bad_parallel_configurations_fail_at_once_naming_the_size(dense_dir, kwargs, message):
+    start = time.monotonic()
+    with pytest.raises((ShardingError, ValueError), match=message):
+        LLM(dense_dir, **{**BASE, **kwargs})
+    assert time.monotonic() - start < 5
+
+
+def test_params_saved_from_one_mesh_restore_onto_others(dense_dir, dense_reference, tmp_path):
+    """orbax save of sharded params (here from tp = 4, where each of the 2 KV heads is stored twice)
+    writes the tp = 1 layout, each process its own shards; the folder restores onto any mesh."""
+    from jaxinfer.loading import save_converted
+
+    llm = LLM(dense_dir, tensor_parallel_size=4, **BASE)
+    saved = save_converted(tmp_path / "converted", llm.config, llm.runner.params, llm.tokenizer, tp=4)
+    for kwargs in ({}, dict(tensor_parallel_size=8), dict(data_parallel_size=2, tensor_parallel_size=2)):
+        assert tokens(LLM(str(saved), **kwargs, **BASE), prompts()) == dense_reference, kwargs

@@ -1,0 +1,103 @@
+"""A model on a device mesh computes the logits it computes on one device.
+
+Tiny dense (Llama, GQA 8:2) and MoE (Qwen2-MoE: 8 experts, top-2, a shared expert) models, saved
+by transformers and loaded through the sharded loader, run the same steps on one device and on
+meshes of the 8 CPU devices (tests/conftest.py): a ragged prefill of four prompts, three decode
+steps, and a prompt prefilled in two chunks beside those decodes, through the paged cache. Every
+logits row must match the one-device run to a relative error of 1e-5. With several replicas
+(data parallelism; the expert axis also counts as one) the sequences are dealt out to them, each
+replica with its own pages.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from jaxinfer.batch import SequenceChunk, pack_batch, stack_replicas
+from mesh_model import BUCKETS, KEY, PAGE_SIZE, SHAPES, MeshModel, assert_same_logits, mesh_id, run_scenario
+from sharding.hlo import collectives, layer_loop_body
+from sharding.mesh import ParallelConfig
+from tiny_models import save_hf_model
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("dense")
+    save_hf_model("llama2", directory, **SHAPES)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("moe")
+    save_hf_model("qwen2_moe", directory, **SHAPES, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def dense_truth(dense_dir):
+    return run_scenario(MeshModel(dense_dir, ParallelConfig()))
+
+
+@pytest.fixture(scope="module")
+def moe_truth(moe_dir):
+    return run_scenario(MeshModel(moe_dir, ParallelConfig()))
+
+
+@pytest.mark.parametrize("parallel", [
+    ParallelConfig(tp=2), ParallelConfig(tp=4), ParallelConfig(tp=8),
+    ParallelConfig(dp=2), ParallelConfig(dp=2, tp=4),
+    ParallelConfig(sp=2), ParallelConfig(sp=4, sp_attention="ring"),
+], ids=mesh_id)
+def test_dense_model_on_a_mesh_matches_one_device(dense_dir, dense_truth, parallel):
+    assert_same_logits(run_scenario(MeshModel(dense_dir, parallel)), dense_truth)
+
+
+@pytest.mark.parametrize("parallel", [
+    ParallelConfig(tp=2), ParallelConfig(tp=8),
+    ParallelConfig(dp=2),
+    ParallelConfig(sp=4, sp_attention="ring"), ParallelConfig(sp=2),
+    ParallelConfig(ep=2), ParallelConfig(ep=4), ParallelConfig(ep=8),
+    ParallelConfig(tp=2, ep=4), ParallelConfig(tp=4, ep=2), ParallelConfig(dp=2, tp=4),
+], ids=mesh_id)
+def test_moe_model_on_a_mesh_matches_one_device(moe_dir, moe_truth, parallel):
+    assert_same_logits(run_scenario(MeshModel(moe_dir, parallel)), moe_truth)
+
+
+def compiled_collectives(model_dir, parallel: ParallelConfig) -> tuple[Counter, Counter, list]:
+    """(collectives in the layer loop's body, those outside it, all of them) of the compiled forward."""
+    model = MeshModel(model_dir, parallel)
+    per_replica = [pack_batch([SequenceChunk([5, 6, 7], 0, [1], [2])], BUCKETS, PAGE_SIZE, KEY)[1]] * model.replicas
+    batch = model.step.place_inputs(stack_replicas(per_replica))
+    hlo = model.step._forward.lower(model.params, model.kv, batch, query_block=KEY.query_block).compile().as_text()
+    ops = collectives(hlo)
+    body = layer_loop_body(hlo) if ops else None
+    return (Counter(op.kind for op in ops if op.computation == body),
+            Counter(op.kind for op in ops if op.computation != body), ops)
+
+
+def test_tensor_parallel_layers_do_two_all_reduces_each(dense_dir):
+    """Megatron: column-parallel QKV and gate/up, row-parallel o and down, so one all-reduce of the
+    [T, H] activations after o and one after down per layer; per step an all-gather of the
+    embedded tokens (the table is split on H) and an all-reduce of the logits."""
+    in_layer, outside, ops = compiled_collectives(dense_dir, ParallelConfig(tp=4))
+    assert in_layer == Counter({"all-reduce": 2})
+    assert outside == Counter({"all-gather": 1, "all-reduce": 1})
+    T, H = KEY.num_tokens, SHAPES["hidden_size"]
+    assert [op.bytes for op in ops if op.kind == "all-reduce"][:2] == [T * H * 4] * 2  # float32 [T, H]
+
+
+def test_one_device_runs_no_collectives(dense_dir):
+    assert compiled_collectives(dense_dir, ParallelConfig())[2] == []
+
+
+def test_expert_parallel_layers_dispatch_with_all_to_all(moe_dir):
+    """Per MoE layer: three all-to-alls (tokens and their expert ids out, results back) over the
+    expert axis, and the tensor axis' two all-reduces (attention, MLP); per step the logits are
+    gathered from the 4 replicas the expert axis makes for attention."""
+    in_layer, outside, _ = compiled_collectives(moe_dir, ParallelConfig(tp=2, ep=4))
+    assert in_layer == Counter({"all-to-all": 3, "all-reduce": 2})
+    assert outside == Counter({"all-gather": 2, "all-reduce": 1})
