@@ -71,15 +71,15 @@ def reference_moe(x, expert_ids, expert_weights, w_gate_up, w_down):
 def grouped_expert_mlp(x_sorted, group_sizes, w_gate_up, w_down):
     """x_sorted [N, H]: rows grouped by expert (group_sizes [E_loc] rows for each local expert, in order;
     rows past sum(group_sizes) are padding and come out 0). One jax.lax.ragged_dot for gate/up and one for
-    down (a grouped matmul; no per-expert Python loop). Returns [N, H] float32."""
-    x_sorted = x_sorted.astype(jnp.float32)
+    down (a grouped matmul; no per-expert Python loop). Inputs go in the weights' dtype, products
+    accumulate in float32 (as the dense matmuls do). Returns [N, H] float32."""
     group_sizes = group_sizes.astype(jnp.int32)
-    gate_up = jax.lax.ragged_dot(x_sorted, w_gate_up, group_sizes,
+    gate_up = jax.lax.ragged_dot(x_sorted.astype(w_gate_up.dtype), w_gate_up, group_sizes,
                                  preferred_element_type=jnp.float32)  # [N, 2I]
     gate, up = jnp.split(gate_up, 2, axis=-1)  # [N, I] each
     hidden = jax.nn.silu(gate) * up  # [N, I]; padding rows: silu(0) * 0 = 0
     # ragged_dot leaves rows past sum(group_sizes) at 0, so padding rows come out 0.
-    return jax.lax.ragged_dot(hidden, w_down, group_sizes, preferred_element_type=jnp.float32)  # [N, H]
+    return jax.lax.ragged_dot(hidden.astype(w_down.dtype), w_down, group_sizes, preferred_element_type=jnp.float32)  # [N, H]
 
 
 def _sort_by_group(group_of_row, num_groups):
@@ -139,10 +139,10 @@ def _expert_parallel_moe(x, expert_ids, expert_weights, w_gate_up, w_down, exper
     destination = pair_expert // experts_per_device  # [P]
     local_expert = pair_expert % experts_per_device  # [P]
     rank = _dispatch_slots(destination, ep)  # [P]
-    pair_rows = jnp.repeat(x.astype(jnp.float32), k, axis=0)  # [P, H]
+    pair_rows = jnp.repeat(x, k, axis=0)  # [P, H], in x's dtype: what travels is what the experts take in
 
     # 2. Fill the send buffers; empty slots get the out-of-range expert id E_loc (no group).
-    send_x = jnp.zeros((ep, num_pairs, x.shape[-1]), jnp.float32).at[destination, rank].set(pair_rows)  # [ep, P, H]
+    send_x = jnp.zeros((ep, num_pairs, x.shape[-1]), x.dtype).at[destination, rank].set(pair_rows)  # [ep, P, H]
     send_ids = jnp.full((ep, num_pairs), experts_per_device, jnp.int32).at[destination, rank].set(local_expert)  # [ep, P]
 
     # 3. Exchange: block s of the received buffers is what device s sent to this device.
@@ -151,11 +151,11 @@ def _expert_parallel_moe(x, expert_ids, expert_weights, w_gate_up, w_down, exper
 
     # 4. This device's experts on every received row (empty rows give 0).
     recv_out = _grouped_mlp_unsorted(recv_x.reshape(ep * num_pairs, -1), recv_ids.reshape(-1),
-                                     w_gate_up, w_down).reshape(ep, num_pairs, -1)  # [ep, P, H]
+                                     w_gate_up, w_down).reshape(ep, num_pairs, -1).astype(x.dtype)  # [ep, P, H]
 
     # 5. Send the results back: back[d, r] answers the pair this device put at send_x[d, r].
     back = jax.lax.all_to_all(recv_out, expert_axis, split_axis=0, concat_axis=0)  # [ep, P, H]
-    pair_out = back[destination, rank]  # [P, H]
+    pair_out = back[destination, rank].astype(jnp.float32)  # [P, H]
     return _combine_slots(pair_out, expert_weights)
 
 
@@ -172,5 +172,5 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, expert_axis
     if expert_axis is None:
         if w_gate_up.shape[0] != num_experts:
             raise ValueError(f"num_experts={num_experts} but w_gate_up stacks {w_gate_up.shape[0]} experts")
-        return _local_moe(x.astype(jnp.float32), expert_ids.astype(jnp.int32), expert_weights, w_gate_up, w_down)
+        return _local_moe(x, expert_ids.astype(jnp.int32), expert_weights, w_gate_up, w_down)
     return _expert_parallel_moe(x, expert_ids, expert_weights, w_gate_up, w_down, expert_axis, num_experts)

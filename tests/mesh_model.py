@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.batch import BucketKey, Buckets, SequenceChunk, pack_batch, stack_replicas
+from jaxinfer.kernels import Kernels
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.loading import load_params, read_config, resolve_model
 from jaxinfer.step import StepFunction, kv_partition_spec, param_partition_specs
@@ -31,12 +32,12 @@ SHAPES = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head
 class MeshModel:
     """A model loaded onto a mesh, with one page allocator per replica."""
 
-    def __init__(self, model_dir, parallel: ParallelConfig):
+    def __init__(self, model_dir, parallel: ParallelConfig, kernels: Kernels = Kernels()):
         source = resolve_model(model_dir)
         self.config = config = read_config(source)
         self.mesh = make_mesh(parallel)
-        graphdef, self.params = load_params(source, config, jnp.float32, jnp.float32, parallel=parallel, mesh=self.mesh,
-                                            progress=False)
+        graphdef, self.params = load_params(source, config, jnp.float32, jnp.float32, kernels=kernels, parallel=parallel,
+                                            mesh=self.mesh, progress=False)
         self.step = StepFunction(graphdef, 0, mesh=self.mesh, param_specs=param_partition_specs(self.params, config))
         self.replicas = parallel.num_replicas
         sharding = jax.sharding.NamedSharding(self.mesh, kv_partition_spec().k)

@@ -112,3 +112,22 @@ def test_params_saved_from_one_mesh_restore_onto_others(dense_dir, dense_referen
     saved = save_converted(tmp_path / "converted", llm.config, llm.runner.params, llm.tokenizer, tp=4)
     for kwargs in ({}, dict(tensor_parallel_size=8), dict(data_parallel_size=2, tensor_parallel_size=2)):
         assert tokens(LLM(str(saved), **kwargs, **BASE), prompts()) == dense_reference, kwargs
+
+
+def test_quantized_weights_split_over_tensor_shards(dense_dir):
+    """int8 weights (per-column scales) shard like the float ones: column-parallel weights split
+    scales with their columns, row-parallel ones keep them whole. int4 groups run along the input
+    rows, so a row-parallel weight whose shard is not whole groups is refused by name."""
+    reference = tokens(LLM(dense_dir, quantization="int8", **BASE), prompts(4))
+    assert tokens(LLM(dense_dir, quantization="int8", tensor_parallel_size=2, **BASE), prompts(4)) == reference
+    with pytest.raises(ShardingError, match=r"down_proj has 96 input rows, 48 per shard, not a multiple of quantization_group_size=32"):
+        LLM(dense_dir, quantization="int4", quantization_group_size=32, tensor_parallel_size=2, **BASE)
+
+
+def test_a_moe_model_converts_from_an_expert_parallel_mesh_and_restores_on_another(moe_dir, tmp_path):
+    from jaxinfer.loading import save_converted
+
+    reference = tokens(LLM(moe_dir, **BASE), prompts(4))
+    llm = LLM(moe_dir, expert_parallel_size=2, tensor_parallel_size=2, **BASE)
+    saved = save_converted(tmp_path / "converted", llm.config, llm.runner.params, llm.tokenizer, tp=2)
+    assert tokens(LLM(str(saved), tensor_parallel_size=4, **BASE), prompts(4)) == reference

@@ -16,6 +16,7 @@ from collections import Counter
 import pytest
 
 from jaxinfer.batch import SequenceChunk, pack_batch, stack_replicas
+from jaxinfer.kernels import Kernels
 from mesh_model import BUCKETS, KEY, PAGE_SIZE, SHAPES, MeshModel, assert_same_logits, mesh_id, run_scenario
 from sharding.hlo import collectives, layer_loop_body
 from sharding.mesh import ParallelConfig
@@ -65,6 +66,13 @@ def test_dense_model_on_a_mesh_matches_one_device(dense_dir, dense_truth, parall
 ], ids=mesh_id)
 def test_moe_model_on_a_mesh_matches_one_device(moe_dir, moe_truth, parallel):
     assert_same_logits(run_scenario(MeshModel(moe_dir, parallel)), moe_truth)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_pallas_kernels_run_per_device_on_a_mesh(dense_dir, dense_truth, platform):
+    """The kernels (interpret mode here) see one device's heads and one replica's pages."""
+    assert_same_logits(run_scenario(MeshModel(dense_dir, ParallelConfig(dp=2, tp=2), Kernels(platform, interpret=True))),
+                       dense_truth)
 
 
 def compiled_collectives(model_dir, parallel: ParallelConfig) -> tuple[Counter, Counter, list]:

@@ -143,7 +143,7 @@ class LlamaForCausalLM(nnx.Module):
             attn_out = self._row_parallel(attn.reshape(Tl, num_heads * c.head_dim), w["o_proj"], w.get("o_bias"))
             h, residual = add_rms_norm(attn_out, residual, w["mlp_norm"], c.rms_norm_eps, kernels)
             if c.is_moe:
-                hidden = self._tensor_sum(moe.moe_mlp(h, w, c, par, kernels)).astype(h.dtype)
+                hidden = self._tensor_sum(moe.moe_mlp(h, w, c, par, kernels))
             else:
                 hidden = self._row_parallel(gate_up_swiglu(h, w["gate_up_proj"], w.get("gate_up_bias"), kernels),
                                             w["down_proj"], w.get("down_bias"))
@@ -157,15 +157,18 @@ class LlamaForCausalLM(nnx.Module):
         return self._lm_head(h), KVCache(k=k_pages.reshape(kv.k.shape), v=v_pages.reshape(kv.v.shape))
 
     # ------------------------------------------------------------------ the parallel pieces
-    def _tensor_sum(self, partial: jax.Array) -> jax.Array:
-        """Adds the tensor-parallel shards' partial sums (the Megatron all-reduce)."""
+    def _tensor_sum(self, partial: jax.Array, dtype=None) -> jax.Array:
+        """Adds the tensor-parallel shards' partial sums (the Megatron all-reduce) in `dtype`, by
+        default the compute dtype: bfloat16 on accelerators halves the bytes on the links, as vLLM
+        and Megatron do."""
+        partial = partial.astype(dtype or self.compute_dtype)
         return jax.lax.psum(partial, "tensor") if self.parallel.tp > 1 else partial
 
     def _row_parallel(self, x, w, b=None):
         """x [T, K_local] @ w [K_local, H], summed over the tensor shards, + b; in x's dtype."""
-        y = self._tensor_sum(matmul(x, w, self.kernels))  # float32
+        y = self._tensor_sum(matmul(x, w, self.kernels))
         if b is not None:
-            y = y + b.astype(jnp.float32)
+            y = y.astype(jnp.float32) + b.astype(jnp.float32)
         return y.astype(x.dtype)
 
     def _hidden_shard(self, h: jax.Array) -> jax.Array:
@@ -199,7 +202,7 @@ class LlamaForCausalLM(nnx.Module):
             logits = jnp.einsum("rh,vh->rv", h.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
         else:
             logits = matmul(h, self.lm_head.get_value(), self.kernels)
-        return self._tensor_sum(logits)
+        return self._tensor_sum(logits, jnp.float32)  # logits stay float32
 
 
 def flat_to_nested(flat: dict[str, np.ndarray]) -> dict:
