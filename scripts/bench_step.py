@@ -219,7 +219,7 @@ def run_jaxinfer(args, dtype: str) -> dict:
     def step(chunks) -> tuple[float, list, int]:
         before = runner.num_compiles
         t0 = time.perf_counter()
-        out = runner.execute([ScheduledChunk(c, RowSampling()) for c in chunks])
+        out = runner.execute([[ScheduledChunk(c, RowSampling()) for c in chunks]])[0]  # one replica
         return time.perf_counter() - t0, out, runner.num_compiles - before
 
     def key_of(chunks):
@@ -340,9 +340,8 @@ def run_jaxinfer(args, dtype: str) -> dict:
         cache_elems = runner.kv.k.size
         for row in res["compiles"]:
             chunks = used_chunks[row["what"]]
-            key, batch, rows = pack_batch(chunks, runner.buckets, page_size)
-            sampling = runner._sampling_tensors(key, [ScheduledChunk(c, RowSampling()) for c in chunks], rows)
-            hlo = runner.step_fn._step.lower(runner.params, runner.kv, batch, sampling, runner.token_buffer, query_block=key.query_block).compile().as_text()
+            key, _, _ = pack_batch(chunks, runner.buckets, page_size)
+            hlo = runner.compiled_hlo(key)
             n = 0
             for m in re.finditer(r"= \w+\[([\d,]+)\]\S* copy\(", hlo):
                 if int(np.prod([int(d) for d in m.group(1).split(",")])) == cache_elems:

@@ -170,12 +170,13 @@ def run_jaxinfer(args, setting: str) -> dict:
     last_done = [time.perf_counter()]
     orig_dispatch, orig_collect = runner.dispatch, runner.collect
 
-    def timed_dispatch(chunks, **kw):
+    def timed_dispatch(replica_chunks, **kw):
+        chunks = replica_chunks[0]  # one replica: this script runs on one device
         n_tok = sum(len(c.chunk.token_ids) for c in chunks)
         n_log = sum(len(c.chunk.logits_rows) for c in chunks)
         key = runner.buckets.key_for(n_tok, len(chunks), n_log)
         c0 = runner.num_compiles
-        handle = orig_dispatch(chunks, **kw)
+        handle = orig_dispatch(replica_chunks, **kw)
         launched[id(handle)] = (key, n_tok, len(chunks), runner.num_compiles - c0)
         return handle
 

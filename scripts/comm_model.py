@@ -5,14 +5,21 @@
 
 For an 8B-shaped dense model (Llama-3-8B: H 4096, 32 layers, 32/8 heads, I 14336, vocab 128256)
 at tensor parallelism 8, and a Mixtral-8x7B-shaped MoE (8 experts, top-2) at expert parallelism 8
-(with tp 1), the real step is compiled (not run: parameters are abstract, nothing is allocated)
-on 8 CPU devices in bfloat16, and the collectives of its HLO are counted and sized
-(`sharding.hlo`): bytes per layer, per step, per token. Then a simple alpha-beta model (ring
-all-reduce moves 2 (n-1)/n of the buffer per device, all-gather and all-to-all (n-1)/n) turns
-them into link time on an 8xH100 NVLink box and a TPU v5e-256 slice, next to the time the
-same step needs to stream the weights from HBM (the decode floor), so one can see when tensor
-parallelism stops paying. Link and HBM figures are the vendors' published peak numbers, not
-measurements (see HARDWARE below); the byte counts are measured from the compiled program.
+(with tp 1), the real serving step (a decode bucket) is lowered and compiled (not run:
+parameters are abstract, nothing is allocated) on 8 CPU devices in bfloat16, and the
+collectives of its program are counted and sized (`sharding.hlo`): per layer and per step, in
+bytes per token. The sizes are read from the program as lowered, before XLA:CPU's own passes
+(which widen bfloat16 reductions to float32 on the CPU only); the compiled program has the same
+collectives (tests/test_sharded_model.py counts them there).
+
+Then an alpha-beta model turns them into link time on an 8xH100 NVLink box and on a TPU v5e-256
+slice (8 chips of a ring along one torus axis): each collective costs a fixed latency alpha plus
+the bytes a device sends divided by its link bandwidth (ring all-reduce sends 2 (n-1)/n of the
+buffer, all-gather and all-to-all (n-1)/n). Next to it, the time the same step needs to stream
+this device's weights from HBM, the floor of a decode step: when the links take longer than
+that, more tensor parallelism no longer makes decoding faster. Link, latency and HBM figures are
+published peak numbers and rough latencies, assumptions rather than measurements (HARDWARE
+below); the byte counts come from the program.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from jaxinfer.models.param_layout import num_kv_heads_stored  # noqa: E402
 from jaxinfer.sampling import SamplingTensors  # noqa: E402
 from jaxinfer.step import StepFunction, kv_partition_spec, param_partition_specs  # noqa: E402
 from sharding import rules  # noqa: E402
-from sharding.hlo import collectives, layer_loop_body  # noqa: E402
+from sharding.hlo import split_by_layer_loop  # noqa: E402
 from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402
 
 LLAMA3_8B = ModelConfig(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
@@ -47,12 +54,13 @@ MIXTRAL_8X7B = ModelConfig(model_type="mixtral", vocab_size=32000, hidden_size=4
                            num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6, max_position_embeddings=32768,
                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336, norm_topk_prob=True)
 
-# Published peak figures (assumptions, not measurements): per-device, one direction.
+# Published peak figures and rough per-collective latencies (assumptions, not measurements):
+# per device, one direction.
 HARDWARE = {
     # NVLink 4 through NVSwitch: 900 GB/s bidirectional per H100 SXM; HBM3 3.35 TB/s.
-    "8xH100 (NVLink 4)": dict(link_GBps=450.0, latency_us=5.0, hbm_GBps=3350.0),
-    # v5e: 1600 Gbps of ICI per chip on a 16x16 torus (an 8-chip ring along one axis); HBM2e 819 GB/s.
-    "TPU v5e-256 (ICI)": dict(link_GBps=200.0, latency_us=10.0, hbm_GBps=819.0),
+    "8xH100 NVLink": dict(link_GBps=450.0, latency_us=10.0, hbm_GBps=3350.0),
+    # v5e: 1600 Gbps of ICI per chip (16x16 torus; a ring of 8 along one axis); HBM2e 819 GB/s.
+    "TPU v5e-256 ICI": dict(link_GBps=200.0, latency_us=10.0, hbm_GBps=819.0),
 }
 # bytes a device sends per byte of the (per-device) result buffer, for a ring implementation on n devices
 TRAFFIC = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
@@ -83,7 +91,8 @@ def compiled_step_hlo(config: ModelConfig, parallel: ParallelConfig, num_tokens:
                                min_p=per_replica((R,), jnp.float32), want_logprobs=per_replica((1,), jnp.bool_))
     step = StepFunction(graphdef, num_top_logprobs=0, max_rows=T, mesh=mesh, param_specs=specs)
     lowered = step._step.lower(params, kv, batch, sampling, per_replica((T,)), query_block=1)
-    return lowered.compile().as_text()
+    lowered.compile()  # it compiles (the collectives below are those of a real program)
+    return lowered.compiler_ir("hlo").as_hlo_text()
 
 
 def weight_bytes_per_device(config: ModelConfig, parallel: ParallelConfig, tokens: int) -> float:
@@ -104,47 +113,49 @@ def weight_bytes_per_device(config: ModelConfig, parallel: ParallelConfig, token
     return per_device
 
 
+def axis_size_of(kind: str, parallel: ParallelConfig) -> int:
+    """Devices taking part in a collective of this kind in our step: expert all-to-alls over ep,
+    tensor all-reduces / the embedding all-gather over tp, the replicas' logits gather over dp*ep."""
+    if kind == "all-to-all":
+        return parallel.ep
+    return parallel.tp if parallel.tp > 1 else parallel.num_replicas
+
+
 def report(name: str, config: ModelConfig, parallel: ParallelConfig, token_counts) -> None:
-    n_tp, n_ep = parallel.tp, parallel.ep
     print(f"\n## {name}, {parallel.describe()}, bfloat16\n")
-    print("| tokens/step | collective (per layer unless noted) | count | bytes each | bytes/token/device sent |")
-    print("|---|---|---|---|---|")
+    print("| tokens/step | collective | where | count | bytes each | sent/token/device |")
+    print("|---|---|---|---|---|---|")
     summary = []
     for T in token_counts:
-        hlo = compiled_step_hlo(config, parallel, T)
-        ops = collectives(hlo)
-        body = layer_loop_body(hlo)
-        sent = 0.0
-        groups = collections.Counter()
-        sizes = {}
-        for op in ops:
-            where = "layer" if op.computation == body else "step"
-            groups[(where, op.kind)] += 1
-            sizes[(where, op.kind)] = op.bytes
-        for (where, kind), count in sorted(groups.items()):
-            n = n_ep if kind == "all-to-all" else n_tp if kind in ("all-reduce",) and n_tp > 1 else max(n_tp, n_ep)
-            times = config.num_layers if where == "layer" else 1
-            per_token = count * sizes[(where, kind)] * TRAFFIC[kind](n) * times / T
-            sent += per_token * T
-            label = kind if where == "layer" else f"{kind} (once per step)"
-            print(f"| {T} | {label} | {count} | {sizes[(where, kind)]:,} | {per_token:,.0f} |")
-        summary.append((T, sent, weight_bytes_per_device(config, parallel, T)))
-    print("\nTime per step: links (alpha-beta, ring) vs streaming this device's weights from HBM\n")
-    print("| tokens/step | bytes sent/device | " + " | ".join(f"{hw}: links ms / HBM ms" for hw in HARDWARE) + " |")
-    print("|---|---|" + "---|" * len(HARDWARE))
-    for T, sent, weights in summary:
+        in_loop, outside = split_by_layer_loop(compiled_step_hlo(config, parallel, T))
+        groups = collections.Counter((op.kind, where, op.bytes) for where, ops in (("per layer", in_loop), ("per step", outside))
+                                     for op in ops if op.bytes)  # zero-size: e.g. top logprobs when none are asked for
+        sent, launches = 0.0, 0
+        for (kind, where, size), count in sorted(groups.items()):
+            times = config.num_layers if where == "per layer" else 1
+            step_bytes = count * size * TRAFFIC[kind](axis_size_of(kind, parallel)) * times
+            sent += step_bytes
+            launches += count * times
+            print(f"| {T} | {kind} | {where} | {count} | {size:,} | {step_bytes / T:,.0f} |")
+        if config.is_moe:  # what a ragged all-to-all would send: each pair's row out and back
+            ideal = 2 * config.num_experts_per_tok * config.hidden_size * 2 * TRAFFIC["all-to-all"](parallel.ep) * config.num_layers
+            print(f"| {T} | all-to-all, ragged (no padding) | per layer | 2 | - | {ideal:,.0f} |")
+        summary.append((T, sent, launches, weight_bytes_per_device(config, parallel, T)))
+    print("\nPer step: link time (alpha per collective + bytes / bandwidth) vs streaming this device's weights from HBM\n")
+    print("| tokens/step | collectives | sent/device | " + " | ".join(f"{hw} links / HBM ms" for hw in HARDWARE) + " |")
+    print("|---|---|---|" + "---|" * len(HARDWARE))
+    for T, sent, launches, weights in summary:
         cells = []
         for hw in HARDWARE.values():
-            hops = config.num_layers * 2 * (max(n_tp, n_ep) - 1) * 3  # rough: collectives x ring steps
-            link_ms = sent / (hw["link_GBps"] * 1e9) * 1e3 + hops * hw["latency_us"] / 1e3
+            link_ms = sent / (hw["link_GBps"] * 1e9) * 1e3 + launches * hw["latency_us"] / 1e3
             hbm_ms = weights / (hw["hbm_GBps"] * 1e9) * 1e3
-            cells.append(f"{link_ms:.3f} / {hbm_ms:.3f}")
-        print(f"| {T} | {sent / 2**20:,.1f} MiB | " + " | ".join(cells) + " |")
+            cells.append(f"{link_ms:.2f} / {hbm_ms:.2f}")
+        print(f"| {T} | {launches} | {sent / 2**20:,.1f} MiB | " + " | ".join(cells) + " |")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[8, 64, 256], help="tokens per step (decode buckets)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256], help="tokens per step (decode buckets)")
     parser.add_argument("--skip-moe", action="store_true")
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices (compiled only)")

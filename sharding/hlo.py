@@ -1,13 +1,13 @@
 """Count the collectives in a compiled XLA program (its optimized HLO text).
 
-    hlo = jax.jit(f).lower(*args).compile().as_text()
+    hlo = jax.jit(f).lower(*args).compile().as_text()      # or, before XLA's passes:
+    hlo = jax.jit(f).lower(*args).compiler_ir("hlo").as_hlo_text()
     ops = collectives(hlo)                  # every all-reduce / all-gather / all-to-all / ... with its bytes
-    body = layer_loop_body(hlo)             # the computation of the (outermost) while loop's body
-    Counter(op.kind for op in ops if op.computation == body)
+    in_loop, outside = split_by_layer_loop(hlo)
 
-The decoder runs its layers in one `lax.fori_loop`, so the loop body holds one layer's
-collectives: tests assert Megatron's two all-reduces per layer there, and `scripts/comm_model.py`
-turns the bytes into a per-token communication volume.
+The decoder runs its layers in one `lax.fori_loop`, so the loop body (and what it calls) holds
+one layer's collectives: tests assert Megatron's two all-reduces per layer there, and
+`scripts/comm_model.py` turns the bytes into a per-token communication volume.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")  # unindented
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z][\w\-]*)\(")
 _ARRAY_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 _WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|true_computation|false_computation)=\{?([%\w.\-, ]+)\}?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,15 +60,44 @@ def collectives(hlo_text: str) -> list[Collective]:
     return ops
 
 
+def _calls(hlo_text: str) -> dict[str, set[str]]:
+    """computation -> the computations its instructions call (loop bodies, branches, calls)."""
+    calls: dict[str, set[str]] = {}
+    computation = ""
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and not line[:1].isspace():
+            computation = header.group(1)
+            calls.setdefault(computation, set())
+            continue
+        for group in _CALLED.findall(line):
+            calls.setdefault(computation, set()).update(name.strip().lstrip("%") for name in group.split(",") if name.strip())
+    return calls
+
+
+def _reachable(start: str, calls: dict[str, set[str]]) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(calls.get(name, ()))
+    return seen
+
+
+def split_by_layer_loop(hlo_text: str) -> tuple[list[Collective], list[Collective]]:
+    """(collectives of one trip of the decoder's layer loop, all the others). The layer loop is
+    the while loop whose body, with everything it calls, holds the most collectives."""
+    ops = collectives(hlo_text)
+    calls = _calls(hlo_text)
+    best: set[str] = set()
+    for body in while_bodies(hlo_text):
+        inside = _reachable(body, calls)
+        if sum(op.computation in inside for op in ops) > sum(op.computation in best for op in ops):
+            best = inside
+    return [op for op in ops if op.computation in best], [op for op in ops if op.computation not in best]
+
+
 def while_bodies(hlo_text: str) -> list[str]:
     """Names of the body computations of every while loop, in text order."""
     return _WHILE_BODY.findall(hlo_text)
-
-
-def layer_loop_body(hlo_text: str) -> str:
-    """The body of the while loop holding the most collectives: the decoder's layer loop."""
-    ops = collectives(hlo_text)
-    bodies = while_bodies(hlo_text)
-    if not bodies:
-        raise ValueError("the program has no while loop")
-    return max(bodies, key=lambda body: sum(op.computation == body for op in ops))

@@ -18,7 +18,7 @@ import pytest
 from jaxinfer.batch import SequenceChunk, pack_batch, stack_replicas
 from jaxinfer.kernels import Kernels
 from mesh_model import BUCKETS, KEY, PAGE_SIZE, SHAPES, MeshModel, assert_same_logits, mesh_id, run_scenario
-from sharding.hlo import collectives, layer_loop_body
+from sharding.hlo import split_by_layer_loop
 from sharding.mesh import ParallelConfig
 from tiny_models import save_hf_model
 
@@ -81,10 +81,8 @@ def compiled_collectives(model_dir, parallel: ParallelConfig) -> tuple[Counter, 
     per_replica = [pack_batch([SequenceChunk([5, 6, 7], 0, [1], [2])], BUCKETS, PAGE_SIZE, KEY)[1]] * model.replicas
     batch = model.step.place_inputs(stack_replicas(per_replica))
     hlo = model.step._forward.lower(model.params, model.kv, batch, query_block=KEY.query_block).compile().as_text()
-    ops = collectives(hlo)
-    body = layer_loop_body(hlo) if ops else None
-    return (Counter(op.kind for op in ops if op.computation == body),
-            Counter(op.kind for op in ops if op.computation != body), ops)
+    in_loop, outside = split_by_layer_loop(hlo)
+    return Counter(op.kind for op in in_loop), Counter(op.kind for op in outside), in_loop + outside
 
 
 def test_tensor_parallel_layers_do_two_all_reduces_each(dense_dir):
@@ -95,7 +93,7 @@ def test_tensor_parallel_layers_do_two_all_reduces_each(dense_dir):
     assert in_layer == Counter({"all-reduce": 2})
     assert outside == Counter({"all-gather": 1, "all-reduce": 1})
     T, H = KEY.num_tokens, SHAPES["hidden_size"]
-    assert [op.bytes for op in ops if op.kind == "all-reduce"][:2] == [T * H * 4] * 2  # float32 [T, H]
+    assert [op.bytes for op in ops[:2]] == [T * H * 4] * 2  # float32 [T, H]
 
 
 def test_one_device_runs_no_collectives(dense_dir):
