@@ -7,7 +7,6 @@ running engine), so it works on any (graphdef, params) pair, e.g. before and aft
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 

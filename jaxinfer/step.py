@@ -36,21 +36,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxinfer.batch import RaggedBatch
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.models.param_layout import param_axes
-from jaxinfer.sampling import SampleOutput, SamplingTensors, sample
+from jaxinfer.sampling import SampleOutput, sample
 from sharding import rules
 from sharding.mesh import ParallelConfig, make_mesh
-
-
-def state_param_names(params) -> list[str]:
-    """The flat parameter name ("layers.qkv_proj") of every leaf of an nnx State, in leaf order."""
-    names = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
-        keys = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
-        names.append(".".join(str(k) for k in keys))
-    return names
 
 
 def param_partition_specs(params, config) -> object:

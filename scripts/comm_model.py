@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from jaxinfer.batch import RaggedBatch  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402

@@ -1,7 +1,7 @@
 """Start one command as N cooperating JAX processes on this machine, and wait for all of them.
 
-    python scripts/launch_multihost.py --num-processes 2 --cpu-devices-per-process 4 -- \\
-        jaxinfer generate "Hello" --tensor-parallel-size 8
+    python scripts/launch_multihost.py --num-processes 2 --cpu-devices-per-process 3 -- \\
+        jaxinfer generate "Hello" --tensor-parallel-size 3 --data-parallel-size 2
 
 Each process gets JAXINFER_COORDINATOR (127.0.0.1 and a free port, or --coordinator),
 JAXINFER_NUM_PROCESSES and JAXINFER_PROCESS_ID, which `jaxinfer` commands and

@@ -4,15 +4,13 @@ restored onto other meshes."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from checkpoints_conv import ArraySource, load_params, plan_params, read_blocks
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.param_layout import loader_spec, param_columns, param_shapes, relayout_indices
+from jaxinfer.models.param_layout import loader_spec, param_shapes, relayout_indices
 from sharding.mesh import ParallelConfig, make_mesh
 
 L, H, HQ, HKV, D, I, V = 2, 16, 8, 2, 4, 24, 32

@@ -441,7 +441,7 @@ class LLMEngine:
         need = self.block_manager.pages_needed(total) + (1 if p.n > 1 else 0) * (p.n - 1)
         if need > self.block_manager.num_usable_pages:
             raise ValueError(
-                f"{label}: needs {need} KV pages but the cache has {self.block_manager.num_usable_pages}; "
+                f"{label}: needs {need} KV pages but the cache has {self.block_manager.num_usable_pages} (per replica); "
                 f"raise num_pages or lower max_tokens"
             )
 

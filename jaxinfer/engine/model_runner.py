@@ -19,7 +19,6 @@ import time
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.batch import BucketKey, Buckets, RaggedBatch, SequenceChunk, pack_batch, shared_key, stack_replicas
