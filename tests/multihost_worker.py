@@ -51,8 +51,8 @@ model = MeshModel(model_dir, ParallelConfig(tp=8))
 logits = run_scenario(model)
 
 llm = LLM(str(model_dir), data_parallel_size=2, tensor_parallel_size=4, max_model_len=96, page_size=4, num_pages=64,
-          max_num_seqs=8, max_num_batched_tokens=32, progress=False)
-prompts = [[int(t) for t in np.random.default_rng(i).integers(3, 250, 5 + 3 * i)] for i in range(4)]
+          max_num_seqs=8, max_num_batched_tokens=64, progress=False)
+prompts = [[int(t) for t in np.random.default_rng(i).integers(3, 250, 6)] for i in range(4)]  # one prefill step, then decodes
 outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
 if process == 0:
     np.savez(out_dir / "logits.npz", *logits)

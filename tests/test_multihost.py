@@ -38,8 +38,8 @@ def test_two_processes_on_one_global_mesh_match_one_process(model_dir, tmp_path)
     saved = np.load(tmp_path / "logits.npz")
     assert_same_logits([saved[f"arr_{i}"] for i in range(len(saved.files))], run_scenario(MeshModel(model_dir, ParallelConfig())))
 
-    llm = LLM(str(model_dir), max_model_len=96, page_size=4, num_pages=64, max_num_seqs=8, max_num_batched_tokens=32, progress=False)
-    prompts = [[int(t) for t in np.random.default_rng(i).integers(3, 250, 5 + 3 * i)] for i in range(4)]
+    llm = LLM(str(model_dir), max_model_len=96, page_size=4, num_pages=64, max_num_seqs=8, max_num_batched_tokens=64, progress=False)
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(3, 250, 6)] for i in range(4)]  # one prefill step, then decodes
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)]
     assert json.loads((tmp_path / "tokens.json").read_text()) == want
 

@@ -13,7 +13,10 @@ from jaxinfer import LLM, SamplingParams
 from sharding.mesh import ShardingError
 from tiny_models import save_hf_model
 
-BASE = dict(max_model_len=96, page_size=4, num_pages=160, max_num_seqs=8, max_num_batched_tokens=32, progress=False)
+# Four prompts (at most MAX_PREFILL_CHUNKS: all prefill in one step) of one length, generating the
+# same number of tokens: each LLM compiles two step variants, a prefill and a decode (a compile of
+# the sharded step takes seconds on the CPU; the suite's time is compiles).
+BASE = dict(max_model_len=96, page_size=4, num_pages=160, max_num_seqs=8, max_num_batched_tokens=64, progress=False)
 SHAPES = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=8, intermediate_size=96)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -32,9 +35,9 @@ def moe_dir(tmp_path_factory):
     return str(directory)
 
 
-def prompts(n=10, seed=0):
+def prompts(n=4, seed=0, length=6):
     rng = np.random.default_rng(seed)
-    return [[int(t) for t in rng.integers(3, 250, int(rng.integers(2, 30)))] for _ in range(n)]
+    return [[int(t) for t in rng.integers(3, 250, length)] for _ in range(n)]
 
 
 def tokens(llm, prompt_list, params=GREEDY):
@@ -57,9 +60,9 @@ def test_data_parallel_replicas_share_the_requests_and_change_nothing(dense_dir,
     assert tokens(llm, prompts()) == dense_reference
     engine = llm.engine
     assert len(engine.replicas) == 2
-    # balanced: with ten requests arriving together, each replica takes five
-    replicas = [engine.add_request(None, p, GREEDY).replica for p in prompts()]
-    assert sorted(np.bincount(replicas)) == [5, 5]
+    # balanced: with eight requests arriving together, each replica takes four
+    replicas = [engine.add_request(None, p, GREEDY).replica for p in prompts(8)]
+    assert sorted(np.bincount(replicas)) == [4, 4]
     while engine.has_unfinished_requests():
         engine.step()
     for replica in engine.replicas:
@@ -79,13 +82,18 @@ def test_a_request_goes_to_the_replica_holding_its_prefix(dense_dir):
     assert llm.engine.replicas[holder].block_manager.stats.hits > hits
 
 
-def test_moe_generation_with_expert_parallelism_equals_one_device(moe_dir):
-    reference = tokens(LLM(moe_dir, **BASE), prompts(6))
-    assert tokens(LLM(moe_dir, expert_parallel_size=4, tensor_parallel_size=2, **BASE), prompts(6)) == reference
+@pytest.fixture(scope="module")
+def moe_reference(moe_dir):
+    return tokens(LLM(moe_dir, **BASE), prompts())
+
+
+def test_moe_generation_with_expert_parallelism_equals_one_device(moe_dir, moe_reference):
+    reference = moe_reference
+    assert tokens(LLM(moe_dir, expert_parallel_size=4, tensor_parallel_size=2, **BASE), prompts()) == reference
     # vLLM's spelling: the data-parallel replicas become expert-parallel ones
     llm = LLM(moe_dir, data_parallel_size=2, enable_expert_parallel=True, **BASE)
     assert (llm.parallel.dp, llm.parallel.ep) == (1, 2)
-    assert tokens(llm, prompts(6)) == reference
+    assert tokens(llm, prompts()) == reference
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -93,7 +101,7 @@ def test_moe_generation_with_expert_parallelism_equals_one_device(moe_dir):
     (dict(tensor_parallel_size=16), r"tensor_parallel_size=16 does not divide the model's 8 attention heads"),
     (dict(data_parallel_size=4, tensor_parallel_size=4), r"needs 16 devices, but only 8 are available"),
     (dict(expert_parallel_size=2), r"expert parallelism \(size 2\) needs a mixture-of-experts model"),
-    (dict(sequence_parallel_size=2, max_num_batched_tokens=33), r"max_num_batched_tokens=33 must be a multiple of 2"),
+    (dict(sequence_parallel_size=4, max_num_batched_tokens=66), r"max_num_batched_tokens=66 must be a multiple of 4"),
     (dict(sequence_parallel_attention="ulysses", sequence_parallel_size=2), r"sp_attention='ulysses'"),
 ])
 def test_bad_parallel_configurations_fail_at_once_naming_the_size(dense_dir, kwargs, message):
@@ -118,16 +126,23 @@ def test_quantized_weights_split_over_tensor_shards(dense_dir):
     """int8 weights (per-column scales) shard like the float ones: column-parallel weights split
     scales with their columns, row-parallel ones keep them whole. int4 groups run along the input
     rows, so a row-parallel weight whose shard is not whole groups is refused by name."""
-    reference = tokens(LLM(dense_dir, quantization="int8", **BASE), prompts(4))
-    assert tokens(LLM(dense_dir, quantization="int8", tensor_parallel_size=2, **BASE), prompts(4)) == reference
+    reference = tokens(LLM(dense_dir, quantization="int8", **BASE), prompts())
+    assert tokens(LLM(dense_dir, quantization="int8", tensor_parallel_size=2, **BASE), prompts()) == reference
     with pytest.raises(ShardingError, match=r"down_proj has 96 input rows, 48 per shard, not a multiple of quantization_group_size=32"):
         LLM(dense_dir, quantization="int4", quantization_group_size=32, tensor_parallel_size=2, **BASE)
 
 
-def test_a_moe_model_converts_from_an_expert_parallel_mesh_and_restores_on_another(moe_dir, tmp_path):
+def test_a_moe_model_converts_from_an_expert_parallel_mesh_and_restores_on_another(moe_dir, moe_reference, tmp_path):
     from jaxinfer.loading import save_converted
 
-    reference = tokens(LLM(moe_dir, **BASE), prompts(4))
+    reference = moe_reference
     llm = LLM(moe_dir, expert_parallel_size=2, tensor_parallel_size=2, **BASE)
     saved = save_converted(tmp_path / "converted", llm.config, llm.runner.params, llm.tokenizer, tp=2)
-    assert tokens(LLM(str(saved), tensor_parallel_size=4, **BASE), prompts(4)) == reference
+    assert tokens(LLM(str(saved), tensor_parallel_size=4, **BASE), prompts()) == reference
+
+
+@pytest.mark.parametrize("attention", ["allgather", "ring"])
+def test_sequence_parallel_generation_equals_one_device(dense_dir, dense_reference, attention):
+    llm = LLM(dense_dir, sequence_parallel_size=4, sequence_parallel_attention=attention, **BASE)
+    assert llm.buckets.token_buckets[0] % 4 == 0  # every step's tokens split evenly
+    assert tokens(llm, prompts()) == dense_reference

@@ -57,6 +57,9 @@ FAMILIES = {
 }
 
 
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
 def build_hf_model(family: str, seed: int = 0, **overrides):
     """A random model of `family`; `overrides` change its config (e.g. intermediate_size=128)."""
     cls, kw = FAMILIES[family]
