@@ -58,7 +58,7 @@ def test_dense_model_on_a_mesh_matches_one_device(dense_dir, dense_truth, parall
 
 
 @pytest.mark.parametrize("parallel", [
-    ParallelConfig(tp=2), ParallelConfig(tp=8),
+    ParallelConfig(tp=2), ParallelConfig(tp=4), ParallelConfig(tp=8),
     ParallelConfig(dp=2),
     ParallelConfig(sp=4, sp_attention="ring"), ParallelConfig(sp=2),
     ParallelConfig(ep=2), ParallelConfig(ep=4), ParallelConfig(ep=8),
