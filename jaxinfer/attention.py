@@ -37,6 +37,7 @@ from sharding.ring_attention import merge_partials, ring_attention
 # KV tokens per work item: decodes (one query row per block) do best with short items, query
 # blocks of a prefill chunk with longer ones (measured on the CPU, scripts/bench_step.py).
 DECODE_KV_TOKENS_PER_ITEM = 32
+SPEC_KV_TOKENS_PER_ITEM = 64  # verify chunks of speculative decoding: a few queries, long contexts
 PREFILL_KV_TOKENS_PER_ITEM = 128
 # A step this long that only prefills fresh sequences runs flash attention (Pallas kernels only).
 FLASH_MIN_TOKENS = 256
@@ -116,6 +117,7 @@ def write_kv_and_attend(
     sm_scale: float,
     sliding_window: int | None,
     query_block: int,
+    spec_block: int = 0,
     kernels: Kernels = Kernels(),
     parallel: ParallelConfig = ParallelConfig(),
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -127,7 +129,8 @@ def write_kv_and_attend(
     The caches keep one shape from the write to the read (and through the layer loop), so XLA
     updates them in place; mixing shapes of one buffer makes it copy the whole pool.
     """
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, query_block=query_block, kernels=kernels)
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, query_block=query_block, spec_block=spec_block,
+                   kernels=kernels)
     if parallel.sp > 1:
         return attend_sequence_parallel(q, k, v, cos, sin, k_pages, v_pages, layer_page_offset, write_page, write_offset,
                                         batch, mode=parallel.sp_attention, **options)
@@ -138,10 +141,13 @@ def write_kv_and_attend(
 
 
 def paged_attention(q, k, v, k_pages, v_pages, layer_page_offset, batch: RaggedBatch, *, sm_scale, sliding_window,
-                    query_block: int, kernels: Kernels = Kernels()) -> jax.Array:
+                    query_block: int, spec_block: int = 0, kernels: Kernels = Kernels()) -> jax.Array:
     """Attention of this step's queries q [T, Hq, D] (rotated; K/V already in the pages) over one
     layer's pages; k, v [T, Hkv, D] are this step's own rotated keys and values (flash attention
-    of a fresh prefill reads them instead of the pages). [T, Hq, D]."""
+    of a fresh prefill reads them instead of the pages). [T, Hq, D].
+
+    spec_block > 0 (speculative decoding): sequences of 2 .. spec_block queries (verifying drafted
+    tokens; any number of them) get a pass of their own with query blocks of spec_block."""
     if kernels.pallas:
         return _pallas_attention(kernels, q, k, v, k_pages, v_pages, batch.page_table + layer_page_offset, batch,
                                  sm_scale=sm_scale, sliding_window=sliding_window, query_block=query_block)
@@ -154,16 +160,19 @@ def paged_attention(q, k, v, k_pages, v_pages, layer_page_offset, batch: RaggedB
     )
     if query_block == 1:  # a decode bucket: every sequence has one query
         return attend(1, DECODE_KV_TOKENS_PER_ITEM, 16)
-    # Otherwise two passes over disjoint sequences: the one-token ones with query blocks of 1, the
-    # (at most MAX_PREFILL_CHUNKS) prefill chunks with large query blocks. Rows a pass does not
-    # serve come out as zeros, so the sum is the answer.
+    # Otherwise passes over disjoint sequences: the one-token ones with query blocks of 1, the
+    # (at most MAX_PREFILL_CHUNKS) prefill chunks with large query blocks, and with spec_block the
+    # short chunks of speculating sequences in between. Rows a pass does not serve come out as
+    # zeros, so the sum is the answer.
     q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
-    decodes = attend(1, DECODE_KV_TOKENS_PER_ITEM, 16, seq_mask=q_lens == 1, max_query_blocks=S)
-    chunks = attend(
+    out = attend(1, DECODE_KV_TOKENS_PER_ITEM, 16, seq_mask=q_lens == 1, max_query_blocks=S)
+    if spec_block:
+        out += attend(spec_block, SPEC_KV_TOKENS_PER_ITEM, 16, seq_mask=(q_lens > 1) & (q_lens <= spec_block), max_query_blocks=S)
+    out += attend(
         query_block, PREFILL_KV_TOKENS_PER_ITEM, 8,
-        seq_mask=q_lens > 1, max_query_blocks=min(T, -(-T // query_block) + min(S, MAX_PREFILL_CHUNKS)),
+        seq_mask=q_lens > max(1, spec_block), max_query_blocks=min(T, -(-T // query_block) + min(S, MAX_PREFILL_CHUNKS)),
     )
-    return decodes + chunks
+    return out
 
 
 # ----------------------------------------------------------------------------- sequence parallelism
@@ -190,7 +199,7 @@ def local_view(batch: RaggedBatch, first_row, num_rows: int) -> RaggedBatch:
 
 def attend_sequence_parallel(q, k, v, cos, sin, k_pages, v_pages, layer_page_offset, write_page, write_offset,
                              batch: RaggedBatch, *, mode: str, sm_scale, sliding_window, query_block: int,
-                             kernels: Kernels = Kernels()):
+                             spec_block: int = 0, kernels: Kernels = Kernels()):
     """Attention with the step's rows split over the mesh axis "sequence" (sp devices).
 
     q [Tl, Hq, D], k / v [Tl, Hkv, D]: this device's block of rows (before RoPE); cos / sin /
@@ -222,7 +231,7 @@ def attend_sequence_parallel(q, k, v, cos, sin, k_pages, v_pages, layer_page_off
         k_pages = k_pages.at[pages, write_offset].set(k_all.astype(k_pages.dtype))
         v_pages = v_pages.at[pages, write_offset].set(v_all.astype(v_pages.dtype))
         out = paged_attention(q, k, v, k_pages, v_pages, layer_page_offset, view, query_block=query_block,
-                              kernels=kernels, **options)
+                              spec_block=spec_block, kernels=kernels, **options)
         return out, k_pages, v_pages
 
     T = Tl * sp

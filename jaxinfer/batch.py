@@ -63,6 +63,7 @@ class BucketKey:
     num_seqs: int  # S
     num_logits: int  # R
     query_block: int  # attention query-block size: 1 for decode-only batches
+    spec_block: int = 0  # > 0: short chunks (speculative verification) get their own attention pass
 
 
 # At most this many sequences contribute more than one token (a prefill chunk) to one step. The
@@ -98,9 +99,13 @@ class Buckets:
     pages_per_seq: int
     few_seqs: int = MAX_PREFILL_CHUNKS
     prefill_query_block: int = 64
+    # with speculative decoding: the longest verification chunk (1 + drafted tokens), rounded up to
+    # a power of two; non-decode buckets then attend such chunks in a pass of their own
+    spec_block: int = 0
 
     @staticmethod
-    def default(max_num_batched_tokens: int, max_num_seqs: int, pages_per_seq: int, token_multiple: int = 1) -> "Buckets":
+    def default(max_num_batched_tokens: int, max_num_seqs: int, pages_per_seq: int, token_multiple: int = 1,
+                spec_block: int = 0) -> "Buckets":
         """Token buckets 2, 4, 8, ... up to max_num_batched_tokens, each rounded up to a multiple of
         `token_multiple` (sequence parallelism splits a step's tokens evenly over that many devices).
 
@@ -118,7 +123,7 @@ class Buckets:
             sizes.append(-(-t // token_multiple) * token_multiple)
             t *= 2
         sizes.append(max_num_batched_tokens)
-        return Buckets(tuple(sorted(set(sizes))), max_num_seqs, pages_per_seq)
+        return Buckets(tuple(sorted(set(sizes))), max_num_seqs, pages_per_seq, spec_block=spec_block)
 
     @property
     def max_tokens(self) -> int:
@@ -152,7 +157,7 @@ class Buckets:
             T = self.round_up(T + 1)
         S, query_block = self._kind(T, kind)
         R = S if num_logits <= S else self.round_up(num_logits)
-        return BucketKey(T, S, R, query_block)
+        return BucketKey(T, S, R, query_block, 0 if kind == "decode" else self.spec_block)
 
     def all_keys(self) -> list[BucketKey]:
         """Every variant the engine may compile for batches without prompt logprobs (for warm-up)."""
@@ -162,7 +167,7 @@ class Buckets:
             kinds = (["decode"] if T <= max(self.max_num_seqs, self.token_buckets[0]) else []) + (["prefill", "mixed"] if T > 1 else [])
             for kind in kinds:
                 S, qb = self._kind(T, kind)
-                key = BucketKey(T, S, S, qb)
+                key = BucketKey(T, S, S, qb, 0 if kind == "decode" else self.spec_block)
                 if key not in keys:
                     keys.append(key)
         return keys
@@ -192,10 +197,10 @@ def pack_batch(
     """
     num_tokens = sum(len(c.token_ids) for c in chunks)
     num_logits = sum(len(c.logits_rows) for c in chunks)
-    num_prefill_chunks = sum(len(c.token_ids) > 1 for c in chunks)
+    key = key or buckets.key_for(num_tokens, len(chunks), num_logits)
+    num_prefill_chunks = sum(len(c.token_ids) > max(1, key.spec_block) for c in chunks)  # short chunks have their own pass
     if num_prefill_chunks > MAX_PREFILL_CHUNKS:
         raise ValueError(f"{num_prefill_chunks} multi-token chunks in one step; at most {MAX_PREFILL_CHUNKS} are allowed")
-    key = key or buckets.key_for(num_tokens, len(chunks), num_logits)
     T, S, R = key.num_tokens, key.num_seqs, key.num_logits
     if num_tokens > T or len(chunks) > S or num_logits > R or (key.query_block == 1 and num_tokens != len(chunks)):
         raise ValueError(f"{len(chunks)} chunks of {num_tokens} tokens and {num_logits} logits rows do not fit bucket {key}")

@@ -31,7 +31,21 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     par.add_argument("--expert-parallel-size", "-ep", type=int, default=None, help="MoE experts split over devices")
     par.add_argument("--enable-expert-parallel", action="store_true",
                      help="as in vLLM: the data-parallel replicas split the experts (ep = dp)")
+    p.add_argument("--speculative-config", type=_json_dict, default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     _add_distributed_args(p)
+
+
+def _json_dict(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _add_distributed_args(p: argparse.ArgumentParser) -> None:
@@ -77,7 +91,7 @@ def _llm(args):
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         sequence_parallel_size=args.sequence_parallel_size, expert_parallel_size=args.expert_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, sequence_parallel_attention=args.sequence_parallel_attention,
-        progress=_is_main_process(),
+        speculative_config=args.speculative_config, progress=_is_main_process(),
     )
 
 

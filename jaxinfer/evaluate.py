@@ -6,6 +6,8 @@ running engine), so it works on any (graphdef, params) pair, e.g. before and aft
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from flax import nnx
@@ -34,6 +36,32 @@ def prompt_log_softmax(
     step = StepFunction(graphdef, num_top_logprobs=0)
     logits, _ = step.forward(params, kv, step.place_inputs(stack_replicas([batch])), query_block=key.query_block)
     return np.asarray(jax.nn.log_softmax(logits[0], axis=-1), np.float64)[rows[0]]
+
+
+def hidden_states(config: ModelConfig, graphdef: nnx.GraphDef, params: nnx.State, token_ids: list[int],
+                  page_size: int = 16) -> np.ndarray:
+    """The final-normed hidden state [n, H] (float32) at every position of token_ids: what the LM
+    head reads (draft heads train on them). Calls for many texts share compiled steps: the page
+    pool has room for the longest text the model takes, and lengths round up to powers of two."""
+    n = len(token_ids)
+    if not 0 < n <= config.max_position_embeddings:
+        raise ValueError(f"token_ids has {n} tokens; need 1..{config.max_position_embeddings} (max_position_embeddings)")
+    pages_per_seq = -(-config.max_position_embeddings // page_size)
+    bucket = 1 << max(4, (n - 1).bit_length())
+    key, batch, rows = pack_batch(
+        [SequenceChunk(list(token_ids), 0, list(range(1, -(-n // page_size) + 1)), list(range(n)))],
+        Buckets((bucket,), max_num_seqs=1, pages_per_seq=pages_per_seq),
+        page_size,
+    )
+    step = _hidden_step(graphdef)
+    kv = KVCache.create(config, pages_per_seq + 1, page_size)
+    _, _, hidden = step.forward(params, kv, step.place_inputs(stack_replicas([batch])), query_block=key.query_block)
+    return np.asarray(hidden[0], np.float32)[rows[0]]
+
+
+@functools.lru_cache(maxsize=4)
+def _hidden_step(graphdef: nnx.GraphDef) -> StepFunction:
+    return StepFunction(graphdef, num_top_logprobs=0, return_hidden=True)
 
 
 def perplexity(config: ModelConfig, graphdef: nnx.GraphDef, params: nnx.State, token_ids: list[int]) -> float:

@@ -14,6 +14,7 @@ import numpy as np
 from jaxinfer.batch import Buckets
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.model_runner import ModelRunner
+from jaxinfer.engine.spec_decode import SpeculativeConfig
 from jaxinfer.kernels import resolve_kernels
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.loading import load_params, read_config, resolve_model
@@ -65,6 +66,25 @@ def _parallel_config(tp, dp, sp, ep, enable_expert_parallel, sp_attention, confi
     parallel = ParallelConfig(dp=dp, tp=tp, sp=sp, ep=ep, sp_attention=sp_attention)
     parallel.check_model(config)
     return parallel
+
+
+def _first_layers(graphdef, params, config, num_layers: int, llm: "LLM"):
+    """(graphdef, params, config) of a model made of the first num_layers layers of another (the
+    same embedding, final norm and LM head): self-speculation's draft."""
+    import dataclasses
+
+    from flax import nnx
+
+    from jaxinfer.loading import abstract_model
+    from jaxinfer.models.llama import flat_to_nested, nested_to_flat
+
+    truncated = dataclasses.replace(config, num_layers=num_layers)
+    flat = nested_to_flat(nnx.to_pure_dict(params))
+    flat = {name: jax.tree.map(lambda a: a[:num_layers], value) if name.startswith("layers.") else value
+            for name, value in flat.items()}
+    new_graphdef, state = abstract_model(truncated, llm.param_dtype, llm.compute_dtype, llm.kernels, llm.parallel)
+    nnx.replace_by_pure_dict(state, flat_to_nested(flat))
+    return new_graphdef, state, truncated
 
 
 def _check_quantized_split(config, tp: int, mode: str, group_size: int) -> None:
@@ -123,6 +143,10 @@ class LLM:
       log_stats_interval: seconds between engine stats lines on the "jaxinfer" logger (None: off).
       seed: seeds the per-request seeds of requests that give none.
       warmup: compile every shape bucket now rather than on first use.
+      speculative_config: speculative decoding, as vLLM configures it: {"method": "ngram",
+        "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} (see
+        jaxinfer.engine.spec_decode). Output stays exactly the target model's: token for token
+        under greedy decoding, in distribution under sampling.
     """
 
     def __init__(
@@ -155,6 +179,7 @@ class LLM:
         expert_parallel_size: int | None = None,
         enable_expert_parallel: bool = False,
         sequence_parallel_attention: str = "allgather",
+        speculative_config: dict | None = None,
     ):
         enable_compilation_cache(compilation_cache_dir)
         t0 = time.perf_counter()
@@ -178,6 +203,7 @@ class LLM:
             raise ValueError(f"quantization_group_size={quantization_group_size!r}: expected one of {INT4_GROUP_SIZES}")
         self.quantization = quantization
         self.kernels = resolve_kernels(attention_impl)
+        self.speculative_config = spec = SpeculativeConfig.from_dict(speculative_config)
         self.parallel = parallel = _parallel_config(
             tensor_parallel_size, data_parallel_size, sequence_parallel_size, expert_parallel_size,
             enable_expert_parallel, sequence_parallel_attention, config,
@@ -216,9 +242,13 @@ class LLM:
         kv_sharding = jax.sharding.NamedSharding(self.mesh, kv_partition_spec().k)
         kv = KVCache.create(config, num_pages * parallel.num_replicas, page_size, self.kv_cache_dtype, tp=parallel.tp,
                             sharding=kv_sharding)
-        self.buckets = Buckets.default(max_num_batched_tokens, max_num_seqs, pages_per_seq, token_multiple=parallel.sp)
+        self.buckets = Buckets.default(max_num_batched_tokens, max_num_seqs, pages_per_seq, token_multiple=parallel.sp,
+                                       spec_block=spec.spec_block if spec else 0)
         self.runner = ModelRunner(graphdef, params, kv, self.buckets, num_top_logprobs=max_logprobs, mesh=self.mesh,
-                                  param_specs=param_specs)
+                                  param_specs=param_specs, return_hidden=spec is not None and spec.method == "medusa")
+        self._draft_geometry = dict(num_pages=num_pages * parallel.num_replicas, page_size=page_size, kv_sharding=kv_sharding,
+                                    group_size=quantization_group_size, progress=progress)
+        proposer = self.make_proposer(spec) if spec is not None else None
         eos = set(config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -235,10 +265,62 @@ class LLM:
             preemption_mode=preemption_mode,
             seed=seed,
             log_stats_interval=log_stats_interval,
+            speculative_config=spec,
+            proposer=proposer,
         )
         self.load_seconds = time.perf_counter() - t0
         if warmup:
             self.runner.warmup()
+
+    def make_proposer(self, spec: SpeculativeConfig | dict):
+        """The proposer of a speculative_config for this model (see jaxinfer.engine.spec_decode)."""
+        from jaxinfer.engine.spec_decode import make_proposer
+
+        spec = SpeculativeConfig.from_dict(spec) if isinstance(spec, dict) else spec
+        if spec.method == "draft_model":
+            return make_proposer(spec, self.make_draft_runner(spec))
+        if spec.method == "medusa":
+            from jaxinfer.engine.medusa import MedusaProposer
+            from jaxinfer.models.draft_heads import load_heads
+
+            heads = load_heads(spec.model, self.config.hidden_size)
+            if heads["w"].shape[0] < spec.num_speculative_tokens:
+                raise ValueError(f"speculative_config: num_speculative_tokens={spec.num_speculative_tokens} but "
+                                 f"{spec.model} has {heads['w'].shape[0]} heads")
+            params = self.runner.params
+            tied = self.config.tie_word_embeddings
+            return MedusaProposer(heads, params["embed"].get_value() if tied else params["lm_head"].get_value(), tied)
+        return make_proposer(spec)
+
+    def make_draft_runner(self, spec: SpeculativeConfig | dict) -> ModelRunner:
+        """The draft model of speculative decoding (method "draft_model") on the target's mesh and
+        buckets, with a KV pool of the target's page geometry: another model, or the target (here
+        already loaded) truncated to its first `num_layers` layers and / or quantized."""
+        spec = SpeculativeConfig.from_dict(spec) if isinstance(spec, dict) else spec
+        g = self._draft_geometry
+        num_pages, page_size, kv_sharding, group_size, progress = (
+            g["num_pages"], g["page_size"], g["kv_sharding"], g["group_size"], g["progress"])
+        config, graphdef, params = self.config, self.runner.graphdef, self.runner.params
+        if spec.model is not None:
+            source = resolve_model(spec.model)
+            config = read_config(source)
+            if config.vocab_size != self.config.vocab_size:
+                raise ValueError(
+                    f"speculative_config['model']={spec.model!r}: vocabulary of {config.vocab_size} tokens, the target's has "
+                    f"{self.config.vocab_size}; a draft model must share the target's tokenizer"
+                )
+            graphdef, params = load_params(source, config, self.param_dtype, self.compute_dtype, kernels=self.kernels,
+                                           parallel=self.parallel, mesh=self.mesh, progress=progress)
+        if spec.num_layers is not None:
+            if spec.num_layers >= config.num_layers:
+                raise ValueError(f"speculative_config['num_layers']={spec.num_layers}: the model has only {config.num_layers} layers")
+            graphdef, params, config = _first_layers(graphdef, params, config, spec.num_layers, self)
+        if spec.quantization is not None:
+            graphdef, params = quantize_model(graphdef, params, spec.quantization, group_size)
+        param_specs = param_partition_specs(params, config)
+        params = put_global(params, param_specs, self.mesh)
+        kv = KVCache.create(config, num_pages, page_size, self.kv_cache_dtype, tp=self.parallel.tp, sharding=kv_sharding)
+        return ModelRunner(graphdef, params, kv, self.buckets, num_top_logprobs=1, mesh=self.mesh, param_specs=param_specs)
 
     # ------------------------------------------------------------------ public API
     def get_tokenizer(self):

@@ -21,6 +21,17 @@ batch without it traces exactly the code it traced before the feature existed):
   below min_p times the row's largest probability are dropped, before top-k/top-p.
 
 Penalties and bans change which token is chosen, never the reported logprobs.
+
+Speculative decoding (`draft_token` set: a static switch like the others): a row that verifies
+a drafted token d (draft_token >= 0) was proposed with probability q (`draft_probs`, the draft's
+distribution after the same temperature / min-p / top-k / top-p processing, or one-hot at d for
+a deterministic proposer such as n-gram lookup). With p the row's processed target distribution
+(one-hot at the argmax for greedy rows), d is accepted with probability min(1, p(d) / q(d)), and
+the row's sampled token is drawn from normalize(max(0, p - q)): the replacement used when d is
+rejected (when the row has no draft, that is p itself: the bonus token after a fully accepted
+draft, or an ordinary row). This is the standard rejection sampler; the output distribution is
+exactly the target's. The acceptance draw and the sample use independent keys derived from the
+row's (seed, counter), and rows without a draft sample exactly as without speculation.
 """
 
 from __future__ import annotations
@@ -51,15 +62,23 @@ class SamplingTensors:
     # [1] bool: does any row want logprobs? False skips log-softmax and top-k at run time
     # (a lax.cond, not a new variant). None = always compute them.
     want_logprobs: jax.Array | None = None
+    # speculative decoding (see the module docstring); None = no row verifies a draft
+    draft_token: jax.Array | None = None  # [R] int32: the drafted token this row verifies, -1 = none
+    draft_probs: jax.Array | None = None  # [R, V] float32: its proposal distribution; None = one-hot at draft_token
+    # [1] bool: also return each row's processed distribution (a draft model's q); None = don't
+    return_probs: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SampleOutput:
-    tokens: jax.Array  # [R] int32
-    logprobs: jax.Array  # [R] float32, logprob of the target (or sampled) token
+    tokens: jax.Array  # [R] int32: the sampled token (for a row verifying a draft: its replacement if rejected)
+    logprobs: jax.Array  # [R] float32, logprob of the target (or emitted) token
     top_ids: jax.Array  # [R, K] int32
     top_logprobs: jax.Array  # [R, K] float32
+    accepted: jax.Array | None = None  # [R] bool: the row's drafted token was accepted (speculative steps only)
+    probs: jax.Array | None = None  # [R, V] float32: the distribution each row sampled from (SamplingTensors.return_probs)
+    hidden: jax.Array | None = None  # [R, H] float32: each row's final-normed hidden state (StepFunction(return_hidden=True))
 
 
 def filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -141,7 +160,11 @@ def sample(logits: jax.Array, st: SamplingTensors, num_top_logprobs: int) -> Sam
         return jnp.where(is_random, drawn, greedy)
 
     tokens = jax.lax.cond(jnp.any(is_random), draw, lambda: greedy)
-    target = jnp.where(st.target_ids >= 0, st.target_ids, tokens)
+    accepted = None
+    if st.draft_token is not None:
+        tokens, accepted = verify_drafts(logits, st, tokens)
+    emitted = tokens if accepted is None else jnp.where(accepted, st.draft_token, tokens)
+    target = jnp.where(st.target_ids >= 0, st.target_ids, emitted)
 
     def with_logprobs():
         logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
@@ -160,4 +183,53 @@ def sample(logits: jax.Array, st: SamplingTensors, num_top_logprobs: int) -> Sam
         token_logprobs, top_ids, top_logprobs = with_logprobs()
     else:
         token_logprobs, top_ids, top_logprobs = jax.lax.cond(jnp.any(st.want_logprobs), with_logprobs, without_logprobs)
-    return SampleOutput(tokens, token_logprobs, top_ids, top_logprobs)
+    probs = processed_probs(logits, st) if st.return_probs is not None else None
+    return SampleOutput(tokens, token_logprobs, top_ids, top_logprobs, accepted, probs)
+
+
+def processed_probs(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """The distribution each row samples from [R, V]: temperature, min-p, top-k and top-p applied
+    (as `sample` draws), one-hot at the argmax for greedy rows. Penalties and bans are the caller's."""
+    V = logits.shape[-1]
+    is_random = st.temperature > 0
+    scaled = logits / jnp.where(is_random, st.temperature, 1.0)[:, None]
+    if st.min_p is not None:
+        scaled = filter_min_p(scaled, st.min_p)
+    needs_filter = jnp.any(((st.top_k > 0) & (st.top_k < V)) | (st.top_p < 1.0))  # the sort is skipped otherwise
+    scaled = jax.lax.cond(needs_filter, filter_top_k_top_p, lambda x, *_: x, scaled, st.top_k, st.top_p)
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+    return jnp.where(is_random[:, None], jax.nn.softmax(scaled, axis=-1), greedy)
+
+
+def verify_drafts(logits: jax.Array, st: SamplingTensors, plain_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rejection sampling of drafted tokens (module docstring). logits [R, V] after penalties and
+    bans; plain_tokens [R]: what `sample` drew for each row without a draft (kept for those rows).
+    Returns (tokens [R]: the replacement drawn from normalize(max(0, p - q)), accepted [R] bool)."""
+    has_draft = st.draft_token >= 0
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def all_greedy():  # p is one-hot at the argmax: accept a draft equal to it, else replace it by it
+        return jnp.where(has_draft, greedy, plain_tokens), has_draft & (st.draft_token == greedy)
+
+    any_random = jnp.any(has_draft & (st.temperature > 0))
+    return jax.lax.cond(any_random, lambda: _rejection_sample(logits, st, plain_tokens), all_greedy)
+
+
+def _rejection_sample(logits: jax.Array, st: SamplingTensors, plain_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    R, V = logits.shape
+    rows = jnp.arange(R)
+    has_draft = st.draft_token >= 0
+    draft = jnp.maximum(st.draft_token, 0)
+    p = processed_probs(logits, st)  # [R, V]
+    q = jax.nn.one_hot(draft, V, dtype=jnp.float32) if st.draft_probs is None else st.draft_probs.astype(jnp.float32)
+    q = jnp.where(has_draft[:, None], q, 0.0)
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(st.seed, st.counter)
+    u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1), (), jnp.float32))(keys)
+    accepted = has_draft & (u * q[rows, draft] < p[rows, draft])  # u < p(d) / q(d), q(d) > 0
+    residual = jnp.maximum(p - q, 0.0)
+    total = residual.sum(axis=-1, keepdims=True)
+    residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p)  # p == q: nothing to correct
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(keys)  # the plain draw's noise
+    drawn = jnp.argmax(jnp.log(residual) + gumbel, axis=-1).astype(jnp.int32)
+    replacement = jnp.where(st.temperature > 0, drawn, jnp.argmax(residual, axis=-1).astype(jnp.int32))
+    return jnp.where(has_draft, replacement, plain_tokens), accepted

@@ -21,6 +21,9 @@ class SamplingParams:
     sampled token's). prompt_logprobs: the same for every prompt token. stop_token_ids: extra
     tokens that end generation. stop: strings that end generation (trimmed from the text unless
     include_stop_str_in_output). skip_special_tokens: drop special tokens from the text.
+    detokenize: False leaves the output text empty (token ids only; no stop strings then).
+    num_speculative_tokens (jaxinfer's, not vLLM's): with speculative decoding on, this
+    request's draft length (None: the engine's; 0: this request does not speculate).
     """
 
     n: int = 1
@@ -41,6 +44,8 @@ class SamplingParams:
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self):
         def bad(field, why):
@@ -77,10 +82,16 @@ class SamplingParams:
                 bad(field, "must be None or an integer >= 0")
         if self.stop_token_ids is not None and not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative token ids")
+        if self.num_speculative_tokens is not None and (
+            not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0
+        ):
+            bad("num_speculative_tokens", "must be None or an integer >= 0")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if self.stop and not self.detokenize:
+            bad("stop", "stop strings need detokenize=True")
 
     @property
     def greedy(self) -> bool:

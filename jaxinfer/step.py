@@ -86,9 +86,10 @@ def put_global(tree, specs, mesh: Mesh):
 
 class StepFunction:
     def __init__(self, graphdef: nnx.GraphDef, num_top_logprobs: int, max_rows: int = 1, *,
-                 mesh: Mesh | None = None, param_specs=None):
+                 mesh: Mesh | None = None, param_specs=None, return_hidden: bool = False):
         """`mesh` defaults to one device; `param_specs` (`param_partition_specs`) is needed with a
-        mesh of more than one device (on one device every parameter is whole)."""
+        mesh of more than one device (on one device every parameter is whole). `return_hidden`:
+        the step's SampleOutput also carries the logits rows' hidden states (`hidden` [R, H])."""
         self.num_compiles = 0
         self.max_rows = max_rows  # size of each replica's token buffer handed from one step to the next
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig(), jax.devices()[:1])
@@ -102,41 +103,45 @@ class StepFunction:
         def gather_replicas(x):  # [1, ...] per device -> [replicas, ...] on every device
             return jax.lax.all_gather(x[0], replicas, axis=0, tiled=False) if self.num_replicas > 1 else x
 
-        def per_device_step(params, kv, batch, sampling, prev_tokens, query_block):
+        def per_device_step(params, kv, batch, sampling, prev_tokens, query_block, spec_block):
             batch, sampling = jax.tree.map(lambda a: a[0], (batch, sampling))  # this replica's
             from_device = prev_tokens[0][jnp.maximum(batch.token_src, 0)]
             batch = dataclasses.replace(batch, token_ids=jnp.where(batch.token_src >= 0, from_device, batch.token_ids))
             model = nnx.merge(graphdef, params)
-            logits, kv = model(kv, batch, query_block=query_block)
+            logits, kv, *hidden = model(kv, batch, query_block=query_block, spec_block=spec_block, return_hidden=return_hidden)
             out = sample(logits, sampling, num_top_logprobs)
+            if return_hidden:
+                out = dataclasses.replace(out, hidden=hidden[0].astype(jnp.float32))
             token_buffer = jnp.zeros(max_rows, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
             return jax.tree.map(lambda a: gather_replicas(a[None]), out), token_buffer[None], kv
 
-        def per_device_forward(params, kv, batch, query_block):
+        def per_device_forward(params, kv, batch, query_block, spec_block):
             batch = jax.tree.map(lambda a: a[0], batch)
-            logits, kv = nnx.merge(graphdef, params)(kv, batch, query_block=query_block)
-            return gather_replicas(logits[None]), kv
+            logits, kv, *hidden = nnx.merge(graphdef, params)(kv, batch, query_block=query_block, spec_block=spec_block,
+                                                              return_hidden=return_hidden)
+            return (gather_replicas(logits[None]), kv, *(gather_replicas(h[None]) for h in hidden))
 
-        def step(params, kv, batch, sampling, prev_tokens, *, query_block: int):
+        def step(params, kv, batch, sampling, prev_tokens, *, query_block: int, spec_block: int = 0):
             self.num_compiles += 1  # runs only while tracing, i.e. once per compiled variant
-            out_specs = (jax.tree.map(lambda _: rules.replicated(), SampleOutput(0, 0, 0, 0)), rules.per_replica(2), self.kv_specs)
+            out_specs = (rules.replicated(), rules.per_replica(2), self.kv_specs)  # every SampleOutput field replicated
             return jax.shard_map(
-                lambda *a: per_device_step(*a, query_block), mesh=self.mesh,
+                lambda *a: per_device_step(*a, query_block, spec_block), mesh=self.mesh,
                 in_specs=(self._specs(params), self.kv_specs, _per_replica_specs(batch), _per_replica_specs(sampling),
                           rules.per_replica(2)),
                 out_specs=out_specs, check_vma=False,
             )(params, kv, batch, sampling, prev_tokens)
 
-        def forward(params, kv, batch, *, query_block: int):
-            """The raw logits [replicas, R, V] (for tests and scoring); not the serving path."""
+        def forward(params, kv, batch, *, query_block: int, spec_block: int = 0):
+            """The raw logits [replicas, R, V] (for tests and scoring; with return_hidden also the
+            rows' hidden states [replicas, R, H]); not the serving path."""
             return jax.shard_map(
-                lambda *a: per_device_forward(*a, query_block), mesh=self.mesh,
+                lambda *a: per_device_forward(*a, query_block, spec_block), mesh=self.mesh,
                 in_specs=(self._specs(params), self.kv_specs, _per_replica_specs(batch)),
-                out_specs=(rules.replicated(), self.kv_specs), check_vma=False,
+                out_specs=(rules.replicated(), self.kv_specs) + ((rules.replicated(),) if return_hidden else ()), check_vma=False,
             )(params, kv, batch)
 
-        self._step = jax.jit(step, donate_argnums=(1,), static_argnames=("query_block",))
-        self._forward = jax.jit(forward, donate_argnums=(1,), static_argnames=("query_block",))
+        self._step = jax.jit(step, donate_argnums=(1,), static_argnames=("query_block", "spec_block"))
+        self._forward = jax.jit(forward, donate_argnums=(1,), static_argnames=("query_block", "spec_block"))
 
     def _specs(self, params):
         if self.param_specs is None:  # one device: every parameter whole
@@ -148,8 +153,9 @@ class StepFunction:
         arrays split over the replicas."""
         return put_global(tree, _per_replica_specs(tree), self.mesh)
 
-    def __call__(self, params, kv, batch, sampling, prev_tokens, *, query_block: int) -> tuple[SampleOutput, jax.Array, KVCache]:
-        return self._step(params, kv, batch, sampling, prev_tokens, query_block=query_block)
+    def __call__(self, params, kv, batch, sampling, prev_tokens, *, query_block: int,
+                 spec_block: int = 0) -> tuple[SampleOutput, jax.Array, KVCache]:
+        return self._step(params, kv, batch, sampling, prev_tokens, query_block=query_block, spec_block=spec_block)
 
-    def forward(self, params, kv, batch, *, query_block: int):
-        return self._forward(params, kv, batch, query_block=query_block)
+    def forward(self, params, kv, batch, *, query_block: int, spec_block: int = 0):
+        return self._forward(params, kv, batch, query_block=query_block, spec_block=spec_block)

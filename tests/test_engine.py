@@ -98,6 +98,18 @@ def test_n_samples_share_prompt_pages(model_dir):
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
 
 
+def test_requests_that_will_fork_hold_all_their_places_in_max_num_seqs(model_dir):
+    llm = LLM(model_dir, num_pages=256, max_num_batched_tokens=64, **BASE)  # max_num_seqs=16
+    for i in range(10):  # 10 requests x n=4: at most 4 of them run at once
+        llm.engine.add_request(f"r{i}", list(range(3 + i, 20)), SamplingParams(n=4, temperature=1.0, seed=i, max_tokens=4, ignore_eos=True))
+    most = 0
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        running = llm.engine.replicas[0].scheduler.running
+        most = max(most, sum(1 if s.request.forked else s.request.params.n for s in running))
+    assert most == 16
+
+
 def test_abort_frees_pages_at_once_and_others_finish(model_dir):
     llm = LLM(model_dir, num_pages=256, max_num_batched_tokens=32, **BASE)
     engine = engine_ = llm.engine

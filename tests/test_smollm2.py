@@ -55,3 +55,23 @@ def test_convert_to_orbax_round_trip_is_bit_exact(smollm2, tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=8)
     assert again.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids == \
         smollm2.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+QUOTING = [
+    "Repeat this sentence exactly: The old lighthouse keeper climbed the stairs every evening to light the lamp.",
+    "Correct the spelling and write the text again: The quik brown fox jumpd over the lazzy dog near the river bank.",
+]
+
+
+def test_speculative_decoding_changes_no_greedy_token(smollm2):
+    """Prompt lookup on prompts that quote their text: the same tokens as plain greedy decoding,
+    with most drafts accepted."""
+    spec = LLM(max_model_len=512, num_pages=64, max_num_batched_tokens=64, max_num_seqs=4, progress=False,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    conversations = [[{"role": "user", "content": text}] for text in QUOTING]
+    want = [o.outputs[0].token_ids for o in smollm2.chat(conversations, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in spec.chat(conversations, params, use_tqdm=False)]
+    assert got == want
+    stats = spec.engine.get_stats()
+    assert stats.acceptance_rate > 0.5 and stats.mean_accepted_length > 2

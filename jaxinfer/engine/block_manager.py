@@ -234,6 +234,23 @@ class BlockManager:
         seq.num_tokens += num_new_tokens
         return copies
 
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Give back the slots from position num_tokens on (speculative decoding's rollback: the
+        K/V written for rejected draft tokens are dropped by rewinding the length). Pages no
+        longer needed are released; a kept partial page's stale slots are simply overwritten by
+        later writes. Only slots not yet marked computed can be given back."""
+        seq = self.seqs[seq_id]
+        if not seq.num_computed <= num_tokens <= seq.num_tokens:
+            raise ValueError(
+                f"sequence {seq_id!r}: cannot truncate to {num_tokens} tokens "
+                f"({seq.num_computed} computed, {seq.num_tokens} reserved)"
+            )
+        keep = self.pages_needed(num_tokens)
+        for page in reversed(seq.pages[keep:]):
+            self._release(page)
+        del seq.pages[keep:]
+        seq.num_tokens = num_tokens
+
     def mark_computed(self, seq_id: Hashable, num_computed_tokens: int, token_ids: Sequence[int]) -> None:
         """Record that the first num_computed_tokens of the sequence hold K/V; pages that became
         full are registered in the prefix cache. token_ids: the sequence's tokens (at least

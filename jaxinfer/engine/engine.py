@@ -12,6 +12,15 @@ with n > 1 runs as one sequence through its prompt; the step that finishes the p
 tokens from the last row (one seed each) and forks the sequence n - 1 times, sharing every
 prompt page.
 
+Speculative decoding (`speculative_config`): before scheduling, each decoding sequence that
+speculates gets drafted tokens from the proposer (`spec_decode`); its chunk in the step is its
+newest token plus the drafts, every row's logits verify one draft (rejection sampling on the
+device), and processing keeps the accepted drafts plus one sampled token, rewinding the rest
+(`BlockManager.truncate`). Steps holding speculating sequences are read before the next one is
+scheduled (the next drafts need the accepted tokens on the host). Each sequence adapts its own
+draft length to its acceptance (`request.SpecState`); `get_stats` reports drafted and accepted
+tokens.
+
 Data parallelism: the runner's model has `num_replicas` attention replicas, each with its own
 pages. Each replica has its own `BlockManager` and `Scheduler` (with the full token and sequence
 budgets), and every step runs all replicas' choices together. A request is assigned to one
@@ -32,8 +41,9 @@ from jaxinfer.batch import SequenceChunk
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from jaxinfer.engine.model_runner import ModelRunner, RowResult, RowSampling, ScheduledChunk
-from jaxinfer.engine.request import PENDING, Request, RequestMetrics, Sequence, SwappedKV
+from jaxinfer.engine.request import PENDING, Request, RequestMetrics, Sequence, SpecState, SwappedKV
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler
+from jaxinfer.engine.spec_decode import SpeculativeConfig, make_proposer
 from jaxinfer.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
@@ -59,6 +69,20 @@ class EngineStats:
     num_steps: int
     num_generated_tokens: int
     num_prompt_tokens_computed: int
+    # speculative decoding: verification chunks, tokens drafted into them, drafts accepted
+    num_spec_verifications: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification step yields on average: the accepted drafts plus the sampled one."""
+        return 1 + self.num_accepted_tokens / self.num_spec_verifications if self.num_spec_verifications else 0.0
 
 
 class LLMEngine:
@@ -77,6 +101,8 @@ class LLMEngine:
         preemption_mode: str = "recompute",
         seed: int = 0,
         log_stats_interval: float | None = None,
+        speculative_config: SpeculativeConfig | None = None,
+        proposer=None,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -97,6 +123,14 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.log_stats_interval = log_stats_interval
         self._last_log = time.time()
+        self.spec_config = speculative_config
+        if proposer is None and speculative_config is not None:
+            proposer = make_proposer(speculative_config)
+        self.proposer = proposer  # drafts tokens (jaxinfer.engine.spec_decode); None: no speculation
+        self._draft_buffer = None  # this step's draft distributions (a draft model's), on the device
+        self.num_processed = 0  # steps read back so far
+        self.last_hidden = None  # [replicas, R, H] hidden states of the last step read (draft heads read them)
+        self.num_spec_verifications = self.num_draft_tokens = self.num_accepted_tokens = 0
         self._inflight: _InFlight | None = None  # the dispatched step not processed yet
 
     @property
@@ -144,6 +178,9 @@ class LLMEngine:
                           RequestMetrics(arrival_time if arrival_time is not None else time.time()),
                           replica=self._pick_replica(ids))
         seq = Sequence(request, 0, list(ids), seed)
+        k = self._draft_length(params)
+        if k:
+            seq.spec = SpecState(max_k=k, k=k)
         request.seqs.append(seq)
         self.requests[request_id] = request
         self._replica(seq).scheduler.add(seq)
@@ -178,7 +215,12 @@ class LLMEngine:
         if previous is not None and previous.must_sync:
             outputs += self._process(previous)
             previous = None
+        if self.proposer is not None:
+            self._propose_drafts()
         plans = [replica.scheduler.schedule() for replica in self.replicas]
+        for plan in plans:
+            for seq in plan.preempted:
+                seq.draft_computed = 0  # its pages are gone, the draft model's too
         if any(plan.scheduled for plan in plans):
             self._inflight = self._dispatch(plans)
         if previous is not None:
@@ -211,12 +253,18 @@ class LLMEngine:
             s.seq.request.params.logprobs is not None or s.seq.request.wants_prompt_logprobs
             for replica_scheduled in scheduled for s in replica_scheduled
         )
-        handle = self.runner.dispatch(chunks, want_logprobs=want_logprobs)
+        drafts_sampled = any(c.sampling.draft_src for replica_chunks in chunks for c in replica_chunks)
+        handle = self.runner.dispatch(chunks, want_logprobs=want_logprobs,
+                                      draft_buffer=self._draft_buffer if drafts_sampled else None)
         self.num_steps += 1
         inflight = _InFlight(scheduled, chunks, handle)
         for replica_scheduled, replica_chunks, replica_rows in zip(scheduled, chunks, handle.rows_of_chunk):
             for s, chunk, rows in zip(replica_scheduled, replica_chunks, replica_rows):
                 seq, request = s.seq, s.seq.request
+                if seq.spec is not None:
+                    inflight.must_sync = True  # its next draft needs this step's tokens on the host
+                if s.num_draft:  # verification: num_computed and tokens are settled when it is read
+                    continue
                 seq.num_computed += s.num_tokens
                 if not s.samples:
                     continue
@@ -243,14 +291,23 @@ class LLMEngine:
                     rows.append(i)
                     targets.append(request.prompt_token_ids[nxt])
         seed: int | list[int] = seq.seed
-        if s.samples:  # the last row samples; before its request forks, it samples all n completions
+        p = request.params
+        num_out = len(seq.output_token_ids)
+        counter: int | list[int] = num_out
+        draft_tokens: list[int] = []
+        draft_src: list[int] = []
+        if s.num_draft:  # verification: row i verifies draft i and samples output token num_out + i
+            rows = list(range(s.num_tokens - s.num_draft - 1, s.num_tokens))
+            targets = [-1] * len(rows)
+            counter = [num_out + i for i in range(len(rows))]
+            draft_tokens = seq.draft[: s.num_draft] + [-1]  # the last row: the bonus token
+            draft_src = seq.draft_src[: s.num_draft] + [-1] if seq.draft_src else []
+        elif s.samples:  # the last row samples; before its request forks, it samples all n completions
             n = 1 if request.forked else request.params.n
             rows += [s.num_tokens - 1] * n
             targets += [-1] * n
             # prompt-logprob rows keep the sequence's seed; sample row j gets completion j's seed
             seed = [seq.seed] * (len(rows) - n) + [_child_seed(seq.seed, j) for j in range(n)]
-        p = request.params
-        num_out = len(seq.output_token_ids)
         banned = ()
         if num_out < p.min_tokens and not p.ignore_eos:
             banned = tuple(sorted(self.eos_token_ids | set(p.stop_token_ids or ())))
@@ -259,16 +316,16 @@ class LLMEngine:
         sampling = RowSampling(
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
             seed=seed,
-            counter=num_out, target_ids=targets,
+            counter=counter, target_ids=targets,
             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty, banned_ids=banned,
+            frequency_penalty=p.frequency_penalty, banned_ids=banned, draft_tokens=draft_tokens, draft_src=draft_src,
         )
         if sampling.uses_penalties:  # history as of the sampled row: everything up to this chunk's end
             sampling.history = seq.token_ids[: start + s.num_tokens]
             sampling.num_prompt_history = min(len(request.prompt_token_ids), start + s.num_tokens)
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = time.time()
-        tokens = seq.token_ids[start : start + s.num_tokens]
+        tokens = seq.token_ids[start : start + s.num_tokens - s.num_draft] + seq.draft[: s.num_draft]
         pages = self._replica(seq).block_manager.page_table(seq.seq_id)
         device_tokens = {i: seq.pending[start + i] for i in range(s.num_tokens) if start + i in seq.pending}
         return ScheduledChunk(SequenceChunk(tokens, start, pages, rows, device_tokens), sampling)
@@ -276,13 +333,17 @@ class LLMEngine:
     def _process(self, inflight: "_InFlight") -> list[RequestOutput]:
         """Reads a dispatched step's tokens and applies them: logprobs, forks, stop checks."""
         results = self.runner.collect(inflight.handle)
+        self.num_processed += 1
+        self.last_hidden = inflight.handle.out.hidden
         now = time.time()
         touched: dict[str, Request] = {}
-        for replica_scheduled, replica_chunks, replica_results in zip(inflight.scheduled, inflight.chunks, results):
-            for sched, chunk, rows in zip(replica_scheduled, replica_chunks, replica_results):
+        for replica_scheduled, replica_chunks, replica_results, replica_rows in zip(
+            inflight.scheduled, inflight.chunks, results, inflight.handle.rows_of_chunk
+        ):
+            for sched, chunk, rows, row_ids in zip(replica_scheduled, replica_chunks, replica_results, replica_rows):
                 if sched.seq.finished:  # finished or aborted after this step was dispatched
                     continue
-                self._advance(sched, chunk, rows, now)
+                self._advance(sched, chunk, rows, now, row_ids)
                 touched[sched.seq.request.request_id] = sched.seq.request
         outputs = []
         for request in touched.values():
@@ -292,8 +353,13 @@ class LLMEngine:
             outputs.append(self._output(request))
         return outputs
 
-    def _advance(self, s: ScheduledSeq, chunk: ScheduledChunk, rows: list[RowResult], now: float) -> None:
+    def _advance(self, s: ScheduledSeq, chunk: ScheduledChunk, rows: list[RowResult], now: float, row_ids: list[int]) -> None:
+        if s.num_draft:
+            return self._verified(s, rows, now, row_ids)
         seq, request = s.seq, s.seq.request
+        seq.draft_computed = min(seq.draft_computed, seq.num_computed)  # its drafts went unverified
+        if s.samples:  # the row its next token comes from (every sample row of a fork has the same hidden state)
+            seq.hidden_row, seq.hidden_step = row_ids[-1], self.num_processed
         samples = []
         for row, target in zip(rows, chunk.sampling.target_ids):
             if target >= 0:
@@ -318,6 +384,8 @@ class LLMEngine:
             for j, row in enumerate(samples[1:], start=1):
                 child = Sequence(request, j, seq.token_ids[:end] + [row.token], _child_seed(request.seed, j), num_computed=end)
                 replica.block_manager.fork(seq.seq_id, child.seq_id)
+                child.spec = dataclasses.replace(seq.spec) if seq.spec else None
+                child.hidden_row, child.hidden_step = seq.hidden_row, seq.hidden_step
                 request.seqs.append(child)
                 replica.scheduler.add_running(child)
                 self._on_token(child, row, end, now)
@@ -326,6 +394,74 @@ class LLMEngine:
         if seq.finished:
             del seq.token_ids[end + 1 :]  # drop tokens of steps dispatched after the one that ended it
             seq.pending.clear()
+
+    def _verified(self, s: ScheduledSeq, rows: list[RowResult], now: float, row_ids: list[int]) -> None:
+        """A verification chunk's results: keep the accepted drafts and the sampled token after
+        them, rewind the sequence's length past them (the rejected drafts' K/V are dropped)."""
+        seq = s.seq
+        draft = seq.draft[: s.num_draft]
+        accepted = next((i for i, row in enumerate(rows[: s.num_draft]) if not row.accepted), s.num_draft)
+        computed = s.start + 1 + accepted  # the newest token's K/V and the accepted drafts'
+        bm = self._replica(seq).block_manager
+        if seq.seq_id in bm.seqs:  # not preempted meanwhile
+            bm.truncate(seq.seq_id, computed)
+            seq.num_computed = computed
+            emitted = draft[:accepted] + [rows[accepted].token]
+            bm.mark_computed(seq.seq_id, computed, seq.token_ids + emitted)
+        else:
+            emitted = []
+        seq.hidden_row, seq.hidden_step = row_ids[accepted], self.num_processed  # the row y came from
+        self.num_spec_verifications += 1
+        self.num_draft_tokens += s.num_draft
+        self.num_accepted_tokens += accepted
+        seq.spec.update(s.num_draft, accepted)
+        seq.draft, seq.draft_src = [], []
+        seq.draft_computed = min(seq.draft_computed, seq.num_computed)  # a draft model's cache past the accepted drafts is stale
+        for i, token in enumerate(emitted):
+            seq.token_ids.append(token)
+            self._on_token(seq, dataclasses.replace(rows[i], token=token), len(seq.token_ids) - 1, now)
+            if seq.finished:
+                break
+
+    def _propose_drafts(self) -> None:
+        """Drafts for every decoding sequence that speculates this step (one proposer call)."""
+        asked = []
+        for replica in self.replicas:
+            for seq in replica.scheduler.running:
+                seq.draft, seq.draft_src = [], []
+                k = self._draft_budget(seq)
+                if k:
+                    asked.append((seq, k))
+        self._draft_buffer = None
+        if not asked:
+            return
+        drafts = self.proposer.propose(self, asked)
+        self._draft_buffer = drafts.buffer
+        for i, (seq, k) in enumerate(asked):
+            seq.draft = list(drafts.tokens[i][:k])
+            seq.draft_src = list(drafts.src[i][:k]) if drafts.src else []
+
+    def _draft_budget(self, seq: Sequence) -> int:
+        """How many tokens to draft for `seq` now (0: it decodes plainly this step)."""
+        request, p = seq.request, seq.request.params
+        if seq.spec is None or seq.is_prefill or seq.pending or seq.hold or not request.forked:
+            return 0
+        num_out = len(seq.output_token_ids)
+        if num_out < p.min_tokens:  # min_tokens bans EOS for some positions; the drafts would not know
+            return 0
+        left = min((p.max_tokens or self.max_model_len) - num_out, request.max_len - len(seq.token_ids))
+        if left <= 1 or not seq.spec.tick():
+            return 0
+        return min(seq.spec.k, left - 1)
+
+    def _draft_length(self, p: SamplingParams) -> int:
+        """A new request's maximum draft length (0: it does not speculate)."""
+        if self.spec_config is None:
+            return 0
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            return 0  # penalties depend on every token before: verified rows could not apply them
+        k = self.spec_config.num_speculative_tokens if p.num_speculative_tokens is None else p.num_speculative_tokens
+        return min(k, self.spec_config.num_speculative_tokens)
 
     def _on_token(self, seq: Sequence, row: RowResult, index: int, now: float) -> None:
         """A newly sampled token (already in seq.token_ids): logprobs, metrics, text, stop checks."""
@@ -348,16 +484,18 @@ class LLMEngine:
         elif p.stop_token_ids and token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
         else:
-            if seq.detokenizer is None:
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                                         skip_special_tokens=p.skip_special_tokens)
-            delta = seq.detokenizer.add(token)
-            seq.text = seq.detokenizer.text
-            if p.stop and delta:
-                self._check_stop_strings(seq, len(delta))
+            if p.detokenize:
+                if seq.detokenizer is None:
+                    seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                             skip_special_tokens=p.skip_special_tokens)
+                delta = seq.detokenizer.add(token)
+                seq.text = seq.detokenizer.text
+                if p.stop and delta:
+                    self._check_stop_strings(seq, len(delta))
             if seq.finish_reason is None and (num_out >= (p.max_tokens or self.max_model_len) or length >= request.max_len):
                 seq.finish_reason = "length"
-                seq.text += seq.detokenizer.flush()
+                if seq.detokenizer is not None:
+                    seq.text += seq.detokenizer.flush()
         if seq.finish_reason is not None:
             self._replica(seq).scheduler.finish(seq)
 
@@ -437,6 +575,11 @@ class LLMEngine:
                 raise ValueError(f"{label}: SamplingParams.{field}={v} exceeds max_logprobs={self.max_logprobs}")
         if p.n > self.scheduler.max_num_seqs:
             raise ValueError(f"{label}: SamplingParams.n={p.n} exceeds max_num_seqs={self.scheduler.max_num_seqs}")
+        if p.num_speculative_tokens and self.spec_config and p.num_speculative_tokens > self.spec_config.num_speculative_tokens:
+            raise ValueError(
+                f"{label}: SamplingParams.num_speculative_tokens={p.num_speculative_tokens} exceeds the engine's "
+                f"num_speculative_tokens={self.spec_config.num_speculative_tokens}"
+            )
         total = min(self.max_model_len, len(ids) + (p.max_tokens or self.max_model_len))
         need = self.block_manager.pages_needed(total) + (1 if p.n > 1 else 0) * (p.n - 1)
         if need > self.block_manager.num_usable_pages:
@@ -461,6 +604,9 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+            num_spec_verifications=self.num_spec_verifications,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )
 
     def _maybe_log(self) -> None:

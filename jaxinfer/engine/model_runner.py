@@ -19,6 +19,7 @@ import time
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.batch import BucketKey, Buckets, RaggedBatch, SequenceChunk, pack_batch, shared_key, stack_replicas
@@ -37,7 +38,7 @@ class RowSampling:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | Sequence[int] = 0  # one seed, or one per logits row
-    counter: int = 0  # tokens this sequence has sampled so far
+    counter: int | Sequence[int] = 0  # tokens this sequence has sampled so far (per row: the token each row makes)
     target_ids: Sequence[int] = ()  # per logits row: the token whose logprob to report, -1 = sampled one
     min_p: float = 0.0  # 0 = off
     repetition_penalty: float = 1.0  # 1 = off; on prompt and output tokens
@@ -46,6 +47,8 @@ class RowSampling:
     banned_ids: Sequence[int] = ()  # never sampled (min_tokens: EOS and stop ids)
     history: Sequence[int] = ()  # prompt ids then output ids so far; only read when a penalty is on
     num_prompt_history: int = 0  # how many leading `history` ids are the prompt
+    draft_tokens: Sequence[int] = ()  # per logits row: the drafted token it verifies, -1 = none (speculative decoding)
+    draft_src: Sequence[int] = ()  # per logits row: its draft's distribution, a row of dispatch's draft_buffer (-1 = one-hot)
 
     @property
     def uses_penalties(self) -> bool:
@@ -60,10 +63,11 @@ class ScheduledChunk:
 
 @dataclasses.dataclass
 class RowResult:
-    token: int
-    logprob: float
+    token: int  # sampled (for a row verifying a draft: the replacement, used if the draft was rejected)
+    logprob: float  # of the emitted token (the draft if accepted)
     top_ids: np.ndarray  # [K]
     top_logprobs: np.ndarray  # [K]
+    accepted: bool = False  # the row's drafted token was accepted
 
 
 @dataclasses.dataclass
@@ -77,7 +81,7 @@ class InFlightStep:
 
 class ModelRunner:
     def __init__(self, graphdef, params, kv: KVCache, buckets: Buckets, *, num_top_logprobs: int = 20,
-                 mesh=None, param_specs=None):
+                 mesh=None, param_specs=None, return_hidden: bool = False):
         """kv: the whole cache, [L, replicas * pages_per_replica, ...], placed on `mesh` (default:
         one device) with the step's KV sharding."""
         self.graphdef = graphdef
@@ -85,7 +89,8 @@ class ModelRunner:
         self.kv = kv
         self.buckets = buckets
         self.num_top_logprobs = num_top_logprobs
-        self.step_fn = StepFunction(graphdef, num_top_logprobs, max_rows=buckets.max_tokens, mesh=mesh, param_specs=param_specs)
+        self.step_fn = StepFunction(graphdef, num_top_logprobs, max_rows=buckets.max_tokens, mesh=mesh, param_specs=param_specs,
+                                    return_hidden=return_hidden)
         self.num_replicas = self.step_fn.num_replicas
         if kv.num_pages % self.num_replicas:
             raise ValueError(f"{kv.num_pages} KV pages do not split over {self.num_replicas} replicas")
@@ -106,12 +111,15 @@ class ModelRunner:
     def _put(self, tree):
         return self.step_fn.place_inputs(tree)
 
-    def dispatch(self, scheduled: Sequence[Sequence[ScheduledChunk]], *, want_logprobs: bool = False) -> "InFlightStep":
+    def dispatch(self, scheduled: Sequence[Sequence[ScheduledChunk]], *, want_logprobs: bool = False,
+                 return_probs: bool = False, draft_buffer: jax.Array | None = None) -> "InFlightStep":
         """Packs and launches one step without waiting for it (JAX dispatch is asynchronous).
 
         `scheduled`: one list of chunks per replica. Tokens marked in a chunk's `device_tokens`
         are read on the device from the previous dispatched step's sampled tokens of the same
-        replica. `collect` reads the results.
+        replica. `collect` reads the results. `return_probs`: the step also returns each row's
+        sampling distribution (`InFlightStep.out.probs`, on the device: a draft model's q).
+        `draft_buffer` [replicas, N, V]: draft distributions the chunks' `draft_src` rows point into.
         """
         if len(scheduled) != self.num_replicas:
             raise ValueError(f"got chunks for {len(scheduled)} replicas, the runner has {self.num_replicas}")
@@ -122,16 +130,29 @@ class ModelRunner:
         everything = [s for chunks in scheduled for s in chunks]  # the optional sampling features are per step
         num_banned = max((len(s.sampling.banned_ids) for s in everything), default=0)
         penalties = any(s.sampling.uses_penalties for s in everything)
+        drafts = any(s.sampling.draft_tokens for s in everything)
         sampling = jax.tree.map(lambda *a: np.stack(a), *(
-            self._sampling_tensors(key, chunks, rows, want_logprobs, num_banned, penalties)
+            self._sampling_tensors(key, chunks, rows, want_logprobs, num_banned, penalties, drafts)
             for chunks, rows in zip(scheduled, rows_of_chunk)
         ))
+        if return_probs:
+            sampling.return_probs = np.ones((self.num_replicas, 1), bool)
+        src = None
+        if draft_buffer is not None:
+            src = np.full((self.num_replicas, key.num_logits), -1, np.int32)
+            for i, (chunks, replica_rows) in enumerate(zip(scheduled, rows_of_chunk)):
+                for s, rows in zip(chunks, replica_rows):
+                    if s.sampling.draft_src:
+                        src[i, rows] = s.sampling.draft_src
         batch, sampling = self._put((batch, sampling))
+        if src is not None:
+            sampling.draft_probs = _gather_rows(draft_buffer, self._put(src))
         self.keys_seen.add(key)
         compiles_before = self.step_fn.num_compiles
         t0 = time.perf_counter()
         out, self.token_buffer, self.kv = self.step_fn(
-            self.params, self.kv, batch, sampling, self.token_buffer, query_block=key.query_block
+            self.params, self.kv, batch, sampling, self.token_buffer, query_block=key.query_block,
+            spec_block=key.spec_block,
         )
         if self.step_fn.num_compiles != compiles_before:  # tracing and compiling happen at dispatch
             self.compile_seconds[key] = time.perf_counter() - t0
@@ -147,8 +168,10 @@ class ModelRunner:
             tokens = np.asarray(out.tokens)
             logprobs = np.zeros(tokens.shape, np.float32)
             top_ids = top_lps = np.zeros(tokens.shape + (0,))
+        accepted = np.zeros(tokens.shape, bool) if out.accepted is None else np.asarray(out.accepted)
         return [
-            [[RowResult(int(tokens[i, r]), float(logprobs[i, r]), top_ids[i, r], top_lps[i, r]) for r in rows] for rows in replica_rows]
+            [[RowResult(int(tokens[i, r]), float(logprobs[i, r]), top_ids[i, r], top_lps[i, r], bool(accepted[i, r]))
+              for r in rows] for rows in replica_rows]
             for i, replica_rows in enumerate(step.rows_of_chunk)
         ]
 
@@ -157,14 +180,17 @@ class ModelRunner:
         return self.collect(self.dispatch(scheduled, want_logprobs=want_logprobs))
 
     def _sampling_tensors(self, key: BucketKey, scheduled, rows_of_chunk, want_logprobs: bool = False,
-                          max_banned: int | None = None, penalties: bool | None = None) -> SamplingTensors:
+                          max_banned: int | None = None, penalties: bool | None = None,
+                          drafts: bool | None = None) -> SamplingTensors:
         """One replica's per-row sampling tensors. The optional fields are switched on by
-        `max_banned` (columns of banned ids) and `penalties`, by default when one of these chunks
-        needs them; a step passes what any replica needs, so the replicas' trees stack."""
+        `max_banned` (columns of banned ids), `penalties` and `drafts`, by default when one of
+        these chunks needs them; a step passes what any replica needs, so the replicas' trees stack."""
         if max_banned is None:
             max_banned = max((len(s.sampling.banned_ids) for s in scheduled), default=0)
         if penalties is None:
             penalties = any(s.sampling.uses_penalties for s in scheduled)
+        if drafts is None:
+            drafts = any(s.sampling.draft_tokens for s in scheduled)
         R = key.num_logits
         temperature = np.zeros(R, np.float32)
         top_k = np.zeros(R, np.int32)
@@ -183,6 +209,11 @@ class ModelRunner:
             temperature, top_k, top_p, seed, counter, target_ids, min_p=min_p, want_logprobs=np.array([want_logprobs])
         )
         # Static switches: the fields stay None (a separate, cheaper compiled variant) unless some row needs them.
+        if drafts:
+            st.draft_token = np.full(R, -1, np.int32)
+            for s, rows in zip(scheduled, rows_of_chunk):
+                if s.sampling.draft_tokens:
+                    st.draft_token[rows] = s.sampling.draft_tokens
         if max_banned:
             st.banned_ids = np.full((R, -(-max_banned // BANNED_IDS_MULTIPLE) * BANNED_IDS_MULTIPLE), -1, np.int32)
             for s, rows in zip(scheduled, rows_of_chunk):
@@ -234,7 +265,8 @@ class ModelRunner:
             batch, sampling = self._empty_inputs(key)
             t0 = time.perf_counter()
             out, self.token_buffer, self.kv = self.step_fn(
-                self.params, self.kv, batch, sampling, self.token_buffer, query_block=key.query_block
+                self.params, self.kv, batch, sampling, self.token_buffer, query_block=key.query_block,
+                spec_block=key.spec_block,
             )
             jax.block_until_ready(out.tokens)
             self.compile_seconds[key] = time.perf_counter() - t0
@@ -242,7 +274,8 @@ class ModelRunner:
     def compiled_hlo(self, key: BucketKey) -> str:
         """The optimized HLO of one bucket's step (for inspection; compiles if needed)."""
         batch, sampling = self._empty_inputs(key)
-        lowered = self.step_fn._step.lower(self.params, self.kv, batch, sampling, self.token_buffer, query_block=key.query_block)
+        lowered = self.step_fn._step.lower(self.params, self.kv, batch, sampling, self.token_buffer,
+                                           query_block=key.query_block, spec_block=key.spec_block)
         return lowered.compile().as_text()
 
     # ------------------------------------------------------------------ whole pages (copy-on-write, swapping)
@@ -273,6 +306,12 @@ class ModelRunner:
     def write_pages(self, replica: int, pages: Sequence[int], k: np.ndarray, v: np.ndarray) -> None:
         """Writes host K/V (as read_pages returns them) into a replica's pages, in place."""
         self.kv = _page_ops(self.step_fn.mesh)[1](self.kv, self._global_pages(replica, pages), k, v)
+
+
+@jax.jit
+def _gather_rows(buffer: jax.Array, src: jax.Array) -> jax.Array:
+    """buffer [replicas, N, V], src [replicas, R] (-1: any row) -> [replicas, R, V]."""
+    return jax.vmap(lambda b, s: b[jnp.maximum(s, 0)])(buffer, src)
 
 
 @functools.cache

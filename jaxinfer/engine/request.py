@@ -68,6 +68,43 @@ class SwappedKV:
     num_computed: int
 
 
+@dataclasses.dataclass
+class SpecState:
+    """One sequence's speculation: how many tokens to draft now, and a running acceptance rate.
+
+    Back-off: after each verification the acceptance rate (accepted / drafted, an exponential
+    average) is updated; below `SpecState.LOW` the draft length halves, at 1 it pauses for
+    `PAUSE` steps of plain decoding and then tries again with 1; above `HIGH` it grows by one
+    up to the configured maximum. A proposer that finds nothing to draft costs nothing."""
+
+    max_k: int
+    k: int
+    acceptance: float = 1.0
+    pause: int = 0  # plain steps left before drafting again
+    LOW = 0.3
+    HIGH = 0.7
+    PAUSE = 8
+    SMOOTHING = 0.5
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.acceptance = self.SMOOTHING * self.acceptance + (1 - self.SMOOTHING) * accepted / drafted
+        if self.acceptance < self.LOW:
+            if self.k == 1:
+                self.pause, self.acceptance = self.PAUSE, (self.LOW + self.HIGH) / 2
+            self.k = max(1, self.k // 2)
+        elif self.acceptance > self.HIGH:
+            self.k = min(self.max_k, self.k + 1)
+
+    def tick(self) -> bool:
+        """Whether to draft this step (counts down a pause)."""
+        if self.pause:
+            self.pause -= 1
+            return False
+        return True
+
+
 @dataclasses.dataclass(eq=False)
 class Sequence:
     request: "Request"
@@ -89,6 +126,14 @@ class Sequence:
     # step's sampled tokens (their entry in token_ids is PENDING until then)
     pending: dict[int, int] = dataclasses.field(default_factory=dict)
     hold: bool = False  # its pending token ends it (length): don't schedule it again
+    # speculative decoding: drafted tokens to verify in its next step, and its own draft length
+    # (adapted to how many of its drafts get accepted; 0 = decoding plainly for now)
+    draft: list[int] = dataclasses.field(default_factory=list)
+    draft_src: list[int] = dataclasses.field(default_factory=list)  # rows of the step's draft_buffer (draft models)
+    draft_computed: int = 0  # tokens a draft model's own cache holds for it
+    hidden_row: int | None = None  # draft heads: the logits row (of step hidden_step) its newest token came from
+    hidden_step: int = -1
+    spec: "SpecState | None" = None
 
 
     @property

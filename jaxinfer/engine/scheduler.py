@@ -12,6 +12,11 @@ Each call to `schedule()` decides what one step computes, within two budgets:
    sequence that does not fit blocks those behind it (FCFS), and nothing is admitted in a step
    that had to preempt.
 
+Speculative decoding: a decoding sequence holding drafted tokens (`seq.draft`) contributes its
+newest token plus the drafts (what the budget leaves of them), and pages for all of them; such
+verification chunks do not count against `max_prefill_chunks` (they are short and have an
+attention pass of their own).
+
 When a running sequence needs a page and none is free, the lowest-priority running sequence
 not yet scheduled this step is preempted: its pages are freed and it goes back to waiting with
 its tokens. With preemption_mode="recompute" (the default) its K/V are recomputed (with
@@ -31,13 +36,14 @@ from jaxinfer.engine.request import Sequence, SequenceStatus
 @dataclasses.dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # computed this step, starting at `start`
+    num_tokens: int  # computed this step, starting at `start` (drafted tokens included)
+    num_draft: int = 0  # of those, drafted tokens to verify (the last ones)
     start: int = dataclasses.field(init=False)  # seq.num_computed when scheduled
     samples: bool = dataclasses.field(init=False)  # the chunk reaches the newest token: sample the next one
 
     def __post_init__(self):
         self.start = self.seq.num_computed
-        self.samples = self.start + self.num_tokens == len(self.seq.token_ids)
+        self.samples = self.start + self.num_tokens - self.num_draft == len(self.seq.token_ids)
 
 
 @dataclasses.dataclass
@@ -108,12 +114,17 @@ class Scheduler:
         # decodes first, then prefill chunks; best priority first within each group
         queue = sorted((s for s in self.running if not s.hold), key=lambda s: (s.is_prefill, priority_order(s)))
         num_chunks = 0  # scheduled multi-token chunks
+        rows_left = self.max_num_batched_tokens  # logits rows: a step's rows must fit its largest bucket too
         while queue and budget > 0 and len(scheduled) < self.max_num_seqs:
             seq = queue.pop(0)
-            n = min(seq.num_uncomputed, budget)
-            if n > 1 and num_chunks >= self.max_prefill_chunks:
+            num_draft = 0 if seq.is_prefill else max(0, min(len(seq.draft), budget - 1, rows_left - 1))
+            n = self._chunk_size(seq, budget, rows_left) + num_draft
+            rows = self._logits_rows(seq, n, num_draft)
+            if rows > rows_left:
                 continue  # waits for a later step
-            num_chunks += n > 1
+            if seq.is_prefill and n > 1 and num_chunks >= self.max_prefill_chunks:
+                continue  # waits for a later step
+            num_chunks += seq.is_prefill and n > 1
             new_slots = max(0, seq.num_computed + n - bm.seqs[seq.seq_id].num_tokens)
             while not bm.can_append(seq.seq_id, new_slots):
                 victim = max(queue + [seq], key=priority_order)
@@ -128,16 +139,17 @@ class Scheduler:
             if seq in preempted:
                 continue
             copies += bm.prepare_append(seq.seq_id, new_slots)
-            scheduled.append(ScheduledSeq(seq, n))
+            scheduled.append(ScheduledSeq(seq, n, num_draft))
             budget -= n
+            rows_left -= rows
 
         if not preempted:
+            occupied = sum(self._forks(s) for s in self.running)  # a request that will fork holds n places
             for seq in sorted(self.waiting, key=priority_order):
-                # a request that will fork into n completions needs room for all of them
-                slots = 1 if seq.request.forked else seq.request.params.n
-                if budget == 0 or len(self.running) + slots > self.max_num_seqs or len(scheduled) >= self.max_num_seqs:
+                slots = self._forks(seq)
+                if budget == 0 or occupied + slots > self.max_num_seqs or len(scheduled) >= self.max_num_seqs:
                     break
-                if num_chunks >= self.max_prefill_chunks:
+                if num_chunks >= self.max_prefill_chunks or self._admission_rows(seq, budget, rows_left) > rows_left:
                     break
                 try:
                     seq.num_computed = bm.allocate(seq.seq_id, seq.token_ids)
@@ -153,11 +165,48 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                n = min(seq.num_uncomputed, budget)
+                occupied += slots
+                n = self._chunk_size(seq, budget, rows_left)
                 scheduled.append(ScheduledSeq(seq, n))
                 num_chunks += n > 1
                 budget -= n
+                rows_left -= self._logits_rows(seq, n)
         return SchedulerOutput(scheduled, copies, preempted, swap_out, swap_in)
+
+    def _admission_rows(self, seq: Sequence, budget: int, rows_left: int) -> int:
+        """Logits rows of a waiting sequence's first chunk, were it admitted now (its cached prefix
+        and swapped-out K/V are not recomputed)."""
+        bm = self.block_manager
+        start = bm.num_cached_prefix_pages(seq.token_ids) * bm.page_size
+        if seq.swapped is not None:
+            start = max(start, seq.swapped.num_computed)
+        saved, seq.num_computed = seq.num_computed, start
+        try:
+            return self._logits_rows(seq, self._chunk_size(seq, budget, rows_left))
+        finally:
+            seq.num_computed = saved
+
+    @staticmethod
+    def _forks(seq: Sequence) -> int:
+        """Rows the chunk that completes `seq`'s prompt samples: n before its request forks."""
+        return 1 if seq.request.forked else seq.request.params.n
+
+    def _chunk_size(self, seq: Sequence, budget: int, rows_left: int) -> int:
+        """Tokens of `seq` to compute now (drafts aside): what the budget allows, and with prompt
+        logprobs (a row per token) what leaves room for the completing chunk's sampled rows."""
+        n = min(seq.num_uncomputed, budget)
+        if seq.request.wants_prompt_logprobs:
+            n = min(n, max(1, rows_left - self._forks(seq)))
+        return n
+
+    def _logits_rows(self, seq: Sequence, n: int, num_draft: int = 0) -> int:
+        """Logits rows a chunk of n tokens (num_draft of them drafts) asks the step for."""
+        rows = num_draft
+        if seq.num_computed + n - num_draft == len(seq.token_ids):  # it reaches the newest token: it samples
+            rows += self._forks(seq)
+        if seq.request.wants_prompt_logprobs:
+            rows += n
+        return rows
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq.seq_id)

@@ -97,12 +97,14 @@ class LlamaForCausalLM(nnx.Module):
         if "lm_head" in shapes:
             self.lm_head = nnx.Param(_init("lm_head", shapes["lm_head"], param_dtype, rngs.params()))
 
-    def __call__(self, kv: KVCache, batch: RaggedBatch, *, query_block: int) -> tuple[jax.Array, KVCache]:
+    def __call__(self, kv: KVCache, batch: RaggedBatch, *, query_block: int, spec_block: int = 0,
+                 return_hidden: bool = False):
         """One device's part of a step (see the module docstring).
 
         kv: this device's pages, [L, P, page_size, Hkv_local, D]; batch: its replica's batch (T
         tokens, S sequence slots). Returns (logits [R, V] float32 for the rows
-        batch.logits_indices, the same on every device of the replica; the updated cache).
+        batch.logits_indices, the same on every device of the replica; the updated cache), and
+        with return_hidden the rows' final-normed hidden states [R, H] too (draft heads read them).
         """
         c, par, kernels = self.config, self.parallel, self.kernels
         T = batch.token_ids.shape[0]
@@ -137,8 +139,8 @@ class LlamaForCausalLM(nnx.Module):
                 k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
             attn, k_pages, v_pages = write_kv_and_attend(  # RoPE, KV write, attention
                 q, k, v, cos, sin, k_pages, v_pages, i * num_pages, write_page, write_offset, batch,
-                sm_scale=sm_scale, sliding_window=c.sliding_window, query_block=query_block, kernels=kernels,
-                parallel=par,
+                sm_scale=sm_scale, sliding_window=c.sliding_window, query_block=query_block, spec_block=spec_block,
+                kernels=kernels, parallel=par,
             )
             attn_out = self._row_parallel(attn.reshape(Tl, num_heads * c.head_dim), w["o_proj"], w.get("o_bias"))
             h, residual = add_rms_norm(attn_out, residual, w["mlp_norm"], c.rms_norm_eps, kernels)
@@ -154,7 +156,10 @@ class LlamaForCausalLM(nnx.Module):
         )
         hidden, residual = self._logits_rows(hidden, residual, batch.logits_indices, first_row)  # [R, H] each
         h, _ = add_rms_norm(hidden, residual, self.final_norm[...], c.rms_norm_eps, kernels)
-        return self._lm_head(h), KVCache(k=k_pages.reshape(kv.k.shape), v=v_pages.reshape(kv.v.shape))
+        kv = KVCache(k=k_pages.reshape(kv.k.shape), v=v_pages.reshape(kv.v.shape))
+        if return_hidden:  # the final-normed hidden state of each logits row [R, H] (what the LM head reads)
+            return self._lm_head(h), kv, h
+        return self._lm_head(h), kv
 
     # ------------------------------------------------------------------ the parallel pieces
     def _tensor_sum(self, partial: jax.Array, dtype=None) -> jax.Array:

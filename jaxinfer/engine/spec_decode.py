@@ -1,0 +1,139 @@
+"""Speculative decoding: its configuration and the proposers that draft tokens.
+
+    LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})
+
+Each engine step, every decoding sequence that speculates gets up to k drafted tokens from the
+proposer; its step then computes its newest token and the drafts together (k + 1 query rows of
+the same ragged step), and the target's distributions at those rows decide, on the device, how
+many drafts to keep (`jaxinfer.sampling.verify_drafts`: the longest matching prefix under
+greedy decoding, the standard rejection sampler otherwise), plus one more token sampled from the
+target. The rest is rolled back: the sequence's length rewinds and pages past it are released
+(`BlockManager.truncate`).
+
+Proposers implement `propose(engine, asked) -> Drafts`, where `asked` is a list of
+(sequence, k) and each draft is a list of at most k token ids (plus, for a model that samples
+its drafts, the distributions they came from). Here:
+
+- `NgramProposer` (method "ngram", prompt lookup): the last n tokens (n from prompt_lookup_max
+  down to prompt_lookup_min) are searched for earlier in the prompt and output; what followed
+  their latest earlier occurrence is the draft. No model; a deterministic proposal (its
+  distribution q is one-hot), so rejection sampling accepts a drafted token with the target's
+  probability of it.
+- `draft_model.DraftModelProposer` (method "draft_model"): another model, or the target itself
+  quantized or truncated to its first layers, drafts autoregressively in its own paged cache.
+- `medusa.MedusaProposer` (method "medusa"): draft heads trained on the target's own text
+  (`scripts/train_draft_head.py`) read the target's last hidden state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+METHODS = ("ngram", "draft_model", "medusa")
+
+
+class SpecConfigError(ValueError):
+    """A speculative_config the engine cannot use; the message names the key at fault."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` keys: method, num_speculative_tokens, prompt_lookup_max,
+    prompt_lookup_min (method "ngram"), model, quantization (method "draft_model": a model path,
+    None for the target itself; the draft's weight quantization), and jaxinfer's num_layers (a
+    draft of the first num_layers layers of `model`: self-speculation)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: str | None = None
+    quantization: str | None = None
+    num_layers: int | None = None
+
+    @staticmethod
+    def from_dict(d: dict[str, Any] | None) -> "SpeculativeConfig | None":
+        if d is None:
+            return None
+        if not isinstance(d, dict):
+            raise SpecConfigError(f"speculative_config must be a dict, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise SpecConfigError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        method = d.get("method", "ngram" if "prompt_lookup_max" in d else None)
+        if method not in METHODS:
+            raise SpecConfigError(f"speculative_config['method']={method!r}: expected one of {METHODS}")
+        config = SpeculativeConfig(**{**d, "method": method})
+        config.check()
+        return config
+
+    def check(self) -> None:
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 7:
+            raise SpecConfigError(f"speculative_config['num_speculative_tokens']={k!r}: must be an integer in [1, 7]")
+        if self.num_layers is not None and (not isinstance(self.num_layers, int) or self.num_layers < 1):
+            raise SpecConfigError(f"speculative_config['num_layers']={self.num_layers!r}: must be a positive integer")
+        if self.method == "ngram" and (self.model or self.quantization or self.num_layers):
+            raise SpecConfigError("speculative_config: model / quantization / num_layers need method 'draft_model' (or 'medusa': model)")
+        if self.method == "medusa" and (not self.model or self.quantization or self.num_layers):
+            raise SpecConfigError("speculative_config: method 'medusa' needs 'model' (a folder of heads from "
+                                  "scripts/train_draft_head.py) and takes no quantization / num_layers")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise SpecConfigError(
+                f"speculative_config: prompt_lookup_min={lo!r} and prompt_lookup_max={hi!r} must be integers with 1 <= min <= max"
+            )
+
+    @property
+    def spec_block(self) -> int:
+        """Rows of the longest verification chunk (the newest token + k drafts), as a power of two."""
+        return 1 << (self.num_speculative_tokens).bit_length()
+
+
+@dataclasses.dataclass
+class Drafts:
+    """What a proposer returns for the sequences it was asked about, in order."""
+
+    tokens: list[list[int]]  # at most k drafted tokens each
+    buffer: Any = None  # [replicas, N, V] device array of the drafts' distributions; None: deterministic drafts
+    src: list[list[int]] | None = None  # per sequence, per draft: its row of buffer
+
+
+class NgramProposer:
+    """Prompt lookup: propose what followed the latest earlier occurrence of the last n tokens."""
+
+    on_device = False
+
+    def __init__(self, prompt_lookup_max: int = 4, prompt_lookup_min: int = 1):
+        self.max_n, self.min_n = prompt_lookup_max, prompt_lookup_min
+
+    def propose(self, engine, asked) -> Drafts:
+        return Drafts([self.draft(seq.token_ids, k) for seq, k in asked])
+
+    def draft(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens for what follows `tokens`; [] when no n-gram of the suffix recurs."""
+        ids = np.asarray(tokens, np.int64)
+        L = len(ids)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # every n-gram but the suffix itself
+            hits = np.flatnonzero((windows == ids[L - n :]).all(axis=1))
+            if len(hits):
+                start = hits[-1] + n  # the latest occurrence, and what followed it
+                return ids[start : start + k].tolist()
+        return []
+
+
+def make_proposer(config: SpeculativeConfig, draft_runner=None):
+    """The proposer of `config.method`. A draft model comes with its ModelRunner; Medusa heads are
+    built by `LLM`, which knows the target's LM head."""
+    if config.method == "draft_model":
+        from jaxinfer.engine.draft_model import DraftModelProposer
+
+        return DraftModelProposer(draft_runner)
+    if config.method == "medusa":
+        raise ValueError("Medusa heads need the target model: build the proposer through LLM(speculative_config=...)")
+    return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
