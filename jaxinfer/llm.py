@@ -245,7 +245,7 @@ class LLM:
         self.buckets = Buckets.default(max_num_batched_tokens, max_num_seqs, pages_per_seq, token_multiple=parallel.sp,
                                        spec_block=spec.spec_block if spec else 0)
         self.runner = ModelRunner(graphdef, params, kv, self.buckets, num_top_logprobs=max_logprobs, mesh=self.mesh,
-                                  param_specs=param_specs, return_hidden=spec is not None and spec.method == "medusa")
+                                  param_specs=param_specs, return_hidden=spec is not None and spec.method in ("eagle", "medusa"))
         self._draft_geometry = dict(num_pages=num_pages * parallel.num_replicas, page_size=page_size, kv_sharding=kv_sharding,
                                     group_size=quantization_group_size, progress=progress)
         proposer = self.make_proposer(spec) if spec is not None else None
@@ -279,17 +279,23 @@ class LLM:
         spec = SpeculativeConfig.from_dict(spec) if isinstance(spec, dict) else spec
         if spec.method == "draft_model":
             return make_proposer(spec, self.make_draft_runner(spec))
-        if spec.method == "medusa":
-            from jaxinfer.engine.medusa import MedusaProposer
+        if spec.method in ("eagle", "medusa"):
+            from jaxinfer.engine.draft_head import DraftHeadProposer
             from jaxinfer.models.draft_heads import load_heads
 
-            heads = load_heads(spec.model, self.config.hidden_size)
-            if heads["w"].shape[0] < spec.num_speculative_tokens:
-                raise ValueError(f"speculative_config: num_speculative_tokens={spec.num_speculative_tokens} but "
-                                 f"{spec.model} has {heads['w'].shape[0]} heads")
+            if not self.runner.step_fn.return_hidden:
+                raise ValueError(f"speculative_config: method {spec.method!r} reads the target's hidden states, which this "
+                                 f"LLM's step does not return; build the LLM with a speculative_config of method {spec.method!r}")
+            heads = load_heads(spec.model, self.config.hidden_size, kind=spec.method)
             params = self.runner.params
             tied = self.config.tie_word_embeddings
-            return MedusaProposer(heads, params["embed"].get_value() if tied else params["lm_head"].get_value(), tied)
+            embed = params["embed"].get_value()
+            proposer = DraftHeadProposer(heads, embed if tied else params["lm_head"].get_value(), tied, embed,
+                                         confidence_threshold=spec.draft_confidence_threshold)
+            if proposer.max_k < spec.num_speculative_tokens:
+                raise ValueError(f"speculative_config: num_speculative_tokens={spec.num_speculative_tokens} but "
+                                 f"{spec.model} has {proposer.max_k} heads")
+            return proposer
         return make_proposer(spec)
 
     def make_draft_runner(self, spec: SpeculativeConfig | dict) -> ModelRunner:

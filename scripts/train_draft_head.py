@@ -1,18 +1,21 @@
 #!/usr/bin/env python
-"""Train Medusa-style draft heads for a model on text the model writes itself, and compare them
-with prompt lookup on held-out prompts.
+"""Train draft heads (EAGLE-style or Medusa-style) for a model on text the model writes itself,
+and compare them with prompt lookup on held-out prompts.
 
-    python scripts/train_draft_head.py --out heads/smollm2            # SmolLM2 on the CPU, ~10 min
+    python scripts/train_draft_head.py --out heads/smollm2            # SmolLM2 on the CPU, ~8 min
+    python scripts/train_draft_head.py --kind medusa --out heads/smollm2-medusa --data-cache /tmp/smollm2.npz
     python scripts/train_draft_head.py --model ./Qwen2.5-0.5B-Instruct --out heads/qwen --heads 4
-    LLM(model, speculative_config={"method": "medusa", "model": "heads/smollm2", "num_speculative_tokens": 3})
+    LLM(model, speculative_config={"method": "eagle", "model": "heads/smollm2", "num_speculative_tokens": 3})
 
 1. The model answers chat prompts (templates x topics) greedily: its own text, no data download.
 2. One forward pass over each prompt + answer gives the final-normed hidden state at every
    position (`jaxinfer.evaluate.hidden_states`).
-3. Head i learns the token i + 1 places after the LM head's (`jaxinfer.models.draft_heads`): optax
-   AdamW on the answers' positions, the LM head frozen.
-4. The heads are saved with orbax; then both proposers serve held-out prompts (other topics)
-   through the engine, and the script prints each one's acceptance rate and mean accepted length.
+3. The heads (`jaxinfer.models.draft_heads`) learn the 2nd .. (K+1)th tokens after each answer
+   position and the target's hidden states at the positions they stand for: optax AdamW, the
+   target's LM head and embedding frozen.
+4. The heads are saved with orbax; then prompt lookup and the heads (drafting all k, and only
+   while confident: --confidence) serve held-out prompts (other topics) through the engine, and
+   the script prints each one's acceptance rate and mean accepted length.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import numpy as np
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.evaluate import hidden_states
-from jaxinfer.models.draft_heads import evaluate_heads, save_heads, train_heads, training_pairs
+from jaxinfer.models.draft_heads import KINDS, evaluate_heads, save_heads, train_heads, training_windows
 from jaxinfer.models.layers import matmul
 
 TEMPLATES = [
@@ -64,17 +67,18 @@ def lm_head_of(llm):
 
 
 def dataset(llm, prompts, max_tokens: int, num_heads: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """(hidden [m, H], targets [m, K]) over the answers' positions, and the answers' token count."""
+    """(states [m, K + 1, H], windows [m, K + 1]) over the answers' positions (`training_windows`),
+    and the answers' token count."""
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
-    hs, ts, answered = [], [], 0
+    hs, ws, answered = [], [], 0
     for prompt, out in zip(prompts, outs):
         tokens = prompt + list(out.outputs[0].token_ids)
         answered += len(out.outputs[0].token_ids)
         h = hidden_states(llm.config, llm.runner.graphdef, llm.runner.params, tokens)
-        pair_h, pair_t = training_pairs(h, np.asarray(tokens), num_heads, first=len(prompt) - 1)
-        hs.append(pair_h)
-        ts.append(pair_t)
-    return np.concatenate(hs), np.concatenate(ts), answered
+        states, window = training_windows(h, np.asarray(tokens), num_heads, first=len(prompt) - 1)
+        hs.append(states)
+        ws.append(window)
+    return np.concatenate(hs), np.concatenate(ws), answered
 
 
 def acceptance(llm_kwargs, prompts, spec: dict, max_tokens: int) -> dict:
@@ -91,49 +95,72 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--out", required=True, help="folder to save the heads in")
-    p.add_argument("--heads", type=int, default=3)
+    p.add_argument("--kind", choices=KINDS, default="eagle", help="eagle (one layer, chained; default) or medusa (K heads)")
+    p.add_argument("--heads", type=int, default=3, help="guesses trained (medusa: heads; eagle: unrolled steps)")
     p.add_argument("--max-tokens", type=int, default=128, help="answer length for training text (default 128)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--learning-rate", type=float, default=2e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--feature-weight", type=float, default=1.0, help="weight of the hidden-state regression loss")
+    p.add_argument("--confidence", type=float, default=0.8,
+                   help="draft_confidence_threshold of the second held-out run (default 0.8)")
+    p.add_argument("--data-cache", default=None, help="an .npz to keep the generated data in (reused when it exists)")
     p.add_argument("--overwrite", action="store_true")
     args = p.parse_args(argv)
 
     started = time.perf_counter()
-    llm_kwargs = dict(model=args.model, max_model_len=512, max_num_batched_tokens=256, max_num_seqs=32, page_size=16,
-                      num_pages=600, progress=False)
+    # decode batches of up to 128 answers: generating the data is most of the time, and a bigger
+    # batch makes more tokens per second on the CPU
+    llm_kwargs = dict(model=args.model, max_model_len=512, max_num_batched_tokens=256, max_num_seqs=128, page_size=16,
+                      num_pages=1600, progress=False)
     llm = LLM(**llm_kwargs)
     tokenizer = llm.get_tokenizer()
     train_prompts, held_out = chat_prompts(tokenizer, TRAIN_TOPICS), chat_prompts(tokenizer, HELD_OUT_TOPICS)
 
     t = time.perf_counter()
-    h, targets, answered = dataset(llm, train_prompts, args.max_tokens, args.heads)
-    h_test, t_test, _ = dataset(llm, held_out, args.max_tokens, args.heads)
-    print(f"data: {len(train_prompts)} prompts, {answered} answer tokens, {len(h)} training positions; "
-          f"{len(h_test)} held-out positions ({time.perf_counter() - t:.0f} s)")
+    if args.data_cache and Path(args.data_cache).exists():
+        data = np.load(args.data_cache)
+        states, window, s_test, w_test = data["states"], data["window"], data["s_test"], data["w_test"]
+        answered = int(data["answered"])
+    else:
+        states, window, answered = dataset(llm, train_prompts, args.max_tokens, args.heads)
+        s_test, w_test, _ = dataset(llm, held_out, args.max_tokens, args.heads)
+        if args.data_cache:
+            np.savez(args.data_cache, states=states, window=window, s_test=s_test, w_test=w_test, answered=answered)
+    print(f"data: {len(train_prompts)} prompts, {answered} answer tokens, {len(window)} training positions; "
+          f"{len(w_test)} held-out positions ({time.perf_counter() - t:.0f} s)")
 
     lm_head = lm_head_of(llm)
+    embed = llm.runner.params["embed"].get_value()
     t = time.perf_counter()
-    heads = train_heads(h, targets, lm_head, num_heads=args.heads, steps=args.steps, batch_size=args.batch_size,
-                        learning_rate=args.learning_rate,
+    heads = train_heads(states, window, lm_head, embed, kind=args.kind, steps=args.steps, batch_size=args.batch_size,
+                        learning_rate=args.learning_rate, weight_decay=args.weight_decay, feature_weight=args.feature_weight,
                         log=lambda step, loss, acc: print(f"  step {step:4d}  loss {loss:.3f}  train top-1 {np.round(acc, 3).tolist()}"))
     train_seconds = time.perf_counter() - t
-    accuracy = evaluate_heads(heads, h_test, t_test, lm_head)
-    print(f"trained {args.heads} heads in {train_seconds:.0f} s; held-out top-1 per head: {np.round(accuracy, 3).tolist()}")
+    accuracy = evaluate_heads(heads, s_test, w_test, lm_head, embed)
+    print(f"trained {args.kind} heads ({args.heads} guesses) in {train_seconds:.0f} s; held-out top-1 per guess: "
+          f"{np.round(accuracy, 3).tolist()}")
     path = save_heads(args.out, jax.device_get(heads), base_model=str(llm.source.path), overwrite=args.overwrite)
     total = time.perf_counter() - started
     print(f"saved {path}; data + training took {total / 60:.1f} min")
 
     k = args.heads
-    ngram = acceptance(llm_kwargs, held_out, {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}, args.max_tokens)
-    medusa = acceptance(llm_kwargs, held_out, {"method": "medusa", "num_speculative_tokens": k, "model": str(path)}, args.max_tokens)
-    print("\n| proposer (held-out prompts) | acceptance | mean accepted length | drafted tokens |")
+    heads_spec = {"method": args.kind, "num_speculative_tokens": k, "model": str(path)}
+    runs = {
+        "ngram": acceptance(llm_kwargs, held_out, {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3},
+                            args.max_tokens),
+        args.kind: acceptance(llm_kwargs, held_out, heads_spec, args.max_tokens),
+        f"{args.kind}, confidence >= {args.confidence}": acceptance(
+            llm_kwargs, held_out, {**heads_spec, "draft_confidence_threshold": args.confidence}, args.max_tokens),
+    }
+    print("\n| proposer (held-out prompts, k = %d) | acceptance | mean accepted length | drafted tokens |" % k)
     print("|---|---|---|---|")
-    for name, r in (("ngram", ngram), ("medusa", medusa)):
+    for name, r in runs.items():
         print(f"| {name} | {r['acceptance']:.0%} | {r['mean_accepted_length']:.2f} | {r['drafted']} |")
     (Path(path) / "report.json").write_text(json.dumps({
-        "train_positions": len(h), "held_out_top1": accuracy.tolist(), "train_seconds": train_seconds,
-        "total_minutes": total / 60, "ngram": ngram, "medusa": medusa}, indent=2))
+        "train_positions": len(window), "held_out_top1": accuracy.tolist(), "train_seconds": train_seconds,
+        "total_minutes": total / 60, "kind": args.kind, "runs": runs}, indent=2))
     return 0
 
 

@@ -142,6 +142,11 @@ def test_cli_generate(model_dir, tmp_path, capsys):
     assert "### first prompt" in printed and "### second prompt" in printed
     assert main(["generate", "--model", str(model_dir[0] / "missing"), "x"]) == 1
     assert "does not exist" in capsys.readouterr().err
+    # speculative decoding from the command line: the same greedy text
+    assert main(args + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']) == 0
+    assert capsys.readouterr().out == printed
+    assert main(args + ["--speculative-config", '{"method": "lookahead", "num_speculative_tokens": 2}']) == 1
+    assert "speculative_config['method']='lookahead'" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- buckets

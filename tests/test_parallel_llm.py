@@ -69,6 +69,27 @@ def test_data_parallel_replicas_share_the_requests_and_change_nothing(dense_dir,
         replica.block_manager.check_invariants()
 
 
+def test_speculative_decoding_on_a_mesh_changes_no_greedy_token(dense_dir, dense_reference, tmp_path):
+    """dp=2 x tp=2: each replica verifies its own sequences' drafts. The target returns hidden
+    states for draft heads (untrained EAGLE-style: its drafts are mostly wrong), then drafts by
+    prompt lookup and with its own first layer as a draft model (a second sharded runner)."""
+    from jaxinfer.models.draft_heads import init_heads, save_heads
+
+    heads = save_heads(tmp_path / "eagle", init_heads("eagle", 3, SHAPES["hidden_size"]), base_model=dense_dir)
+    llm = LLM(dense_dir, data_parallel_size=2, tensor_parallel_size=2, **BASE,
+              speculative_config={"method": "eagle", "model": str(heads), "num_speculative_tokens": 3})
+    for config in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+                   {"method": "draft_model", "num_layers": 1, "num_speculative_tokens": 3}):
+        if config is not None:
+            llm.engine.proposer = llm.make_proposer(config)
+        drafted = llm.engine.get_stats().num_draft_tokens
+        assert tokens(llm, prompts()) == dense_reference, config
+        assert llm.engine.get_stats().num_draft_tokens > drafted, config
+        for replica in llm.engine.replicas:
+            replica.block_manager.check_invariants()
+            assert replica.block_manager.num_free_pages == replica.block_manager.num_usable_pages
+
+
 def test_a_request_goes_to_the_replica_holding_its_prefix(dense_dir):
     llm = LLM(dense_dir, data_parallel_size=2, **BASE)
     shared = list(range(3, 40))  # 9 full pages

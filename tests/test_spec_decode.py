@@ -20,7 +20,7 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.request import SpecState
 from jaxinfer.engine.spec_decode import Drafts, NgramProposer, SpecConfigError, SpeculativeConfig, make_proposer
 from jaxinfer.evaluate import hidden_states, prompt_log_softmax
-from jaxinfer.models.draft_heads import load_heads, save_heads, train_heads, training_pairs
+from jaxinfer.models.draft_heads import head_state, load_heads, save_heads, train_heads, training_windows
 from tiny_models import save_hf_model
 
 BASE = dict(max_model_len=128, page_size=4, max_num_seqs=16, progress=False)
@@ -43,10 +43,10 @@ def bad_draft_dir(tmp_path_factory):
 
 
 def draft_models(bad_draft_dir):
-    """The draft_model variants: the target itself (every draft right), its first layer only
-    (self-speculation), the target in int8, and another model entirely."""
+    """The draft_model variants: the target itself (every draft right), the target in int4, and
+    another model entirely (the SmolLM2 test drafts with the target's first layers)."""
     base = {"method": "draft_model", "num_speculative_tokens": 3}
-    return {"self": base, "first-layer": {**base, "num_layers": 1}, "int8": {**base, "quantization": "int8"},
+    return {"self": base, "int4": {**base, "quantization": "int4"},
             "other-model": {**base, "model": bad_draft_dir}}
 
 
@@ -91,8 +91,14 @@ def test_prompt_lookup_drafts_what_followed_the_latest_earlier_occurrence():
 def test_config_errors_name_the_key():
     with pytest.raises(SpecConfigError, match=r"\['method'\]='eagle3'"):
         SpeculativeConfig.from_dict({"method": "eagle3", "num_speculative_tokens": 2})
+    with pytest.raises(SpecConfigError, match="method 'eagle' needs 'model'"):
+        SpeculativeConfig.from_dict({"method": "eagle", "num_speculative_tokens": 2})
     with pytest.raises(SpecConfigError, match=r"num_speculative_tokens'\]=0"):
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(SpecConfigError, match=r"draft_confidence_threshold'\]=1.5: must be a number in \[0, 1\)"):
+        SpeculativeConfig.from_dict({"method": "eagle", "model": "h", "num_speculative_tokens": 2, "draft_confidence_threshold": 1.5})
+    with pytest.raises(SpecConfigError, match=r"draft_confidence_threshold'\] applies to methods 'eagle' and 'medusa', not 'ngram'"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "draft_confidence_threshold": 0.5})
     with pytest.raises(SpecConfigError, match=r"unknown key\(s\) \['lookahead'\]"):
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3})
     assert SpeculativeConfig.from_dict({"prompt_lookup_max": 4, "num_speculative_tokens": 5}).method == "ngram"  # vLLM's shorthand
@@ -108,6 +114,18 @@ def test_draft_length_backs_off_when_drafts_are_rejected_and_recovers():
     for _ in range(6):
         spec.update(spec.k, spec.k)
     assert spec.k == 4
+
+
+def test_a_proposer_that_keeps_finding_nothing_pauses_so_steps_overlap_again():
+    spec = SpecState(max_k=4, k=4)
+    for _ in range(SpecState.EMPTY - 1):
+        spec.proposed(0)
+    spec.proposed(2)  # a draft resets the count
+    assert spec.drafts_next_step
+    for _ in range(SpecState.EMPTY):
+        spec.proposed(0)
+    assert not spec.drafts_next_step and spec.k == 4  # paused; the draft length is kept
+    assert [spec.tick() for _ in range(SpecState.PAUSE + 1)] == [False] * SpecState.PAUSE + [True]
 
 
 # ----------------------------------------------------------------------------- greedy: token for token
@@ -156,42 +174,71 @@ def test_draft_models_change_no_greedy_token(model_dir, bad_draft_dir, plain):
         llm.engine.block_manager.check_invariants()
         assert llm.engine.block_manager.num_free_pages == llm.engine.block_manager.num_usable_pages
     assert rates["self"] == 1.0  # the target drafting for itself is never wrong
-    assert rates["other-model"] < rates["int8"]  # a bad draft is rejected more than a close one
+    assert rates["other-model"] < rates["int4"]  # a bad draft is rejected more than a close one
+
+
+def test_training_windows_pair_each_position_with_the_states_and_tokens_after_it():
+    """At position t the heads read h_t and y = token t+1; guess i learns token t+1+i and the
+    target's hidden state at t+i."""
+    hidden = np.repeat(np.arange(6, dtype=np.float32)[:, None], 2, axis=1)  # position p -> [p, p]
+    tokens = np.array([10, 11, 12, 13, 14, 15])
+    states, window = training_windows(hidden, tokens, num_heads=2, first=1)
+    assert window.tolist() == [[12, 13, 14], [13, 14, 15], [14, 15, -1]]  # t = 1, 2, 3
+    assert states[..., 0].tolist() == [[1, 2, 3], [2, 3, 4], [3, 4, 5]]
 
 
 @pytest.fixture(scope="module")
-def heads_dir(model_dir, plain, tmp_path_factory):
-    """Draft heads trained (briefly) on text the tiny target writes itself."""
+def heads_dirs(model_dir, plain, tmp_path_factory):
+    """Draft heads of both kinds trained (briefly) on text the tiny target writes itself."""
     prompts = repetitive_prompts(12, seed=9)
     outs = plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    pairs = [training_pairs(hidden_states(plain.config, plain.runner.graphdef, plain.runner.params, p + o.outputs[0].token_ids),
-                            np.asarray(p + o.outputs[0].token_ids), 3, first=len(p) - 1) for p, o in zip(prompts, outs)]
-    h, targets = np.concatenate([a for a, _ in pairs]), np.concatenate([b for _, b in pairs])
-    lm_head = lambda x: x @ plain.runner.params["embed"].get_value().T  # noqa: E731  (tied embeddings)
-    losses = []
-    heads = train_heads(h, targets, lm_head, num_heads=3, steps=60, batch_size=64, learning_rate=3e-3,
-                        log=lambda step, loss, acc: losses.append(loss))
-    assert losses[-1] < losses[0]  # it learns
-    return save_heads(tmp_path_factory.mktemp("heads") / "tiny", heads, base_model=model_dir)
+    pairs = [training_windows(hidden_states(plain.config, plain.runner.graphdef, plain.runner.params, p + o.outputs[0].token_ids),
+                              np.asarray(p + o.outputs[0].token_ids), 3, first=len(p) - 1) for p, o in zip(prompts, outs)]
+    states, window = np.concatenate([a for a, _ in pairs]), np.concatenate([b for _, b in pairs])
+    embed = plain.runner.params["embed"].get_value()
+    lm_head = lambda x: x @ embed.T  # noqa: E731  (tied embeddings)
+    dirs = {}
+    for kind in ("eagle", "medusa"):
+        losses = []
+        heads = train_heads(states, window, lm_head, embed, kind=kind, steps=60, batch_size=64, learning_rate=3e-3,
+                            log=lambda step, loss, acc: losses.append(loss))
+        assert losses[-1] < losses[0]  # it learns
+        dirs[kind] = save_heads(tmp_path_factory.mktemp("heads") / kind, heads, base_model=model_dir)
+    return dirs
 
 
-def test_draft_heads_load_back_and_refuse_a_model_they_do_not_fit(heads_dir):
-    heads = load_heads(heads_dir, hidden_size=64)
+def test_draft_heads_load_back_and_refuse_a_model_they_do_not_fit(heads_dirs, plain, heads_llm):
+    heads = load_heads(heads_dirs["medusa"], hidden_size=64)
     assert heads["w"].shape == (3, 64, 64) and heads["b"].shape == (3, 64)
+    assert load_heads(heads_dirs["eagle"], hidden_size=64, kind="eagle")["a"].shape == (64, 64)
     with pytest.raises(ValueError, match="heads for hidden size 64, the model's is 96"):
-        load_heads(heads_dir, hidden_size=96)
+        load_heads(heads_dirs["medusa"], hidden_size=96)
+    with pytest.raises(ValueError, match=r"eagle heads, not medusa \(speculative_config\['method'\] must be 'eagle'\)"):
+        load_heads(heads_dirs["eagle"], hidden_size=64, kind="medusa")
     with pytest.raises(ValueError, match="not a folder of draft heads"):
-        load_heads(heads_dir.parent, hidden_size=64)
+        load_heads(heads_dirs["medusa"].parent, hidden_size=64)
+    with pytest.raises(ValueError, match="reads the target's hidden states, which this LLM's step does not return"):
+        plain.make_proposer({"method": "eagle", "model": str(heads_dirs["eagle"]), "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="num_speculative_tokens=4 but .* has 3 heads"):
+        heads_llm.make_proposer({"method": "medusa", "model": str(heads_dirs["medusa"]), "num_speculative_tokens": 4})
 
 
-def test_medusa_heads_change_no_greedy_token(model_dir, heads_dir, plain):
+@pytest.fixture(scope="module")
+def heads_llm(model_dir, heads_dirs):
+    """A target whose step also returns hidden states, drafting with the EAGLE-style heads."""
+    return LLM(model_dir, num_pages=1024, max_num_batched_tokens=64, **BASE,
+               speculative_config={"method": "eagle", "model": str(heads_dirs["eagle"]), "num_speculative_tokens": 3})
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_draft_heads_change_no_greedy_token(heads_llm, heads_dirs, plain, kind):
     prompts = repetitive_prompts(8, seed=6)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    llm = LLM(model_dir, num_pages=1024, max_num_batched_tokens=64, **BASE,
-              speculative_config={"method": "medusa", "model": str(heads_dir), "num_speculative_tokens": 3})
-    assert token_ids(llm, prompts, params) == token_ids(plain, prompts, params)
-    stats_ = llm.engine.get_stats()
-    assert stats_.num_draft_tokens > 0 and stats_.num_accepted_tokens > 0
+    heads_llm.engine.proposer = heads_llm.make_proposer({"method": kind, "model": str(heads_dirs[kind]), "num_speculative_tokens": 3})
+    before = heads_llm.engine.get_stats()
+    assert token_ids(heads_llm, prompts, params) == token_ids(plain, prompts, params)
+    after = heads_llm.engine.get_stats()
+    assert after.num_draft_tokens > before.num_draft_tokens and after.num_accepted_tokens > before.num_accepted_tokens
 
 
 def test_speculation_survives_preemption(model_dir, plain):
@@ -207,7 +254,7 @@ def test_speculation_survives_preemption(model_dir, plain):
 
 # ----------------------------------------------------------------------------- sampling: in distribution
 TEMPERATURE, TOP_K = 0.8, 3
-N_SAMPLES = 20000
+N_SAMPLES = 10000  # three-token continuations over 27 cells, per proposer
 
 
 def target_distribution(llm, prompt) -> dict[tuple[int, int, int], float]:
@@ -227,12 +274,26 @@ def target_distribution(llm, prompt) -> dict[tuple[int, int, int], float]:
     return out
 
 
+def first_guess_confidences(llm, prompt, heads_dir, first_tokens) -> list[float]:
+    """The EAGLE-style head's confidence (top probability, temperature 1) in its first guess
+    after `prompt` + y, for each y: computed here from the heads and the tied LM head."""
+    heads = load_heads(heads_dir, llm.config.hidden_size)
+    h = hidden_states(llm.config, llm.runner.graphdef, llm.runner.params, prompt)[-1:]  # [1, H]
+    embed = np.asarray(llm.runner.params["embed"].get_value())
+    out = []
+    for y in first_tokens:
+        logits = np.asarray(head_state(heads, 0, h, h, embed[[y]]), np.float64) @ embed.T
+        out.append(float(1.0 / np.exp(logits - logits.max()).sum()))  # softmax's top probability
+    return out
+
+
 @pytest.fixture(scope="module")
-def sampling_setup(model_dir):
-    """An engine drafting with prompt lookup, a prompt whose likely first tokens all recur in it,
-    and the target's distribution of its three-token continuations."""
+def sampling_setup(model_dir, heads_dirs):
+    """One engine for every proposer (its step also returns hidden states, for the heads), a
+    prompt whose likely first tokens all recur in it, and the target's distribution of its
+    three-token continuations."""
     llm = LLM(model_dir, num_pages=600, max_num_batched_tokens=512, max_model_len=96, page_size=16, max_num_seqs=256,
-              progress=False, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1})
+              progress=False, speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": str(heads_dirs["eagle"])})
     # the prompt starts with tokens likely to come first (grown until the three likeliest are among
     # them), so whichever comes first, prompt lookup drafts the two that followed it there
     context, lead = [11, 27, 93, 150, 201, 64, 7, 180], []
@@ -246,16 +307,22 @@ def sampling_setup(model_dir):
     return llm, prompt, target_distribution(llm, prompt)
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "bad", "bad-draft-model", "medusa"])
-def test_sampled_continuations_keep_the_targets_distribution(sampling_setup, bad_draft_dir, heads_dir, model_dir, proposer):
+@pytest.mark.parametrize("proposer", ["ngram", "bad-draft-model", "eagle", "eagle-confident", "medusa"])
+def test_sampled_continuations_keep_the_targets_distribution(sampling_setup, bad_draft_dir, heads_dirs, proposer):
+    """Prompt lookup (a one-hot q: accepted with the target's probability of the token) and
+    proposers that sample from a q of their own (verified against it): another random model,
+    deliberately bad, and both kinds of heads; the EAGLE-style head also with drafts cut at its
+    first unconfident guess (the cut must not bias what is verified)."""
     llm, prompt, truth = sampling_setup
-    if proposer in ("bad-draft-model", "medusa"):  # drafts sampled from a q of their own, verified against it
-        config = {"method": "draft_model", "num_speculative_tokens": 2, "model": bad_draft_dir} if proposer != "medusa" else \
-            {"method": "medusa", "num_speculative_tokens": 2, "model": str(heads_dir)}
-        llm = LLM(model_dir, num_pages=600, max_num_batched_tokens=512, max_model_len=96, page_size=16, max_num_seqs=256,
-                  progress=False, speculative_config=config)
-    else:
-        llm.engine.proposer = BadProposer(1) if proposer == "bad" else NgramProposer(prompt_lookup_max=1)
+    config = {"num_speculative_tokens": 2, "method": proposer,
+              "model": bad_draft_dir if proposer == "bad-draft-model" else str(heads_dirs.get(proposer))}
+    if proposer == "bad-draft-model":
+        config["method"] = "draft_model"
+    if proposer == "eagle-confident":  # cut the branches of the least confident first tokens
+        confidence = first_guess_confidences(llm, prompt, heads_dirs["eagle"], sorted({t1 for t1, _, _ in truth}))
+        config.update(method="eagle", model=str(heads_dirs["eagle"]),
+                      draft_confidence_threshold=(min(confidence) + max(confidence)) / 2)
+    llm.engine.proposer = NgramProposer(prompt_lookup_max=1) if proposer == "ngram" else llm.make_proposer(config)
     drafted_before = llm.engine.get_stats().num_draft_tokens
     n = 100
     params = [SamplingParams(n=n, temperature=TEMPERATURE, top_k=TOP_K, max_tokens=3, ignore_eos=True, seed=i, detokenize=False)
@@ -265,7 +332,11 @@ def test_sampled_continuations_keep_the_targets_distribution(sampling_setup, bad
         for c in out.outputs:
             counts[tuple(c.token_ids)] += 1  # a continuation outside the top-3 support would raise
     stats_ = llm.engine.get_stats()
-    assert stats_.num_draft_tokens - drafted_before > N_SAMPLES // 2  # most second tokens went through verification
+    drafted = stats_.num_draft_tokens - drafted_before
+    if proposer == "eagle-confident":  # one draft per continuation (max_tokens=3), some cut
+        assert 0 < drafted < N_SAMPLES, drafted
+    else:
+        assert drafted > N_SAMPLES // 2  # most second tokens went through verification
     keys = sorted(truth)
     p = stats.chisquare([counts[k] for k in keys], [truth[k] * N_SAMPLES for k in keys]).pvalue
     assert p > 1e-3, (p, stats_.acceptance_rate)

@@ -261,7 +261,7 @@ class LLMEngine:
         for replica_scheduled, replica_chunks, replica_rows in zip(scheduled, chunks, handle.rows_of_chunk):
             for s, chunk, rows in zip(replica_scheduled, replica_chunks, replica_rows):
                 seq, request = s.seq, s.seq.request
-                if seq.spec is not None:
+                if seq.spec is not None and seq.spec.drafts_next_step:
                     inflight.must_sync = True  # its next draft needs this step's tokens on the host
                 if s.num_draft:  # verification: num_computed and tokens are settled when it is read
                     continue
@@ -440,17 +440,20 @@ class LLMEngine:
         for i, (seq, k) in enumerate(asked):
             seq.draft = list(drafts.tokens[i][:k])
             seq.draft_src = list(drafts.src[i][:k]) if drafts.src else []
+            seq.spec.proposed(len(seq.draft))
 
     def _draft_budget(self, seq: Sequence) -> int:
         """How many tokens to draft for `seq` now (0: it decodes plainly this step)."""
         request, p = seq.request, seq.request.params
-        if seq.spec is None or seq.is_prefill or seq.pending or seq.hold or not request.forked:
+        if seq.spec is None or not seq.spec.tick():  # tick: a pause counts down every step
+            return 0
+        if seq.is_prefill or seq.pending or seq.hold or not request.forked:
             return 0
         num_out = len(seq.output_token_ids)
         if num_out < p.min_tokens:  # min_tokens bans EOS for some positions; the drafts would not know
             return 0
         left = min((p.max_tokens or self.max_model_len) - num_out, request.max_len - len(seq.token_ids))
-        if left <= 1 or not seq.spec.tick():
+        if left <= 1:
             return 0
         return min(seq.spec.k, left - 1)
 

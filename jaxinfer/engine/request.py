@@ -75,16 +75,30 @@ class SpecState:
     Back-off: after each verification the acceptance rate (accepted / drafted, an exponential
     average) is updated; below `SpecState.LOW` the draft length halves, at 1 it pauses for
     `PAUSE` steps of plain decoding and then tries again with 1; above `HIGH` it grows by one
-    up to the configured maximum. A proposer that finds nothing to draft costs nothing."""
+    up to the configured maximum. A proposer that finds nothing to draft `EMPTY` times in a row
+    (prompt lookup in text that does not repeat) pauses it too: a sequence that may draft makes
+    the engine read each step before scheduling the next, which a paused one does not."""
 
     max_k: int
     k: int
     acceptance: float = 1.0
     pause: int = 0  # plain steps left before drafting again
+    empty: int = 0  # proposals in a row that drafted nothing
     LOW = 0.3
     HIGH = 0.7
     PAUSE = 8
+    EMPTY = 4
     SMOOTHING = 0.5
+
+    @property
+    def drafts_next_step(self) -> bool:
+        return self.pause == 0
+
+    def proposed(self, num_drafted: int) -> None:
+        """What the proposer drafted this step."""
+        self.empty = 0 if num_drafted else self.empty + 1
+        if self.empty >= self.EMPTY:
+            self.pause, self.empty = self.PAUSE, 0
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted == 0:

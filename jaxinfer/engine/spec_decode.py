@@ -21,8 +21,8 @@ its drafts, the distributions they came from). Here:
   probability of it.
 - `draft_model.DraftModelProposer` (method "draft_model"): another model, or the target itself
   quantized or truncated to its first layers, drafts autoregressively in its own paged cache.
-- `medusa.MedusaProposer` (method "medusa"): draft heads trained on the target's own text
-  (`scripts/train_draft_head.py`) read the target's last hidden state.
+- `draft_head.DraftHeadProposer` (methods "eagle" and "medusa"): draft heads trained on the
+  target's own text (`scripts/train_draft_head.py`) read the target's last hidden state.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-METHODS = ("ngram", "draft_model", "medusa")
+METHODS = ("ngram", "draft_model", "eagle", "medusa")
+MAX_SPECULATIVE_TOKENS = 7  # k + 1 verification rows fit the spec_block bucket of 8
 
 
 class SpecConfigError(ValueError):
@@ -44,7 +45,9 @@ class SpeculativeConfig:
     """vLLM's `speculative_config` keys: method, num_speculative_tokens, prompt_lookup_max,
     prompt_lookup_min (method "ngram"), model, quantization (method "draft_model": a model path,
     None for the target itself; the draft's weight quantization), and jaxinfer's num_layers (a
-    draft of the first num_layers layers of `model`: self-speculation)."""
+    draft of the first num_layers layers of `model`: self-speculation) and
+    draft_confidence_threshold (methods "eagle" / "medusa": a draft stops at the first guess whose
+    distribution's top probability is below it; 0 drafts all k)."""
 
     method: str
     num_speculative_tokens: int
@@ -53,6 +56,7 @@ class SpeculativeConfig:
     model: str | None = None
     quantization: str | None = None
     num_layers: int | None = None
+    draft_confidence_threshold: float = 0.0
 
     @staticmethod
     def from_dict(d: dict[str, Any] | None) -> "SpeculativeConfig | None":
@@ -73,15 +77,23 @@ class SpeculativeConfig:
 
     def check(self) -> None:
         k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 7:
-            raise SpecConfigError(f"speculative_config['num_speculative_tokens']={k!r}: must be an integer in [1, 7]")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise SpecConfigError(f"speculative_config['num_speculative_tokens']={k!r}: must be an integer in "
+                                  f"[1, {MAX_SPECULATIVE_TOKENS}]")
         if self.num_layers is not None and (not isinstance(self.num_layers, int) or self.num_layers < 1):
             raise SpecConfigError(f"speculative_config['num_layers']={self.num_layers!r}: must be a positive integer")
         if self.method == "ngram" and (self.model or self.quantization or self.num_layers):
-            raise SpecConfigError("speculative_config: model / quantization / num_layers need method 'draft_model' (or 'medusa': model)")
-        if self.method == "medusa" and (not self.model or self.quantization or self.num_layers):
-            raise SpecConfigError("speculative_config: method 'medusa' needs 'model' (a folder of heads from "
+            raise SpecConfigError("speculative_config: model / quantization / num_layers need method 'draft_model' "
+                                  "(or 'eagle' / 'medusa': model)")
+        if self.method in ("eagle", "medusa") and (not self.model or self.quantization or self.num_layers):
+            raise SpecConfigError(f"speculative_config: method {self.method!r} needs 'model' (a folder of heads from "
                                   "scripts/train_draft_head.py) and takes no quantization / num_layers")
+        tau = self.draft_confidence_threshold
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 <= tau < 1:
+            raise SpecConfigError(f"speculative_config['draft_confidence_threshold']={tau!r}: must be a number in [0, 1)")
+        if tau and self.method not in ("eagle", "medusa"):
+            raise SpecConfigError(f"speculative_config['draft_confidence_threshold'] applies to methods 'eagle' and "
+                                  f"'medusa', not {self.method!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise SpecConfigError(
@@ -128,12 +140,12 @@ class NgramProposer:
 
 
 def make_proposer(config: SpeculativeConfig, draft_runner=None):
-    """The proposer of `config.method`. A draft model comes with its ModelRunner; Medusa heads are
+    """The proposer of `config.method`. A draft model comes with its ModelRunner; draft heads are
     built by `LLM`, which knows the target's LM head."""
     if config.method == "draft_model":
         from jaxinfer.engine.draft_model import DraftModelProposer
 
         return DraftModelProposer(draft_runner)
-    if config.method == "medusa":
-        raise ValueError("Medusa heads need the target model: build the proposer through LLM(speculative_config=...)")
+    if config.method in ("eagle", "medusa"):
+        raise ValueError("Draft heads need the target model: build the proposer through LLM(speculative_config=...)")
     return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
