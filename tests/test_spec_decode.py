@@ -99,6 +99,8 @@ def test_config_errors_name_the_key():
         SpeculativeConfig.from_dict({"method": "eagle", "model": "h", "num_speculative_tokens": 2, "draft_confidence_threshold": 1.5})
     with pytest.raises(SpecConfigError, match=r"draft_confidence_threshold'\] applies to methods 'eagle' and 'medusa', not 'ngram'"):
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "draft_confidence_threshold": 0.5})
+    with pytest.raises(SpecConfigError, match=r"disable_by_batch_size'\]=1: must be an integer >= 2"):
+        SpeculativeConfig.from_dict({**NGRAM, "disable_by_batch_size": 1})
     with pytest.raises(SpecConfigError, match=r"unknown key\(s\) \['lookahead'\]"):
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3})
     assert SpeculativeConfig.from_dict({"prompt_lookup_max": 4, "num_speculative_tokens": 5}).method == "ngram"  # vLLM's shorthand
@@ -155,6 +157,28 @@ def test_greedy_speculation_changes_no_token_under_continuous_batching(model_dir
         for replica in llm.engine.replicas:
             replica.block_manager.check_invariants()
             assert replica.block_manager.num_free_pages == replica.block_manager.num_usable_pages
+
+
+def test_no_sequence_drafts_while_the_batch_is_large(model_dir, plain):
+    """disable_by_batch_size (vLLM's key): a step that starts with that many sequences running
+    drafts nothing; once requests finish, the rest speculate again. Tokens stay the target's."""
+    prompts = repetitive_prompts(6, seed=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 5, 7, 9, 40, 40)]
+    want = token_ids(plain, prompts, params)
+    llm = LLM(model_dir, num_pages=1024, max_num_batched_tokens=64, speculative_config={**NGRAM, "disable_by_batch_size": 3}, **BASE)
+    ngram, running_when_asked = llm.engine.proposer, []
+
+    class Recording:
+        on_device = False
+
+        def propose(self, engine, asked):
+            running_when_asked.append(len(engine.scheduler.running))
+            return ngram.propose(engine, asked)
+
+    llm.engine.proposer = Recording()
+    assert token_ids(llm, prompts, params) == want
+    assert running_when_asked and max(running_when_asked) < 3
+    assert llm.engine.get_stats().num_draft_tokens > 0
 
 
 def test_draft_models_change_no_greedy_token(model_dir, bad_draft_dir, plain):

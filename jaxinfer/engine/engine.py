@@ -258,10 +258,11 @@ class LLMEngine:
                                       draft_buffer=self._draft_buffer if drafts_sampled else None)
         self.num_steps += 1
         inflight = _InFlight(scheduled, chunks, handle)
-        for replica_scheduled, replica_chunks, replica_rows in zip(scheduled, chunks, handle.rows_of_chunk):
+        for replica, replica_scheduled, replica_chunks, replica_rows in zip(self.replicas, scheduled, chunks, handle.rows_of_chunk):
+            speculates = self._speculates(replica)
             for s, chunk, rows in zip(replica_scheduled, replica_chunks, replica_rows):
                 seq, request = s.seq, s.seq.request
-                if seq.spec is not None and seq.spec.drafts_next_step:
+                if speculates and seq.spec is not None and seq.spec.drafts_next_step:
                     inflight.must_sync = True  # its next draft needs this step's tokens on the host
                 if s.num_draft:  # verification: num_computed and tokens are settled when it is read
                     continue
@@ -427,9 +428,10 @@ class LLMEngine:
         """Drafts for every decoding sequence that speculates this step (one proposer call)."""
         asked = []
         for replica in self.replicas:
+            speculates = self._speculates(replica)
             for seq in replica.scheduler.running:
                 seq.draft, seq.draft_src = [], []
-                k = self._draft_budget(seq)
+                k = self._draft_budget(seq) if speculates else 0
                 if k:
                     asked.append((seq, k))
         self._draft_buffer = None
@@ -441,6 +443,11 @@ class LLMEngine:
             seq.draft = list(drafts.tokens[i][:k])
             seq.draft_src = list(drafts.src[i][:k]) if drafts.src else []
             seq.spec.proposed(len(seq.draft))
+
+    def _speculates(self, replica) -> bool:
+        """Whether `replica`'s sequences may draft now: not while it runs `disable_by_batch_size` or more."""
+        limit = self.spec_config.disable_by_batch_size if self.spec_config is not None else None
+        return limit is None or len(replica.scheduler.running) < limit
 
     def _draft_budget(self, seq: Sequence) -> int:
         """How many tokens to draft for `seq` now (0: it decodes plainly this step)."""

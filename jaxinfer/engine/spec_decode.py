@@ -47,7 +47,9 @@ class SpeculativeConfig:
     None for the target itself; the draft's weight quantization), and jaxinfer's num_layers (a
     draft of the first num_layers layers of `model`: self-speculation) and
     draft_confidence_threshold (methods "eagle" / "medusa": a draft stops at the first guess whose
-    distribution's top probability is below it; 0 drafts all k)."""
+    distribution's top probability is below it; 0 drafts all k); disable_by_batch_size (vLLM's:
+    no sequence drafts in a step that starts with at least this many running in its replica,
+    where verification rows cost more than they save)."""
 
     method: str
     num_speculative_tokens: int
@@ -57,6 +59,7 @@ class SpeculativeConfig:
     quantization: str | None = None
     num_layers: int | None = None
     draft_confidence_threshold: float = 0.0
+    disable_by_batch_size: int | None = None
 
     @staticmethod
     def from_dict(d: dict[str, Any] | None) -> "SpeculativeConfig | None":
@@ -94,6 +97,9 @@ class SpeculativeConfig:
         if tau and self.method not in ("eagle", "medusa"):
             raise SpecConfigError(f"speculative_config['draft_confidence_threshold'] applies to methods 'eagle' and "
                                   f"'medusa', not {self.method!r}")
+        n = self.disable_by_batch_size
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 2):
+            raise SpecConfigError(f"speculative_config['disable_by_batch_size']={n!r}: must be an integer >= 2")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise SpecConfigError(
