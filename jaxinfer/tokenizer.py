@@ -1,8 +1,9 @@
 """Tokenizer and chat template, from an HF folder, a converted folder or a GGUF file.
 
-Everything goes through transformers' own loaders. Building a tokenizer from GGUF metadata takes
-seconds, so the result is saved once under the cache folder (keyed by the file's path, size and
-modification time) and read back from there afterwards.
+HF and converted folders carry a tokenizer.json, read by transformers. A GGUF file's tokenizer is
+rebuilt from its metadata by `checkpoints_conv.gguf_tokenizer` (no torch needed), then saved once
+under the cache folder (keyed by the file's path, size, modification time and the builder's
+version) and read back from there afterwards.
 """
 
 from __future__ import annotations
@@ -13,25 +14,38 @@ from pathlib import Path
 
 from jaxinfer.loading import ModelSource
 
+# Bump when checkpoints_conv.gguf_tokenizer builds a different tokenizer from the same file, so
+# tokenizers cached by an older build are not reused.
+GGUF_TOKENIZER_VERSION = "jaxinfer-gguf-tokenizer-1"
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("JAXINFER_CACHE", Path.home() / ".cache" / "jaxinfer"))
 
 
-def load_tokenizer(source: ModelSource):
-    from transformers import AutoTokenizer
+def gguf_tokenizer_cache_dir(path: Path) -> Path:
+    st = path.stat()
+    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{GGUF_TOKENIZER_VERSION}"
+    return cache_root() / "tokenizers" / hashlib.sha256(ident.encode()).hexdigest()[:16]
 
+
+def load_tokenizer(source: ModelSource):
     if source.kind != "gguf":
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(source.path))
-    st = source.path.stat()
-    key = hashlib.sha256(f"{source.path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = cache_root() / "tokenizers" / key
-    if (cached / "tokenizer_config.json").is_file():
+
+    from transformers import PreTrainedTokenizerFast
+
+    from checkpoints_conv.gguf_tokenizer import build_gguf_tokenizer
+
+    cached = gguf_tokenizer_cache_dir(source.path)
+    if (cached / "tokenizer.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(str(cached))
+            return PreTrainedTokenizerFast.from_pretrained(str(cached))
         except Exception:  # a damaged cache entry: rebuild it below
             pass
-    tokenizer = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+    tokenizer = build_gguf_tokenizer(source.path)
     try:
         tokenizer.save_pretrained(str(cached))
     except OSError:
