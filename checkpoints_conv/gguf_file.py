@@ -14,6 +14,7 @@ A string is u64 length + UTF-8 bytes; an array is u32 element type + u64 count +
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 from dataclasses import dataclass
@@ -83,6 +84,20 @@ class _Cursor:
         self.pos += n
         return s
 
+    def strings(self, count: int) -> list[str]:
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        length_at = struct.Struct("<Q").unpack_from
+        out = []
+        for _ in range(count):
+            (n,) = length_at(buf, pos)
+            pos += 8
+            if pos + n > end:
+                raise struct.error(f"string of {n} bytes runs past the end of the file")
+            out.append(bytes(buf[pos : pos + n]).decode("utf-8", errors="surrogateescape"))
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, vtype: int) -> Any:
         if vtype in _SCALAR_FORMATS:
             return self.unpack(_SCALAR_FORMATS[vtype])
@@ -98,6 +113,8 @@ class _Cursor:
                 values = np.frombuffer(self.buf, dtype, count, self.pos).tolist()
                 self.pos = end
                 return values
+            if etype == _STRING:  # vocabularies: tens of thousands of strings, read in one tight loop
+                return self.strings(count)
             return [self.value(etype) for _ in range(count)]
         raise ValueError(f"unknown GGUF metadata value type {vtype}")
 
@@ -105,13 +122,20 @@ class _Cursor:
 def read_gguf_header(path: str | Path) -> GgufHeader:
     """Parse the header of the GGUF file at `path`.
 
+    The last few headers parsed are kept (keyed by the file's path, size and modification time):
+    the config, the tokenizer and the weights of one model all read the same header.
     CheckpointError naming the file when it is missing, not GGUF, an unsupported version,
     truncated (also when a tensor's data would run past the end of the file) or corrupt.
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: GGUF file not found")
-    size = path.stat().st_size
+    st = path.stat()
+    return _read_header_cached(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_header_cached(path: Path, size: int, mtime_ns: int) -> GgufHeader:
     if size < 24:
         raise CheckpointError(f"{path}: truncated GGUF file ({size} bytes, shorter than the fixed header)")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:

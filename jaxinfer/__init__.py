@@ -5,13 +5,32 @@
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=32))
     print(out[0].outputs[0].text)
+
+The names below are imported on first use, so `jaxinfer.cli` starts without importing JAX.
 """
 
-from jaxinfer.beam_search import BeamSearchParams
-from jaxinfer.config import ModelConfig
-from jaxinfer.engine.engine import LLMEngine
-from jaxinfer.llm import LLM
-from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxinfer.sampling_params import SamplingParams
+import importlib
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "Logprob", "ModelConfig"]
+_EXPORTS = {
+    "LLM": "jaxinfer.llm",
+    "LLMEngine": "jaxinfer.engine.engine",
+    "SamplingParams": "jaxinfer.sampling_params",
+    "BeamSearchParams": "jaxinfer.beam_search",
+    "RequestOutput": "jaxinfer.outputs",
+    "CompletionOutput": "jaxinfer.outputs",
+    "Logprob": "jaxinfer.outputs",
+    "ModelConfig": "jaxinfer.config",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jaxinfer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *__all__])

@@ -104,6 +104,13 @@ def _sampling(args):
 
 
 def cmd_generate(args) -> int:
+    """Prints each answer; one prompt streams token by token. `--verbose` times the start."""
+    import time
+
+    from jaxinfer.startup import PhaseClock, compile_totals, format_report
+
+    before_main = args._process_age_at_main
+    clock = PhaseClock()
     prompts = list(args.prompts)
     if args.prompts_file:
         with open(args.prompts_file) as f:
@@ -111,18 +118,50 @@ def cmd_generate(args) -> int:
     if not prompts:
         print("jaxinfer generate: give a prompt or --prompts-file", file=sys.stderr)
         return 2
+    import jaxinfer.llm  # noqa: F401  (jax, flax and the engine: timed on their own)
+
+    compiles_before = compile_totals()
+    clock.mark("imports (jax, flax, jaxinfer)")
     llm = _llm(args)
+    clock.mark("LLM(...)")
+    main = _is_main_process()
     params = _sampling(args)
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=_is_main_process())
+        prompts_in = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
     else:
-        outputs = llm.generate(prompts, params, use_tqdm=_is_main_process())
-    if not _is_main_process():
-        return 0
-    for prompt, out in zip(prompts, outputs):
-        if len(prompts) > 1:
-            print(f"### {prompt}")
-        print(out.outputs[0].text)
+        prompts_in = prompts
+    first_token = None
+    tokens = 0
+    if len(prompts) == 1:
+        printed = ""
+        for out in llm.stream(prompts_in[0], params):
+            text = out.outputs[0].text
+            if main and len(text) > len(printed):
+                if first_token is None:
+                    first_token = time.perf_counter() - clock.t0 + (before_main or 0.0)
+                print(text[len(printed):], end="", flush=True)
+                printed = text
+            tokens = len(out.outputs[0].token_ids)
+        if main:
+            print()
+    else:
+        outputs = llm.generate(prompts_in, params, use_tqdm=main)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        if main:
+            for prompt, out in zip(prompts, outputs):
+                print(f"### {prompt}")
+                print(out.outputs[0].text)
+    clock.mark("generate")
+    if args.verbose and main:
+        rows = []
+        for name, secs in clock.phases.items():
+            if name == "LLM(...)":  # its own phases, and what they leave out
+                rows += [(f"LLM: {n}", s, "") for n, s in llm.startup_seconds.items()]
+                rows.append(("LLM: other", max(0.0, secs - sum(llm.startup_seconds.values())), ""))
+            else:
+                rows.append((name, secs, f"{tokens} tokens" if name == "generate" else ""))
+        print(format_report(rows, before_main=before_main, first_token=first_token,
+                            compiles=compile_totals().minus(compiles_before)), file=sys.stderr)
     return 0
 
 
@@ -156,6 +195,13 @@ def cmd_convert(args) -> int:
 
 
 def main(argv=None) -> int:
+    import os
+
+    from jaxinfer.startup import process_age_seconds
+
+    process_age = process_age_seconds()
+    # transformers, imported for the tokenizer, tells every torch-less process that torch is missing.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -163,6 +209,8 @@ def main(argv=None) -> int:
     g.add_argument("prompts", nargs="*")
     g.add_argument("--prompts-file", help="a file with one prompt per line")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    g.add_argument("--verbose", "-v", action="store_true",
+                   help="print where the seconds of the start went (imports, tokenizer, weights, compiles)")
     _add_model_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
@@ -181,6 +229,7 @@ def main(argv=None) -> int:
     v.set_defaults(func=cmd_convert)
 
     args = parser.parse_args(argv)
+    args._process_age_at_main = process_age if argv is None else None  # None: called from Python, not a fresh process
     try:
         _maybe_initialize_distributed(args)
         return args.func(args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import time
 import warnings
@@ -22,6 +23,7 @@ from jaxinfer.models.param_layout import num_kv_heads_stored
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.quantization import INT4_GROUP_SIZES, MODES, quantize_model
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.startup import PhaseClock
 from jaxinfer.step import kv_partition_spec, param_partition_specs, put_global
 from jaxinfer.tokenizer import cache_root, load_tokenizer
 from sharding.mesh import ParallelConfig, ShardingError, make_mesh
@@ -55,6 +57,13 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> None:
     if jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
     jax.config.update("jax_compilation_cache_dir", str(path or cache_root() / "xla"))
+    # Every program, however quick to compile: a warm start then compiles nothing.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def _timed(fn, *args):
+    t0 = time.perf_counter()
+    return fn(*args), time.perf_counter() - t0
 
 
 def _parallel_config(tp, dp, sp, ep, enable_expert_parallel, sp_attention, config) -> ParallelConfig:
@@ -182,7 +191,7 @@ class LLM:
         speculative_config: dict | None = None,
     ):
         enable_compilation_cache(compilation_cache_dir)
-        t0 = time.perf_counter()
+        clock = PhaseClock()
         self.source = resolve_model(model)
         self.config = config = read_config(self.source)
         self.param_dtype = _dtype(dtype, "dtype")
@@ -229,7 +238,11 @@ class LLM:
             raise ValueError(f"num_pages={num_pages}: need at least 2 (page 0 is the scratch page)")
         max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
 
-        self.tokenizer = load_tokenizer(self.source)
+        clock.mark("config")
+        # The tokenizer (mostly importing transformers) loads in a thread while the weights load.
+        tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-tokenizer")
+        tokenizer_future = tokenizer_thread.submit(_timed, load_tokenizer, self.source)
+        tokenizer_thread.shutdown(wait=False)
         graphdef, params = load_params(
             self.source, config, self.param_dtype, self.compute_dtype, kernels=self.kernels, parallel=parallel,
             mesh=self.mesh, progress=progress,
@@ -239,6 +252,9 @@ class LLM:
             graphdef, params = quantize_model(graphdef, params, quantization, quantization_group_size)
         param_specs = param_partition_specs(params, config)
         params = put_global(params, param_specs, self.mesh)  # quantized weights: onto their shards
+        clock.mark("weights")
+        self.tokenizer, self.tokenizer_seconds = tokenizer_future.result()
+        clock.mark("tokenizer (what it took beyond the weights)")
         kv_sharding = jax.sharding.NamedSharding(self.mesh, kv_partition_spec().k)
         kv = KVCache.create(config, num_pages * parallel.num_replicas, page_size, self.kv_cache_dtype, tp=parallel.tp,
                             sharding=kv_sharding)
@@ -268,9 +284,14 @@ class LLM:
             speculative_config=spec,
             proposer=proposer,
         )
-        self.load_seconds = time.perf_counter() - t0
+        clock.mark("KV cache and engine")
+        self.load_seconds = time.perf_counter() - clock.t0
         if warmup:
             self.runner.warmup()
+            clock.mark("warmup (compiling every bucket)")
+        # Seconds per phase of this constructor (config, weights, tokenizer, KV cache and engine, warmup);
+        # tokenizer_seconds is the tokenizer's own time, spent in a thread beside the weights.
+        self.startup_seconds = clock.phases
 
     def make_proposer(self, spec: SpeculativeConfig | dict):
         """The proposer of a speculative_config for this model (see jaxinfer.engine.spec_decode)."""
@@ -429,10 +450,15 @@ class LLM:
         """Applies the model's chat template to one conversation (a list of {"role", "content"}
         dicts) or a list of conversations, and generates the assistant's replies."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for conv in conversations:
-            text = self.tokenizer.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
-            )
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        prompts = [self.chat_prompt(conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+                   for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> dict:
+        """One conversation rendered by the chat template, as a prompt `generate` and `stream` take:
+        {"prompt": text, "prompt_token_ids": ids}."""
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+        )
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}

@@ -149,6 +149,24 @@ def test_cli_generate(model_dir, tmp_path, capsys):
     assert "speculative_config['method']='lookahead'" in capsys.readouterr().err
 
 
+def test_cli_streams_one_prompt_and_times_the_start(model_dir, capsys):
+    """One prompt is printed as it is generated (the same text as generate), and --verbose tells
+    where the start's seconds went, compiles included."""
+    from jaxinfer.cli import main
+
+    args = ["generate", "--model", str(model_dir[0]), "--max-tokens", "4", "--max-model-len", "64", "a prompt"]
+    assert main(args + ["--verbose"]) == 0
+    captured = capsys.readouterr()
+    llm = LLM(str(model_dir[0]), max_model_len=64, progress=False)
+    expected = llm.generate("a prompt", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0].text
+    assert captured.out == expected + "\n"
+    report = captured.err
+    for phase in ("imports (jax, flax, jaxinfer)", "LLM: weights", "LLM: tokenizer", "LLM: KV cache and engine",
+                  "generate", "first token printed", "compiling, inside the phases above"):
+        assert phase in report, phase
+    assert "4 tokens" in report
+
+
 # ----------------------------------------------------------------------------- buckets
 def test_ten_prompt_lengths_compile_no_more_variants_than_buckets(model_dir):
     llm = LLM(str(model_dir[0]), **ENGINE_ARGS)
