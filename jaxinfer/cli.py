@@ -156,7 +156,8 @@ def cmd_generate(args) -> int:
         rows = []
         for name, secs in clock.phases.items():
             if name == "LLM(...)":  # its own phases, and what they leave out
-                rows += [(f"LLM: {n}", s, "") for n, s in llm.startup_seconds.items()]
+                rows += [(f"LLM: {n}", s, f"its own {llm.tokenizer_seconds:.2f} s, in a thread beside the weights"
+                          if n.startswith("tokenizer") else "") for n, s in llm.startup_seconds.items()]
                 rows.append(("LLM: other", max(0.0, secs - sum(llm.startup_seconds.values())), ""))
             else:
                 rows.append((name, secs, f"{tokens} tokens" if name == "generate" else ""))

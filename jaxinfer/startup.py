@@ -106,8 +106,9 @@ def format_report(rows: list[tuple[str, float, str]], *, before_main: float | No
     if before_main is not None:
         rows = [("python start, cli import", before_main, "")] + rows
     width = max(len(r[0]) for r in rows)
-    lines = ["jaxinfer startup: seconds per phase, seconds since process start"]
-    elapsed = 0.0 if before_main is not None else float("nan")
+    since = "process start" if before_main is not None else "the command started"
+    lines = [f"jaxinfer startup: seconds per phase, seconds since {since}"]
+    elapsed = 0.0
     for name, secs, detail in rows:
         elapsed += secs
         lines.append(f"  {name:<{width}}  {secs:6.2f}  {elapsed:6.2f}  {detail}".rstrip())
