@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 _COMPILE_EVENTS = {
     "/jax/core/compile/jaxpr_trace_duration": "trace",
     "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
-    "/jax/core/compile/backend_compile_duration": "compile",
-    "/jax/compilation_cache/cache_retrieval_time_sec": "cache_read",
+    "/jax/core/compile/backend_compile_duration": "compile",  # an XLA compile or a persistent-cache read
 }
 
 
@@ -92,11 +91,10 @@ class PhaseClock:
         self.t0 = self.last = time.perf_counter()
         self.phases: dict[str, float] = {}
 
-    def mark(self, name: str) -> float:
+    def mark(self, name: str) -> None:
         now = time.perf_counter()
         self.phases[name] = self.phases.get(name, 0.0) + now - self.last
         self.last = now
-        return now - self.t0
 
 
 def format_report(rows: list[tuple[str, float, str]], *, before_main: float | None, first_token: float | None,

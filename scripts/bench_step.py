@@ -588,6 +588,7 @@ def environment() -> dict:
         "platform": platform.platform(),
         "versions": {d: _version(d) for d in ("jax", "jaxlib", "flax", "numpy", "torch", "transformers", "gguf", "llama_cpp_python")},
         "isa": _isa_flags(),
+        "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
 
 
@@ -753,7 +754,6 @@ def main(argv=None) -> int:
         return 0
 
     env = environment()
-    env["loadavg_start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     skip = {"jaxinfer": args.skip_jax, "transformers": args.skip_hf, "llama.cpp": args.skip_llama_cpp}
     if not skip["llama.cpp"] and importlib.util.find_spec("llama_cpp") is None:
         log("!! llama.cpp peer skipped: llama-cpp-python is not installed (pip install -e '.[bench]')")

@@ -708,9 +708,10 @@ def render_best_of_each(ok: list[dict]) -> list[str]:
          "| system | best setting | useful tok/s | jaxinfer ÷ it | batch-1 TPOT ms | batch-1 TTFT ms | it ÷ jaxinfer (TPOT) |",
          "|---|---|---|---|---|---|---|"]
     for r in [jx] + peers:
-        L.append(f"| {r['system']} | {r['setting']} | {_fmt(r['tok_s'], '.1f')} | {_fmt(_ratio(jx['tok_s'], r['tok_s']), '.2f')}× | "
+        times = lambda x: "—" if x is None else f"{x:.2f}×"  # noqa: E731
+        L.append(f"| {r['system']} | {r['setting']} | {_fmt(r['tok_s'], '.1f')} | {times(_ratio(jx['tok_s'], r['tok_s']))} | "
                  f"{_fmt(r['tpot'] and r['tpot'] * 1e3, '.1f')} | {_fmt(r['ttft'] and r['ttft'] * 1e3, '.0f')} | "
-                 f"{_fmt(_ratio(r['tpot'], jx['tpot']), '.2f')}× |")
+                 f"{times(_ratio(r['tpot'], jx['tpot']))} |")
     bt = max((r for r in peers if r["tok_s"]), key=lambda r: r["tok_s"], default=None)
     bl = min((r for r in peers if r["tpot"]), key=lambda r: r["tpot"], default=None)
     L.append("")
@@ -771,7 +772,6 @@ def main(argv=None) -> int:
         return 0
 
     env = environment()
-    env["loadavg_start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     wl = load_workload(args)
     jobs = []
     if not args.skip_jax:
@@ -782,9 +782,9 @@ def main(argv=None) -> int:
             if args.hf_cb:
                 jobs.append(("transformers-cb", dtype))
     if not args.skip_llama_cpp:
-        from llama_cpp_peer import llama_cpp_version
+        import importlib.util
 
-        if llama_cpp_version() is None:
+        if importlib.util.find_spec("llama_cpp") is None:
             log("!! llama.cpp peer skipped: llama-cpp-python is not installed (pip install -e '.[bench]')")
         else:
             jobs += [("llama.cpp", str(n)) for n in args.llama_cpp_slots]

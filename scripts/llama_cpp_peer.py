@@ -134,14 +134,6 @@ class LlamaCppPeer:
         self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
 
 
-def llama_cpp_version() -> str | None:
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    return getattr(llama_cpp, "__version__", "?")
-
-
 if __name__ == "__main__":  # a quick check: greedy text of one prompt, then the same prompt in 4 slots
     import argparse
     import sys
