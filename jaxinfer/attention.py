@@ -29,7 +29,6 @@ from pallas_kernels.rope_kv_write import (
     rope_kv_write_gpu,
     rope_kv_write_reference,
     rope_kv_write_tpu,
-    tpu_supports,
 )
 from sharding.mesh import ParallelConfig
 from sharding.ring_attention import merge_partials, ring_attention
@@ -44,7 +43,8 @@ FLASH_MIN_TOKENS = 256
 
 
 def _pallas_attention(kernels: Kernels, q, k, v, k_pages, v_pages, page_table, batch: RaggedBatch, *, sm_scale, sliding_window, query_block):
-    """The platform's ragged paged attention kernel (flash attention for a long fresh prefill). [T, Hq, D]"""
+    """The platform's ragged paged attention kernel (flash attention for a long fresh prefill). [T, Hq, D]
+    k, v [T, Hkv, D]: the model's heads; the TPU pools may hold more (kv_cache.pool_kv_heads)."""
     if kernels.platform == "tpu":
         from pallas_kernels.flash_attention import flash_attention_tpu as flash
         from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention as ragged
@@ -53,9 +53,11 @@ def _pallas_attention(kernels: Kernels, q, k, v, k_pages, v_pages, page_table, b
         from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention as ragged
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, interpret=kernels.interpret)
 
+    heads = dict(num_kv_heads=k.shape[1]) if kernels.platform == "tpu" else {}
+
     def paged():
         return ragged(q, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs,
-                      num_queries_per_block=query_block, **options)
+                      num_queries_per_block=query_block, **heads, **options)
 
     T, S = q.shape[0], batch.kv_lens.shape[0]
     if query_block == 1 or T < FLASH_MIN_TOKENS:
@@ -84,17 +86,28 @@ def kv_write_locations(batch: RaggedBatch, page_size: int, scratch_page: int) ->
 def rope_and_write_kv(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset, kernels: Kernels = Kernels()):
     """RoPE on q and k, then the rotated keys and the values into their page slots.
 
-    q [T, Hq, D], k / v [T, Hkv, D], cos / sin [T, D], pools [N, page_size, Hkv, D], write_page /
-    write_offset [T] (pool page, slot). Returns (q_rot, k_rot, k_pages, v_pages). With Pallas
-    kernels this is one kernel (pallas_kernels.rope_kv_write) that writes each token's row into
-    its page in place; the XLA path rotates and scatters. The TPU kernel copies rows as they are,
-    so it needs k / v in the pools' dtype, and on a real TPU head counts that are multiples of 8
-    and head_dim a multiple of 128 (its lane roll; interpret mode takes any shape, so the tests
-    exercise it on tiny models); the GPU kernel needs head_dim / 2 to be a power of two.
+    q [T, Hq, D], k / v [T, Hkv, D], cos / sin [T, D], pools [N, page_size, Hs, D], write_page /
+    write_offset [T] (pool page, slot). Returns (q_rot, k_rot [T, Hkv, D], k_pages, v_pages).
+    Pools holding more heads than the model (Hs > Hkv, TPU tiling: kv_cache.pool_kv_heads) get
+    zeros in the extra heads. With Pallas kernels this is one kernel (pallas_kernels.rope_kv_write)
+    that writes each token's row into its page in place; the XLA path rotates and scatters. The
+    TPU kernel copies rows as they are, so it needs k / v in the pools' dtype (quantized pages take
+    the XLA path); the GPU kernel needs head_dim / 2 to be a power of two.
     """
+    Hkv = k.shape[1]
+    k, v = pad_heads(k, k_pages.shape[2]), pad_heads(v, v_pages.shape[2])
+    q, k, k_pages, v_pages = _rope_and_write_kv(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset, kernels)
+    return q, k[:, :Hkv], k_pages, v_pages
+
+
+def pad_heads(x: jax.Array, num_heads: int) -> jax.Array:
+    """[T, H, D] -> [T, num_heads, D], zero heads appended (the pool's extra heads on a TPU)."""
+    return jnp.pad(x, ((0, 0), (0, num_heads - x.shape[1]), (0, 0)))
+
+
+def _rope_and_write_kv(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset, kernels: Kernels):
     args = (q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset)
-    tpu_fits = tpu_supports(q.shape[1], k.shape[1], q.shape[2]) or kernels.interpret  # see the kernel's docstring
-    if kernels.platform == "tpu" and tpu_fits and k.dtype == k_pages.dtype and v.dtype == v_pages.dtype:
+    if kernels.platform == "tpu" and k.dtype == k_pages.dtype and v.dtype == v_pages.dtype:
         return rope_kv_write_tpu(*args, interpret=kernels.interpret)
     if kernels.platform == "gpu" and gpu_supports(q.shape[-1]):
         return rope_kv_write_gpu(*args, interpret=kernels.interpret)
@@ -226,8 +239,8 @@ def attend_sequence_parallel(q, k, v, cos, sin, k_pages, v_pages, layer_page_off
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window)
 
     if mode == "allgather":
-        k_all = jax.lax.all_gather(k, "sequence", axis=0, tiled=True)  # [T, Hkv, D]
-        v_all = jax.lax.all_gather(v, "sequence", axis=0, tiled=True)
+        k_all = pad_heads(jax.lax.all_gather(k, "sequence", axis=0, tiled=True), k_pages.shape[2])  # [T, Hs, D]
+        v_all = pad_heads(jax.lax.all_gather(v, "sequence", axis=0, tiled=True), v_pages.shape[2])
         k_pages = k_pages.at[pages, write_offset].set(k_all.astype(k_pages.dtype))
         v_pages = v_pages.at[pages, write_offset].set(v_all.astype(v_pages.dtype))
         out = paged_attention(q, k, v, k_pages, v_pages, layer_page_offset, view, query_block=query_block,
@@ -239,8 +252,10 @@ def attend_sequence_parallel(q, k, v, cos, sin, k_pages, v_pages, layer_page_off
     q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
     seq_all = jnp.minimum(jnp.searchsorted(batch.cu_q_lens[1:], jnp.arange(T), side="right"), S - 1)  # [T]
     valid_all = jnp.arange(T) < batch.cu_q_lens[batch.num_seqs[0]]
+    Hkv = k.shape[1]
+    model_heads = (lambda pool: pool[:, :, :Hkv]) if k_pages.shape[2] > Hkv else (lambda pool: pool)  # noqa: E731  (a copy: TPU pools with extra heads only)
     cached_out, cached_lse = split_kv.ragged_paged_attention(  # earlier steps' K/V, from the pages
-        q, k_pages, v_pages, view.kv_lens, view.page_table + layer_page_offset, view.cu_q_lens, view.num_seqs,
+        q, model_heads(k_pages), model_heads(v_pages), view.kv_lens, view.page_table + layer_page_offset, view.cu_q_lens, view.num_seqs,
         kv_end=batch.kv_lens - q_lens, return_lse=True, num_queries_per_block=query_block,
         num_kv_pages_per_block=max(1, PREFILL_KV_TOKENS_PER_ITEM // k_pages.shape[1]), **options,
     )
@@ -248,6 +263,7 @@ def attend_sequence_parallel(q, k, v, cos, sin, k_pages, v_pages, layer_page_off
     def write_block(pools, k_block, v_block, origin):
         rows = origin * Tl + jnp.arange(Tl)
         k_pool, v_pool = pools
+        k_block, v_block = pad_heads(k_block, k_pool.shape[2]), pad_heads(v_block, v_pool.shape[2])
         return (k_pool.at[pages[rows], write_offset[rows]].set(k_block.astype(k_pool.dtype)),
                 v_pool.at[pages[rows], write_offset[rows]].set(v_block.astype(v_pool.dtype)))
 

@@ -4,6 +4,12 @@ Layout (chosen once; kernels read it as is):
 
     k, v   [num_layers, num_pages, page_size, num_kv_heads, head_dim]
 
+Token-major pages: one token's row of every KV head is contiguous, so a write of a token and a
+fetch of a page each cut only the two leading (untiled) dimensions on a TPU. With the TPU
+kernels a pool may hold more KV heads than the model has (`pool_kv_heads`: whole 32-bit words
+and tiles for the kernel's strided head loads, e.g. SmolLM2's 3 -> 4 in bf16); the extra heads
+hold zeros and are never read. Every other back end stores exactly the model's heads.
+
 A sequence owns a list of pages (its row of the page table); token at position p of that
 sequence lives in page `page_table[p // page_size]`, slot `p % page_size`. Page 0 is never
 handed to a sequence: padded token slots write their (garbage) K/V there, so padding can never
@@ -22,8 +28,24 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.kernels import Kernels
 
 SCRATCH_PAGE = 0
+
+
+def pool_kv_heads(config: ModelConfig, dtype, *, tp: int = 1, kernels: Kernels = Kernels()) -> int:
+    """KV heads the cache holds (all shards together): each tensor-parallel shard holds its
+    model heads (`sharding.mesh.kv_heads_per_shard`: split, or replicated when there are fewer
+    than tp), padded with zero heads to what the TPU kernel tiles when the TPU kernels run
+    (`pallas_kernels.ragged_paged_attention.tpu.stored_kv_heads`)."""
+    from sharding.mesh import kv_heads_per_shard
+
+    per_shard = kv_heads_per_shard(config.num_kv_heads, tp)
+    if kernels.platform == "tpu":
+        from pallas_kernels.ragged_paged_attention.tpu import stored_kv_heads
+
+        per_shard = stored_kv_heads(per_shard, dtype)
+    return per_shard * tp
 
 
 @jax.tree_util.register_dataclass
@@ -34,15 +56,18 @@ class KVCache:
 
     @staticmethod
     def create(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, *, tp: int = 1,
-               sharding=None) -> "KVCache":
-        """Zeroed pages. With tensor parallelism the cache holds the KV heads the tp layout stores
-        (param_layout.num_kv_heads_stored: replicated when there are fewer than tp). `sharding`
-        (a jax Sharding for k and v) places each device's part directly, nothing whole anywhere."""
-        from jaxinfer.models.param_layout import num_kv_heads_stored
-
-        shape = (config.num_layers, num_pages, page_size, num_kv_heads_stored(config, tp), config.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+               sharding=None, kernels: Kernels = Kernels()) -> "KVCache":
+        """Zeroed pages of `pool_kv_heads` heads. `sharding` (a jax Sharding for k and v) places
+        each device's part directly, nothing whole anywhere."""
+        zeros = jax.jit(lambda: jnp.zeros(KVCache.shape(config, num_pages, page_size, dtype, tp=tp, kernels=kernels), dtype),
+                        out_shardings=sharding)
         return KVCache(k=zeros(), v=zeros())
+
+    @staticmethod
+    def shape(config: ModelConfig, num_pages: int, page_size: int, dtype, *, tp: int = 1,
+              kernels: Kernels = Kernels()) -> tuple[int, ...]:
+        """Shape of k (and v): [L, num_pages, page_size, pool_kv_heads, head_dim]."""
+        return (config.num_layers, num_pages, page_size, pool_kv_heads(config, dtype, tp=tp, kernels=kernels), config.head_dim)
 
     @property
     def num_pages(self) -> int:

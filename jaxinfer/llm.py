@@ -17,9 +17,8 @@ from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.spec_decode import SpeculativeConfig
 from jaxinfer.kernels import resolve_kernels
-from jaxinfer.kv_cache import KVCache
+from jaxinfer.kv_cache import KVCache, pool_kv_heads
 from jaxinfer.loading import load_params, read_config, resolve_model
-from jaxinfer.models.param_layout import num_kv_heads_stored
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.quantization import INT4_GROUP_SIZES, MODES, quantize_model
 from jaxinfer.sampling_params import SamplingParams
@@ -232,7 +231,8 @@ class LLM:
         pages_per_seq = -(-max_model_len // page_size)
         if num_pages is None:  # per replica
             itemsize = jnp.dtype(self.kv_cache_dtype).itemsize
-            page_bytes = 2 * config.num_layers * page_size * num_kv_heads_stored(config, parallel.tp) * config.head_dim * itemsize
+            heads = pool_kv_heads(config, self.kv_cache_dtype, tp=parallel.tp, kernels=self.kernels)
+            page_bytes = 2 * config.num_layers * page_size * heads * config.head_dim * itemsize
             num_pages = max(2, min(kv_cache_memory_bytes // page_bytes, max_num_seqs * pages_per_seq + 1))
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages}: need at least 2 (page 0 is the scratch page)")
@@ -257,7 +257,7 @@ class LLM:
         clock.mark("tokenizer (what it took beyond the weights)")
         kv_sharding = jax.sharding.NamedSharding(self.mesh, kv_partition_spec().k)
         kv = KVCache.create(config, num_pages * parallel.num_replicas, page_size, self.kv_cache_dtype, tp=parallel.tp,
-                            sharding=kv_sharding)
+                            sharding=kv_sharding, kernels=self.kernels)
         self.buckets = Buckets.default(max_num_batched_tokens, max_num_seqs, pages_per_seq, token_multiple=parallel.sp,
                                        spec_block=spec.spec_block if spec else 0)
         self.runner = ModelRunner(graphdef, params, kv, self.buckets, num_top_logprobs=max_logprobs, mesh=self.mesh,
@@ -346,7 +346,8 @@ class LLM:
             graphdef, params = quantize_model(graphdef, params, spec.quantization, group_size)
         param_specs = param_partition_specs(params, config)
         params = put_global(params, param_specs, self.mesh)
-        kv = KVCache.create(config, num_pages, page_size, self.kv_cache_dtype, tp=self.parallel.tp, sharding=kv_sharding)
+        kv = KVCache.create(config, num_pages, page_size, self.kv_cache_dtype, tp=self.parallel.tp, sharding=kv_sharding,
+                            kernels=self.kernels)
         return ModelRunner(graphdef, params, kv, self.buckets, num_top_logprobs=1, mesh=self.mesh, param_specs=param_specs)
 
     # ------------------------------------------------------------------ public API

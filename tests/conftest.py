@@ -21,6 +21,9 @@ import gc
 import os
 from pathlib import Path
 
+# The CPU is the only platform tests run on: the TPU and CUDA plugins installed for ahead-of-time
+# compiles (tests/test_aot.py) must not try to open a chip.
+os.environ["JAX_PLATFORMS"] = "cpu"
 if os.environ.get("JAXINFER_TEST_XLA_OPT") != "1":  # before JAX starts its CPU backend
     fast_compile = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {fast_compile}".strip()

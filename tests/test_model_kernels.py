@@ -1,6 +1,6 @@
 """The whole model with the Pallas kernels (interpret mode) gives the reference model's logits.
 
-One tiny model (untied LM head, biases, 4 query heads on 1 KV head) runs the same steps twice,
+One tiny model (untied LM head, biases, 6 query heads on 3 KV heads, which the TPU pools pad to 4) runs the same steps twice,
 once on the XLA reference paths and once with a platform's Pallas kernels: a long fresh prefill
 (which takes the flash attention kernel), then a mixed step of decodes and prefill chunks with
 cached prefixes (the ragged paged attention kernel), then a decode step. Every step also runs the
@@ -32,7 +32,8 @@ PAGE_SIZE = 8
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-qwen2-kernels")
-    save_hf_model("qwen2", directory, intermediate_size=128)  # 128: the TPU SwiGLU kernel's column tile
+    save_hf_model("qwen2", directory, intermediate_size=128,  # 128: the TPU SwiGLU kernel's column tile
+                  hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
     return directory
 
 
@@ -44,7 +45,8 @@ def run_steps(model_dir, kernels: Kernels, quantization: str | None) -> list[np.
     if quantization:
         graphdef, params = quantize_model(graphdef, params, quantization, group_size=32, skip=("layers.gate_up_proj",))
     step = StepFunction(graphdef, num_top_logprobs=0)
-    kv = KVCache.create(config, 80, PAGE_SIZE)
+    kv = KVCache.create(config, 80, PAGE_SIZE, kernels=kernels)
+    assert kv.k.shape[3] == (4 if kernels.platform == "tpu" else 3)  # TPU pools: heads in whole tiles
     buckets = Buckets((16, FLASH_MIN_TOKENS), max_num_seqs=4, pages_per_seq=32)
     rng = np.random.default_rng(0)
     a, b, c = (list(rng.integers(3, 250, size=n)) for n in (150, 90, 30))
@@ -109,7 +111,7 @@ def test_every_kernel_is_in_the_step(model_dir, platform):
     graphdef, params = load_params(source, config, jnp.float32, jnp.float32, kernels=Kernels(platform, True), progress=False)
     graphdef, params = quantize_model(graphdef, params, "int8", skip=("layers.gate_up_proj",))
     step = StepFunction(graphdef, num_top_logprobs=0)
-    kv = KVCache.create(config, 80, PAGE_SIZE)
+    kv = KVCache.create(config, 80, PAGE_SIZE, kernels=Kernels(platform, True))
     buckets = Buckets((16, FLASH_MIN_TOKENS), max_num_seqs=4, pages_per_seq=32)
     key, batch, _ = pack_batch([SequenceChunk(list(range(3, 203)), 0, list(range(1, 26)), [0])], buckets, PAGE_SIZE)
     forward = lambda params, kv, batch: step.forward(params, kv, batch, query_block=key.query_block)  # noqa: E731

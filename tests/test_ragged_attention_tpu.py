@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import tpu_chip
 from pallas_kernels.ragged_paged_attention import reference, tpu
 from test_ragged_attention_reference import make_case
 
@@ -23,11 +24,25 @@ F32_TOL = 1e-5  # relative to the largest output entry
 BF16_TOL = 2e-2
 
 
+def pad_heads(pages, num_heads: int, rng):
+    """Pages [P, page_size, Hkv, D] -> [P, page_size, num_heads, D], the extra heads filled with
+    large noise: the kernel must never read them."""
+    P, page_size, Hkv, D = pages.shape
+    noise = np.asarray(rng.normal(0, 100, (P, page_size, num_heads - Hkv, D)), np.float32)
+    return jnp.concatenate([pages, jnp.asarray(noise).astype(pages.dtype)], axis=2)
+
+
 def run_kernel_and_reference(case, **kw):
-    """(kernel output, reference output) as float64 numpy arrays."""
+    """(kernel output, reference output) as float64 numpy arrays. The kernel gets the pools as a
+    TPU stores them: KV heads padded to `tpu.stored_kv_heads`."""
     args = [jnp.asarray(x) for x in case]
     kw = {"sm_scale": SM_SCALE, **kw}
-    got = tpu.ragged_paged_attention(*args, interpret=kw.pop("interpret", True), **kw)
+    q, k_pages, v_pages, *rest = args
+    Hkv = k_pages.shape[2]
+    stored = tpu.stored_kv_heads(Hkv, k_pages.dtype)
+    rng = np.random.default_rng(99)
+    k_stored, v_stored = pad_heads(k_pages, stored, rng), pad_heads(v_pages, stored, rng)
+    got = tpu.ragged_paged_attention(q, k_stored, v_stored, *rest, num_kv_heads=Hkv, interpret=kw.pop("interpret", True), **kw)
     kw.pop("vmem_limit_bytes", None)
     want = reference.ragged_paged_attention(*args, **kw)
     assert got.dtype == args[0].dtype and got.shape == args[0].shape
@@ -61,6 +76,27 @@ def test_mixed_batch_matches_reference_and_padding_rows_are_zero(Hq, Hkv, D, pag
     got, want = run_kernel_and_reference(case, num_queries_per_block=4, num_kv_pages_per_block=2)
     assert_close(got, want, F32_TOL)
     assert np.all(got[real_rows(case) :] == 0)
+
+
+@pytest.mark.parametrize("Hkv,dtype,stored", [(3, jnp.bfloat16, 4), (1, jnp.bfloat16, 2), (1, jnp.float32, 1),
+                                               (2, jnp.int8, 4), (8, jnp.bfloat16, 8), (12, jnp.bfloat16, 16)])
+def test_pools_store_heads_in_whole_words_and_tiles(Hkv, dtype, stored):
+    assert tpu.stored_kv_heads(Hkv, dtype) == stored
+
+
+def test_odd_kv_head_count_padded_in_the_pool():
+    """SmolLM2's shape: 9 query heads over 3 KV heads of 64, the pool padded to 4 heads."""
+    rng = np.random.default_rng(1)
+    case = make_case(rng, [12, 1, 3], [12, 30, 9], Hq=9, Hkv=3, D=64, page_size=16, pad_tokens=3)
+    case = tuple(jnp.asarray(x, jnp.bfloat16) if x.dtype == np.float32 else x for x in case)
+    got, want = run_kernel_and_reference(case, num_queries_per_block=4, num_kv_pages_per_block=2)
+    assert_close(got, want, BF16_TOL)
+
+
+def test_pools_that_do_not_tile_are_rejected():
+    case = make_case(np.random.default_rng(5), [2], [2], Hq=6, Hkv=3, D=64, page_size=4)
+    with pytest.raises(ValueError, match="store 4"):
+        tpu.ragged_paged_attention(*map(jnp.asarray, case), interpret=True)
 
 
 def test_bfloat16_queries_and_pages():
@@ -128,11 +164,13 @@ def test_blocks_too_large_for_the_vmem_limit_are_rejected():
         tpu.ragged_paged_attention(*map(jnp.asarray, case), num_queries_per_block=8, vmem_limit_bytes=64 * 1024, interpret=True)
 
 
-def test_vmem_working_set_matches_the_documented_example():
-    # Bq=32, G=8, D=128, bf16, 8 pages of 16 tokens: 256+128+256+128+128+256 KiB (module docstring)
-    need = tpu.vmem_working_set_bytes(rows=256, head_dim=128, kv_tokens=128, q_itemsize=2, kv_itemsize=2)
-    assert need == (256 + 128 + 256 + 128 + 128 + 256) * 1024
-    assert need < tpu.DEFAULT_VMEM_LIMIT_BYTES
+def test_vmem_working_set_of_a_llama_prefill_block_fits_the_smallest_chip():
+    # Bq=32, G=4 (R=128 rows per KV head), 8 KV heads of 128, bf16, 8 pages of 16 tokens
+    need = tpu.vmem_working_set_bytes(rows=128, num_kv_heads=8, stored_heads=8, head_dim=128, kv_tokens=128,
+                                      q_itemsize=2, kv_itemsize=2)
+    q_and_out, kv_slots, scores, one_head, softmax = 1024, 1024, 128, 256, 8 * (64 + 2 * 64)  # KiB; m, l lane-padded
+    assert need == (q_and_out + kv_slots + scores + one_head + softmax) * 1024
+    assert need < tpu_chip.FALLBACK_VMEM_LIMIT_BYTES
 
 
 def test_tpu_simulator_finds_no_race_and_no_unneeded_page_is_read(capfd):
@@ -172,35 +210,6 @@ def test_tpu_simulator_finds_no_race_and_no_unneeded_page_is_read(capfd):
     want = reference.ragged_paged_attention(*map(jnp.asarray, case), sm_scale=SM_SCALE, sliding_window=window)
     want = np.asarray(want, np.float64)
     assert_close(got, want, F32_TOL)
-
-
-@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.int8], ids=["bf16", "int8"])
-def test_kernel_lowers_to_mosaic_for_a_real_tpu(kv_dtype, monkeypatch):
-    """jax.export for platform "tpu" runs the Pallas -> Mosaic lowering on this CPU machine.
-
-    It catches primitives without a Mosaic lowering and illegal block shapes; Mosaic's own layout
-    passes run only on a TPU. The lowering asks for the chip's parameters, so the (private) chip
-    registry is told that this "cpu" device is a TPU v5e for the duration of the test.
-    """
-    from jax._src.pallas.mosaic import tpu_info
-
-    v5e = lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)  # noqa: E731
-    monkeypatch.setitem(tpu_info.registry, "cpu", v5e)
-    tpu_info.get_tpu_info.cache_clear()
-    T, Hq, Hkv, D, page_size, P, S, pages_per_seq = 64, 8, 2, 128, 16, 64, 8, 16
-    scales = {"k_scale": 0.1, "v_scale": 0.1} if kv_dtype == jnp.int8 else {}
-    spec = jax.ShapeDtypeStruct
-    pages = spec((P, page_size, Hkv, D), kv_dtype)
-    q = spec((T, Hq, D), jnp.bfloat16)
-    kv_lens, cu_q_lens, num_seqs = spec((S,), jnp.int32), spec((S + 1,), jnp.int32), spec((1,), jnp.int32)
-    page_indices = spec((S, pages_per_seq), jnp.int32)
-    options = dict(sm_scale=0.1, sliding_window=64, soft_cap=30.0, num_queries_per_block=16, num_kv_pages_per_block=8)
-    attention = jax.jit(functools.partial(tpu.ragged_paged_attention, **options, **scales))
-    try:
-        exported = jax.export.export(attention, platforms=["tpu"])(q, pages, pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    finally:
-        tpu_info.get_tpu_info.cache_clear()
-    assert "tpu_custom_call" in exported.mlir_module()
 
 
 # ---- random ragged batches, all padded to one shape so that they share one compile

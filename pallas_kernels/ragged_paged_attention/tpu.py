@@ -4,6 +4,28 @@ Same inputs and result as `reference.ragged_paged_attention` (read its docstring
 prefill chunks and decodes are served together, keys and values read straight from the page pool
 through the page table. Runs on TPU, and on the CPU with `interpret=True` (or
 `interpret=pltpu.InterpretParams(...)`, the TPU simulator), which is how the tests check it.
+`jaxinfer.aot` compiles it with the real TPU compiler (libtpu, no TPU needed), which is how the
+tests check that Mosaic takes it.
+
+The page layout on a TPU
+------------------------
+The pools are token-major, `[P, page_size, Hs, D]`, the layout every back end uses. On a TPU the
+last two dimensions of an array are tiled ((8, 128) 32-bit words; bf16 packs two rows in a word,
+8-bit data four). So:
+
+* A DMA may only cut the untiled leading dimensions: the kernel fetches whole pages, every KV
+  head at once (`k_pages.at[page]`, [page_size, Hs, D]); the RoPE+KV write stores a token's row
+  of all heads (`pages.at[page, slot]`). Neither cuts a tile.
+* Head h of a fetched block is every Hs-th row of the block seen as [tokens * Hs, D]: a strided
+  load. Mosaic strides over 32-bit rows only, so the block is read as uint32 words, each holding
+  `packing` consecutive heads of one token (2 for bf16, 4 for int8 / fp8), and the heads are
+  taken out with shifts: a bf16 in the low half is `word << 16` read as float32 (exact), the high
+  half `word & 0xFFFF0000`.
+* That needs Hs a multiple of `packing` and a whole number of tiles: `stored_kv_heads` says how
+  many heads a pool holds for a model's Hkv (Hkv itself for 2, 4, 8, 16...; 3 -> 4; 1 -> 2 in
+  bf16, 4 in int8). The padded heads hold zeros and are never read: `num_kv_heads` tells the
+  kernel the real count. head_dim 64 needs no padding (measured: the strided loads and dots
+  compile at D = 64 on v5e, v6e and v5p).
 
 How the work is cut
 -------------------
@@ -11,60 +33,34 @@ How the work is cut
   rows of ONE sequence. The wrapper finds each block's sequence and first query (`block_seq`,
   `block_q_start`, a search over `cu_q_lens` done once in XLA) and gathers its queries into the
   layout the kernel multiplies with: for every KV head h, the G = Hq // Hkv query heads that share
-  it, rows r = query * G + head  ->  q_blocks [NB, Hkv, Bq*G, D]. NB = min(T, cdiv(T, Bq) + S) is
-  a static bound on the number of blocks; blocks past the real ones are padding.
+  it, rows r = query * G + head  ->  q_blocks [NB, Hkv, R = Bq*G, D]. NB = min(T, cdiv(T, Bq) + S)
+  is a static bound on the number of blocks; blocks past the real ones are padding.
 * Scalar prefetch (SMEM, readable before the grid starts): kv_lens, page_indices, cu_q_lens,
-  num_seqs, block_seq, block_q_start. The kernel derives everything else from them: a block's
-  query positions, its KV range, which pages to fetch.
-* Grid (NB, Hkv): program (b, h) computes query block b against KV head h. Its q and output tiles
-  [Bq*G, D] come through ordinary BlockSpecs (the Pallas pipeline double-buffers them); the
+  num_seqs, block_seq, block_q_start. The kernel derives everything else from them.
+* Grid (NB,): program b computes query block b for every KV head. Its q and output tiles
+  [Hkv, R, D] come through ordinary BlockSpecs (the Pallas pipeline double-buffers them); the
   wrapper scatters the output rows back to [T, Hq, D].
 * KV loop inside the program. Keys and values stay in HBM (`memory_space=pl.ANY`). A loop walks the
-  KV blocks (`num_kv_pages_per_block` (C) pages, C * page_size tokens) that the block can see:
-  from the one holding the first query's window start (0 without a sliding window) to the one
-  holding its last query's position. Blocks past that, or before the window, are never fetched;
-  padding query blocks run the loop zero times and fetch nothing. Each page of a block is one DMA
-  (`k_pages.at[page, :, h, :]`, [page_size, D]) into a VMEM slot; pages of the block that hold no
-  token the queries can see are skipped too.
+  KV blocks (`num_kv_pages_per_block` (C) pages, C * page_size tokens) the block can see: from the
+  one holding the first query's window start to the one holding its last query's position. Blocks
+  outside, and pages of a block that hold no visible token, are never fetched; padding query
+  blocks fetch nothing.
 * Double buffering. Two VMEM slots per K and V. While block j is computed from one slot, block j+1
-  is already on its way into the other; the last block of a program starts the FIRST block of the
-  next program (b, h+1) or (b+1, 0), so a decode (often a single KV block per program) does not
-  wait for its own fetch. Which slot holds what is carried across programs in a 2-int SMEM scratch
-  `fetch_state` = [slot of this program's first block, 1 if that fetch is already in flight]. This
-  cross-program hand-off needs the grid to run in order: both grid axes are "arbitrary" (no
-  megacore split).
-* Online softmax. Running max m, sum l and accumulator acc [Bq*G, D] (float32) are loop-carried;
-  scores are computed in float32, masked (causal, sliding window, rows past the sequence) with
-  -inf, soft-capped first when asked. Rows that see nothing end with l = 0 and output 0.
-* Quantized pages (int8 / float8_e4m3fn): DMA'd as stored (1 byte per entry), then dequantized in
-  VMEM: float32(entry) * scale, cast to q's dtype for the matmuls.
+  is on its way into the other; the last block of a program starts the FIRST block of program
+  b + 1, so a decode (often one KV block per program) does not wait for its own fetch. The slot
+  and whether that fetch is in flight are carried across programs in a 2-int SMEM scratch; this
+  needs the grid to run in order ("arbitrary": no megacore split).
+* Online softmax per KV head: running max m, sum l and accumulator acc (float32, VMEM scratch
+  [Hkv, R, ...]); scores masked (causal, sliding window, rows past the sequence) with -inf,
+  soft-capped first when asked. Rows that see nothing end with l = 0 and output 0.
+* Quantized pages (int8 / float8_e4m3fn) are DMA'd as stored (1 byte per entry), then dequantized
+  in VMEM: float32(entry) * scale, cast to q's dtype for the matmuls.
 
-VMEM working set (see `vmem_working_set_bytes`; R = Bq*G rows, K = C*page_size tokens,
-every 2-D tile padded to (8, 128)):
-    q and output tiles, double-buffered:    2 * 2 * R * D * q_bytes
-    K and V page buffers, two slots each:   2 * 2 * K * D * kv_bytes
-    scores / probabilities (float32):       2 * R * K * 4
-    dequantized K and V (float32):          2 * K * D * 4
-    acc (float32) + m, l (lane-padded):     R * D * 4 + 2 * R * 128 * 4
-Example, Bq=32, G=8 (R=256), D=128, bf16 q and pages, page_size=16, C=8 (K=128):
-256 + 128 + 256 + 128 + 128 + 256 KiB ~ 1.1 MiB, far below the 16 MiB default scoped VMEM
-(v4/v5e; 32 MiB on v6e). The wrapper raises ValueError when the estimate exceeds
-`vmem_limit_bytes` (default 16 MiB), which is also handed to the compiler.
-
-Real-TPU assumptions (interpret mode checks none of them; not yet run on a TPU):
-* head_dim a multiple of 128 and page_size a multiple of 8 (16 for bf16, 32 for 8-bit pages), so
-  the [page_size, D] page tiles and [K, D] buffers are whole (8, 128) tiles and the page DMAs land
-  on tile boundaries. The tests also use head_dim 64: fine in interpret mode, untested on a TPU
-  (where it would half-fill the 128-lane tiles).
-* Bq*G a multiple of 8 is best (it is the sublane dim of the q/output tiles; any value is legal
-  because the tile spans the whole dim).
-* One page of ONE KV head is a strided HBM read (page_size rows of D contiguous entries, stride
-  Hkv*D). If Mosaic rejects slicing a single head out of the tiled HBM layout of the pool,
-  store the pool head-major ([Hkv, P, page_size, D], as jax's paged_attention does) or fetch a
-  tile-aligned group of heads per DMA; the kernel's structure stays the same.
-* Scalar prefetch puts the page table [S, pages_per_seq] in SMEM; very large tables may not fit.
-* Checked here: `jax.export(..., platforms=["tpu"])` runs the Pallas -> Mosaic lowering for a
-  v5e-like chip (the tests do it for bf16 and int8 pages at head_dim 128, page_size 16).
+VMEM: `vmem_working_set_bytes` adds up the buffers (every tile padded to (8, 128)); the limit is
+the chip's (`pallas_kernels.tpu_chip.vmem_limit_bytes`: half its VMEM) unless given, and the
+wrapper raises ValueError before a compile that would not fit. Each `pallas_call` declares a
+`pl.CostEstimate` (an upper bound: every query block reads its sequence's whole page-table row),
+since XLA's cost analysis cannot see inside a kernel.
 
 Padding contract as in the reference: rows past cu_q_lens[num_seqs] and sequences >= num_seqs
 come out as zeros. Only pages a query block needs are fetched, so the unused tail of a page-table
@@ -83,13 +79,31 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.compat import patch_interpret_mode
 from pallas_kernels.ragged_paged_attention.reference import QUANTIZED_KV_DTYPES, check_kv_scales
+from pallas_kernels.tpu_chip import vmem_limit_bytes as chip_vmem_limit_bytes
 
 DEFAULT_KV_TOKENS_PER_BLOCK = 128
-DEFAULT_VMEM_LIMIT_BYTES = 16 * 1024 * 1024  # scoped VMEM default on TPU v4 / v5e
 
 
 def _cdiv(a, b):
     return (a + b - 1) // b
+
+
+def heads_per_word(dtype) -> int:
+    """KV heads of one token packed in a 32-bit word: 1 (f32), 2 (bf16), 4 (int8 / fp8)."""
+    return 4 // jnp.dtype(dtype).itemsize
+
+
+def stored_kv_heads(num_kv_heads: int, dtype) -> int:
+    """KV heads a page pool of `dtype` holds on a TPU for `num_kv_heads` real ones: the fewest
+    >= num_kv_heads whose rows are whole 32-bit words, and 1, 2, 4, 8 or a multiple of 8 words
+    (so a fetched block is whole tiles; see the module docstring). Padded heads hold zeros."""
+    packing = heads_per_word(dtype)
+    heads = max(num_kv_heads, packing)
+    while True:
+        words = heads // packing
+        if heads % packing == 0 and (words in (1, 2, 4, 8) or words % 8 == 0):
+            return heads
+        heads += 1
 
 
 def _tile_bytes(rows: int, cols: int, itemsize: int) -> int:
@@ -98,15 +112,16 @@ def _tile_bytes(rows: int, cols: int, itemsize: int) -> int:
 
 
 def vmem_working_set_bytes(
-    *, rows: int, head_dim: int, kv_tokens: int, q_itemsize: int, kv_itemsize: int
+    *, rows: int, num_kv_heads: int, stored_heads: int, head_dim: int, kv_tokens: int, q_itemsize: int,
+    kv_itemsize: int,
 ) -> int:
-    """VMEM one program needs: rows = Bq*G query rows, kv_tokens = C*page_size (module docstring)."""
-    q_and_out = 2 * 2 * _tile_bytes(rows, head_dim, q_itemsize)
-    kv_slots = 2 * 2 * _tile_bytes(kv_tokens, head_dim, kv_itemsize)
+    """VMEM one program needs: rows = Bq*G query rows per KV head, kv_tokens = C*page_size."""
+    q_and_out = 2 * 2 * num_kv_heads * _tile_bytes(rows, head_dim, q_itemsize)
+    kv_slots = 2 * 2 * _tile_bytes(kv_tokens * stored_heads, head_dim, kv_itemsize)
     scores = 2 * _tile_bytes(rows, kv_tokens, 4)
-    dequantized_kv = 2 * _tile_bytes(kv_tokens, head_dim, 4)
-    softmax_state = _tile_bytes(rows, head_dim, 4) + 2 * _tile_bytes(rows, 128, 4)
-    return q_and_out + kv_slots + scores + dequantized_kv + softmax_state
+    one_head_kv = 2 * 2 * _tile_bytes(kv_tokens, head_dim, 4)  # loaded words and the dequantized K / V
+    softmax_state = num_kv_heads * (_tile_bytes(rows, head_dim, 4) + 2 * _tile_bytes(rows, 1, 4))
+    return q_and_out + kv_slots + scores + one_head_kv + softmax_state
 
 
 class QueryBlock(NamedTuple):
@@ -137,6 +152,30 @@ def query_block(b, refs, *, Bq, kv_block, sliding_window) -> QueryBlock:
     return QueryBlock(seq, num_rows, first_pos, last_pos, lo_pos, kv_lo, kv_hi)
 
 
+def read_heads(block_ref, num_heads: int, scale: float | None):
+    """The first `num_heads` heads of a fetched KV block [C, page_size, Hs, D] as (head, [C*page_size, D]).
+
+    Float pages come out in float32 (bf16 values exactly), quantized ones as float32 * scale.
+    The block is read as 32-bit words of `heads_per_word` heads each (module docstring)."""
+    C, page_size, Hs, D = block_ref.shape
+    tokens = C * page_size
+    dtype = block_ref.dtype
+    packing = heads_per_word(dtype)
+    if packing == 1:
+        for h in range(num_heads):
+            yield h, block_ref[:, :, h, :].reshape(tokens, D).astype(jnp.float32)
+        return
+    words = block_ref.bitcast(jnp.uint32)  # [C, page_size, Hs / packing, D]: word j holds heads packing*j ...
+    for j in range(_cdiv(num_heads, packing)):
+        w = words[:, :, j, :].reshape(tokens, D)
+        for i in range(min(packing, num_heads - j * packing)):
+            if packing == 2:  # bf16: the low half is the even head
+                x = pltpu.bitcast(w << 16 if i == 0 else w & jnp.uint32(0xFFFF0000), jnp.float32)
+            else:
+                x = pltpu.bitcast((w >> (8 * i)).astype(jnp.uint8), dtype).astype(jnp.float32)
+            yield j * packing + i, x if scale is None else x * scale
+
+
 def _kernel(
     # scalar prefetch (SMEM)
     kv_lens_ref,  # [S]
@@ -146,17 +185,20 @@ def _kernel(
     block_seq_ref,  # [NB] sequence of each query block
     block_q_start_ref,  # [NB] first query of each block, within its sequence
     # inputs
-    q_ref,  # [Bq*G, D] VMEM: query block b, the G heads of KV head h
-    k_hbm,  # [P, page_size, Hkv, D] HBM
-    v_hbm,  # [P, page_size, Hkv, D] HBM
+    q_ref,  # [Hkv, R, D] VMEM: query block b, for each KV head the G query heads it serves
+    k_hbm,  # [P, page_size, Hs, D] HBM
+    v_hbm,  # [P, page_size, Hs, D] HBM
     # output
-    o_ref,  # [Bq*G, D] VMEM
+    o_ref,  # [Hkv, R, D] VMEM
     # scratch
-    k_buf,  # [2, C*page_size, D] VMEM, two slots
-    v_buf,  # [2, C*page_size, D]
+    k_buf,  # [2, C, page_size, Hs, D] VMEM, two slots
+    v_buf,
     k_sems,  # DMA semaphores [2], one per slot
     v_sems,
     fetch_state,  # SMEM int32[2]: [slot of this program's first KV block, 1 if already fetching it]
+    m_ref,  # [Hkv, R, 1] float32: running max
+    l_ref,  # [Hkv, R, 1] float32: running sum
+    acc_ref,  # [Hkv, R, D] float32
     *,
     sm_scale,
     sliding_window,
@@ -165,13 +207,12 @@ def _kernel(
     v_scale,
     Bq,
     G,
-    pages_per_block,
 ):
-    b, h = pl.program_id(0), pl.program_id(1)
-    num_blocks, num_kv_heads = pl.num_programs(0), pl.num_programs(1)
-    rows, _ = q_ref.shape
-    kv_block, _ = k_buf.shape[1:]
-    page_size = kv_block // pages_per_block
+    b = pl.program_id(0)
+    num_blocks = pl.num_programs(0)
+    num_kv_heads, rows, _ = q_ref.shape
+    pages_per_block, page_size = k_buf.shape[1:3]
+    kv_block = pages_per_block * page_size
     pages_per_seq = page_indices_ref.shape[1]
     geometry = functools.partial(
         query_block,
@@ -181,36 +222,35 @@ def _kernel(
         sliding_window=sliding_window,
     )
 
-    def page_copies(blk: QueryBlock, head, j, slot):
-        """(needed, K copy, V copy) for each page of KV block j of query block `blk`."""
+    def page_copies(blk: QueryBlock, j, slot):
+        """(needed, K copy, V copy) for each page of KV block j of query block `blk`: whole pages."""
         copies = []
         for i in range(pages_per_block):
             page = j * pages_per_block + i  # page number within the sequence
             needed = (page * page_size <= blk.last_pos) & ((page + 1) * page_size > blk.lo_pos)
             page_id = page_indices_ref[blk.seq, jnp.minimum(page, pages_per_seq - 1)]
-            dst = pl.ds(i * page_size, page_size)
-            k_copy = pltpu.make_async_copy(k_hbm.at[page_id, :, head, :], k_buf.at[slot, dst, :], k_sems.at[slot])
-            v_copy = pltpu.make_async_copy(v_hbm.at[page_id, :, head, :], v_buf.at[slot, dst, :], v_sems.at[slot])
+            k_copy = pltpu.make_async_copy(k_hbm.at[page_id], k_buf.at[slot, i], k_sems.at[slot])
+            v_copy = pltpu.make_async_copy(v_hbm.at[page_id], v_buf.at[slot, i], v_sems.at[slot])
             copies.append((needed, k_copy, v_copy))
         return copies
 
-    def start_fetch(blk, head, j, slot):
-        for needed, k_copy, v_copy in page_copies(blk, head, j, slot):
+    def start_fetch(blk, j, slot):
+        for needed, k_copy, v_copy in page_copies(blk, j, slot):
 
             @pl.when(needed)
             def _():
                 k_copy.start()
                 v_copy.start()
 
-    def wait_fetch(blk, head, j, slot):
-        for needed, k_copy, v_copy in page_copies(blk, head, j, slot):
+    def wait_fetch(blk, j, slot):
+        for needed, k_copy, v_copy in page_copies(blk, j, slot):
 
             @pl.when(needed)
             def _():
                 k_copy.wait()
                 v_copy.wait()
 
-    @pl.when((b == 0) & (h == 0))
+    @pl.when(b == 0)
     def _():
         fetch_state[0] = 0
         fetch_state[1] = 0
@@ -221,75 +261,66 @@ def _kernel(
 
     @pl.when(has_kv & (fetch_state[1] == 0))
     def _():
-        start_fetch(blk, h, blk.kv_lo, first_slot)
+        start_fetch(blk, blk.kv_lo, first_slot)
 
-    # the program after this one in grid order, whose first KV block our last iteration prefetches
-    next_b = jnp.where(h + 1 < num_kv_heads, b, b + 1)
-    next_h = jnp.where(h + 1 < num_kv_heads, h + 1, 0)
-    next_blk = geometry(jnp.minimum(next_b, num_blocks - 1))
-    next_has_kv = (next_b < num_blocks) & (next_blk.kv_hi > next_blk.kv_lo)
+    # the next program, whose first KV block our last iteration prefetches
+    next_blk = geometry(jnp.minimum(b + 1, num_blocks - 1))
+    next_has_kv = (b + 1 < num_blocks) & (next_blk.kv_hi > next_blk.kv_lo)
 
-    q = q_ref[...]  # [R, D]
     row_query = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // G  # query of each row, in the block
     q_pos = blk.first_pos + row_query  # [R, 1]
     row_real = row_query < blk.num_rows
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    dtype = q_ref.dtype
+    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None  # f32: no single bf16 pass
 
-    def kv_step(j, carry):
-        slot, m, l, acc = carry  # m, l: [R, 1]; acc: [R, D]
-
+    def kv_step(j, slot):
         @pl.when(j + 1 < blk.kv_hi)
         def _():
-            start_fetch(blk, h, j + 1, 1 - slot)
+            start_fetch(blk, j + 1, 1 - slot)
 
         @pl.when((j + 1 == blk.kv_hi) & next_has_kv)
         def _():
-            start_fetch(next_blk, next_h, next_blk.kv_lo, 1 - slot)
+            start_fetch(next_blk, next_blk.kv_lo, 1 - slot)
 
-        wait_fetch(blk, h, j, slot)
-        k = k_buf[slot]  # [K, D]
-        v = v_buf[slot]
-        if k_scale is not None:
-            k = k.astype(jnp.float32) * k_scale
-        if v_scale is not None:
-            v = v.astype(jnp.float32) * v_scale
-        k, v = k.astype(q.dtype), v.astype(q.dtype)
+        wait_fetch(blk, j, slot)
         kv_pos_col = j * kv_block + jax.lax.broadcasted_iota(jnp.int32, (kv_block, 1), 0)  # [K, 1]
-        # rows of pages that were not fetched (or past the cache) may hold anything, NaN included:
-        # zero them so that 0 * garbage cannot leak into the sum
-        v = jnp.where((kv_pos_col >= blk.lo_pos) & (kv_pos_col <= blk.last_pos), v, jnp.zeros_like(v))
-
-        precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # f32: no single bf16 pass
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)  # [R, K]
-        s = s * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+        # rows of pages that were not fetched may hold anything, NaN included: zero them so that
+        # 0 * garbage cannot leak into the sum
+        fetched = (kv_pos_col >= blk.lo_pos) & (kv_pos_col <= blk.last_pos)
         kv_pos = j * kv_block + jax.lax.broadcasted_iota(jnp.int32, (1, kv_block), 1)  # [1, K]
-        visible = (kv_pos <= q_pos) & row_real
+        visible = (kv_pos <= q_pos) & row_real  # [R, K]
         if sliding_window is not None:
             visible &= kv_pos > q_pos - sliding_window
-        s = jnp.where(visible, s, -jnp.inf)
 
-        m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen nothing yet
-        p = jnp.exp(s - m_safe)
-        alpha = jnp.exp(m - m_safe)
-        l = alpha * l + p.sum(axis=1, keepdims=True)
-        pv = jax.lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-        )
-        acc = alpha * acc + pv
-        return 1 - slot, m_new, l, acc
+        values = dict(read_heads(v_buf.at[slot], num_kv_heads, v_scale))
+        for h, k in read_heads(k_buf.at[slot], num_kv_heads, k_scale):
+            v = jnp.where(fetched, values[h], 0.0).astype(dtype)
+            s = jax.lax.dot_general(q_ref[h], k.astype(dtype), (((1,), (1,)), ((), ())), precision=precision,
+                                    preferred_element_type=jnp.float32)  # [R, K]
+            s = s * sm_scale
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            s = jnp.where(visible, s, -jnp.inf)
+            m = m_ref[h]
+            m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen nothing yet
+            p = jnp.exp(s - m_safe)
+            alpha = jnp.exp(m - m_safe)
+            l_ref[h] = alpha * l_ref[h] + p.sum(axis=1, keepdims=True)
+            pv = jax.lax.dot_general(p.astype(dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                                     preferred_element_type=jnp.float32)
+            acc_ref[h] = alpha * acc_ref[h] + pv
+            m_ref[h] = m_new
+        return 1 - slot
 
-    init = (
-        first_slot,
-        jnp.full((rows, 1), -jnp.inf, jnp.float32),
-        jnp.zeros((rows, 1), jnp.float32),
-        jnp.zeros((rows, q.shape[1]), jnp.float32),
-    )
-    slot_after, _, l, acc = jax.lax.fori_loop(blk.kv_lo, blk.kv_hi, kv_step, init)
+    slot_after = jax.lax.fori_loop(blk.kv_lo, blk.kv_hi, kv_step, first_slot)
     fetch_state[0] = slot_after
     fetch_state[1] = (has_kv & next_has_kv).astype(jnp.int32)
-    o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
+    l = l_ref[...]
+    o_ref[...] = (acc_ref[...] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
 
 
 @functools.partial(
@@ -300,6 +331,7 @@ def _kernel(
         "soft_cap",
         "k_scale",
         "v_scale",
+        "num_kv_heads",
         "num_queries_per_block",
         "num_kv_pages_per_block",
         "vmem_limit_bytes",
@@ -308,8 +340,8 @@ def _kernel(
 )
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [P, page_size, Hkv, D]
-    v_pages: jax.Array,  # [P, page_size, Hkv, D]
+    k_pages: jax.Array,  # [P, page_size, Hs, D]: Hs = stored_kv_heads(Hkv) on a real TPU
+    v_pages: jax.Array,  # [P, page_size, Hs, D]
     kv_lens: jax.Array,  # [S]
     page_indices: jax.Array,  # [S, pages_per_seq]
     cu_q_lens: jax.Array,  # [S + 1]
@@ -320,34 +352,42 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     k_scale: float | None = None,  # int8 / fp8 pages: entry * scale is the value (see reference.py)
     v_scale: float | None = None,
+    num_kv_heads: int | None = None,  # real KV heads (the first ones of the pool); default: all Hs
     num_queries_per_block: int = 8,
     num_kv_pages_per_block: int | None = None,
-    vmem_limit_bytes: int | None = None,
+    vmem_limit_bytes: int | None = None,  # default: the target chip's (pallas_kernels.tpu_chip)
     interpret=False,  # passed to pallas_call: True (HLO interpreter) or pltpu.InterpretParams(...)
 ) -> jax.Array:
     check_kv_scales(k_pages, v_pages, k_scale, v_scale)
     T, Hq, D = q.shape
-    page_size, Hkv = k_pages.shape[1], k_pages.shape[2]
+    page_size, Hs = k_pages.shape[1], k_pages.shape[2]
+    Hkv = Hs if num_kv_heads is None else num_kv_heads
     S, pages_per_seq = page_indices.shape
+    if not 0 < Hkv <= Hs:
+        raise ValueError(f"num_kv_heads={Hkv}: the pools hold {Hs} KV heads")
     if Hq % Hkv:
         raise ValueError(f"{Hq} query heads do not split evenly over {Hkv} KV heads")
     if k_pages.dtype not in QUANTIZED_KV_DTYPES and k_pages.dtype != q.dtype:
         raise ValueError(f"float pages must have q's dtype: k_pages {k_pages.dtype}, q {q.dtype}")
+    if Hs != stored_kv_heads(Hs, k_pages.dtype):
+        raise ValueError(
+            f"{k_pages.dtype} pools of {Hs} KV heads do not tile on a TPU: store {stored_kv_heads(Hs, k_pages.dtype)}"
+            f" (pallas_kernels.ragged_paged_attention.tpu.stored_kv_heads; the extra heads stay zero)"
+        )
     G = Hq // Hkv
     Bq = num_queries_per_block
     C = num_kv_pages_per_block or max(1, DEFAULT_KV_TOKENS_PER_BLOCK // page_size)
     C = min(C, pages_per_seq)
     kv_block = C * page_size
-    R = Bq * G  # rows of one query block: query r // G, head r % G of the KV head's group
+    R = Bq * G  # rows of one query block per KV head: query r // G, head r % G of the head's group
 
-    limit = vmem_limit_bytes or DEFAULT_VMEM_LIMIT_BYTES
-    need = vmem_working_set_bytes(
-        rows=R, head_dim=D, kv_tokens=kv_block, q_itemsize=q.dtype.itemsize, kv_itemsize=k_pages.dtype.itemsize
-    )
+    limit = vmem_limit_bytes or chip_vmem_limit_bytes()
+    need = vmem_working_set_bytes(rows=R, num_kv_heads=Hkv, stored_heads=Hs, head_dim=D, kv_tokens=kv_block,
+                                  q_itemsize=q.dtype.itemsize, kv_itemsize=k_pages.dtype.itemsize)
     if need > limit:
         raise ValueError(
-            f"blocks need ~{need} bytes of VMEM (Bq={Bq}, G={G}, {C} pages of {page_size}, D={D}) but the"
-            f" limit is {limit}: lower num_queries_per_block / num_kv_pages_per_block or raise vmem_limit_bytes"
+            f"blocks need ~{need} bytes of VMEM (Bq={Bq}, G={G}, {Hkv} KV heads, {C} pages of {page_size}, D={D}) but"
+            f" the limit is {limit}: lower num_queries_per_block / num_kv_pages_per_block or raise vmem_limit_bytes"
         )
 
     # ---- query blocks (as in the reference): block b = Bq rows of sequence block_seq[b]
@@ -367,17 +407,17 @@ def ragged_paged_attention(
     q_blocks = q[jnp.minimum(rows, T - 1)].reshape(NB, Bq, Hkv, G, D)
     q_blocks = q_blocks.transpose(0, 2, 1, 3, 4).reshape(NB, Hkv, R, D)
 
-    tile = pl.BlockSpec((None, None, R, D), lambda b, h, *_: (b, h, 0, 0))
+    tile = pl.BlockSpec((None, Hkv, R, D), lambda b, *_: (b, 0, 0, 0))
     kernel = functools.partial(
-        _kernel,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        Bq=Bq,
-        G=G,
-        pages_per_block=C,
+        _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
+        v_scale=v_scale, Bq=Bq, G=G,
+    )
+    # upper bound: every query block reads its sequence's whole row of the page table
+    kv_tokens_read = NB * pages_per_seq * page_size
+    cost = pl.CostEstimate(
+        flops=4 * NB * Bq * Hq * pages_per_seq * page_size * D,
+        transcendentals=NB * Bq * Hq * pages_per_seq * page_size,
+        bytes_accessed=2 * T * Hq * D * q.dtype.itemsize + 2 * kv_tokens_read * Hs * D * k_pages.dtype.itemsize,
     )
     if interpret:
         patch_interpret_mode()
@@ -386,21 +426,23 @@ def ragged_paged_attention(
         out_shape=jax.ShapeDtypeStruct((NB, Hkv, R, D), q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
-            grid=(NB, Hkv),
+            grid=(NB,),
             in_specs=[tile, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=tile,
             scratch_shapes=[
-                pltpu.VMEM((2, kv_block, D), k_pages.dtype),
-                pltpu.VMEM((2, kv_block, D), v_pages.dtype),
+                pltpu.VMEM((2, C, page_size, Hs, D), k_pages.dtype),
+                pltpu.VMEM((2, C, page_size, Hs, D), v_pages.dtype),
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.SMEM((2,), jnp.int32),
+                pltpu.VMEM((Hkv, R, 1), jnp.float32),
+                pltpu.VMEM((Hkv, R, 1), jnp.float32),
+                pltpu.VMEM((Hkv, R, D), jnp.float32),
             ],
         ),
-        # both axes "arbitrary": a program prefetches the next one's first KV block, so they run in order
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary", "arbitrary"), vmem_limit_bytes=vmem_limit_bytes
-        ),
+        # "arbitrary": a program prefetches the next one's first KV block, so they run in order
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=limit),
+        cost_estimate=cost,
         interpret=interpret,
         name="ragged_paged_attention",
     )(

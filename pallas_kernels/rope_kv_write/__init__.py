@@ -6,7 +6,7 @@ reshape_and_cache do as two kernels).
 
 - `rope_kv_write_reference`: plain jnp (rotate, then an XLA scatter), the truth the kernels match.
 - `rope_kv_write_tpu`: Pallas Mosaic TPU kernel; rows DMA'd from VMEM into their pages in HBM
-  (tuning: block_tokens, interpret); `tpu_supports` says which head shapes its lane roll tiles.
+  (tuning: block_tokens, interpret).
 - `rope_kv_write_gpu`: Pallas Triton GPU kernel; one program per few tokens (tuning:
   block_tokens, num_warps, interpret); needs head_dim / 2 to be a power of two (`gpu_supports`).
 - `rope_kv_write`: picks one of them for the default backend (CPU -> reference).
@@ -21,7 +21,6 @@ from pallas_kernels.rope_kv_write.gpu import supports as gpu_supports
 from pallas_kernels.rope_kv_write.reference import apply_rope
 from pallas_kernels.rope_kv_write.reference import rope_kv_write as rope_kv_write_reference
 from pallas_kernels.rope_kv_write.tpu import rope_kv_write as rope_kv_write_tpu
-from pallas_kernels.rope_kv_write.tpu import supports as tpu_supports
 
 
 def rope_kv_write(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset, *, backend: str | None = None, **tuning):
@@ -45,5 +44,4 @@ __all__ = [
     "rope_kv_write_gpu",
     "rope_kv_write_reference",
     "rope_kv_write_tpu",
-    "tpu_supports",
 ]

@@ -32,11 +32,9 @@ bt = 128, Hq = 32, Hkv = 8, D = 128 in bf16: 4.5 MiB + 0.5 MiB. `block_tokens` i
 8 (a sublane tile of cos / sin), checked unless interpreting.
 
 Verified on the CPU with `interpret=True` and in the TPU simulator (`pltpu.InterpretParams`,
-race detection on) only, and lowered to Mosaic for "tpu" (no TPU here). The lowering check does
-not run Mosaic's layout passes, and those rotate a vector only when its last two dims are whole
-(8, 128) tiles: the roll here is over [bt, heads, D] in float32, so `supports` asks for head
-counts that are multiples of 8 and head_dim a multiple of 128 (Llama-3-8B: 32 / 8 heads of 128).
-The model leaves other shapes to the XLA path rather than risk a compile error on the chip.
+race detection on), and compiled by the real TPU compiler (libtpu, no TPU needed:
+`jaxinfer.aot.kernel_check`) for v5e, v6e and v5p at every supported family's shapes, SmolLM2's
+9 / 4 heads of 64 included: Mosaic takes the roll over [bt, heads, D] whatever the head count.
 """
 
 from __future__ import annotations
@@ -52,11 +50,6 @@ from pallas_kernels.compat import patch_interpret_mode
 from pallas_kernels.rope_kv_write.reference import check_inputs
 
 SUBLANES = 8
-
-
-def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Shapes whose [bt, heads, D] float32 roll is whole (8, 128) tiles (see the module docstring)."""
-    return num_heads % 8 == 0 and num_kv_heads % 8 == 0 and head_dim % 128 == 0
 
 
 def _rotate(x, cos, sin_signed):
@@ -151,6 +144,10 @@ def rope_kv_write(
         # operand indices count the two scalar-prefetch arrays: k_pages is operand 7, v_pages 8
         input_output_aliases={7: 2, 8: 3},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        cost_estimate=pl.CostEstimate(  # read q, k, v, cos, sin; write q_rot, k_rot and the pool rows
+            flops=6 * Tp * (Hq + Hkv) * D, transcendentals=0,
+            bytes_accessed=q.dtype.itemsize * Tp * (2 * Hq + 4 * Hkv) * D + 2 * 4 * Tp * D + 2 * Tp * Hkv * D * k_pages.dtype.itemsize,
+        ),
         interpret=interpret,
         name="rope_kv_write",
     )(pad(write_page.astype(jnp.int32)), pad(write_offset.astype(jnp.int32)),

@@ -1,0 +1,173 @@
+"""Every Pallas kernel compiled by the real TPU (Mosaic) or GPU (Triton) compiler, at the shapes of
+every supported model family, with no chip present.
+
+Interpret mode proves a kernel's arithmetic; this proves the chip's compiler takes it (tiling,
+DMA alignment, VMEM). `python -m jaxinfer.aot.kernel_check --target v6e:2x2` prints one line per
+compile; tests/test_aot.py runs a subset in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxinfer.aot.targets import Target, compile_target
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyShape:
+    """What the kernels see of a model: heads, head_dim, hidden and MLP sizes (bf16 weights)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+
+
+FAMILY_SHAPES = {
+    "llama-3.1-8b": FamilyShape(32, 8, 128, 4096, 14336),
+    "llama-3.2-1b": FamilyShape(32, 8, 64, 2048, 8192),
+    "mistral-7b": FamilyShape(32, 8, 128, 4096, 14336),
+    "qwen2.5-7b": FamilyShape(28, 4, 128, 3584, 18944),
+    "qwen3-8b": FamilyShape(32, 8, 128, 4096, 12288),
+    "mixtral-8x7b": FamilyShape(32, 8, 128, 4096, 14336),
+    "smollm2-135m": FamilyShape(9, 3, 64, 576, 1536),
+}
+
+PAGE_SIZE = 16
+NUM_PAGES = 2048
+PAGES_PER_SEQ = 256  # 4096 tokens of context
+# (bucket, tokens, sequences, query block): the engine's bucket kinds (jaxinfer.batch.Buckets)
+ATTENTION_BUCKETS = (("decode", 64, 64, 1), ("prefill", 512, 4, 64), ("mixed", 256, 64, 64))
+MATMUL_TOKENS = 256
+
+
+@dataclasses.dataclass
+class KernelCompile:
+    kernel: str
+    family: str
+    case: str
+    seconds: float
+    error: str | None = None  # the compiler's first line when it refused
+
+
+def kernel_cases(target: Target, shape: FamilyShape):
+    """(kernel, case, function, abstract args) for every kernel of the target's platform."""
+    spec = jax.ShapeDtypeStruct
+    bf16, i32 = jnp.bfloat16, jnp.int32
+    Hq, Hkv, D, H, F = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.hidden, shape.intermediate
+    tpu = target.platform == "tpu"
+    if tpu:
+        from pallas_kernels.flash_attention import flash_attention_tpu as flash
+        from pallas_kernels.fused_rms_norm import add_rms_norm_tpu as add_rms_norm
+        from pallas_kernels.quantized_matmul.tpu import quantized_matmul
+        from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention, stored_kv_heads
+        from pallas_kernels.rope_kv_write import rope_kv_write_tpu as rope_kv_write
+        from pallas_kernels.swiglu_matmul import swiglu_matmul_tpu as swiglu
+    else:
+        from pallas_kernels.flash_attention import flash_attention_gpu as flash
+        from pallas_kernels.fused_rms_norm import add_rms_norm_gpu as add_rms_norm
+        from pallas_kernels.quantized_matmul.gpu import quantized_matmul
+        from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention
+        from pallas_kernels.rope_kv_write import rope_kv_write_gpu as rope_kv_write
+        from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu as swiglu
+
+        def stored_kv_heads(n, dtype):
+            return n
+
+    sm_scale = D**-0.5
+    kv_dtypes = (("bf16", bf16, {}), ("int8", jnp.int8, dict(k_scale=0.05, v_scale=0.05)),
+                 ("fp8", jnp.float8_e4m3fn, dict(k_scale=0.05, v_scale=0.05)))
+    for name, kv_dtype, scales in kv_dtypes:
+        Hs = stored_kv_heads(Hkv, kv_dtype)
+        pages = spec((NUM_PAGES, PAGE_SIZE, Hs, D), kv_dtype)
+        for bucket, T, S, Bq in ATTENTION_BUCKETS:
+            heads = dict(num_kv_heads=Hkv) if tpu else {}
+            fn = functools.partial(ragged_paged_attention, sm_scale=sm_scale, num_queries_per_block=Bq, **heads, **scales)
+            args = (spec((T, Hq, D), bf16), pages, pages, spec((S,), i32), spec((S, PAGES_PER_SEQ), i32),
+                    spec((S + 1,), i32), spec((1,), i32))
+            yield "ragged_paged_attention", f"{bucket} T={T} S={S} kv={name} Hs={Hs}", fn, args
+
+    T = 512
+    yield ("flash_attention", f"prefill T={T}", functools.partial(flash, sm_scale=sm_scale, causal=True),
+           (spec((T, Hq, D), bf16), spec((T, Hkv, D), bf16), spec((T, Hkv, D), bf16), spec((5,), i32), spec((1,), i32)))
+
+    T = MATMUL_TOKENS
+    Hs = stored_kv_heads(Hkv, bf16)
+    pool = spec((NUM_PAGES, PAGE_SIZE, Hs, D), bf16)
+    yield ("rope_kv_write", f"T={T} Hs={Hs}", rope_kv_write,
+           (spec((T, Hq, D), bf16), spec((T, Hs, D), bf16), spec((T, Hs, D), bf16), spec((T, D), jnp.float32),
+            spec((T, D), jnp.float32), pool, pool, spec((T,), i32), spec((T,), i32)))
+    yield ("add_rms_norm", f"T={T} H={H}", functools.partial(add_rms_norm, eps=1e-5),
+           (spec((T, H), bf16), spec((T, H), bf16), spec((H,), bf16)))
+    yield "swiglu_matmul", f"T={T} {H}->{F}", swiglu, (spec((T, H), bf16), spec((H, 2 * F), bf16))
+    N = Hq * D  # the attention output projection
+    yield ("quantized_matmul", f"int8 T={T} {N}->{H}", functools.partial(quantized_matmul, mode="int8"),
+           (spec((T, N), bf16), spec((N, H), jnp.int8), spec((H,), jnp.float32)))
+    yield ("quantized_matmul", f"fp8 T={T} {N}->{H}", functools.partial(quantized_matmul, mode="fp8"),
+           (spec((T, N), bf16), spec((N, H), jnp.float8_e4m3fn), spec((H,), jnp.float32)))
+    group = 128 if N % 128 == 0 else 64
+    yield ("quantized_matmul", f"int4 g{group} T={T} {N}->{H}", functools.partial(quantized_matmul, mode="int4", group_size=group),
+           (spec((T, N), bf16), spec((N // 2, H), jnp.uint8), spec((N // group, H), bf16)))
+
+
+def compile_for(target: Target, fn, args):
+    """jit(fn) compiled for the target's first chip; returns the Compiled."""
+    mesh = target.mesh(("x",), (1,))
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec())) for a in args]
+    with jax.set_mesh(mesh):
+        return jax.jit(fn).lower(*placed).compile()
+
+
+def check_kernels(target: Target, families=None, kernels=None, on_result=None) -> list[KernelCompile]:
+    """Compiles every kernel case for every family (names from FAMILY_SHAPES); never raises for a
+    refused compile: it is reported in KernelCompile.error."""
+    results = []
+    for family in families or FAMILY_SHAPES:
+        for kernel, case, fn, args in kernel_cases(target, FAMILY_SHAPES[family]):
+            if kernels and kernel not in kernels:
+                continue
+            start = time.perf_counter()
+            error = None
+            try:
+                compiled = compile_for(target, fn, args)
+                if target.platform == "tpu" and "tpu_custom_call" not in compiled.as_text():
+                    error = "no Mosaic kernel in the compiled program"
+            except Exception as e:  # noqa: BLE001  (the compiler's refusal is the result)
+                error = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)[:300]
+            result = KernelCompile(kernel, family, case, time.perf_counter() - start, error)
+            results.append(result)
+            if on_result:
+                on_result(result)
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", action="append", help="v5e:2x2, v6e:2x2, v5p:2x2x1, h100 ... (repeatable; default: the three TPUs)")
+    parser.add_argument("--family", action="append", choices=sorted(FAMILY_SHAPES))
+    parser.add_argument("--kernel", action="append")
+    args = parser.parse_args(argv)
+    failures = 0
+    for name in args.target or ["v5e:2x2", "v6e:2x2", "v5p:2x2x1"]:
+        target = compile_target(name)
+        print(f"## {name} ({target.chip.kind})", flush=True)
+
+        def show(r: KernelCompile):
+            status = "ok" if r.error is None else f"REFUSED: {r.error}"
+            print(f"{r.family:14s} {r.kernel:24s} {r.case:44s} {r.seconds:5.2f}s  {status}", flush=True)
+
+        failures += sum(r.error is not None for r in check_kernels(target, args.family, args.kernel, show))
+    print(f"{failures} refused")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,31 @@
+"""What a Pallas TPU kernel asks of the chip it is compiled for: VMEM to plan blocks with.
+
+Under a TPU mesh (a real TPU, or a described topology when compiling ahead of time, see
+`jaxinfer.aot`), `pltpu.get_tpu_info()` describes the target chip. Anywhere else (interpret mode
+on the CPU) there is no chip to ask, and kernels plan for the smallest scoped VMEM of the
+supported generations.
+"""
+
+from __future__ import annotations
+
+from jax.experimental.pallas import tpu as pltpu
+
+FALLBACK_VMEM_LIMIT_BYTES = 16 * 1024 * 1024  # v5e's default scoped VMEM
+MAX_VMEM_LIMIT_BYTES = 64 * 1024 * 1024
+
+
+def target_tpu_info():
+    """The target chip's pltpu.TpuInfo, or None when JAX is not compiling for a TPU."""
+    try:
+        return pltpu.get_tpu_info()
+    except Exception:  # no TPU in sight: "Unsupported TPU device kind: cpu"
+        return None
+
+
+def vmem_limit_bytes() -> int:
+    """Scoped VMEM a kernel may plan for: half the chip's VMEM (64 MiB on v5e / v6e, 32 MiB on
+    v5p), capped at 64 MiB; 16 MiB when there is no chip to ask."""
+    info = target_tpu_info()
+    if info is None:
+        return FALLBACK_VMEM_LIMIT_BYTES
+    return min(info.vmem_capacity_bytes // 2, MAX_VMEM_LIMIT_BYTES)
