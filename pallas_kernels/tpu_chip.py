@@ -29,3 +29,8 @@ def vmem_limit_bytes() -> int:
     if info is None:
         return FALLBACK_VMEM_LIMIT_BYTES
     return min(info.vmem_capacity_bytes // 2, MAX_VMEM_LIMIT_BYTES)
+
+
+def compiler_params(*dimension_semantics: str) -> pltpu.CompilerParams:
+    """Mosaic compiler parameters with the target chip's VMEM limit (`vmem_limit_bytes`)."""
+    return pltpu.CompilerParams(dimension_semantics=dimension_semantics, vmem_limit_bytes=vmem_limit_bytes())

@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.compat import patch_interpret_mode
+from pallas_kernels import cost
 from pallas_kernels.flash_attention import common
 from pallas_kernels.flash_attention.reference import check_options
 
@@ -145,6 +146,7 @@ def flash_attention(
             num_warps=num_warps if num_warps is not None else (4 if D <= 64 else 8), num_stages=num_stages
         ),
         interpret=interpret,
+        cost_estimate=cost.flash_attention(T, Hq, Hkv, D, itemsize=q.dtype.itemsize, causal=causal),
         name="flash_attention_segments",
     )(x.kv_lo, x.kv_hi, x.q, x.k, x.v, x.q_segment, x.kv_segment)
     return common.restore_layout(out, T)

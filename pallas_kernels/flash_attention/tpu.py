@@ -38,6 +38,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.compat import patch_interpret_mode
+from pallas_kernels import cost
+from pallas_kernels.tpu_chip import compiler_params
 from pallas_kernels.flash_attention import common
 from pallas_kernels.flash_attention.reference import check_options
 
@@ -174,8 +176,9 @@ def flash_attention(
                 pltpu.VMEM((G, block_q, D), jnp.float32),  # acc
             ],
         ),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=compiler_params("parallel", "parallel", "arbitrary"),
         interpret=interpret,
+        cost_estimate=cost.flash_attention(T, Hq, Hkv, D, itemsize=q.dtype.itemsize, causal=causal),
         name="flash_attention_segments",
     )(x.kv_lo, x.kv_hi, x.q, x.k, x.v, x.q_segment[:, None], x.kv_segment[None, :])
     return common.restore_layout(out, T)

@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.compat import patch_interpret_mode
+from pallas_kernels import cost
 from pallas_kernels.fused_rms_norm.reference import check_inputs
 
 TILE_VALUES = 4096  # target values per program tile, block_rows * H_pad
@@ -122,6 +123,7 @@ def add_rms_norm(
             out_shape=out_struct,
             in_specs=[rows, whole_weight],
             out_specs=rows,
+            cost_estimate=cost.rms_norm(T, H, itemsize=x.dtype.itemsize, with_residual=False),
             name="rms_norm",
         )(x, weight)
         return normed, x
@@ -130,6 +132,7 @@ def add_rms_norm(
         out_shape=(out_struct, out_struct),
         in_specs=[rows, rows, whole_weight],
         out_specs=(rows, rows),
+        cost_estimate=cost.rms_norm(T, H, itemsize=x.dtype.itemsize, with_residual=True),
         name="add_rms_norm",
     )(x, residual, weight)
     return normed, new_residual

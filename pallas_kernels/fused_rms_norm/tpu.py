@@ -33,9 +33,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.compat import patch_interpret_mode
+from pallas_kernels import cost
+from pallas_kernels.tpu_chip import compiler_params
 from pallas_kernels.fused_rms_norm.reference import check_inputs
 
 VMEM_BUDGET_BYTES = 12 * 2**20
@@ -101,7 +102,7 @@ def add_rms_norm(
     call = functools.partial(
         pl.pallas_call,
         grid=(pl.cdiv(T, block_rows),),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        compiler_params=compiler_params("parallel"),
         interpret=interpret,
     )
     weight_row = weight.reshape(1, H)  # [1, H]: TPU blocks are at least 2-D
@@ -111,6 +112,7 @@ def add_rms_norm(
             out_shape=out_struct,
             in_specs=[rows, whole_weight],
             out_specs=rows,
+            cost_estimate=cost.rms_norm(T, H, itemsize=x.dtype.itemsize, with_residual=False),
             name="rms_norm",
         )(x, weight_row)
         return normed, x
@@ -119,6 +121,7 @@ def add_rms_norm(
         out_shape=(out_struct, out_struct),
         in_specs=[rows, rows, whole_weight],
         out_specs=(rows, rows),
+        cost_estimate=cost.rms_norm(T, H, itemsize=x.dtype.itemsize, with_residual=True),
         name="add_rms_norm",
     )(x, residual, weight_row)
     return normed, new_residual

@@ -49,6 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.compat import patch_interpret_mode
+from pallas_kernels import cost
 from pallas_kernels.quantized_matmul.reference import check_matmul_inputs
 
 SMALL_M = 16  # the smallest tile a tensor-core dot takes; decode batches are padded (masked) up to it
@@ -175,5 +176,7 @@ def quantized_matmul(
         grid=(pl.cdiv(M, bm), pl.cdiv(N, bn)),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
+        cost_estimate=cost.matmul(M, K, N, x_itemsize=x.dtype.itemsize, out_itemsize=x.dtype.itemsize,
+                                  weight_bytes=qweight.size * qweight.dtype.itemsize + scales.size * scales.dtype.itemsize),
         name="quantized_matmul",
     )(*operands)

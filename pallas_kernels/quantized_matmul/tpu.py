@@ -55,6 +55,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.compat import patch_interpret_mode
+from pallas_kernels import cost
+from pallas_kernels.tpu_chip import compiler_params
 from pallas_kernels.quantized_matmul.reference import check_matmul_inputs
 
 LANES = 128  # TPU vreg lane width: the minor dim of a block is a multiple of this, or the whole dim
@@ -186,8 +188,10 @@ def quantized_matmul(
             out_specs=out_block,
             scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
         ),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=compiler_params("parallel", "parallel", "arbitrary"),
         interpret=interpret,
+        cost_estimate=cost.matmul(M, K, N, x_itemsize=x.dtype.itemsize, out_itemsize=x.dtype.itemsize,
+                                  weight_bytes=qweight.size * qweight.dtype.itemsize + scales.size * scales.dtype.itemsize),
         name="quantized_matmul",
     )(*operands)
     return out[:M]

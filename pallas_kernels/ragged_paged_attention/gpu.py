@@ -53,6 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.compat import patch_interpret_mode
+from pallas_kernels import cost
 from pallas_kernels.ragged_paged_attention.reference import check_kv_scales
 
 DEFAULT_KV_TOKENS_PER_BLOCK = 64  # KV tokens per tile when num_kv_pages_per_block is not given
@@ -280,6 +281,10 @@ def ragged_paged_attention(
         ],
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
+        cost_estimate=cost.ragged_paged_attention(
+            query_rows=NB * Bq, query_blocks=NB, Hq=Hq, Hkv_stored=Hkv, D=D, kv_tokens_per_block=pages_per_seq * page_size,
+            q_itemsize=q.dtype.itemsize, kv_itemsize=k_pages.dtype.itemsize,
+        ),
         name="ragged_paged_attention_split_kv",
     )(
         blocks.seq, blocks.kv_len, blocks.first_pos, blocks.num_queries, blocks.first_tile, blocks.num_tiles,

@@ -78,6 +78,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.compat import patch_interpret_mode
+from pallas_kernels import cost
 from pallas_kernels.ragged_paged_attention.reference import QUANTIZED_KV_DTYPES, check_kv_scales
 from pallas_kernels.tpu_chip import vmem_limit_bytes as chip_vmem_limit_bytes
 
@@ -412,12 +413,9 @@ def ragged_paged_attention(
         _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
         v_scale=v_scale, Bq=Bq, G=G,
     )
-    # upper bound: every query block reads its sequence's whole row of the page table
-    kv_tokens_read = NB * pages_per_seq * page_size
-    cost = pl.CostEstimate(
-        flops=4 * NB * Bq * Hq * pages_per_seq * page_size * D,
-        transcendentals=NB * Bq * Hq * pages_per_seq * page_size,
-        bytes_accessed=2 * T * Hq * D * q.dtype.itemsize + 2 * kv_tokens_read * Hs * D * k_pages.dtype.itemsize,
+    cost_estimate = cost.ragged_paged_attention(
+        query_rows=NB * Bq, query_blocks=NB, Hq=Hq, Hkv_stored=Hs, D=D, kv_tokens_per_block=pages_per_seq * page_size,
+        q_itemsize=q.dtype.itemsize, kv_itemsize=k_pages.dtype.itemsize,
     )
     if interpret:
         patch_interpret_mode()
@@ -442,7 +440,7 @@ def ragged_paged_attention(
         ),
         # "arbitrary": a program prefetches the next one's first KV block, so they run in order
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=limit),
-        cost_estimate=cost,
+        cost_estimate=cost_estimate,
         interpret=interpret,
         name="ragged_paged_attention",
     )(

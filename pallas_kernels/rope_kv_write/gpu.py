@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.compat import patch_interpret_mode
+from pallas_kernels import cost
 from pallas_kernels.rope_kv_write.reference import check_inputs
 
 
@@ -138,6 +139,7 @@ def rope_kv_write(
         input_output_aliases={5: 2, 6: 3},  # k_pages, v_pages
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
+        cost_estimate=cost.rope_kv_write(T, Hq, Hkv, D, itemsize=q.dtype.itemsize, pool_itemsize=k_pages.dtype.itemsize),
         name="rope_kv_write",
     )(q, k, v, cos, sin, k_pages, v_pages, write_page.astype(jnp.int32), write_offset.astype(jnp.int32))
     return q_rot, k_rot, k_pages, v_pages

@@ -47,6 +47,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.compat import patch_interpret_mode
+from pallas_kernels import cost
+from pallas_kernels.tpu_chip import compiler_params
 from pallas_kernels.rope_kv_write.reference import check_inputs
 
 SUBLANES = 8
@@ -143,11 +145,8 @@ def rope_kv_write(
         ),
         # operand indices count the two scalar-prefetch arrays: k_pages is operand 7, v_pages 8
         input_output_aliases={7: 2, 8: 3},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
-        cost_estimate=pl.CostEstimate(  # read q, k, v, cos, sin; write q_rot, k_rot and the pool rows
-            flops=6 * Tp * (Hq + Hkv) * D, transcendentals=0,
-            bytes_accessed=q.dtype.itemsize * Tp * (2 * Hq + 4 * Hkv) * D + 2 * 4 * Tp * D + 2 * Tp * Hkv * D * k_pages.dtype.itemsize,
-        ),
+        compiler_params=compiler_params("arbitrary"),
+        cost_estimate=cost.rope_kv_write(Tp, Hq, Hkv, D, itemsize=q.dtype.itemsize, pool_itemsize=k_pages.dtype.itemsize),
         interpret=interpret,
         name="rope_kv_write",
     )(pad(write_page.astype(jnp.int32)), pad(write_offset.astype(jnp.int32)),

@@ -53,6 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.compat import patch_interpret_mode
+from pallas_kernels import cost
 from pallas_kernels.swiglu_matmul.reference import check_inputs
 
 SMALL_M = 16  # the smallest tile a tensor-core dot takes; decode batches are padded (masked) up to it
@@ -133,5 +134,7 @@ def swiglu_matmul(
         grid=(pl.cdiv(M, bm), pl.cdiv(N, bn)),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
+        cost_estimate=cost.swiglu_matmul(M, K, N, x_itemsize=w_gate_up.dtype.itemsize, w_itemsize=w_gate_up.dtype.itemsize,
+                                         out_itemsize=x.dtype.itemsize),
         name="swiglu_matmul",
     )(x.astype(w_gate_up.dtype), w_gate_up)  # as layers.matmul: the dot runs in the weight's dtype

@@ -50,6 +50,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.compat import patch_interpret_mode
+from pallas_kernels import cost
+from pallas_kernels.tpu_chip import compiler_params
 from pallas_kernels.swiglu_matmul.reference import check_inputs
 
 LANES = 128  # TPU vreg lane width: the minor dim of a block is a multiple of this, or the whole dim
@@ -135,8 +137,10 @@ def swiglu_matmul(
             out_specs=pl.BlockSpec((bm, bn), lambda i, j, k: (i, j)),
             scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32), pltpu.VMEM((bm, bn), jnp.float32)],
         ),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=compiler_params("parallel", "parallel", "arbitrary"),
         interpret=interpret,
+        cost_estimate=cost.swiglu_matmul(M, K, N, x_itemsize=x.dtype.itemsize, w_itemsize=w_gate_up.dtype.itemsize,
+                                         out_itemsize=jnp.dtype(out_dtype).itemsize),
         name="swiglu_matmul",
     )(x, w_gate_up, w_gate_up)
     return out[:M]
