@@ -158,5 +158,16 @@ class StepFunction:
                  spec_block: int = 0) -> tuple[SampleOutput, jax.Array, KVCache]:
         return self._step(params, kv, batch, sampling, prev_tokens, query_block=query_block, spec_block=spec_block)
 
+    def lower(self, params, kv, batch, sampling, prev_tokens, key) -> jax.stages.Lowered:
+        """The step of bucket `key` (a BucketKey) lowered for these arguments, which may be
+        abstract (jax.ShapeDtypeStruct with shardings, e.g. on a TPU topology: jaxinfer.aot)."""
+        return self._step.lower(params, kv, batch, sampling, prev_tokens, query_block=key.query_block,
+                                spec_block=key.spec_block)
+
+    def input_shardings(self, tree):
+        """NamedShardings of a per-replica input tree (batches, sampling tensors, token buffers)."""
+        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), _per_replica_specs(tree),
+                            is_leaf=lambda x: isinstance(x, PartitionSpec))
+
     def forward(self, params, kv, batch, *, query_block: int, spec_block: int = 0):
         return self._forward(params, kv, batch, query_block=query_block, spec_block=spec_block)

@@ -101,3 +101,12 @@ def split_by_layer_loop(hlo_text: str) -> tuple[list[Collective], list[Collectiv
 def while_bodies(hlo_text: str) -> list[str]:
     """Names of the body computations of every while loop, in text order."""
     return _WHILE_BODY.findall(hlo_text)
+
+
+_COPY = re.compile(r"=\s*\w+\[([\d,]+)\]\S*\s+copy(?:-start)?\(")
+
+
+def pool_sized_copies(hlo_text: str, pool_elements: int) -> int:
+    """How many `copy` ops of the optimized program move an array of `pool_elements` elements (one
+    device's KV pool, k or v): a step that updates its donated cache in place has none."""
+    return sum(math.prod(int(d) for d in m.group(1).split(",")) == pool_elements for m in _COPY.finditer(hlo_text))

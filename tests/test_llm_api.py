@@ -188,15 +188,12 @@ def test_nothing_compiles_after_warmup(model_dir):
 def test_no_bucket_copies_the_kv_pool(model_dir):
     """The cache is donated and updated in place: no compiled variant holds a pool-sized copy.
     (A 1-token bucket with a short max_model_len used to copy the pool twice per layer.)"""
-    import re
+    from sharding.hlo import pool_sized_copies
 
     llm = LLM(str(model_dir[0]), **{**ENGINE_ARGS, "max_model_len": 64, "max_num_batched_tokens": 16})
-    pool_elems = llm.runner.kv.k.size
     for key in llm.buckets.all_keys():
-        hlo = llm.runner.compiled_hlo(key)
-        copies = [m for m in re.finditer(r"= \w+\[([\d,]+)\]\S* copy\(", hlo)
-                  if np.prod([int(d) for d in m.group(1).split(",")]) == pool_elems]
-        assert not copies, f"{key}: {len(copies)} whole-pool copies"
+        copies = pool_sized_copies(llm.runner.compiled_hlo(key), llm.runner.kv.k.size)
+        assert copies == 0, f"{key}: {copies} whole-pool copies"
 
 
 # ----------------------------------------------------------------------------- bad input

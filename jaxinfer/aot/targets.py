@@ -65,6 +65,7 @@ def _tpu_target(generation: str, shape: str | None, count: int | None, name: str
     from jax.experimental import topologies
 
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{generation}-4")  # quiets libtpu's start-up warnings
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no chip to guard: let several processes compile
     topology = f"{generation}:{shape or _TPU_SLICES[generation]}"
     try:
         desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)

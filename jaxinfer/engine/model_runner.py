@@ -238,26 +238,8 @@ class ModelRunner:
         return st
 
     def _empty_inputs(self, key: BucketKey) -> tuple[RaggedBatch, SamplingTensors]:
-        """Batches of the key's shapes with no sequences in them (every token writes to scratch),
-        one per replica, on the device."""
-        T, S, R = key.num_tokens, key.num_seqs, key.num_logits
-        batch = RaggedBatch(
-            token_ids=np.zeros(T, np.int32),
-            positions=np.zeros(T, np.int32),
-            cu_q_lens=np.zeros(S + 1, np.int32),
-            kv_lens=np.zeros(S, np.int32),
-            page_table=np.zeros((S, self.buckets.pages_per_seq), np.int32),
-            num_seqs=np.zeros(1, np.int32),
-            logits_indices=np.zeros(R, np.int32),
-            token_src=np.full(T, -1, np.int32),
-        )
-        sampling = SamplingTensors(
-            np.zeros(R, np.float32), np.zeros(R, np.int32), np.ones(R, np.float32),
-            np.zeros(R, np.uint32), np.zeros(R, np.int32), np.full(R, -1, np.int32), min_p=np.zeros(R, np.float32),
-            want_logprobs=np.array([False]),
-        )  # the variant without penalties or banned ids, which is what most batches use
-        stacked = jax.tree.map(lambda a: np.stack([a] * self.num_replicas), (batch, sampling))
-        return self._put(stacked)
+        """`empty_inputs` on the device."""
+        return self._put(empty_inputs(key, self.buckets.pages_per_seq, self.num_replicas))
 
     def warmup(self, keys: Sequence[BucketKey] | None = None) -> None:
         """Compiles the step for every bucket (or the given ones) by running an empty batch."""
@@ -274,9 +256,7 @@ class ModelRunner:
     def compiled_hlo(self, key: BucketKey) -> str:
         """The optimized HLO of one bucket's step (for inspection; compiles if needed)."""
         batch, sampling = self._empty_inputs(key)
-        lowered = self.step_fn._step.lower(self.params, self.kv, batch, sampling, self.token_buffer,
-                                           query_block=key.query_block, spec_block=key.spec_block)
-        return lowered.compile().as_text()
+        return self.step_fn.lower(self.params, self.kv, batch, sampling, self.token_buffer, key).compile().as_text()
 
     # ------------------------------------------------------------------ whole pages (copy-on-write, swapping)
     def _global_pages(self, replica: int, pages: Sequence[int]) -> np.ndarray:
@@ -306,6 +286,28 @@ class ModelRunner:
     def write_pages(self, replica: int, pages: Sequence[int], k: np.ndarray, v: np.ndarray) -> None:
         """Writes host K/V (as read_pages returns them) into a replica's pages, in place."""
         self.kv = _page_ops(self.step_fn.mesh)[1](self.kv, self._global_pages(replica, pages), k, v)
+
+
+def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int) -> tuple[RaggedBatch, SamplingTensors]:
+    """Host batches of the key's shapes with no sequences in them (every token writes to scratch),
+    stacked over the replicas: what warm-up runs and what ahead-of-time compiles take the shapes of."""
+    T, S, R = key.num_tokens, key.num_seqs, key.num_logits
+    batch = RaggedBatch(
+        token_ids=np.zeros(T, np.int32),
+        positions=np.zeros(T, np.int32),
+        cu_q_lens=np.zeros(S + 1, np.int32),
+        kv_lens=np.zeros(S, np.int32),
+        page_table=np.zeros((S, pages_per_seq), np.int32),
+        num_seqs=np.zeros(1, np.int32),
+        logits_indices=np.zeros(R, np.int32),
+        token_src=np.full(T, -1, np.int32),
+    )
+    sampling = SamplingTensors(
+        np.zeros(R, np.float32), np.zeros(R, np.int32), np.ones(R, np.float32),
+        np.zeros(R, np.uint32), np.zeros(R, np.int32), np.full(R, -1, np.int32), min_p=np.zeros(R, np.float32),
+        want_logprobs=np.array([False]),
+    )  # the variant without penalties or banned ids, which is what most batches use
+    return jax.tree.map(lambda a: np.stack([a] * num_replicas), (batch, sampling))
 
 
 @jax.jit

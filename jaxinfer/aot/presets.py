@@ -1,0 +1,43 @@
+"""Architectures by name, for planning a deployment without the checkpoint at hand.
+
+Each is the part of the model's Hugging Face config.json that decides shapes (as published with
+the model); `jaxinfer aot --model llama-3.1-70b` uses it, nothing is downloaded. A path to a
+config.json, a model folder or a .gguf file works as well.
+"""
+
+from __future__ import annotations
+
+_LLAMA3 = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, rope_theta=500000.0, vocab_size=128256,
+               max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+               rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=8192))
+
+PRESETS: dict[str, dict] = {
+    "llama-3.1-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8),
+    "llama-3.1-70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8),
+    "llama-3.2-1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+                         rope_scaling=dict(_LLAMA3["rope_scaling"], factor=32.0)),
+    "mistral-7b": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32768, rms_norm_eps=1e-5,
+                       rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False, hidden_act="silu",
+                       bos_token_id=1, eos_token_id=2),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rms_norm_eps=1e-6,
+                       rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False, hidden_act="silu",
+                       bos_token_id=151643, eos_token_id=151645),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
+                     rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False, hidden_act="silu",
+                     attention_bias=False, bos_token_id=151643, eos_token_id=151645),
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, rms_norm_eps=1e-5,
+                         rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False, hidden_act="silu",
+                         num_local_experts=8, num_experts_per_tok=2, bos_token_id=1, eos_token_id=2),
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, rms_norm_eps=1e-5,
+                         rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True, hidden_act="silu",
+                         bos_token_id=1, eos_token_id=2),
+}

@@ -1,0 +1,148 @@
+"""The serving step built for a target chip with nothing real in it: abstract weights, KV pool and
+inputs, the engine's own StepFunction and buckets, compiled bucket by bucket.
+
+    plan = AbstractStep.build(config, compile_target("v6e:2x2"), ParallelConfig(tp=4), ServingShape(...))
+    compiled = plan.compile(plan.buckets.all_keys()[0])
+    compiled.memory_analysis()
+
+No weight is read and nothing touches `jax.devices()`: parameters come from `abstract_model`
+(`nnx.eval_shape`), quantization runs under `jax.eval_shape`, and every array is a
+`jax.ShapeDtypeStruct` carrying its NamedSharding on the target's mesh. The step is the one
+`LLM` serves with (`jaxinfer.step.StepFunction`, the same buckets, the same donation of the KV
+cache), with the target platform's Pallas kernels compiled for real (`interpret=False`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxinfer.aot.targets import Target
+from jaxinfer.batch import BucketKey, Buckets
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.model_runner import empty_inputs
+from jaxinfer.kernels import Kernels
+from jaxinfer.kv_cache import KVCache
+from jaxinfer.loading import abstract_model
+from jaxinfer.step import StepFunction, kv_partition_spec, param_partition_specs
+from sharding import rules
+from sharding.mesh import ParallelConfig, make_mesh
+
+NUM_TOP_LOGPROBS = 20  # LLM's default max_logprobs: part of the compiled step
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingShape:
+    """What the deployment serves: the engine arguments that decide compiled shapes."""
+
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int = 512
+    page_size: int = 16
+    num_pages: int | None = None  # per replica; None: every sequence at max_model_len, plus the scratch page
+    dtype: str = "bfloat16"  # weights and activations
+    kv_cache_dtype: str | None = None  # default: dtype
+    quantization: str | None = None  # "int8" | "int4" | "fp8" weights
+    group_size: int = 128
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    def pages_needed(self) -> int:
+        return self.max_num_seqs * self.pages_per_seq + 1
+
+
+def _shard_bytes(struct: jax.ShapeDtypeStruct) -> int:
+    """Bytes of one device's shard of an abstract array."""
+    return math.prod(struct.sharding.shard_shape(struct.shape)) * jnp.dtype(struct.dtype).itemsize
+
+
+@dataclasses.dataclass
+class AbstractStep:
+    config: ModelConfig
+    target: Target
+    parallel: ParallelConfig
+    shape: ServingShape
+    mesh: jax.sharding.Mesh
+    step: StepFunction
+    params: object  # nnx.State of ShapeDtypeStructs, sharded
+    kv: KVCache  # of ShapeDtypeStructs, sharded
+    buckets: Buckets
+    num_pages: int  # per replica
+
+    @classmethod
+    def build(cls, config: ModelConfig, target: Target, parallel: ParallelConfig, shape: ServingShape) -> "AbstractStep":
+        dtype = jnp.dtype(shape.dtype)
+        kv_dtype = jnp.dtype(shape.kv_cache_dtype or shape.dtype)
+        kernels = Kernels(platform=target.platform, interpret=False)
+        mesh = make_mesh(parallel, target.devices)
+        graphdef, params = abstract_model(config, dtype, dtype, kernels, parallel)
+        if shape.quantization is not None:
+            from jaxinfer.quantization import quantize_model
+
+            quantized_graphdef = []
+
+            def quantize(state):
+                new_graphdef, new_state = quantize_model(graphdef, state, shape.quantization, shape.group_size)
+                quantized_graphdef.append(new_graphdef)
+                return new_state
+
+            params = jax.eval_shape(quantize, params)
+            graphdef = quantized_graphdef[0]
+        specs = param_partition_specs(params, config)
+        params = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
+                              params, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        num_pages = shape.num_pages or shape.pages_needed()
+        replicas = parallel.num_replicas
+        kv_shape = KVCache.shape(config, num_pages * replicas, shape.page_size, kv_dtype, tp=parallel.tp, kernels=kernels)
+        kv_struct = jax.ShapeDtypeStruct(kv_shape, kv_dtype, sharding=NamedSharding(mesh, kv_partition_spec().k))
+        buckets = Buckets.default(shape.max_num_batched_tokens, min(shape.max_num_seqs, shape.max_num_batched_tokens),
+                                  shape.pages_per_seq, token_multiple=parallel.sp)
+        step = StepFunction(graphdef, NUM_TOP_LOGPROBS, max_rows=buckets.max_tokens, mesh=mesh, param_specs=specs)
+        return cls(config, target, parallel, shape, mesh, step, params, KVCache(k=kv_struct, v=kv_struct), buckets, num_pages)
+
+    def with_num_pages(self, num_pages: int) -> "AbstractStep":
+        """The same step over a KV pool of `num_pages` pages per replica."""
+        shape = dataclasses.replace(self.shape, num_pages=num_pages)
+        k = self.kv.k
+        kv_shape = (k.shape[0], num_pages * self.parallel.num_replicas) + k.shape[2:]
+        kv_struct = jax.ShapeDtypeStruct(kv_shape, k.dtype, sharding=k.sharding)
+        return dataclasses.replace(self, shape=shape, kv=KVCache(k=kv_struct, v=kv_struct), num_pages=num_pages)
+
+    # ------------------------------------------------------------------ per chip
+    def weight_bytes_per_chip(self) -> int:
+        return sum(_shard_bytes(a) for a in jax.tree.leaves(self.params))
+
+    def kv_bytes_per_chip(self) -> int:
+        return 2 * _shard_bytes(self.kv.k)
+
+    def kv_bytes_per_page_per_chip(self) -> int:
+        return self.kv_bytes_per_chip() // (self.num_pages * self.parallel.num_replicas) * self.parallel.num_replicas
+
+    def kv_pool_elements_per_chip(self) -> int:
+        return math.prod(self.kv.k.sharding.shard_shape(self.kv.k.shape))
+
+    # ------------------------------------------------------------------ compiling
+    def inputs(self, key: BucketKey):
+        """(batch, sampling, prev_tokens) of bucket `key`, abstract and sharded as the step takes them."""
+        host = empty_inputs(key, self.buckets.pages_per_seq, self.parallel.num_replicas)
+        batch, sampling = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                                       host, self.step.input_shardings(host))
+        prev_tokens = jax.ShapeDtypeStruct((self.parallel.num_replicas, self.buckets.max_tokens), np.int32,
+                                           sharding=NamedSharding(self.mesh, rules.per_replica(2)))
+        return batch, sampling, prev_tokens
+
+    def lower(self, key: BucketKey) -> jax.stages.Lowered:
+        with jax.set_mesh(self.mesh):  # Pallas asks the mesh's chip for its facts (VMEM, generation)
+            return self.step.lower(self.params, self.kv, *self.inputs(key), key)
+
+    def compile(self, key: BucketKey) -> jax.stages.Compiled:
+        lowered = self.lower(key)
+        with jax.set_mesh(self.mesh):
+            return lowered.compile()
