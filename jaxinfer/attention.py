@@ -54,10 +54,13 @@ def _pallas_attention(kernels: Kernels, q, k, v, k_pages, v_pages, page_table, b
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, interpret=kernels.interpret)
 
     heads = dict(num_kv_heads=k.shape[1]) if kernels.platform == "tpu" else {}
+    D = q.shape[2]
 
     def paged():
-        return ragged(q, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs,
-                      num_queries_per_block=query_block, **heads, **options)
+        q_lanes = jnp.pad(q, ((0, 0), (0, 0), (0, k_pages.shape[3] - D)))  # zero lanes: scores unchanged
+        out = ragged(q_lanes, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs,
+                     num_queries_per_block=query_block, **heads, **options)
+        return out[:, :, :D]
 
     T, S = q.shape[0], batch.kv_lens.shape[0]
     if query_block == 1 or T < FLASH_MIN_TOKENS:
@@ -86,23 +89,36 @@ def kv_write_locations(batch: RaggedBatch, page_size: int, scratch_page: int) ->
 def rope_and_write_kv(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset, kernels: Kernels = Kernels()):
     """RoPE on q and k, then the rotated keys and the values into their page slots.
 
-    q [T, Hq, D], k / v [T, Hkv, D], cos / sin [T, D], pools [N, page_size, Hs, D], write_page /
+    q [T, Hq, D], k / v [T, Hkv, D], cos / sin [T, D], pools [N, page_size, Hs, Ds], write_page /
     write_offset [T] (pool page, slot). Returns (q_rot, k_rot [T, Hkv, D], k_pages, v_pages).
-    Pools holding more heads than the model (Hs > Hkv, TPU tiling: kv_cache.pool_kv_heads) get
-    zeros in the extra heads. With Pallas kernels this is one kernel (pallas_kernels.rope_kv_write)
+    Pools holding more heads or lanes than the model (TPU tiling: kv_cache.pool_kv_heads and
+    pool_head_dim) get zeros in the extra ones; with padded lanes the rotation and the write are
+    XLA's (the kernel rotates the halves of the stored row). With Pallas kernels this is one kernel (pallas_kernels.rope_kv_write)
     that writes each token's row into its page in place; the XLA path rotates and scatters. The
     TPU kernel copies rows as they are, so it needs k / v in the pools' dtype (quantized pages take
     the XLA path); the GPU kernel needs head_dim / 2 to be a power of two.
     """
-    Hkv = k.shape[1]
-    k, v = pad_heads(k, k_pages.shape[2]), pad_heads(v, v_pages.shape[2])
+    Hkv, D = k.shape[1:]
+    if k_pages.shape[3] != D:  # TPU pools with head_dim padded to whole lanes: rotate, then write padded rows
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_pages = k_pages.at[write_page, write_offset].set(pad_to_pool(k, k_pages))
+        v_pages = v_pages.at[write_page, write_offset].set(pad_to_pool(v, v_pages))
+        return q, k, k_pages, v_pages
+    k, v = pad_to_pool(k, k_pages), pad_to_pool(v, v_pages)
     q, k, k_pages, v_pages = _rope_and_write_kv(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset, kernels)
     return q, k[:, :Hkv], k_pages, v_pages
 
 
-def pad_heads(x: jax.Array, num_heads: int) -> jax.Array:
-    """[T, H, D] -> [T, num_heads, D], zero heads appended (the pool's extra heads on a TPU)."""
-    return jnp.pad(x, ((0, 0), (0, num_heads - x.shape[1]), (0, 0)))
+def pad_to_pool(x: jax.Array, pool: jax.Array) -> jax.Array:
+    """[T, Hkv, D] -> [T, Hs, Ds] in the pool's dtype: zero heads and zero lanes appended where the
+    pool stores more (TPU pools, kv_cache.pool_kv_heads / pool_head_dim)."""
+    T, H, D = x.shape
+    return jnp.pad(x, ((0, 0), (0, pool.shape[2] - H), (0, pool.shape[3] - D))).astype(pool.dtype)
+
+
+def model_part(pool: jax.Array, num_kv_heads: int, head_dim: int) -> jax.Array:
+    """The model's heads and lanes of a pool [P, page_size, Hs, Ds] (a copy when the pool is padded)."""
+    return pool if pool.shape[2:] == (num_kv_heads, head_dim) else pool[:, :, :num_kv_heads, :head_dim]
 
 
 def _rope_and_write_kv(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset, kernels: Kernels):
@@ -239,10 +255,10 @@ def attend_sequence_parallel(q, k, v, cos, sin, k_pages, v_pages, layer_page_off
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window)
 
     if mode == "allgather":
-        k_all = pad_heads(jax.lax.all_gather(k, "sequence", axis=0, tiled=True), k_pages.shape[2])  # [T, Hs, D]
-        v_all = pad_heads(jax.lax.all_gather(v, "sequence", axis=0, tiled=True), v_pages.shape[2])
-        k_pages = k_pages.at[pages, write_offset].set(k_all.astype(k_pages.dtype))
-        v_pages = v_pages.at[pages, write_offset].set(v_all.astype(v_pages.dtype))
+        k_all = jax.lax.all_gather(k, "sequence", axis=0, tiled=True)  # [T, Hkv, D]
+        v_all = jax.lax.all_gather(v, "sequence", axis=0, tiled=True)
+        k_pages = k_pages.at[pages, write_offset].set(pad_to_pool(k_all, k_pages))
+        v_pages = v_pages.at[pages, write_offset].set(pad_to_pool(v_all, v_pages))
         out = paged_attention(q, k, v, k_pages, v_pages, layer_page_offset, view, query_block=query_block,
                               spec_block=spec_block, kernels=kernels, **options)
         return out, k_pages, v_pages
@@ -252,10 +268,9 @@ def attend_sequence_parallel(q, k, v, cos, sin, k_pages, v_pages, layer_page_off
     q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
     seq_all = jnp.minimum(jnp.searchsorted(batch.cu_q_lens[1:], jnp.arange(T), side="right"), S - 1)  # [T]
     valid_all = jnp.arange(T) < batch.cu_q_lens[batch.num_seqs[0]]
-    Hkv = k.shape[1]
-    model_heads = (lambda pool: pool[:, :, :Hkv]) if k_pages.shape[2] > Hkv else (lambda pool: pool)  # noqa: E731  (a copy: TPU pools with extra heads only)
+    Hkv, D = k.shape[1:]
     cached_out, cached_lse = split_kv.ragged_paged_attention(  # earlier steps' K/V, from the pages
-        q, model_heads(k_pages), model_heads(v_pages), view.kv_lens, view.page_table + layer_page_offset, view.cu_q_lens, view.num_seqs,
+        q, model_part(k_pages, Hkv, D), model_part(v_pages, Hkv, D), view.kv_lens, view.page_table + layer_page_offset, view.cu_q_lens, view.num_seqs,
         kv_end=batch.kv_lens - q_lens, return_lse=True, num_queries_per_block=query_block,
         num_kv_pages_per_block=max(1, PREFILL_KV_TOKENS_PER_ITEM // k_pages.shape[1]), **options,
     )
@@ -263,9 +278,8 @@ def attend_sequence_parallel(q, k, v, cos, sin, k_pages, v_pages, layer_page_off
     def write_block(pools, k_block, v_block, origin):
         rows = origin * Tl + jnp.arange(Tl)
         k_pool, v_pool = pools
-        k_block, v_block = pad_heads(k_block, k_pool.shape[2]), pad_heads(v_block, v_pool.shape[2])
-        return (k_pool.at[pages[rows], write_offset[rows]].set(k_block.astype(k_pool.dtype)),
-                v_pool.at[pages[rows], write_offset[rows]].set(v_block.astype(v_pool.dtype)))
+        return (k_pool.at[pages[rows], write_offset[rows]].set(pad_to_pool(k_block, k_pool)),
+                v_pool.at[pages[rows], write_offset[rows]].set(pad_to_pool(v_block, v_pool)))
 
     ring_out, ring_lse, (k_pages, v_pages) = ring_attention(
         q, k, v, mine(seq_all), mine(batch.positions), mine(valid_all), seq_all, batch.positions, valid_all,

@@ -1,4 +1,4 @@
-"""`jaxinfer generate | chat | convert`.
+"""`jaxinfer generate | chat | convert | aot`.
 
 Parallel runs: `--tensor-parallel-size/-tp`, `--data-parallel-size/-dp`,
 `--sequence-parallel-size/-sp`, `--expert-parallel-size/-ep` (or `--enable-expert-parallel`)
@@ -195,6 +195,32 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_aot(args) -> int:
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # the target is described, not opened: no plugin may look for a chip
+    from jaxinfer.aot.plan import format_plan, plan_deployment
+    from jaxinfer.aot.presets import read_model_config
+    from jaxinfer.aot.step_compile import ServingShape
+    from jaxinfer.aot.targets import compile_target
+    from sharding.mesh import ParallelConfig
+
+    config = read_model_config(args.model)
+    target = compile_target(args.topology)
+    parallel = ParallelConfig(dp=args.data_parallel_size, tp=args.tensor_parallel_size, ep=args.expert_parallel_size)
+    shape = ServingShape(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
+                         dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                         group_size=args.group_size)
+    print(f"compiling for {target.name} ({target.num_chips} x {target.chip.kind}) ...", file=sys.stderr, flush=True)
+
+    def progress(b):
+        print(f"  {b.kind} T={b.key.num_tokens} S={b.key.num_seqs}: {b.seconds:.1f} s", file=sys.stderr, flush=True)
+
+    print(format_plan(plan_deployment(config, target, parallel, shape, jobs=args.jobs, on_bucket=progress)))
+    return 0
+
+
 def main(argv=None) -> int:
     import os
 
@@ -228,6 +254,26 @@ def main(argv=None) -> int:
     v.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     v.add_argument("--overwrite", action="store_true", help="replace an existing converted folder")
     v.set_defaults(func=cmd_convert)
+
+    a = sub.add_parser("aot", help="compile every step bucket for a TPU or GPU target, no chip needed: does it fit, how fast")
+    a.add_argument("--model", required=True,
+                   help="a config.json, model folder or .gguf (only the config is read), or a preset: "
+                        "llama-3.1-8b, llama-3.1-70b, llama-3.2-1b, mistral-7b, qwen2.5-7b, qwen3-8b, mixtral-8x7b, smollm2-135m")
+    a.add_argument("--topology", required=True, help="v5e:2x4, v6e:2x2, v5p:2x2x1, v6e:1 (chips), h100, h200")
+    a.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    a.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    a.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
+    a.add_argument("--max-model-len", type=int, required=True)
+    a.add_argument("--max-num-seqs", type=int, default=64)
+    a.add_argument("--max-num-batched-tokens", type=int, default=512)
+    a.add_argument("--page-size", type=int, default=16)
+    a.add_argument("--num-pages", type=int, default=None, help="KV pages per replica (default: max-num-seqs at max-model-len)")
+    a.add_argument("--dtype", default="bfloat16")
+    a.add_argument("--kv-cache-dtype", default=None, help="default: --dtype; int8 or float8_e4m3fn halve the pool")
+    a.add_argument("--quantization", choices=("int8", "int4", "fp8"), default=None)
+    a.add_argument("--group-size", type=int, default=128, help="int4 group size")
+    a.add_argument("--jobs", "-j", type=int, default=1, help="buckets compiled at once")
+    a.set_defaults(func=cmd_aot, coordinator=None, num_processes=None, process_id=None, multihost=False)
 
     args = parser.parse_args(argv)
     args._process_age_at_main = process_age if argv is None else None  # None: called from Python, not a fresh process

@@ -7,8 +7,9 @@ Layout (chosen once; kernels read it as is):
 Token-major pages: one token's row of every KV head is contiguous, so a write of a token and a
 fetch of a page each cut only the two leading (untiled) dimensions on a TPU. With the TPU
 kernels a pool may hold more KV heads than the model has (`pool_kv_heads`: whole 32-bit words
-and tiles for the kernel's strided head loads, e.g. SmolLM2's 3 -> 4 in bf16); the extra heads
-hold zeros and are never read. Every other back end stores exactly the model's heads.
+and tiles for the kernel's strided head loads, e.g. SmolLM2's 3 -> 4 in bf16) and head_dim in
+whole 128-lane rows (`pool_head_dim`); the extra heads and lanes hold zeros and are never read.
+Every other back end stores exactly the model's heads.
 
 A sequence owns a list of pages (its row of the page table); token at position p of that
 sequence lives in page `page_table[p // page_size]`, slot `p % page_size`. Page 0 is never
@@ -48,6 +49,23 @@ def pool_kv_heads(config: ModelConfig, dtype, *, tp: int = 1, kernels: Kernels =
     return per_shard * tp
 
 
+TPU_LANES = 128
+
+
+def pool_head_dim(config: ModelConfig, kernels: Kernels = Kernels()) -> int:
+    """head_dim of the pool: the model's, rounded up to whole 128-lane rows with the TPU kernels.
+
+    Measured (jaxinfer.aot): a TPU's default layout for a [.., heads, 64] bf16 array puts the
+    page axis in the lanes (major_to_minor (0, 2, 3, 4, 1)), which the kernels cannot take, so
+    every step copied the whole pool to the row-major layout and back (4 pool-sized copies). A
+    128-lane pool keeps the row-major layout; it costs head_dim 64 models (SmolLM2, Llama-3.2-1B)
+    twice the KV memory on a TPU.
+    """
+    if kernels.platform == "tpu":
+        return -(-config.head_dim // TPU_LANES) * TPU_LANES
+    return config.head_dim
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
@@ -67,7 +85,8 @@ class KVCache:
     def shape(config: ModelConfig, num_pages: int, page_size: int, dtype, *, tp: int = 1,
               kernels: Kernels = Kernels()) -> tuple[int, ...]:
         """Shape of k (and v): [L, num_pages, page_size, pool_kv_heads, head_dim]."""
-        return (config.num_layers, num_pages, page_size, pool_kv_heads(config, dtype, tp=tp, kernels=kernels), config.head_dim)
+        return (config.num_layers, num_pages, page_size, pool_kv_heads(config, dtype, tp=tp, kernels=kernels),
+                pool_head_dim(config, kernels))
 
     @property
     def num_pages(self) -> int:

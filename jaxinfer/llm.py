@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import os
 import time
 import warnings
@@ -17,7 +18,7 @@ from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.spec_decode import SpeculativeConfig
 from jaxinfer.kernels import resolve_kernels
-from jaxinfer.kv_cache import KVCache, pool_kv_heads
+from jaxinfer.kv_cache import KVCache
 from jaxinfer.loading import load_params, read_config, resolve_model
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.quantization import INT4_GROUP_SIZES, MODES, quantize_model
@@ -231,8 +232,8 @@ class LLM:
         pages_per_seq = -(-max_model_len // page_size)
         if num_pages is None:  # per replica
             itemsize = jnp.dtype(self.kv_cache_dtype).itemsize
-            heads = pool_kv_heads(config, self.kv_cache_dtype, tp=parallel.tp, kernels=self.kernels)
-            page_bytes = 2 * config.num_layers * page_size * heads * config.head_dim * itemsize
+            kv_shape = KVCache.shape(config, 1, page_size, self.kv_cache_dtype, tp=parallel.tp, kernels=self.kernels)
+            page_bytes = 2 * math.prod(kv_shape) * itemsize
             num_pages = max(2, min(kv_cache_memory_bytes // page_bytes, max_num_seqs * pages_per_seq + 1))
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages}: need at least 2 (page 0 is the scratch page)")

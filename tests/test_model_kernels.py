@@ -1,6 +1,6 @@
 """The whole model with the Pallas kernels (interpret mode) gives the reference model's logits.
 
-One tiny model (untied LM head, biases, 6 query heads on 3 KV heads, which the TPU pools pad to 4) runs the same steps twice,
+One tiny model (untied LM head, biases, 6 query heads of 128 on 3 KV heads, which the TPU pools pad to 4) runs the same steps twice,
 once on the XLA reference paths and once with a platform's Pallas kernels: a long fresh prefill
 (which takes the flash attention kernel), then a mixed step of decodes and prefill chunks with
 cached prefixes (the ragged paged attention kernel), then a decode step. Every step also runs the
@@ -20,7 +20,7 @@ import pytest
 from jaxinfer.attention import FLASH_MIN_TOKENS
 from jaxinfer.batch import Buckets, SequenceChunk, pack_batch, stack_replicas
 from jaxinfer.kernels import Kernels, resolve_kernels
-from jaxinfer.kv_cache import KVCache
+from jaxinfer.kv_cache import KVCache, pool_kv_heads
 from jaxinfer.loading import load_params, read_config, resolve_model
 from jaxinfer.quantization import quantize_model
 from jaxinfer.step import StepFunction
@@ -33,7 +33,7 @@ PAGE_SIZE = 8
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-qwen2-kernels")
     save_hf_model("qwen2", directory, intermediate_size=128,  # 128: the TPU SwiGLU kernel's column tile
-                  hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+                  hidden_size=768, num_attention_heads=6, num_key_value_heads=3)  # head_dim 128: TPU pools need no lane padding
     return directory
 
 
@@ -46,7 +46,8 @@ def run_steps(model_dir, kernels: Kernels, quantization: str | None) -> list[np.
         graphdef, params = quantize_model(graphdef, params, quantization, group_size=32, skip=("layers.gate_up_proj",))
     step = StepFunction(graphdef, num_top_logprobs=0)
     kv = KVCache.create(config, 80, PAGE_SIZE, kernels=kernels)
-    assert kv.k.shape[3] == (4 if kernels.platform == "tpu" else 3)  # TPU pools: heads in whole tiles
+    if kernels.platform == "tpu":  # TPU pools: heads in whole tiles, head_dim in whole lane rows
+        assert kv.k.shape[3:] == (pool_kv_heads(config, jnp.float32, kernels=kernels), 128)
     buckets = Buckets((16, FLASH_MIN_TOKENS), max_num_seqs=4, pages_per_seq=32)
     rng = np.random.default_rng(0)
     a, b, c = (list(rng.integers(3, 250, size=n)) for n in (150, 90, 30))
@@ -129,3 +130,14 @@ def test_attention_impl_resolves_per_backend():
     assert resolve_kernels("reference", "tpu") == Kernels("reference")
     with pytest.raises(ValueError, match="attention_impl='triton'"):
         resolve_kernels("triton", "cpu")
+
+
+def test_tpu_pools_with_padded_lanes_match_the_reference(tmp_path_factory):
+    """head_dim 16 (like SmolLM2's 64, under a TPU lane row): the TPU pools store 128 lanes
+    (kv_cache.pool_head_dim), RoPE and the write run in XLA, the attention kernel reads padded rows."""
+    directory = tmp_path_factory.mktemp("tiny-qwen2-narrow-heads")
+    save_hf_model("qwen2", directory, intermediate_size=128)  # 4 query heads of 16 on 1 KV head
+    got = run_steps(directory, Kernels("tpu", interpret=True), None)
+    want = run_steps(directory, Kernels(), None)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-4)

@@ -41,3 +41,20 @@ PRESETS: dict[str, dict] = {
                          rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True, hidden_act="silu",
                          bos_token_id=1, eos_token_id=2),
 }
+
+
+def read_model_config(model: str):
+    """A preset name, a config.json, a model folder or a .gguf file -> ModelConfig (no weights read)."""
+    from pathlib import Path
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.loading import read_config, resolve_model
+
+    if model.lower() in PRESETS:
+        return ModelConfig.from_hf_dict(PRESETS[model.lower()], source=f"preset {model}")
+    path = Path(model).expanduser()
+    if path.is_file() and path.name.endswith(".json"):
+        return ModelConfig.from_json_file(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model {model!r}: not a preset ({', '.join(PRESETS)}) and no such file or folder")
+    return read_config(resolve_model(path))
