@@ -138,8 +138,9 @@ def check_kernels(target: Target, families=None, kernels=None, on_result=None) -
             error = None
             try:
                 compiled = compile_for(target, fn, args)
-                if target.platform == "tpu" and "tpu_custom_call" not in compiled.as_text():
-                    error = "no Mosaic kernel in the compiled program"
+                marker = {"tpu": "tpu_custom_call", "gpu": "xla.gpu.triton"}[target.platform]
+                if marker not in compiled.as_text():
+                    error = f"no {marker} (the kernel) in the compiled program"
             except Exception as e:  # noqa: BLE001  (the compiler's refusal is the result)
                 error = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)[:300]
             result = KernelCompile(kernel, family, case, time.perf_counter() - start, error)

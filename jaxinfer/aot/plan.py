@@ -29,6 +29,7 @@ from sharding.mesh import ParallelConfig
 
 GiB = 2**30
 HBM_HEADROOM = 0.03  # of the chip's HBM kept free (the runtime's own buffers, fragmentation)
+PROBE_BELOW = 0.8  # a requested pool that brings the chip past this share of HBM is sized from a probe compile
 
 
 class DoesNotFit(ValueError):
@@ -114,24 +115,24 @@ def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfi
         )
     page_bytes = step.kv_bytes_per_page_per_chip()
     pages_requested = shape.num_pages or shape.pages_needed()
-    pages_for_weights = int((capacity - weights) // page_bytes)  # before temporaries
-    step = step.with_num_pages(max(2, min(pages_requested, pages_for_weights)))
-
     keys = step.buckets.all_keys()
     largest = max(keys, key=lambda k: (k.num_tokens, k.num_seqs, k.query_block))
-    first = _compile_bucket(step, largest)
-    other_args = first.argument_bytes - weights - step.kv_bytes_per_chip()
-    largest_pool = int((capacity - weights - first.temp_bytes - max(other_args, 0)) // page_bytes)
+    # The step's scratch does not grow with the pool (the pool is updated in place). When the
+    # requested pool leaves little room, the largest bucket is first compiled over a pool of one
+    # sequence to measure that scratch, then over the largest pool that fits.
+    roomy = weights + pages_requested * page_bytes < PROBE_BELOW * capacity
+    probe_pages = pages_requested if roomy else shape.pages_per_seq + 1
+    probe = _compile_bucket(step.with_num_pages(probe_pages), largest)
+    other_args = probe.argument_bytes - weights - probe_pages * page_bytes  # the batch, sampling inputs
+    largest_pool = int((capacity - weights - probe.temp_bytes - max(other_args, 0)) // page_bytes)
     if largest_pool < 1 + shape.pages_per_seq:
         raise DoesNotFit(
-            f"after {weights / GiB:.1f} GiB of weights and {first.temp_bytes / GiB:.1f} GiB of step scratch per chip, "
+            f"after {weights / GiB:.1f} GiB of weights and {probe.temp_bytes / GiB:.1f} GiB of step scratch per chip, "
             f"{max(largest_pool, 0)} KV pages fit; one sequence of max_model_len={shape.max_model_len} needs "
             f"{shape.pages_per_seq + 1}. Use more chips, smaller weights, a smaller --max-model-len or an int8 KV cache"
         )
-    results = {largest: first}
-    if step.num_pages > largest_pool:  # the first compile's pool left no room for its own scratch: shrink it
-        step = step.with_num_pages(largest_pool)
-        results = {largest: _compile_bucket(step, largest)}
+    step = step.with_num_pages(min(pages_requested, largest_pool))
+    results = {largest: probe if roomy else _compile_bucket(step, largest)}
     if on_bucket:
         on_bucket(results[largest])
     rest = [k for k in keys if k not in results]
@@ -186,12 +187,12 @@ def format_plan(plan: Plan) -> str:
         "",
         "Decode estimate (HBM roofline: weights + KV read once per step at the chip's bandwidth; an estimate, not a measurement):",
         "",
-        "| context | step ms | tokens/s (all replicas) | ms per token per sequence |",
-        "|---:|---:|---:|---:|",
+        "| context | step ms (= time per output token) | tokens/s (all replicas) |",
+        "|---:|---:|---:|",
     ]
     for context in sorted({min(1024, shape.max_model_len), shape.max_model_len // 2, shape.max_model_len}):
         seconds, tokens_per_second = plan.decode_estimate(context)
-        lines.append(f"| {context} | {seconds * 1e3:.2f} | {tokens_per_second:,.0f} | {seconds * 1e3:.2f} |")
+        lines.append(f"| {context} | {seconds * 1e3:.2f} | {tokens_per_second:,.0f} |")
     if replicas > 1:
         lines.append(f"({replicas} replicas, each with its own batch and KV pool)")
     if any(b.pool_copies for b in plan.buckets):

@@ -123,7 +123,7 @@ class AbstractStep:
         return 2 * _shard_bytes(self.kv.k)
 
     def kv_bytes_per_page_per_chip(self) -> int:
-        return self.kv_bytes_per_chip() // (self.num_pages * self.parallel.num_replicas) * self.parallel.num_replicas
+        return self.kv_bytes_per_chip() // self.num_pages  # a chip holds its replica's num_pages pages
 
     def kv_pool_elements_per_chip(self) -> int:
         return math.prod(self.kv.k.sharding.shard_shape(self.kv.k.shape))

@@ -1,0 +1,170 @@
+"""The real TPU and GPU compilers, run on this CPU with no chip (jaxinfer.aot).
+
+libtpu (the test extra's `jax[tpu]`) compiles for TPU v5e / v6e topologies; the CUDA plugin
+(installed --no-deps) compiles for an H100 from its target description. Interpret mode proves a
+kernel's arithmetic; these prove the chip's compiler takes it: Mosaic's tiling and DMA rules,
+Triton's, and the whole serving step's memory.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+
+from jaxinfer.aot import kernel_check
+from jaxinfer.aot.plan import DoesNotFit, plan_deployment
+from jaxinfer.aot.presets import read_model_config
+from jaxinfer.aot.step_compile import AbstractStep, ServingShape
+from jaxinfer.aot.targets import TargetError, compile_target
+from jaxinfer.batch import BucketKey, Buckets
+from jaxinfer.config import ModelConfig
+from jaxinfer.kernels import Kernels
+from jaxinfer.kv_cache import KVCache
+from sharding.hlo import pool_sized_copies
+from sharding.mesh import ParallelConfig
+
+# A small Llama: 2 layers, GQA 4 / 2 heads of 128 (so tp=2 splits the KV heads), a 1 024-token vocabulary.
+SMALL = ModelConfig.from_hf_dict(
+    dict(model_type="llama", hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+         num_key_value_heads=2, head_dim=128, vocab_size=1024, max_position_embeddings=4096, rms_norm_eps=1e-5,
+         rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+    source="test",
+)
+SHAPE = ServingShape(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=8)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_persistent_cache():
+    """Executables compiled for a described chip cannot be loaded back here (no client to load
+    them into): keep them out of the test session's compilation cache."""
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+
+
+@pytest.fixture(scope="module")
+def v5e():
+    return compile_target("v5e:2x2")
+
+
+@pytest.fixture(scope="module")
+def v6e():
+    return compile_target("v6e:2x2")
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return compile_target("h100")
+
+
+def refused(results):
+    return [(r.family, r.kernel, r.case, r.error) for r in results if r.error is not None]
+
+
+# ----------------------------------------------------------------------------- kernels
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_every_tpu_kernel_compiles_at_a_gqa_and_a_smollm2_shape(chip, request):
+    """Attention in decode, prefill and mixed buckets with bf16, int8 and fp8 pages, flash
+    attention, RoPE + KV write, add+RMSNorm, SwiGLU and int8 / fp8 / int4 matmuls."""
+    results = kernel_check.check_kernels(request.getfixturevalue(chip), families=["llama-3.1-8b", "smollm2-135m"])
+    assert len(results) == 2 * 16
+    assert refused(results) == []
+
+
+def test_every_triton_kernel_compiles_for_an_h100(h100):
+    results = kernel_check.check_kernels(h100, families=["llama-3.1-8b", "smollm2-135m"])
+    assert len(results) == 2 * 16
+    assert refused(results) == []
+
+
+def test_a_mis_tiled_block_is_refused_by_the_tpu_compiler(v6e):
+    """The check can fail: a (3, 5) block of a bf16 array is not whole (16, 128) tiles."""
+
+    def copy(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    mis_tiled = pl.pallas_call(copy, out_shape=jax.ShapeDtypeStruct((6, 10), jnp.bfloat16), grid=(2, 2),
+                               in_specs=[pl.BlockSpec((3, 5), lambda i, j: (i, j))], out_specs=pl.BlockSpec((3, 5), lambda i, j: (i, j)))
+    with pytest.raises(Exception, match="divisible by 8 and 128"):
+        kernel_check.compile_for(v6e, mis_tiled, [jax.ShapeDtypeStruct((6, 10), jnp.bfloat16)])
+
+
+def test_tpu_pools_keep_the_row_major_layout_the_kernels_read(v6e):
+    """A TPU lays out a [.., heads, 64] bf16 array with the page axis in the lanes; the pools are
+    sized (kv_cache.pool_kv_heads / pool_head_dim) so that every family's keeps the row-major
+    layout the kernels DMA from, at every tp and KV dtype."""
+    mesh = v6e.mesh(("x",), (1,))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    for family in ("llama-3.1-8b", "llama-3.2-1b", "qwen2.5-7b", "smollm2-135m"):
+        config = read_model_config(family)
+        for tp in (1, 2, 8):
+            if config.num_kv_heads % tp and tp % config.num_kv_heads:
+                continue
+            for dtype in (jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn):
+                L, P, page, heads, D = KVCache.shape(config, 64, 16, dtype, tp=tp, kernels=Kernels("tpu"))
+                local = jax.ShapeDtypeStruct((L, P, page, heads // tp, D), dtype, sharding=sharding)
+                with jax.set_mesh(mesh):
+                    compiled = jax.jit(lambda a: a, donate_argnums=0).lower(local).compile()
+                assert compiled.input_formats[0][0].layout.major_to_minor == (0, 1, 2, 3, 4), (family, tp, dtype)
+
+
+# ----------------------------------------------------------------------------- the whole step
+def assert_in_place_with_kernels(plan: AbstractStep, key: BucketKey, marker: str):
+    compiled = plan.compile(key)
+    hlo = compiled.as_text()
+    assert marker in hlo, "the platform's Pallas kernels are in the step"
+    assert pool_sized_copies(hlo, plan.kv_pool_elements_per_chip()) == 0, "the donated pool is updated in place"
+    memory = compiled.memory_analysis()
+    assert memory.alias_size_in_bytes >= plan.kv_bytes_per_chip(), "the KV pool is aliased to the output"
+    return memory
+
+
+def test_whole_step_compiles_for_two_tpu_chips_with_tensor_parallelism(v6e):
+    plan = AbstractStep.build(SMALL, v6e, ParallelConfig(tp=2), SHAPE)
+    assert plan.mesh.devices.size == 2 and plan.kv.k.sharding.shard_shape(plan.kv.k.shape)[3] == 2  # 1 KV head per chip + 1 of padding: a bf16 word holds 2
+    keys = plan.buckets.all_keys()
+    decode = next(k for k in keys if k.query_block == 1)
+    mixed = max(keys, key=lambda k: (k.num_tokens, k.num_seqs))
+    for key in (decode, mixed):
+        assert_in_place_with_kernels(plan, key, "tpu_custom_call")
+
+
+def test_whole_step_compiles_for_an_h100(h100):
+    plan = AbstractStep.build(SMALL, h100, ParallelConfig(), SHAPE)
+    key = max(plan.buckets.all_keys(), key=lambda k: (k.num_tokens, k.num_seqs))
+    assert_in_place_with_kernels(plan, key, "xla.gpu.triton")
+
+
+# ----------------------------------------------------------------------------- jaxinfer aot
+def test_aot_prints_a_table_of_every_bucket_with_memory_and_a_decode_estimate(tmp_path, capsys):
+    import json
+
+    from jaxinfer.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(SMALL.to_hf_dict()))
+    args = ["aot", "--model", str(tmp_path / "config.json"), "--topology", "v6e:1", "--max-model-len", "1024",
+            "--max-num-seqs", "4", "--max-num-batched-tokens", "4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("| decode", "| prefill", "| mixed"))]
+    assert len(rows) == len(Buckets.default(4, 4, pages_per_seq=1024 // 16).all_keys())
+    assert all(line.rstrip().endswith("| 0 |") for line in rows), "no bucket copies the pool"
+    assert "largest that fits" in out and "HBM roofline" in out and "TPU v6 lite" in out
+
+
+def test_aot_refuses_a_model_whose_weights_do_not_fit_and_says_by_how_much(v5e):
+    config = read_model_config("llama-3.1-70b")
+    with pytest.raises(DoesNotFit, match=r"weights need 131\.\d GiB per chip .* 16\.0 GiB: 8\.\d\dx too much"):
+        plan_deployment(config, v5e, ParallelConfig(), ServingShape(max_model_len=8192, max_num_seqs=64))
+
+
+def test_targets_name_chips_and_refuse_unknown_ones():
+    assert compile_target("v6e:1").num_chips == 1
+    assert compile_target("v5e-8").num_chips == 8
+    assert compile_target("v5p:2x2x1").chip.kind == "TPU v5"
+    h200 = compile_target("h200")
+    assert h200.chip.hbm_bytes == 141 * 10**9 and h200.chip.hbm_bytes_per_second > compile_target("h100").chip.hbm_bytes_per_second
+    with pytest.raises(TargetError, match="unknown target 'tpu9'"):
+        compile_target("tpu9")
