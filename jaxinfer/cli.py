@@ -205,6 +205,9 @@ def cmd_aot(args) -> int:
     from jaxinfer.aot.targets import compile_target
     from sharding.mesh import ParallelConfig
 
+    if args.cache_dir:
+        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     config = read_model_config(args.model)
     target = compile_target(args.topology)
     parallel = ParallelConfig(dp=args.data_parallel_size, tp=args.tensor_parallel_size, ep=args.expert_parallel_size)
@@ -273,6 +276,8 @@ def main(argv=None) -> int:
     a.add_argument("--quantization", choices=("int8", "int4", "fp8"), default=None)
     a.add_argument("--group-size", type=int, default=128, help="int4 group size")
     a.add_argument("--jobs", "-j", type=int, default=1, help="buckets compiled at once")
+    a.add_argument("--cache-dir", default=None,
+                   help="also write each compiled bucket into this JAX compilation cache (experimental: see docs/aot.md)")
     a.set_defaults(func=cmd_aot, coordinator=None, num_processes=None, process_id=None, multihost=False)
 
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""What a Pallas TPU kernel asks of the chip it is compiled for: VMEM to plan blocks with.
+"""What a Pallas TPU kernel asks of the chip it is compiled for: VMEM and MXU width to plan blocks with.
 
 Under a TPU mesh (a real TPU, or a described topology when compiling ahead of time, see
 `jaxinfer.aot`), `pltpu.get_tpu_info()` describes the target chip. Anywhere else (interpret mode
@@ -34,3 +34,9 @@ def vmem_limit_bytes() -> int:
 def compiler_params(*dimension_semantics: str) -> pltpu.CompilerParams:
     """Mosaic compiler parameters with the target chip's VMEM limit (`vmem_limit_bytes`)."""
     return pltpu.CompilerParams(dimension_semantics=dimension_semantics, vmem_limit_bytes=vmem_limit_bytes())
+
+
+def mxu_columns() -> int:
+    """Width of the target chip's matrix unit (128 on v5e / v5p, 256 on v6e); 128 with no chip."""
+    info = target_tpu_info()
+    return info.mxu_column_size if info is not None else 128

@@ -91,22 +91,24 @@ def test_model_with_pallas_kernels_matches_the_reference_model(model_dir, refere
         np.testing.assert_allclose(g, w, atol=1e-4)
 
 
-def pallas_call_names(jaxpr) -> set[str]:
-    """Names of every pallas_call in a (closed) jaxpr, nested jaxprs (loops, conds, jits) included."""
-    names = set()
+def pallas_calls(jaxpr) -> dict[str, bool]:
+    """Name -> "declares a cost estimate" for every pallas_call in a (closed) jaxpr, nested jaxprs
+    (loops, conds, jits) included."""
+    calls = {}
     for eqn in jaxpr.jaxpr.eqns if hasattr(jaxpr, "jaxpr") else jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
-            names.add(eqn.params["name"])
+            calls[eqn.params["name"]] = eqn.params.get("cost_estimate") is not None
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
-                    names |= pallas_call_names(sub)
-    return names
+                    calls.update(pallas_calls(sub))
+    return calls
 
 
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_every_kernel_is_in_the_step(model_dir, platform):
-    """The step traced with a platform's kernels calls each of them (none silently falls back)."""
+    """The step traced with a platform's kernels calls each of them (none silently falls back), and
+    each declares its cost to XLA (a pl.CostEstimate)."""
     source = resolve_model(model_dir)
     config = read_config(source)
     graphdef, params = load_params(source, config, jnp.float32, jnp.float32, kernels=Kernels(platform, True), progress=False)
@@ -116,9 +118,10 @@ def test_every_kernel_is_in_the_step(model_dir, platform):
     buckets = Buckets((16, FLASH_MIN_TOKENS), max_num_seqs=4, pages_per_seq=32)
     key, batch, _ = pack_batch([SequenceChunk(list(range(3, 203)), 0, list(range(1, 26)), [0])], buckets, PAGE_SIZE)
     forward = lambda params, kv, batch: step.forward(params, kv, batch, query_block=key.query_block)  # noqa: E731
-    names = pallas_call_names(jax.make_jaxpr(forward)(params, kv, step.place_inputs(stack_replicas([batch]))))
+    calls = pallas_calls(jax.make_jaxpr(forward)(params, kv, step.place_inputs(stack_replicas([batch]))))
     kernels = ("add_rms_norm", "rope_kv_write", "swiglu_matmul", "ragged_paged_attention", "flash_attention", "quantized_matmul")
-    assert [k for k in kernels if not any(name.startswith(k) for name in names)] == [], names
+    assert [k for k in kernels if not any(name.startswith(k) for name in calls)] == [], calls
+    assert [name for name, has_cost in calls.items() if not has_cost] == []
 
 
 def test_attention_impl_resolves_per_backend():

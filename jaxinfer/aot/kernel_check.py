@@ -129,6 +129,7 @@ def compile_for(target: Target, fn, args):
 def check_kernels(target: Target, families=None, kernels=None, on_result=None) -> list[KernelCompile]:
     """Compiles every kernel case for every family (names from FAMILY_SHAPES); never raises for a
     refused compile: it is reported in KernelCompile.error."""
+    jax.clear_caches()  # kernels read the chip (VMEM, MXU width) while tracing: no trace of another target's
     results = []
     for family in families or FAMILY_SHAPES:
         for kernel, case, fn, args in kernel_cases(target, FAMILY_SHAPES[family]):

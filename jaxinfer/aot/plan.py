@@ -68,17 +68,18 @@ class Plan:
     def target(self) -> Target:
         return self.step.target
 
-    def decode_estimate(self, context: int) -> tuple[float, float]:
-        """(seconds per decode step, tokens/s over all replicas) with every sequence of the
-        largest decode batch at `context` tokens: per chip, the weights plus those sequences'
-        K and V are read once per step, at the chip's HBM bandwidth. An estimate."""
-        decode = [b for b in self.buckets if b.kind == "decode"]
-        seqs = max(b.key.num_seqs for b in decode) if decode else self.step.shape.max_num_seqs
+    def decode_estimate(self, context: int) -> tuple[int, float, float]:
+        """(sequences per replica, seconds per decode step, tokens/s over all replicas) for the
+        largest decode batch the compiled pool holds at `context` tokens each: per chip, the
+        weights plus those sequences' K and V are read once per step, at the chip's HBM
+        bandwidth. An estimate."""
         s = self.step
+        decode = [b.key.num_seqs for b in self.buckets if b.kind == "decode"] or [s.shape.max_num_seqs]
+        seqs = min(max(decode), (s.num_pages - 1) * s.shape.page_size // context)
         kv_per_token = s.kv_bytes_per_page_per_chip() / s.shape.page_size
         step_bytes = s.weight_bytes_per_chip() + seqs * context * kv_per_token
         seconds = step_bytes / self.target.chip.hbm_bytes_per_second
-        return seconds, seqs * s.parallel.num_replicas / seconds
+        return seqs, seconds, seqs * s.parallel.num_replicas / seconds
 
 
 def _compile_bucket(step: AbstractStep, key: BucketKey) -> BucketCompile:
@@ -187,12 +188,14 @@ def format_plan(plan: Plan) -> str:
         "",
         "Decode estimate (HBM roofline: weights + KV read once per step at the chip's bandwidth; an estimate, not a measurement):",
         "",
-        "| context | step ms (= time per output token) | tokens/s (all replicas) |",
-        "|---:|---:|---:|",
+        "| context | sequences per replica | step ms (= time per output token) | tokens/s (all replicas) |",
+        "|---:|---:|---:|---:|",
     ]
     for context in sorted({min(1024, shape.max_model_len), shape.max_model_len // 2, shape.max_model_len}):
-        seconds, tokens_per_second = plan.decode_estimate(context)
-        lines.append(f"| {context} | {seconds * 1e3:.2f} | {tokens_per_second:,.0f} |")
+        if (s.num_pages - 1) * shape.page_size < context:
+            continue
+        seqs, seconds, tokens_per_second = plan.decode_estimate(context)
+        lines.append(f"| {context} | {seqs} | {seconds * 1e3:.2f} | {tokens_per_second:,.0f} |")
     if replicas > 1:
         lines.append(f"({replicas} replicas, each with its own batch and KV pool)")
     if any(b.pool_copies for b in plan.buckets):

@@ -78,6 +78,7 @@ class AbstractStep:
 
     @classmethod
     def build(cls, config: ModelConfig, target: Target, parallel: ParallelConfig, shape: ServingShape) -> "AbstractStep":
+        jax.clear_caches()  # kernels read the chip (VMEM, MXU width) while tracing: no trace of another target's
         dtype = jnp.dtype(shape.dtype)
         kv_dtype = jnp.dtype(shape.kv_cache_dtype or shape.dtype)
         kernels = Kernels(platform=target.platform, interpret=False)

@@ -56,7 +56,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.compat import patch_interpret_mode
 from pallas_kernels import cost
-from pallas_kernels.tpu_chip import compiler_params
+from pallas_kernels.tpu_chip import compiler_params, mxu_columns
 from pallas_kernels.quantized_matmul.reference import check_matmul_inputs
 
 LANES = 128  # TPU vreg lane width: the minor dim of a block is a multiple of this, or the whole dim
@@ -137,11 +137,12 @@ def quantized_matmul(
     mode: str,
     group_size: int | None = None,
     block_m: int = 128,
-    block_n: int = 256,
+    block_n: int | None = None,  # default: twice the chip's MXU width (256 on v5e / v5p, 512 on v6e)
     block_k: int = 512,
     interpret=False,     # False on TPU; True or pltpu.InterpretParams() elsewhere
 ) -> jax.Array:          # [M, N] in x's dtype
     Kw = check_matmul_inputs(x, qweight, scales, mode, group_size)  # the weight's K (int4: padded Kp)
+    block_n = block_n or 2 * mxu_columns()
     if block_m < 1 or block_n < 1 or block_n % LANES or block_k < 1:
         raise ValueError(f"block sizes must be positive and block_n a multiple of {LANES}, got {block_m, block_n, block_k}")
     M, K = x.shape

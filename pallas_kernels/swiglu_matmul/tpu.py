@@ -51,7 +51,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.compat import patch_interpret_mode
 from pallas_kernels import cost
-from pallas_kernels.tpu_chip import compiler_params
+from pallas_kernels.tpu_chip import compiler_params, mxu_columns
 from pallas_kernels.swiglu_matmul.reference import check_inputs
 
 LANES = 128  # TPU vreg lane width: the minor dim of a block is a multiple of this, or the whole dim
@@ -100,11 +100,12 @@ def swiglu_matmul(
     w_gate_up: jax.Array,  # [K, 2N] = [gate | up]
     *,
     block_m: int = 128,
-    block_n: int = 256,
+    block_n: int | None = None,  # default: twice the chip's MXU width (256 on v5e / v5p, 512 on v6e)
     block_k: int = 512,
     interpret=False,  # False on TPU; True or pltpu.InterpretParams() elsewhere
 ) -> jax.Array:  # [M, N] in x's dtype
     N = check_inputs(x, w_gate_up)
+    block_n = block_n or 2 * mxu_columns()
     if block_m < 1 or block_n < LANES or block_k < 1:
         raise ValueError(f"block sizes must be positive and block_n at least {LANES}, got {block_m, block_n, block_k}")
     M, K = x.shape
