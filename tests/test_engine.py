@@ -293,3 +293,19 @@ def test_step_n_plus_1_is_dispatched_before_step_n_is_read(model_dir):
     overlapped = [k for k in range(steps - 1) if events.index(("dispatch", k + 1)) < events.index(("collect", k))]
     assert len(overlapped) >= steps // 2  # most steps were launched before their predecessor was read
     assert out == alone(llm, prompts, params)
+
+
+def test_tpu_kernels_and_a_tpu_pool_swap_and_share_pages_like_the_reference(model_dir, roomy):
+    """attention_impl="pallas" on the CPU: the TPU kernels in interpret mode over a pool laid out
+    for a TPU (head_dim 16 stored in 128 lanes). Swapping pages out and back and copy-on-write of a
+    shared partial page move whole padded pages and change no token."""
+    prompts, params = workload(8, seed=5)
+    reference = alone(roomy, prompts, params)
+    tpu = LLM(model_dir, num_pages=24, max_num_batched_tokens=32, preemption_mode="swap", attention_impl="pallas", **BASE)
+    assert tpu.runner.kv.k.shape[-1] == 128
+    assert together(tpu, prompts, params) == reference
+    assert tpu.engine.get_stats().num_preemptions > 0
+    prompt = list(range(3, 21))  # 18 tokens: a shared partial page, copied on the first write
+    greedy = SamplingParams(n=2, temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert [c.token_ids for c in tpu.generate([prompt], greedy, use_tqdm=False)[0].outputs] == \
+        [c.token_ids for c in roomy.generate([prompt], greedy, use_tqdm=False)[0].outputs]
