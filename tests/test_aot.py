@@ -131,8 +131,10 @@ def test_whole_step_compiles_for_two_tpu_chips_with_tensor_parallelism(v6e):
         assert_in_place_with_kernels(plan, key, "tpu_custom_call")
 
 
-def test_whole_step_compiles_for_an_h100(h100):
-    plan = AbstractStep.build(SMALL, h100, ParallelConfig(), SHAPE)
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_whole_step_compiles_for_an_nvidia_gpu(gpu):
+    """The H200's description is the H100's with its memory and bandwidth (targets.py)."""
+    plan = AbstractStep.build(SMALL, compile_target(gpu), ParallelConfig(), SHAPE)
     key = max(plan.buckets.all_keys(), key=lambda k: (k.num_tokens, k.num_seqs))
     assert_in_place_with_kernels(plan, key, "xla.gpu.triton")
 

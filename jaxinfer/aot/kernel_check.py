@@ -85,15 +85,16 @@ def kernel_cases(target: Target, shape: FamilyShape):
     sm_scale = D**-0.5
     kv_dtypes = (("bf16", bf16, {}), ("int8", jnp.int8, dict(k_scale=0.05, v_scale=0.05)),
                  ("fp8", jnp.float8_e4m3fn, dict(k_scale=0.05, v_scale=0.05)))
+    Dp = -(-D // 128) * 128 if tpu else D  # the pool's rows as the model stores them (kv_cache.pool_head_dim)
     for name, kv_dtype, scales in kv_dtypes:
         Hs = stored_kv_heads(Hkv, kv_dtype)
-        pages = spec((NUM_PAGES, PAGE_SIZE, Hs, D), kv_dtype)
+        pages = spec((NUM_PAGES, PAGE_SIZE, Hs, Dp), kv_dtype)
         for bucket, T, S, Bq in ATTENTION_BUCKETS:
             heads = dict(num_kv_heads=Hkv) if tpu else {}
             fn = functools.partial(ragged_paged_attention, sm_scale=sm_scale, num_queries_per_block=Bq, **heads, **scales)
-            args = (spec((T, Hq, D), bf16), pages, pages, spec((S,), i32), spec((S, PAGES_PER_SEQ), i32),
+            args = (spec((T, Hq, Dp), bf16), pages, pages, spec((S,), i32), spec((S, PAGES_PER_SEQ), i32),
                     spec((S + 1,), i32), spec((1,), i32))
-            yield "ragged_paged_attention", f"{bucket} T={T} S={S} kv={name} Hs={Hs}", fn, args
+            yield "ragged_paged_attention", f"{bucket} T={T} S={S} kv={name} Hs={Hs} D={Dp}", fn, args
 
     T = 512
     yield ("flash_attention", f"prefill T={T}", functools.partial(flash, sm_scale=sm_scale, causal=True),

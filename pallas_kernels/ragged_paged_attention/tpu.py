@@ -296,9 +296,9 @@ def _kernel(
         if sliding_window is not None:
             visible &= kv_pos > q_pos - sliding_window
 
-        values = dict(read_heads(v_buf.at[slot], num_kv_heads, v_scale))
-        for h, k in read_heads(k_buf.at[slot], num_kv_heads, k_scale):
-            v = jnp.where(fetched, values[h], 0.0).astype(dtype)
+        keys, values = read_heads(k_buf.at[slot], num_kv_heads, k_scale), read_heads(v_buf.at[slot], num_kv_heads, v_scale)
+        for (h, k), (_, v) in zip(keys, values):  # head by head: one head's K and V live at a time
+            v = jnp.where(fetched, v, 0.0).astype(dtype)
             s = jax.lax.dot_general(q_ref[h], k.astype(dtype), (((1,), (1,)), ((), ())), precision=precision,
                                     preferred_element_type=jnp.float32)  # [R, K]
             s = s * sm_scale
