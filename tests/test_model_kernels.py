@@ -33,7 +33,7 @@ PAGE_SIZE = 8
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-qwen2-kernels")
     save_hf_model("qwen2", directory, intermediate_size=128,  # 128: the TPU SwiGLU kernel's column tile
-                  hidden_size=768, num_attention_heads=6, num_key_value_heads=3)  # head_dim 128: TPU pools need no lane padding
+                  hidden_size=96, head_dim=128, num_attention_heads=6, num_key_value_heads=3)  # head_dim 128: no lane padding on TPU
     return directory
 
 
