@@ -91,12 +91,13 @@ def rope_and_write_kv(q, k, v, cos, sin, k_pages, v_pages, write_page, write_off
 
     q [T, Hq, D], k / v [T, Hkv, D], cos / sin [T, D], pools [N, page_size, Hs, Ds], write_page /
     write_offset [T] (pool page, slot). Returns (q_rot, k_rot [T, Hkv, D], k_pages, v_pages).
-    Pools holding more heads or lanes than the model (TPU tiling: kv_cache.pool_kv_heads and
-    pool_head_dim) get zeros in the extra ones; with padded lanes the rotation and the write are
-    XLA's (the kernel rotates the halves of the stored row). With Pallas kernels this is one kernel (pallas_kernels.rope_kv_write)
-    that writes each token's row into its page in place; the XLA path rotates and scatters. The
-    TPU kernel copies rows as they are, so it needs k / v in the pools' dtype (quantized pages take
-    the XLA path); the GPU kernel needs head_dim / 2 to be a power of two.
+    With Pallas kernels this is one kernel (pallas_kernels.rope_kv_write) that writes each token's
+    row into its page in place; the XLA path rotates and scatters. The TPU kernel copies rows as
+    they are, so it needs k / v in the pools' dtype (quantized pages take the XLA path); the GPU
+    kernel needs head_dim / 2 to be a power of two. Pools holding more heads or lanes than the
+    model (TPU tiling: kv_cache.pool_kv_heads and pool_head_dim) get zeros in the extra ones; with
+    padded lanes the rotation and the write are XLA's (the kernel rotates the halves of the row
+    it stores, which would be the padded row).
     """
     Hkv, D = k.shape[1:]
     if k_pages.shape[3] != D:  # TPU pools with head_dim padded to whole lanes: rotate, then write padded rows
@@ -270,7 +271,8 @@ def attend_sequence_parallel(q, k, v, cos, sin, k_pages, v_pages, layer_page_off
     valid_all = jnp.arange(T) < batch.cu_q_lens[batch.num_seqs[0]]
     Hkv, D = k.shape[1:]
     cached_out, cached_lse = split_kv.ragged_paged_attention(  # earlier steps' K/V, from the pages
-        q, model_part(k_pages, Hkv, D), model_part(v_pages, Hkv, D), view.kv_lens, view.page_table + layer_page_offset, view.cu_q_lens, view.num_seqs,
+        q, model_part(k_pages, Hkv, D), model_part(v_pages, Hkv, D), view.kv_lens, view.page_table + layer_page_offset,
+        view.cu_q_lens, view.num_seqs,
         kv_end=batch.kv_lens - q_lens, return_lse=True, num_queries_per_block=query_block,
         num_kv_pages_per_block=max(1, PREFILL_KV_TOKENS_PER_ITEM // k_pages.shape[1]), **options,
     )
