@@ -41,7 +41,8 @@ class MeshModel:
         self.step = StepFunction(graphdef, 0, mesh=self.mesh, param_specs=param_partition_specs(self.params, config))
         self.replicas = parallel.num_replicas
         sharding = jax.sharding.NamedSharding(self.mesh, kv_partition_spec().k)
-        self.kv = KVCache.create(config, PAGES_PER_REPLICA * self.replicas, PAGE_SIZE, tp=parallel.tp, sharding=sharding)
+        self.kv = KVCache.create(config, PAGES_PER_REPLICA * self.replicas, PAGE_SIZE, tp=parallel.tp, sharding=sharding,
+                                 kernels=kernels)
         self.next_page = [1] * self.replicas  # page 0 of every replica is its scratch page
 
     def allocate(self, replica: int, num_tokens: int) -> list[int]:

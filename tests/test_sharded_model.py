@@ -68,11 +68,17 @@ def test_moe_model_on_a_mesh_matches_one_device(moe_dir, moe_truth, parallel):
     assert_same_logits(run_scenario(MeshModel(moe_dir, parallel)), moe_truth)
 
 
-@pytest.mark.parametrize("platform", ["tpu", "gpu"])
-def test_pallas_kernels_run_per_device_on_a_mesh(dense_dir, dense_truth, platform):
-    """The kernels (interpret mode here) see one device's heads and one replica's pages."""
-    assert_same_logits(run_scenario(MeshModel(dense_dir, ParallelConfig(dp=2, tp=2), Kernels(platform, interpret=True))),
-                       dense_truth)
+@pytest.mark.parametrize("platform,parallel", [
+    ("tpu", ParallelConfig(dp=2, tp=2)), ("gpu", ParallelConfig(dp=2, tp=2)), ("tpu", ParallelConfig(sp=2, sp_attention="ring")),
+], ids=lambda x: x if isinstance(x, str) else mesh_id(x))
+def test_pallas_kernels_run_per_device_on_a_mesh(dense_dir, dense_truth, platform, parallel):
+    """The kernels (interpret mode here) see one device's heads and one replica's pages; with the
+    TPU kernels each device's pool is laid out for a TPU (head_dim in 128 lanes), which the
+    sequence-parallel ring writes into and reads its cached prefix from."""
+    model = MeshModel(dense_dir, parallel, Kernels(platform, interpret=True))
+    if platform == "tpu":
+        assert model.kv.k.shape[-1] == 128
+    assert_same_logits(run_scenario(model), dense_truth)
 
 
 def compiled_collectives(model_dir, parallel: ParallelConfig) -> tuple[Counter, Counter, list]:
