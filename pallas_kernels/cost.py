@@ -12,10 +12,9 @@ from __future__ import annotations
 from jax.experimental import pallas as pl
 
 
-def matmul(M: int, K: int, N: int, *, x_itemsize: int, weight_bytes: int, out_itemsize: int,
-           extra_flops: int = 0, transcendentals: int = 0) -> pl.CostEstimate:
+def matmul(M: int, K: int, N: int, *, x_itemsize: int, weight_bytes: int, out_itemsize: int) -> pl.CostEstimate:
     """[M, K] @ [K, N] with `weight_bytes` of weights (quantized weights and scales included)."""
-    return pl.CostEstimate(flops=2 * M * K * N + extra_flops, transcendentals=transcendentals,
+    return pl.CostEstimate(flops=2 * M * K * N, transcendentals=0,
                            bytes_accessed=M * K * x_itemsize + weight_bytes + M * N * out_itemsize)
 
 

@@ -133,7 +133,7 @@ def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfi
             f"{shape.pages_per_seq + 1}. Use more chips, smaller weights, a smaller --max-model-len or an int8 KV cache"
         )
     step = step.with_num_pages(min(pages_requested, largest_pool))
-    results = {largest: probe if roomy else _compile_bucket(step, largest)}
+    results = {largest: probe if step.num_pages == probe_pages else _compile_bucket(step, largest)}
     if on_bucket:
         on_bucket(results[largest])
     rest = [k for k in keys if k not in results]
