@@ -23,6 +23,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--quantization", default=None, help="weight-only quantization: none | int8 | int4 | fp8")
+    p.add_argument("--kernel-impl", "--attention-impl", dest="kernel_impl", default="auto",
+                   help="auto | reference | pallas | pallas-tpu | pallas-gpu (see jaxinfer.ops.kernels)")
     par = p.add_argument_group("parallelism (a device mesh over every process's devices)")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="Megatron sharding of heads and MLP")
     par.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="independent replicas, requests balanced")
@@ -86,7 +89,8 @@ def _llm(args):
     from jaxinfer import LLM
 
     return LLM(
-        args.model, dtype=args.dtype, max_model_len=args.max_model_len, page_size=args.page_size,
+        args.model, dtype=args.dtype, quantization=args.quantization, kernel_impl=args.kernel_impl,
+        max_model_len=args.max_model_len, page_size=args.page_size,
         num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         sequence_parallel_size=args.sequence_parallel_size, expert_parallel_size=args.expert_parallel_size,
@@ -182,13 +186,13 @@ def cmd_chat(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from jaxinfer.llm import _dtype
-    from jaxinfer.loading import load_params, read_config, resolve_model, save_converted
+    from jaxinfer.engine.config import dtype_of
+    from jaxinfer.runtime.loading import load_params, read_config, resolve_model, save_converted
     from jaxinfer.tokenizer import load_tokenizer
 
     source = resolve_model(args.src)
     config = read_config(source)
-    dtype = _dtype(args.dtype, "dtype")
+    dtype = dtype_of(args.dtype, "dtype")
     _, state = load_params(source, config, dtype, dtype)
     dst = save_converted(args.dst, config, state, load_tokenizer(source), overwrite=args.overwrite)
     print(f"wrote {dst} ({config.model_type}, {config.num_layers} layers, {dtype.__name__})")

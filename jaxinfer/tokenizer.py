@@ -12,7 +12,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from jaxinfer.loading import ModelSource
+from jaxinfer.runtime.loading import ModelSource
 
 # Bump when checkpoints_conv.gguf_tokenizer builds a different tokenizer from the same file, so
 # tokenizers cached by an older build are not reused.

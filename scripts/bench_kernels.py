@@ -410,7 +410,7 @@ def _power_of_two_splits(n: int, at_most: int = 16, min_len: int = 1) -> int:
 
 def rpa_candidates(ctx: Context, b: dict, *, decode: bool, query_block: int, sm_scale: float) -> list[Candidate]:
     """reference, split-kv, this backend's Pallas kernels and the peers, all on one paged batch `b`."""
-    from jaxinfer.attention import DECODE_KV_TOKENS_PER_ITEM, PREFILL_KV_TOKENS_PER_ITEM
+    from jaxinfer.ops.kernels import DECODE_KV_TOKENS_PER_ITEM, PREFILL_KV_TOKENS_PER_ITEM
     from pallas_kernels.ragged_paged_attention import reference, split_kv
 
     page_size = b["k_pages"].shape[1]
@@ -586,7 +586,7 @@ def bench_quantized_matmul(ctx: Context) -> None:
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.quantization import quantize
+    from jaxinfer.ops.quantization import quantize
     from pallas_kernels.quantized_matmul import reference
 
     a = ctx.args

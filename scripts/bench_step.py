@@ -160,7 +160,7 @@ def _summary(seconds: list[float]) -> dict:
 def _model_path(args) -> Path:
     if args.model:
         return Path(args.model).expanduser().absolute()
-    from jaxinfer.loading import default_model_path
+    from jaxinfer.runtime.loading import default_model_path
 
     return default_model_path()
 
@@ -174,7 +174,7 @@ def run_jaxinfer(args, dtype: str) -> dict:
         jax.config.update("jax_enable_compilation_cache", False)
     import numpy as np
 
-    from jaxinfer.batch import MAX_PREFILL_CHUNKS, SequenceChunk
+    from jaxinfer.ops.batch import MAX_PREFILL_CHUNKS, SequenceChunk
     from jaxinfer.engine.model_runner import RowSampling, ScheduledChunk
     from jaxinfer.llm import LLM
 
@@ -325,7 +325,7 @@ def run_jaxinfer(args, dtype: str) -> dict:
         ph.mark(f"decode B={B}")
 
     # host-side cost of packing one decode batch (already inside the step times above)
-    from jaxinfer.batch import pack_batch
+    from jaxinfer.ops.batch import pack_batch
 
     for B in args.batches:
         chunks = [SequenceChunk([1], ctx, seq_pages[s][: -(-(ctx + 1) // page_size)], [0]) for s in range(B)]
@@ -338,7 +338,7 @@ def run_jaxinfer(args, dtype: str) -> dict:
     if args.check_copies:
         import re
 
-        from jaxinfer.batch import pack_batch
+        from jaxinfer.ops.batch import pack_batch
 
         cache_elems = runner.kv.k.size
         for row in res["compiles"]:

@@ -36,13 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxinfer.batch import RaggedBatch  # noqa: E402
+from jaxinfer.ops.batch import RaggedBatch  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
-from jaxinfer.kv_cache import KVCache  # noqa: E402
-from jaxinfer.loading import abstract_model  # noqa: E402
+from jaxinfer.ops.kv_cache import KVCache  # noqa: E402
+from jaxinfer.runtime.loading import abstract_model  # noqa: E402
 from jaxinfer.models.param_layout import num_kv_heads_stored  # noqa: E402
-from jaxinfer.sampling import SamplingTensors  # noqa: E402
-from jaxinfer.step import StepFunction, kv_partition_spec, param_partition_specs  # noqa: E402
+from jaxinfer.ops.sampling import SamplingTensors  # noqa: E402
+from jaxinfer.runtime.placement import kv_partition_spec, param_partition_specs
+from jaxinfer.runtime.step import StepFunction  # noqa: E402
 from sharding import rules  # noqa: E402
 from sharding.hlo import split_by_layer_loop  # noqa: E402
 from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402

@@ -78,7 +78,7 @@ def correctness_rows(interpret: bool, small: bool):
     from pallas_kernels.ragged_paged_attention import reference as rpa_ref
     from pallas_kernels.rope_kv_write import rope_kv_write_gpu, rope_kv_write_reference
     from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu, swiglu_matmul_reference
-    from jaxinfer.quantization import quantize
+    from jaxinfer.ops.quantization import quantize
 
     rng = np.random.default_rng(0)
     families = {"smollm2-135m": (9, 3, 64, 576, 1536)} if small else {
@@ -126,7 +126,7 @@ def speed_rows(interpret: bool, small: bool, iters: int, peak_gbps: float):
     from pallas_kernels.quantized_matmul import reference as qmm_ref
     from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
     from pallas_kernels.ragged_paged_attention import split_kv
-    from jaxinfer.quantization import quantize
+    from jaxinfer.ops.quantization import quantize
 
     rng = np.random.default_rng(1)
     seqs, contexts = (2, (64,)) if small else (64, (1024, 4096))

@@ -140,7 +140,7 @@ if __name__ == "__main__":  # a quick check: greedy text of one prompt, then the
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from jaxinfer.loading import default_model_path
+    from jaxinfer.runtime.loading import default_model_path
 
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=str(default_model_path()))

@@ -19,9 +19,9 @@ import jax
 from flax import nnx
 
 from jaxinfer import LLM
-from jaxinfer.evaluate import perplexity
-from jaxinfer.models.llama import nested_to_flat
-from jaxinfer.quantization import MATMUL_WEIGHT_NAMES, param_bytes, quantize_model
+from jaxinfer.runtime.evaluate import perplexity
+from jaxinfer.tree import nested_to_flat
+from jaxinfer.ops.quantization import MATMUL_WEIGHT_NAMES, param_bytes, quantize_model
 
 MODES = [(None, None), ("int8", None), ("fp8", None), ("int4", 128), ("int4", 64), ("int4", 32)]
 

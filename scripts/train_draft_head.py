@@ -9,7 +9,7 @@ and compare them with prompt lookup on held-out prompts.
 
 1. The model answers chat prompts (templates x topics) greedily: its own text, no data download.
 2. One forward pass over each prompt + answer gives the final-normed hidden state at every
-   position (`jaxinfer.evaluate.hidden_states`).
+   position (`jaxinfer.runtime.evaluate.hidden_states`).
 3. The heads (`jaxinfer.models.draft_heads`) learn the 2nd .. (K+1)th tokens after each answer
    position and the target's hidden states at the positions they stand for: optax AdamW, the
    target's LM head and embedding frozen.
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.evaluate import hidden_states
+from jaxinfer.runtime.evaluate import hidden_states
 from jaxinfer.models.draft_heads import KINDS, evaluate_heads, save_heads, train_heads, training_windows
 from jaxinfer.models.layers import matmul
 

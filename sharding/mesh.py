@@ -45,7 +45,7 @@ class ParallelConfig:
     """Sizes of the mesh axes: data (replicas), tensor (Megatron TP), sequence (long-prefill SP),
     expert (MoE EP). Their product is the number of devices the mesh uses. `sp_attention` picks how
     sequence-parallel attention sees the other devices' keys and values: "allgather" or "ring"
-    (see jaxinfer.attention.attend_sequence_parallel)."""
+    (see jaxinfer.ops.attention.attend_sequence_parallel)."""
 
     dp: int = 1
     tp: int = 1

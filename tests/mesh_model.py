@@ -13,11 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.batch import BucketKey, Buckets, SequenceChunk, pack_batch, stack_replicas
-from jaxinfer.kernels import Kernels
-from jaxinfer.kv_cache import KVCache
-from jaxinfer.loading import load_params, read_config, resolve_model
-from jaxinfer.step import StepFunction, kv_partition_spec, param_partition_specs
+from jaxinfer.ops.batch import BucketKey, Buckets, SequenceChunk, pack_batch, stack_replicas
+from jaxinfer.ops.kernels import Kernels
+from jaxinfer.ops.kv_cache import KVCache
+from jaxinfer.runtime.loading import load_params, read_config, resolve_model
+from jaxinfer.runtime.placement import kv_partition_spec, param_partition_specs
+from jaxinfer.runtime.step import StepFunction
 from sharding.mesh import ParallelConfig, make_mesh
 
 PAGE_SIZE = 4

@@ -18,10 +18,10 @@ from jaxinfer.aot.plan import DoesNotFit, plan_deployment
 from jaxinfer.aot.presets import read_model_config
 from jaxinfer.aot.step_compile import AbstractStep, ServingShape
 from jaxinfer.aot.targets import TargetError, compile_target
-from jaxinfer.batch import BucketKey, Buckets
+from jaxinfer.ops.batch import BucketKey, Buckets
 from jaxinfer.config import ModelConfig
-from jaxinfer.kernels import Kernels
-from jaxinfer.kv_cache import KVCache
+from jaxinfer.ops.kernels import Kernels
+from jaxinfer.ops.kv_cache import KVCache
 from sharding.hlo import pool_sized_copies
 from sharding.mesh import ParallelConfig
 

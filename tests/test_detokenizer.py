@@ -14,7 +14,7 @@ TEXTS = ["plain ascii text", "héllo wörld", "日本語のテキスト", "emoji
 def tokenizers():
     out = {"bytes": byte_tokenizer()}
     try:  # the real SmolLM2 tokenizer (a GPT-2 style BPE), when the default model is installed
-        from jaxinfer.loading import resolve_model
+        from jaxinfer.runtime.loading import resolve_model
         from jaxinfer.tokenizer import load_tokenizer
 
         out["smollm2"] = load_tokenizer(resolve_model(None))

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.batch import MAX_PREFILL_CHUNKS
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import LLMEngine
+from jaxinfer.ops.batch import MAX_PREFILL_CHUNKS
 from tiny_models import save_hf_model
 
 BASE = dict(max_model_len=128, page_size=4, max_num_seqs=16, progress=False)
@@ -188,12 +190,10 @@ FUZZ_STEPS = []
 @hypothesis.settings(max_examples=50, deadline=None, derandomize=True, database=None)
 @hypothesis.given(data=st.data())
 def test_fuzz_arrivals_aborts_forks_and_preemption_leak_no_pages(fuzz_llm, data):
-    from jaxinfer.engine.engine import LLMEngine
-
     # a fresh engine (scheduler, pages, prefix cache) over the same compiled runner for each example
-    engine = LLMEngine(fuzz_llm.runner, fuzz_llm.tokenizer, vocab_size=fuzz_llm.config.vocab_size, max_model_len=128,
-                       max_num_batched_tokens=16, max_num_seqs=6, eos_token_ids=[2],
-                       preemption_mode=data.draw(st.sampled_from(["recompute", "swap"])))
+    config = EngineConfig(max_model_len=128, max_num_batched_tokens=16, max_num_seqs=6,
+                          preemption_mode=data.draw(st.sampled_from(["recompute", "swap"])))
+    engine = LLMEngine(config, fuzz_llm.runner, fuzz_llm.tokenizer, vocab_size=fuzz_llm.config.vocab_size, eos_token_ids=[2])
     bm = engine.block_manager
     live: list[str] = []
     for step in range(data.draw(st.integers(20, 100))):
@@ -217,7 +217,7 @@ def test_fuzz_arrivals_aborts_forks_and_preemption_leak_no_pages(fuzz_llm, data)
         engine.step()
         bm.check_invariants()
     assert not bm.seqs and bm.num_free_pages == bm.num_usable_pages  # nothing leaked, nothing still owned
-    FUZZ_STEPS.append((engine.num_steps, engine.scheduler.num_preemptions, bm.stats.hits))
+    FUZZ_STEPS.append((engine.get_stats().num_steps, engine.scheduler.num_preemptions, bm.stats.hits))
 
 
 def test_fuzz_covered_thousands_of_steps_with_preemptions_and_hits():

@@ -18,7 +18,6 @@ import pytest
 
 from pallas_kernels.flash_attention import (
     common,
-    flash_attention,
     flash_attention_gpu,
     flash_attention_reference,
     flash_attention_tpu,
@@ -219,13 +218,17 @@ def test_kernel_property_random_segments(kernel):
     run()
 
 
-# ---- entry points --------------------------------------------------------------------------------
+# ---- default block sizes and rejected inputs ----------------------------------------------------
 
 
-def test_dispatcher_runs_reference_on_cpu():
+@pytest.mark.parametrize("kernel", [flash_attention_tpu, flash_attention_gpu], ids=["tpu", "gpu"])
+def test_kernel_with_its_default_blocks_matches_reference(kernel):
+    # one query block and one KV block hold all T rows, segments and padding alike
     q, k, v, cu, ns = make_batch(6, SEGMENT_LENS, num_heads=4, num_kv_heads=2, head_dim=64)
-    expected = flash_attention_reference(q, k, v, cu, ns, sm_scale=0.125)
-    np.testing.assert_array_equal(flash_attention(q, k, v, cu, ns, sm_scale=0.125, backend="cpu"), expected)
+    out = kernel(q, k, v, cu, ns, sm_scale=0.125, interpret=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out, flash_attention_reference(q, k, v, cu, ns, sm_scale=0.125), q.dtype)
+    np.testing.assert_array_equal(np.asarray(out[sum(SEGMENT_LENS):]), 0.0)  # padding rows
 
 
 @pytest.mark.parametrize(

@@ -13,14 +13,12 @@ import functools
 
 import hypothesis
 import hypothesis.strategies as st
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxinfer.models.layers import rms_norm
 from pallas_kernels.fused_rms_norm import (
-    add_rms_norm,
     add_rms_norm_gpu,
     add_rms_norm_reference,
     add_rms_norm_tpu,
@@ -128,16 +126,11 @@ def test_kernel_matches_reference_for_any_row_count_and_scale(kernel, T, H, dtyp
     assert_matches_reference(KERNELS[kernel](x, residual, weight, eps=EPS), x, residual, weight)
 
 
-# ----------------------------------------------------------------------------- dispatch and checks
-def test_dispatcher_runs_the_reference_on_cpu_and_the_named_kernel_otherwise():
+# ----------------------------------------------------------------------------- default blocks and checks
+@pytest.mark.parametrize("kernel", [add_rms_norm_tpu, add_rms_norm_gpu], ids=["tpu", "gpu"])
+def test_kernel_with_its_default_block_rows_matches_reference(kernel):
     x, residual, weight = make_inputs(0, *CASES[1])
-    assert jax.default_backend() == "cpu"
-    assert_matches_reference(add_rms_norm(x, residual, weight, eps=EPS), x, residual, weight)
-    for backend, kernel in (("tpu", KERNELS["tpu"]), ("gpu", KERNELS["gpu"])):
-        out = add_rms_norm(x, residual, weight, eps=EPS, backend=backend, **kernel.keywords)
-        assert_matches_reference(out, x, residual, weight)
-    with pytest.raises(TypeError, match="tuning"):
-        add_rms_norm(x, residual, weight, eps=EPS, block_rows=16)
+    assert_matches_reference(kernel(x, residual, weight, eps=EPS, interpret=True), x, residual, weight)
 
 
 @pytest.mark.parametrize("fn", [add_rms_norm_reference, KERNELS["tpu"], KERNELS["gpu"]], ids=["ref", "tpu", "gpu"])

@@ -19,7 +19,7 @@ from gguf import GGUFWriter
 
 from checkpoints_conv import CheckpointError
 from checkpoints_conv.gguf_tokenizer import build_gguf_tokenizer
-from jaxinfer.loading import ModelSource, default_model_path
+from jaxinfer.runtime.loading import ModelSource, default_model_path
 
 try:
     SMOLLM2 = default_model_path()
@@ -242,7 +242,7 @@ def test_tokenizer_is_cached_on_disk_and_needs_no_torch(tmp_path):
     """In a fresh process where `import torch` fails: built once, then read back from the cache."""
     script = (
         "import sys; sys.modules['torch'] = None\n"
-        "from jaxinfer.loading import resolve_model\n"
+        "from jaxinfer.runtime.loading import resolve_model\n"
         "from jaxinfer.tokenizer import load_tokenizer, gguf_tokenizer_cache_dir\n"
         "src = resolve_model(None)\n"
         "cached = gguf_tokenizer_cache_dir(src.path).is_dir()\n"

@@ -17,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.attention import FLASH_MIN_TOKENS
-from jaxinfer.batch import Buckets, SequenceChunk, pack_batch, stack_replicas
-from jaxinfer.kernels import Kernels, resolve_kernels
-from jaxinfer.kv_cache import KVCache, pool_kv_heads
-from jaxinfer.loading import load_params, read_config, resolve_model
-from jaxinfer.quantization import quantize_model
-from jaxinfer.step import StepFunction
+from jaxinfer.ops.attention import FLASH_MIN_TOKENS
+from jaxinfer.ops.batch import Buckets, SequenceChunk, pack_batch, stack_replicas
+from jaxinfer.ops.kernels import Kernels, resolve_kernels
+from jaxinfer.ops.kv_cache import KVCache, pool_kv_heads
+from jaxinfer.runtime.loading import load_params, read_config, resolve_model
+from jaxinfer.ops.quantization import quantize_model
+from jaxinfer.runtime.step import StepFunction
 from tiny_models import save_hf_model
 
 PAGE_SIZE = 8
@@ -124,14 +124,14 @@ def test_every_kernel_is_in_the_step(model_dir, platform):
     assert [name for name, has_cost in calls.items() if not has_cost] == []
 
 
-def test_attention_impl_resolves_per_backend():
+def test_kernel_impl_resolves_per_backend():
     assert resolve_kernels("auto", "cpu") == Kernels("reference")
     assert resolve_kernels("auto", "tpu") == Kernels("tpu", interpret=False)
     assert resolve_kernels("auto", "cuda") == Kernels("gpu", interpret=False)
     assert resolve_kernels("pallas", "cpu") == Kernels("tpu", interpret=True)
     assert resolve_kernels("pallas-gpu", "cpu") == Kernels("gpu", interpret=True)
     assert resolve_kernels("reference", "tpu") == Kernels("reference")
-    with pytest.raises(ValueError, match="attention_impl='triton'"):
+    with pytest.raises(ValueError, match="kernel_impl='triton'"):
         resolve_kernels("triton", "cpu")
 
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from jaxinfer.batch import Buckets, SequenceChunk, pack_batch, stack_replicas
-from jaxinfer.kv_cache import KVCache
-from jaxinfer.loading import load_params, read_config, resolve_model
-from jaxinfer.step import StepFunction
+from jaxinfer.ops.batch import Buckets, SequenceChunk, pack_batch, stack_replicas
+from jaxinfer.ops.kv_cache import KVCache
+from jaxinfer.runtime.loading import load_params, read_config, resolve_model
+from jaxinfer.runtime.step import StepFunction
 from tiny_models import FAMILIES, MOE_FAMILIES, VOCAB, save_hf_model
 
 TOL = 1e-4

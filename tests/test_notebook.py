@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxinfer.loading import default_model_path
+from jaxinfer.runtime.loading import default_model_path
 
 nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")

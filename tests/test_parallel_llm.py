@@ -135,7 +135,7 @@ def test_bad_parallel_configurations_fail_at_once_naming_the_size(dense_dir, kwa
 def test_params_saved_from_one_mesh_restore_onto_others(dense_dir, dense_reference, tmp_path):
     """orbax save of sharded params (here from tp = 4, where each of the 2 KV heads is stored twice)
     writes the tp = 1 layout, each process its own shards; the folder restores onto any mesh."""
-    from jaxinfer.loading import save_converted
+    from jaxinfer.runtime.loading import save_converted
 
     llm = LLM(dense_dir, tensor_parallel_size=4, **BASE)
     saved = save_converted(tmp_path / "converted", llm.config, llm.runner.params, llm.tokenizer, tp=4)
@@ -154,7 +154,7 @@ def test_quantized_weights_split_over_tensor_shards(dense_dir):
 
 
 def test_a_moe_model_converts_from_an_expert_parallel_mesh_and_restores_on_another(moe_dir, moe_reference, tmp_path):
-    from jaxinfer.loading import save_converted
+    from jaxinfer.runtime.loading import save_converted
 
     reference = moe_reference
     llm = LLM(moe_dir, expert_parallel_size=2, tensor_parallel_size=2, **BASE)

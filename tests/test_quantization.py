@@ -1,4 +1,4 @@
-"""Weight quantization: the quantizers in `jaxinfer.quantization` and the reference quantized matmul.
+"""Weight quantization: the quantizers in `jaxinfer.ops.quantization` and the reference quantized matmul.
 
 Read as a specification: what each mode promises about its rounding error, how int4 is packed,
 what `quantized_matmul` computes, and which parameters `quantize_params` touches.
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import quantization as qz
+from jaxinfer.ops import quantization as qz
 from pallas_kernels.quantized_matmul import dequantize, quantized_matmul, unpack_int4
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxinfer import quantization as qz
+from jaxinfer.ops import quantization as qz
 from pallas_kernels.quantized_matmul import gpu, reference, tpu
 
 KERNELS = {"tpu": tpu.quantized_matmul, "gpu": gpu.quantized_matmul}

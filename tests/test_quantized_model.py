@@ -12,10 +12,10 @@ import pytest
 from flax import nnx
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.evaluate import perplexity, prompt_log_softmax
-from jaxinfer.loading import load_params, read_config, resolve_model
-from jaxinfer.models.llama import flat_to_nested, nested_to_flat
-from jaxinfer.quantization import QuantizedWeight, param_bytes, quantize_model
+from jaxinfer.runtime.evaluate import perplexity, prompt_log_softmax
+from jaxinfer.runtime.loading import load_params, read_config, resolve_model
+from jaxinfer.tree import flat_to_nested, nested_to_flat
+from jaxinfer.ops.quantization import QuantizedWeight, param_bytes, quantize_model
 from tiny_models import save_hf_model
 
 TEXT = (Path(__file__).parent / "data" / "perplexity_text.txt").read_text()

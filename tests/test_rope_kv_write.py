@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.rope_kv_write import gpu_supports, rope_kv_write, rope_kv_write_gpu, rope_kv_write_reference, rope_kv_write_tpu
+from pallas_kernels.rope_kv_write import gpu_supports, rope_kv_write_gpu, rope_kv_write_reference, rope_kv_write_tpu
 
 KERNELS = {
     "tpu": functools.partial(rope_kv_write_tpu, block_tokens=8, interpret=True),
@@ -152,13 +152,11 @@ def test_tpu_kernel_in_the_tpu_simulator_has_no_race(capfd):
     assert_matches(got, rope_kv_write_reference(*case), jnp.float32, page_0_too=True)
 
 
-def test_dispatcher_runs_the_reference_on_cpu_and_the_named_kernel_otherwise():
+@pytest.mark.parametrize("kernel", [rope_kv_write_tpu, rope_kv_write_gpu], ids=["tpu", "gpu"])
+def test_kernel_with_its_default_block_matches_reference_on_fewer_tokens_than_a_block(kernel):
+    # 3 tokens, none of them padding (page 0 is compared too), head_dim 16
     case = make_case(4, T=3, Hq=2, Hkv=1, D=16, page_size=4, num_pages=3, dtype=jnp.float32)
-    want = rope_kv_write_reference(*case)
-    assert_matches(rope_kv_write(*case), want, jnp.float32, page_0_too=True)
-    assert_matches(rope_kv_write(*case, backend="gpu", interpret=True), want, jnp.float32, page_0_too=True)
-    with pytest.raises(TypeError, match="no tuning keywords"):
-        rope_kv_write(*case, backend="cpu", block_tokens=8)
+    assert_matches(kernel(*case, interpret=True), rope_kv_write_reference(*case), jnp.float32, page_0_too=True)
 
 
 # ----------------------------------------------------------------------------- errors

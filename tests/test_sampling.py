@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine.model_runner import ModelRunner, RowSampling, ScheduledChunk
-from jaxinfer.sampling import SamplingTensors, apply_penalties, filter_min_p, filter_top_k_top_p, sample
+from jaxinfer.ops.sampling import SamplingTensors, apply_penalties, filter_min_p, filter_top_k_top_p, sample
 
 
 def tensors(R, temperature=0.0, top_k=0, top_p=1.0, seed=0, counter=0, target=-1):

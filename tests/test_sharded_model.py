@@ -15,8 +15,8 @@ from collections import Counter
 
 import pytest
 
-from jaxinfer.batch import SequenceChunk, pack_batch, stack_replicas
-from jaxinfer.kernels import Kernels
+from jaxinfer.ops.batch import SequenceChunk, pack_batch, stack_replicas
+from jaxinfer.ops.kernels import Kernels
 from mesh_model import BUCKETS, KEY, PAGE_SIZE, SHAPES, MeshModel, assert_same_logits, mesh_id, run_scenario
 from sharding.hlo import split_by_layer_loop
 from sharding.mesh import ParallelConfig

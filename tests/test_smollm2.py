@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.evaluate import prompt_log_softmax
-from jaxinfer.loading import default_model_path
+from jaxinfer.runtime.evaluate import prompt_log_softmax
+from jaxinfer.runtime.loading import default_model_path
 
 pytestmark = pytest.mark.slow
 

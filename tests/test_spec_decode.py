@@ -18,8 +18,8 @@ from scipy import stats
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.request import SpecState
-from jaxinfer.engine.spec_decode import Drafts, NgramProposer, SpecConfigError, SpeculativeConfig, make_proposer
-from jaxinfer.evaluate import hidden_states, prompt_log_softmax
+from jaxinfer.engine.spec_decode import Drafts, NgramProposer, SpecConfigError, SpeculativeConfig
+from jaxinfer.runtime.evaluate import hidden_states, prompt_log_softmax
 from jaxinfer.models.draft_heads import head_state, load_heads, save_heads, train_heads, training_windows
 from tiny_models import save_hf_model
 
@@ -58,7 +58,7 @@ class BadProposer:
     def __init__(self, seed=0):
         self.rng = np.random.default_rng(seed)
 
-    def propose(self, engine, asked):
+    def propose(self, ctx, asked):
         return Drafts([[int(t) for t in self.rng.integers(3, 250, k)] for _, k in asked])
 
 
@@ -171,9 +171,9 @@ def test_no_sequence_drafts_while_the_batch_is_large(model_dir, plain):
     class Recording:
         on_device = False
 
-        def propose(self, engine, asked):
-            running_when_asked.append(len(engine.scheduler.running))
-            return ngram.propose(engine, asked)
+        def propose(self, ctx, asked):
+            running_when_asked.append(len(llm.engine.scheduler.running))
+            return ngram.propose(ctx, asked)
 
     llm.engine.proposer = Recording()
     assert token_ids(llm, prompts, params) == want

@@ -1,4 +1,4 @@
-"""The rejection sampler of speculative decoding (`jaxinfer.sampling.verify_drafts`): whatever
+"""The rejection sampler of speculative decoding (`jaxinfer.ops.sampling.verify_drafts`): whatever
 the draft proposes, the emitted token (the draft if accepted, else the replacement) is
 distributed exactly as the target's processed distribution."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxinfer.sampling import SamplingTensors, processed_probs, sample
+from jaxinfer.ops.sampling import SamplingTensors, processed_probs, sample
 
 V = 6
 N = 20000  # independent rows, one seed each

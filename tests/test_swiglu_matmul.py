@@ -26,7 +26,6 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxinfer.models.layers import linear, swiglu
 from pallas_kernels.swiglu_matmul import (
-    swiglu_matmul,
     swiglu_matmul_gpu,
     swiglu_matmul_reference,
     swiglu_matmul_tpu,
@@ -150,15 +149,11 @@ def test_property_kernel_matches_reference_for_any_shape(backend, M, n_lanes, k_
     assert_matches_reference(KERNELS[backend](x, w, **blocks), x, w)
 
 
-# ----------------------------------------------------------------------------- dispatch and rejected inputs
-def test_dispatcher_runs_the_reference_on_cpu_and_the_named_kernel_otherwise():
+# ----------------------------------------------------------------------------- a bf16 decode batch, rejected inputs
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_kernel_matches_reference_on_a_bf16_decode_batch(backend):
     x, w = make_inputs(0, 5, 256, 256, jnp.bfloat16)
-    assert jax.default_backend() == "cpu"
-    assert_matches_reference(swiglu_matmul(x, w), x, w)
-    for backend in ("tpu", "gpu"):
-        assert_matches_reference(swiglu_matmul(x, w, backend=backend, interpret=True, **SMALL_BLOCKS[backend]), x, w)
-    with pytest.raises(TypeError, match="tuning"):
-        swiglu_matmul(x, w, block_k=128)
+    assert_matches_reference(KERNELS[backend](x, w, **SMALL_BLOCKS[backend]), x, w)
 
 
 BAD_INPUTS = [  # (what is wrong, x shape, w shape, message)

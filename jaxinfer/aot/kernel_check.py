@@ -44,7 +44,7 @@ FAMILY_SHAPES = {
 PAGE_SIZE = 16
 NUM_PAGES = 2048
 PAGES_PER_SEQ = 256  # 4096 tokens of context
-# (bucket, tokens, sequences, query block): the engine's bucket kinds (jaxinfer.batch.Buckets)
+# (bucket, tokens, sequences, query block): the engine's bucket kinds (jaxinfer.ops.batch.Buckets)
 ATTENTION_BUCKETS = (("decode", 64, 64, 1), ("prefill", 512, 4, 64), ("mixed", 256, 64, 64))
 MATMUL_TOKENS = 256
 

@@ -22,7 +22,7 @@ import time
 
 from jaxinfer.aot.step_compile import AbstractStep, ServingShape
 from jaxinfer.aot.targets import Target
-from jaxinfer.batch import BucketKey
+from jaxinfer.ops.batch import BucketKey
 from jaxinfer.config import ModelConfig
 from sharding.hlo import pool_sized_copies
 from sharding.mesh import ParallelConfig

@@ -48,7 +48,7 @@ def read_model_config(model: str):
     from pathlib import Path
 
     from jaxinfer.config import ModelConfig
-    from jaxinfer.loading import read_config, resolve_model
+    from jaxinfer.runtime.loading import read_config, resolve_model
 
     if model.lower() in PRESETS:
         return ModelConfig.from_hf_dict(PRESETS[model.lower()], source=f"preset {model}")

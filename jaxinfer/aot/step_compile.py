@@ -8,7 +8,7 @@ inputs, the engine's own StepFunction and buckets, compiled bucket by bucket.
 No weight is read and nothing touches `jax.devices()`: parameters come from `abstract_model`
 (`nnx.eval_shape`), quantization runs under `jax.eval_shape`, and every array is a
 `jax.ShapeDtypeStruct` carrying its NamedSharding on the target's mesh. The step is the one
-`LLM` serves with (`jaxinfer.step.StepFunction`, the same buckets, the same donation of the KV
+`LLM` serves with (`jaxinfer.runtime.step.StepFunction`, the same buckets, the same donation of the KV
 cache), with the target platform's Pallas kernels compiled for real (`interpret=False`).
 """
 
@@ -23,13 +23,14 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.aot.targets import Target
-from jaxinfer.batch import BucketKey, Buckets
+from jaxinfer.ops.batch import BucketKey, Buckets
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.model_runner import empty_inputs
-from jaxinfer.kernels import Kernels
-from jaxinfer.kv_cache import KVCache
-from jaxinfer.loading import abstract_model
-from jaxinfer.step import StepFunction, kv_partition_spec, param_partition_specs
+from jaxinfer.ops.kernels import Kernels
+from jaxinfer.ops.kv_cache import KVCache
+from jaxinfer.runtime.loading import abstract_model
+from jaxinfer.runtime.placement import kv_partition_spec, param_partition_specs
+from jaxinfer.runtime.step import StepFunction
 from sharding import rules
 from sharding.mesh import ParallelConfig, make_mesh
 
@@ -85,7 +86,7 @@ class AbstractStep:
         mesh = make_mesh(parallel, target.devices)
         graphdef, params = abstract_model(config, dtype, dtype, kernels, parallel)
         if shape.quantization is not None:
-            from jaxinfer.quantization import quantize_model
+            from jaxinfer.ops.quantization import quantize_model
 
             quantized_graphdef = []
 

@@ -13,7 +13,7 @@ page); `num_computed` is how many of those hold K/V already (the caller reports 
                reused by a later prefix hit, or evicted (least recently released first) when
                the free list is empty.
 
-Page 0 is the scratch page (kv_cache.SCRATCH_PAGE) and is never handed out.
+Page 0 is the scratch page (jaxinfer.ops.batch.SCRATCH_PAGE) and is never handed out.
 
 Prefix cache. Page i of a sequence, once full and computed, is keyed by
 `blake2b(key of page i-1 || page_size token ids as little-endian int32)` (16-byte digest; the
@@ -46,7 +46,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-SCRATCH_PAGE = 0  # same as jaxinfer.kv_cache.SCRATCH_PAGE (not imported: keep this module free of JAX)
+SCRATCH_PAGE = 0  # same as jaxinfer.ops.jaxinfer.ops.batch.SCRATCH_PAGE (not imported: keep this module free of JAX)
 
 
 class OutOfPagesError(RuntimeError):

@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.engine.draft_model import DRAFT_SEED_SALT
-from jaxinfer.engine.spec_decode import MAX_SPECULATIVE_TOKENS, Drafts
+from jaxinfer.engine.seeds import DRAFT_SEED_SALT, child_seed
+from jaxinfer.engine.spec_decode import MAX_SPECULATIVE_TOKENS, DraftContext, Drafts
 from jaxinfer.models.draft_heads import head_state, num_heads_of
 from jaxinfer.models.layers import matmul
-from jaxinfer.sampling import SamplingTensors, sample
+from jaxinfer.ops.sampling import SamplingTensors, sample
 
 
 class DraftHeadProposer:
@@ -44,11 +44,9 @@ class DraftHeadProposer:
         self.embed = embed  # the target's embedding [V, H]
         self.max_k = num_heads_of(heads) or MAX_SPECULATIVE_TOKENS  # an eagle layer chains any length
 
-    def propose(self, engine, asked) -> Drafts:
-        from jaxinfer.engine.engine import _child_seed
-
+    def propose(self, ctx: DraftContext, asked) -> Drafts:
         ready = [(i, seq, min(k, self.max_k)) for i, (seq, k) in enumerate(asked)
-                 if seq.hidden_row is not None and seq.hidden_step == engine.num_processed]
+                 if seq.hidden_row is not None and seq.hidden_step == ctx.num_processed]
         tokens = [[] for _ in asked]
         if not ready:
             return Drafts(tokens)
@@ -63,12 +61,12 @@ class DraftHeadProposer:
             p = seq.request.params
             replica[j], row[j], newest[j] = seq.request.replica, seq.hidden_row, seq.token_ids[-1]
             fields["temperature"][:, j], fields["top_k"][:, j], fields["top_p"][:, j] = p.temperature, p.top_k, p.top_p
-            fields["min_p"][:, j], fields["seed"][:, j] = p.min_p, _child_seed(seq.seed, DRAFT_SEED_SALT)
+            fields["min_p"][:, j], fields["seed"][:, j] = p.min_p, child_seed(seq.seed, DRAFT_SEED_SALT)
             fields["counter"][:, j] = len(seq.output_token_ids) + np.arange(K)  # the draft seed keeps these apart from the target's
         f = {name: value.reshape(-1) for name, value in fields.items()}  # row i * n + j: guess i of sequence j
         st = SamplingTensors(f["temperature"], f["top_k"], f["top_p"], f["seed"], f["counter"], np.full(n * K, -1, np.int32),
                              min_p=f["min_p"], return_probs=np.ones(1, bool))
-        drafted, confidence, probs = _draft(self.heads, self.lm_weight, self.embed, engine.last_hidden, replica, row,
+        drafted, confidence, probs = _draft(self.heads, self.lm_weight, self.embed, ctx.last_hidden, replica, row,
                                             newest, st, K, self.tied)
         drafted, confident = np.asarray(drafted), np.asarray(confidence) >= self.confidence_threshold  # [K, n] each
         src = [[] for _ in asked]
@@ -76,7 +74,7 @@ class DraftHeadProposer:
             k = int(np.cumprod(confident[:k, j]).sum())  # up to the first unconfident guess
             tokens[i] = drafted[:k, j].tolist()
             src[i] = [g * n + j for g in range(k)]
-        buffer = jnp.broadcast_to(probs[None], (len(engine.replicas),) + probs.shape)  # every replica reads its own rows
+        buffer = jnp.broadcast_to(probs[None], (ctx.num_replicas,) + probs.shape)  # every replica reads its own rows
         return Drafts(tokens, buffer, src)
 
 

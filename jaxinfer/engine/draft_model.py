@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxinfer.batch import MAX_PREFILL_CHUNKS, SequenceChunk
-from jaxinfer.engine.block_manager import OutOfPagesError
 from jaxinfer.engine.model_runner import ModelRunner, RowSampling, ScheduledChunk
-from jaxinfer.engine.spec_decode import Drafts
-
-DRAFT_SEED_SALT = 0x5EED_D4AF  # draft rows sample with _child_seed(seq seed, this): not the target's draws
+from jaxinfer.engine.seeds import DRAFT_SEED_SALT, child_seed
+from jaxinfer.engine.spec_decode import DraftContext, Drafts
+from jaxinfer.ops.batch import MAX_PREFILL_CHUNKS, SequenceChunk
 
 
 class DraftModelProposer:
@@ -43,50 +41,38 @@ class DraftModelProposer:
     def __init__(self, runner: ModelRunner):
         self.runner = runner  # the draft model's runner (its own KV pool, the target's page geometry)
 
-    def propose(self, engine, asked: list[tuple[object, int]]) -> Drafts:
-        reserved = [(seq, k) for seq, k in asked if self._reserve(engine, seq, k)]
+    def propose(self, ctx: DraftContext, asked: list[tuple[object, int]]) -> Drafts:
+        reserved = [(seq, k) for seq, k in asked if self._reserve(ctx, seq, k)]
         if not reserved:
             return Drafts([[] for _ in asked])
-        self._catch_up(engine, reserved)
-        drafted, src, buffer = self._draft(engine, reserved)
+        self._catch_up(ctx, reserved)
+        drafted, src, buffer = self._draft(ctx, reserved)
         return Drafts([drafted.get(id(seq), []) for seq, _ in asked], buffer, [src.get(id(seq), []) for seq, _ in asked])
 
     # ------------------------------------------------------------------ the steps
-    def _reserve(self, engine, seq, k: int) -> bool:
+    def _reserve(self, ctx: DraftContext, seq, k: int) -> bool:
         """Slots for the newest token and k drafts (the verification step's); False when out of pages."""
-        replica = engine._replica(seq)
-        bm = replica.block_manager
-        extra = len(seq.token_ids) + k - bm.seqs[seq.seq_id].num_tokens
-        if extra <= 0:
-            return True
-        try:
-            copies = bm.prepare_append(seq.seq_id, extra)
-        except OutOfPagesError:
+        copies = ctx.reserve(seq, len(seq.token_ids) + k)
+        if copies is None:
             return False
-        if copies:  # copy-on-write of a shared partial page: in both pools
-            index = engine.replicas.index(replica)
-            engine.runner.copy_pages([(index, c) for c in copies])
-            self.runner.copy_pages([(index, c) for c in copies])
+        if copies:  # copy-on-write of a shared partial page: the target's pool did it, so does the draft's
+            self.runner.copy_pages(copies)
         return True
 
-    @staticmethod
-    def _pages(engine, seq) -> list[int]:
-        return engine._replica(seq).block_manager.page_table(seq.seq_id)
-
-    def _catch_up(self, engine, reserved) -> None:
+    def _catch_up(self, ctx: DraftContext, reserved) -> None:
         """Compute, in the draft's cache, every token before the newest one it has not computed."""
         budget = self.runner.buckets.max_tokens
         while True:
-            rounds = [[] for _ in engine.replicas]
-            used = [0] * len(engine.replicas)
-            multi = [0] * len(engine.replicas)
+            rounds = [[] for _ in range(ctx.num_replicas)]
+            used = [0] * ctx.num_replicas
+            multi = [0] * ctx.num_replicas
             for seq, _ in reserved:
                 r = seq.request.replica
                 start = seq.draft_computed
                 room = min(len(seq.token_ids) - 1 - start, budget - used[r])
                 if room <= 0 or len(rounds[r]) >= self.runner.buckets.max_num_seqs or (room > 1 and multi[r] >= MAX_PREFILL_CHUNKS):
                     continue
-                chunk = SequenceChunk(seq.token_ids[start : start + room], start, self._pages(engine, seq), [])
+                chunk = SequenceChunk(seq.token_ids[start : start + room], start, ctx.page_table(seq), [])
                 rounds[r].append(ScheduledChunk(chunk, RowSampling()))
                 seq.draft_computed += room
                 used[r] += room
@@ -95,30 +81,25 @@ class DraftModelProposer:
                 return
             self.runner.collect(self.runner.dispatch(rounds))
 
-    def _draft(self, engine, reserved) -> tuple[dict, dict, object]:
+    def _draft(self, ctx: DraftContext, reserved) -> tuple[dict, dict, object]:
         """k rounds of one token per sequence: x, then each draft, sampling the next. Returns
         (id(seq) -> drafted tokens, id(seq) -> their rows in the buffer, the buffer)."""
-        from jaxinfer.engine.engine import _child_seed
-
-        handles, placed = [], []  # per round: the dispatch, and (seq, replica, chunk index) of each chunk
+        handles, placed = [], []  # per round: the dispatch, and (seq, its chunk) of each sequence in it
         last_row: dict[int, int] = {}  # id(seq) -> row of its newest draft in the previous round
         for i in range(max(k for _, k in reserved)):
-            rounds, where = [[] for _ in engine.replicas], []
+            rounds, where = [[] for _ in range(ctx.num_replicas)], []
             for seq, k in reserved:
                 if i >= k:
                     continue
-                r, p = seq.request.replica, seq.request.params
-                sampling = RowSampling(
-                    temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                    seed=_child_seed(seq.seed, DRAFT_SEED_SALT), counter=len(seq.output_token_ids) + i,
-                )
+                sampling = RowSampling.from_params(seq.request.params, seed=child_seed(seq.seed, DRAFT_SEED_SALT),
+                                                   counter=len(seq.output_token_ids) + i)
                 token, device = (seq.token_ids[-1], {}) if i == 0 else (0, {0: last_row[id(seq)]})
-                chunk = SequenceChunk([token], len(seq.token_ids) - 1 + i, self._pages(engine, seq), [0], device)
-                where.append((seq, r, len(rounds[r])))
-                rounds[r].append(ScheduledChunk(chunk, sampling))
+                entry = ScheduledChunk(SequenceChunk([token], len(seq.token_ids) - 1 + i, ctx.page_table(seq), [0], device), sampling)
+                rounds[seq.request.replica].append(entry)
+                where.append((seq, entry))
             handle = self.runner.dispatch(rounds, return_probs=True)
-            for seq, r, c in where:
-                [last_row[id(seq)]] = handle.rows_of_chunk[r][c]
+            for seq, entry in where:
+                [last_row[id(seq)]] = entry.rows
             handles.append(handle)
             placed.append(where)
 
@@ -128,11 +109,10 @@ class DraftModelProposer:
         buffer = jnp.concatenate([h.out.probs for h in handles], axis=1)  # [replicas, N, V], stays on the device
         drafted, src = {}, {}
         for i, (handle, where) in enumerate(zip(handles, placed)):
-            results = self.runner.collect(handle)
-            for seq, r, c in where:
-                [row] = handle.rows_of_chunk[r][c]
-                drafted.setdefault(id(seq), []).append(results[r][c][0].token)
-                src.setdefault(id(seq), []).append(offsets[i] + row)
+            self.runner.collect(handle)
+            for seq, entry in where:
+                drafted.setdefault(id(seq), []).append(entry.results[0].token)
+                src.setdefault(id(seq), []).append(offsets[i] + entry.rows[0])
         for seq, k in reserved:
             seq.draft_computed = len(seq.token_ids) - 1 + k  # x and the first k - 1 drafts are in its cache
         return drafted, src, buffer

@@ -2,9 +2,10 @@
 
 The engine hands it, per iteration, one list of `ScheduledChunk`s per replica (one replica
 without data parallelism); the runner packs each replica's chunks into a `RaggedBatch` padded to
-one shared bucket, stacks them on a leading replica axis, builds the per-row sampling tensors,
-runs the jitted step with the cache donated, and returns per-chunk results as numpy. It keeps no
-per-request state.
+one shared bucket, stacks them on a leading replica axis, builds the per-row sampling tensors
+and runs the jitted step with the cache donated. `dispatch` writes each chunk's logits rows into
+the chunk (`ScheduledChunk.rows`), `collect` its results (`ScheduledChunk.results`, numpy on the
+host). It keeps no per-request state.
 
 Page ids in chunks are the replica's own (each replica's block manager hands out 1 ..
 pages_per_replica - 1, page 0 being its scratch page); the cache holds the replicas' pools one
@@ -16,16 +17,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.batch import BucketKey, Buckets, RaggedBatch, SequenceChunk, pack_batch, shared_key, stack_replicas
-from jaxinfer.kv_cache import KVCache
-from jaxinfer.sampling import SampleOutput, SamplingTensors
-from jaxinfer.step import StepFunction
+from jaxinfer.ops.batch import BucketKey, Buckets, RaggedBatch, SequenceChunk, pack_batch, shared_key, stack_replicas
+from jaxinfer.ops.kv_cache import KVCache
+from jaxinfer.ops.sampling import SampleOutput, SamplingTensors
+from jaxinfer.runtime.placement import kv_shardings
+from jaxinfer.runtime.step import StepFunction
+from jaxinfer.sampling_params import SamplingParams
 
 BANNED_IDS_MULTIPLE = 8  # banned-id columns are padded to a multiple of this (one variant for up to 8)
 
@@ -54,11 +57,23 @@ class RowSampling:
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @classmethod
+    def from_params(cls, p: SamplingParams, **rows) -> "RowSampling":
+        """A request's SamplingParams as row settings; `rows`: the per-row fields (seed, counter,
+        target_ids, banned_ids, draft_tokens, ...)."""
+        return cls(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                   repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                   frequency_penalty=p.frequency_penalty, **rows)
 
-@dataclasses.dataclass
+
+@dataclasses.dataclass(eq=False)
 class ScheduledChunk:
+    """One sequence's chunk of a step, and what the step gives back for it."""
+
     chunk: SequenceChunk
     sampling: RowSampling
+    rows: list[int] = dataclasses.field(default_factory=list)  # its logits rows in the step (set by dispatch)
+    results: list["RowResult"] = dataclasses.field(default_factory=list)  # one per row (set by collect)
 
 
 @dataclasses.dataclass
@@ -75,7 +90,7 @@ class InFlightStep:
     """A dispatched step whose results have not been read yet."""
 
     out: SampleOutput  # device arrays, [replicas, R]
-    rows_of_chunk: list[list[list[int]]]  # per replica, per chunk: its logits rows
+    chunks: list[list[ScheduledChunk]]  # per replica, holding their logits rows
     want_logprobs: bool
 
 
@@ -126,6 +141,9 @@ class ModelRunner:
         key = shared_key([[s.chunk for s in chunks] for chunks in scheduled], self.buckets)
         packed = [pack_batch([s.chunk for s in chunks], self.buckets, self.page_size, key) for chunks in scheduled]
         rows_of_chunk = [rows for _, _, rows in packed]
+        for chunks, replica_rows in zip(scheduled, rows_of_chunk):
+            for s, rows in zip(chunks, replica_rows):
+                s.rows = rows
         batch = stack_replicas([b for _, b, _ in packed])
         everything = [s for chunks in scheduled for s in chunks]  # the optional sampling features are per step
         num_banned = max((len(s.sampling.banned_ids) for s in everything), default=0)
@@ -156,10 +174,10 @@ class ModelRunner:
         )
         if self.step_fn.num_compiles != compiles_before:  # tracing and compiling happen at dispatch
             self.compile_seconds[key] = time.perf_counter() - t0
-        return InFlightStep(out, rows_of_chunk, want_logprobs)
+        return InFlightStep(out, [list(chunks) for chunks in scheduled], want_logprobs)
 
-    def collect(self, step: "InFlightStep") -> list[list[list[RowResult]]]:
-        """Waits for a dispatched step; per replica, per chunk, one RowResult per requested logits
+    def collect(self, step: "InFlightStep") -> None:
+        """Waits for a dispatched step and fills each chunk's `results`: one RowResult per logits
         row. Only the sampled tokens (and logprobs when asked for) come to the host."""
         out = step.out
         if step.want_logprobs:
@@ -169,15 +187,15 @@ class ModelRunner:
             logprobs = np.zeros(tokens.shape, np.float32)
             top_ids = top_lps = np.zeros(tokens.shape + (0,))
         accepted = np.zeros(tokens.shape, bool) if out.accepted is None else np.asarray(out.accepted)
-        return [
-            [[RowResult(int(tokens[i, r]), float(logprobs[i, r]), top_ids[i, r], top_lps[i, r], bool(accepted[i, r]))
-              for r in rows] for rows in replica_rows]
-            for i, replica_rows in enumerate(step.rows_of_chunk)
-        ]
+        for i, chunks in enumerate(step.chunks):
+            for s in chunks:
+                s.results = [RowResult(int(tokens[i, r]), float(logprobs[i, r]), top_ids[i, r], top_lps[i, r],
+                                       bool(accepted[i, r])) for r in s.rows]
 
     def execute(self, scheduled: Sequence[Sequence[ScheduledChunk]], *, want_logprobs: bool = False) -> list[list[list[RowResult]]]:
-        """Runs one step and waits for it."""
-        return self.collect(self.dispatch(scheduled, want_logprobs=want_logprobs))
+        """Runs one step and waits for it; per replica, per chunk, its results."""
+        self.collect(self.dispatch(scheduled, want_logprobs=want_logprobs))
+        return [[s.results for s in chunks] for chunks in scheduled]
 
     def _sampling_tensors(self, key: BucketKey, scheduled, rows_of_chunk, want_logprobs: bool = False,
                           max_banned: int | None = None, penalties: bool | None = None,
@@ -275,17 +293,17 @@ class ModelRunner:
         dst = np.zeros(n, np.int32)
         for i, (replica, (s, d)) in enumerate(copies):
             src[i], dst[i] = self._global_pages(replica, [s, d])
-        self.kv = _page_ops(self.step_fn.mesh)[0](self.kv, src, dst)
+        self.kv = page_ops(self.step_fn.mesh).copy(self.kv, src, dst)
 
     def read_pages(self, replica: int, pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """K and V of a replica's pages, all layers, on the host: [L, len(pages), page_size, Hkv, D]
         each (all KV heads, gathered from their tensor shards; every process gets them)."""
-        k, v = _page_ops(self.step_fn.mesh)[2](self.kv, self._global_pages(replica, pages))
+        k, v = page_ops(self.step_fn.mesh).read(self.kv, self._global_pages(replica, pages))
         return np.asarray(k), np.asarray(v)
 
     def write_pages(self, replica: int, pages: Sequence[int], k: np.ndarray, v: np.ndarray) -> None:
         """Writes host K/V (as read_pages returns them) into a replica's pages, in place."""
-        self.kv = _page_ops(self.step_fn.mesh)[1](self.kv, self._global_pages(replica, pages), k, v)
+        self.kv = page_ops(self.step_fn.mesh).write(self.kv, self._global_pages(replica, pages), k, v)
 
 
 def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int) -> tuple[RaggedBatch, SamplingTensors]:
@@ -316,14 +334,17 @@ def _gather_rows(buffer: jax.Array, src: jax.Array) -> jax.Array:
     return jax.vmap(lambda b, s: b[jnp.maximum(s, 0)])(buffer, src)
 
 
-@functools.cache
-def _page_ops(mesh):
-    """Jitted whole-page copy / write / read on the cache of `mesh` (the cache keeps the step's
-    sharding; reads come back replicated, so every process can fetch them)."""
-    from jaxinfer.step import kv_partition_spec
+class PageOps(NamedTuple):
+    """Jitted whole-page operations on the cache of one mesh (it keeps the step's sharding)."""
 
-    kv_sharding = jax.tree.map(lambda spec: jax.sharding.NamedSharding(mesh, spec), kv_partition_spec(),
-                               is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    copy: Callable  # (kv, src [n], dst [n]) -> kv, in place: copy-on-write
+    write: Callable  # (kv, pages [n], k, v [L, n, page_size, Hs, Ds]) -> kv, in place: swap-in
+    read: Callable  # (kv, pages [n]) -> (k, v), replicated so every process can fetch them: swap-out
+
+
+@functools.cache
+def page_ops(mesh) -> PageOps:
+    kv_sharding = kv_shardings(mesh)
     everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def copy(kv: KVCache, src, dst) -> KVCache:
@@ -335,6 +356,6 @@ def _page_ops(mesh):
     def read(kv: KVCache, pages):
         return kv.k[:, pages], kv.v[:, pages]
 
-    return (jax.jit(copy, donate_argnums=0, out_shardings=kv_sharding),
-            jax.jit(write, donate_argnums=0, out_shardings=kv_sharding),
-            jax.jit(read, out_shardings=(everywhere, everywhere)))
+    return PageOps(copy=jax.jit(copy, donate_argnums=0, out_shardings=kv_sharding),
+                   write=jax.jit(write, donate_argnums=0, out_shardings=kv_sharding),
+                   read=jax.jit(read, out_shardings=(everywhere, everywhere)))

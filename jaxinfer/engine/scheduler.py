@@ -27,8 +27,9 @@ copies its pages to host memory and, on readmission, back into the new pages.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-from jaxinfer.batch import MAX_PREFILL_CHUNKS
+from jaxinfer.ops.batch import MAX_PREFILL_CHUNKS
 from jaxinfer.engine.block_manager import BlockManager, OutOfPagesError
 from jaxinfer.engine.request import Sequence, SequenceStatus
 
@@ -40,6 +41,9 @@ class ScheduledSeq:
     num_draft: int = 0  # of those, drafted tokens to verify (the last ones)
     start: int = dataclasses.field(init=False)  # seq.num_computed when scheduled
     samples: bool = dataclasses.field(init=False)  # the chunk reaches the newest token: sample the next one
+    # what the step computes for it (model_runner.ScheduledChunk: its tokens and rows, then its
+    # results), set when the step is planned (engine.step_plan)
+    chunk: Any = dataclasses.field(init=False, default=None)
 
     def __post_init__(self):
         self.start = self.seq.num_computed

@@ -5,14 +5,17 @@
 Each engine step, every decoding sequence that speculates gets up to k drafted tokens from the
 proposer; its step then computes its newest token and the drafts together (k + 1 query rows of
 the same ragged step), and the target's distributions at those rows decide, on the device, how
-many drafts to keep (`jaxinfer.sampling.verify_drafts`: the longest matching prefix under
+many drafts to keep (`jaxinfer.ops.sampling.verify_drafts`: the longest matching prefix under
 greedy decoding, the standard rejection sampler otherwise), plus one more token sampled from the
 target. The rest is rolled back: the sequence's length rewinds and pages past it are released
 (`BlockManager.truncate`).
 
-Proposers implement `propose(engine, asked) -> Drafts`, where `asked` is a list of
-(sequence, k) and each draft is a list of at most k token ids (plus, for a model that samples
-its drafts, the distributions they came from). Here:
+Proposers implement `propose(ctx, asked) -> Drafts`, where `ctx` is a `DraftContext` (what a
+proposer may read and do in the engine core: page tables, reserving slots with their page
+copies, the last step's hidden states), `asked` is a list of (sequence, k) and each draft is a
+list of at most k token ids (plus, for a model that samples its drafts, the distributions they
+came from). The engine builds the proposer of a `SpeculativeConfig` (`jaxinfer.engine.build`).
+Here:
 
 - `NgramProposer` (method "ngram", prompt lookup): the last n tokens (n from prompt_lookup_max
   down to prompt_lookup_min) are searched for earlier in the prompt and output; what followed
@@ -28,7 +31,7 @@ its drafts, the distributions they came from). Here:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -112,6 +115,22 @@ class SpeculativeConfig:
         return 1 << (self.num_speculative_tokens).bit_length()
 
 
+class DraftContext(Protocol):
+    """What a proposer may read and do in the engine core (`jaxinfer.engine.core` implements it)."""
+
+    num_replicas: int
+    num_processed: int  # steps read back so far
+    last_hidden: Any  # [replicas, R, H] hidden states of the last step read (None unless the step returns them)
+
+    def page_table(self, seq) -> list[int]:
+        """The sequence's pages (ids within its replica's pool)."""
+
+    def reserve(self, seq, num_tokens: int) -> list[tuple[int, tuple[int, int]]] | None:
+        """Slots for the sequence to hold num_tokens tokens; returns the (replica, (src, dst))
+        page copies done in the target's pool for copy-on-write (a draft model's pool must
+        mirror them), or None when out of pages."""
+
+
 @dataclasses.dataclass
 class Drafts:
     """What a proposer returns for the sequences it was asked about, in order."""
@@ -129,7 +148,7 @@ class NgramProposer:
     def __init__(self, prompt_lookup_max: int = 4, prompt_lookup_min: int = 1):
         self.max_n, self.min_n = prompt_lookup_max, prompt_lookup_min
 
-    def propose(self, engine, asked) -> Drafts:
+    def propose(self, ctx: DraftContext, asked) -> Drafts:
         return Drafts([self.draft(seq.token_ids, k) for seq, k in asked])
 
     def draft(self, tokens: Sequence[int], k: int) -> list[int]:
@@ -145,13 +164,22 @@ class NgramProposer:
         return []
 
 
-def make_proposer(config: SpeculativeConfig, draft_runner=None):
-    """The proposer of `config.method`. A draft model comes with its ModelRunner; draft heads are
-    built by `LLM`, which knows the target's LM head."""
-    if config.method == "draft_model":
-        from jaxinfer.engine.draft_model import DraftModelProposer
+def replica_speculates(config: SpeculativeConfig, num_running: int) -> bool:
+    """Whether a replica's sequences may draft this step: not while it runs `disable_by_batch_size` or more."""
+    return config.disable_by_batch_size is None or num_running < config.disable_by_batch_size
 
-        return DraftModelProposer(draft_runner)
-    if config.method in ("eagle", "medusa"):
-        raise ValueError("Draft heads need the target model: build the proposer through LLM(speculative_config=...)")
-    return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+
+def draft_budget(seq, max_model_len: int) -> int:
+    """How many tokens to draft for a running sequence now (0: it decodes plainly this step)."""
+    request, p = seq.request, seq.request.params
+    if seq.spec is None or not seq.spec.tick():  # tick: a pause counts down every step
+        return 0
+    if seq.is_prefill or seq.pending or seq.hold or not request.forked:
+        return 0
+    num_out = len(seq.output_token_ids)
+    if num_out < p.min_tokens:  # min_tokens bans EOS for some positions; the drafts would not know
+        return 0
+    left = min((p.max_tokens or max_model_len) - num_out, request.max_len - len(seq.token_ids))
+    if left <= 1:
+        return 0
+    return min(seq.spec.k, left - 1)

@@ -14,30 +14,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.kernels import Kernels
-from jaxinfer.quantization import QuantizedWeight
-from pallas_kernels.quantized_matmul import reference as qmm_reference
+from jaxinfer.ops.kernels import Kernels
+from jaxinfer.ops.quantization import QuantizedWeight
 
 
 def matmul(x: jax.Array, w: jax.Array | QuantizedWeight, kernels: Kernels = Kernels()) -> jax.Array:
     """x [..., in] @ w [in, out] -> float32 [..., out].
 
     A plain weight takes x cast to its dtype with f32 accumulation. A QuantizedWeight (int8 /
-    int4 / fp8, see jaxinfer.quantization) goes through the quantized matmul, which dequantizes
-    inside the call: the jnp reference, or the Pallas kernel of `kernels.platform`.
+    int4 / fp8, see jaxinfer.ops.quantization) goes through the kernel table's quantized matmul,
+    which dequantizes inside the call.
     """
     if not isinstance(w, QuantizedWeight):
         return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
     x2 = x.reshape(-1, x.shape[-1])  # [M, in]
-    if kernels.platform == "tpu":
-        from pallas_kernels.quantized_matmul.tpu import quantized_matmul
-    elif kernels.platform == "gpu":
-        from pallas_kernels.quantized_matmul.gpu import quantized_matmul
-    else:
-        quantized_matmul = qmm_reference.quantized_matmul
-        x2 = x2.astype(jnp.float32)  # the reference computes in x's dtype; keep f32 accumulation
-    options = dict(interpret=kernels.interpret) if kernels.pallas else {}
-    y = quantized_matmul(x2, w.qweight, w.scales, mode=w.mode, group_size=w.group_size, **options)
+    y = kernels.quantized_matmul(x2, w.qweight, w.scales, mode=w.mode, group_size=w.group_size)
     return y.astype(jnp.float32).reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -51,15 +42,8 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight, b: jax.Array | None = N
 
 def add_rms_norm(x: jax.Array, residual: jax.Array, weight: jax.Array, eps: float, kernels: Kernels = Kernels()):
     """(rms_norm(x + residual), x + residual): the residual add fused with the next norm, one pass
-    over [T, H] on accelerators (pallas_kernels.fused_rms_norm); the reference on the CPU."""
-    if kernels.platform == "tpu":
-        from pallas_kernels.fused_rms_norm import add_rms_norm_tpu as fused
-    elif kernels.platform == "gpu":
-        from pallas_kernels.fused_rms_norm import add_rms_norm_gpu as fused
-    else:
-        from pallas_kernels.fused_rms_norm import add_rms_norm_reference as fused
-    options = dict(interpret=kernels.interpret) if kernels.pallas else {}
-    return fused(x, residual, weight, eps=eps, **options)
+    over [T, H] with the Pallas kernels (pallas_kernels.fused_rms_norm)."""
+    return kernels.add_rms_norm(x, residual, weight, eps=eps)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -75,31 +59,17 @@ def swiglu(gate_up: jax.Array) -> jax.Array:
     return (jax.nn.silu(gate) * up).astype(gate_up.dtype)
 
 
-def swiglu_mlp(x, w_gate_up, w_down, b_gate_up=None, b_down=None, kernels: Kernels = Kernels()):
-    """down(silu(gate(x)) * up(x)); x [T, H] -> [T, H]. w_gate_up [H, 2I] = [gate | up]."""
-    return linear(gate_up_swiglu(x, w_gate_up, b_gate_up, kernels), w_down, b_down, kernels)
-
-
 def gate_up_swiglu(x, w_gate_up, b_gate_up=None, kernels: Kernels = Kernels()):
     """silu(gate(x)) * up(x): x [T, H] -> [T, I] in x's dtype. w_gate_up [H, 2I] = [gate | up].
 
-    Gate and up are one matmul. With Pallas kernels, a float weight without bias goes through the
-    SwiGLU matmul kernel (pallas_kernels.swiglu_matmul), which applies silu(gate) * up to its
-    accumulators, so the [T, 2I] projection never reaches memory; otherwise the matmul (quantized
-    or not) is followed by `swiglu`.
+    Gate and up are one matmul. A float weight without bias goes through the kernel table's
+    SwiGLU matmul (with the Pallas kernels silu(gate) * up is applied to the accumulators, so the
+    [T, 2I] projection never reaches memory); a quantized or biased one through `linear`, then
+    `swiglu`.
     """
-    if kernels.pallas and b_gate_up is None and not isinstance(w_gate_up, QuantizedWeight) and _swiglu_kernel_fits(w_gate_up, kernels):
-        if kernels.platform == "tpu":
-            from pallas_kernels.swiglu_matmul import swiglu_matmul_tpu as fused
-        else:
-            from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu as fused
-        return fused(x, w_gate_up, interpret=kernels.interpret)
+    if b_gate_up is None and not isinstance(w_gate_up, QuantizedWeight):
+        return kernels.swiglu_matmul(x, w_gate_up)
     return swiglu(linear(x, w_gate_up, b_gate_up, kernels))
-
-
-def _swiglu_kernel_fits(w_gate_up: jax.Array, kernels: Kernels) -> bool:
-    """The TPU kernel tiles each half of the weight in blocks of 128 columns."""
-    return kernels.platform != "tpu" or (w_gate_up.shape[-1] // 2) % 128 == 0
 
 
 # ----------------------------------------------------------------------------- rotary embeddings

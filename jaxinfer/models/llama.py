@@ -19,7 +19,7 @@ only when its axis has more than one device (on one device the program is the pl
   all-gather of the embedded tokens and a `psum` of the logits per step;
 - sequence: this replica's T tokens are split in `sp` contiguous blocks for everything but
   attention, which sees all of this step's K/V (all-gathered, or passed around a ring), see
-  `jaxinfer.attention.attend_sequence_parallel`; the logits rows are summed over the axis;
+  `jaxinfer.ops.attention.attend_sequence_parallel`; the logits rows are summed over the axis;
 - expert (MoE): experts are split, tokens dispatched with all_to_all (`jaxinfer.models.moe`);
 - data and expert also index replicas: each device sees only its replica's batch and KV pages.
 """
@@ -31,11 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.attention import kv_write_locations, write_kv_and_attend
-from jaxinfer.batch import RaggedBatch
+from jaxinfer.ops.attention import kv_write_locations, write_kv_and_attend
+from jaxinfer.ops.batch import SCRATCH_PAGE, RaggedBatch
 from jaxinfer.config import ModelConfig
-from jaxinfer.kernels import Kernels
-from jaxinfer.kv_cache import SCRATCH_PAGE, KVCache
+from jaxinfer.ops.kernels import Kernels
+from jaxinfer.ops.kv_cache import KVCache
 from jaxinfer.models import moe
 from jaxinfer.models.layers import add_rms_norm, gate_up_swiglu, linear, matmul, rms_norm, rope_cos_sin
 from jaxinfer.models.param_layout import param_shapes
@@ -87,7 +87,7 @@ class LlamaForCausalLM(nnx.Module):
     ):
         self.config = config
         self.compute_dtype = compute_dtype
-        self.kernels = kernels  # static: XLA paths or Pallas kernels (jaxinfer.kernels)
+        self.kernels = kernels  # static: XLA paths or Pallas kernels (jaxinfer.ops.kernels)
         self.parallel = parallel  # static: the mesh's axis sizes (sharding.mesh.ParallelConfig)
         shapes = param_shapes(config, parallel.tp)  # global shapes; __call__ sees this device's shards
         layer_shapes = {k.split(".", 1)[1]: v for k, v in shapes.items() if k.startswith("layers.")}
@@ -208,26 +208,3 @@ class LlamaForCausalLM(nnx.Module):
         else:
             logits = matmul(h, self.lm_head.get_value(), self.kernels)
         return self._tensor_sum(logits, jnp.float32)  # logits stay float32
-
-
-def flat_to_nested(flat: dict[str, np.ndarray]) -> dict:
-    """{"layers.q_proj": a} -> {"layers": {"q_proj": a}} (the shape of nnx's pure state dict)."""
-    nested: dict = {}
-    for name, value in flat.items():
-        node = nested
-        *parents, leaf = name.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return nested
-
-
-def nested_to_flat(nested: dict, prefix: str = "") -> dict:
-    flat = {}
-    for k, v in nested.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, dict):
-            flat.update(nested_to_flat(v, name + "."))
-        else:
-            flat[name] = v
-    return flat

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.kernels import Kernels
+from jaxinfer.ops.kernels import Kernels
 from jaxinfer.models.layers import gate_up_swiglu, matmul
 from sharding.expert_parallel import moe_experts
 from sharding.mesh import ParallelConfig

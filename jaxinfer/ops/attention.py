@@ -3,7 +3,7 @@ pages, then attend.
 
 The model calls `write_kv_and_attend` once per layer. RoPE and the KV write are one Pallas kernel
 on accelerators (`rope_and_write_kv`). Which attention runs is the model's `Kernels` choice
-(jaxinfer.kernels):
+(jaxinfer.ops.kernels):
 
 - reference: the work-list (split-KV) jnp version from
   `pallas_kernels.ragged_paged_attention.split_kv`, which XLA compiles well on the CPU;
@@ -20,55 +20,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.batch import MAX_PREFILL_CHUNKS, RaggedBatch
-from jaxinfer.kernels import Kernels
+from jaxinfer.ops.batch import RaggedBatch
+from jaxinfer.ops.kernels import PREFILL_KV_TOKENS_PER_ITEM, Kernels
 from pallas_kernels.ragged_paged_attention import split_kv
-from pallas_kernels.rope_kv_write import (
-    apply_rope,
-    gpu_supports,
-    rope_kv_write_gpu,
-    rope_kv_write_reference,
-    rope_kv_write_tpu,
-)
+from pallas_kernels.rope_kv_write import apply_rope
 from sharding.mesh import ParallelConfig
 from sharding.ring_attention import merge_partials, ring_attention
 
-# KV tokens per work item: decodes (one query row per block) do best with short items, query
-# blocks of a prefill chunk with longer ones (measured on the CPU, scripts/bench_step.py).
-DECODE_KV_TOKENS_PER_ITEM = 32
-SPEC_KV_TOKENS_PER_ITEM = 64  # verify chunks of speculative decoding: a few queries, long contexts
-PREFILL_KV_TOKENS_PER_ITEM = 128
 # A step this long that only prefills fresh sequences runs flash attention (Pallas kernels only).
 FLASH_MIN_TOKENS = 256
-
-
-def _pallas_attention(kernels: Kernels, q, k, v, k_pages, v_pages, page_table, batch: RaggedBatch, *, sm_scale, sliding_window, query_block):
-    """The platform's ragged paged attention kernel (flash attention for a long fresh prefill). [T, Hq, D]
-    k, v [T, Hkv, D]: the model's heads; the TPU pools may hold more (kv_cache.pool_kv_heads)."""
-    if kernels.platform == "tpu":
-        from pallas_kernels.flash_attention import flash_attention_tpu as flash
-        from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention as ragged
-    else:
-        from pallas_kernels.flash_attention import flash_attention_gpu as flash
-        from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention as ragged
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, interpret=kernels.interpret)
-
-    heads = dict(num_kv_heads=k.shape[1]) if kernels.platform == "tpu" else {}
-    D = q.shape[2]
-
-    def paged():
-        q_lanes = jnp.pad(q, ((0, 0), (0, 0), (0, k_pages.shape[3] - D)))  # zero lanes: scores unchanged
-        out = ragged(q_lanes, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs,
-                     num_queries_per_block=query_block, **heads, **options)
-        return out[:, :, :D]
-
-    T, S = q.shape[0], batch.kv_lens.shape[0]
-    if query_block == 1 or T < FLASH_MIN_TOKENS:
-        return paged()
-    q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
-    in_use = jnp.arange(S) < batch.num_seqs[0]
-    fresh_prefill = jnp.all(jnp.where(in_use, batch.kv_lens == q_lens, True))  # no sequence has a cached prefix
-    return jax.lax.cond(fresh_prefill, lambda: flash(q, k, v, batch.cu_q_lens, batch.num_seqs, causal=True, **options), paged)
 
 
 def kv_write_locations(batch: RaggedBatch, page_size: int, scratch_page: int) -> tuple[jax.Array, jax.Array]:
@@ -106,7 +66,7 @@ def rope_and_write_kv(q, k, v, cos, sin, k_pages, v_pages, write_page, write_off
         v_pages = v_pages.at[write_page, write_offset].set(pad_to_pool(v, v_pages))
         return q, k, k_pages, v_pages
     k, v = pad_to_pool(k, k_pages), pad_to_pool(v, v_pages)
-    q, k, k_pages, v_pages = _rope_and_write_kv(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset, kernels)
+    q, k, k_pages, v_pages = kernels.rope_kv_write(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset)
     return q, k[:, :Hkv], k_pages, v_pages
 
 
@@ -120,15 +80,6 @@ def pad_to_pool(x: jax.Array, pool: jax.Array) -> jax.Array:
 def model_part(pool: jax.Array, num_kv_heads: int, head_dim: int) -> jax.Array:
     """The model's heads and lanes of a pool [P, page_size, Hs, Ds] (a copy when the pool is padded)."""
     return pool if pool.shape[2:] == (num_kv_heads, head_dim) else pool[:, :, :num_kv_heads, :head_dim]
-
-
-def _rope_and_write_kv(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset, kernels: Kernels):
-    args = (q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset)
-    if kernels.platform == "tpu" and k.dtype == k_pages.dtype and v.dtype == v_pages.dtype:
-        return rope_kv_write_tpu(*args, interpret=kernels.interpret)
-    if kernels.platform == "gpu" and gpu_supports(q.shape[-1]):
-        return rope_kv_write_gpu(*args, interpret=kernels.interpret)
-    return rope_kv_write_reference(*args)  # the XLA path (and shapes a kernel does not take)
 
 
 def write_kv_and_attend(
@@ -178,31 +129,19 @@ def paged_attention(q, k, v, k_pages, v_pages, layer_page_offset, batch: RaggedB
 
     spec_block > 0 (speculative decoding): sequences of 2 .. spec_block queries (verifying drafted
     tokens; any number of them) get a pass of their own with query blocks of spec_block."""
-    if kernels.pallas:
-        return _pallas_attention(kernels, q, k, v, k_pages, v_pages, batch.page_table + layer_page_offset, batch,
-                                 sm_scale=sm_scale, sliding_window=sliding_window, query_block=query_block)
-    page_size = k_pages.shape[1]
+    page_table = batch.page_table + layer_page_offset
+    paged = lambda: kernels.ragged_attention(  # noqa: E731
+        q, k_pages, v_pages, page_table, batch, num_kv_heads=k.shape[1], sm_scale=sm_scale, sliding_window=sliding_window,
+        query_block=query_block, spec_block=spec_block)
     T, S = q.shape[0], batch.kv_lens.shape[0]
-    attend = lambda query_block, kv_tokens, items, **kw: split_kv.ragged_paged_attention(  # noqa: E731
-        q, k_pages, v_pages, batch.kv_lens, batch.page_table + layer_page_offset, batch.cu_q_lens, batch.num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window, num_queries_per_block=query_block,
-        num_kv_pages_per_block=max(1, kv_tokens // page_size), items_per_step=items, **kw,
-    )
-    if query_block == 1:  # a decode bucket: every sequence has one query
-        return attend(1, DECODE_KV_TOKENS_PER_ITEM, 16)
-    # Otherwise passes over disjoint sequences: the one-token ones with query blocks of 1, the
-    # (at most MAX_PREFILL_CHUNKS) prefill chunks with large query blocks, and with spec_block the
-    # short chunks of speculating sequences in between. Rows a pass does not serve come out as
-    # zeros, so the sum is the answer.
+    if kernels.flash_attention is None or query_block == 1 or T < FLASH_MIN_TOKENS:
+        return paged()
     q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
-    out = attend(1, DECODE_KV_TOKENS_PER_ITEM, 16, seq_mask=q_lens == 1, max_query_blocks=S)
-    if spec_block:
-        out += attend(spec_block, SPEC_KV_TOKENS_PER_ITEM, 16, seq_mask=(q_lens > 1) & (q_lens <= spec_block), max_query_blocks=S)
-    out += attend(
-        query_block, PREFILL_KV_TOKENS_PER_ITEM, 8,
-        seq_mask=q_lens > max(1, spec_block), max_query_blocks=min(T, -(-T // query_block) + min(S, MAX_PREFILL_CHUNKS)),
-    )
-    return out
+    in_use = jnp.arange(S) < batch.num_seqs[0]
+    fresh_prefill = jnp.all(jnp.where(in_use, batch.kv_lens == q_lens, True))  # no sequence has a cached prefix
+    flash = lambda: kernels.flash_attention(q, k, v, batch.cu_q_lens, batch.num_seqs, causal=True, sm_scale=sm_scale,  # noqa: E731
+                                            sliding_window=sliding_window)
+    return jax.lax.cond(fresh_prefill, flash, paged)
 
 
 # ----------------------------------------------------------------------------- sequence parallelism

@@ -26,7 +26,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jaxinfer.kv_cache import SCRATCH_PAGE
+SCRATCH_PAGE = 0  # page 0 of every pool: padded token slots write there, no sequence ever owns it
+
 
 
 @jax.tree_util.register_dataclass

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.tree import nested_to_flat
 from pallas_kernels.quantized_matmul import reference as qmm
 from pallas_kernels.quantized_matmul.reference import INT4_GROUP_SIZES, MODES, check_mode
 
@@ -206,8 +207,6 @@ def quantize_model(graphdef, state, mode: str, group_size: int = 128, skip: Iter
     unquantized arrays are not kept.
     """
     from flax import nnx  # the model container; the rest of this module is plain JAX
-
-    from jaxinfer.models.llama import nested_to_flat
 
     flat = nested_to_flat(nnx.to_pure_dict(state))
     quantized = {k: v for k, v in quantize_params(flat, mode, group_size, skip).items() if isinstance(v, QuantizedWeight)}

@@ -36,52 +36,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxinfer.kv_cache import KVCache
-from jaxinfer.models.param_layout import param_axes
-from jaxinfer.sampling import SampleOutput, sample
+from jaxinfer.ops.kv_cache import KVCache
+from jaxinfer.ops.sampling import SampleOutput, sample
+from jaxinfer.runtime.placement import kv_partition_spec, per_replica_specs, put_global
 from sharding import rules
 from sharding.mesh import ParallelConfig, make_mesh
-
-
-def param_partition_specs(params, config) -> object:
-    """A tree like `params` (an nnx State, maybe holding QuantizedWeights) of PartitionSpecs."""
-    axes = param_axes(config)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    specs = []
-    for path, leaf in leaves:
-        name = ".".join(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
-        leaf_axes = axes[name]
-        field = path[-1].name if isinstance(path[-1], jax.tree_util.GetAttrKey) else None
-        if field == "scales" and leaf.ndim == len(leaf_axes) - 1:  # per-column scales: [..., N]
-            leaf_axes = leaf_axes[:-2] + leaf_axes[-1:]
-        specs.append(rules.logical_to_spec(leaf_axes))
-    return jax.tree_util.tree_unflatten(treedef, specs)
-
-
-def kv_partition_spec() -> KVCache:
-    spec = rules.logical_to_spec(rules.KV_CACHE_AXES)
-    return KVCache(k=spec, v=spec)
-
-
-def _per_replica_specs(tree):
-    """PartitionSpec of every array of a per-replica input tree (leading axis = replica)."""
-    return jax.tree.map(lambda a: rules.per_replica(np.ndim(a)), tree)
-
-
-def put_global(tree, specs, mesh: Mesh):
-    """Arrays -> jax Arrays placed with NamedSharding(mesh, spec). Host (numpy) arrays: every
-    process passes the same global values (the engine runs in lockstep on every host) and places
-    its own shards; jax Arrays are resharded on the devices."""
-    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    if jax.process_count() == 1:
-        return jax.device_put(tree, shardings)
-
-    def put(a, sharding):
-        if isinstance(a, jax.Array):
-            return jax.device_put(a, sharding)
-        return jax.make_array_from_callback(np.shape(a), sharding, lambda index: np.asarray(a)[index])
-
-    return jax.tree.map(put, tree, shardings)
 
 
 class StepFunction:
@@ -127,7 +86,7 @@ class StepFunction:
             out_specs = (rules.replicated(), rules.per_replica(2), self.kv_specs)  # every SampleOutput field replicated
             return jax.shard_map(
                 lambda *a: per_device_step(*a, query_block, spec_block), mesh=self.mesh,
-                in_specs=(self._specs(params), self.kv_specs, _per_replica_specs(batch), _per_replica_specs(sampling),
+                in_specs=(self._specs(params), self.kv_specs, per_replica_specs(batch), per_replica_specs(sampling),
                           rules.per_replica(2)),
                 out_specs=out_specs, check_vma=False,
             )(params, kv, batch, sampling, prev_tokens)
@@ -137,7 +96,7 @@ class StepFunction:
             rows' hidden states [replicas, R, H]); not the serving path."""
             return jax.shard_map(
                 lambda *a: per_device_forward(*a, query_block, spec_block), mesh=self.mesh,
-                in_specs=(self._specs(params), self.kv_specs, _per_replica_specs(batch)),
+                in_specs=(self._specs(params), self.kv_specs, per_replica_specs(batch)),
                 out_specs=(rules.replicated(), self.kv_specs) + ((rules.replicated(),) if return_hidden else ()), check_vma=False,
             )(params, kv, batch)
 
@@ -152,7 +111,7 @@ class StepFunction:
     def place_inputs(self, tree):
         """A tree of per-replica host arrays ([replicas, ...]: batches, sampling tensors) -> device
         arrays split over the replicas."""
-        return put_global(tree, _per_replica_specs(tree), self.mesh)
+        return put_global(tree, per_replica_specs(tree), self.mesh)
 
     def __call__(self, params, kv, batch, sampling, prev_tokens, *, query_block: int,
                  spec_block: int = 0) -> tuple[SampleOutput, jax.Array, KVCache]:
@@ -166,7 +125,7 @@ class StepFunction:
 
     def input_shardings(self, tree):
         """NamedShardings of a per-replica input tree (batches, sampling tensors, token buffers)."""
-        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), _per_replica_specs(tree),
+        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), per_replica_specs(tree),
                             is_leaf=lambda x: isinstance(x, PartitionSpec))
 
     def forward(self, params, kv, batch, *, query_block: int, spec_block: int = 0):

@@ -27,10 +27,11 @@ from flax import nnx
 
 import checkpoints_conv
 from jaxinfer.config import ModelConfig
-from jaxinfer.kernels import Kernels
-from jaxinfer.models.llama import LlamaForCausalLM, flat_to_nested, nested_to_flat
-from jaxinfer.models.param_layout import loader_spec, param_axes, param_shapes, relayout_indices
-from sharding import rules
+from jaxinfer.ops.kernels import Kernels
+from jaxinfer.models.llama import LlamaForCausalLM
+from jaxinfer.models.param_layout import loader_spec, param_shapes, relayout_indices
+from jaxinfer.runtime.placement import param_shardings
+from jaxinfer.tree import flat_to_nested, nested_to_flat
 from sharding.mesh import ParallelConfig, make_mesh
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -102,23 +103,6 @@ def abstract_model(
                                  parallel=parallel, rngs=nnx.Rngs(0))
     )
     return nnx.split(model)
-
-
-def param_shardings(config: ModelConfig, mesh, tp: int | None = None) -> dict:
-    """Flat param name -> NamedSharding on `mesh` (tp: the layout's degree, default the mesh's).
-    An axis that does not divide evenly (a tp = 1 layout restored onto a bigger mesh) is left whole."""
-    tp = mesh.shape["tensor"] if tp is None else tp
-    shapes = param_shapes(config, tp)
-    out = {}
-    for name, spec in rules.param_specs(param_axes(config)).items():
-        fits = [axis if axis is None or shapes[name][i] % _axis_size(mesh, axis) == 0 else None for i, axis in enumerate(spec)]
-        out[name] = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*fits))
-    return out
-
-
-def _axis_size(mesh, axis) -> int:
-    names = axis if isinstance(axis, tuple) else (axis,)
-    return int(np.prod([mesh.shape[n] for n in names]))
 
 
 def load_params(

@@ -12,10 +12,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxinfer.batch import Buckets, SequenceChunk, pack_batch, stack_replicas
+from jaxinfer.ops.batch import Buckets, SequenceChunk, pack_batch, stack_replicas
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import KVCache
-from jaxinfer.step import StepFunction
+from jaxinfer.ops.kv_cache import KVCache
+from jaxinfer.runtime.step import StepFunction
 
 
 def prompt_log_softmax(

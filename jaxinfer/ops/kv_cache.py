@@ -29,9 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.kernels import Kernels
-
-SCRATCH_PAGE = 0
+from jaxinfer.ops.kernels import Kernels
+from sharding.mesh import kv_heads_per_shard
 
 
 def pool_kv_heads(config: ModelConfig, dtype, *, tp: int = 1, kernels: Kernels = Kernels()) -> int:
@@ -39,17 +38,7 @@ def pool_kv_heads(config: ModelConfig, dtype, *, tp: int = 1, kernels: Kernels =
     model heads (`sharding.mesh.kv_heads_per_shard`: split, or replicated when there are fewer
     than tp), padded with zero heads to what the TPU kernel tiles when the TPU kernels run
     (`pallas_kernels.ragged_paged_attention.tpu.stored_kv_heads`)."""
-    from sharding.mesh import kv_heads_per_shard
-
-    per_shard = kv_heads_per_shard(config.num_kv_heads, tp)
-    if kernels.platform == "tpu":
-        from pallas_kernels.ragged_paged_attention.tpu import stored_kv_heads
-
-        per_shard = stored_kv_heads(per_shard, dtype)
-    return per_shard * tp
-
-
-TPU_LANES = 128
+    return kernels.stored_kv_heads(kv_heads_per_shard(config.num_kv_heads, tp), dtype) * tp
 
 
 def pool_head_dim(config: ModelConfig, kernels: Kernels = Kernels()) -> int:
@@ -61,9 +50,7 @@ def pool_head_dim(config: ModelConfig, kernels: Kernels = Kernels()) -> int:
     128-lane pool keeps the row-major layout; it costs head_dim 64 models (SmolLM2, Llama-3.2-1B)
     twice the KV memory on a TPU.
     """
-    if kernels.platform == "tpu":
-        return -(-config.head_dim // TPU_LANES) * TPU_LANES
-    return config.head_dim
+    return kernels.stored_head_dim(config.head_dim)
 
 
 @jax.tree_util.register_dataclass

@@ -1,0 +1,166 @@
+"""Building an engine from an `EngineConfig`: model, weights, mesh, KV pool, runner, proposer.
+
+    engine = build_engine(EngineConfig(model="./model", tensor_parallel_size=2))
+
+`build_runner` is the one recipe for a model on the mesh, used for the target and for every
+draft model: quantize (if asked), place each parameter with its sharding, allocate the KV pool
+(the engine's page geometry, every replica's pool on one page axis), and wrap them in a
+`ModelRunner` over the engine's shape buckets.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+
+import jax
+from flax import nnx
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.draft_head import DraftHeadProposer
+from jaxinfer.engine.draft_model import DraftModelProposer
+from jaxinfer.engine.engine import LLMEngine
+from jaxinfer.engine.model_runner import ModelRunner
+from jaxinfer.engine.spec_decode import NgramProposer, SpeculativeConfig
+from jaxinfer.models.draft_heads import load_heads
+from jaxinfer.ops.kv_cache import KVCache
+from jaxinfer.ops.quantization import quantize_model
+from jaxinfer.runtime.loading import abstract_model, load_params, read_config, resolve_model
+from jaxinfer.runtime.placement import kv_partition_spec, param_partition_specs, put_global
+from jaxinfer.startup import PhaseClock
+from jaxinfer.tokenizer import load_tokenizer
+from jaxinfer.tree import flat_to_nested, nested_to_flat
+from sharding.mesh import ParallelConfig, ShardingError, make_mesh
+
+
+def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEngine:
+    """The engine of `config`, with `model_config`, `mesh` and `parallel` attributes. `clock`
+    records the phases (config, weights, tokenizer, KV cache and engine, warmup)."""
+    clock = clock or PhaseClock()
+    source = resolve_model(config.model)
+    model_config = read_config(source)
+    parallel = config.parallel(model_config)
+    config = config.resolved(model_config)
+    mesh = make_mesh(parallel)
+    clock.mark("config")
+    # The tokenizer (mostly importing transformers) loads in a thread while the weights load.
+    tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-tokenizer")
+    tokenizer_future = tokenizer_thread.submit(_timed, load_tokenizer, source)
+    tokenizer_thread.shutdown(wait=False)
+    weights = load_params(source, model_config, config.param_dtype, config.activation_dtype, kernels=config.kernels,
+                          parallel=parallel, mesh=mesh, progress=config.progress)
+    spec = config.speculative_config
+    runner = build_runner(model_config, config, mesh, weights, quantization=config.quantization,
+                          num_top_logprobs=config.max_logprobs,
+                          return_hidden=spec is not None and spec.method in ("eagle", "medusa"))
+    clock.mark("weights")
+    tokenizer, tokenizer_seconds = tokenizer_future.result()
+    clock.mark("tokenizer (what it took beyond the weights)")
+    proposer = make_proposer(spec, model_config, config, runner) if spec is not None else None
+    eos = set(model_config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    engine = LLMEngine(config, runner, tokenizer, vocab_size=model_config.vocab_size, eos_token_ids=sorted(eos),
+                       proposer=proposer)
+    engine.model_config, engine.mesh, engine.parallel, engine.source = model_config, mesh, parallel, source
+    engine.tokenizer_seconds = tokenizer_seconds
+    clock.mark("KV cache and engine")
+    return engine
+
+
+def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights: tuple[nnx.GraphDef, nnx.State], *,
+                 quantization: str | None, num_top_logprobs: int, return_hidden: bool = False) -> ModelRunner:
+    """A model's runner on `mesh`: `weights` (graphdef, params as loaded) quantized with
+    `quantization` and placed, a KV pool of the (resolved) config's page geometry."""
+    graphdef, params = weights
+    parallel = config.parallel(model_config)
+    if quantization is not None:
+        _check_quantized_split(model_config, parallel.tp, quantization, config.quantization_group_size)
+        graphdef, params = quantize_model(graphdef, params, quantization, config.quantization_group_size)
+    param_specs = param_partition_specs(params, model_config)
+    params = put_global(params, param_specs, mesh)  # quantized weights: onto their shards
+    kv_sharding = jax.sharding.NamedSharding(mesh, kv_partition_spec().k)
+    kv = KVCache.create(model_config, config.num_pages * parallel.num_replicas, config.page_size, config.kv_dtype,
+                        tp=parallel.tp, sharding=kv_sharding, kernels=config.kernels)
+    return ModelRunner(graphdef, params, kv, config.buckets(parallel), num_top_logprobs=num_top_logprobs, mesh=mesh,
+                       param_specs=param_specs, return_hidden=return_hidden)
+
+
+def make_proposer(spec: SpeculativeConfig | dict, model_config: ModelConfig, config: EngineConfig, runner: ModelRunner):
+    """The proposer of a speculative_config for the target model behind `runner`."""
+    spec = SpeculativeConfig.from_dict(spec) if isinstance(spec, dict) else spec
+    if spec.method == "draft_model":
+        return DraftModelProposer(build_draft_runner(spec, model_config, config, runner))
+    if spec.method in ("eagle", "medusa"):
+        if not runner.step_fn.return_hidden:
+            raise ValueError(f"speculative_config: method {spec.method!r} reads the target's hidden states, which this "
+                             f"LLM's step does not return; build the LLM with a speculative_config of method {spec.method!r}")
+        heads = load_heads(spec.model, model_config.hidden_size, kind=spec.method)
+        tied = model_config.tie_word_embeddings
+        embed = runner.params["embed"].get_value()
+        proposer = DraftHeadProposer(heads, embed if tied else runner.params["lm_head"].get_value(), tied, embed,
+                                     confidence_threshold=spec.draft_confidence_threshold)
+        if proposer.max_k < spec.num_speculative_tokens:
+            raise ValueError(f"speculative_config: num_speculative_tokens={spec.num_speculative_tokens} but "
+                             f"{spec.model} has {proposer.max_k} heads")
+        return proposer
+    return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
+
+
+def build_draft_runner(spec: SpeculativeConfig, model_config: ModelConfig, config: EngineConfig,
+                       target: ModelRunner) -> ModelRunner:
+    """The draft model of method "draft_model" on the target's mesh, buckets and page geometry:
+    another model, or the target (already loaded) truncated to its first `num_layers` layers
+    and / or quantized."""
+    mesh = target.step_fn.mesh
+    parallel = config.parallel(model_config)
+    draft_config, weights = model_config, (target.graphdef, target.params)
+    if spec.model is not None:
+        source = resolve_model(spec.model)
+        draft_config = read_config(source)
+        if draft_config.vocab_size != model_config.vocab_size:
+            raise ValueError(
+                f"speculative_config['model']={spec.model!r}: vocabulary of {draft_config.vocab_size} tokens, the "
+                f"target's has {model_config.vocab_size}; a draft model must share the target's tokenizer"
+            )
+        weights = load_params(source, draft_config, config.param_dtype, config.activation_dtype, kernels=config.kernels,
+                              parallel=parallel, mesh=mesh, progress=config.progress)
+    if spec.num_layers is not None:
+        if spec.num_layers >= draft_config.num_layers:
+            raise ValueError(f"speculative_config['num_layers']={spec.num_layers}: the model has only "
+                             f"{draft_config.num_layers} layers")
+        draft_config, weights = first_layers(draft_config, weights, spec.num_layers, config, parallel)
+    return build_runner(draft_config, config, mesh, weights, quantization=spec.quantization, num_top_logprobs=1)
+
+
+def first_layers(model_config: ModelConfig, weights, num_layers: int, config: EngineConfig, parallel: ParallelConfig):
+    """(config, (graphdef, params)) of a model made of the first num_layers layers of another
+    (the same embedding, final norm and LM head): self-speculation's draft."""
+    truncated = dataclasses.replace(model_config, num_layers=num_layers)
+    flat = nested_to_flat(nnx.to_pure_dict(weights[1]))
+    flat = {name: jax.tree.map(lambda a: a[:num_layers], value) if name.startswith("layers.") else value
+            for name, value in flat.items()}
+    graphdef, state = abstract_model(truncated, config.param_dtype, config.activation_dtype, config.kernels, parallel)
+    nnx.replace_by_pure_dict(state, flat_to_nested(flat))
+    return truncated, (graphdef, state)
+
+
+def _check_quantized_split(config: ModelConfig, tp: int, mode: str, group_size: int) -> None:
+    """int4 groups run along a weight's input dim: a row-parallel weight (o, down, LM head) split
+    over tp shards needs each shard's rows to be whole groups."""
+    if tp == 1 or mode != "int4":
+        return
+    for what, rows in (("o_proj", config.num_heads * config.head_dim), ("down_proj", config.intermediate_size),
+                       ("lm_head", config.hidden_size)):
+        if (rows // tp) % group_size:
+            raise ShardingError(
+                f"quantization='int4' with tensor_parallel_size={tp}: {what} has {rows} input rows, {rows // tp} per shard, "
+                f"not a multiple of quantization_group_size={group_size}; use int8 / fp8 or a smaller group size"
+            )
+
+
+def _timed(fn, *args):
+    t0 = time.perf_counter()
+    return fn(*args), time.perf_counter() - t0

@@ -1,0 +1,163 @@
+"""`EngineConfig`: every engine setting in one validated, frozen object.
+
+    config = EngineConfig(model="./Llama-3.2-1B", tensor_parallel_size=4, max_num_seqs=128)
+    engine = build_engine(config)            # jaxinfer.engine.build; LLM(**same keywords) does this
+
+Built once from `LLM(...)` keywords or the CLI's flags; `resolved(model_config)` fills in what
+depends on the model (dtypes for this backend, max_model_len, the KV pool size), after which
+every field is concrete. The names are vLLM's where vLLM has the setting (`dtype`,
+`kv_cache_dtype`, `quantization`, `max_model_len`, `max_num_batched_tokens`, `max_num_seqs`,
+`max_logprobs`, `enable_prefix_caching`, `preemption_mode`, `seed`, `tensor_parallel_size`,
+`data_parallel_size`, `enable_expert_parallel`, `speculative_config`, `kv_cache_memory_bytes`);
+jaxinfer's own: `page_size` (vLLM's `block_size`), `num_pages` (vLLM's
+`num_gpu_blocks_override`, per data-parallel replica), `compute_dtype`,
+`quantization_group_size`, `kernel_impl` (alias `attention_impl`), `sequence_parallel_size`,
+`expert_parallel_size`, `sequence_parallel_attention`, `warmup`, `log_stats_interval`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.spec_decode import SpeculativeConfig
+from jaxinfer.ops.batch import Buckets
+from jaxinfer.ops.kernels import KERNEL_IMPLS, Kernels, resolve_kernels
+from jaxinfer.ops.kv_cache import KVCache
+from jaxinfer.ops.quantization import INT4_GROUP_SIZES, MODES
+from sharding.mesh import ParallelConfig, ShardingError
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+def dtype_of(name: str | Any | None, what: str = "dtype"):
+    """"auto" | "float32" | "bfloat16" | "float16" | a numpy/jax dtype -> the jnp scalar type
+    ("auto": float32 on the CPU, bfloat16 elsewhere); None stays None."""
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        return jnp.dtype(name).type
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if name not in DTYPES:
+        raise ValueError(f"{what}={name!r}: expected one of 'auto', {', '.join(map(repr, DTYPES))}")
+    return DTYPES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """See `jaxinfer.llm.LLM` for what each setting does."""
+
+    model: str | os.PathLike | None = None
+    dtype: Any = "auto"
+    compute_dtype: Any = None  # default: float32 on the CPU, bfloat16 elsewhere
+    kv_cache_dtype: Any = None  # default: compute_dtype
+    quantization: str | None = None
+    quantization_group_size: int = 128
+    kernel_impl: str = "auto"
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    page_size: int = 16
+    num_pages: int | None = None  # per replica; default: what kv_cache_memory_bytes holds
+    kv_cache_memory_bytes: int = 1 << 30
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_logprobs: int = 20
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    log_stats_interval: float | None = None
+    seed: int = 0
+    warmup: bool = False
+    progress: bool = True
+    compilation_cache_dir: str | os.PathLike | None = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    sequence_parallel_size: int = 1
+    expert_parallel_size: int | None = None
+    enable_expert_parallel: bool = False
+    sequence_parallel_attention: str = "allgather"
+    speculative_config: SpeculativeConfig | dict | None = None
+
+    def __post_init__(self):
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
+        if self.quantization == "none":
+            set_("quantization", None)
+        if self.quantization not in (None, *MODES):
+            raise ValueError(f"quantization={self.quantization!r}: expected 'none', {', '.join(map(repr, MODES))}")
+        if self.quantization == "int4" and self.quantization_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size={self.quantization_group_size!r}: expected one of {INT4_GROUP_SIZES}")
+        for field in ("dtype", "compute_dtype", "kv_cache_dtype"):
+            dtype_of(getattr(self, field), field)  # raises for an unknown name
+        if self.kernel_impl not in KERNEL_IMPLS:
+            raise ValueError(f"kernel_impl={self.kernel_impl!r}: expected one of {', '.join(map(repr, KERNEL_IMPLS))}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size={self.page_size} must be >= 1")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages={self.num_pages}: need at least 2 (page 0 is the scratch page)")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r}: expected 'recompute' or 'swap'")
+        for field in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
+        set_("max_num_seqs", min(self.max_num_seqs, self.max_num_batched_tokens))  # a sequence needs a token
+        if isinstance(self.speculative_config, dict) or self.speculative_config is None:
+            set_("speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
+
+    # ------------------------------------------------------------------ what follows from the settings
+    @property
+    def param_dtype(self):
+        return dtype_of(self.dtype)
+
+    @property
+    def activation_dtype(self):
+        return dtype_of(self.compute_dtype) or (jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+
+    @property
+    def kv_dtype(self):
+        return dtype_of(self.kv_cache_dtype, "kv_cache_dtype") or self.activation_dtype
+
+    @property
+    def kernels(self) -> Kernels:
+        return resolve_kernels(self.kernel_impl)
+
+    def parallel(self, model_config: ModelConfig) -> ParallelConfig:
+        """The mesh sizes, checked against the model. Without an expert_parallel_size,
+        enable_expert_parallel turns the data-parallel replicas into expert-parallel ones (as vLLM)."""
+        ep, dp = self.expert_parallel_size, self.data_parallel_size
+        if ep is None:
+            ep, dp = (dp, 1) if self.enable_expert_parallel else (1, dp)
+        if ep > 1 and not model_config.is_moe:
+            raise ShardingError(f"expert parallelism (size {ep}) needs a mixture-of-experts model; "
+                                f"{model_config.model_type} has no experts")
+        parallel = ParallelConfig(dp=dp, tp=self.tensor_parallel_size, sp=self.sequence_parallel_size, ep=ep,
+                                  sp_attention=self.sequence_parallel_attention)
+        parallel.check_model(model_config)
+        return parallel
+
+    def resolved(self, model_config: ModelConfig) -> "EngineConfig":
+        """This config with what depends on the model filled in: max_model_len and num_pages (per
+        replica, from kv_cache_memory_bytes)."""
+        max_model_len = self.max_model_len if self.max_model_len is not None else model_config.max_position_embeddings
+        if not 0 < max_model_len <= model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} must be in [1, {model_config.max_position_embeddings}] "
+                             f"(the model's max_position_embeddings)")
+        pages_per_seq = -(-max_model_len // self.page_size)
+        num_pages = self.num_pages
+        if num_pages is None:
+            kv_shape = KVCache.shape(model_config, 1, self.page_size, self.kv_dtype, tp=self.tensor_parallel_size,
+                                     kernels=self.kernels)
+            page_bytes = 2 * math.prod(kv_shape) * jnp.dtype(self.kv_dtype).itemsize
+            num_pages = max(2, min(self.kv_cache_memory_bytes // page_bytes, self.max_num_seqs * pages_per_seq + 1))
+        return dataclasses.replace(self, max_model_len=max_model_len, num_pages=num_pages)
+
+    def buckets(self, parallel: ParallelConfig) -> Buckets:
+        """The shape buckets every step is padded to (a resolved config)."""
+        spec = self.speculative_config
+        return Buckets.default(self.max_num_batched_tokens, self.max_num_seqs, -(-self.max_model_len // self.page_size),
+                               token_multiple=parallel.sp, spec_block=spec.spec_block if spec else 0)

@@ -1,0 +1,343 @@
+"""The engine core: schedule -> dispatch -> collect, one iteration per `step()`.
+
+Each step every replica's scheduler picks its sequences and chunk sizes, the runner copies the
+pages copy-on-write asked for (and swaps pages out and in), `plan_chunk` turns each scheduled
+sequence into its chunk, and the jitted step runs them all. Reading a step back applies each
+chunk's results to its sequence: prompt logprobs, the sampled token (through the
+`OutputProcessor`: logprobs, text, stop checks), forks into n completions, verified drafts.
+
+Pipelined: `step()` dispatches step N+1 before it reads step N, whose sampled tokens step N+1
+already takes on the device. A sequence whose step-N token ends it has a wasted slot in step
+N+1, whose result is ignored. Step N is read first when it must be (its tokens feed penalties,
+a request forks, or a sequence drafts next from them).
+
+Data parallelism: one `Replica` (block manager + scheduler, each with the full budgets) per
+attention replica of the runner's model. A request runs on one replica, picked when it arrives:
+the longest cached prefix of its prompt, then the least work queued.
+
+Speculative decoding: before scheduling, each sequence that speculates gets drafts from the
+proposer, which sees the core only through `DraftContext` (page tables, slot reservation, the
+last hidden states). Its chunk is its newest token plus the drafts; the rows verify them on the
+device (rejection sampling) and reading the step keeps the accepted drafts plus one token,
+rewinding the rest (`BlockManager.truncate`).
+
+Threads: `add`, `abort` and `has_unfinished` may be called from any thread while another drives
+`step()`; one lock serializes them with the step (they wait for a running step to end).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+from jaxinfer.engine.block_manager import BlockManager, OutOfPagesError
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.model_runner import InFlightStep, ModelRunner, RowResult
+from jaxinfer.engine.output_processor import OutputProcessor
+from jaxinfer.engine.request import PENDING, Request, Sequence, SwappedKV
+from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from jaxinfer.engine.seeds import child_seed
+from jaxinfer.engine.spec_decode import draft_budget, replica_speculates
+from jaxinfer.engine.step_plan import plan_chunk
+
+
+@dataclasses.dataclass
+class Replica:
+    """One attention replica's host state: its page pool and its scheduler."""
+
+    block_manager: BlockManager
+    scheduler: Scheduler
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched step: each replica's plan, whose entries hold their chunks (rows, then results)."""
+
+    plans: list[SchedulerOutput]
+    handle: InFlightStep
+    must_sync: bool = False  # read it before scheduling the next step
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, output: OutputProcessor, proposer=None):
+        self.config = config
+        self.runner = runner
+        self.output = output
+        self.proposer = proposer  # drafts tokens (jaxinfer.engine.spec_decode); None: no speculation
+        self.replicas = []
+        for _ in range(runner.num_replicas):
+            bm = BlockManager(runner.pages_per_replica, runner.page_size, enable_prefix_caching=config.enable_prefix_caching)
+            self.replicas.append(Replica(bm, Scheduler(bm, max_num_batched_tokens=config.max_num_batched_tokens,
+                                                       max_num_seqs=config.max_num_seqs, preemption_mode=config.preemption_mode)))
+        self.requests: dict[str, Request] = {}
+        self._lock = threading.RLock()
+        self._arrived = threading.Condition(self._lock)
+        self._inflight: _InFlight | None = None
+        self._draft_buffer = None  # this step's draft distributions (a draft model's), on the device
+        self.num_processed = 0  # steps read back so far
+        self.last_hidden = None  # [replicas, R, H] hidden states of the last step read (draft heads read them)
+        self.num_steps = self.num_prompt_tokens_computed = 0
+        self.num_spec_verifications = self.num_draft_tokens = self.num_accepted_tokens = 0
+
+    # ------------------------------------------------------------------ requests (any thread)
+    def add(self, request: Request) -> None:
+        """Queues a checked request (InputProcessor.make_request) on the replica that suits it."""
+        with self._lock:
+            if request.request_id in self.requests:
+                raise ValueError(f"request {request.request_id!r}: a request with this id is already running")
+            request.replica = self._pick_replica(request.prompt_token_ids)
+            self.requests[request.request_id] = request
+            for seq in request.seqs:
+                self.replicas[request.replica].scheduler.add(seq)
+            self._arrived.notify_all()
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request: its sequences finish with reason "abort" and free their pages."""
+        with self._lock:
+            request = self.requests.pop(str(request_id), None)
+            if request is None:
+                return
+            for seq in request.seqs:
+                if not seq.finished:
+                    seq.finish_reason = "abort"
+                    self._scheduler(seq).finish(seq)
+            request.metrics.finished_time = time.time()
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self.requests)
+
+    def wait_for_requests(self, timeout: float | None = None) -> bool:
+        """Blocks until some request is unfinished (or the timeout passes); returns whether one is."""
+        with self._arrived:
+            return self._arrived.wait_for(lambda: bool(self.requests), timeout)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[Request]:
+        """Runs one iteration; returns the requests it advanced (see the module docstring)."""
+        with self._lock:
+            advanced: dict[str, Request] = {}
+            previous, self._inflight = self._inflight, None
+            if previous is not None and previous.must_sync:
+                self._process(previous, advanced)
+                previous = None
+            if self.proposer is not None:
+                self._propose_drafts()
+            plans = [replica.scheduler.schedule() for replica in self.replicas]
+            for plan in plans:
+                for seq in plan.preempted:
+                    seq.draft_computed = 0  # its pages are gone, the draft model's too
+            if any(plan.scheduled for plan in plans):
+                self._inflight = self._dispatch(plans)
+            if previous is not None:
+                self._process(previous, advanced)
+            if self._inflight is None and previous is None and not advanced:
+                if any(r.scheduler.waiting and not r.scheduler.running for r in self.replicas):
+                    raise RuntimeError("no waiting request fits in the KV cache; raise num_pages")  # validation prevents this
+            return list(advanced.values())
+
+    def _dispatch(self, plans: list[SchedulerOutput]) -> _InFlight:
+        """Page copies and swaps, then one step for every replica's plan."""
+        copies = []
+        for r, (plan, replica) in enumerate(zip(plans, self.replicas)):
+            for seq, pages, num_computed in plan.swap_out:  # before anything can overwrite the freed pages
+                k, v = self.runner.read_pages(r, pages)
+                seq.swapped = SwappedKV(k, v, num_computed)
+            for seq, first, pages in plan.swap_in:
+                self.runner.write_pages(r, pages, seq.swapped.k[:, first : first + len(pages)],
+                                        seq.swapped.v[:, first : first + len(pages)])
+                replica.block_manager.mark_computed(seq.seq_id, seq.num_computed, seq.token_ids)
+                seq.swapped = None
+            copies += [(r, copy) for copy in plan.page_copies]
+            for s in plan.scheduled:
+                s.chunk = plan_chunk(s, replica.block_manager.page_table(s.seq.seq_id), self.output.eos_token_ids)
+        if copies:
+            self.runner.copy_pages(copies)
+        entries = [s for plan in plans for s in plan.scheduled]
+        want_logprobs = any(s.seq.request.params.logprobs is not None or s.seq.request.wants_prompt_logprobs for s in entries)
+        drafts_sampled = any(s.chunk.sampling.draft_src for s in entries)
+        handle = self.runner.dispatch([[s.chunk for s in plan.scheduled] for plan in plans], want_logprobs=want_logprobs,
+                                      draft_buffer=self._draft_buffer if drafts_sampled else None)
+        self.num_steps += 1
+        inflight = _InFlight(plans, handle)
+        for plan, replica in zip(plans, self.replicas):
+            speculates = self._speculates(replica)
+            for s in plan.scheduled:
+                inflight.must_sync |= self._dispatched(s, speculates)
+        return inflight
+
+    def _dispatched(self, s: ScheduledSeq, speculates: bool) -> bool:
+        """Advances a sequence past its dispatched chunk (its sampled token PENDING on the device);
+        returns whether the step must be read before the next one is scheduled."""
+        seq, request, p = s.seq, s.seq.request, s.seq.request.params
+        must_sync = speculates and seq.spec is not None and seq.spec.drafts_next_step  # its next draft needs the tokens
+        if s.num_draft:  # verification: num_computed and tokens are settled when it is read
+            return must_sync
+        seq.num_computed += s.num_tokens
+        if not s.samples:
+            return must_sync
+        sample_rows = [r for r, t in zip(s.chunk.rows, s.chunk.sampling.target_ids) if t < 0]
+        seq.token_ids.append(PENDING)
+        seq.pending[len(seq.token_ids) - 1] = sample_rows[0]
+        num_out = len(seq.token_ids) - len(request.prompt_token_ids)
+        if num_out >= (p.max_tokens or self.config.max_model_len) or len(seq.token_ids) >= request.max_len:
+            seq.hold = True  # this token ends it: nothing more to schedule
+        penalties = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        return must_sync or not request.forked or bool(penalties)
+
+    def _process(self, inflight: _InFlight, advanced: dict[str, Request]) -> None:
+        """Reads a dispatched step back and applies each chunk's results to its sequence."""
+        self.runner.collect(inflight.handle)
+        self.num_processed += 1
+        self.last_hidden = inflight.handle.out.hidden
+        now = time.time()
+        touched: dict[str, Request] = {}
+        for plan in inflight.plans:
+            for s in plan.scheduled:
+                if s.seq.finished:  # finished or aborted after this step was dispatched
+                    continue
+                if s.num_draft:
+                    self._verified(s, now)
+                else:
+                    self._advance(s, now)
+                touched[s.seq.request.request_id] = s.seq.request
+        for request in touched.values():
+            if request.finished:
+                request.metrics.finished_time = now
+                self.requests.pop(request.request_id, None)
+            advanced[request.request_id] = request
+
+    def _advance(self, s: ScheduledSeq, now: float) -> None:
+        """A prefill chunk's or a decode's results: prompt logprobs, the sampled token, forks."""
+        seq, request, chunk = s.seq, s.seq.request, s.chunk
+        seq.draft_computed = min(seq.draft_computed, seq.num_computed)  # its drafts went unverified
+        if s.samples:  # the row its next token comes from (every sample row of a fork has the same hidden state)
+            seq.hidden_row, seq.hidden_step = chunk.rows[-1], self.num_processed
+        samples = []
+        for row, target in zip(chunk.results, chunk.sampling.target_ids):
+            if target >= 0:
+                self.output.on_prompt_logprob(request, target, row)
+            else:
+                samples.append(row)
+        end = s.start + s.num_tokens
+        if samples:
+            seq.token_ids[end] = samples[0].token  # where this step's sampled token sits
+            seq.pending.pop(end, None)
+        replica = self.replicas[request.replica]
+        if seq.seq_id in replica.block_manager.seqs and seq.num_computed >= end:  # not preempted meanwhile
+            replica.block_manager.mark_computed(seq.seq_id, end, seq.token_ids)
+        if s.num_tokens > 1:
+            self.num_prompt_tokens_computed += s.num_tokens
+        if not samples:
+            return
+        if not request.forked:  # the prompt is done: make the n completions, sharing its pages
+            for j, row in enumerate(samples[1:], start=1):
+                child = Sequence(request, j, seq.token_ids[:end] + [row.token], child_seed(request.seed, j), num_computed=end)
+                replica.block_manager.fork(seq.seq_id, child.seq_id)
+                child.spec = dataclasses.replace(seq.spec) if seq.spec else None
+                child.hidden_row, child.hidden_step = seq.hidden_row, seq.hidden_step
+                request.seqs.append(child)
+                replica.scheduler.add_running(child)
+                self._on_token(child, row, end, now)
+            request.forked = True
+        self._on_token(seq, samples[0], end, now)
+        if seq.finished:
+            del seq.token_ids[end + 1 :]  # drop tokens of steps dispatched after the one that ended it
+            seq.pending.clear()
+
+    def _verified(self, s: ScheduledSeq, now: float) -> None:
+        """A verification chunk's results: keep the accepted drafts and the sampled token after
+        them, rewind the sequence's length past them (the rejected drafts' K/V are dropped)."""
+        seq, rows = s.seq, s.chunk.results
+        draft = seq.draft[: s.num_draft]
+        accepted = next((i for i, row in enumerate(rows[: s.num_draft]) if not row.accepted), s.num_draft)
+        computed = s.start + 1 + accepted  # the newest token's K/V and the accepted drafts'
+        bm = self.replicas[seq.request.replica].block_manager
+        if seq.seq_id in bm.seqs:  # not preempted meanwhile
+            bm.truncate(seq.seq_id, computed)
+            seq.num_computed = computed
+            emitted = draft[:accepted] + [rows[accepted].token]
+            bm.mark_computed(seq.seq_id, computed, seq.token_ids + emitted)
+        else:
+            emitted = []
+        seq.hidden_row, seq.hidden_step = s.chunk.rows[accepted], self.num_processed  # the row y came from
+        self.num_spec_verifications += 1
+        self.num_draft_tokens += s.num_draft
+        self.num_accepted_tokens += accepted
+        seq.spec.update(s.num_draft, accepted)
+        seq.draft, seq.draft_src = [], []
+        seq.draft_computed = min(seq.draft_computed, seq.num_computed)  # a draft model's cache past the accepted drafts is stale
+        for i, token in enumerate(emitted):
+            seq.token_ids.append(token)
+            self._on_token(seq, dataclasses.replace(rows[i], token=token), len(seq.token_ids) - 1, now)
+            if seq.finished:
+                break
+
+    def _on_token(self, seq: Sequence, row: RowResult, index: int, now: float) -> None:
+        self.output.on_token(seq, row, index, now)
+        if seq.finish_reason is not None:
+            self._scheduler(seq).finish(seq)
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _propose_drafts(self) -> None:
+        """Drafts for every decoding sequence that speculates this step (one proposer call)."""
+        asked = []
+        for replica in self.replicas:
+            speculates = self._speculates(replica)
+            for seq in replica.scheduler.running:
+                seq.draft, seq.draft_src = [], []
+                k = draft_budget(seq, self.config.max_model_len) if speculates else 0
+                if k:
+                    asked.append((seq, k))
+        self._draft_buffer = None
+        if not asked:
+            return
+        drafts = self.proposer.propose(CoreDraftContext(self), asked)
+        self._draft_buffer = drafts.buffer
+        for i, (seq, k) in enumerate(asked):
+            seq.draft = list(drafts.tokens[i][:k])
+            seq.draft_src = list(drafts.src[i][:k]) if drafts.src else []
+            seq.spec.proposed(len(seq.draft))
+
+    def _speculates(self, replica: Replica) -> bool:
+        spec = self.config.speculative_config
+        return spec is not None and replica_speculates(spec, len(replica.scheduler.running))
+
+    def _scheduler(self, seq: Sequence) -> Scheduler:
+        return self.replicas[seq.request.replica].scheduler
+
+    def _pick_replica(self, token_ids: list[int]) -> int:
+        """The replica a new request runs on: the longest cached prefix, then the least work."""
+        def rank(i: int):
+            bm, sched = self.replicas[i].block_manager, self.replicas[i].scheduler
+            unfinished = sum(seq.request.params.n if not seq.request.forked else 1 for seq in sched.waiting) + len(sched.running)
+            return (-bm.num_cached_prefix_pages(token_ids), unfinished, bm.usage, i)
+        return min(range(len(self.replicas)), key=rank)
+
+
+class CoreDraftContext:
+    """What a proposer sees of the core (spec_decode.DraftContext)."""
+
+    def __init__(self, core: EngineCore):
+        self._core = core
+        self.num_replicas = len(core.replicas)
+        self.num_processed = core.num_processed
+        self.last_hidden = core.last_hidden
+
+    def page_table(self, seq: Sequence) -> list[int]:
+        return self._core.replicas[seq.request.replica].block_manager.page_table(seq.seq_id)
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> list[tuple[int, tuple[int, int]]] | None:
+        r = seq.request.replica
+        bm = self._core.replicas[r].block_manager
+        extra = num_tokens - bm.seqs[seq.seq_id].num_tokens
+        if extra <= 0:
+            return []
+        try:
+            copies = [(r, copy) for copy in bm.prepare_append(seq.seq_id, extra)]
+        except OutOfPagesError:
+            return None
+        if copies:
+            self._core.runner.copy_pages(copies)
+        return copies

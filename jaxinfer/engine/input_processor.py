@@ -1,0 +1,113 @@
+"""Input processing: a user's prompt and SamplingParams -> a checked `Request`, before it reaches the core.
+
+A prompt is a string, a list of token ids, or a dict with "prompt" and / or
+"prompt_token_ids". `validate` raises ValueError, naming the request, for anything the engine
+cannot run (an empty prompt or one over max_model_len, token ids outside the vocabulary, more
+logprobs or completions than the engine allows, a request that cannot fit the KV cache), so a
+bad request never reaches the scheduler and costs no other request anything. Runs in the
+caller's thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import numpy as np
+
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.request import Request, RequestMetrics, Sequence, SpecState
+from jaxinfer.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer, *, vocab_size: int, pages_per_replica: int):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.num_usable_pages = pages_per_replica - 1  # page 0 is the scratch page
+        self._seed_rng = np.random.default_rng(config.seed)
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # requests may come from several threads
+
+    def make_request(self, request_id: str | None, prompt, params: SamplingParams | None = None, *, priority: int = 0,
+                     arrival_time: float | None = None) -> Request:
+        """A checked Request (one Sequence, for its prompt); ValueError naming it if it cannot run."""
+        params = params or SamplingParams()
+        with self._lock:
+            counter = next(self._ids)
+        request_id = str(counter) if request_id is None else str(request_id)
+        label = f"request {request_id!r}"
+        text, ids = self.tokenize(prompt, label)
+        self.validate(ids, params, label)
+        if params.seed is not None:
+            seed = params.seed
+        else:
+            with self._lock:
+                seed = int(self._seed_rng.integers(0, 2**31))
+        max_model_len = self.config.max_model_len
+        limit = max_model_len if params.max_tokens is None else min(max_model_len, len(ids) + params.max_tokens)
+        request = Request(request_id, text, ids, params, seed, limit, priority,
+                          RequestMetrics(arrival_time if arrival_time is not None else time.time()))
+        seq = Sequence(request, 0, list(ids), seed)
+        k = self.draft_length(params)
+        if k:
+            seq.spec = SpecState(max_k=k, k=k)
+        request.seqs.append(seq)
+        return request
+
+    def tokenize(self, prompt, label: str) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt given as a string, token ids, or a dict."""
+        if isinstance(prompt, str):
+            return prompt, (self.tokenizer.encode(prompt) if prompt else [])
+        if isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt):
+            text = prompt.get("prompt")
+            ids = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else self.tokenizer.encode(text or "")
+            return text, [int(t) for t in ids]
+        if isinstance(prompt, (list, tuple, np.ndarray)):
+            return None, [int(t) for t in prompt]
+        raise ValueError(f"{label}: expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def validate(self, ids: list[int], p: SamplingParams, label: str) -> None:
+        """Raises ValueError, starting with `label`, for a prompt the engine cannot run."""
+        c = self.config
+        if not ids:
+            raise ValueError(f"{label}: the prompt is empty (0 tokens)")
+        if len(ids) >= c.max_model_len:
+            raise ValueError(
+                f"{label}: the prompt has {len(ids)} tokens, over max_model_len={c.max_model_len} "
+                f"(a prompt needs at most max_model_len - 1 tokens to leave room for one generated token)"
+            )
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{label}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        for field in ("logprobs", "prompt_logprobs"):
+            v = getattr(p, field)
+            if v is not None and v > c.max_logprobs:
+                raise ValueError(f"{label}: SamplingParams.{field}={v} exceeds max_logprobs={c.max_logprobs}")
+        if p.n > c.max_num_seqs:
+            raise ValueError(f"{label}: SamplingParams.n={p.n} exceeds max_num_seqs={c.max_num_seqs}")
+        spec = c.speculative_config
+        if p.num_speculative_tokens and spec and p.num_speculative_tokens > spec.num_speculative_tokens:
+            raise ValueError(
+                f"{label}: SamplingParams.num_speculative_tokens={p.num_speculative_tokens} exceeds the engine's "
+                f"num_speculative_tokens={spec.num_speculative_tokens}"
+            )
+        total = min(c.max_model_len, len(ids) + (p.max_tokens or c.max_model_len))
+        need = -(-total // c.page_size) + (p.n - 1)  # its pages, and a partial page per extra completion
+        if need > self.num_usable_pages:
+            raise ValueError(
+                f"{label}: needs {need} KV pages but the cache has {self.num_usable_pages} (per replica); "
+                f"raise num_pages or lower max_tokens"
+            )
+
+    def draft_length(self, p: SamplingParams) -> int:
+        """A new request's maximum draft length (0: it does not speculate)."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return 0
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            return 0  # penalties depend on every token before: verified rows could not apply them
+        k = spec.num_speculative_tokens if p.num_speculative_tokens is None else p.num_speculative_tokens
+        return min(k, spec.num_speculative_tokens)

@@ -1,0 +1,232 @@
+"""The kernel table: which implementation of each hot operation the model runs, resolved once.
+
+    LLM(..., kernel_impl="auto" | "reference" | "pallas" | "pallas-tpu" | "pallas-gpu")
+    # (attention_impl=... is accepted as an alias: the option first chose attention only)
+
+- "reference": the XLA (plain jnp) paths: split-KV ragged attention, dequantize-then-dot
+  quantized matmul, unfused norm / SwiGLU / RoPE + scatter; what the CPU runs by default.
+- "pallas": the Pallas kernels of the current platform: Mosaic TPU kernels on a TPU, Triton GPU
+  kernels on a GPU. On the CPU, where neither compiles, it runs the TPU kernels in interpret mode
+  (slow: for tests and checks, not for serving).
+- "pallas-tpu" / "pallas-gpu": that platform's kernels, in interpret mode unless on that platform,
+  so the GPU kernels can be checked on a CPU too.
+- "auto": "pallas" on TPU and GPU, "reference" on the CPU.
+
+`resolve_kernels` turns the choice into a `Kernels` table of named functions, one signature per
+operation whatever the platform; the model and `jaxinfer.ops.attention` call each of them from
+one place. A kernel that cannot take a shape (the TPU SwiGLU kernel needs 128-column halves, the
+GPU RoPE kernel a power-of-two half head_dim, the TPU RoPE kernel K/V already in the pool's
+dtype) falls back to the XLA path inside its entry. The table is static: part of the model's
+structure (equal tables compare equal by platform and interpret flag), so one compiled step per
+choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.ops.batch import MAX_PREFILL_CHUNKS, RaggedBatch
+from pallas_kernels.flash_attention import flash_attention_gpu, flash_attention_tpu
+from pallas_kernels.fused_rms_norm import add_rms_norm_gpu, add_rms_norm_reference, add_rms_norm_tpu
+from pallas_kernels.quantized_matmul import gpu as qmm_gpu
+from pallas_kernels.quantized_matmul import reference as qmm_reference
+from pallas_kernels.quantized_matmul import tpu as qmm_tpu
+from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
+from pallas_kernels.ragged_paged_attention import split_kv
+from pallas_kernels.ragged_paged_attention import tpu as rpa_tpu
+from pallas_kernels.rope_kv_write import gpu_supports, rope_kv_write_gpu, rope_kv_write_reference, rope_kv_write_tpu
+from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu, swiglu_matmul_tpu
+
+KERNEL_IMPLS = ("auto", "reference", "pallas", "pallas-tpu", "pallas-gpu")
+
+# KV tokens per work item of the XLA split-KV attention: decodes (one query row per block) do
+# best with short items, query blocks of a prefill chunk with longer ones (measured on the CPU,
+# scripts/bench_step.py).
+DECODE_KV_TOKENS_PER_ITEM = 32
+SPEC_KV_TOKENS_PER_ITEM = 64  # verify chunks of speculative decoding: a few queries, long contexts
+PREFILL_KV_TOKENS_PER_ITEM = 128
+TPU_LANES = 128
+
+
+# ----------------------------------------------------------------------------- the XLA paths
+def xla_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale: float,
+                         sliding_window: int | None, query_block: int, spec_block: int = 0) -> jax.Array:
+    """Split-KV ragged paged attention (`pallas_kernels.ragged_paged_attention.split_kv`), in
+    passes over disjoint sequences: one-token ones with query blocks of 1, with spec_block the
+    short chunks of speculating sequences, then the (at most MAX_PREFILL_CHUNKS) prefill chunks
+    with large query blocks. Rows a pass does not serve come out as zeros, so the sum is the
+    answer. A decode bucket (query_block 1) is one pass. [T, Hq, D]."""
+    del num_kv_heads  # the XLA pools hold exactly the model's heads
+    page_size = k_pages.shape[1]
+    T, S = q.shape[0], batch.kv_lens.shape[0]
+    attend = lambda query_block, kv_tokens, items, **kw: split_kv.ragged_paged_attention(  # noqa: E731
+        q, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, num_queries_per_block=query_block,
+        num_kv_pages_per_block=max(1, kv_tokens // page_size), items_per_step=items, **kw,
+    )
+    if query_block == 1:
+        return attend(1, DECODE_KV_TOKENS_PER_ITEM, 16)
+    q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
+    out = attend(1, DECODE_KV_TOKENS_PER_ITEM, 16, seq_mask=q_lens == 1, max_query_blocks=S)
+    if spec_block:
+        out += attend(spec_block, SPEC_KV_TOKENS_PER_ITEM, 16, seq_mask=(q_lens > 1) & (q_lens <= spec_block), max_query_blocks=S)
+    out += attend(
+        query_block, PREFILL_KV_TOKENS_PER_ITEM, 8,
+        seq_mask=q_lens > max(1, spec_block), max_query_blocks=min(T, -(-T // query_block) + min(S, MAX_PREFILL_CHUNKS)),
+    )
+    return out
+
+
+def xla_quantized_matmul(x, qweight, scales, *, mode: str, group_size: int) -> jax.Array:
+    """The reference dequantize-then-dot, on x in float32 (it computes in x's dtype). [M, N]."""
+    return qmm_reference.quantized_matmul(x.astype(jnp.float32), qweight, scales, mode=mode, group_size=group_size)
+
+
+def xla_swiglu_matmul(x, w_gate_up) -> jax.Array:
+    """silu(x @ gate) * (x @ up): one matmul ([T, 2I] in x's dtype), then the activation in f32."""
+    gate_up = jnp.dot(x.astype(w_gate_up.dtype), w_gate_up, preferred_element_type=jnp.float32).astype(x.dtype)
+    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    return (jax.nn.silu(gate) * up).astype(x.dtype)
+
+
+def same_kv_heads(num_kv_heads: int, dtype) -> int:
+    return num_kv_heads
+
+
+def same_head_dim(head_dim: int) -> int:
+    return head_dim
+
+
+# ----------------------------------------------------------------------------- Pallas adapters
+def _tpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale: float,
+                          sliding_window: int | None, query_block: int, spec_block: int = 0, interpret: bool) -> jax.Array:
+    """The TPU kernel reads the model's first num_kv_heads of a padded pool; q gets zero lanes up
+    to the pool's head_dim (scores unchanged), which come off the output."""
+    D = q.shape[2]
+    q_lanes = jnp.pad(q, ((0, 0), (0, 0), (0, k_pages.shape[3] - D)))
+    out = rpa_tpu.ragged_paged_attention(
+        q_lanes, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, num_kv_heads=num_kv_heads,
+        sm_scale=sm_scale, sliding_window=sliding_window, num_queries_per_block=query_block, interpret=interpret)
+    return out[:, :, :D]
+
+
+def _gpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale: float,
+                          sliding_window: int | None, query_block: int, spec_block: int = 0, interpret: bool) -> jax.Array:
+    return rpa_gpu.ragged_paged_attention(
+        q, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, sm_scale=sm_scale,
+        sliding_window=sliding_window, num_queries_per_block=query_block, interpret=interpret)
+
+
+def _tpu_rope_kv_write(*args, interpret: bool):
+    """The TPU kernel copies rows as they are: K/V must be in the pools' dtype already."""
+    q, k, v, cos, sin, k_pages, v_pages, *_ = args
+    if k.dtype == k_pages.dtype and v.dtype == v_pages.dtype:
+        return rope_kv_write_tpu(*args, interpret=interpret)
+    return rope_kv_write_reference(*args)
+
+
+def _gpu_rope_kv_write(*args, interpret: bool):
+    if gpu_supports(args[0].shape[-1]):
+        return rope_kv_write_gpu(*args, interpret=interpret)
+    return rope_kv_write_reference(*args)
+
+
+def _tpu_swiglu_matmul(x, w_gate_up, *, interpret: bool):
+    """The TPU kernel tiles each half of the weight in blocks of 128 columns."""
+    if (w_gate_up.shape[-1] // 2) % 128:
+        return xla_swiglu_matmul(x, w_gate_up)
+    return swiglu_matmul_tpu(x, w_gate_up, interpret=interpret)
+
+
+def _tpu_head_dim(head_dim: int) -> int:
+    """head_dim in whole 128-lane rows (see jaxinfer.ops.kv_cache.pool_head_dim)."""
+    return -(-head_dim // TPU_LANES) * TPU_LANES
+
+
+# ----------------------------------------------------------------------------- the table
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """One implementation per operation (see the module docstring for each signature's source).
+
+    ragged_attention(q [T,Hq,D], k_pages, v_pages, page_table [S,pages], batch, *, num_kv_heads,
+        sm_scale, sliding_window, query_block, spec_block) -> [T,Hq,D]
+    flash_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, sliding_window, causal) -> [T,Hq,D];
+        None: no flash path (the XLA attention serves every step)
+    rope_kv_write(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset) -> (q, k, k_pages, v_pages)
+    quantized_matmul(x [M,K], qweight, scales, *, mode, group_size) -> [M,N]
+    add_rms_norm(x, residual, weight, *, eps) -> (normed, x + residual)
+    swiglu_matmul(x [T,H], w_gate_up [H,2I]) -> silu(gate) * up [T,I]
+    stored_kv_heads(heads per shard, dtype) / stored_head_dim(head_dim): the KV pool layout the
+        attention kernel reads (jaxinfer.ops.kv_cache)
+    """
+
+    platform: str = "reference"  # "reference" | "tpu" | "gpu": whose kernels run
+    interpret: bool = False  # Pallas kernels in interpret mode (on a platform that cannot compile them)
+    # The entries: filled from `platform` (an entry given explicitly is kept).
+    ragged_attention: Callable = dataclasses.field(default=None, compare=False, repr=False)
+    flash_attention: Callable | None = dataclasses.field(default=None, compare=False, repr=False)
+    rope_kv_write: Callable = dataclasses.field(default=None, compare=False, repr=False)
+    quantized_matmul: Callable = dataclasses.field(default=None, compare=False, repr=False)
+    add_rms_norm: Callable = dataclasses.field(default=None, compare=False, repr=False)
+    swiglu_matmul: Callable = dataclasses.field(default=None, compare=False, repr=False)
+    stored_kv_heads: Callable = dataclasses.field(default=None, compare=False, repr=False)
+    stored_head_dim: Callable = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.platform not in _TABLES:
+            raise ValueError(f"Kernels(platform={self.platform!r}): expected one of {', '.join(map(repr, _TABLES))}")
+        for name, fn in _TABLES[self.platform](self.interpret).items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, fn)
+
+    @property
+    def pallas(self) -> bool:
+        return self.platform != "reference"
+
+
+def _xla_table(interpret: bool) -> dict[str, Callable | None]:
+    return dict(ragged_attention=xla_ragged_attention, flash_attention=None, rope_kv_write=rope_kv_write_reference,
+                quantized_matmul=xla_quantized_matmul, add_rms_norm=add_rms_norm_reference, swiglu_matmul=xla_swiglu_matmul,
+                stored_kv_heads=same_kv_heads, stored_head_dim=same_head_dim)
+
+
+def _tpu_table(interpret: bool) -> dict[str, Callable]:
+    pallas = functools.partial(functools.partial, interpret=interpret)  # f -> f(..., interpret=interpret)
+    return dict(ragged_attention=pallas(_tpu_ragged_attention), flash_attention=pallas(flash_attention_tpu),
+                rope_kv_write=pallas(_tpu_rope_kv_write), quantized_matmul=pallas(qmm_tpu.quantized_matmul),
+                add_rms_norm=pallas(add_rms_norm_tpu), swiglu_matmul=pallas(_tpu_swiglu_matmul),
+                stored_kv_heads=rpa_tpu.stored_kv_heads, stored_head_dim=_tpu_head_dim)
+
+
+def _gpu_table(interpret: bool) -> dict[str, Callable]:
+    pallas = functools.partial(functools.partial, interpret=interpret)
+    return dict(ragged_attention=pallas(_gpu_ragged_attention), flash_attention=pallas(flash_attention_gpu),
+                rope_kv_write=pallas(_gpu_rope_kv_write), quantized_matmul=pallas(qmm_gpu.quantized_matmul),
+                add_rms_norm=pallas(add_rms_norm_gpu), swiglu_matmul=pallas(swiglu_matmul_gpu),
+                stored_kv_heads=same_kv_heads, stored_head_dim=same_head_dim)
+
+
+_TABLES = {"reference": _xla_table, "tpu": _tpu_table, "gpu": _gpu_table}
+
+
+def resolve_kernels(kernel_impl: str, backend: str | None = None) -> Kernels:
+    """kernel_impl (see the module docstring) on `backend` (default: JAX's default backend) -> the table."""
+    if kernel_impl not in KERNEL_IMPLS:
+        raise ValueError(f"kernel_impl={kernel_impl!r}: expected one of {', '.join(map(repr, KERNEL_IMPLS))}")
+    backend = backend or jax.default_backend()
+    if backend in ("cuda", "rocm"):
+        backend = "gpu"
+    if kernel_impl == "auto":
+        kernel_impl = "reference" if backend == "cpu" else "pallas"
+    if kernel_impl == "reference":
+        return Kernels()
+    if kernel_impl == "pallas":
+        platform = backend if backend in ("tpu", "gpu") else "tpu"
+    else:
+        platform = kernel_impl.removeprefix("pallas-")
+    return Kernels(platform, interpret=platform != backend)

@@ -1,0 +1,88 @@
+"""Where every array lives on the mesh: parameters, the KV cache and per-replica step inputs.
+
+One rule for parameters, used by the loader (flat names, before the model exists), the step
+(the model's nnx State, quantized weights included) and checkpoint restore: a parameter's
+logical axes (`jaxinfer.models.param_layout.param_axes`) mapped to mesh axes by
+`sharding.rules`. A dimension that the mesh axis does not divide (a tp = 1 layout restored onto
+a larger mesh, before its relayout) stays whole.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.param_layout import param_axes, param_shapes
+from jaxinfer.ops.kv_cache import KVCache
+from sharding import rules
+
+
+def param_spec(axes: tuple, shape: tuple[int, ...], mesh: Mesh | None = None, *, scales: bool = False) -> PartitionSpec:
+    """PartitionSpec of one parameter with logical `axes` and `shape`. `scales`: the per-column
+    scales of a quantized weight ([..., N]: the weight's axes without its input dim). With a
+    mesh, an axis whose size does not divide the dimension is dropped (the dimension stays whole)."""
+    if scales and len(shape) == len(axes) - 1:
+        axes = axes[:-2] + axes[-1:]
+    spec = rules.logical_to_spec(axes)
+    if mesh is None:
+        return spec
+    return PartitionSpec(*(a if a is None or shape[i] % _axis_size(mesh, a) == 0 else None for i, a in enumerate(spec)))
+
+
+def param_partition_specs(params, config: ModelConfig) -> object:
+    """A tree like `params` (an nnx State, maybe holding QuantizedWeights) of PartitionSpecs."""
+    axes = param_axes(config)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    specs = []
+    for path, leaf in leaves:
+        name = ".".join(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
+        field = path[-1].name if isinstance(path[-1], jax.tree_util.GetAttrKey) else None
+        specs.append(param_spec(axes[name], leaf.shape, scales=field == "scales"))
+    return jax.tree_util.tree_unflatten(treedef, specs)
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh, tp: int | None = None) -> dict[str, NamedSharding]:
+    """Flat param name -> NamedSharding on `mesh`, for the layout of tensor-parallel degree `tp`
+    (default: the mesh's)."""
+    tp = mesh.shape["tensor"] if tp is None else tp
+    shapes = param_shapes(config, tp)
+    return {name: NamedSharding(mesh, param_spec(axes, shapes[name], mesh)) for name, axes in param_axes(config).items()}
+
+
+def kv_partition_spec() -> KVCache:
+    """The KV cache's spec: pages split over the replica axes, KV heads over "tensor"."""
+    spec = rules.logical_to_spec(rules.KV_CACHE_AXES)
+    return KVCache(k=spec, v=spec)
+
+
+def kv_shardings(mesh: Mesh) -> KVCache:
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_partition_spec(),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def per_replica_specs(tree):
+    """PartitionSpec of every array of a per-replica input tree (leading axis = replica)."""
+    return jax.tree.map(lambda a: rules.per_replica(np.ndim(a)), tree)
+
+
+def put_global(tree, specs, mesh: Mesh):
+    """Arrays -> jax Arrays placed with NamedSharding(mesh, spec). Host (numpy) arrays: every
+    process passes the same global values (the engine runs in lockstep on every host) and places
+    its own shards; jax Arrays are resharded on the devices."""
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def put(a, sharding):
+        if isinstance(a, jax.Array):
+            return jax.device_put(a, sharding)
+        return jax.make_array_from_callback(np.shape(a), sharding, lambda index: np.asarray(a)[index])
+
+    return jax.tree.map(put, tree, shardings)
+
+
+def _axis_size(mesh: Mesh, axis) -> int:
+    names = axis if isinstance(axis, tuple) else (axis,)
+    return int(np.prod([mesh.shape[n] for n in names]))
