@@ -12,6 +12,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from checkpoints_conv.gguf_tokenizer import build_gguf_tokenizer
 from jaxinfer.runtime.loading import ModelSource
 
 # Bump when checkpoints_conv.gguf_tokenizer builds a different tokenizer from the same file, so
@@ -36,8 +37,6 @@ def load_tokenizer(source: ModelSource):
         return AutoTokenizer.from_pretrained(str(source.path))
 
     from transformers import PreTrainedTokenizerFast
-
-    from checkpoints_conv.gguf_tokenizer import build_gguf_tokenizer
 
     cached = gguf_tokenizer_cache_dir(source.path)
     if (cached / "tokenizer.json").is_file():

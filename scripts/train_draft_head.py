@@ -31,7 +31,8 @@ import numpy as np
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.runtime.evaluate import hidden_states
-from jaxinfer.models.draft_heads import KINDS, evaluate_heads, save_heads, train_heads, training_windows
+from jaxinfer.models.draft_heads import KINDS, save_heads
+from jaxinfer.training.draft_heads import evaluate_heads, train_heads, training_windows
 from jaxinfer.models.layers import matmul
 
 TEMPLATES = [

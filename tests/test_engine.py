@@ -309,3 +309,57 @@ def test_tpu_kernels_and_a_tpu_pool_swap_and_share_pages_like_the_reference(mode
     greedy = SamplingParams(n=2, temperature=0.0, max_tokens=4, ignore_eos=True)
     assert [c.token_ids for c in tpu.generate([prompt], greedy, use_tqdm=False)[0].outputs] == \
         [c.token_ids for c in roomy.generate([prompt], greedy, use_tqdm=False)[0].outputs]
+
+
+def test_a_background_thread_drives_the_core_while_another_adds_and_aborts(fuzz_llm, roomy):
+    """The shape the HTTP server takes: one thread only steps the engine, another adds and aborts
+    requests whenever it likes. Every request that is not aborted gets exactly the tokens it gets
+    alone; afterwards no page, sequence or request is left behind."""
+    import threading
+
+    engine = LLMEngine(EngineConfig(max_model_len=128, max_num_batched_tokens=16, max_num_seqs=6), fuzz_llm.runner,
+                       fuzz_llm.tokenizer, vocab_size=fuzz_llm.config.vocab_size, eos_token_ids=[2])
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(3, 250, int(rng.integers(3, 20)))] for _ in range(14)]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(rng.integers(4, 12)), ignore_eos=True) for _ in prompts]
+    finished, stop, errors = {}, threading.Event(), []
+
+    def drive():
+        try:
+            while not stop.is_set():
+                if engine.core.wait_for_requests(timeout=0.02):
+                    for out in engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    aborted = {"3", "8", "11"}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+        if i % 3 == 2:
+            engine.abort_request(str(i - 2) if str(i - 2) in aborted else "no-such-request")
+        threading.Event().wait(0.01)
+    for rid in aborted:
+        engine.abort_request(rid)  # running, queued or finished already: each is fine
+    deadline = threading.Event()
+    for _ in range(600):
+        if not engine.has_unfinished_requests():
+            break
+        deadline.wait(0.05)
+    stop.set()
+    driver.join(timeout=30)
+    assert not errors and not driver.is_alive()
+
+    want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    for i in range(len(prompts)):
+        if str(i) not in aborted:
+            assert finished[str(i)].outputs[0].token_ids == want[i], i
+    assert not engine.has_unfinished_requests()
+    for replica in engine.replicas:
+        bm = replica.block_manager
+        bm.check_invariants()
+        assert not bm.seqs and bm.num_free_pages == bm.num_usable_pages
+        assert not replica.scheduler.running and not replica.scheduler.waiting

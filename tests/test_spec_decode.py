@@ -20,7 +20,8 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.request import SpecState
 from jaxinfer.engine.spec_decode import Drafts, NgramProposer, SpecConfigError, SpeculativeConfig
 from jaxinfer.runtime.evaluate import hidden_states, prompt_log_softmax
-from jaxinfer.models.draft_heads import head_state, load_heads, save_heads, train_heads, training_windows
+from jaxinfer.models.draft_heads import head_state, load_heads, save_heads
+from jaxinfer.training.draft_heads import train_heads, training_windows
 from tiny_models import save_hf_model
 
 BASE = dict(max_model_len=128, page_size=4, max_num_seqs=16, progress=False)

@@ -18,6 +18,22 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.aot.targets import Target, compile_target
+from pallas_kernels.flash_attention import flash_attention_gpu, flash_attention_tpu
+from pallas_kernels.fused_rms_norm import add_rms_norm_gpu, add_rms_norm_tpu
+from pallas_kernels.quantized_matmul import gpu as qmm_gpu
+from pallas_kernels.quantized_matmul import tpu as qmm_tpu
+from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
+from pallas_kernels.ragged_paged_attention import tpu as rpa_tpu
+from pallas_kernels.rope_kv_write import rope_kv_write_gpu, rope_kv_write_tpu
+from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu, swiglu_matmul_tpu
+
+# Each platform's kernels, called directly (not through jaxinfer.ops.kernels: no XLA fallbacks here).
+TPU_KERNELS = dict(flash_attention=flash_attention_tpu, add_rms_norm=add_rms_norm_tpu, quantized_matmul=qmm_tpu.quantized_matmul,
+                   ragged_paged_attention=rpa_tpu.ragged_paged_attention, rope_kv_write=rope_kv_write_tpu,
+                   swiglu_matmul=swiglu_matmul_tpu)
+GPU_KERNELS = dict(flash_attention=flash_attention_gpu, add_rms_norm=add_rms_norm_gpu, quantized_matmul=qmm_gpu.quantized_matmul,
+                   ragged_paged_attention=rpa_gpu.ragged_paged_attention, rope_kv_write=rope_kv_write_gpu,
+                   swiglu_matmul=swiglu_matmul_gpu)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,23 +80,10 @@ def kernel_cases(target: Target, shape: FamilyShape):
     bf16, i32 = jnp.bfloat16, jnp.int32
     Hq, Hkv, D, H, F = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.hidden, shape.intermediate
     tpu = target.platform == "tpu"
-    if tpu:
-        from pallas_kernels.flash_attention import flash_attention_tpu as flash
-        from pallas_kernels.fused_rms_norm import add_rms_norm_tpu as add_rms_norm
-        from pallas_kernels.quantized_matmul.tpu import quantized_matmul
-        from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention, stored_kv_heads
-        from pallas_kernels.rope_kv_write import rope_kv_write_tpu as rope_kv_write
-        from pallas_kernels.swiglu_matmul import swiglu_matmul_tpu as swiglu
-    else:
-        from pallas_kernels.flash_attention import flash_attention_gpu as flash
-        from pallas_kernels.fused_rms_norm import add_rms_norm_gpu as add_rms_norm
-        from pallas_kernels.quantized_matmul.gpu import quantized_matmul
-        from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention
-        from pallas_kernels.rope_kv_write import rope_kv_write_gpu as rope_kv_write
-        from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu as swiglu
-
-        def stored_kv_heads(n, dtype):
-            return n
+    k = TPU_KERNELS if tpu else GPU_KERNELS
+    flash, add_rms_norm, quantized_matmul = k["flash_attention"], k["add_rms_norm"], k["quantized_matmul"]
+    ragged_paged_attention, rope_kv_write, swiglu = k["ragged_paged_attention"], k["rope_kv_write"], k["swiglu_matmul"]
+    stored_kv_heads = rpa_tpu.stored_kv_heads if tpu else (lambda n, dtype: n)
 
     sm_scale = D**-0.5
     kv_dtypes = (("bf16", bf16, {}), ("int8", jnp.int8, dict(k_scale=0.05, v_scale=0.05)),

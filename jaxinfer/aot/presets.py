@@ -7,6 +7,11 @@ config.json, a model folder or a .gguf file works as well.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.runtime.loading import read_config, resolve_model
+
 _LLAMA3 = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, rope_theta=500000.0, vocab_size=128256,
                max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
                rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -45,11 +50,6 @@ PRESETS: dict[str, dict] = {
 
 def read_model_config(model: str):
     """A preset name, a config.json, a model folder or a .gguf file -> ModelConfig (no weights read)."""
-    from pathlib import Path
-
-    from jaxinfer.config import ModelConfig
-    from jaxinfer.runtime.loading import read_config, resolve_model
-
     if model.lower() in PRESETS:
         return ModelConfig.from_hf_dict(PRESETS[model.lower()], source=f"preset {model}")
     path = Path(model).expanduser()

@@ -28,6 +28,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.model_runner import empty_inputs
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.kv_cache import KVCache
+from jaxinfer.ops.quantization import quantize_model
 from jaxinfer.runtime.loading import abstract_model
 from jaxinfer.runtime.placement import kv_partition_spec, param_partition_specs
 from jaxinfer.runtime.step import StepFunction
@@ -86,8 +87,6 @@ class AbstractStep:
         mesh = make_mesh(parallel, target.devices)
         graphdef, params = abstract_model(config, dtype, dtype, kernels, parallel)
         if shape.quantization is not None:
-            from jaxinfer.ops.quantization import quantize_model
-
             quantized_graphdef = []
 
             def quantize(state):

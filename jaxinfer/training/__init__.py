@@ -1,0 +1,1 @@
+"""Training what serving uses (draft heads for speculative decoding); optax lives here only."""
