@@ -50,8 +50,8 @@ class BeamSearchOutput:
 def beam_search(llm, prompts: Sequence, params: BeamSearchParams) -> list[BeamSearchOutput]:
     engine = llm.engine
     W = params.beam_width
-    if 2 * W > engine.max_logprobs:
-        raise ValueError(f"BeamSearchParams.beam_width={W}: needs max_logprobs >= {2 * W} (the engine has {engine.max_logprobs})")
+    if 2 * W > engine.config.max_logprobs:
+        raise ValueError(f"BeamSearchParams.beam_width={W}: needs max_logprobs >= {2 * W} (the engine has {engine.config.max_logprobs})")
     prompt_ids = []
     for i, prompt in enumerate(prompts):
         _, ids = engine.tokenize(prompt, f"prompt {i}")

@@ -48,10 +48,11 @@ class LLM:
         "int8" (per output channel), "int4" (per group of `quantization_group_size` input rows,
         packed two per byte) or "fp8" (e4m3, per output channel). The embedding stays in `dtype`.
       quantization_group_size: int4 group size, 32, 64 or 128.
-      attention_impl: "auto" (Pallas kernels on TPU and GPU, the XLA reference paths on the CPU),
-        "reference", "pallas" (on the CPU: the TPU kernels in interpret mode, slow), or
+      kernel_impl (alias attention_impl): "auto" (Pallas kernels on TPU and GPU, the XLA paths on
+        the CPU), "reference", "pallas" (on the CPU: the TPU kernels in interpret mode, slow), or
         "pallas-tpu" / "pallas-gpu" to pick a platform's kernels (interpret mode elsewhere). Covers
-        attention and the quantized matmul; see jaxinfer.ops.kernels.
+        every entry of the kernel table (jaxinfer.ops.kernels): attention, RoPE + KV write, norm,
+        SwiGLU and the quantized matmul.
       max_model_len: longest prompt + output (default: the model's max_position_embeddings).
       page_size: tokens per KV page. num_pages: pages in each replica's pool (default: what fits
         in kv_cache_memory_bytes per replica, 1 GiB unless given; with tensor parallelism each

@@ -416,7 +416,7 @@ def rpa_candidates(ctx: Context, b: dict, *, decode: bool, query_block: int, sm_
     page_size = b["k_pages"].shape[1]
     args = (b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["page_indices"], b["cu_q_lens"], b["num_seqs"])
     common = dict(sm_scale=sm_scale, num_queries_per_block=query_block)
-    # split-kv with the model's settings (jaxinfer/attention.py): short work items for decodes
+    # split-kv with the model's settings (jaxinfer.ops.kernels.xla_ragged_attention): short work items for decodes
     kv_tokens, items = (DECODE_KV_TOKENS_PER_ITEM, 16) if decode else (PREFILL_KV_TOKENS_PER_ITEM, 8)
     cands = [
         Candidate("reference", functools.partial(reference.ragged_paged_attention, **common), args),

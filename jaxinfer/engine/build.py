@@ -2,10 +2,10 @@
 
     engine = build_engine(EngineConfig(model="./model", tensor_parallel_size=2))
 
-`build_runner` is the one recipe for a model on the mesh, used for the target and for every
-draft model: quantize (if asked), place each parameter with its sharding, allocate the KV pool
-(the engine's page geometry, every replica's pool on one page axis), and wrap them in a
-`ModelRunner` over the engine's shape buckets.
+`place_weights` then `build_runner` are the one recipe for a model on the mesh, used for the
+target and for every draft model: quantize (if asked) and place each parameter with its
+sharding; allocate the KV pool (the engine's page geometry, every replica's pool on one page
+axis) and wrap both in a `ModelRunner` over the engine's shape buckets.
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
     tokenizer_thread.shutdown(wait=False)
     weights = load_params(source, model_config, config.param_dtype, config.activation_dtype, kernels=config.kernels,
                           parallel=parallel, mesh=mesh, progress=config.progress)
-    spec = config.speculative_config
-    runner = build_runner(model_config, config, mesh, weights, quantization=config.quantization,
-                          num_top_logprobs=config.max_logprobs,
-                          return_hidden=spec is not None and spec.method in ("eagle", "medusa"))
+    placed = place_weights(model_config, config, mesh, weights, quantization=config.quantization)
     clock.mark("weights")
     tokenizer, tokenizer_seconds = tokenizer_future.result()
     clock.mark("tokenizer (what it took beyond the weights)")
+    spec = config.speculative_config
+    runner = build_runner(model_config, config, mesh, placed, num_top_logprobs=config.max_logprobs,
+                          return_hidden=spec is not None and spec.method in ("eagle", "medusa"))
     proposer = make_proposer(spec, model_config, config, runner) if spec is not None else None
     eos = set(model_config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
@@ -70,22 +70,33 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
     return engine
 
 
-def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights: tuple[nnx.GraphDef, nnx.State], *,
-                 quantization: str | None, num_top_logprobs: int, return_hidden: bool = False) -> ModelRunner:
-    """A model's runner on `mesh`: `weights` (graphdef, params as loaded) quantized with
-    `quantization` and placed, a KV pool of the (resolved) config's page geometry."""
+@dataclasses.dataclass
+class PlacedWeights:
+    graphdef: nnx.GraphDef
+    params: nnx.State  # on the mesh, each parameter with its sharding
+    param_specs: object  # their PartitionSpecs (runtime.placement.param_partition_specs)
+
+
+def place_weights(model_config: ModelConfig, config: EngineConfig, mesh, weights: tuple[nnx.GraphDef, nnx.State], *,
+                  quantization: str | None) -> PlacedWeights:
+    """`weights` (graphdef, params as loaded) quantized with `quantization` and placed on `mesh`."""
     graphdef, params = weights
-    parallel = config.parallel(model_config)
     if quantization is not None:
-        _check_quantized_split(model_config, parallel.tp, quantization, config.quantization_group_size)
+        _check_quantized_split(model_config, config.tensor_parallel_size, quantization, config.quantization_group_size)
         graphdef, params = quantize_model(graphdef, params, quantization, config.quantization_group_size)
     param_specs = param_partition_specs(params, model_config)
-    params = put_global(params, param_specs, mesh)  # quantized weights: onto their shards
+    return PlacedWeights(graphdef, put_global(params, param_specs, mesh), param_specs)  # quantized weights: onto their shards
+
+
+def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights: PlacedWeights, *, num_top_logprobs: int,
+                 return_hidden: bool = False) -> ModelRunner:
+    """A model's runner on `mesh`: its placed weights and a KV pool of the (resolved) config's page geometry."""
+    parallel = config.parallel(model_config)
     kv_sharding = jax.sharding.NamedSharding(mesh, kv_partition_spec().k)
     kv = KVCache.create(model_config, config.num_pages * parallel.num_replicas, config.page_size, config.kv_dtype,
                         tp=parallel.tp, sharding=kv_sharding, kernels=config.kernels)
-    return ModelRunner(graphdef, params, kv, config.buckets(parallel), num_top_logprobs=num_top_logprobs, mesh=mesh,
-                       param_specs=param_specs, return_hidden=return_hidden)
+    return ModelRunner(weights.graphdef, weights.params, kv, config.buckets(parallel), num_top_logprobs=num_top_logprobs,
+                       mesh=mesh, param_specs=weights.param_specs, return_hidden=return_hidden)
 
 
 def make_proposer(spec: SpeculativeConfig | dict, model_config: ModelConfig, config: EngineConfig, runner: ModelRunner):
@@ -132,7 +143,8 @@ def build_draft_runner(spec: SpeculativeConfig, model_config: ModelConfig, confi
             raise ValueError(f"speculative_config['num_layers']={spec.num_layers}: the model has only "
                              f"{draft_config.num_layers} layers")
         draft_config, weights = first_layers(draft_config, weights, spec.num_layers, config, parallel)
-    return build_runner(draft_config, config, mesh, weights, quantization=spec.quantization, num_top_logprobs=1)
+    placed = place_weights(draft_config, config, mesh, weights, quantization=spec.quantization)
+    return build_runner(draft_config, config, mesh, placed, num_top_logprobs=1)
 
 
 def first_layers(model_config: ModelConfig, weights, num_layers: int, config: EngineConfig, parallel: ParallelConfig):

@@ -127,7 +127,8 @@ class EngineCore:
             plans = [replica.scheduler.schedule() for replica in self.replicas]
             for plan in plans:
                 for seq in plan.preempted:
-                    seq.draft_computed = 0  # its pages are gone, the draft model's too
+                    if seq.spec is not None:
+                        seq.spec.draft_computed = 0  # its pages are gone, the draft model's too
             if any(plan.scheduled for plan in plans):
                 self._inflight = self._dispatch(plans)
             if previous is not None:
@@ -211,9 +212,10 @@ class EngineCore:
     def _advance(self, s: ScheduledSeq, now: float) -> None:
         """A prefill chunk's or a decode's results: prompt logprobs, the sampled token, forks."""
         seq, request, chunk = s.seq, s.seq.request, s.chunk
-        seq.draft_computed = min(seq.draft_computed, seq.num_computed)  # its drafts went unverified
-        if s.samples:  # the row its next token comes from (every sample row of a fork has the same hidden state)
-            seq.hidden_row, seq.hidden_step = chunk.rows[-1], self.num_processed
+        if seq.spec is not None:
+            seq.spec.draft_computed = min(seq.spec.draft_computed, seq.num_computed)  # its drafts went unverified
+            if s.samples:  # the row its next token comes from (every sample row of a fork has the same hidden state)
+                seq.spec.hidden_row, seq.spec.hidden_step = chunk.rows[-1], self.num_processed
         samples = []
         for row, target in zip(chunk.results, chunk.sampling.target_ids):
             if target >= 0:
@@ -235,8 +237,8 @@ class EngineCore:
             for j, row in enumerate(samples[1:], start=1):
                 child = Sequence(request, j, seq.token_ids[:end] + [row.token], child_seed(request.seed, j), num_computed=end)
                 replica.block_manager.fork(seq.seq_id, child.seq_id)
-                child.spec = dataclasses.replace(seq.spec) if seq.spec else None
-                child.hidden_row, child.hidden_step = seq.hidden_row, seq.hidden_step
+                # its own draft length; the hidden row it came from; nothing in a draft model's cache yet
+                child.spec = dataclasses.replace(seq.spec, draft=[], draft_src=[], draft_computed=0) if seq.spec else None
                 request.seqs.append(child)
                 replica.scheduler.add_running(child)
                 self._on_token(child, row, end, now)
@@ -249,8 +251,8 @@ class EngineCore:
     def _verified(self, s: ScheduledSeq, now: float) -> None:
         """A verification chunk's results: keep the accepted drafts and the sampled token after
         them, rewind the sequence's length past them (the rejected drafts' K/V are dropped)."""
-        seq, rows = s.seq, s.chunk.results
-        draft = seq.draft[: s.num_draft]
+        seq, spec, rows = s.seq, s.seq.spec, s.chunk.results
+        draft = spec.draft[: s.num_draft]
         accepted = next((i for i, row in enumerate(rows[: s.num_draft]) if not row.accepted), s.num_draft)
         computed = s.start + 1 + accepted  # the newest token's K/V and the accepted drafts'
         bm = self.replicas[seq.request.replica].block_manager
@@ -261,13 +263,13 @@ class EngineCore:
             bm.mark_computed(seq.seq_id, computed, seq.token_ids + emitted)
         else:
             emitted = []
-        seq.hidden_row, seq.hidden_step = s.chunk.rows[accepted], self.num_processed  # the row y came from
+        spec.hidden_row, spec.hidden_step = s.chunk.rows[accepted], self.num_processed  # the row y came from
         self.num_spec_verifications += 1
         self.num_draft_tokens += s.num_draft
         self.num_accepted_tokens += accepted
-        seq.spec.update(s.num_draft, accepted)
-        seq.draft, seq.draft_src = [], []
-        seq.draft_computed = min(seq.draft_computed, seq.num_computed)  # a draft model's cache past the accepted drafts is stale
+        spec.update(s.num_draft, accepted)
+        spec.draft, spec.draft_src = [], []
+        spec.draft_computed = min(spec.draft_computed, seq.num_computed)  # a draft model's cache past the accepted drafts is stale
         for i, token in enumerate(emitted):
             seq.token_ids.append(token)
             self._on_token(seq, dataclasses.replace(rows[i], token=token), len(seq.token_ids) - 1, now)
@@ -286,7 +288,8 @@ class EngineCore:
         for replica in self.replicas:
             speculates = self._speculates(replica)
             for seq in replica.scheduler.running:
-                seq.draft, seq.draft_src = [], []
+                if seq.spec is not None:
+                    seq.spec.draft, seq.spec.draft_src = [], []
                 k = draft_budget(seq, self.config.max_model_len) if speculates else 0
                 if k:
                     asked.append((seq, k))
@@ -296,9 +299,9 @@ class EngineCore:
         drafts = self.proposer.propose(CoreDraftContext(self), asked)
         self._draft_buffer = drafts.buffer
         for i, (seq, k) in enumerate(asked):
-            seq.draft = list(drafts.tokens[i][:k])
-            seq.draft_src = list(drafts.src[i][:k]) if drafts.src else []
-            seq.spec.proposed(len(seq.draft))
+            seq.spec.draft = list(drafts.tokens[i][:k])
+            seq.spec.draft_src = list(drafts.src[i][:k]) if drafts.src else []
+            seq.spec.proposed(len(seq.spec.draft))
 
     def _speculates(self, replica: Replica) -> bool:
         spec = self.config.speculative_config

@@ -46,7 +46,7 @@ class DraftHeadProposer:
 
     def propose(self, ctx: DraftContext, asked) -> Drafts:
         ready = [(i, seq, min(k, self.max_k)) for i, (seq, k) in enumerate(asked)
-                 if seq.hidden_row is not None and seq.hidden_step == ctx.num_processed]
+                 if seq.spec.hidden_row is not None and seq.spec.hidden_step == ctx.num_processed]
         tokens = [[] for _ in asked]
         if not ready:
             return Drafts(tokens)
@@ -59,7 +59,7 @@ class DraftHeadProposer:
         fields["top_p"][:] = 1.0
         for j, (_, seq, _) in enumerate(ready):
             p = seq.request.params
-            replica[j], row[j], newest[j] = seq.request.replica, seq.hidden_row, seq.token_ids[-1]
+            replica[j], row[j], newest[j] = seq.request.replica, seq.spec.hidden_row, seq.token_ids[-1]
             fields["temperature"][:, j], fields["top_k"][:, j], fields["top_p"][:, j] = p.temperature, p.top_k, p.top_p
             fields["min_p"][:, j], fields["seed"][:, j] = p.min_p, child_seed(seq.seed, DRAFT_SEED_SALT)
             fields["counter"][:, j] = len(seq.output_token_ids) + np.arange(K)  # the draft seed keeps these apart from the target's

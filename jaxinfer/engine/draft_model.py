@@ -22,7 +22,7 @@ both). For each sequence that speculates, before the step:
    verification step reads (rejection sampling with the draft's real q: exact in distribution).
 
 After verification the draft's cache is valid up to the target's accepted length (or to what it
-drafted, whichever is shorter), `Sequence.draft_computed`.
+drafted, whichever is shorter), `SpecState.draft_computed`.
 """
 
 from __future__ import annotations
@@ -68,13 +68,13 @@ class DraftModelProposer:
             multi = [0] * ctx.num_replicas
             for seq, _ in reserved:
                 r = seq.request.replica
-                start = seq.draft_computed
+                start = seq.spec.draft_computed
                 room = min(len(seq.token_ids) - 1 - start, budget - used[r])
                 if room <= 0 or len(rounds[r]) >= self.runner.buckets.max_num_seqs or (room > 1 and multi[r] >= MAX_PREFILL_CHUNKS):
                     continue
                 chunk = SequenceChunk(seq.token_ids[start : start + room], start, ctx.page_table(seq), [])
                 rounds[r].append(ScheduledChunk(chunk, RowSampling()))
-                seq.draft_computed += room
+                seq.spec.draft_computed += room
                 used[r] += room
                 multi[r] += room > 1
             if not any(rounds):
@@ -114,5 +114,5 @@ class DraftModelProposer:
                 drafted.setdefault(id(seq), []).append(entry.results[0].token)
                 src.setdefault(id(seq), []).append(offsets[i] + entry.rows[0])
         for seq, k in reserved:
-            seq.draft_computed = len(seq.token_ids) - 1 + k  # x and the first k - 1 drafts are in its cache
+            seq.spec.draft_computed = len(seq.token_ids) - 1 + k  # x and the first k - 1 drafts are in its cache
         return drafted, src, buffer

@@ -84,6 +84,11 @@ class SpecState:
     acceptance: float = 1.0
     pause: int = 0  # plain steps left before drafting again
     empty: int = 0  # proposals in a row that drafted nothing
+    draft: list[int] = dataclasses.field(default_factory=list)  # drafted tokens to verify in its next step
+    draft_src: list[int] = dataclasses.field(default_factory=list)  # their rows of the step's draft_buffer (draft models)
+    draft_computed: int = 0  # tokens a draft model's own cache holds for it
+    hidden_row: int | None = None  # draft heads: the logits row (of step hidden_step) its newest token came from
+    hidden_step: int = -1
     LOW = 0.3
     HIGH = 0.7
     PAUSE = 8
@@ -140,15 +145,12 @@ class Sequence:
     # step's sampled tokens (their entry in token_ids is PENDING until then)
     pending: dict[int, int] = dataclasses.field(default_factory=dict)
     hold: bool = False  # its pending token ends it (length): don't schedule it again
-    # speculative decoding: drafted tokens to verify in its next step, and its own draft length
-    # (adapted to how many of its drafts get accepted; 0 = decoding plainly for now)
-    draft: list[int] = dataclasses.field(default_factory=list)
-    draft_src: list[int] = dataclasses.field(default_factory=list)  # rows of the step's draft_buffer (draft models)
-    draft_computed: int = 0  # tokens a draft model's own cache holds for it
-    hidden_row: int | None = None  # draft heads: the logits row (of step hidden_step) its newest token came from
-    hidden_step: int = -1
-    spec: "SpecState | None" = None
+    spec: "SpecState | None" = None  # speculative decoding: its drafts and draft length (None: it never speculates)
 
+    @property
+    def draft(self) -> list[int]:
+        """Drafted tokens to verify in its next step."""
+        return self.spec.draft if self.spec is not None else []
 
     @property
     def num_prompt_tokens(self) -> int:

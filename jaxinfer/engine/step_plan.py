@@ -48,7 +48,7 @@ def plan_chunk(s: ScheduledSeq, pages: list[int], eos_token_ids: set[int]) -> Sc
         targets = [-1] * len(rows)
         counter = [num_out + i for i in range(len(rows))]
         draft_tokens = seq.draft[: s.num_draft] + [-1]  # the last row: the bonus token
-        draft_src = seq.draft_src[: s.num_draft] + [-1] if seq.draft_src else []
+        draft_src = seq.spec.draft_src[: s.num_draft] + [-1] if seq.spec.draft_src else []
     elif s.samples:  # the last row samples; before its request forks, it samples all n completions
         n = 1 if request.forked else p.n
         rows += [s.num_tokens - 1] * n

@@ -11,7 +11,7 @@ parameter layout is `jaxinfer.models.param_layout`'s. A MoE model differs only i
 (`jaxinfer.models.moe`).
 
 **Parallel.** The step runs the model inside `jax.shard_map` over the device mesh (see
-jaxinfer/step.py), so `__call__` sees this device's shards and does its own collectives, each
+jaxinfer.runtime.step), so `__call__` sees this device's shards and does its own collectives, each
 only when its axis has more than one device (on one device the program is the plain one):
 
 - tensor (Megatron): the fused QKV and gate/up columns, o and down rows, and the hidden dim of the

@@ -9,31 +9,14 @@ exact semantics.
 - `flash_attention_tpu`: Pallas Mosaic TPU kernel (tuning: block_q, block_k, interpret).
 - `flash_attention_gpu`: Pallas Triton GPU kernel (tuning: block_q, block_k, num_warps, num_stages,
   interpret); verified in interpret mode only.
-- `flash_attention`: picks one of them for the default backend (CPU -> reference).
+
+The model picks one of them through its kernel table, `jaxinfer.ops.kernels`.
 """
 
 from __future__ import annotations
-
-import jax
 
 from pallas_kernels.flash_attention.gpu import flash_attention as flash_attention_gpu
 from pallas_kernels.flash_attention.reference import flash_attention as flash_attention_reference
 from pallas_kernels.flash_attention.tpu import flash_attention as flash_attention_tpu
 
-
-def flash_attention(q, k, v, cu_seq_lens, num_seqs, *, sm_scale, causal=True, sliding_window=None, soft_cap=None,
-                    backend: str | None = None, **tuning):
-    """Dispatch on `backend` (default: jax.default_backend()): "tpu" and "gpu" run their kernel with
-    the `tuning` keywords; anything else runs the reference, which takes no tuning keywords."""
-    backend = backend or jax.default_backend()
-    options = dict(sm_scale=sm_scale, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap)
-    if backend == "tpu":
-        return flash_attention_tpu(q, k, v, cu_seq_lens, num_seqs, **options, **tuning)
-    if backend in ("gpu", "cuda", "rocm"):
-        return flash_attention_gpu(q, k, v, cu_seq_lens, num_seqs, **options, **tuning)
-    if tuning:
-        raise TypeError(f"the reference takes no tuning keywords: {sorted(tuning)}")
-    return flash_attention_reference(q, k, v, cu_seq_lens, num_seqs, **options)
-
-
-__all__ = ["flash_attention", "flash_attention_gpu", "flash_attention_reference", "flash_attention_tpu"]
+__all__ = ["flash_attention_gpu", "flash_attention_reference", "flash_attention_tpu"]

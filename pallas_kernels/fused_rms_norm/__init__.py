@@ -8,29 +8,14 @@ in float32 as `jaxinfer.models.layers.rms_norm` does; both outputs in x's dtype.
 - `add_rms_norm_tpu`: Pallas Mosaic TPU kernel (tuning: block_rows, interpret).
 - `add_rms_norm_gpu`: Pallas Triton GPU kernel (tuning: block_rows, num_warps, interpret); verified
   in interpret mode only.
-- `add_rms_norm`: picks one of them for the default backend (CPU -> reference).
+
+The model picks one of them through its kernel table, `jaxinfer.ops.kernels`.
 """
 
 from __future__ import annotations
-
-import jax
 
 from pallas_kernels.fused_rms_norm.gpu import add_rms_norm as add_rms_norm_gpu
 from pallas_kernels.fused_rms_norm.reference import add_rms_norm as add_rms_norm_reference
 from pallas_kernels.fused_rms_norm.tpu import add_rms_norm as add_rms_norm_tpu
 
-
-def add_rms_norm(x, residual, weight, *, eps, backend: str | None = None, **tuning):
-    """Dispatch on `backend` (default: jax.default_backend()): "tpu" and "gpu" run their kernel with
-    the `tuning` keywords; anything else runs the reference, which takes no tuning keywords."""
-    backend = backend or jax.default_backend()
-    if backend == "tpu":
-        return add_rms_norm_tpu(x, residual, weight, eps=eps, **tuning)
-    if backend in ("gpu", "cuda", "rocm"):
-        return add_rms_norm_gpu(x, residual, weight, eps=eps, **tuning)
-    if tuning:
-        raise TypeError(f"the reference takes no tuning keywords: {sorted(tuning)}")
-    return add_rms_norm_reference(x, residual, weight, eps=eps)
-
-
-__all__ = ["add_rms_norm", "add_rms_norm_gpu", "add_rms_norm_reference", "add_rms_norm_tpu"]
+__all__ = ["add_rms_norm_gpu", "add_rms_norm_reference", "add_rms_norm_tpu"]

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.compat import patch_interpret_mode
-from pallas_kernels import cost
+from pallas_kernels.fused_rms_norm import common
 from pallas_kernels.fused_rms_norm.reference import check_inputs
 
 TILE_VALUES = 4096  # target values per program tile, block_rows * H_pad
@@ -59,28 +59,20 @@ def _tile_masks(block_rows, hidden_pad, *, num_rows, hidden):
     return (row < num_rows)[:, None] & in_row[None, :], in_row
 
 
-def _normalize(s, weight, *, hidden, eps):
-    """s [B, H_pad] (x's dtype, 0 in padding), weight [H_pad] -> normed [B, H_pad] in s's dtype."""
-    sf = s.astype(jnp.float32)
-    mean_square = jnp.sum(sf * sf, axis=-1, keepdims=True) / hidden  # [B, 1]; padding adds 0
-    sf = sf * jax.lax.rsqrt(mean_square + eps)
-    return (weight.astype(jnp.float32)[None, :] * sf).astype(s.dtype)
-
-
 def _add_norm_kernel(x_ref, residual_ref, weight_ref, normed_ref, new_residual_ref, *, num_rows, hidden, eps):
     # x_ref, residual_ref, normed_ref, new_residual_ref: [block_rows, H_pad]; weight_ref: [H_pad]
     in_tile, in_row = _tile_masks(*x_ref.shape, num_rows=num_rows, hidden=hidden)
     s = plt.load(x_ref, mask=in_tile, other=0) + plt.load(residual_ref, mask=in_tile, other=0)  # x's dtype
     plt.store(new_residual_ref, s, mask=in_tile)
     weight = plt.load(weight_ref, mask=in_row, other=0)  # [H_pad]
-    plt.store(normed_ref, _normalize(s, weight, hidden=hidden, eps=eps), mask=in_tile)
+    plt.store(normed_ref, common.normalize(s, weight, hidden=hidden, eps=eps), mask=in_tile)
 
 
 def _norm_kernel(x_ref, weight_ref, normed_ref, *, num_rows, hidden, eps):
     in_tile, in_row = _tile_masks(*x_ref.shape, num_rows=num_rows, hidden=hidden)
     s = plt.load(x_ref, mask=in_tile, other=0)
     weight = plt.load(weight_ref, mask=in_row, other=0)
-    plt.store(normed_ref, _normalize(s, weight, hidden=hidden, eps=eps), mask=in_tile)
+    plt.store(normed_ref, common.normalize(s, weight, hidden=hidden, eps=eps), mask=in_tile)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "block_rows", "num_warps", "interpret"))
@@ -107,32 +99,17 @@ def add_rms_norm(
     if interpret:
         patch_interpret_mode()
 
-    rows = pl.BlockSpec((block_rows, H_pad), lambda i: (i, 0))  # [block_rows, H_pad], masked to [.., H]
-    whole_weight = pl.BlockSpec((H_pad,), lambda i: (0,))  # [H_pad], masked to [H]
-    out_struct = jax.ShapeDtypeStruct((T, H), x.dtype)  # each output: [T, H] in x's dtype
-    call = functools.partial(
-        pl.pallas_call,
-        grid=(pl.cdiv(T, block_rows),),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-    )
     options = dict(num_rows=T, hidden=H, eps=eps)
-    if residual is None:
-        normed = call(
-            functools.partial(_norm_kernel, **options),
-            out_shape=out_struct,
-            in_specs=[rows, whole_weight],
-            out_specs=rows,
-            cost_estimate=cost.rms_norm(T, H, itemsize=x.dtype.itemsize, with_residual=False),
-            name="rms_norm",
-        )(x, weight)
-        return normed, x
-    normed, new_residual = call(
-        functools.partial(_add_norm_kernel, **options),
-        out_shape=(out_struct, out_struct),
-        in_specs=[rows, rows, whole_weight],
-        out_specs=(rows, rows),
-        cost_estimate=cost.rms_norm(T, H, itemsize=x.dtype.itemsize, with_residual=True),
-        name="add_rms_norm",
-    )(x, residual, weight)
-    return normed, new_residual
+    return common.call(
+        x, residual, weight,
+        norm_kernel=functools.partial(_norm_kernel, **options),
+        add_norm_kernel=functools.partial(_add_norm_kernel, **options),
+        rows=pl.BlockSpec((block_rows, H_pad), lambda i: (i, 0)),  # [block_rows, H_pad], masked to [.., H]
+        whole_weight=pl.BlockSpec((H_pad,), lambda i: (0,)),  # [H_pad], masked to [H]
+        pallas_call=functools.partial(
+            pl.pallas_call,
+            grid=(pl.cdiv(T, block_rows),),
+            compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+            interpret=interpret,
+        ),
+    )

@@ -35,30 +35,23 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.compat import patch_interpret_mode
-from pallas_kernels import cost
-from pallas_kernels.tpu_chip import compiler_params
+from pallas_kernels.fused_rms_norm import common
 from pallas_kernels.fused_rms_norm.reference import check_inputs
+from pallas_kernels.tpu_chip import compiler_params
 
 VMEM_BUDGET_BYTES = 12 * 2**20
 MAX_BLOCK_ROWS = 256
-
-
-def _normalize(s, weight, eps):
-    """s [B, H] (x's dtype), weight [1, H] -> normed [B, H] in s's dtype; the math of layers.rms_norm."""
-    sf = s.astype(jnp.float32)
-    sf = sf * jax.lax.rsqrt(jnp.mean(sf * sf, axis=-1, keepdims=True) + eps)  # [B, H]
-    return (weight.astype(jnp.float32) * sf).astype(s.dtype)
 
 
 def _add_norm_kernel(x_ref, residual_ref, weight_ref, normed_ref, new_residual_ref, *, eps):
     # x_ref, residual_ref, normed_ref, new_residual_ref: [B, H]; weight_ref: [1, H]
     s = x_ref[...] + residual_ref[...]  # [B, H], rounded to x's dtype like the unfused model
     new_residual_ref[...] = s
-    normed_ref[...] = _normalize(s, weight_ref[...], eps)
+    normed_ref[...] = common.normalize(s, weight_ref[...], hidden=s.shape[-1], eps=eps)
 
 
 def _norm_kernel(x_ref, weight_ref, normed_ref, *, eps):
-    normed_ref[...] = _normalize(x_ref[...], weight_ref[...], eps)
+    normed_ref[...] = common.normalize(x_ref[...], weight_ref[...], hidden=x_ref.shape[-1], eps=eps)
 
 
 def min_block_rows(dtype) -> int:
@@ -96,32 +89,16 @@ def add_rms_norm(
         patch_interpret_mode()
     block_rows = min(block_rows, T)  # a block as tall as the whole array is always legal
 
-    rows = pl.BlockSpec((block_rows, H), lambda i: (i, 0))  # [block_rows, H]
-    whole_weight = pl.BlockSpec((1, H), lambda i: (0, 0))  # [1, H], the same block every step
-    out_struct = jax.ShapeDtypeStruct((T, H), x.dtype)  # each output: [T, H] in x's dtype
-    call = functools.partial(
-        pl.pallas_call,
-        grid=(pl.cdiv(T, block_rows),),
-        compiler_params=compiler_params("parallel"),
-        interpret=interpret,
+    return common.call(
+        x, residual, weight.reshape(1, H),  # [1, H]: TPU blocks are at least 2-D
+        norm_kernel=functools.partial(_norm_kernel, eps=eps),
+        add_norm_kernel=functools.partial(_add_norm_kernel, eps=eps),
+        rows=pl.BlockSpec((block_rows, H), lambda i: (i, 0)),  # [block_rows, H]
+        whole_weight=pl.BlockSpec((1, H), lambda i: (0, 0)),  # [1, H], the same block every step
+        pallas_call=functools.partial(
+            pl.pallas_call,
+            grid=(pl.cdiv(T, block_rows),),
+            compiler_params=compiler_params("parallel"),
+            interpret=interpret,
+        ),
     )
-    weight_row = weight.reshape(1, H)  # [1, H]: TPU blocks are at least 2-D
-    if residual is None:
-        normed = call(
-            functools.partial(_norm_kernel, eps=eps),
-            out_shape=out_struct,
-            in_specs=[rows, whole_weight],
-            out_specs=rows,
-            cost_estimate=cost.rms_norm(T, H, itemsize=x.dtype.itemsize, with_residual=False),
-            name="rms_norm",
-        )(x, weight_row)
-        return normed, x
-    normed, new_residual = call(
-        functools.partial(_add_norm_kernel, eps=eps),
-        out_shape=(out_struct, out_struct),
-        in_specs=[rows, rows, whole_weight],
-        out_specs=(rows, rows),
-        cost_estimate=cost.rms_norm(T, H, itemsize=x.dtype.itemsize, with_residual=True),
-        name="add_rms_norm",
-    )(x, residual, weight_row)
-    return normed, new_residual

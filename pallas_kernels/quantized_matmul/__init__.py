@@ -2,7 +2,7 @@
 
 - `reference.py`: plain jnp, the truth, and the storage layout of each mode;
 - `tpu.py`: Pallas Mosaic TPU kernel; `gpu.py`: Pallas Triton GPU kernel (both verified in
-  interpret mode on the CPU). The model picks one through `jaxinfer.kernels`.
+  interpret mode on the CPU). The model picks one through `jaxinfer.ops.kernels`.
 """
 from pallas_kernels.quantized_matmul.reference import (
     INT4_GROUP_SIZES,

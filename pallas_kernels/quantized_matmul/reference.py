@@ -17,7 +17,7 @@ weight is stored padded with zero rows up to Kp = the next multiple of group_siz
 [Kp // 2, N], scales [Kp // group_size, N], and x [M, K] is read as if padded with zero columns.
 int4 keeps its scales in bfloat16 (as GPTQ/AWQ kernels keep theirs in 16 bits): one per 128
 weights, f32 scales would cost 0.25 bits per weight, bf16 0.125. Kernels widen them to f32. All three are symmetric (no zero point); how the scales are chosen
-is the quantizer's business (`jaxinfer.quantization`), not this file's.
+is the quantizer's business (`jaxinfer.ops.quantization`), not this file's.
 
 `dequantize` also accepts leading axes ([..., K, N] weights with [..., N] or [..., G, N] scales),
 so stacked per-layer weights can be expanded in one call; `quantized_matmul` takes one 2-D weight.

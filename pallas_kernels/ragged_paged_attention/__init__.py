@@ -6,7 +6,7 @@
 - `tpu.py`: Pallas Mosaic TPU kernel (scalar prefetch, double-buffered page DMAs);
 - `gpu.py`: Pallas Triton GPU kernel (split-KV with a merge of the partial results).
 
-All four take the same arguments; the model picks one through `jaxinfer.kernels`.
+All four take the same arguments; the model picks one through `jaxinfer.ops.kernels`.
 """
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
 

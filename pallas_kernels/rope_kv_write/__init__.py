@@ -9,12 +9,11 @@ reshape_and_cache do as two kernels).
   (tuning: block_tokens, interpret).
 - `rope_kv_write_gpu`: Pallas Triton GPU kernel; one program per few tokens (tuning:
   block_tokens, num_warps, interpret); needs head_dim / 2 to be a power of two (`gpu_supports`).
-- `rope_kv_write`: picks one of them for the default backend (CPU -> reference).
+
+The model picks one of them through its kernel table, `jaxinfer.ops.kernels`.
 """
 
 from __future__ import annotations
-
-import jax
 
 from pallas_kernels.rope_kv_write.gpu import rope_kv_write as rope_kv_write_gpu
 from pallas_kernels.rope_kv_write.gpu import supports as gpu_supports
@@ -22,25 +21,9 @@ from pallas_kernels.rope_kv_write.reference import apply_rope
 from pallas_kernels.rope_kv_write.reference import rope_kv_write as rope_kv_write_reference
 from pallas_kernels.rope_kv_write.tpu import rope_kv_write as rope_kv_write_tpu
 
-
-def rope_kv_write(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset, *, backend: str | None = None, **tuning):
-    """Dispatch on `backend` (default: jax.default_backend()): "tpu" and "gpu" run their kernel with
-    the `tuning` keywords; anything else runs the reference, which takes no tuning keywords."""
-    backend = backend or jax.default_backend()
-    args = (q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset)
-    if backend == "tpu":
-        return rope_kv_write_tpu(*args, **tuning)
-    if backend in ("gpu", "cuda", "rocm"):
-        return rope_kv_write_gpu(*args, **tuning)
-    if tuning:
-        raise TypeError(f"the reference takes no tuning keywords: {sorted(tuning)}")
-    return rope_kv_write_reference(*args)
-
-
 __all__ = [
     "apply_rope",
     "gpu_supports",
-    "rope_kv_write",
     "rope_kv_write_gpu",
     "rope_kv_write_reference",
     "rope_kv_write_tpu",

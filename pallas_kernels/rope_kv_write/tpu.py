@@ -47,9 +47,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.compat import patch_interpret_mode
-from pallas_kernels import cost
+from pallas_kernels.rope_kv_write import common
 from pallas_kernels.tpu_chip import compiler_params
-from pallas_kernels.rope_kv_write.reference import check_inputs
 
 SUBLANES = 8
 
@@ -109,16 +108,13 @@ def rope_kv_write(
     block_tokens: int = 128,
     interpret=False,  # False on TPU; True or pltpu.InterpretParams() elsewhere
 ):
-    check_inputs(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset)
-    if block_tokens < 1 or (not interpret and block_tokens % SUBLANES):
-        raise ValueError(f"block_tokens must be a positive multiple of {SUBLANES}; got {block_tokens}")
+    T, Hq, Hkv, D = common.check_and_size(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset)
+    common.check_block_tokens(block_tokens, 1 if interpret else SUBLANES)
     if k.dtype != k_pages.dtype or v.dtype != v_pages.dtype:
         raise ValueError(f"the TPU kernel copies rows as they are: k/v dtypes {k.dtype}/{v.dtype} must be the pools' "
                          f"{k_pages.dtype}/{v_pages.dtype}")
     if interpret:
         patch_interpret_mode()
-    T, Hq, D = q.shape
-    Hkv = k.shape[1]
     bt = min(block_tokens, -(-T // SUBLANES) * SUBLANES)
     Tp = -(-T // bt) * bt
     pad = lambda x: jnp.pad(x, [(0, Tp - T)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
@@ -130,12 +126,7 @@ def rope_kv_write(
     in_hbm = pl.BlockSpec(memory_space=pl.ANY)
     q_rot, k_rot, k_pages, v_pages = pl.pallas_call(
         functools.partial(_kernel, num_tokens=T),
-        out_shape=(
-            jax.ShapeDtypeStruct((Tp, Hq, D), q.dtype),
-            jax.ShapeDtypeStruct((Tp, Hkv, D), k.dtype),
-            jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-            jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
-        ),
+        out_shape=common.out_shape(Tp, q, k, k_pages, v_pages),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(Tp // bt,),
@@ -144,9 +135,9 @@ def rope_kv_write(
             scratch_shapes=[pltpu.SemaphoreType.DMA((2,))],
         ),
         # operand indices count the two scalar-prefetch arrays: k_pages is operand 7, v_pages 8
-        input_output_aliases={7: 2, 8: 3},
+        input_output_aliases=common.pool_aliases(7),
         compiler_params=compiler_params("arbitrary"),
-        cost_estimate=cost.rope_kv_write(Tp, Hq, Hkv, D, itemsize=q.dtype.itemsize, pool_itemsize=k_pages.dtype.itemsize),
+        cost_estimate=common.cost_estimate(Tp, q, k, k_pages),
         interpret=interpret,
         name="rope_kv_write",
     )(pad(write_page.astype(jnp.int32)), pad(write_offset.astype(jnp.int32)),

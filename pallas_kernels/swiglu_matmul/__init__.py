@@ -11,30 +11,15 @@ in x's dtype. See `reference.py`.
 - `swiglu_matmul_gpu`: Pallas Triton GPU kernel (tuning: block_m, block_n, block_k, num_warps,
   num_stages, interpret); any shape.
 Both kernels are verified in interpret mode on the CPU only.
-- `swiglu_matmul`: picks one of them for the default backend (CPU -> reference).
+
+The model picks one of them through its kernel table, `jaxinfer.ops.kernels`.
 """
 
 from __future__ import annotations
-
-import jax
 
 from pallas_kernels.swiglu_matmul.gpu import swiglu_matmul as swiglu_matmul_gpu
 from pallas_kernels.swiglu_matmul.reference import check_inputs
 from pallas_kernels.swiglu_matmul.reference import swiglu_matmul as swiglu_matmul_reference
 from pallas_kernels.swiglu_matmul.tpu import swiglu_matmul as swiglu_matmul_tpu
 
-
-def swiglu_matmul(x, w_gate_up, *, backend: str | None = None, **tuning):
-    """Dispatch on `backend` (default: jax.default_backend()): "tpu" and "gpu" run their kernel with
-    the `tuning` keywords; anything else runs the reference, which takes no tuning keywords."""
-    backend = backend or jax.default_backend()
-    if backend == "tpu":
-        return swiglu_matmul_tpu(x, w_gate_up, **tuning)
-    if backend in ("gpu", "cuda", "rocm"):
-        return swiglu_matmul_gpu(x, w_gate_up, **tuning)
-    if tuning:
-        raise TypeError(f"the reference takes no tuning keywords: {sorted(tuning)}")
-    return swiglu_matmul_reference(x, w_gate_up)
-
-
-__all__ = ["check_inputs", "swiglu_matmul", "swiglu_matmul_gpu", "swiglu_matmul_reference", "swiglu_matmul_tpu"]
+__all__ = ["check_inputs", "swiglu_matmul_gpu", "swiglu_matmul_reference", "swiglu_matmul_tpu"]

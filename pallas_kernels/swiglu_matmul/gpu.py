@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.compat import patch_interpret_mode
-from pallas_kernels import cost
+from pallas_kernels.swiglu_matmul import common
 from pallas_kernels.swiglu_matmul.reference import check_inputs
 
 SMALL_M = 16  # the smallest tile a tensor-core dot takes; decode batches are padded (masked) up to it
@@ -61,12 +61,6 @@ SMALL_M = 16  # the smallest tile a tensor-core dot takes; decode batches are pa
 
 def _is_power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
-
-
-def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a [m, k] @ b [k, n] with f32 accumulation; f32 inputs in IEEE f32 (HIGHEST), not TF32."""
-    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _tile(ref, rows: int, cols: int, row_start, col_start, n_rows: int, n_cols: int):
@@ -91,7 +85,7 @@ def _swiglu_kernel(x_ref, w_ref, out_ref, *, bm: int, bn: int, bk: int):
         x = _tile(x_ref, M, K, m0, k0, bm, bk)  # [bm, bk]
         gate = _tile(w_ref, K, N, k0, n0, bk, bn)  # [bk, bn], columns n0.. of the gate half
         up = _tile(w_ref, K, 2 * N, k0, N + n0, bk, bn)  # [bk, bn], the same columns of the up half
-        return gate_acc + _dot(x, gate), up_acc + _dot(x, up)
+        return gate_acc + common.dot(x, gate), up_acc + common.dot(x, up)
 
     zeros = jnp.zeros((bm, bn), jnp.float32)
     gate_acc, up_acc = jax.lax.fori_loop(0, pl.cdiv(K, bk), k_step, (zeros, zeros))
@@ -134,7 +128,6 @@ def swiglu_matmul(
         grid=(pl.cdiv(M, bm), pl.cdiv(N, bn)),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        cost_estimate=cost.swiglu_matmul(M, K, N, x_itemsize=w_gate_up.dtype.itemsize, w_itemsize=w_gate_up.dtype.itemsize,
-                                         out_itemsize=x.dtype.itemsize),
+        cost_estimate=common.cost_estimate(M, K, N, w_dtype=w_gate_up.dtype, out_dtype=x.dtype),
         name="swiglu_matmul",
     )(x.astype(w_gate_up.dtype), w_gate_up)  # as layers.matmul: the dot runs in the weight's dtype

@@ -50,9 +50,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.compat import patch_interpret_mode
-from pallas_kernels import cost
-from pallas_kernels.tpu_chip import compiler_params, mxu_columns
+from pallas_kernels.swiglu_matmul import common
 from pallas_kernels.swiglu_matmul.reference import check_inputs
+from pallas_kernels.tpu_chip import compiler_params, mxu_columns
 
 LANES = 128  # TPU vreg lane width: the minor dim of a block is a multiple of this, or the whole dim
 
@@ -69,12 +69,6 @@ def _largest_block(size: int, limit: int, multiple: int) -> int | None:
     return None
 
 
-def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a [m, k] @ b [k, n] with f32 accumulation; f32 inputs at full f32 precision."""
-    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
-
-
 def _swiglu_kernel(x_ref, gate_ref, up_ref, out_ref, gate_acc_ref, up_acc_ref):
     """x_ref [bm, bk], gate_ref / up_ref [bk, bn] (two windows on w_gate_up), out_ref [bm, bn],
     gate_acc_ref / up_acc_ref [bm, bn] f32."""
@@ -86,8 +80,8 @@ def _swiglu_kernel(x_ref, gate_ref, up_ref, out_ref, gate_acc_ref, up_acc_ref):
         up_acc_ref[...] = jnp.zeros_like(up_acc_ref)
 
     x = x_ref[...]  # [bm, bk]
-    gate_acc_ref[...] += _dot(x, gate_ref[...])  # [bm, bn]
-    up_acc_ref[...] += _dot(x, up_ref[...])  # [bm, bn]
+    gate_acc_ref[...] += common.dot(x, gate_ref[...])  # [bm, bn]
+    up_acc_ref[...] += common.dot(x, up_ref[...])  # [bm, bn]
 
     @pl.when(k_step == pl.num_programs(2) - 1)
     def _finalize():
@@ -140,8 +134,7 @@ def swiglu_matmul(
         ),
         compiler_params=compiler_params("parallel", "parallel", "arbitrary"),
         interpret=interpret,
-        cost_estimate=cost.swiglu_matmul(M, K, N, x_itemsize=x.dtype.itemsize, w_itemsize=w_gate_up.dtype.itemsize,
-                                         out_itemsize=jnp.dtype(out_dtype).itemsize),
+        cost_estimate=common.cost_estimate(M, K, N, w_dtype=w_gate_up.dtype, out_dtype=out_dtype),
         name="swiglu_matmul",
     )(x, w_gate_up, w_gate_up)
     return out[:M]
