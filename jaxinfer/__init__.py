@@ -14,6 +14,8 @@ import importlib
 _EXPORTS = {
     "LLM": "jaxinfer.llm",
     "LLMEngine": "jaxinfer.engine.engine",
+    "EngineConfig": "jaxinfer.engine.config",
+    "build_engine": "jaxinfer.engine.build",
     "SamplingParams": "jaxinfer.sampling_params",
     "BeamSearchParams": "jaxinfer.beam_search",
     "RequestOutput": "jaxinfer.outputs",

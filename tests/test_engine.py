@@ -302,6 +302,7 @@ def test_tpu_kernels_and_a_tpu_pool_swap_and_share_pages_like_the_reference(mode
     prompts, params = workload(8, seed=5)
     reference = alone(roomy, prompts, params)
     tpu = LLM(model_dir, num_pages=24, max_num_batched_tokens=32, preemption_mode="swap", attention_impl="pallas", **BASE)
+    assert tpu.engine_config.kernel_impl == "pallas" and tpu.kernels.platform == "tpu"  # the option's old name still works
     assert tpu.runner.kv.k.shape[-1] == 128
     assert together(tpu, prompts, params) == reference
     assert tpu.engine.get_stats().num_preemptions > 0

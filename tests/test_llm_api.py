@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.config import EngineConfig
 from tiny_models import save_hf_model
 
 ENGINE_ARGS = dict(max_model_len=96, page_size=4, num_pages=200, max_num_batched_tokens=32, max_num_seqs=8, progress=False)
@@ -243,3 +245,22 @@ def test_folder_converted_in_an_older_layout_is_named(tmp_path):
     (tmp_path / "jaxinfer.json").write_text(json.dumps({"format": "jaxinfer-orbax-v1"}))
     with pytest.raises(ValueError, match=r"converted in format 'jaxinfer-orbax-v1'.*run `jaxinfer convert`"):
         LLM(str(tmp_path), max_model_len=64, progress=False)
+
+
+def test_engine_config_is_checked_before_anything_loads_and_then_frozen():
+    for bad, message in ((dict(preemption_mode="later"), "preemption_mode='later'"),
+                         (dict(kernel_impl="triton"), "kernel_impl='triton'"),
+                         (dict(dtype="float64"), "dtype='float64'"),
+                         (dict(quantization="int3"), "quantization='int3'"),
+                         (dict(page_size=0), "page_size=0"),
+                         (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 9}), "num_speculative_tokens")):
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(**bad)
+        with pytest.raises(ValueError, match=message):
+            LLM("/no/such/model", **bad)  # the settings are wrong before the model is looked for
+    config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=16, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert config.max_num_seqs == 16 and config.speculative_config.spec_block == 4  # a sequence needs a token of the budget
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_num_seqs = 3
+    with pytest.raises(TypeError, match="max_num_sequences"):
+        LLM(max_num_sequences=4)  # a misspelt setting names itself

@@ -135,6 +135,22 @@ def test_kernel_impl_resolves_per_backend():
         resolve_kernels("triton", "cpu")
 
 
+def test_the_kernel_table_names_one_function_per_operation():
+    """Every platform fills every entry; the XLA table has no flash path; the TPU table stores
+    the pool in whole lanes and words. Tables compare by platform and interpret flag alone."""
+    entries = ("ragged_attention", "rope_kv_write", "quantized_matmul", "add_rms_norm", "swiglu_matmul",
+               "stored_kv_heads", "stored_head_dim")
+    for table in (Kernels(), Kernels("tpu", interpret=True), Kernels("gpu", interpret=True)):
+        assert all(callable(getattr(table, name)) for name in entries), table
+    assert Kernels().flash_attention is None and callable(Kernels("gpu", interpret=True).flash_attention)
+    assert (Kernels().stored_head_dim(64), Kernels("tpu", interpret=True).stored_head_dim(64)) == (64, 128)
+    assert Kernels("tpu", interpret=True).stored_kv_heads(3, jnp.bfloat16) == 4  # whole 32-bit words of heads
+    assert Kernels("gpu", interpret=True).stored_kv_heads(3, jnp.bfloat16) == 3
+    assert Kernels("tpu", interpret=True) == resolve_kernels("pallas", "cpu") and len({Kernels(), Kernels()}) == 1
+    with pytest.raises(ValueError, match="platform='cuda'"):
+        Kernels("cuda")
+
+
 def test_tpu_pools_with_padded_lanes_match_the_reference(tmp_path_factory):
     """head_dim 16 (like SmolLM2's 64, under a TPU lane row): the TPU pools store 128 lanes
     (kv_cache.pool_head_dim), RoPE and the write run in XLA, the attention kernel reads padded rows."""
