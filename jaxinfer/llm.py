@@ -124,6 +124,10 @@ class LLM:
         return self.engine_config.speculative_config
 
     @property
+    def quantization(self) -> str | None:
+        return self.engine_config.quantization
+
+    @property
     def kernels(self):
         return self.engine_config.kernels
 
