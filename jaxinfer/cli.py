@@ -85,7 +85,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
-def _llm(args):
+def _llm(args, **extra):
     from jaxinfer import LLM
 
     return LLM(
@@ -95,7 +95,7 @@ def _llm(args):
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         sequence_parallel_size=args.sequence_parallel_size, expert_parallel_size=args.expert_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, sequence_parallel_attention=args.sequence_parallel_attention,
-        speculative_config=args.speculative_config, progress=_is_main_process(),
+        speculative_config=args.speculative_config, progress=_is_main_process(), **extra,
     )
 
 
@@ -185,6 +185,32 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import contextlib
+    import signal
+
+    import uvicorn  # the serve extra
+
+    from jaxinfer.server.app import build_app
+
+    if args.model_path is not None:
+        args.model = args.model_path
+    llm = _llm(args, warmup=args.warmup)
+    app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
+                    request_timeout=args.request_timeout)
+    print(f"jaxinfer: serving {app.state.model_name!r} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    # SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for shutdown_timeout seconds,
+    # then cancel them (each aborts its request); the engine thread stops with the app; exit 0.
+    # (Our handlers, not uvicorn's: uvicorn re-raises the signal after its shutdown, exiting -15.)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    server.capture_signals = contextlib.nullcontext
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+    server.run()
+    return 0
+
+
 def cmd_convert(args) -> int:
     from jaxinfer.engine.config import dtype_of
     from jaxinfer.runtime.loading import load_params, read_config, resolve_model, save_converted
@@ -254,6 +280,20 @@ def main(argv=None) -> int:
     _add_model_args(c)
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("serve", help="serve the OpenAI API over HTTP (needs the serve extra: pip install 'jaxinfer[serve]')")
+    s.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="the model (or --model)")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the model folder's)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 routes")
+    s.add_argument("--max-queue", type=int, default=None, help="requests waiting for a slot beyond which new ones get 429")
+    s.add_argument("--request-timeout", type=float, default=None, help="seconds a request may take (504 past it)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds in-flight requests get to finish before they are aborted")
+    s.add_argument("--warmup", action="store_true", help="compile every shape bucket before accepting requests")
+    s.set_defaults(func=cmd_serve)
 
     v = sub.add_parser("convert", help="convert an HF folder or GGUF file to a jaxinfer (orbax) folder")
     v.add_argument("src")

@@ -5,6 +5,7 @@
     jaxinfer.models                              the model: ops, config, tree utilities
     jaxinfer.runtime                             the step, placement, loading
     jaxinfer.engine                              the host side
+    jaxinfer.llm, jaxinfer.server, jaxinfer.cli  the APIs users call
 and no two modules import each other, however indirectly.
 """
 
@@ -74,7 +75,8 @@ def test_each_layer_imports_only_the_layers_below_it():
         "jaxinfer.ops": ("jaxinfer.models", "jaxinfer.runtime", "jaxinfer.engine", "jaxinfer.llm", "jaxinfer.aot"),
         "jaxinfer.models": ("jaxinfer.runtime", "jaxinfer.engine", "jaxinfer.llm", "jaxinfer.aot", "jaxinfer.training"),
         "jaxinfer.runtime": ("jaxinfer.engine", "jaxinfer.llm", "jaxinfer.aot", "jaxinfer.training"),
-        "jaxinfer.engine": ("jaxinfer.llm", "jaxinfer.aot", "jaxinfer.training", "jaxinfer.cli"),
+        "jaxinfer.engine": ("jaxinfer.llm", "jaxinfer.aot", "jaxinfer.training", "jaxinfer.cli", "jaxinfer.server"),
+        "jaxinfer.llm": ("jaxinfer.server", "jaxinfer.cli"),
         "jaxinfer.config": ("jaxinfer.",),
         "jaxinfer.tree": ("jaxinfer.",),
     }

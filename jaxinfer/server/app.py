@@ -1,0 +1,267 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an `AsyncEngine`.
+
+    jaxinfer serve ./model --port 8000 --api-key secret --max-queue 256
+    curl localhost:8000/v1/chat/completions -H 'Authorization: Bearer secret' \\
+         -d '{"model": "model", "messages": [{"role": "user", "content": "Hi"}]}'
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent
+events, "data: [DONE]" last), GET /v1/models, GET /health, POST /tokenize, POST /detokenize,
+GET /metrics (Prometheus). With an API key every /v1 route wants `Authorization: Bearer <key>`
+(401 otherwise). Errors are OpenAI's JSON: 400 naming the field at fault, 401, 404, 429 with
+Retry-After past --max-queue, 500 when the engine step holding the request failed, 504 past
+--request-timeout. A client that disconnects aborts its request, which frees its pages at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jaxinfer.llm import LLM
+from jaxinfer.outputs import RequestOutput
+from jaxinfer.server import protocol
+from jaxinfer.server.async_engine import AsyncEngine, EngineFailed
+from jaxinfer.server.metrics import ServerMetrics
+from jaxinfer.server.protocol import ApiError, Parsed
+
+
+def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | None = None,
+              max_queue: int | None = None, request_timeout: float | None = None) -> FastAPI:
+    """The app serving `llm`; its engine thread starts and stops with the app's lifespan."""
+    model_name = served_model_name or (str(llm.source.path.name) if llm.source else "jaxinfer")
+    metrics = ServerMetrics(llm.engine)
+    engine = AsyncEngine(llm.engine, max_queue=max_queue, on_finished=metrics.observe)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="jaxinfer", lifespan=lifespan)
+    app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, model_name
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                return _error(ApiError("invalid or missing API key (Authorization: Bearer <key>)", status=401,
+                                       type="authentication_error"))
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return _error(e)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "jaxinfer", "max_model_len": llm.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _json(request)
+        if "messages" in body:
+            ids = llm.chat_prompt(body["messages"])["prompt_token_ids"]
+        elif isinstance(body.get("prompt"), str):
+            ids = llm.tokenizer.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
+        else:
+            raise ApiError("give 'prompt' (a string) or 'messages'", param="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _json(request)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise ApiError("'tokens' must be an array of token ids", param="tokens")
+        bad = [t for t in tokens if not 0 <= t < llm.config.vocab_size]
+        if bad:
+            raise ApiError(f"token id {bad[0]} is outside the vocabulary [0, {llm.config.vocab_size})", param="tokens")
+        return {"prompt": llm.tokenizer.decode(tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        parsed = protocol.parse_completion(await _json(request))
+        _check_model(parsed, model_name)
+        request_id = protocol.new_id("cmpl")
+        streams = [engine.generate(p, parsed.params, request_id=f"{request_id}-{i}", timeout=request_timeout)
+                   for i, p in enumerate(parsed.prompts)]
+        if parsed.stream:
+            return _sse(_completion_chunks(request_id, model_name, parsed, streams))
+        outputs = await _until_done(request, [_last(s) for s in streams])
+        return protocol.completion_response(request_id, model_name, outputs, parsed)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        parsed = protocol.parse_chat(await _json(request))
+        _check_model(parsed, model_name)
+        try:
+            prompt = llm.chat_prompt(parsed.prompts[0])
+        except Exception as e:  # noqa: BLE001 - the template rejected the conversation
+            raise ApiError(f"messages: the chat template failed: {e}", param="messages") from None
+        request_id = protocol.new_id("chatcmpl")
+        stream = engine.generate(prompt, parsed.params, request_id=request_id, timeout=request_timeout)
+        if parsed.stream:
+            return _sse(_chat_chunks(request_id, model_name, parsed, stream))
+        [out] = await _until_done(request, [_last(stream)])
+        return protocol.chat_response(request_id, model_name, out, parsed)
+
+    return app
+
+
+# ----------------------------------------------------------------------------- helpers
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _json(request: Request):
+    try:
+        return json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(f"the request body is not valid JSON: {e}") from None
+
+
+def _check_model(parsed: Parsed, model_name: str) -> None:
+    if parsed.model is not None and parsed.model != model_name:
+        raise ApiError(f"model {parsed.model!r} is not served here; this server serves {model_name!r}", status=404,
+                       param="model", type="not_found_error")
+
+
+async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    out = None
+    async for out in stream:
+        pass
+    return out
+
+
+async def _until_done(request: Request, waits: list) -> list[RequestOutput]:
+    """Awaits every request's final output; a client that disconnects cancels them (aborting
+    each, freeing its pages). An engine failure is a 500."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        while not all(t.done() for t in tasks):
+            await asyncio.wait(tasks, timeout=0.1, return_when=asyncio.ALL_COMPLETED)
+            if not all(t.done() for t in tasks) and await request.is_disconnected():
+                raise asyncio.CancelledError
+        return [t.result() for t in tasks]
+    except EngineFailed as e:
+        raise ApiError(f"the engine failed on this request: {e}", status=500, type="server_error") from None
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def events():
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except ApiError as e:  # after the headers went out: the error travels as an event
+            yield f"data: {json.dumps(e.body())}\n\n"
+        except EngineFailed as e:
+            yield f"data: {json.dumps(ApiError(str(e), status=500, type='server_error').body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several requests' streams as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except Exception as e:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((i, e))
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _completion_chunks(request_id: str, model: str, parsed: Parsed, streams) -> AsyncIterator[dict]:
+    n, created = parsed.params.n, int(time.time())
+    sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, completion) -> (chars, tokens) sent
+    finals, done = {}, set()
+    async for i, out in _merged(streams):
+        for c in out.outputs:
+            if (i, c.index) in done:
+                continue
+            chars, tokens = sent.get((i, c.index), (0, 0))
+            prefix = (out.prompt or "") if parsed.echo and (i, c.index) not in sent else ""
+            delta = c.text[chars:]
+            if not (prefix or delta or c.finish_reason):
+                continue
+            lp = None
+            if parsed.params.logprobs is not None:
+                lp = protocol.completion_logprobs((c.logprobs or [])[tokens:], c.token_ids[tokens:], parsed.params.logprobs, chars)
+            sent[(i, c.index)] = (len(c.text), len(c.token_ids))
+            if c.finish_reason:
+                done.add((i, c.index))
+            yield {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                   "choices": [{"index": i * n + c.index, "text": prefix + delta, "logprobs": lp,
+                                "finish_reason": c.finish_reason}]}
+        if out.finished:
+            finals[i] = out
+    if parsed.include_usage:
+        yield {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [],
+               "usage": protocol.usage(list(finals.values()))}
+
+
+async def _chat_chunks(request_id: str, model: str, parsed: Parsed, stream) -> AsyncIterator[dict]:
+    created, sent, done, final = int(time.time()), {}, set(), None
+    chunk = lambda choice: {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,  # noqa: E731
+                            "choices": [choice]}
+    async for out in stream:
+        for c in out.outputs:
+            if c.index in done:
+                continue
+            if c.index not in sent:
+                yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+                sent[c.index] = (0, 0)
+            chars, tokens = sent[c.index]
+            delta = c.text[chars:]
+            if not (delta or c.finish_reason):
+                continue
+            lp = None
+            if parsed.params.logprobs is not None:
+                lp = protocol.chat_logprobs((c.logprobs or [])[tokens:], c.token_ids[tokens:], parsed.params.logprobs)
+            sent[c.index] = (len(c.text), len(c.token_ids))
+            if c.finish_reason:
+                done.add(c.index)
+            yield chunk({"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                         "finish_reason": c.finish_reason})
+        final = out
+    if parsed.include_usage and final is not None:
+        yield {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+               "usage": protocol.usage([final])}

@@ -1,0 +1,76 @@
+"""Prometheus metrics of the server (`GET /metrics`), vLLM's names with a `jaxinfer:` prefix.
+
+Latency histograms are observed as each request finishes, from its `RequestMetrics`: time to
+first token, mean inter-token latency (per generated token), end to end, and queue time
+(arrival to first scheduled step). Gauges and counters are read from the engine's stats when
+scraped: running / waiting / swapped requests, KV cache usage, prefix cache hit rate,
+preemptions, speculative acceptance, compiles, tokens.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxinfer.engine.engine import LLMEngine
+from jaxinfer.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+
+
+class ServerMetrics:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.registry = CollectorRegistry()
+        hist = lambda name, doc: Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)  # noqa: E731
+        self.ttft = hist("jaxinfer:time_to_first_token_seconds", "Arrival to first generated token")
+        self.itl = hist("jaxinfer:inter_token_latency_seconds", "Mean gap between a request's generated tokens")
+        self.e2e = hist("jaxinfer:e2e_request_latency_seconds", "Arrival to finish")
+        self.queue = hist("jaxinfer:request_queue_time_seconds", "Arrival to the first step that scheduled it")
+        self.registry.register(_EngineCollector(engine))
+
+    def observe(self, out: RequestOutput) -> None:
+        """A finished request's latencies."""
+        m = out.metrics
+        if m is None:
+            return
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        if m.tpot is not None:
+            self.itl.observe(m.tpot)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Reads the engine's stats at scrape time."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.get_stats()
+        swapped = sum(seq.swapped is not None for r in self.engine.replicas for seq in list(r.scheduler.waiting))
+        for name, doc, value in (
+            ("num_requests_running", "Sequences in the running batch", s.num_running),
+            ("num_requests_waiting", "Sequences waiting for a slot", s.num_waiting),
+            ("num_requests_swapped", "Waiting sequences whose KV pages sit in host memory", swapped),
+            ("kv_cache_usage_perc", "Fraction of KV pages held by sequences", s.kv_cache_usage),
+            ("prefix_cache_hit_rate", "Cached prefix pages found / pages looked up", s.prefix_cache_hit_rate),
+            ("spec_decode_acceptance_rate", "Accepted / drafted speculative tokens", s.acceptance_rate),
+        ):
+            yield GaugeMetricFamily(f"jaxinfer:{name}", doc, value=value)
+        for name, doc, value in (
+            ("num_preemptions", "Sequences preempted", s.num_preemptions),
+            ("num_compiles", "Step variants compiled", s.num_compiles),
+            ("generation_tokens", "Tokens generated", s.num_generated_tokens),
+            ("prompt_tokens_computed", "Prompt tokens computed in prefill chunks", s.num_prompt_tokens_computed),
+            ("spec_decode_num_draft_tokens", "Speculative tokens drafted", s.num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Speculative tokens accepted", s.num_accepted_tokens),
+        ):
+            yield CounterMetricFamily(f"jaxinfer:{name}", doc, value=value)

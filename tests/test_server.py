@@ -1,0 +1,258 @@
+"""The OpenAI-compatible server over real sockets on 127.0.0.1, driven by the `openai` client and
+raw HTTP: completions and chat, streaming and not, n, logprobs, stops, usage, concurrency,
+disconnects, bad requests, auth, the queue limit, and SIGTERM draining a real `jaxinfer serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from jaxinfer import LLM
+from jaxinfer.server.app import build_app
+from tiny_models import save_hf_model
+
+SETTINGS = dict(max_model_len=128, page_size=4, num_pages=256, max_num_batched_tokens=32, max_num_seqs=16, progress=False)
+KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("server-model")
+    save_hf_model("llama3.2", directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    """(base URL, app) of a server in this process, on a free port."""
+    llm = LLM(model_dir, **SETTINGS)
+    app = build_app(llm, served_model_name="tiny", api_key=KEY)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}", app
+    srv.should_exit = True
+    thread.join(timeout=20)
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def post(server, path, body, key=KEY, raw=None):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server[0] + path, content=raw if raw is not None else json.dumps(body), headers=headers, timeout=60)
+
+
+def engine_idle(app, seconds=10.0) -> bool:
+    """Waits until no request is left and every page is free again."""
+    engine = app.state.engine.engine
+    for _ in range(int(seconds / 0.05)):
+        bm = engine.block_manager
+        if not engine.has_unfinished_requests() and bm.num_free_pages == bm.num_usable_pages and not bm.seqs:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_completions_streamed_equal_not_streamed_with_usage(client):
+    kwargs = dict(model="tiny", prompt="Hello there", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    assert whole.object == "text_completion" and whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 12 and whole.usage.prompt_tokens > 0
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_streamed_equal_not_streamed_n_and_logprobs(client):
+    messages = [{"role": "user", "content": "Say something"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0, logprobs=True,
+                                           top_logprobs=3, extra_body={"ignore_eos": True})
+    choice = whole.choices[0]
+    assert choice.message.role == "assistant" and whole.usage.completion_tokens == 10
+    assert len(choice.logprobs.content) == 10 and all(len(t.top_logprobs) == 3 for t in choice.logprobs.content)
+    assert all(t.logprob <= 0 for t in choice.logprobs.content)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == choice.message.content
+    several = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, n=3, temperature=1.0, seed=5)
+    assert sorted(c.index for c in several.choices) == [0, 1, 2]
+
+
+def test_stop_strings_and_echo(client):
+    sampled = dict(model="tiny", prompt="abc", max_tokens=24, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    base = client.completions.create(**sampled)  # seeded: the same text again below, up to the stop
+    text = base.choices[0].text
+    at = next(i for i in range(1, len(text)) if text.find(text[i : i + 2]) == i)  # a pair first seen past the start
+    stop = text[at : at + 2]
+    stopped = client.completions.create(**sampled, stop=[stop])
+    assert stopped.choices[0].text == text[:at] and stopped.choices[0].finish_reason == "stop"
+    echoed = client.completions.create(model="tiny", prompt="abc", max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith("abc")
+
+
+def test_models_health_tokenize_detokenize(server, client):
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert httpx.get(server[0] + "/health").status_code == 200
+    tokens = post(server, "/tokenize", {"prompt": "hi there"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 128
+    assert post(server, "/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"].endswith("hi there")
+
+
+def test_sixty_four_concurrent_clients_get_what_each_gets_alone(server, client):
+    prompts = [f"prompt number {i}" for i in range(64)]
+    alone = {p: client.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0).choices[0].text
+             for p in prompts[:4]}
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        outs = await asyncio.gather(*(aclient.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0)
+                                      for p in prompts))
+        await aclient.close()
+        return outs
+
+    outs = asyncio.run(run())
+    assert all(o.choices[0].finish_reason in ("length", "stop") for o in outs)
+    assert {p: o.choices[0].text for p, o in zip(prompts, outs) if p in alone} == alone
+    assert engine_idle(server[1])
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
+    body = {"model": "tiny", "prompt": "stream me", "max_tokens": 100, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server[0] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk arrived: the request holds pages now; leave
+    assert engine_idle(server[1])
+    assert server[1].state.engine.engine.get_stats().num_running == 0
+
+
+@pytest.mark.parametrize("body, raw, status, names", [
+    (None, b"{not json", 400, "not valid JSON"),
+    ({"model": "tiny", "prompt": "x", "temperature": "hot"}, None, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "frobnicate": 1}, None, 400, "frobnicate"),
+    ({"model": "tiny", "prompt": "x", "temperature": -1}, None, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x" * 400}, None, 400, "max_model_len"),
+    ({"model": "tiny", "prompt": [[1, 2], "x"]}, None, 400, "prompt"),
+    ({"model": "tiny"}, None, 400, "prompt"),
+    ({"model": "other", "prompt": "x"}, None, 404, "other"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 50}, None, 400, "max_logprobs"),
+])
+def test_bad_requests_get_openai_errors_naming_the_field(server, body, raw, status, names):
+    response = post(server, "/v1/completions", body, raw=raw)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert names in error["message"] and error["code"] == status
+
+
+def test_bad_chat_requests_and_the_server_keeps_serving(server, client):
+    assert post(server, "/v1/chat/completions", {"model": "tiny", "messages": []}).status_code == 400
+    assert post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 3}]}).status_code == 400
+    assert post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                  "top_logprobs": 2}).json()["error"]["param"] == "top_logprobs"
+    assert client.completions.create(model="tiny", prompt="still fine", max_tokens=2).choices[0].finish_reason
+    assert engine_idle(server[1])
+
+
+def test_an_api_key_is_required_on_v1_routes(server):
+    assert post(server, "/v1/completions", {"model": "tiny", "prompt": "x"}, key=None).status_code == 401
+    assert post(server, "/v1/completions", {"model": "tiny", "prompt": "x"}, key="wrong").status_code == 401
+    assert httpx.get(server[0] + "/v1/models").status_code == 401
+    assert httpx.get(server[0] + "/health").status_code == 200
+
+
+def test_past_the_queue_limit_requests_get_429_with_retry_after(server):
+    engine = server[1].state.engine
+    engine.max_queue = 0  # every new request finds the queue full
+    try:
+        response = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2})
+    finally:
+        engine.max_queue = None
+    assert response.status_code == 429 and response.headers["retry-after"] == "1"
+    assert response.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_metrics_report_latencies_and_engine_state(server, client):
+    client.completions.create(model="tiny", prompt="measure me", max_tokens=3)
+    text = httpx.get(server[0] + "/metrics").text
+    for name in ("jaxinfer:time_to_first_token_seconds_count", "jaxinfer:e2e_request_latency_seconds_count",
+                 "jaxinfer:inter_token_latency_seconds", "jaxinfer:request_queue_time_seconds", "jaxinfer:num_requests_running",
+                 "jaxinfer:num_requests_waiting", "jaxinfer:num_requests_swapped", "jaxinfer:kv_cache_usage_perc",
+                 "jaxinfer:prefix_cache_hit_rate", "jaxinfer:num_preemptions_total", "jaxinfer:num_compiles_total",
+                 "jaxinfer:spec_decode_acceptance_rate"):
+        assert name in text, name
+    count = next(line for line in text.splitlines() if line.startswith("jaxinfer:e2e_request_latency_seconds_count"))
+    assert float(count.split()[-1]) >= 1
+
+
+def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(model_dir, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JAXINFER_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from jaxinfer.cli import main; raise SystemExit(main())", "serve", model_dir, "--port", str(port), "--max-model-len", "128",
+         "--page-size", "4", "--num-pages", "64", "--max-num-batched-tokens", "32", "--shutdown-timeout", "60"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(1200):  # start-up, bounded (60 s)
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        body = {"model": os.path.basename(model_dir), "prompt": "drain", "max_tokens": 48, "temperature": 0,
+                "stream": True, "ignore_eos": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        proc.send_signal(signal.SIGTERM)  # mid-request
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"  # it ran to its end
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_an_engine_failure_fails_its_requests_with_500_and_the_server_goes_on(server, client):
+    runner = server[1].state.engine.engine.runner
+    real = runner.dispatch
+
+    def broken(*args, **kwargs):  # the next step fails once
+        runner.dispatch = real
+        raise RuntimeError("injected failure")
+
+    runner.dispatch = broken
+    response = post(server, "/v1/completions", {"model": "tiny", "prompt": "doomed", "max_tokens": 3})
+    assert response.status_code == 500 and "injected failure" in response.json()["error"]["message"]
+    assert client.completions.create(model="tiny", prompt="next one", max_tokens=3).usage.completion_tokens == 3
+    assert engine_idle(server[1])
