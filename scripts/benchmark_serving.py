@@ -16,7 +16,8 @@ targets are accepted.
 
 --start-servers starts both servers on the same GGUF (the default model, or --model): `jaxinfer
 serve` (with --warmup, so no run pays compiles) and llama-cpp-python's OpenAI server
-(`python -m llama_cpp.server`, 2 threads), one after the other, each alone on the machine while
+(`python -m llama_cpp.server`, 2 threads, requests queued rather than interrupting each other:
+it serves one at a time), one after the other, each alone on the machine while
 measured. Workloads: --workload (default: the shared CPU workload) or --chat-style (the same
 requests with short outputs: max_tokens 16-48, as a chat front end sends).
 """
@@ -153,8 +154,9 @@ def start_server(system: str, model: str, port: int, args) -> subprocess.Popen:
                "--max-num-batched-tokens", "512", "--served-model-name", "model", "--warmup"]
         health = "/health"
     else:
+        # --interrupt_requests False: queue concurrent requests (by default a new request cuts off the one streaming)
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--port", str(port), "--n_threads", "2",
-               "--n_ctx", "2048", "--model_alias", "model"]
+               "--n_ctx", "2048", "--model_alias", "model", "--interrupt_requests", "False"]
         health = "/v1/models"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_healthy(f"http://127.0.0.1:{port}", proc, 900, health)
