@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxinfer.ops.attention import kv_write_locations, write_kv_and_attend

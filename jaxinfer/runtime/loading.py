@@ -22,7 +22,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 import checkpoints_conv
