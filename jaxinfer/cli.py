@@ -1,4 +1,4 @@
-"""`jaxinfer generate | chat | convert | aot`.
+"""`jaxinfer generate | chat | serve | convert | aot`.
 
 Parallel runs: `--tensor-parallel-size/-tp`, `--data-parallel-size/-dp`,
 `--sequence-parallel-size/-sp`, `--expert-parallel-size/-ep` (or `--enable-expert-parallel`)
@@ -6,7 +6,8 @@ lay the model out on a mesh of every process's devices. On several hosts every p
 same command with `--coordinator HOST:PORT --num-processes N --process-id I` (or the
 JAXINFER_COORDINATOR / JAXINFER_NUM_PROCESSES / JAXINFER_PROCESS_ID environment, which
 `scripts/launch_multihost.py` sets), or `--multihost` alone where JAX finds the hosts itself
-(TPU VMs, SLURM). Only process 0 prints.
+(TPU VMs, SLURM). Only process 0 prints; `serve` listens for HTTP on process 0 alone, the other
+processes replaying its requests step by step (jaxinfer.server.lockstep).
 """
 
 from __future__ import annotations
@@ -189,15 +190,24 @@ def cmd_serve(args) -> int:
     import contextlib
     import signal
 
+    import jax
     import uvicorn  # the serve extra
 
     from jaxinfer.server.app import build_app
+    from jaxinfer.server.lockstep import Publisher, follow
 
     if args.model_path is not None:
         args.model = args.model_path
     llm = _llm(args, warmup=args.warmup)
+    if not _is_main_process():  # process 0 serves HTTP; this one replays its requests and steps with it
+        n = follow(llm.engine, grace_s=args.shutdown_timeout + 30)
+        stats = llm.engine.get_stats()
+        print(f"jaxinfer: process {jax.process_index()} stopped after {n} iterations with process 0; "
+              f"unfinished requests {stats.num_running + stats.num_waiting}, KV cache usage {stats.kv_cache_usage:.0%}",
+              file=sys.stderr, flush=True)
+        return 0
     app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
-                    request_timeout=args.request_timeout)
+                    request_timeout=args.request_timeout, publisher=Publisher() if jax.process_count() > 1 else None)
     print(f"jaxinfer: serving {app.state.model_name!r} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     # SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for shutdown_timeout seconds,
     # then cancel them (each aborts its request); the engine thread stops with the app; exit 0.

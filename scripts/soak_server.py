@@ -5,7 +5,8 @@
 
 Starts `jaxinfer serve` on the default model (or --model) on loopback, then streams requests from
 the shared workload at Poisson --rate for --minutes; a fraction --disconnect of them hang up
-after a few chunks (the server must abort them and free their pages). Every --sample seconds it
+after a few chunks, and a fraction --abort send a non-streamed request and give up waiting after
+0.5-5 s (the server must notice either, abort the request and free its pages). Every --sample seconds it
 records the server's resident memory (psutil) and its /metrics gauges. At the end, with the load
 stopped, every KV page must be free and no request running or waiting; it prints the RSS curve
 (and --plot draws it) and the count of errors other than the disconnects it provoked.
@@ -63,9 +64,24 @@ async def request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: 
         stats["errors"].append(f"{type(e).__name__}: {e}")
 
 
+async def give_up(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, patience: float, stats: dict):
+    """A non-streamed request whose client stops waiting after `patience` seconds (or gets its answer)."""
+    body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    try:
+        response = await client.post(url + "/v1/completions", json=body, timeout=patience)
+        if response.status_code != 200:
+            stats["errors"].append(f"HTTP {response.status_code}")
+        else:
+            stats["completed"] += 1
+    except httpx.TimeoutException:
+        stats["aborts"] += 1
+    except httpx.HTTPError as e:
+        stats["errors"].append(f"{type(e).__name__}: {e}")
+
+
 async def load(url: str, args, requests: list[dict], proc: psutil.Process, samples: list) -> dict:
     rng = random.Random(args.seed)
-    stats = {"completed": 0, "disconnects": 0, "errors": []}
+    stats = {"completed": 0, "disconnects": 0, "aborts": 0, "errors": []}
     end = time.perf_counter() + 60 * args.minutes
     next_sample = time.perf_counter()
     tasks = set()
@@ -73,7 +89,11 @@ async def load(url: str, args, requests: list[dict], proc: psutil.Process, sampl
         while time.perf_counter() < end:
             req = rng.choice(requests)
             hang_up = rng.randint(1, 8) if rng.random() < args.disconnect else None
-            task = asyncio.ensure_future(request(client, url, req["prompt_text"], req["max_new_tokens"], hang_up, stats))
+            if hang_up is None and rng.random() < args.abort / max(1e-9, 1 - args.disconnect):
+                job = give_up(client, url, req["prompt_text"], req["max_new_tokens"], rng.uniform(0.5, 5.0), stats)
+            else:
+                job = request(client, url, req["prompt_text"], req["max_new_tokens"], hang_up, stats)
+            task = asyncio.ensure_future(job)
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             if time.perf_counter() >= next_sample:
@@ -81,7 +101,8 @@ async def load(url: str, args, requests: list[dict], proc: psutil.Process, sampl
                 samples.append((time.perf_counter() - (end - 60 * args.minutes), proc.memory_info().rss / 2**20,
                                 g.get("num_requests_running", 0), g.get("kv_cache_usage_perc", 0)))
                 print(f"t={samples[-1][0]:6.0f} s  RSS {samples[-1][1]:7.0f} MiB  running {samples[-1][2]:3.0f}  "
-                      f"KV {100 * samples[-1][3]:5.1f}%  completed {stats['completed']}  disconnects {stats['disconnects']}",
+                      f"KV {100 * samples[-1][3]:5.1f}%  completed {stats['completed']}  disconnects {stats['disconnects']}  "
+                      f"aborts {stats['aborts']}",
                       file=sys.stderr, flush=True)
                 next_sample += args.sample
             await asyncio.sleep(rng.expovariate(args.rate))
@@ -97,6 +118,7 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=10)
     p.add_argument("--rate", type=float, default=1.5, help="requests/s (near saturation for SmolLM2 on 2 cores)")
     p.add_argument("--disconnect", type=float, default=0.2, help="fraction of requests that hang up mid-stream")
+    p.add_argument("--abort", type=float, default=0.1, help="fraction of non-streamed requests whose client gives up")
     p.add_argument("--sample", type=float, default=15, help="seconds between RSS / gauge samples")
     p.add_argument("--max-rss-growth-mib", type=float, default=200)
     p.add_argument("--seed", type=int, default=0)
@@ -128,14 +150,15 @@ def main() -> int:
         server.terminate()
         server.wait(timeout=120)
 
-    print(f"## soak: {args.minutes:g} min at {args.rate:g} req/s, {100 * args.disconnect:.0f}% hang up mid-stream\n")
+    print(f"## soak: {args.minutes:g} min at {args.rate:g} req/s, {100 * args.disconnect:.0f}% hang up mid-stream, "
+          f"{100 * args.abort:.0f}% give up on a non-streamed request\n")
     print("| t s | RSS MiB | running | KV usage |")
     print("|---|---|---|---|")
     for t, rss, running, kv in samples:
         print(f"| {t:.0f} | {rss:.0f} | {running:.0f} | {100 * kv:.1f}% |")
     leaked = final.get("kv_cache_usage_perc", 1) > 0 or final.get("num_requests_running", 1) or final.get("num_requests_waiting", 1)
     growth = samples[-1][1] - samples[min(1, len(samples) - 1)][1] if samples else 0.0
-    print(f"\ncompleted {stats['completed']}, disconnects {stats['disconnects']}, other errors {len(stats['errors'])}; "
+    print(f"\ncompleted {stats['completed']}, disconnects {stats['disconnects']}, aborts {stats['aborts']}, other errors {len(stats['errors'])}; "
           f"at the end: KV usage {100 * final.get('kv_cache_usage_perc', 0):.1f}%, running "
           f"{final.get('num_requests_running', 0):.0f}, waiting {final.get('num_requests_waiting', 0):.0f}; "
           f"RSS growth after warm-up {growth:+.0f} MiB")

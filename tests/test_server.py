@@ -150,6 +150,26 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
     assert server[1].state.engine.engine.get_stats().num_running == 0
 
 
+def test_a_client_that_leaves_a_non_streamed_request_frees_its_pages(server):
+    engine = server[1].state.engine.engine
+    runner, real = engine.runner, engine.runner.dispatch
+
+    def slow(*args, **kwargs):  # 60 tokens take over 3 s: the client leaves long before the end
+        time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    runner.dispatch = slow
+    generated = engine.get_stats().num_generated_tokens
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            post_body = {"model": "tiny", "prompt": "wait for me", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+            httpx.post(server[0] + "/v1/completions", json=post_body, headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0)
+        assert engine_idle(server[1], seconds=2.0)  # noticed within the handler's 0.1 s poll, then aborted
+    finally:
+        runner.dispatch = real
+    assert engine.get_stats().num_generated_tokens - generated < 60
+
+
 @pytest.mark.parametrize("body, raw, status, names", [
     (None, b"{not json", 400, "not valid JSON"),
     ({"model": "tiny", "prompt": "x", "temperature": "hot"}, None, 400, "temperature"),
@@ -254,5 +274,6 @@ def test_an_engine_failure_fails_its_requests_with_500_and_the_server_goes_on(se
     runner.dispatch = broken
     response = post(server, "/v1/completions", {"model": "tiny", "prompt": "doomed", "max_tokens": 3})
     assert response.status_code == 500 and "injected failure" in response.json()["error"]["message"]
-    assert client.completions.create(model="tiny", prompt="next one", max_tokens=3).usage.completion_tokens == 3
+    next_one = client.completions.create(model="tiny", prompt="next one", max_tokens=3, extra_body={"ignore_eos": True})
+    assert next_one.usage.completion_tokens == 3
     assert engine_idle(server[1])

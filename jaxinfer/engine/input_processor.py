@@ -32,8 +32,9 @@ class InputProcessor:
         self._lock = threading.Lock()  # requests may come from several threads
 
     def make_request(self, request_id: str | None, prompt, params: SamplingParams | None = None, *, priority: int = 0,
-                     arrival_time: float | None = None) -> Request:
-        """A checked Request (one Sequence, for its prompt); ValueError naming it if it cannot run."""
+                     arrival_time: float | None = None, seed: int | None = None) -> Request:
+        """A checked Request (one Sequence, for its prompt); ValueError naming it if it cannot run.
+        Its seed: `seed` if given (another process's request, replayed), else params.seed, else drawn."""
         params = params or SamplingParams()
         with self._lock:
             counter = next(self._ids)
@@ -41,9 +42,9 @@ class InputProcessor:
         label = f"request {request_id!r}"
         text, ids = self.tokenize(prompt, label)
         self.validate(ids, params, label)
-        if params.seed is not None:
+        if seed is None and params.seed is not None:
             seed = params.seed
-        else:
+        elif seed is None:
             with self._lock:
                 seed = int(self._seed_rng.integers(0, 2**31))
         max_model_len = self.config.max_model_len

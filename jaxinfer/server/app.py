@@ -20,23 +20,26 @@ import json
 import time
 from typing import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxinfer.llm import LLM
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.server import protocol
 from jaxinfer.server.async_engine import AsyncEngine, EngineFailed
+from jaxinfer.server.lockstep import Publisher
 from jaxinfer.server.metrics import ServerMetrics
 from jaxinfer.server.protocol import ApiError, Parsed
 
 
 def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_queue: int | None = None, request_timeout: float | None = None) -> FastAPI:
-    """The app serving `llm`; its engine thread starts and stops with the app's lifespan."""
+              max_queue: int | None = None, request_timeout: float | None = None,
+              publisher: Publisher | None = None) -> FastAPI:
+    """The app serving `llm`; its engine thread starts and stops with the app's lifespan. On
+    several processes this is process 0's, and `publisher` feeds the others (server.lockstep)."""
     model_name = served_model_name or (str(llm.source.path.name) if llm.source else "jaxinfer")
     metrics = ServerMetrics(llm.engine)
-    engine = AsyncEngine(llm.engine, max_queue=max_queue, on_finished=metrics.observe)
+    engine = AsyncEngine(llm.engine, max_queue=max_queue, on_finished=metrics.observe, publisher=publisher)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -47,13 +50,11 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
     app = FastAPI(title="jaxinfer", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, model_name
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return _error(ApiError("invalid or missing API key (Authorization: Bearer <key>)", status=401,
-                                       type="authentication_error"))
-        return await call_next(request)
+    async def check_api_key(request: Request):
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise ApiError("invalid or missing API key (Authorization: Bearer <key>)", status=401, type="authentication_error")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])  # every /v1 route wants the key
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -63,7 +64,7 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
     async def health():
         return Response(status_code=200)
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "jaxinfer", "max_model_len": llm.max_model_len}]}
@@ -94,7 +95,7 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
             raise ApiError(f"token id {bad[0]} is outside the vocabulary [0, {llm.config.vocab_size})", param="tokens")
         return {"prompt": llm.tokenizer.decode(tokens)}
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(request: Request):
         parsed = protocol.parse_completion(await _json(request))
         _check_model(parsed, model_name)
@@ -104,9 +105,11 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
         if parsed.stream:
             return _sse(_completion_chunks(request_id, model_name, parsed, streams))
         outputs = await _until_done(request, [_last(s) for s in streams])
+        if outputs is None:
+            return CLIENT_LEFT
         return protocol.completion_response(request_id, model_name, outputs, parsed)
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat(request: Request):
         parsed = protocol.parse_chat(await _json(request))
         _check_model(parsed, model_name)
@@ -118,13 +121,17 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
         stream = engine.generate(prompt, parsed.params, request_id=request_id, timeout=request_timeout)
         if parsed.stream:
             return _sse(_chat_chunks(request_id, model_name, parsed, stream))
-        [out] = await _until_done(request, [_last(stream)])
-        return protocol.chat_response(request_id, model_name, out, parsed)
+        outputs = await _until_done(request, [_last(stream)])
+        if outputs is None:
+            return CLIENT_LEFT
+        return protocol.chat_response(request_id, model_name, outputs[0], parsed)
 
+    app.include_router(v1)
     return app
 
 
 # ----------------------------------------------------------------------------- helpers
+CLIENT_LEFT = Response(status_code=499)  # nginx's "client closed request": nobody reads it
 def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
@@ -149,15 +156,15 @@ async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     return out
 
 
-async def _until_done(request: Request, waits: list) -> list[RequestOutput]:
-    """Awaits every request's final output; a client that disconnects cancels them (aborting
-    each, freeing its pages). An engine failure is a 500."""
+async def _until_done(request: Request, waits: list) -> list[RequestOutput] | None:
+    """Awaits every request's final output; None if the client disconnects first, which cancels
+    them (aborting each, freeing its pages). An engine failure is a 500."""
     tasks = [asyncio.ensure_future(w) for w in waits]
     try:
         while not all(t.done() for t in tasks):
             await asyncio.wait(tasks, timeout=0.1, return_when=asyncio.ALL_COMPLETED)
             if not all(t.done() for t in tasks) and await request.is_disconnected():
-                raise asyncio.CancelledError
+                return None
         return [t.result() for t in tasks]
     except EngineFailed as e:
         raise ApiError(f"the engine failed on this request: {e}", status=500, type="server_error") from None

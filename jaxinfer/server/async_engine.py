@@ -4,13 +4,19 @@
     async for out in engine.generate(prompt, params):     # RequestOutputs as the request advances
         ...
 
-One thread, "jaxinfer-engine", loops over `LLMEngine.step()` while any request is unfinished
-(sleeping on the core's condition otherwise) and hands each RequestOutput to the asyncio queue of
-its request (`loop.call_soon_threadsafe`). `generate` adds the request (input checks run there:
-a bad request raises `ApiError` 400 before the engine sees it), yields its outputs, and aborts it
-when the consumer stops early (a client that disconnects, a timeout), which frees its pages at
-once. A step that raises fails the requests it held (each consumer gets the error, HTTP 500) and
-the loop goes on with the rest.
+One thread, "jaxinfer-engine", owns the engine. Handlers never call into it: `generate` checks
+the request (tokenization and input checks, in a worker thread: a bad request raises `ApiError`
+400 before the engine sees it) and posts an `Event` (a request added, or aborted when its consumer
+stops early: a client that disconnects, a timeout) to the inbox. Each iteration of the engine
+loop drains the inbox, applies its events, and steps while any request is unfinished (sleeping
+on the inbox otherwise); each RequestOutput goes to the asyncio queue of its request
+(`loop.call_soon_threadsafe`). So adding or aborting never waits for a running step, and an
+aborted request's pages are free before the next step is scheduled. A step that raises fails
+the requests it held (each consumer gets the error, HTTP 500; they are aborted) and the loop goes
+on with the rest.
+
+On several processes (`publisher`, jaxinfer.server.lockstep) each iteration's events are
+published before they are applied, so that the other processes replay them and step with this one.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.request import Request
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.server.lockstep import Event, Publisher, apply
 from jaxinfer.server.protocol import ApiError
 
 logger = logging.getLogger("jaxinfer.server")
@@ -36,12 +43,16 @@ class EngineFailed(Exception):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, *, max_queue: int | None = None, on_finished=None):
+    def __init__(self, engine: LLMEngine, *, max_queue: int | None = None, on_finished=None,
+                 publisher: Publisher | None = None):
         self.engine = engine
         self.max_queue = max_queue  # requests not yet scheduled, beyond which new ones get 429
         self.on_finished = on_finished  # called with each finished RequestOutput (metrics)
+        self.publisher = publisher  # the other processes' feed (multi-process serving), or None
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Request]] = {}
+        self._inbox: list[Event] = []  # applied at the start of the engine loop's next iteration
         self._lock = threading.Lock()
+        self._posted = threading.Condition(self._lock)
         self._stop = threading.Event()
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
@@ -50,7 +61,10 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
+        """Ends the engine loop (and the followers, on several processes)."""
+        with self._posted:
+            self._stop.set()
+            self._posted.notify_all()
         self._thread.join(timeout)
 
     @property
@@ -66,9 +80,21 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
-        core = self.engine.core
-        while not self._stop.is_set():
-            if not core.wait_for_requests(timeout=0.05):
+        while True:
+            busy = self.engine.has_unfinished_requests()
+            with self._posted:
+                if not busy:
+                    self._posted.wait_for(lambda: self._inbox or self._stop.is_set(), timeout=1.0)
+                events, self._inbox = self._inbox, []
+                stopping = self._stop.is_set()
+            if stopping:
+                if self.publisher is not None:
+                    self.publisher.stop()
+                return
+            if self.publisher is not None:
+                self.publisher.publish(events)
+            apply(self.engine, events)
+            if not self.engine.has_unfinished_requests():
                 continue
             try:
                 outputs = self.engine.step()
@@ -79,6 +105,11 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out.request_id, out)
 
+    def _post(self, event: Event) -> None:
+        with self._posted:
+            self._inbox.append(event)
+            self._posted.notify_all()
+
     def _deliver(self, request_id: str, item) -> None:
         with self._lock:
             entry = self._streams.get(request_id)
@@ -87,10 +118,11 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
     def _fail_all(self, error: Exception) -> None:
+        """The requests the failed step held get the error; they are aborted at the next iteration."""
         with self._lock:
             ids = list(self._streams)
         for request_id in ids:
-            self.engine.abort_request(request_id)
+            self._post(Event(abort_id=request_id))
             self._deliver(request_id, EngineFailed(f"{type(error).__name__}: {error}"))
 
     # ------------------------------------------------------------------ the handlers' side
@@ -103,16 +135,18 @@ class AsyncEngine:
                            type="rate_limit_error", headers={"Retry-After": "1"})
         request_id = request_id or f"req-{next(self._ids)}"
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        try:  # input checks and the core's lock: off the event loop
+        try:  # tokenization and input checks: off the event loop
             request = await asyncio.to_thread(self.engine.input.make_request, request_id, prompt, params)
         except ValueError as e:
             raise ApiError(str(e)) from None
         with self._lock:
+            if request_id in self._streams:
+                raise ApiError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (loop, queue, request)
+        self._post(Event(request=request))
         finished = False
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            await asyncio.to_thread(self.engine.core.add, request)
             while not finished:
                 left = None if deadline is None else deadline - time.monotonic()
                 try:
@@ -129,5 +163,5 @@ class AsyncEngine:
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
-            if not finished:  # the consumer left early: free the request's pages now
-                self.engine.abort_request(request_id)
+            if not finished:  # the consumer left early: its pages are freed before the next step
+                self._post(Event(abort_id=request_id))
