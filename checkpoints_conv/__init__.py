@@ -4,7 +4,8 @@ and save/restore converted parameters with orbax.
 Knows HF config dicts and tensor names, never the engine: the caller passes the parameter spec.
 
     config = read_checkpoint_config(path)              # HF model dir or .gguf file
-    source = open_checkpoint(path, config)             # tensors by name: listing() and read(name, slices)
+    source = open_checkpoint(path, config)             # tensors by name: listing() and read(name, slices);
+                                                       # quantized() and read_grid(name) for stored grids
     params = load_params(source, spec, model_type=config["model_type"], source=str(path),
                          shardings=None)               # or {param: jax Sharding}: each device's slices only
     save_params(out_dir, nested_params); restore_params(out_dir, abstract_tree)
@@ -15,7 +16,8 @@ from checkpoints_conv.gguf_io import SUPPORTED_TYPES as SUPPORTED_GGUF_TYPES
 from checkpoints_conv.gguf_io import GgufSource, iter_gguf_tensors, read_gguf_config, unpermute_qk
 from checkpoints_conv.hf import SafetensorsSource, iter_safetensors, read_hf_config
 from checkpoints_conv.loader import load_params, plan_params, read_blocks
-from checkpoints_conv.name_maps import HF_NAME_MAPS, GGUF_ARCHS, Target, map_hf_name
+from checkpoints_conv.name_maps import HF_NAME_MAPS, GGUF_ARCHS, Target, arch_names, map_hf_name
+from checkpoints_conv.quantized import Grid, QuantizedSource, QuantLayout, param_layouts
 from checkpoints_conv.orbax_io import restore_params, save_params, saved_param_shapes
 from checkpoints_conv.source import is_gguf, iter_checkpoint_tensors, open_checkpoint, read_checkpoint_config
 from checkpoints_conv.tensor_source import ArraySource, TensorSource
@@ -23,6 +25,11 @@ from checkpoints_conv.tensor_source import ArraySource, TensorSource
 __all__ = [
     "ArraySource",
     "CheckpointError",
+    "Grid",
+    "QuantLayout",
+    "QuantizedSource",
+    "arch_names",
+    "param_layouts",
     "GgufSource",
     "SafetensorsSource",
     "TensorSource",

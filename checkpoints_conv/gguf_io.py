@@ -22,7 +22,9 @@ from gguf.quants import dequantize
 
 from checkpoints_conv.errors import CheckpointError
 from checkpoints_conv.gguf_file import GgufHeader, GgufTensorInfo, read_gguf_header, read_tensor_bytes
+from checkpoints_conv.gguf_grid import GRID_TYPES, TYPE_LAYOUTS, read_grid
 from checkpoints_conv.name_maps import GgufArch, gguf_arch
+from checkpoints_conv.quantized import Grid, QuantLayout
 from checkpoints_conv.tensor_source import TensorSource
 
 Q = GGMLQuantizationType
@@ -142,7 +144,9 @@ def unpermute_qk(weight: np.ndarray, n_heads: int, name: str = "") -> np.ndarray
 
 
 class GgufSource(TensorSource):
-    """The tensors of a GGUF file under their HF names, as float32 in HF layout.
+    """The tensors of a GGUF file under their HF names, as float32 in HF layout, or (the matrices
+    in Q4_0, Q4_1, Q4_K, Q8_0, Q5_K, Q6_K blocks) as their integer grids: `quantized()`,
+    `read_grid()` (checkpoints_conv.gguf_grid).
 
     `config` is the dict read_gguf_config returned (its head counts undo the llama Q/K
     permutation). A tensor whose name has no HF equivalent is listed under its GGUF name, for the
@@ -176,15 +180,31 @@ class GgufSource(TensorSource):
         array = self._cache[name]
         return array if index is None else array[index]
 
+    def quantized(self) -> dict[str, QuantLayout]:
+        return {name: TYPE_LAYOUTS[info.ggml_type] for name, info in self._info.items()
+                if info.ggml_type in GRID_TYPES and len(info.shape) == 2}
+
+    def read_grid(self, name: str) -> Grid:
+        info = self._info[name]
+        try:
+            grid = read_grid(read_tensor_bytes(self.header.path, info), info.ggml_type, tuple(info.shape))
+        except ValueError as e:
+            raise CheckpointError(f"{self.header.path}: tensor {info.name!r}: {e}") from e
+        unpermute = lambda a: None if a is None else self._unpermute(name, info, a)  # noqa: E731
+        return Grid(unpermute(grid.values), unpermute(grid.scales), unpermute(grid.offsets), grid.layout)
+
     def _load(self, name: str) -> np.ndarray:
         info = self._info[name]
-        array = _dequantize(self.header.path, info)
+        return self._unpermute(name, info, _dequantize(self.header.path, info))
+
+    def _unpermute(self, name: str, info: GgufTensorInfo, rows: np.ndarray) -> np.ndarray:
+        """The rows of a q / k projection (weights, or their per-row scales) back in HF's order."""
         if self.arch.permuted_qk and name != info.name:
             if ".self_attn.q_proj." in name:
-                array = unpermute_qk(array, self.q_heads, info.name)
-            elif ".self_attn.k_proj." in name:
-                array = unpermute_qk(array, self.kv_heads, info.name)
-        return array
+                return unpermute_qk(rows, self.q_heads, info.name)
+            if ".self_attn.k_proj." in name:
+                return unpermute_qk(rows, self.kv_heads, info.name)
+        return rows
 
     def close(self) -> None:
         self._cache.clear()

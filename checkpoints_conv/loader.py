@@ -116,17 +116,18 @@ def plan_params(
     for param, (shape, dtype, *columns) in spec.items():
         shape = tuple(shape)
         segments, part_rows = _segments(param, shape, tuple(columns[0])) if columns and columns[0] else ((), {})
-        plans[param] = ParamPlan(param, shape, np.dtype(dtype), names.num_slot_axes(param), segments, part_rows, {})
+        num_slot_axes = names.num_slot_axes(param.partition(":")[0])  # a quantized "<param>:<field>" stacks as its param
+        plans[param] = ParamPlan(param, shape, np.dtype(dtype), num_slot_axes, segments, part_rows, {})
 
     for hf_name, hf_shape in listing:
-        target = names.target(hf_name)
+        target = _target(names, hf_name)
         if target is None:
             if names.is_ignored(hf_name):
                 continue
             raise CheckpointError(f"{source}: unexpected tensor {hf_name!r} (shape {tuple(hf_shape)}): not a {model_type} parameter")
         plan = plans.get(target.param)
         if plan is None:
-            if target.param == "lm_head":
+            if target.param.partition(":")[0] == "lm_head":
                 continue  # tied embeddings: the model reuses `embed`
             raise CheckpointError(
                 f"{source}: unexpected tensor {hf_name!r}: it maps to param {target.param!r}, "
@@ -137,6 +138,17 @@ def plan_params(
 
     _check_complete(plans, names, source)
     return plans
+
+
+def _target(names, hf_name: str):
+    """The Target of an HF tensor name; a quantized matrix's stored array `<name>:<field>`
+    (checkpoints_conv.quantized) fills `<param>:<field>`, always transposed: its arrays are
+    [rows = output features, ...] and the param's [..., K, N]."""
+    base, sep, field = hf_name.rpartition(":")
+    if not sep:
+        return names.target(hf_name)
+    target = names.target(base)
+    return None if target is None else target._replace(param=f"{target.param}:{field}", transpose=True)
 
 
 def _where(slot: tuple[int, ...], part: str | None) -> str:
@@ -181,7 +193,9 @@ def _check_complete(plans: dict[str, ParamPlan], names, source: str) -> None:
         for slot in itertools.product(*(range(n) for n in plan.slot_counts)):
             for part in parts:
                 if (slot, part) not in plan.fills:
-                    missing.append(f"{names.hf_name(plan.name, slot, part)!r} (param {plan.name!r}{_where(slot, part)})")
+                    param, sep, field = plan.name.partition(":")
+                    hf = names.hf_name(param, slot, part) + sep + field
+                    missing.append(f"{hf!r} (param {plan.name!r}{_where(slot, part)})")
     if missing:
         shown = "; ".join(missing[:_MAX_LISTED])
         more = f"; and {len(missing) - _MAX_LISTED} more" if len(missing) > _MAX_LISTED else ""

@@ -3,6 +3,8 @@
     source.listing()           -> [(hf_name, shape)], the tensor directory (no data read)
     source.read(name, index)   -> np.ndarray, rows/columns `index` (a tuple of slices) of one
                                   tensor in HF layout, in its stored dtype (GGUF: float32)
+    source.quantized()         -> {hf_name: QuantLayout} of the tensors stored quantized
+    source.read_grid(name)     -> one of them as a Grid of integers and scales (checkpoints_conv.quantized)
     source.close()
 
 Readers: `hf.SafetensorsSource` (slices straight from the memory-mapped files),
@@ -25,6 +27,14 @@ class TensorSource:
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         raise NotImplementedError
+
+    def quantized(self) -> dict:
+        """HF name -> QuantLayout of each tensor this checkpoint stores quantized (none by default)."""
+        return {}
+
+    def read_grid(self, name: str):
+        """A tensor of `quantized()` as a checkpoints_conv.quantized.Grid."""
+        raise KeyError(f"tensor {name!r} is not stored quantized")
 
     def close(self) -> None:
         pass

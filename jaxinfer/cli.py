@@ -229,7 +229,7 @@ def cmd_convert(args) -> int:
     source = resolve_model(args.src)
     config = read_config(source)
     dtype = dtype_of(args.dtype, "dtype")
-    _, state = load_params(source, config, dtype, dtype)
+    _, state = load_params(source, config, dtype, dtype, keep_quantized=False)  # converted folders hold floats
     dst = save_converted(args.dst, config, state, load_tokenizer(source), overwrite=args.overwrite)
     print(f"wrote {dst} ({config.model_type}, {config.num_layers} layers, {dtype.__name__})")
     return 0

@@ -26,14 +26,14 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.runtime.evaluate import hidden_states
 from jaxinfer.models.draft_heads import KINDS, save_heads
 from jaxinfer.training.draft_heads import evaluate_heads, train_heads, training_windows
-from jaxinfer.models.layers import matmul
+from jaxinfer.models.layers import matmul, tied_logits
+from jaxinfer.ops.quantization import QuantizedWeight
 
 TEMPLATES = [
     "Write a short story about {}.", "Explain {} to a ten-year-old.", "Give three facts about {}.",
@@ -62,9 +62,15 @@ def lm_head_of(llm):
     params = llm.runner.params
     if llm.config.tie_word_embeddings:
         embed = params["embed"].get_value()
-        return lambda x: jnp.einsum("nh,vh->nv", x.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
+        return lambda x: tied_logits(x, embed)
     head = params["lm_head"].get_value()
     return lambda x: matmul(x, head)
+
+
+def float_embedding(llm):
+    """The target's embedding table [V, H] as floats (a GGUF's quantized table is stored [H, V])."""
+    embed = llm.runner.params["embed"].get_value()
+    return embed.dequantize().T if isinstance(embed, QuantizedWeight) else embed
 
 
 def dataset(llm, prompts, max_tokens: int, num_heads: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -133,7 +139,7 @@ def main(argv=None) -> int:
           f"{len(w_test)} held-out positions ({time.perf_counter() - t:.0f} s)")
 
     lm_head = lm_head_of(llm)
-    embed = llm.runner.params["embed"].get_value()
+    embed = float_embedding(llm)
     t = time.perf_counter()
     heads = train_heads(states, window, lm_head, embed, kind=args.kind, steps=args.steps, batch_size=args.batch_size,
                         learning_rate=args.learning_rate, weight_decay=args.weight_decay, feature_weight=args.feature_weight,

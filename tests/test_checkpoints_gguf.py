@@ -15,7 +15,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFWriter, RopeScalingType
 from gguf.quants import dequantize, quantize
 
-from checkpoints_conv import CheckpointError, iter_gguf_tensors, load_params, read_gguf_config
+from checkpoints_conv import CheckpointError, GgufSource, iter_gguf_tensors, load_params, read_gguf_config
+from checkpoints_conv.gguf_grid import TYPE_LAYOUTS
+from checkpoints_conv.quantized import QuantLayout
 
 
 
@@ -85,8 +87,8 @@ def _nibbles(q):
     return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(len(q), 128)
 
 
-def make_q4_k(n):
-    d, dmin = _pow2_f16(n), _pow2_f16(n)
+def make_q4_k(n, lo=-6, hi=-2):
+    d, dmin = _pow2_f16(n, lo, hi), _pow2_f16(n, lo, hi)
     sc, m = RNG.integers(0, 64, (n, 8)).astype(np.uint8), RNG.integers(0, 64, (n, 8)).astype(np.uint8)
     q = RNG.integers(0, 16, (n, 256)).astype(np.uint8)
     raw = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2),
@@ -96,8 +98,8 @@ def make_q4_k(n):
     return raw, values
 
 
-def make_q5_k(n):
-    d, dmin = _pow2_f16(n), _pow2_f16(n)
+def make_q5_k(n, lo=-6, hi=-2):
+    d, dmin = _pow2_f16(n, lo, hi), _pow2_f16(n, lo, hi)
     sc, m = RNG.integers(0, 64, (n, 8)).astype(np.uint8), RNG.integers(0, 64, (n, 8)).astype(np.uint8)
     q = RNG.integers(0, 32, (n, 256)).astype(np.uint8)
     high = (q >> 4).reshape(n, 8, 32)  # sub-block j's 5th bits go to bit j of qh[l]
@@ -109,8 +111,8 @@ def make_q5_k(n):
     return raw, values
 
 
-def make_q6_k(n):
-    d = _pow2_f16(n)
+def make_q6_k(n, lo=-6, hi=-2):
+    d = _pow2_f16(n, lo, hi)
     sc = RNG.integers(-128, 128, (n, 16)).astype(np.int8)
     u = RNG.integers(0, 64, (n, 256)).astype(np.uint8)  # code + 32
     ql, qh = np.zeros((n, 128), np.uint8), np.zeros((n, 64), np.uint8)
@@ -167,6 +169,65 @@ def test_simple_types_dequantize(tmp_path, qtype):
     else:
         np.testing.assert_array_equal(array, dequantize(stored, qtype))  # same bytes, same decoder
         assert np.all(np.abs(array - x) <= _block_error_bound(x, qtype))
+
+
+def quantized_tensor(qtype, rows, cols, scale_exponents=(-6, -2)):
+    """(raw bytes [rows, bytes per row], the values llama.cpp dequantizes them to [rows, cols])."""
+    if qtype in K_QUANTS:
+        make, _ = K_QUANTS[qtype]
+        raw, values = make(rows * cols // 256, *scale_exponents)
+        return raw.reshape(rows, -1), values.reshape(rows, cols)
+    x = RNG.normal(0.01, 0.05, (rows, cols)).astype(np.float32)
+    raw = quantize(x, qtype)
+    return raw, dequantize(raw, qtype).reshape(rows, cols)
+
+
+GRID_CASES = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_K, Q.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", GRID_CASES, ids=lambda t: t.name)
+def test_grids_hold_exactly_what_llama_cpp_dequantizes(tmp_path, qtype):
+    """Each block type read as integers and per-group scales (and offsets) without a float copy:
+    v * scale + offset is, to the bit, what the float reader (llama.cpp's formulas) gives."""
+    raw, values = quantized_tensor(qtype, 3, 512)
+    path = write_gguf(tmp_path / "g.gguf", [("blk.0.ffn_up.weight", raw, qtype)])
+    source = GgufSource(path, {"num_attention_heads": HQ})
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert source.quantized() == {name: TYPE_LAYOUTS[qtype]}
+    grid = source.read_grid(name)
+    layout = grid.layout
+    assert grid.values.dtype == np.int8 and grid.values.shape == (3, 512)
+    assert grid.scales.shape == (3, 512 // layout.group_size) and grid.scales.dtype == layout.scale_dtype
+    assert (grid.offsets is not None) == layout.has_offsets
+    if layout.bits == 4:  # nibbles: v - 8 when symmetric, as they are with an offset
+        low, high = (0, 15) if layout.has_offsets else (-8, 7)
+        assert low <= grid.values.min() and grid.values.max() <= high
+    np.testing.assert_array_equal(grid.dequantize(), values)
+    np.testing.assert_array_equal(grid.dequantize(), source.read(name))
+
+
+def test_widening_a_grid_keeps_every_number(tmp_path):
+    """Tensors of different types sharing a parameter are joined into one layout that holds each
+    exactly: more bits, smaller groups, offsets, float32 scales."""
+    raw, values = quantized_tensor(Q.Q4_0, 2, 256)
+    path = write_gguf(tmp_path / "w.gguf", [("blk.0.ffn_up.weight", raw, Q.Q4_0)])
+    grid = GgufSource(path, {"num_attention_heads": HQ}).read_grid("model.layers.0.mlp.up_proj.weight")
+    for other in (Q.Q4_1, Q.Q6_K, Q.Q5_K):
+        layout = grid.layout.join(TYPE_LAYOUTS[other])
+        wide = grid.widen(layout)
+        assert wide.layout == layout and (wide.offsets is not None) == layout.has_offsets
+        np.testing.assert_array_equal(wide.dequantize(), values)
+    assert grid.layout.join(TYPE_LAYOUTS[Q.Q6_K]) == QuantLayout(8, 16, False, np.dtype(np.float32))
+    with pytest.raises(ValueError, match="cannot narrow"):
+        grid.widen(QuantLayout(4, 64, False, np.dtype(np.float16)))
+
+
+def test_q_and_k_grids_are_unpermuted_like_the_floats(tmp_path):
+    raw, _ = quantized_tensor(Q.Q4_1, HQ * D, 256)
+    path = write_gguf(tmp_path / "qk.gguf", [("blk.0.attn_q.weight", raw, Q.Q4_1)])
+    source = GgufSource(path, read_gguf_config(path))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    np.testing.assert_array_equal(source.read_grid(name).dequantize(), source.read(name))
 
 
 def llama_cpp_permute(w, n_heads):

@@ -24,11 +24,12 @@ def weight(shape, seed=0, dtype=jnp.float32):
 # ----------------------------------------------------------------------------- round trips
 def test_int8_round_trip_error_is_at_most_half_a_step_per_column():
     w = weight((64, 48))
-    q, scales = qz.quantize_int8(w)
-    assert q.dtype == jnp.int8 and q.shape == (64, 48)
+    qw = qz.quantize(w, "int8")
+    q, scales = qw.qweight, qw.scales
+    assert q.dtype == jnp.int8 and q.shape == (64, 48) and qw.offsets is None
     assert scales.dtype == jnp.float32 and scales.shape == (48,)
     np.testing.assert_allclose(scales, np.abs(w).max(axis=0) / 127, rtol=1e-6)
-    err = np.abs(np.asarray(qz.dequantize_int8(q, scales)) - np.asarray(w))
+    err = np.abs(np.asarray(qw.dequantize()) - np.asarray(w))
     assert np.all(err <= np.asarray(scales)[None, :] / 2 * (1 + 1e-5))
     assert np.abs(np.asarray(q)).max() == 127  # each column's absmax lands on the end of the range
 
@@ -37,23 +38,50 @@ def test_int8_round_trip_error_is_at_most_half_a_step_per_column():
 def test_int4_round_trip_error_is_at_most_half_a_step_per_group(group_size):
     K, N = 256, 24
     w = weight((K, N), seed=group_size)
-    packed, scales = qz.quantize_int4(w, group_size)
+    qw = qz.quantize(w, "int4", group_size)
+    packed, scales = qw.qweight, qw.scales
     assert packed.dtype == jnp.uint8 and packed.shape == (K // 2, N)
     assert scales.dtype == jnp.bfloat16 and scales.shape == (K // group_size, N)  # 16-bit scales, as GPTQ/AWQ
     groups = np.asarray(w).reshape(K // group_size, group_size, N)
     np.testing.assert_allclose(np.asarray(scales, np.float32), np.abs(groups).max(axis=1) / 7, rtol=2**-8)
-    err = np.abs(np.asarray(qz.dequantize_int4(packed, scales, group_size)) - np.asarray(w))
+    err = np.abs(np.asarray(qw.dequantize()) - np.asarray(w))
     step = np.repeat(np.asarray(scales, np.float32), group_size, axis=0)  # [K, N]: the scale of each element's group
     assert np.all(err <= step / 2 * (1 + 1e-5))
 
 
+@pytest.mark.parametrize("mode, group_size", [("int4", 32), ("int4", 128), ("int8", 16), ("int8", 64)])
+def test_asymmetric_groups_fit_min_to_max_within_half_a_step(mode, group_size):
+    K, N = 256, 24
+    w = weight((K, N), seed=5) + 0.03  # off-centre groups: where a zero point pays
+    sym = qz.quantize(w, mode, group_size)
+    asym = qz.quantize(w, mode, group_size, symmetric=False)
+    assert asym.offsets.shape == asym.scales.shape == (K // group_size, N) and asym.offsets.dtype == asym.scales.dtype
+    groups = np.asarray(w).reshape(K // group_size, group_size, N)
+    levels = 15 if mode == "int4" else 255
+    span = groups.max(axis=1) - groups.min(axis=1)
+    np.testing.assert_allclose(np.asarray(asym.scales, np.float32), span / levels, rtol=2**-8)
+    err = np.abs(np.asarray(asym.dequantize()) - np.asarray(w))
+    step = np.repeat(np.asarray(asym.scales, np.float32), group_size, axis=0)
+    offset_rounding = np.repeat(np.abs(np.asarray(asym.offsets, np.float32)), group_size, axis=0) * 2**-8  # bf16 offsets
+    assert np.all(err <= step / 2 * (1 + 1e-4) + offset_rounding + 1e-7)
+    assert np.abs(np.asarray(asym.dequantize() - w)).mean() < np.abs(np.asarray(sym.dequantize() - w)).mean()
+
+
+def test_int8_per_group_is_closer_than_per_column():
+    w = weight((256, 16), seed=6)
+    per_column, per_group = qz.quantize(w, "int8"), qz.quantize(w, "int8", 32)
+    assert per_group.scales.shape == (8, 16) and per_group.qweight.shape == (256, 16)
+    assert np.abs(np.asarray(per_group.dequantize() - w)).max() < np.abs(np.asarray(per_column.dequantize() - w)).max()
+
+
 def test_fp8_round_trip_keeps_three_mantissa_bits():
     w = weight((64, 40))
-    q, scales = qz.quantize_fp8(w)
+    qw = qz.quantize(w, "fp8")
+    q, scales = qw.qweight, qw.scales
     assert q.dtype == jnp.float8_e4m3fn and scales.shape == (40,)
     np.testing.assert_allclose(scales, np.abs(w).max(axis=0) / 448, rtol=1e-6)
     assert np.all(np.isfinite(np.asarray(q, np.float32)))
-    w_np, back = np.asarray(w), np.asarray(qz.dequantize_fp8(q, scales))
+    w_np, back = np.asarray(w), np.asarray(qw.dequantize())
     # Normal numbers: relative error <= 2^-4 (3 mantissa bits, round to nearest). Near zero the
     # subnormal spacing 2^-9 (times the scale) bounds the absolute error instead.
     bound = np.maximum(np.abs(w_np) * 2.0**-4, np.asarray(scales)[None, :] * 2.0**-10)
@@ -64,15 +92,16 @@ def test_fp8_round_trip_keeps_three_mantissa_bits():
 @pytest.mark.parametrize("mode", qz.MODES)
 def test_an_all_zero_column_quantizes_to_zero(mode):
     w = weight((64, 8)).at[:, 3].set(0.0)
-    qw = qz.quantize(w, mode, group_size=32)
-    back = np.asarray(qw.dequantize())
-    assert np.all(back[:, 3] == 0) and np.all(np.isfinite(back))
+    for symmetric in (True, False) if mode != "fp8" else (True,):
+        qw = qz.quantize(w, mode, group_size=None if mode == "fp8" else 32, symmetric=symmetric)
+        back = np.asarray(qw.dequantize())
+        assert np.all(back[:, 3] == 0) and np.all(np.isfinite(back))
 
 
 def test_bf16_weights_quantize_like_their_f32_values():
     w = weight((64, 16), dtype=jnp.bfloat16)
-    q_bf16, s_bf16 = qz.quantize_int8(w)
-    q_f32, s_f32 = qz.quantize_int8(w.astype(jnp.float32))
+    q_bf16, s_bf16, _ = qz.quantize_int8(w)
+    q_f32, s_f32, _ = qz.quantize_int8(w.astype(jnp.float32))
     np.testing.assert_array_equal(q_bf16, q_f32)
     np.testing.assert_array_equal(s_bf16, s_f32)
 
@@ -105,16 +134,19 @@ def test_int4_dequantize_applies_the_scale_of_each_k_group():
 
 
 # ----------------------------------------------------------------------------- quantized matmul
-MATMUL_CASES = [("int8", None), ("int4", 32), ("int4", 128), ("fp8", None)]
+MATMUL_CASES = [("int8", None), ("int8", 32), ("int4", 32), ("int4", 128), ("fp8", None)]
 
 
 @pytest.mark.parametrize("mode,group_size", MATMUL_CASES)
 @pytest.mark.parametrize("x_dtype,rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
-def test_quantized_matmul_is_x_times_the_dequantized_weight(mode, group_size, x_dtype, rtol):
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_quantized_matmul_is_x_times_the_dequantized_weight(mode, group_size, x_dtype, rtol, symmetric):
+    if not symmetric and group_size is None:
+        pytest.skip("offsets need groups")
     M, K, N = 8, 256, 32
-    qw = qz.quantize(weight((K, N), seed=1), mode, group_size)
+    qw = qz.quantize(weight((K, N), seed=1), mode, group_size, symmetric)
     x = jnp.asarray(np.random.default_rng(2).normal(size=(M, K)), x_dtype)
-    y = quantized_matmul(x, qw.qweight, qw.scales, mode=mode, group_size=group_size)
+    y = quantized_matmul(x, qw.qweight, qw.scales, qw.offsets, mode=mode, group_size=group_size)
     assert y.shape == (M, N) and y.dtype == x_dtype
     expected = np.asarray(x, np.float64) @ np.asarray(qw.dequantize(), np.float64)
     # f32: accumulation order only. bf16: the f32 result rounded once to bf16 (8 mantissa bits).
@@ -139,7 +171,7 @@ def test_stacked_weights_are_quantized_layer_by_layer(mode, group_size):
     w = weight((L, K, N), seed=4) * jnp.array([1.0, 10.0, 0.1])[:, None, None]  # very different layers
     qw = qz.quantize(w, mode, group_size)
     assert qw.shape == (L, K, N)
-    assert qw.scales.shape == ((L, K // group_size, N) if mode == "int4" else (L, N))
+    assert qw.scales.shape == ((L, K // group_size, N) if group_size else (L, N))
     for i in range(L):
         layer = jax.tree.map(lambda a: a[i], qw)  # how a loop over layers takes one
         alone = qz.quantize(w[i], mode, group_size)
@@ -152,7 +184,9 @@ def test_stacked_weights_are_quantized_layer_by_layer(mode, group_size):
 def test_quantized_weight_is_a_pytree_with_static_mode():
     qw = qz.quantize(weight((64, 8)), "int4", group_size=32)
     leaves, treedef = jax.tree.flatten(qw)
-    assert [leaf.dtype for leaf in leaves] == [jnp.uint8, jnp.bfloat16]
+    assert [leaf.dtype for leaf in leaves] == [jnp.uint8, jnp.bfloat16]  # no offsets: symmetric
+    asym = jax.tree.leaves(qz.quantize(weight((64, 8)), "int4", group_size=32, symmetric=False))
+    assert [leaf.dtype for leaf in asym] == [jnp.uint8, jnp.bfloat16, jnp.bfloat16]
     back = jax.tree.unflatten(treedef, leaves)
     assert (back.mode, back.group_size) == ("int4", 32) and back.qweight is qw.qweight
 
@@ -184,7 +218,7 @@ def llama_like_params(L=2, H=64, I=128, V=32, dtype=jnp.bfloat16):
 @pytest.mark.parametrize("mode", qz.MODES)
 def test_quantize_params_replaces_only_the_matmul_weights(mode):
     params = llama_like_params()
-    out = qz.quantize_params(params, mode, group_size=64)
+    out = qz.quantize_params(params, mode, group_size=None if mode == "fp8" else 64)
     quantized = {name for name, v in out.items() if isinstance(v, qz.QuantizedWeight)}
     assert quantized == {"layers.qkv_proj", "layers.o_proj", "layers.gate_up_proj", "layers.down_proj", "lm_head"}
     for name in params.keys() - quantized:  # embed, norms, biases: the very same arrays
@@ -220,17 +254,17 @@ def test_unknown_mode_raises_naming_mode():
     with pytest.raises(ValueError, match="mode"):
         qz.quantize_params({"lm_head": w}, "nf4")
     with pytest.raises(ValueError, match="mode"):
-        quantized_matmul(jnp.ones((1, 64)), *qz.quantize_int8(w), mode="int2")
+        quantized_matmul(jnp.ones((1, 64)), *qz.quantize_int8(w)[:2], mode="int2")
 
 
-@pytest.mark.parametrize("group_size", [None, 16, 48, 256])
+@pytest.mark.parametrize("group_size", [16, 48, 256])
 def test_unsupported_int4_group_size_raises_naming_group_size(group_size):
     w = weight((256, 8))
     with pytest.raises(ValueError, match="group_size"):
         qz.quantize_int4(w, group_size)
     with pytest.raises(ValueError, match="group_size"):
         qz.quantize_params({"lm_head": w}, "int4", group_size=group_size)
-    packed, scales = qz.quantize_int4(w, 32)
+    packed, scales, _ = qz.quantize_int4(w, 32)
     with pytest.raises(ValueError, match="group_size"):
         quantized_matmul(jnp.ones((1, 256)), packed, scales, mode="int4", group_size=group_size)
 
@@ -240,7 +274,7 @@ def test_int4_pads_k_with_zero_rows_up_to_a_whole_group():
     w = weight((576, 8), seed=7)
     qw = qz.quantize(w, "int4", group_size=128)
     assert qw.qweight.shape == (320, 8) and qw.scales.shape == (5, 8) and qw.shape == (576, 8)
-    np.testing.assert_array_equal(np.asarray(qz.dequantize_int4(qw.qweight, qw.scales, 128))[576:], 0.0)
+    np.testing.assert_array_equal(np.asarray(dequantize(qw.qweight, qw.scales, mode="int4", group_size=128))[576:], 0.0)
     assert np.abs(np.asarray(qw.dequantize() - w)).max() <= np.asarray(qw.scales).max() / 2 + 1e-7
     x = jnp.asarray(np.random.default_rng(8).normal(size=(3, 576)), jnp.float32)
     y = quantized_matmul(x, qw.qweight, qw.scales, mode="int4", group_size=128)
@@ -250,17 +284,25 @@ def test_int4_pads_k_with_zero_rows_up_to_a_whole_group():
 
 
 def test_group_size_with_a_per_channel_mode_raises_in_the_matmul():
-    q, scales = qz.quantize_int8(weight((64, 8)))
+    q, scales, _ = qz.quantize_int8(weight((64, 8)))
     with pytest.raises(ValueError, match="group_size"):
-        quantized_matmul(jnp.ones((1, 64)), q, scales, mode="int8", group_size=128)
+        quantized_matmul(jnp.ones((1, 64)), q, scales, mode="fp8", group_size=32)
+    with pytest.raises(ValueError, match="group_size"):
+        quantized_matmul(jnp.ones((1, 64)), q, scales, mode="int8", group_size=48)
+    with pytest.raises(ValueError, match="scales must have shape"):  # per-column scales for a grouped layout
+        quantized_matmul(jnp.ones((1, 64)), q, scales, mode="int8", group_size=32)
 
 
 def test_mismatched_layout_raises():
-    q, scales = qz.quantize_int8(weight((64, 8)))
+    q, scales, _ = qz.quantize_int8(weight((64, 8)))
     with pytest.raises(ValueError, match="qweight"):
         quantized_matmul(jnp.ones((1, 64)), q.astype(jnp.float32), scales, mode="int8")
     with pytest.raises(ValueError, match="scales"):
         quantized_matmul(jnp.ones((1, 64)), q, scales[:4], mode="int8")
-    packed, group_scales = qz.quantize_int4(weight((64, 8)), 32)
-    with pytest.raises(ValueError, match="scales must be bfloat16"):
-        quantized_matmul(jnp.ones((1, 64)), packed, group_scales.astype(jnp.float32), mode="int4", group_size=32)
+    packed, group_scales, _ = qz.quantize_int4(weight((64, 8)), 32)
+    with pytest.raises(ValueError, match="scales must be float32, bfloat16 or float16"):
+        quantized_matmul(jnp.ones((1, 64)), packed, group_scales.astype(jnp.int32), mode="int4", group_size=32)
+    with pytest.raises(ValueError, match="offsets must have shape"):
+        quantized_matmul(jnp.ones((1, 64)), packed, group_scales, group_scales[:1], mode="int4", group_size=32)
+    with pytest.raises(ValueError, match="offsets need groups"):
+        quantized_matmul(jnp.ones((1, 64)), q, scales, scales, mode="int8")

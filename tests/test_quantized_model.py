@@ -19,7 +19,8 @@ from jaxinfer.ops.quantization import QuantizedWeight, param_bytes, quantize_mod
 from tiny_models import save_hf_model
 
 TEXT = (Path(__file__).parent / "data" / "perplexity_text.txt").read_text()
-CASES = [("int8", 128), ("int4", 32), ("int4", 128), ("fp8", 128)]  # (mode, group size: int4 only)
+CASES = [("int8", None), ("int4", 32), ("int4", 128), ("fp8", None)]  # (mode, group size: None = per column)
+ASYMMETRIC = [("int8", 32), ("int4", 32), ("int4", 128)]
 
 
 # ----------------------------------------------------------------------------- a tiny model
@@ -34,10 +35,11 @@ def tiny_qwen2(tmp_path_factory):
     return directory, config, graphdef, params
 
 
-@pytest.mark.parametrize("mode,group_size", CASES, ids=[f"{m}-g{g}" if m == "int4" else m for m, g in CASES])
-def test_quantized_model_computes_with_exactly_the_dequantized_weights(tiny_qwen2, mode, group_size):
+@pytest.mark.parametrize("mode,group_size,symmetric", [(m, g, True) for m, g in CASES] + [(m, g, False) for m, g in ASYMMETRIC],
+                         ids=[f"{m}-g{g}" if g else m for m, g in CASES] + [f"{m}-g{g}-asym" for m, g in ASYMMETRIC])
+def test_quantized_model_computes_with_exactly_the_dequantized_weights(tiny_qwen2, mode, group_size, symmetric):
     _, config, graphdef, params = tiny_qwen2
-    q_graphdef, q_params = quantize_model(graphdef, params, mode, group_size)
+    q_graphdef, q_params = quantize_model(graphdef, params, mode, group_size, symmetric=symmetric)
     quantized = {k: v for k, v in nested_to_flat(nnx.to_pure_dict(q_params)).items() if isinstance(v, QuantizedWeight)}
     assert set(quantized) == {f"layers.{n}" for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")} | {"lm_head"}
 
@@ -86,7 +88,7 @@ def test_smollm2_perplexity_and_memory_per_quantization_mode():
     nearest int4 re-grids them (measured: g128 +46 %, g32 +27 %; an asymmetric g32 grid would
     reproduce them exactly). See docs/benchmarks.md.
     """
-    llm = LLM(max_model_len=1024, num_pages=8, max_num_batched_tokens=16, max_num_seqs=1, progress=False)
+    llm = LLM(dtype="float32", max_model_len=1024, num_pages=8, max_num_batched_tokens=16, max_num_seqs=1, progress=False)
     ids = llm.get_tokenizer().encode(TEXT)
     assert len(ids) > 300
     base = perplexity(llm.config, llm.runner.graphdef, llm.runner.params, ids)

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.ops.quantization import QuantizedWeight, param_bytes
 from jaxinfer.runtime.evaluate import prompt_log_softmax
-from jaxinfer.runtime.loading import default_model_path
+from jaxinfer.runtime.loading import default_model_path, load_params, resolve_model
+from jaxinfer.tree import nested_to_flat
 
 pytestmark = pytest.mark.slow
 
@@ -43,18 +47,39 @@ def test_chat_answers_paris(smollm2):
     assert out.outputs[0].finish_reason in ("stop", "length")
 
 
-def test_convert_to_orbax_round_trip_is_bit_exact(smollm2, tmp_path):
+def test_the_gguf_runs_from_its_4_bit_grid_with_the_logits_of_its_floats(smollm2):
+    """The Q4_1 matrices stay int4 with their float16 scale and minimum per 32 weights, the Q8_0
+    embedding int8 (the tied LM head reads it as it is); what that computes is what the
+    dequantized float model computes, in about a fifth of its memory."""
+    flat = nested_to_flat(nnx.to_pure_dict(smollm2.runner.params))
+    qkv, embed = flat["layers.qkv_proj"], flat["embed"]
+    assert isinstance(qkv, QuantizedWeight) and (qkv.mode, qkv.group_size, qkv.scales.dtype, qkv.offsets.dtype) == (
+        "int4", 32, jnp.float16, jnp.float16)
+    assert isinstance(embed, QuantizedWeight) and (embed.mode, embed.group_size, embed.offsets) == ("int8", 32, None)
+    assert all(isinstance(flat[f"layers.{n}"], QuantizedWeight) for n in ("o_proj", "gate_up_proj", "down_proj"))
+    source = resolve_model(None)
+    graphdef, floats = load_params(source, smollm2.config, jnp.float32, jnp.float32, progress=False, keep_quantized=False)
+    assert param_bytes(smollm2.runner.params) < 100e6 < 0.2 * param_bytes(floats) < 110e6  # 4 bits + 16 + 16 per 32
+    ids = smollm2.get_tokenizer().encode(PROMPT)
+    ours = prompt_log_softmax(smollm2.config, smollm2.runner.graphdef, smollm2.runner.params, ids)
+    np.testing.assert_allclose(ours, prompt_log_softmax(smollm2.config, graphdef, floats, ids), atol=1e-4)  # f32 rounding
+
+
+def test_convert_to_orbax_round_trip_is_bit_exact(tmp_path):
+    """`jaxinfer convert` writes the GGUF's dequantized floats; the folder loads them back bit for bit."""
     from jaxinfer.cli import main
 
     dst = tmp_path / "smollm2-orbax"
     assert main(["convert", str(default_model_path()), str(dst)]) == 0
-    again = LLM(str(dst), max_model_len=512, num_pages=64, max_num_batched_tokens=64, max_num_seqs=4, progress=False)
-    for a, b in zip(jax.tree.leaves(smollm2.runner.params), jax.tree.leaves(again.runner.params)):
+    args = dict(max_model_len=512, num_pages=64, max_num_batched_tokens=64, max_num_seqs=4, progress=False)
+    floats = LLM(dtype="float32", **args)
+    again = LLM(str(dst), **args)
+    for a, b in zip(jax.tree.leaves(floats.runner.params), jax.tree.leaves(again.runner.params)):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
-    assert again.get_tokenizer().encode(PROMPT) == smollm2.get_tokenizer().encode(PROMPT)
+    assert again.get_tokenizer().encode(PROMPT) == floats.get_tokenizer().encode(PROMPT)
     params = SamplingParams(temperature=0.0, max_tokens=8)
     assert again.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids == \
-        smollm2.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+        floats.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
 
 
 QUOTING = [

@@ -26,7 +26,7 @@ from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.spec_decode import NgramProposer, SpeculativeConfig
 from jaxinfer.models.draft_heads import load_heads
 from jaxinfer.ops.kv_cache import KVCache
-from jaxinfer.ops.quantization import quantize_model
+from jaxinfer.ops.quantization import cast_scales, default_group_size, quantize_model
 from jaxinfer.runtime.loading import abstract_model, load_params, read_config, resolve_model
 from jaxinfer.runtime.placement import kv_partition_spec, param_partition_specs, put_global
 from jaxinfer.startup import PhaseClock
@@ -50,7 +50,8 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
     tokenizer_future = tokenizer_thread.submit(_timed, load_tokenizer, source)
     tokenizer_thread.shutdown(wait=False)
     weights = load_params(source, model_config, config.param_dtype, config.activation_dtype, kernels=config.kernels,
-                          parallel=parallel, mesh=mesh, progress=config.progress)
+                          parallel=parallel, mesh=mesh, progress=config.progress,
+                          keep_quantized=config.keep_checkpoint_quantization)
     placed = place_weights(model_config, config, mesh, weights, quantization=config.quantization)
     clock.mark("weights")
     tokenizer, tokenizer_seconds = tokenizer_future.result()
@@ -82,8 +83,12 @@ def place_weights(model_config: ModelConfig, config: EngineConfig, mesh, weights
     """`weights` (graphdef, params as loaded) quantized with `quantization` and placed on `mesh`."""
     graphdef, params = weights
     if quantization is not None:
-        _check_quantized_split(model_config, config.tensor_parallel_size, quantization, config.quantization_group_size)
-        graphdef, params = quantize_model(graphdef, params, quantization, config.quantization_group_size)
+        own = quantization == config.quantization  # the engine's setting (a draft may ask for another mode)
+        group_size = config.quantization_group_size if own else default_group_size(quantization)
+        _check_quantized_split(model_config, config.tensor_parallel_size, quantization, group_size)
+        graphdef, params = quantize_model(graphdef, params, quantization, group_size,
+                                          symmetric=config.quantization_symmetric if own else True)
+    params = cast_scales(params, config.kernels.scale_dtype)  # the dtype the quantized matmul loads
     param_specs = param_partition_specs(params, model_config)
     return PlacedWeights(graphdef, put_global(params, param_specs, mesh), param_specs)  # quantized weights: onto their shards
 
@@ -137,7 +142,8 @@ def build_draft_runner(spec: SpeculativeConfig, model_config: ModelConfig, confi
                 f"target's has {model_config.vocab_size}; a draft model must share the target's tokenizer"
             )
         weights = load_params(source, draft_config, config.param_dtype, config.activation_dtype, kernels=config.kernels,
-                              parallel=parallel, mesh=mesh, progress=config.progress)
+                              parallel=parallel, mesh=mesh, progress=config.progress,
+                              keep_quantized=config.dtype == "auto" and spec.quantization is None)
     if spec.num_layers is not None:
         if spec.num_layers >= draft_config.num_layers:
             raise ValueError(f"speculative_config['num_layers']={spec.num_layers}: the model has only "
@@ -159,16 +165,16 @@ def first_layers(model_config: ModelConfig, weights, num_layers: int, config: En
     return truncated, (graphdef, state)
 
 
-def _check_quantized_split(config: ModelConfig, tp: int, mode: str, group_size: int) -> None:
-    """int4 groups run along a weight's input dim: a row-parallel weight (o, down, LM head) split
-    over tp shards needs each shard's rows to be whole groups."""
-    if tp == 1 or mode != "int4":
+def _check_quantized_split(config: ModelConfig, tp: int, mode: str, group_size: int | None) -> None:
+    """Groups run along a weight's input dim: a row-parallel weight (o, down, LM head) split over
+    tp shards needs each shard's rows to be whole groups."""
+    if tp == 1 or group_size is None:
         return
     for what, rows in (("o_proj", config.num_heads * config.head_dim), ("down_proj", config.intermediate_size),
                        ("lm_head", config.hidden_size)):
         if (rows // tp) % group_size:
             raise ShardingError(
-                f"quantization='int4' with tensor_parallel_size={tp}: {what} has {rows} input rows, {rows // tp} per shard, "
+                f"quantization={mode!r} with tensor_parallel_size={tp}: {what} has {rows} input rows, {rows // tp} per shard, "
                 f"not a multiple of quantization_group_size={group_size}; use int8 / fp8 or a smaller group size"
             )
 

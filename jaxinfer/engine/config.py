@@ -11,7 +11,7 @@ every field is concrete. The names are vLLM's where vLLM has the setting (`dtype
 `data_parallel_size`, `enable_expert_parallel`, `speculative_config`, `kv_cache_memory_bytes`);
 jaxinfer's own: `page_size` (vLLM's `block_size`), `num_pages` (vLLM's
 `num_gpu_blocks_override`, per data-parallel replica), `compute_dtype`,
-`quantization_group_size`, `kernel_impl` (alias `attention_impl`), `sequence_parallel_size`,
+`quantization_group_size`, `quantization_symmetric`, `kernel_impl` (alias `attention_impl`), `sequence_parallel_size`,
 `expert_parallel_size`, `sequence_parallel_attention`, `warmup`, `log_stats_interval`.
 """
 
@@ -30,7 +30,7 @@ from jaxinfer.engine.spec_decode import SpeculativeConfig
 from jaxinfer.ops.batch import Buckets
 from jaxinfer.ops.kernels import KERNEL_IMPLS, Kernels, resolve_kernels
 from jaxinfer.ops.kv_cache import KVCache
-from jaxinfer.ops.quantization import INT4_GROUP_SIZES, MODES
+from jaxinfer.ops.quantization import GROUP_SIZES, MODES, default_group_size
 from sharding.mesh import ParallelConfig, ShardingError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -60,7 +60,8 @@ class EngineConfig:
     compute_dtype: Any = None  # default: float32 on the CPU, bfloat16 elsewhere
     kv_cache_dtype: Any = None  # default: compute_dtype
     quantization: str | None = None
-    quantization_group_size: int = 128
+    quantization_group_size: int | None = None  # default: int4 128, int8 one scale per output column
+    quantization_symmetric: bool = True
     kernel_impl: str = "auto"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     page_size: int = 16
@@ -90,8 +91,15 @@ class EngineConfig:
             set_("quantization", None)
         if self.quantization not in (None, *MODES):
             raise ValueError(f"quantization={self.quantization!r}: expected 'none', {', '.join(map(repr, MODES))}")
-        if self.quantization == "int4" and self.quantization_group_size not in INT4_GROUP_SIZES:
-            raise ValueError(f"quantization_group_size={self.quantization_group_size!r}: expected one of {INT4_GROUP_SIZES}")
+        if self.quantization is not None:
+            if self.quantization_group_size is None:
+                set_("quantization_group_size", default_group_size(self.quantization))
+            allowed = GROUP_SIZES[self.quantization]
+            if self.quantization_group_size not in allowed:
+                raise ValueError(f"quantization_group_size={self.quantization_group_size!r}: expected one of {allowed} "
+                                 f"for quantization={self.quantization!r} (None: one scale per output column)")
+            if not self.quantization_symmetric and self.quantization_group_size is None:
+                raise ValueError(f"quantization_symmetric=False needs a quantization_group_size (offsets are per group)")
         for field in ("dtype", "compute_dtype", "kv_cache_dtype"):
             dtype_of(getattr(self, field), field)  # raises for an unknown name
         if self.kernel_impl not in KERNEL_IMPLS:
@@ -113,6 +121,12 @@ class EngineConfig:
     @property
     def param_dtype(self):
         return dtype_of(self.dtype)
+
+    @property
+    def keep_checkpoint_quantization(self) -> bool:
+        """Matrices a checkpoint stores quantized (GGUF) run in their own grid, unless a dtype or a
+        quantization of our own was asked for."""
+        return self.dtype == "auto" and self.quantization is None
 
     @property
     def activation_dtype(self):

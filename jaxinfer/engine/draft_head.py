@@ -29,7 +29,7 @@ import numpy as np
 from jaxinfer.engine.seeds import DRAFT_SEED_SALT, child_seed
 from jaxinfer.engine.spec_decode import MAX_SPECULATIVE_TOKENS, DraftContext, Drafts
 from jaxinfer.models.draft_heads import head_state, num_heads_of
-from jaxinfer.models.layers import matmul
+from jaxinfer.models.layers import embed_lookup, matmul, tied_logits
 from jaxinfer.ops.sampling import SamplingTensors, sample
 
 
@@ -39,9 +39,9 @@ class DraftHeadProposer:
     def __init__(self, heads: dict, lm_weight, tied: bool, embed, confidence_threshold: float = 0.0):
         self.heads = heads  # draft_heads.init_heads' layout (medusa or eagle)
         self.confidence_threshold = confidence_threshold
-        self.lm_weight = lm_weight  # the target's LM head [H, V] (or its tied embedding [V, H])
+        self.lm_weight = lm_weight  # the target's LM head [H, V] (or its tied embedding: layers.tied_logits)
         self.tied = tied
-        self.embed = embed  # the target's embedding [V, H]
+        self.embed = embed  # the target's embedding [V, H] (or quantized: layers.embed_lookup)
         self.max_k = num_heads_of(heads) or MAX_SPECULATIVE_TOKENS  # an eagle layer chains any length
 
     def propose(self, ctx: DraftContext, asked) -> Drafts:
@@ -84,13 +84,10 @@ def _draft(heads, lm_weight, embed, hidden, replica, row, newest, st: SamplingTe
     distribution's top probability at temperature 1), the distributions drawn from [K * n, V])."""
     h = hidden[replica, row].astype(jnp.float32)  # [n, H]
     n = h.shape[0]
-    if tied:
-        lm_head = lambda x: jnp.einsum("nh,vh->nv", x.astype(lm_weight.dtype), lm_weight, preferred_element_type=jnp.float32)  # noqa: E731
-    else:
-        lm_head = lambda x: matmul(x, lm_weight)  # noqa: E731
+    lm_head = functools.partial(tied_logits, table=lm_weight) if tied else (lambda x: matmul(x, lm_weight))
     state, token, drafted, confidence, probs = h, newest, [], [], []
     for i in range(num_guesses):
-        state = head_state(heads, i, state, h, embed[token])
+        state = head_state(heads, i, state, h, embed_lookup(embed, token))
         rows = jax.tree.map(lambda a: a[i * n : (i + 1) * n] if a.shape[0] == num_guesses * n else a, st)
         logits = lm_head(state)  # [n, V]
         out = sample(logits, rows, 0)

@@ -22,14 +22,31 @@ def matmul(x: jax.Array, w: jax.Array | QuantizedWeight, kernels: Kernels = Kern
     """x [..., in] @ w [in, out] -> float32 [..., out].
 
     A plain weight takes x cast to its dtype with f32 accumulation. A QuantizedWeight (int8 /
-    int4 / fp8, see jaxinfer.ops.quantization) goes through the kernel table's quantized matmul,
+    int4 / fp8, per column or group, maybe with offsets: jaxinfer.ops.quantization) goes through
+    the kernel table's quantized matmul,
     which dequantizes inside the call.
     """
     if not isinstance(w, QuantizedWeight):
         return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
     x2 = x.reshape(-1, x.shape[-1])  # [M, in]
-    y = kernels.quantized_matmul(x2, w.qweight, w.scales, mode=w.mode, group_size=w.group_size)
+    y = kernels.quantized_matmul(x2, w.qweight, w.scales, w.offsets, mode=w.mode, group_size=w.group_size)
     return y.astype(jnp.float32).reshape(*x.shape[:-1], y.shape[-1])
+
+
+def embed_lookup(table: jax.Array | QuantizedWeight, token_ids: jax.Array) -> jax.Array:
+    """Rows `token_ids` [T] of an embedding table [V, H], or the columns of a quantized one, which
+    is stored [H, V] as the tied LM head reads it: [T, H] (the table's dtype; float32 if quantized)."""
+    if isinstance(table, QuantizedWeight):
+        columns = jax.tree.map(lambda a: a[..., token_ids], table)  # qweight [H (/2), T], scales [G, T]
+        return columns.dequantize().T
+    return table[token_ids]
+
+
+def tied_logits(h: jax.Array, table: jax.Array | QuantizedWeight, kernels: Kernels = Kernels()) -> jax.Array:
+    """h [R, H] @ the embedding table's transpose -> float32 [R, V]: the tied LM head."""
+    if isinstance(table, QuantizedWeight):  # stored [H, V] already
+        return matmul(h, table, kernels)
+    return jnp.einsum("rh,vh->rv", h.astype(table.dtype), table, preferred_element_type=jnp.float32)
 
 
 def linear(x: jax.Array, w: jax.Array | QuantizedWeight, b: jax.Array | None = None, kernels: Kernels = Kernels()) -> jax.Array:

@@ -36,7 +36,8 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.kv_cache import KVCache
 from jaxinfer.models import moe
-from jaxinfer.models.layers import add_rms_norm, gate_up_swiglu, linear, matmul, rms_norm, rope_cos_sin
+from jaxinfer.models.layers import (add_rms_norm, embed_lookup, gate_up_swiglu, linear, matmul, rms_norm, rope_cos_sin,
+                                   tied_logits)
 from jaxinfer.models.param_layout import param_shapes
 from sharding.mesh import ParallelConfig, kv_heads_per_shard
 
@@ -184,8 +185,10 @@ class LlamaForCausalLM(nnx.Module):
         return jax.lax.dynamic_slice_in_dim(h, jax.lax.axis_index("tensor") * width, width, axis=-1)
 
     def _embed(self, token_ids: jax.Array) -> jax.Array:
-        """token_ids [T] -> [T, H] in the compute dtype; the table's hidden dim is split over tensor."""
-        x = self.embed[...][token_ids].astype(self.compute_dtype)  # [T, H / tp]
+        """token_ids [T] -> [T, H] in the compute dtype; the table's hidden dim is split over tensor.
+        A quantized table is stored [H / tp, V] (the tied LM head's orientation): a token's
+        embedding is its column, dequantized."""
+        x = embed_lookup(self.embed.get_value(), token_ids).astype(self.compute_dtype)  # [T, H / tp]
         return jax.lax.all_gather(x, "tensor", axis=1, tiled=True) if self.parallel.tp > 1 else x
 
     def _logits_rows(self, hidden, residual, rows, first_row):
@@ -202,8 +205,7 @@ class LlamaForCausalLM(nnx.Module):
         """h [R, H] -> logits [R, V] float32 (the LM head, or the tied embedding)."""
         h = self._hidden_shard(h)
         if self.config.tie_word_embeddings:
-            embed = self.embed[...]  # [V, H / tp]
-            logits = jnp.einsum("rh,vh->rv", h.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
+            logits = tied_logits(h, self.embed.get_value(), self.kernels)
         else:
             logits = matmul(h, self.lm_head.get_value(), self.kernels)
         return self._tensor_sum(logits, jnp.float32)  # logits stay float32

@@ -28,6 +28,12 @@ and the KV cache has tp heads. Otherwise Hkv' = Hkv. `sharding.mesh.kv_heads_per
 
 Logical axis names (`param_axes`) say what each dimension is; `sharding.rules` maps them to mesh
 axes (tensor parallelism shards "qkv", "heads", "mlp" and "embed_tp", expert parallelism "experts").
+
+**Checkpoints stored quantized** (GGUF blocks, AWQ, GPTQ) load as `QuantizedWeight`s: the loader
+fills `<param>:qweight`, `<param>:scales` and `<param>:offsets` (`quantized_loader_spec`), each
+with the param's axes, in [..., K, N] orientation. A quantized embedding is stored as the tied LM
+head reads it, [H, V] (`QUANTIZED_EMBED_AXES`): the LM head is then a quantized matmul, and a
+token's embedding is a column of it.
 """
 
 from __future__ import annotations
@@ -115,6 +121,19 @@ def param_axes(config: ModelConfig) -> dict[str, tuple[str | None, ...]]:
     return {name: _AXES[name] for name in param_shapes(config)}
 
 
+QUANTIZED_EMBED_AXES = ("embed_tp", "vocab")  # a quantized embedding: [H, V], the LM head's orientation
+
+
+def quantized_axes(name: str) -> tuple[str | None, ...]:
+    """The logical axes of the arrays of a quantized parameter ([..., K or K/2 or K/g, N])."""
+    return QUANTIZED_EMBED_AXES if name == "embed" else _AXES[name]
+
+
+def quantized_in_out(name: str, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(K, N) of a parameter stored quantized: its last two dims ([V, H] embed: (H, V))."""
+    return (shape[-1], shape[-2]) if name == "embed" else (shape[-2], shape[-1])
+
+
 def param_columns(config: ModelConfig, tp: int = 1) -> dict[str, tuple[Segment, ...]]:
     """Fused parameter -> the HF rows on its last axis, shard by shard (see the module docstring)."""
     c = config
@@ -148,6 +167,21 @@ def loader_spec(config: ModelConfig, dtype, tp: int = 1) -> dict[str, tuple]:
     columns = param_columns(config, tp)
     np_dtype = np.dtype(dtype)
     return {name: (shape, np_dtype, columns.get(name, ())) for name, shape in param_shapes(config, tp).items()}
+
+
+def quantized_loader_spec(config: ModelConfig, dtype, tp: int, layouts: dict) -> dict[str, tuple]:
+    """`loader_spec` with each parameter of `layouts` (name -> checkpoints_conv.quantized.QuantLayout)
+    replaced by its stored arrays `<name>:<field>` ([..., K / 2 or K, N] and [..., K / g, N], the
+    same fused columns). ValueError when a group would straddle K's end."""
+    spec = loader_spec(config, dtype, tp)
+    for name, layout in layouts.items():
+        shape, _, columns = spec.pop(name)
+        K, N = quantized_in_out(name, shape)
+        if K % layout.group_size:
+            raise ValueError(f"param {name!r}: K = {K} is not a multiple of the checkpoint's group size {layout.group_size}")
+        for field, ((rows, cols), field_dtype) in layout.field_shapes(N, K).items():
+            spec[f"{name}:{field}"] = ((*shape[:-2], cols, rows), field_dtype, columns)
+    return spec
 
 
 def relayout_indices(config: ModelConfig, tp_from: int, tp_to: int) -> dict[str, np.ndarray]:

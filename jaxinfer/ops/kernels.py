@@ -82,9 +82,9 @@ def xla_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *,
     return out
 
 
-def xla_quantized_matmul(x, qweight, scales, *, mode: str, group_size: int) -> jax.Array:
+def xla_quantized_matmul(x, qweight, scales, offsets=None, *, mode: str, group_size: int | None) -> jax.Array:
     """The reference dequantize-then-dot, on x in float32 (it computes in x's dtype). [M, N]."""
-    return qmm_reference.quantized_matmul(x.astype(jnp.float32), qweight, scales, mode=mode, group_size=group_size)
+    return qmm_reference.quantized_matmul(x.astype(jnp.float32), qweight, scales, offsets, mode=mode, group_size=group_size)
 
 
 def xla_swiglu_matmul(x, w_gate_up) -> jax.Array:
@@ -100,6 +100,10 @@ def same_kv_heads(num_kv_heads: int, dtype) -> int:
 
 def same_head_dim(head_dim: int) -> int:
     return head_dim
+
+
+def same_dtype(dtype):
+    return dtype
 
 
 # ----------------------------------------------------------------------------- Pallas adapters
@@ -143,6 +147,11 @@ def _tpu_swiglu_matmul(x, w_gate_up, *, interpret: bool):
     return swiglu_matmul_tpu(x, w_gate_up, interpret=interpret)
 
 
+def _tpu_scale_dtype(dtype):
+    """Mosaic cannot load float16 vectors: float16 scales are placed as float32 (exact)."""
+    return jnp.dtype(jnp.float32) if jnp.dtype(dtype) == jnp.float16 else dtype
+
+
 def _tpu_head_dim(head_dim: int) -> int:
     """head_dim in whole 128-lane rows (see jaxinfer.ops.kv_cache.pool_head_dim)."""
     return -(-head_dim // TPU_LANES) * TPU_LANES
@@ -158,11 +167,13 @@ class Kernels:
     flash_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, sliding_window, causal) -> [T,Hq,D];
         None: no flash path (the XLA attention serves every step)
     rope_kv_write(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset) -> (q, k, k_pages, v_pages)
-    quantized_matmul(x [M,K], qweight, scales, *, mode, group_size) -> [M,N]
+    quantized_matmul(x [M,K], qweight, scales, offsets, *, mode, group_size) -> [M,N]
     add_rms_norm(x, residual, weight, *, eps) -> (normed, x + residual)
     swiglu_matmul(x [T,H], w_gate_up [H,2I]) -> silu(gate) * up [T,I]
     stored_kv_heads(heads per shard, dtype) / stored_head_dim(head_dim): the KV pool layout the
         attention kernel reads (jaxinfer.ops.kv_cache)
+    scale_dtype(dtype): the dtype a quantized weight's scales and offsets are placed in for the
+        quantized matmul (the TPU kernel cannot load float16: float32 instead)
     """
 
     platform: str = "reference"  # "reference" | "tpu" | "gpu": whose kernels run
@@ -176,6 +187,7 @@ class Kernels:
     swiglu_matmul: Callable = dataclasses.field(default=None, compare=False, repr=False)
     stored_kv_heads: Callable = dataclasses.field(default=None, compare=False, repr=False)
     stored_head_dim: Callable = dataclasses.field(default=None, compare=False, repr=False)
+    scale_dtype: Callable = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.platform not in _TABLES:
@@ -192,7 +204,7 @@ class Kernels:
 def _xla_table(interpret: bool) -> dict[str, Callable | None]:
     return dict(ragged_attention=xla_ragged_attention, flash_attention=None, rope_kv_write=rope_kv_write_reference,
                 quantized_matmul=xla_quantized_matmul, add_rms_norm=add_rms_norm_reference, swiglu_matmul=xla_swiglu_matmul,
-                stored_kv_heads=same_kv_heads, stored_head_dim=same_head_dim)
+                stored_kv_heads=same_kv_heads, stored_head_dim=same_head_dim, scale_dtype=same_dtype)
 
 
 def _tpu_table(interpret: bool) -> dict[str, Callable]:
@@ -200,7 +212,7 @@ def _tpu_table(interpret: bool) -> dict[str, Callable]:
     return dict(ragged_attention=pallas(_tpu_ragged_attention), flash_attention=pallas(flash_attention_tpu),
                 rope_kv_write=pallas(_tpu_rope_kv_write), quantized_matmul=pallas(qmm_tpu.quantized_matmul),
                 add_rms_norm=pallas(add_rms_norm_tpu), swiglu_matmul=pallas(_tpu_swiglu_matmul),
-                stored_kv_heads=rpa_tpu.stored_kv_heads, stored_head_dim=_tpu_head_dim)
+                stored_kv_heads=rpa_tpu.stored_kv_heads, stored_head_dim=_tpu_head_dim, scale_dtype=_tpu_scale_dtype)
 
 
 def _gpu_table(interpret: bool) -> dict[str, Callable]:
@@ -208,7 +220,7 @@ def _gpu_table(interpret: bool) -> dict[str, Callable]:
     return dict(ragged_attention=pallas(_gpu_ragged_attention), flash_attention=pallas(flash_attention_gpu),
                 rope_kv_write=pallas(_gpu_rope_kv_write), quantized_matmul=pallas(qmm_gpu.quantized_matmul),
                 add_rms_norm=pallas(add_rms_norm_gpu), swiglu_matmul=pallas(swiglu_matmul_gpu),
-                stored_kv_heads=same_kv_heads, stored_head_dim=same_head_dim)
+                stored_kv_heads=same_kv_heads, stored_head_dim=same_head_dim, scale_dtype=same_dtype)
 
 
 _TABLES = {"reference": _xla_table, "tpu": _tpu_table, "gpu": _gpu_table}

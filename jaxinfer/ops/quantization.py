@@ -1,12 +1,19 @@
 """Weight-only quantization: round-to-nearest quantizers and the `QuantizedWeight` pytree.
 
-Three modes, all symmetric (no zero point), the storage layout fixed by
-`pallas_kernels.quantized_matmul.reference`:
+The storage layout is fixed by `pallas_kernels.quantized_matmul.reference`: w = v * scale (+
+offset), per output column or per group of `group_size` rows of K. The round-to-nearest (RTN)
+quantizers here make:
 
-    mode   per                          scale                 values
-    int8   output column                absmax / 127          int8 in [-127, 127]
-    int4   group of `group_size` rows   absmax / 7 (bf16)     [-8, 7] packed two per byte (uint8)
-    fp8    output column                absmax / 448          float8_e4m3fn
+    mode   per                             symmetric                        asymmetric (symmetric=False)
+    int8   output column, or group of K    absmax / 127, f32 scales         -
+           (group_size 16..128)            absmax / 127, f32 scales         (max - min) / 255, f32 scale + offset
+    int4   group of `group_size` rows      absmax / 7, bf16 scales          (max - min) / 15, bf16 scale + offset
+    fp8    output column                   absmax / 448, f32 scales         -
+
+Asymmetric groups fit [min, max] instead of [-absmax, absmax]: a group whose values are not
+centred on 0 loses less. Checkpoints quantized elsewhere (GGUF blocks, AWQ, GPTQ) become
+QuantizedWeights without passing through these quantizers (`checkpoints_conv`), keeping their
+own scales exactly.
 
 Weights are [K, N] (in, out) as `layers.linear` takes them, or stacked [L, K, N] as the decoder
 layers keep them; every function here works on the last two axes, so a stacked weight is
@@ -16,7 +23,7 @@ The scales are written by hand rather than through `qwix` (`qwix.quantize(w, jnp
 channelwise_axes=...)` would compute them in a line): qwix is not a dependency of this project,
 its integer scales use absmax / (qmax + 0.5) (127.5, 7.5) rather than the absmax / qmax the
 layout above promises, its scales keep the weight's dtype and a keepdims shape, and its int4
-comes out unpacked, so the nibble packing would be ours anyway. Three lines of jnp per mode do
+comes out unpacked, so the nibble packing would be ours anyway. A few lines of jnp per mode do
 not justify the dependency.
 """
 
@@ -31,16 +38,15 @@ import jax.numpy as jnp
 
 from jaxinfer.tree import nested_to_flat
 from pallas_kernels.quantized_matmul import reference as qmm
-from pallas_kernels.quantized_matmul.reference import INT4_GROUP_SIZES, MODES, check_mode
+from pallas_kernels.quantized_matmul.reference import GROUP_SIZES, INT4_GROUP_SIZES, MODES, check_mode
 
 __all__ = [
+    "GROUP_SIZES",
     "INT4_GROUP_SIZES",
     "MATMUL_WEIGHT_NAMES",
     "MODES",
     "QuantizedWeight",
-    "dequantize_fp8",
-    "dequantize_int4",
-    "dequantize_int8",
+    "cast_scales",
     "pack_int4",
     "param_bytes",
     "quantize",
@@ -49,6 +55,7 @@ __all__ = [
     "quantize_int8",
     "quantize_model",
     "quantize_params",
+    "replace_weights",
 ]
 
 INT8_MAX = 127
@@ -61,49 +68,81 @@ def _safe(scale: jax.Array) -> jax.Array:
     return jnp.where(scale > 0, scale, 1.0)
 
 
-# ----------------------------------------------------------------------------- int8, per column
-@jax.jit
-def quantize_int8(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """w [..., K, N] -> (int8 [..., K, N], f32 scales [..., N]); |w - q * scale| <= scale / 2."""
-    wf = w.astype(jnp.float32)
-    scales = jnp.max(jnp.abs(wf), axis=-2) / INT8_MAX                     # [..., N]
-    q = jnp.round(wf / _safe(scales)[..., None, :])
-    return jnp.clip(q, -INT8_MAX, INT8_MAX).astype(jnp.int8), scales
-
-
-def dequantize_int8(qweight: jax.Array, scales: jax.Array) -> jax.Array:
-    """(int8 [..., K, N], [..., N]) -> f32 [..., K, N]."""
-    return qmm.dequantize(qweight, scales, mode="int8")
-
-
-# ----------------------------------------------------------------------------- int4, per group of K
-def pack_int4(q: jax.Array) -> jax.Array:
-    """int [..., K, N] in [-8, 7] -> uint8 [..., K // 2, N]: k = 2i in the low nibble of row i, 2i + 1 in the high."""
-    u = (q.astype(jnp.int32) + 8).astype(jnp.uint8)                        # unsigned nibbles 0..15
-    return u[..., 0::2, :] | (u[..., 1::2, :] << 4)
-
-
-@functools.partial(jax.jit, static_argnames="group_size")
-def quantize_int4(w: jax.Array, group_size: int) -> tuple[jax.Array, jax.Array]:
-    """w [..., K, N] -> (uint8 [..., Kp // 2, N], bf16 scales [..., Kp // group_size, N]).
-
-    Kp is K rounded up to a multiple of group_size (the weight is padded with zero rows). Each
-    run of `group_size` rows of a column shares a scale; |w - q * scale| <= scale / 2.
-    """
-    check_mode("int4", group_size)
+def _groups(w: jax.Array, group_size: int) -> jax.Array:
+    """w [..., K, N] -> f32 [..., G, g, N], K padded with zero rows to whole groups."""
     *lead, K, N = w.shape
     Kp = -(-K // group_size) * group_size
     wf = jnp.pad(w.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, Kp - K), (0, 0)])
-    wg = wf.reshape(*lead, Kp // group_size, group_size, N)                   # [..., G, g, N]
-    # Rounded to the stored bf16 first, so q is the nearest level under the scale actually kept.
-    scales = (jnp.max(jnp.abs(wg), axis=-2) / INT4_MAX).astype(jnp.bfloat16)  # [..., G, N]
-    q = jnp.clip(jnp.round(wg / _safe(scales.astype(jnp.float32))[..., None, :]), -8, INT4_MAX)
-    return pack_int4(q.reshape(*lead, Kp, N)), scales
+    return wf.reshape(*lead, Kp // group_size, group_size, N)
 
 
-def dequantize_int4(packed: jax.Array, scales: jax.Array, group_size: int) -> jax.Array:
-    """(uint8 [..., Kp // 2, N], [..., Kp // group_size, N]) -> f32 [..., Kp, N] (padding rows included)."""
-    return qmm.dequantize(packed, scales, mode="int4", group_size=group_size)
+def _symmetric_grid(wg: jax.Array, vmax: int, scale_dtype):
+    """Round-to-nearest of grouped weights wg [..., G, g, N] onto v in [-vmax - 1, vmax] with
+    scale absmax / vmax: (v [..., G, g, N] f32, scales [..., G, N]). The scale is rounded to its
+    stored dtype first, so v is the nearest level under the number actually kept."""
+    scales = (jnp.max(jnp.abs(wg), axis=-2) / vmax).astype(scale_dtype)
+    v = jnp.round(wg / _safe(scales.astype(jnp.float32))[..., None, :])
+    return jnp.clip(v, -vmax - 1, vmax), scales
+
+
+def _asymmetric_grid(wg: jax.Array, vmin: int, vmax: int, dtype):
+    """The same onto v in [vmin, vmax] with scale (max - min) / (vmax - vmin) and the offset that
+    puts vmin on the group's min: (v, scales, offsets), both rounded to `dtype` first."""
+    lo, hi = jnp.min(wg, axis=-2), jnp.max(wg, axis=-2)                   # [..., G, N]
+    scales = ((hi - lo) / (vmax - vmin)).astype(dtype)
+    offsets = (lo - vmin * scales.astype(jnp.float32)).astype(dtype)
+    v = jnp.round((wg - offsets.astype(jnp.float32)[..., None, :]) / _safe(scales.astype(jnp.float32))[..., None, :])
+    return jnp.clip(v, vmin, vmax), scales, offsets
+
+
+# ----------------------------------------------------------------------------- int8
+@functools.partial(jax.jit, static_argnames=("group_size", "symmetric"))
+def quantize_int8(w: jax.Array, group_size: int | None = None, symmetric: bool = True):
+    """w [..., K, N] -> (int8 [..., Kp, N], f32 scales [..., N] or [..., Kp // g, N], f32 offsets or None).
+
+    Per output column (group_size None, symmetric only) or per group of `group_size` rows of K
+    (K padded to whole groups). |w - dequantized| <= scale / 2."""
+    if group_size is None:
+        if not symmetric:
+            raise ValueError("asymmetric int8 needs a group_size (offsets are per group)")
+        wf = w.astype(jnp.float32)
+        scales = jnp.max(jnp.abs(wf), axis=-2) / INT8_MAX                  # [..., N]
+        q = jnp.round(wf / _safe(scales)[..., None, :])
+        return jnp.clip(q, -INT8_MAX, INT8_MAX).astype(jnp.int8), scales, None
+    wg = _groups(w, group_size)
+    if symmetric:
+        (v, scales), offsets = _symmetric_grid(wg, INT8_MAX, jnp.float32), None
+        v = jnp.maximum(v, -INT8_MAX)
+    else:
+        v, scales, offsets = _asymmetric_grid(wg, -128, INT8_MAX, jnp.float32)
+    *lead, G, g, N = v.shape
+    return v.reshape(*lead, G * g, N).astype(jnp.int8), scales, offsets
+
+
+# ----------------------------------------------------------------------------- int4, per group of K
+def pack_int4(v: jax.Array, signed: bool = True) -> jax.Array:
+    """int [..., K, N] in [-8, 7] (signed: stored as v + 8) or [0, 15] -> uint8 [..., K // 2, N]:
+    k = 2i in the low nibble of row i, 2i + 1 in the high."""
+    u = (v.astype(jnp.int32) + (8 if signed else 0)).astype(jnp.uint8)    # unsigned nibbles 0..15
+    return u[..., 0::2, :] | (u[..., 1::2, :] << 4)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "symmetric"))
+def quantize_int4(w: jax.Array, group_size: int, symmetric: bool = True):
+    """w [..., K, N] -> (uint8 [..., Kp // 2, N], bf16 scales [..., Kp // g, N], bf16 offsets or None).
+
+    Kp is K rounded up to a multiple of group_size (the weight is padded with zero rows). Each
+    run of `group_size` rows of a column shares a scale (and offset); |w - dequantized| <= scale / 2
+    (plus the offset's bf16 rounding, under 1/64 of a step).
+    """
+    check_mode("int4", group_size)
+    wg = _groups(w, group_size)
+    if symmetric:
+        (v, scales), offsets = _symmetric_grid(wg, INT4_MAX, jnp.bfloat16), None
+    else:
+        v, scales, offsets = _asymmetric_grid(wg, 0, 15, jnp.bfloat16)
+    *lead, G, g, N = v.shape
+    return pack_int4(v.reshape(*lead, G * g, N), signed=symmetric), scales, offsets
 
 
 # ----------------------------------------------------------------------------- fp8, per column
@@ -116,56 +155,63 @@ def quantize_fp8(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q.astype(jnp.float8_e4m3fn), scales
 
 
-def dequantize_fp8(qweight: jax.Array, scales: jax.Array) -> jax.Array:
-    """(float8_e4m3fn [..., K, N], [..., N]) -> f32 [..., K, N]."""
-    return qmm.dequantize(qweight, scales, mode="fp8")
-
-
 # ----------------------------------------------------------------------------- the pytree
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
     """A quantized [K, N] (or stacked [L, K, N]) matmul weight.
 
-    qweight and scales are the pytree's leaves (laid out as in the module docstring); mode,
-    group_size and in_features (K, which int4 may store padded) are static, so `jax.tree.map(lambda a: a[i], qw)` takes layer i of a stacked
-    weight and jit sees the mode as part of the program.
+    qweight, scales and offsets (None for a symmetric weight) are the pytree's leaves, laid out
+    as in `pallas_kernels.quantized_matmul.reference`; mode, group_size and in_features (K, which
+    a grouped weight may store padded) are static, so `jax.tree.map(lambda a: a[i], qw)` takes
+    layer i of a stacked weight and jit sees the mode as part of the program.
     """
 
     qweight: jax.Array
     scales: jax.Array
-    mode: str
+    offsets: jax.Array | None = None
+    mode: str = "int8"
     group_size: int | None = None
     in_features: int | None = None  # K; None: all of qweight's rows (2 per byte row for int4)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the weight this stands for ([..., K, N])."""
-        *lead, rows, N = self.qweight.shape
-        stored = 2 * rows if self.mode == "int4" else rows
-        return (*lead, self.in_features or stored, N)
+        *lead, _, N = self.qweight.shape
+        return (*lead, self.in_features or qmm.stored_rows(self.qweight, self.mode), N)
 
     @property
     def nbytes(self) -> int:
-        return self.qweight.nbytes + self.scales.nbytes
+        return sum(a.nbytes for a in (self.qweight, self.scales, self.offsets) if a is not None)
 
     def dequantize(self) -> jax.Array:
         """The float32 weight [..., K, N]."""
-        w = qmm.dequantize(self.qweight, self.scales, mode=self.mode, group_size=self.group_size)
+        w = qmm.dequantize(self.qweight, self.scales, self.offsets, mode=self.mode, group_size=self.group_size)
         return w[..., : self.shape[-2], :]
 
 
 jax.tree_util.register_dataclass(
-    QuantizedWeight, data_fields=["qweight", "scales"], meta_fields=["mode", "group_size", "in_features"]
+    QuantizedWeight, data_fields=["qweight", "scales", "offsets"], meta_fields=["mode", "group_size", "in_features"]
 )
 
 
-def quantize(w: jax.Array, mode: str, group_size: int | None = None) -> QuantizedWeight:
-    """One [..., K, N] weight -> QuantizedWeight (group_size is used by int4 only)."""
-    check_mode(mode, group_size if mode == "int4" else None)
+def default_group_size(mode: str) -> int | None:
+    """int4: 128; int8 and fp8: None (one scale per output column)."""
+    return 128 if mode == "int4" else None
+
+
+def quantize(w: jax.Array, mode: str, group_size: int | None = None, symmetric: bool = True) -> QuantizedWeight:
+    """One [..., K, N] weight -> QuantizedWeight, round to nearest (see the module docstring).
+    group_size None: the mode's default (int4: 128; int8: per output column)."""
+    group_size = default_group_size(mode) if group_size is None else group_size
+    check_mode(mode, group_size)
+    if not symmetric and group_size is None:
+        raise ValueError(f"asymmetric {mode} needs groups (offsets are per group); give a group_size")
+    K = w.shape[-2]
     if mode == "int8":
-        return QuantizedWeight(*quantize_int8(w), mode="int8")
+        return QuantizedWeight(*quantize_int8(w, group_size, symmetric), mode="int8", group_size=group_size,
+                               in_features=K if group_size else None)
     if mode == "int4":
-        return QuantizedWeight(*quantize_int4(w, group_size), mode="int4", group_size=group_size, in_features=w.shape[-2])
+        return QuantizedWeight(*quantize_int4(w, group_size, symmetric), mode="int4", group_size=group_size, in_features=K)
     return QuantizedWeight(*quantize_fp8(w), mode="fp8")
 
 
@@ -180,27 +226,31 @@ MATMUL_WEIGHT_NAMES = frozenset(
 
 
 def quantize_params(
-    params: Mapping[str, jax.Array],
+    params: Mapping[str, jax.Array | QuantizedWeight],
     mode: str,
-    group_size: int = 128,
+    group_size: int | None = None,
     skip: Iterable[str] = (),
+    symmetric: bool = True,
 ) -> dict[str, jax.Array | QuantizedWeight]:
     """A flat name -> array dict with its matmul weights (MATMUL_WEIGHT_NAMES, 2-D or stacked 3-D)
     replaced by QuantizedWeight; `skip` names parameters (full name, e.g. "lm_head") to leave
-    unquantized. `group_size` is used by int4 only. The input dict is not modified."""
-    check_mode(mode, group_size if mode == "int4" else None)
+    unquantized. Weights already quantized stay as they are. The input dict is not modified."""
+    group_size = default_group_size(mode) if group_size is None else group_size
+    check_mode(mode, group_size)
     skip = frozenset(skip)
     out: dict[str, jax.Array | QuantizedWeight] = {}
     for name, w in params.items():
-        if name in skip or name.rsplit(".", 1)[-1] not in MATMUL_WEIGHT_NAMES or w.ndim not in (2, 3):
+        if (name in skip or isinstance(w, QuantizedWeight) or name.rsplit(".", 1)[-1] not in MATMUL_WEIGHT_NAMES
+                or w.ndim not in (2, 3)):
             out[name] = w
             continue
-        out[name] = quantize(w, mode, group_size)
+        out[name] = quantize(w, mode, group_size, symmetric)
     return out
 
 
-def quantize_model(graphdef, state, mode: str, group_size: int = 128, skip: Iterable[str] = ()):
-    """(graphdef, state) of a loaded nnx model -> the same with its matmul weights quantized.
+def quantize_model(graphdef, state, mode: str, group_size: int | None = None, skip: Iterable[str] = (), symmetric: bool = True):
+    """(graphdef, state) of a loaded nnx model -> the same with its matmul weights quantized
+    (round to nearest); weights already quantized (a checkpoint's own grid) stay as they are.
 
     Each quantized parameter becomes an nnx.Param holding a QuantizedWeight, so the model's
     forward sees it where it used to see the array (`models.layers.matmul` takes either). The
@@ -209,16 +259,36 @@ def quantize_model(graphdef, state, mode: str, group_size: int = 128, skip: Iter
     from flax import nnx  # the model container; the rest of this module is plain JAX
 
     flat = nested_to_flat(nnx.to_pure_dict(state))
-    quantized = {k: v for k, v in quantize_params(flat, mode, group_size, skip).items() if isinstance(v, QuantizedWeight)}
+    quantized = {k: v for k, v in quantize_params(flat, mode, group_size, skip, symmetric).items()
+                 if isinstance(v, QuantizedWeight) and not isinstance(flat[k], QuantizedWeight)}
+    del flat
+    return replace_weights(graphdef, state, quantized)
+
+
+def replace_weights(graphdef, state, weights: Mapping[str, QuantizedWeight]):
+    """(graphdef, state) with each named parameter (flat name) holding its QuantizedWeight."""
+    from flax import nnx  # the model container; the rest of this module is plain JAX
+
     model = nnx.merge(graphdef, state)
-    del flat, state
-    for name, qw in quantized.items():
+    for name, qw in weights.items():
         *path, leaf = name.split(".")
         owner = functools.reduce(getattr, path, model)
         setattr(owner, leaf, nnx.Param(qw))
     return nnx.split(model)
 
 
+def cast_scales(params, scale_dtype):
+    """`params` (any pytree) with the scales and offsets of every QuantizedWeight in
+    scale_dtype(their dtype) (the kernel table's `scale_dtype`)."""
+    def cast(w):
+        if not isinstance(w, QuantizedWeight):
+            return w
+        to = lambda a: None if a is None else a.astype(scale_dtype(a.dtype))  # noqa: E731
+        return dataclasses.replace(w, scales=to(w.scales), offsets=to(w.offsets))
+
+    return jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+
+
 def param_bytes(params) -> int:
-    """Bytes held by every array in a pytree of parameters (a QuantizedWeight counts its qweight and scales)."""
+    """Bytes held by every array in a pytree of parameters (a QuantizedWeight counts its qweight, scales and offsets)."""
     return sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(params))

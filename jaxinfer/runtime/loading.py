@@ -10,6 +10,11 @@ Weights are read by `checkpoints_conv` and placed on the devices of the mesh wit
 parameter's sharding (`sharding.rules`): every process reads from the safetensors only the slices
 its devices hold. Converted folders hold the tensor-parallel degree 1 layout and are restored
 onto any mesh (fused parameters are re-laid out for the mesh's tensor-parallel degree).
+
+Matrices a checkpoint stores quantized (GGUF blocks) load as `QuantizedWeight`s in their own grid,
+with no float copy made (`keep_quantized`, the default): the embedding, the attention and MLP
+projections and the LM head, when every tensor of the parameter is quantized (a parameter's
+tensors are joined into one layout that holds each exactly: checkpoints_conv.quantized).
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import checkpoints_conv
 from jaxinfer.config import ModelConfig
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.models.llama import LlamaForCausalLM
-from jaxinfer.models.param_layout import loader_spec, param_shapes, relayout_indices
+from jaxinfer.models.param_layout import param_shapes, quantized_in_out, quantized_loader_spec, relayout_indices
+from jaxinfer.ops.quantization import MATMUL_WEIGHT_NAMES, QuantizedWeight, replace_weights
 from jaxinfer.runtime.placement import param_shardings
 from jaxinfer.tree import flat_to_nested, nested_to_flat
 from sharding.mesh import ParallelConfig, make_mesh
@@ -106,24 +112,63 @@ def abstract_model(
 
 def load_params(
     source: ModelSource, config: ModelConfig, param_dtype, compute_dtype, *, kernels: Kernels = Kernels(),
-    parallel: ParallelConfig = ParallelConfig(), mesh=None, progress: bool = True,
+    parallel: ParallelConfig = ParallelConfig(), mesh=None, progress: bool = True, keep_quantized: bool = True,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's structure and its parameters, placed on `mesh` (default: one device) with the
-    shardings of `sharding.rules` in the tensor-parallel layout of `parallel.tp`."""
+    shardings of `sharding.rules` in the tensor-parallel layout of `parallel.tp`. Matrices the
+    checkpoint stores quantized stay so (keep_quantized; otherwise they load as param_dtype)."""
     mesh = mesh if mesh is not None else make_mesh(ParallelConfig(), jax.devices()[:1])
     parallel.check_model(config)
     graphdef, state = abstract_model(config, param_dtype, compute_dtype, kernels, parallel)
-    shardings = param_shardings(config, mesh, parallel.tp)
     if source.kind == "orbax":
         check_converted_format(source.path)
         flat = restore_converted(source.path / "params", config, param_dtype, mesh, parallel.tp)
-    else:
-        tensors = checkpoints_conv.open_checkpoint(source.path, checkpoints_conv.read_checkpoint_config(source.path))
-        spec = loader_spec(config, jnp.dtype(param_dtype), parallel.tp)
-        flat = checkpoints_conv.load_params(tensors, spec, model_type=config.model_type, source=str(source.path),
-                                            shardings=shardings, progress=progress)
+        nnx.replace_by_pure_dict(state, flat_to_nested(flat))
+        return graphdef, state
+    tensors = checkpoints_conv.open_checkpoint(source.path, checkpoints_conv.read_checkpoint_config(source.path))
+    layouts = {}
+    if keep_quantized:
+        layouts, per_tensor = stored_quantization(tensors, config, parallel.tp)
+        if per_tensor:
+            tensors = checkpoints_conv.QuantizedSource(tensors, per_tensor)
+    spec = quantized_loader_spec(config, jnp.dtype(param_dtype), parallel.tp, layouts)
+    flat = checkpoints_conv.load_params(tensors, spec, model_type=config.model_type, source=str(source.path),
+                                        shardings=param_shardings(config, mesh, parallel.tp, spec), progress=progress)
+    quantized = {}
+    for name, layout in layouts.items():
+        K, _ = quantized_in_out(name, param_shapes(config, parallel.tp)[name])
+        quantized[name] = QuantizedWeight(flat.pop(f"{name}:qweight"), flat.pop(f"{name}:scales"), flat.pop(f"{name}:offsets", None),
+                                          mode=layout.mode, group_size=layout.group_size, in_features=K)
     nnx.replace_by_pure_dict(state, flat_to_nested(flat))
-    return graphdef, state
+    return replace_weights(graphdef, state, quantized) if quantized else (graphdef, state)
+
+
+QUANTIZABLE = MATMUL_WEIGHT_NAMES | {"embed"}  # what the model runs quantized (the embedding: a column gather)
+
+
+def stored_quantization(tensors, config: ModelConfig, tp: int) -> tuple[dict, dict]:
+    """(param -> QuantLayout, HF name -> the layout of its param) of the parameters whose every
+    tensor the checkpoint stores quantized; the others load as floats. ValueError when a
+    tensor-parallel shard of a row-split weight would not hold whole groups."""
+    stored = tensors.quantized()
+    if not stored:
+        return {}, {}
+    names = checkpoints_conv.arch_names(config.model_type)
+    param_of = {}
+    for hf_name, _ in tensors.listing():
+        target = names.target(hf_name)
+        if target is not None and target.param.rsplit(".", 1)[-1] in QUANTIZABLE:
+            param_of[hf_name] = target.param
+    layouts = checkpoints_conv.param_layouts(stored, param_of)
+    if config.tie_word_embeddings:
+        layouts.pop("lm_head", None)
+    shapes = param_shapes(config, tp)
+    for name, layout in layouts.items():
+        K, _ = quantized_in_out(name, shapes[name])
+        if tp > 1 and name in ("layers.o_proj", "layers.down_proj", "lm_head", "embed") and (K // tp) % layout.group_size:
+            raise ValueError(f"tensor_parallel_size={tp}: {name} has {K} input rows, {K // tp} per shard, not whole "
+                             f"groups of the checkpoint's {layout.group_size}; load it as floats (dtype='float32')")
+    return layouts, {hf: layouts[param] for hf, param in param_of.items() if param in layouts}
 
 
 def relayout(flat: dict, config: ModelConfig, tp_from: int, tp_to: int, shardings: dict) -> dict:

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.param_layout import param_axes, param_shapes
+from jaxinfer.models.param_layout import param_axes, param_shapes, quantized_axes
 from jaxinfer.ops.kv_cache import KVCache
 from sharding import rules
 
@@ -38,17 +38,24 @@ def param_partition_specs(params, config: ModelConfig) -> object:
     specs = []
     for path, leaf in leaves:
         name = ".".join(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
-        field = path[-1].name if isinstance(path[-1], jax.tree_util.GetAttrKey) else None
-        specs.append(param_spec(axes[name], leaf.shape, scales=field == "scales"))
+        field = path[-1].name if isinstance(path[-1], jax.tree_util.GetAttrKey) else None  # of a QuantizedWeight
+        specs.append(param_spec(quantized_axes(name) if field else axes[name], leaf.shape, scales=field in ("scales", "offsets")))
     return jax.tree_util.tree_unflatten(treedef, specs)
 
 
-def param_shardings(config: ModelConfig, mesh: Mesh, tp: int | None = None) -> dict[str, NamedSharding]:
+def param_shardings(config: ModelConfig, mesh: Mesh, tp: int | None = None, spec: dict | None = None) -> dict[str, NamedSharding]:
     """Flat param name -> NamedSharding on `mesh`, for the layout of tensor-parallel degree `tp`
-    (default: the mesh's)."""
+    (default: the mesh's). With a loader `spec` (param_layout.quantized_loader_spec): one per
+    entry of it, a quantized param's stored arrays `<name>:<field>` included."""
     tp = mesh.shape["tensor"] if tp is None else tp
-    shapes = param_shapes(config, tp)
-    return {name: NamedSharding(mesh, param_spec(axes, shapes[name], mesh)) for name, axes in param_axes(config).items()}
+    if spec is None:
+        shapes = param_shapes(config, tp)
+        return {name: NamedSharding(mesh, param_spec(axes, shapes[name], mesh)) for name, axes in param_axes(config).items()}
+    out = {}
+    for entry, (shape, *_) in spec.items():
+        name, quantized, _ = entry.partition(":")
+        out[entry] = NamedSharding(mesh, param_spec(quantized_axes(name) if quantized else param_axes(config)[name], shape, mesh))
+    return out
 
 
 def kv_partition_spec() -> KVCache:

@@ -2,7 +2,7 @@
 
 Same positional arguments, `mode` / `group_size` and result as `reference.quantized_matmul`:
 
-    y [M, N] = x [M, K] @ dequantize(qweight, scales) [K, N]        (in x's dtype)
+    y [M, N] = x [M, K] @ dequantize(qweight, scales, offsets) [K, N]        (in x's dtype)
 
 Why Triton and not Mosaic GPU: Pallas' Mosaic GPU backend has no interpret mode in this JAX
 (0.10.2) and there is no GPU on the machines this was written on, so a Mosaic GPU kernel could not
@@ -16,7 +16,7 @@ in a `fori_loop`, its float32 accumulator a loop carry (registers). There is no 
 Triton programs run concurrently and have no scratch that outlives one program, so a reduction
 split over programs would need atomics or a second pass. The arrays are passed whole (no
 BlockSpec) and every tile is a masked load (`other=0`), so no dimension needs to divide its block
-and nothing is padded except what the int4 split below needs. Triton wants power-of-two tiles of
+and nothing is padded except what the grouped path below needs. Triton wants power-of-two tiles of
 at least 16 per dot dimension, so bm, bn, bk are powers of two >= 16.
 
 Decode (M = 1..8) is memory-bound: the point of int4 is to read a quarter of the bytes. The
@@ -25,18 +25,22 @@ narrower bn (64) so a short N still spreads over more programs.
 
 Modes
 -----
-* int8 / fp8 (per output column): each [bk, bn] tile is cast to x's dtype (exact: int8 and e4m3
+* int8 / fp8 per output column: each [bk, bn] tile is cast to x's dtype (exact: int8 and e4m3
   values are all bfloat16 numbers) for a tensor-core dot with f32 accumulation; the column scales
   multiply the accumulator once, after the loop.
-* int4 (per group of `group_size` rows of K): byte row i holds k = 2i (low nibble) and k = 2i + 1
-  (high nibble). Rather than interleave the nibble planes back into rows, the wrapper splits x's
-  columns into even and odd halves ([M, Kp/2] each; x is the small operand) and each group adds
-      scale[g] * (x_even[g] @ low[g] + x_odd[g] @ high[g])
-  to the accumulator: the integer tiles (-8..7) are exact in bf16, the group's scale is applied to
-  the [bm, bn] partial before groups are summed (bm is small in decode, so this is fewer
-  multiplies than scaling the [g/2, bn] weight tile), and a dot of depth g/2 = 16..64 is a native
-  tensor-core shape. bk is a multiple of group_size: one loop step does bk / group_size groups.
-  x with K < Kp (K = 576 with groups of 128) is padded with zero columns up to Kp.
+* grouped (int4, and int8 with groups of 16..128): the integer tiles are exact in bf16, so each
+  group is one dot of depth g (int8) or two of depth g/2 (int4's nibble planes, below), and the
+  group's scale multiplies the [bm, bn] partial before groups are summed (bm is small in decode,
+  so this is fewer multiplies than scaling the weight tile); an offset o adds o * (the sum of x
+  over the group's columns), an outer product of [bm] and [bn]:
+      acc += (x_g @ v_g) * scale[g] + rowsum(x_g) * offset[g]
+  Scales and offsets are loaded in their stored dtype (f32, bf16 or f16) and widened.
+* int4: byte row i holds k = 2i (low nibble) and k = 2i + 1 (high nibble). Rather than
+  interleave the nibble planes back into rows, the wrapper splits x's columns into even and odd
+  halves ([M, Kp/2] each; x is the small operand) and each group's product is
+  x_even[g] @ low[g] + x_odd[g] @ high[g]. bk is a multiple of group_size: one loop step does
+  bk / group_size groups.
+* x with K < Kp (K = 576 with groups of 128) is padded with zero columns up to Kp.
 """
 
 from __future__ import annotations
@@ -96,29 +100,38 @@ def _per_column_kernel(x_ref, w_ref, scale_ref, out_ref, *, bm: int, bn: int, bk
     plt.store(out_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], (acc * scale[None, :]).astype(out_ref.dtype), mask=out_mask)
 
 
-def _int4_kernel(x_even_ref, x_odd_ref, packed_ref, scale_ref, out_ref, *, bm: int, bn: int, bk: int, group_size: int):
-    """x_even_ref / x_odd_ref [M, Kp/2] (x's columns k = 2i / 2i+1), packed_ref [Kp/2, N] uint8,
-    scale_ref [Kp/g, N] f32, out_ref [M, N] (whole arrays)."""
-    M, half_k = x_even_ref.shape                             # half_k = Kp / 2 byte rows
-    N = packed_ref.shape[1]
+def _grouped_kernel(*refs, planes: int, has_offsets: bool, bm: int, bn: int, bk: int, group_size: int):
+    """int4 (planes = 2) or grouped int8 (planes = 1). refs: x_ref per plane [M, Kp / planes]
+    (int4: x's columns k = 2i, then 2i + 1), w_ref [Kp / planes, N] (int8 | packed uint8),
+    scale_ref [Kp/g, N], offset_ref [Kp/g, N] if has_offsets, out_ref [M, N] (whole arrays)."""
+    x_refs, (w_ref, scale_ref, *rest) = refs[:planes], refs[planes:]
+    offset_ref = rest.pop(0) if has_offsets else None
+    [out_ref] = rest
+    M, plane_k = x_refs[0].shape                             # plane_k = Kp / planes rows of each plane
+    N = w_ref.shape[1]
     n_groups = scale_ref.shape[0]
-    half_g = group_size // 2                                 # byte rows per group
+    plane_g = group_size // planes                           # rows of each plane per group
     m0 = pl.program_id(0) * bm
     n0 = pl.program_id(1) * bn
     cols = n0 + jnp.arange(bn)
-    x_dtype = x_even_ref.dtype
+    x_dtype = x_refs[0].dtype
+
+    def per_group(ref, group):                               # [bn] f32: one group's scales or offsets
+        return plt.load(ref.at[group, pl.ds(n0, bn)], mask=(cols < N) & (group < n_groups), other=0.0).astype(jnp.float32)
 
     def k_step(step, acc):                                   # acc [bm, bn] f32
         for g_in_step in range(bk // group_size):            # static: bk / group_size groups per step
             group = step * (bk // group_size) + g_in_step
-            r0 = group * half_g                              # first byte row of this group
-            x_even = _tile(x_even_ref, M, half_k, m0, r0, bm, half_g)      # [bm, g/2]
-            x_odd = _tile(x_odd_ref, M, half_k, m0, r0, bm, half_g)        # [bm, g/2]
-            packed = _tile(packed_ref, half_k, N, r0, n0, half_g, bn).astype(jnp.int32)  # [g/2, bn]
-            low = ((packed & 0x0F) - 8).astype(x_dtype)      # weight rows k = 2i, exact
-            high = ((packed >> 4) - 8).astype(x_dtype)       # weight rows k = 2i + 1
-            scale = plt.load(scale_ref.at[group, pl.ds(n0, bn)], mask=(cols < N) & (group < n_groups), other=0.0)
-            acc = acc + (_dot(x_even, low) + _dot(x_odd, high)) * scale[None, :]
+            r0 = group * plane_g                             # first row of this group in each plane
+            xs = [_tile(x_ref, M, plane_k, m0, r0, bm, plane_g) for x_ref in x_refs]    # [bm, g / planes] each
+            stored = _tile(w_ref, plane_k, N, r0, n0, plane_g, bn).astype(jnp.int32)    # [g / planes, bn]
+            bias = 0 if offset_ref is not None else 8        # int4 with offsets: the nibble is v as it is
+            values = ((stored & 0x0F) - bias, (stored >> 4) - bias) if planes == 2 else (stored,)
+            partial = sum(_dot(x, v.astype(x_dtype)) for x, v in zip(xs, values))      # exact integers
+            acc = acc + partial * per_group(scale_ref, group)[None, :]
+            if offset_ref is not None:
+                x_sum = sum(jnp.sum(x.astype(jnp.float32), axis=1) for x in xs)        # [bm]
+                acc = acc + x_sum[:, None] * per_group(offset_ref, group)[None, :]
         return acc
 
     acc = jax.lax.fori_loop(0, pl.cdiv(n_groups * group_size, bk), k_step, jnp.zeros((bm, bn), jnp.float32))
@@ -135,41 +148,46 @@ def _int4_kernel(x_even_ref, x_odd_ref, packed_ref, scale_ref, out_ref, *, bm: i
 def quantized_matmul(
     x: jax.Array,        # [M, K] f32 or bf16
     qweight: jax.Array,  # int8 [K, N] | uint8 [Kp/2, N] | float8_e4m3fn [K, N]
-    scales: jax.Array,   # f32 [N] | f32 [Kp/group_size, N] | f32 [N]
+    scales: jax.Array,   # [N] per column | [Kp/group_size, N] per group
+    offsets: jax.Array | None = None,  # None | [Kp/group_size, N]
     *,
     mode: str,
     group_size: int | None = None,
     block_m: int | None = None,  # None: 16 for M <= 16 (decode), else 64
     block_n: int | None = None,  # None: 64 for M <= 16, else 128
-    block_k: int | None = None,  # None: 128 (int4: at least group_size)
+    block_k: int | None = None,  # None: 128 (grouped: at least group_size)
     num_warps: int = 4,
     num_stages: int = 3,
     interpret: bool = False,
 ) -> jax.Array:          # [M, N] in x's dtype
-    Kw = check_matmul_inputs(x, qweight, scales, mode, group_size)  # the weight's K (int4: padded Kp)
+    Kw = check_matmul_inputs(x, qweight, scales, mode, group_size, offsets)  # the weight's K (padded Kp)
     M, K = x.shape
     N = qweight.shape[1]
 
     small_m = M <= SMALL_M
     bm = block_m or (SMALL_M if small_m else 64)
     bn = block_n or (64 if small_m else 128)
-    bk = block_k or (max(128, group_size) if mode == "int4" else 128)
+    bk = block_k or (max(128, group_size or 0))
     for name, b in (("block_m", bm), ("block_n", bn), ("block_k", bk)):
         if not _is_power_of_two(b) or b < 16:
             raise ValueError(f"{name} must be a power of two >= 16 (Triton tiles), got {b}")
-    if mode == "int4" and bk % group_size:
+    if group_size is not None and bk % group_size:
         raise ValueError(f"block_k must be a multiple of group_size = {group_size}, got {bk}")
     if interpret:
         patch_interpret_mode()
 
-    if mode == "int4":
-        x_pairs = jnp.pad(x, ((0, 0), (0, Kw - K))).reshape(M, Kw // 2, 2)   # [M, Kp/2, (even, odd)]
-        operands = (x_pairs[..., 0], x_pairs[..., 1], qweight, scales)
-        kernel = functools.partial(_int4_kernel, bm=bm, bn=bn, bk=bk, group_size=group_size)
+    if group_size is not None:
+        planes = 2 if mode == "int4" else 1
+        x = jnp.pad(x, ((0, 0), (0, Kw - K)))                                 # zero columns up to Kp
+        xs = [x] if planes == 1 else [x[:, 0::2], x[:, 1::2]]                 # int4: x's columns k = 2i, then 2i + 1
+        operands = (*xs, qweight, *(a for a in (scales, offsets) if a is not None))
+        kernel = functools.partial(_grouped_kernel, planes=planes, has_offsets=offsets is not None, bm=bm, bn=bn, bk=bk,
+                                   group_size=group_size)
     else:
-        operands = (x, qweight, scales)
+        operands = (x, qweight, scales.astype(jnp.float32))
         kernel = functools.partial(_per_column_kernel, bm=bm, bn=bn, bk=bk)
 
+    weight_bytes = sum(a.size * a.dtype.itemsize for a in (qweight, scales, offsets) if a is not None)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((M, N), x.dtype),
@@ -177,6 +195,6 @@ def quantized_matmul(
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         cost_estimate=cost.matmul(M, K, N, x_itemsize=x.dtype.itemsize, out_itemsize=x.dtype.itemsize,
-                                  weight_bytes=qweight.size * qweight.dtype.itemsize + scales.size * scales.dtype.itemsize),
+                                  weight_bytes=weight_bytes),
         name="quantized_matmul",
     )(*operands)

@@ -2,7 +2,7 @@
 
 Same positional arguments, `mode` / `group_size` and result as `reference.quantized_matmul`:
 
-    y [M, N] = x [M, K] @ dequantize(qweight, scales) [K, N]        (in x's dtype)
+    y [M, N] = x [M, K] @ dequantize(qweight, scales, offsets) [K, N]        (in x's dtype)
 
 Only the quantized bytes are read from HBM; each [block_k, block_n] weight tile is turned into
 numbers in VMEM, fed to the MXU and dropped, so the float weight never exists in HBM.
@@ -23,23 +23,29 @@ output block at the last.
 
 Modes
 -----
-* int8 / fp8 (per output column): the [bk, bn] tile is cast to x's dtype (exact: int8 and e4m3
+* int8 / fp8 per output column: the [bk, bn] tile is cast to x's dtype (exact: int8 and e4m3
   values are all bfloat16 numbers), multiplied on the MXU with f32 accumulation, and the column
   scales [1, bn] multiply the accumulator once, at the last K step.
-* int4 (per group of `group_size` rows of K): byte row i of the packed weight holds k = 2i (low
-  nibble) and k = 2i + 1 (high nibble). Interleaving the two nibble planes back into rows would be
-  a sublane shuffle of every weight tile; instead the wrapper splits x's columns into even and odd
-  ([M, Kp/2] each, a cheap permutation of the small operand), and the kernel computes
-      x_even @ dequant(low nibbles) + x_odd @ dequant(high nibbles).
-  The group scales must be applied before groups are summed, so each unpacked tile is multiplied
-  by its group's scales ([bk/2, bn] viewed as [groups, group_size/2, bn], a sublane-aligned split)
-  and then cast to x's dtype for one full-depth MXU dot per nibble plane. One dot per group would
-  keep the integers exact but contract only 16..64 deep on a 128/256-deep MXU; rounding q * s to
-  bf16 costs at most 2^-9 relative per weight, the precision of the bf16 activations themselves.
-  bk is a multiple of 256 (so each x half's block is a whole number of 128-lane tiles) and of
-  group_size, or all of Kp. x with K < Kp (K = 576 with groups of 128) is padded with zero columns.
-  The scales [Kp/g, N] are passed reshaped to [Kp/bk, bk/g, N] so that each block's last two dims
-  are whole array dims (a [bk/g, bn] block of 4 rows would not be a legal f32 tile).
+* grouped (int4, and int8 with groups): the group scales (and offsets) must be applied before
+  groups are summed, so each weight tile is dequantized in VMEM: viewed as [groups, g, bn] (a
+  sublane-aligned split), multiplied by its groups' scales, offsets added, cast to x's dtype for
+  one full-depth MXU dot. One dot per group would keep the integers exact but contract only
+  16..128 deep on a 128/256-deep MXU; rounding q * s (+ o) to bf16 costs at most 2^-9 relative
+  per weight, the precision of the bf16 activations themselves. The scales are passed reshaped
+  to [Kp/bk, bk/g, N] so that each block's last two dims are whole array dims (a [bk/g, bn]
+  block of 4 rows would not be a legal f32 tile). Scales and offsets are read as stored (f32 or
+  bf16) and widened in VMEM. Mosaic refuses float16 vector loads ("Invalid vector type for
+  load", libtpu, v5e / v6e / v5p), so float16 scales (GGUF's) are widened to f32 before the call:
+  an extra pass over them every call, which placing them as f32 once avoids
+  (`jaxinfer.ops.kernels`: the TPU table's `scale_dtype`).
+* int4: byte row i of the packed weight holds k = 2i (low nibble) and k = 2i + 1 (high nibble).
+  Interleaving the two nibble planes back into rows would be a sublane shuffle of every weight
+  tile; instead the wrapper splits x's columns into even and odd ([M, Kp/2] each, a cheap
+  permutation of the small operand), and the kernel computes
+      x_even @ dequant(low nibbles) + x_odd @ dequant(high nibbles),
+  each plane holding half of every group's rows. bk is a multiple of 256 (so each x half's
+  block is a whole number of 128-lane tiles) and of group_size, or all of Kp.
+* x with K < Kp (K = 576 with groups of 128) is padded with zero columns.
 
 Verified on the CPU with `interpret=True` only (no TPU here); pass `interpret=True` or a
 `pltpu.InterpretParams()` to run it there.
@@ -74,6 +80,11 @@ def _reduction_block(size: int, limit: int, multiple: int) -> int:
     return size
 
 
+def _vector_dtype(a: jax.Array) -> jax.Array:
+    """Scales or offsets in a dtype Mosaic loads: float16 widened to float32 (see Modes)."""
+    return a.astype(jnp.float32) if a.dtype == jnp.float16 else a
+
+
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
     """a [m, k] @ b [k, n] with f32 accumulation; f32 inputs at full f32 precision."""
     precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
@@ -97,28 +108,38 @@ def _per_column_kernel(x_ref, w_ref, scale_ref, out_ref, acc_ref):
         out_ref[...] = (acc_ref[...] * scale_ref[...]).astype(out_ref.dtype)
 
 
-def _int4_kernel(x_even_ref, x_odd_ref, packed_ref, scale_ref, out_ref, acc_ref):
-    """x_even_ref / x_odd_ref [bm, bk/2] (x's columns k = 2i / 2i+1 of this K block), packed_ref
-    [bk/2, bn] uint8, scale_ref [bk/g, bn] f32 (one row per group), out_ref [bm, bn], acc_ref [bm, bn] f32."""
+def _grouped_kernel(*refs, planes: int, has_offsets: bool):
+    """int4 (planes = 2) or grouped int8 (planes = 1). refs: x_ref per plane [bm, bk / planes] (int4:
+    x's columns k = 2i, then 2i + 1), w_ref [bk / planes, bn] (int8 | packed uint8), scale_ref
+    [bk/g, bn], offset_ref [bk/g, bn] if has_offsets, out_ref [bm, bn], acc_ref [bm, bn] f32."""
+    x_refs, (w_ref, scale_ref, *rest) = refs[:planes], refs[planes:]
+    offset_ref = rest.pop(0) if has_offsets else None
+    out_ref, acc_ref = rest
     k_step = pl.program_id(2)
 
     @pl.when(k_step == 0)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    packed = packed_ref[...].astype(jnp.int32)       # [bk/2, bn]
-    scales = scale_ref[...]                          # [groups, bn]
+    stored = w_ref[...].astype(jnp.int32)            # [bk / planes, bn]
+    scales = scale_ref[...].astype(jnp.float32)      # [groups, bn]
+    offsets = offset_ref[...].astype(jnp.float32) if has_offsets else None
     groups = scales.shape[0]
-    rows, bn = packed.shape                          # rows = bk/2; a group covers rows // groups byte rows
-    x_dtype = x_even_ref.dtype
+    rows, bn = stored.shape                          # a group covers rows // groups rows of each plane
+    x_dtype = x_refs[0].dtype
 
-    def dequantize(nibbles):                         # [bk/2, bn] int32 in [0, 15]
-        q = (nibbles - 8).astype(jnp.float32).reshape(groups, rows // groups, bn)
-        return (q * scales[:, None, :]).reshape(rows, bn).astype(x_dtype)
+    def dequantize(v):                               # [rows, bn] int32 -> [rows, bn] in x's dtype
+        w = v.astype(jnp.float32).reshape(groups, rows // groups, bn) * scales[:, None, :]
+        if offsets is not None:
+            w = w + offsets[:, None, :]
+        return w.reshape(rows, bn).astype(x_dtype)
 
-    low = dequantize(packed & 0x0F)                  # weight rows k = 2i
-    high = dequantize(packed >> 4)                   # weight rows k = 2i + 1
-    acc_ref[...] += _dot(x_even_ref[...], low) + _dot(x_odd_ref[...], high)
+    if planes == 2:                                  # weight rows k = 2i (low nibble), 2i + 1 (high)
+        bias = 0 if has_offsets else 8               # with offsets the nibble is v as it is
+        values = ((stored & 0x0F) - bias, (stored >> 4) - bias)
+    else:
+        values = (stored,)
+    acc_ref[...] += sum(_dot(x_ref[...], dequantize(v)) for x_ref, v in zip(x_refs, values))
 
     @pl.when(k_step == pl.num_programs(2) - 1)
     def _finalize():
@@ -132,7 +153,8 @@ def _int4_kernel(x_even_ref, x_odd_ref, packed_ref, scale_ref, out_ref, acc_ref)
 def quantized_matmul(
     x: jax.Array,        # [M, K] f32 or bf16
     qweight: jax.Array,  # int8 [K, N] | uint8 [Kp/2, N] | float8_e4m3fn [K, N]
-    scales: jax.Array,   # f32 [N] | f32 [Kp/group_size, N] | f32 [N]
+    scales: jax.Array,   # [N] per column | [Kp/group_size, N] per group
+    offsets: jax.Array | None = None,  # None | [Kp/group_size, N]
     *,
     mode: str,
     group_size: int | None = None,
@@ -141,7 +163,7 @@ def quantized_matmul(
     block_k: int = 512,
     interpret=False,     # False on TPU; True or pltpu.InterpretParams() elsewhere
 ) -> jax.Array:          # [M, N] in x's dtype
-    Kw = check_matmul_inputs(x, qweight, scales, mode, group_size)  # the weight's K (int4: padded Kp)
+    Kw = check_matmul_inputs(x, qweight, scales, mode, group_size, offsets)  # the weight's K (padded Kp)
     block_n = block_n or 2 * mxu_columns()
     if block_m < 1 or block_n < 1 or block_n % LANES or block_k < 1:
         raise ValueError(f"block sizes must be positive and block_n a multiple of {LANES}, got {block_m, block_n, block_k}")
@@ -154,24 +176,23 @@ def quantized_matmul(
     bm = _round_up(min(block_m, M), sublanes)
     Mp = _round_up(M, bm)
     bn = N if N <= block_n else block_n
-    k_multiple = 2 * LANES if mode == "int4" else LANES  # int4: each x half's block is bk/2 lanes wide
-    bk = _reduction_block(Kw, block_k, k_multiple)
+    planes = 2 if mode == "int4" else 1                  # int4: each x half's block is bk/2 lanes wide
+    bk = _reduction_block(Kw, block_k, planes * LANES)
     grid = (Mp // bm, pl.cdiv(N, bn), Kw // bk)
 
-    x = jnp.pad(x, ((0, Mp - M), (0, Kw - K)))           # [Mp, Kw]; zero rows and (int4) zero columns
+    x = jnp.pad(x, ((0, Mp - M), (0, Kw - K)))           # [Mp, Kw]; zero rows and zero columns up to Kp
     out_block = pl.BlockSpec((bm, bn), lambda i, j, k: (i, j))
-    if mode == "int4":
-        x_pairs = x.reshape(Mp, Kw // 2, 2)              # [Mp, Kp/2, (even, odd)]
-        operands = (x_pairs[..., 0], x_pairs[..., 1], qweight, scales.reshape(Kw // bk, bk // group_size, N))
-        in_specs = [
-            pl.BlockSpec((bm, bk // 2), lambda i, j, k: (i, k)),                      # x_even
-            pl.BlockSpec((bm, bk // 2), lambda i, j, k: (i, k)),                      # x_odd
-            pl.BlockSpec((bk // 2, bn), lambda i, j, k: (k, j)),                      # packed
-            pl.BlockSpec((None, bk // group_size, bn), lambda i, j, k: (k, 0, j)),    # scales
-        ]
-        kernel = _int4_kernel
+    if group_size is not None:
+        xs = [x] if planes == 1 else [x[:, 0::2], x[:, 1::2]]  # int4: x's columns k = 2i, then 2i + 1
+        group_block = pl.BlockSpec((None, bk // group_size, bn), lambda i, j, k: (k, 0, j))
+        per_group = [_vector_dtype(a).reshape(Kw // bk, bk // group_size, N) for a in (scales, offsets) if a is not None]
+        operands = (*xs, qweight, *per_group)
+        in_specs = [pl.BlockSpec((bm, bk // planes), lambda i, j, k: (i, k)) for _ in xs] + [
+            pl.BlockSpec((bk // planes, bn), lambda i, j, k: (k, j)),                  # int8 | packed rows
+        ] + [group_block] * len(per_group)
+        kernel = functools.partial(_grouped_kernel, planes=planes, has_offsets=offsets is not None)
     else:
-        operands = (x, qweight, scales.reshape(1, N))
+        operands = (x, qweight, scales.astype(jnp.float32).reshape(1, N))
         in_specs = [
             pl.BlockSpec((bm, bk), lambda i, j, k: (i, k)),
             pl.BlockSpec((bk, bn), lambda i, j, k: (k, j)),
@@ -179,6 +200,7 @@ def quantized_matmul(
         ]
         kernel = _per_column_kernel
 
+    weight_bytes = sum(a.size * a.dtype.itemsize for a in (qweight, scales, offsets) if a is not None)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((Mp, N), x.dtype),
@@ -192,8 +214,7 @@ def quantized_matmul(
         compiler_params=compiler_params("parallel", "parallel", "arbitrary"),
         interpret=interpret,
         cost_estimate=cost.matmul(M, K, N, x_itemsize=x.dtype.itemsize, out_itemsize=x.dtype.itemsize,
-                                  weight_bytes=qweight.size * qweight.dtype.itemsize + scales.size * scales.dtype.itemsize),
+                                  weight_bytes=weight_bytes),
         name="quantized_matmul",
     )(*operands)
     return out[:M]
-

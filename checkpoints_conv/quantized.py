@@ -1,0 +1,167 @@
+"""Checkpoints whose matrices are stored quantized (GGUF blocks, AWQ, GPTQ, compressed-tensors):
+read as integers and per-group numbers, never as a float matrix.
+
+A reader that knows its tensors are quantized says so (`TensorSource.quantized()`: HF name ->
+`QuantLayout`) and hands out each one as a `Grid` (`TensorSource.read_grid(name)`): the integers
+v [rows, cols] (rows = output features, the tensor's HF orientation), and per group of
+`group_size` consecutive columns a scale and maybe an offset, so that the weight is
+v * scale + offset, the layout jaxinfer's quantized matmul runs
+(`pallas_kernels.quantized_matmul.reference`).
+
+The loader fuses and stacks tensors into one parameter (q, k and v of every layer into
+`layers.qkv_proj`), so they must share a layout: `param_layouts` joins the layouts of a
+parameter's tensors into the narrowest one each widens to without loss (`Grid.widen`: more bits,
+smaller groups, an offset, float32 scales). `QuantizedSource` then presents every quantized
+tensor to the loader as three plain arrays in the HF orientation, named
+`<hf name>:qweight` ([rows, cols / 2] uint8, two nibbles per byte, or [rows, cols] int8),
+`<hf name>:scales` and `<hf name>:offsets` ([rows, cols / group_size]), which the loader fuses,
+stacks, shards and transposes like any weight into `<param>:qweight`, `<param>:scales` and
+`<param>:offsets` ([..., K / 2 or K, N] and [..., K / g, N]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import numpy as np
+
+from checkpoints_conv.errors import CheckpointError
+from checkpoints_conv.tensor_source import TensorSource
+
+FIELDS = ("qweight", "scales", "offsets")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantLayout:
+    """How a quantized matrix is stored: `bits` 4 (int4) or 8 (int8) per value, groups of
+    `group_size` input columns, an offset per group or not, scales (and offsets) in
+    `scale_dtype` (float16 or float32; bfloat16 for jaxinfer's own quantizer)."""
+
+    bits: int
+    group_size: int
+    has_offsets: bool
+    scale_dtype: np.dtype
+
+    @property
+    def mode(self) -> str:
+        """The mode of jaxinfer's QuantizedWeight: "int4" or "int8"."""
+        return "int4" if self.bits == 4 else "int8"
+
+    def join(self, other: "QuantLayout") -> "QuantLayout":
+        """The narrowest layout both widen to without loss."""
+        same = np.dtype(self.scale_dtype) == np.dtype(other.scale_dtype)
+        dtype = np.dtype(self.scale_dtype) if same else np.dtype(np.float32)
+        return QuantLayout(max(self.bits, other.bits), min(self.group_size, other.group_size),
+                           self.has_offsets or other.has_offsets, dtype)
+
+    def field_shapes(self, rows: int, cols: int) -> dict[str, tuple[tuple[int, int], np.dtype]]:
+        """The stored arrays of a [rows, cols] matrix: field -> (HF-oriented shape, dtype)."""
+        groups = (rows, cols // self.group_size)
+        shapes = {"qweight": ((rows, cols // 2), np.dtype(np.uint8)) if self.bits == 4 else ((rows, cols), np.dtype(np.int8)),
+                  "scales": (groups, np.dtype(self.scale_dtype))}
+        if self.has_offsets:
+            shapes["offsets"] = (groups, np.dtype(self.scale_dtype))
+        return shapes
+
+
+@dataclasses.dataclass
+class Grid:
+    """One matrix: values int8 [rows, cols], scales [rows, cols / g], offsets [rows, cols / g] or
+    None, in `layout` (int4 values: in [-8, 7] without offsets, in [0, 15] with them, as
+    pallas_kernels.quantized_matmul.reference reads nibbles)."""
+
+    values: np.ndarray
+    scales: np.ndarray
+    offsets: np.ndarray | None
+    layout: QuantLayout
+
+    def widen(self, layout: QuantLayout) -> "Grid":
+        """The same numbers in `layout` (at least as wide in every respect as this one's)."""
+        if layout == self.layout:
+            return self
+        if layout.bits < self.layout.bits or self.layout.group_size % layout.group_size or (
+                self.layout.has_offsets and not layout.has_offsets):
+            raise ValueError(f"cannot narrow {self.layout} to {layout}")
+        values, scales = self.values, self.scales.astype(np.float32)
+        offsets = None if self.offsets is None else self.offsets.astype(np.float32)
+        if layout.has_offsets and offsets is None:
+            offsets = np.zeros_like(scales)
+            if layout.bits == 4:  # int4 with offsets reads the nibble unshifted: v + 8, offset -8 scale
+                values, offsets = values + np.int8(8), -8 * scales
+        repeat = self.layout.group_size // layout.group_size  # each group split into `repeat` smaller ones
+        scales = np.repeat(scales, repeat, axis=-1)
+        offsets = None if offsets is None else np.repeat(offsets, repeat, axis=-1)
+        return Grid(values, scales.astype(layout.scale_dtype), None if offsets is None else offsets.astype(layout.scale_dtype),
+                    layout)
+
+    def stored(self) -> dict[str, np.ndarray]:
+        """field -> array as `QuantLayout.field_shapes` describes (int4: nibbles packed in pairs of columns)."""
+        if self.layout.bits == 4:
+            u = (self.values.astype(np.int16) + (0 if self.layout.has_offsets else 8)).astype(np.uint8)
+            qweight = u[:, 0::2] | (u[:, 1::2] << 4)  # column 2i in the low nibble, 2i + 1 in the high
+        else:
+            qweight = self.values.astype(np.int8)
+        out = {"qweight": qweight, "scales": self.scales}
+        if self.offsets is not None:
+            out["offsets"] = self.offsets
+        return out
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [rows, cols]: for tests and for a float load."""
+        g = self.layout.group_size
+        rows, cols = self.values.shape
+        w = self.values.astype(np.float32).reshape(rows, cols // g, g) * self.scales.astype(np.float32)[..., None]
+        if self.offsets is not None:
+            w = w + self.offsets.astype(np.float32)[..., None]
+        return w.reshape(rows, cols)
+
+
+def param_layouts(layouts: Mapping[str, QuantLayout], param_of: Mapping[str, str]) -> dict[str, QuantLayout]:
+    """param -> the join of the layouts of the quantized tensors that fill it. `param_of` maps
+    each HF name to its param; a param some of whose tensors are not quantized is left out (it
+    loads as floats)."""
+    joined: dict[str, QuantLayout] = {}
+    float_params = {param for name, param in param_of.items() if name not in layouts}
+    for name, layout in layouts.items():
+        param = param_of.get(name)
+        if param is None or param in float_params:
+            continue
+        joined[param] = joined[param].join(layout) if param in joined else layout
+    return joined
+
+
+class QuantizedSource(TensorSource):
+    """`source` with each tensor of `layouts` (HF name -> the layout its param stores) listed as
+    its three stored arrays `<name>:<field>` instead of a float matrix; every other tensor as it is."""
+
+    def __init__(self, source: TensorSource, layouts: Mapping[str, QuantLayout]):
+        self.source = source
+        self.layouts = dict(layouts)
+        self._grid: tuple[str, dict[str, np.ndarray]] | None = None  # the last tensor read, all fields
+
+    def listing(self) -> list[tuple[str, tuple[int, ...]]]:
+        out = []
+        for name, shape in self.source.listing():
+            layout = self.layouts.get(name)
+            if layout is None:
+                out.append((name, shape))
+                continue
+            if len(shape) != 2 or shape[1] % layout.group_size:
+                raise CheckpointError(f"quantized tensor {name!r} of shape {shape}: expected [rows, cols] with cols "
+                                      f"a multiple of the group size {layout.group_size}")
+            out += [(f"{name}:{field}", s) for field, (s, _) in layout.field_shapes(*shape).items()]
+        return out
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        base, sep, field = name.rpartition(":")
+        if not sep or base not in self.layouts:
+            return self.source.read(name, index)
+        if self._grid is None or self._grid[0] != base:
+            self._grid = (base, self.source.read_grid(base).widen(self.layouts[base]).stored())
+        array = self._grid[1][field]
+        return array if index is None else array[index]
+
+    def close(self) -> None:
+        self._grid = None
+        self.source.close()
