@@ -30,6 +30,8 @@ from checkpoints_conv.errors import CheckpointError
 from checkpoints_conv.tensor_source import TensorSource
 
 FIELDS = ("qweight", "scales", "offsets")
+# The group sizes jaxinfer's quantized matmul runs, per bit width (pallas_kernels.quantized_matmul.reference.GROUP_SIZES).
+RUNNABLE_GROUP_SIZES = {4: (128, 64, 32), 8: (128, 64, 32, 16)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,16 @@ class QuantLayout:
         dtype = np.dtype(self.scale_dtype) if same else np.dtype(np.float32)
         return QuantLayout(max(self.bits, other.bits), min(self.group_size, other.group_size),
                            self.has_offsets or other.has_offsets, dtype)
+
+    def runnable(self, cols: int) -> "QuantLayout":
+        """This layout with its groups split into the largest size the kernels run (a grid with
+        one group per row of `cols` columns, or groups of 256, widens to 128); CheckpointError
+        when no such size divides the group."""
+        for size in RUNNABLE_GROUP_SIZES[self.bits]:
+            if self.group_size % size == 0 and cols % size == 0:
+                return dataclasses.replace(self, group_size=size)
+        raise CheckpointError(f"groups of {self.group_size} (of {cols} columns) split into none of the sizes "
+                              f"{RUNNABLE_GROUP_SIZES[self.bits]} that {self.bits}-bit weights run with")
 
     def field_shapes(self, rows: int, cols: int) -> dict[str, tuple[tuple[int, int], np.dtype]]:
         """The stored arrays of a [rows, cols] matrix: field -> (HF-oriented shape, dtype)."""
@@ -161,6 +173,9 @@ class QuantizedSource(TensorSource):
             self._grid = (base, self.source.read_grid(base).widen(self.layouts[base]).stored())
         array = self._grid[1][field]
         return array if index is None else array[index]
+
+    def input_order(self, name: str):
+        return self.source.input_order(name)
 
     def close(self) -> None:
         self._grid = None

@@ -10,6 +10,7 @@ import numpy as np
 from checkpoints_conv.errors import CheckpointError
 from checkpoints_conv.gguf_io import GgufSource, iter_gguf_tensors, read_gguf_config
 from checkpoints_conv.hf import SafetensorsSource, iter_safetensors, read_hf_config
+from checkpoints_conv.hf_quantized import QuantizedHFSource, read_quantization_config
 from checkpoints_conv.tensor_source import TensorSource
 
 
@@ -34,5 +35,10 @@ def iter_checkpoint_tensors(path: str | Path, config: dict) -> Iterator[tuple[st
 
 
 def open_checkpoint(path: str | Path, config: dict) -> TensorSource:
-    """Random access to the tensors of a GGUF file or an HF model directory (see tensor_source)."""
-    return GgufSource(path, config) if is_gguf(path) else SafetensorsSource(path)
+    """Random access to the tensors of a GGUF file or an HF model directory (see tensor_source);
+    a directory quantized by GPTQ, AWQ or compressed-tensors through `QuantizedHFSource`."""
+    if is_gguf(path):
+        return GgufSource(path, config)
+    fmt = read_quantization_config(config, str(Path(path) / "config.json"))
+    source = SafetensorsSource(path)
+    return source if fmt is None else QuantizedHFSource(source, fmt, str(path))

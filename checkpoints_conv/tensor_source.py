@@ -5,6 +5,7 @@
                                   tensor in HF layout, in its stored dtype (GGUF: float32)
     source.quantized()         -> {hf_name: QuantLayout} of the tensors stored quantized
     source.read_grid(name)     -> one of them as a Grid of integers and scales (checkpoints_conv.quantized)
+    source.input_order(name)   -> the order its grid holds the input rows in (act-order), or None
     source.close()
 
 Readers: `hf.SafetensorsSource` (slices straight from the memory-mapped files),
@@ -35,6 +36,11 @@ class TensorSource:
     def read_grid(self, name: str):
         """A tensor of `quantized()` as a checkpoints_conv.quantized.Grid."""
         raise KeyError(f"tensor {name!r} is not stored quantized")
+
+    def input_order(self, name: str):
+        """For a tensor of `quantized()` whose grid holds its input rows reordered (GPTQ's
+        act-order): that order (int32 [K]: grid row i is input row order[i]); None otherwise."""
+        return None
 
     def close(self) -> None:
         pass

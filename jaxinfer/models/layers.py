@@ -29,6 +29,8 @@ def matmul(x: jax.Array, w: jax.Array | QuantizedWeight, kernels: Kernels = Kern
     if not isinstance(w, QuantizedWeight):
         return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
     x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+    if w.input_order is not None:  # act-order: the rows are stored sorted by group
+        x2 = jnp.take(x2, w.input_order, axis=1)
     y = kernels.quantized_matmul(x2, w.qweight, w.scales, w.offsets, mode=w.mode, group_size=w.group_size)
     return y.astype(jnp.float32).reshape(*x.shape[:-1], y.shape[-1])
 

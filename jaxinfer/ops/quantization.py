@@ -163,12 +163,15 @@ class QuantizedWeight:
     qweight, scales and offsets (None for a symmetric weight) are the pytree's leaves, laid out
     as in `pallas_kernels.quantized_matmul.reference`; mode, group_size and in_features (K, which
     a grouped weight may store padded) are static, so `jax.tree.map(lambda a: a[i], qw)` takes
-    layer i of a stacked weight and jit sees the mode as part of the program.
+    layer i of a stacked weight and jit sees the mode as part of the program. A checkpoint
+    quantized with act-order stores its rows sorted by group: `input_order` says which input
+    each row is, and the matmul reads x's columns in that order (x[..., input_order] @ rows).
     """
 
     qweight: jax.Array
     scales: jax.Array
     offsets: jax.Array | None = None
+    input_order: jax.Array | None = None  # int32 [..., K]: x's columns in the order of the rows (GPTQ act-order)
     mode: str = "int8"
     group_size: int | None = None
     in_features: int | None = None  # K; None: all of qweight's rows (2 per byte row for int4)
@@ -181,16 +184,21 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.qweight, self.scales, self.offsets) if a is not None)
+        return sum(a.nbytes for a in (self.qweight, self.scales, self.offsets, self.input_order) if a is not None)
 
     def dequantize(self) -> jax.Array:
-        """The float32 weight [..., K, N]."""
+        """The float32 weight [..., K, N] (rows in input order)."""
         w = qmm.dequantize(self.qweight, self.scales, self.offsets, mode=self.mode, group_size=self.group_size)
-        return w[..., : self.shape[-2], :]
+        w = w[..., : self.shape[-2], :]
+        if self.input_order is None:
+            return w
+        inverse = jnp.argsort(self.input_order, axis=-1)  # input k sits at row inverse[k]
+        return jnp.take_along_axis(w, inverse[..., :, None], axis=-2)
 
 
 jax.tree_util.register_dataclass(
-    QuantizedWeight, data_fields=["qweight", "scales", "offsets"], meta_fields=["mode", "group_size", "in_features"]
+    QuantizedWeight, data_fields=["qweight", "scales", "offsets", "input_order"],
+    meta_fields=["mode", "group_size", "in_features"]
 )
 
 

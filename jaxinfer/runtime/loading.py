@@ -27,6 +27,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import checkpoints_conv
@@ -134,15 +135,17 @@ def load_params(
     spec = quantized_loader_spec(config, jnp.dtype(param_dtype), parallel.tp, layouts)
     flat = checkpoints_conv.load_params(tensors, spec, model_type=config.model_type, source=str(source.path),
                                         shardings=param_shardings(config, mesh, parallel.tp, spec), progress=progress)
+    orders = input_orders(tensors, layouts, config, parallel.tp) if layouts else {}
     quantized = {}
     for name, layout in layouts.items():
         K, _ = quantized_in_out(name, param_shapes(config, parallel.tp)[name])
         quantized[name] = QuantizedWeight(flat.pop(f"{name}:qweight"), flat.pop(f"{name}:scales"), flat.pop(f"{name}:offsets", None),
-                                          mode=layout.mode, group_size=layout.group_size, in_features=K)
+                                          orders.get(name), mode=layout.mode, group_size=layout.group_size, in_features=K)
     nnx.replace_by_pure_dict(state, flat_to_nested(flat))
     return replace_weights(graphdef, state, quantized) if quantized else (graphdef, state)
 
 
+ROW_PARALLEL = ("layers.o_proj", "layers.down_proj", "lm_head", "embed")  # K split over the tensor axis
 QUANTIZABLE = MATMUL_WEIGHT_NAMES | {"embed"}  # what the model runs quantized (the embedding: a column gather)
 
 
@@ -165,10 +168,43 @@ def stored_quantization(tensors, config: ModelConfig, tp: int) -> tuple[dict, di
     shapes = param_shapes(config, tp)
     for name, layout in layouts.items():
         K, _ = quantized_in_out(name, shapes[name])
-        if tp > 1 and name in ("layers.o_proj", "layers.down_proj", "lm_head", "embed") and (K // tp) % layout.group_size:
+        if tp > 1 and name in ROW_PARALLEL and (K // tp) % layout.group_size:
             raise ValueError(f"tensor_parallel_size={tp}: {name} has {K} input rows, {K // tp} per shard, not whole "
                              f"groups of the checkpoint's {layout.group_size}; load it as floats (dtype='float32')")
     return layouts, {hf: layouts[param] for hf, param in param_of.items() if param in layouts}
+
+
+def input_orders(tensors: checkpoints_conv.QuantizedSource, layouts: dict, config: ModelConfig, tp: int) -> dict[str, np.ndarray]:
+    """param -> the order its quantized rows hold the inputs in ([L, K] stacked, [K] global), for
+    the params stored with act-order. The tensors fused into one param must share their order
+    (GPTQ computes it from the inputs, which q, k and v share); a row-parallel weight cannot be
+    split over tensor shards with one (x's columns would move between shards)."""
+    names = checkpoints_conv.arch_names(config.model_type)
+    found: dict[str, dict] = {}  # param -> {layer: order or None}
+    for hf_name in tensors.layouts:  # a QuantizedSource: the quantized tensors by HF name
+        target = names.target(hf_name)
+        order = tensors.input_order(hf_name)
+        per_layer = found.setdefault(target.param, {})
+        if target.layer in per_layer and not _same_order(per_layer[target.layer], order):
+            raise ValueError(f"{hf_name}: its act-order differs from the other tensors fused into {target.param!r}; "
+                             f"load it as floats (dtype='float32')")
+        per_layer[target.layer] = order
+    out = {}
+    for param, per_layer in found.items():
+        if all(order is None for order in per_layer.values()):
+            continue
+        if tp > 1 and param in ROW_PARALLEL:
+            raise ValueError(f"{param}: stored with act-order (GPTQ desc_act), which a tensor-parallel split of its "
+                             f"input rows cannot keep; use tensor_parallel_size=1 or a checkpoint without act-order")
+        K, _ = quantized_in_out(param, param_shapes(config, tp)[param])
+        natural = np.arange(K, dtype=np.int32)
+        rows = [natural if per_layer[layer] is None else per_layer[layer] for layer in sorted(per_layer, key=lambda x: x or 0)]
+        out[param] = np.stack(rows) if None not in per_layer else rows[0]
+    return out
+
+
+def _same_order(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))
 
 
 def relayout(flat: dict, config: ModelConfig, tp_from: int, tp_to: int, shardings: dict) -> dict:

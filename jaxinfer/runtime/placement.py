@@ -19,12 +19,15 @@ from jaxinfer.ops.kv_cache import KVCache
 from sharding import rules
 
 
-def param_spec(axes: tuple, shape: tuple[int, ...], mesh: Mesh | None = None, *, scales: bool = False) -> PartitionSpec:
-    """PartitionSpec of one parameter with logical `axes` and `shape`. `scales`: the per-column
-    scales of a quantized weight ([..., N]: the weight's axes without its input dim). With a
-    mesh, an axis whose size does not divide the dimension is dropped (the dimension stays whole)."""
-    if scales and len(shape) == len(axes) - 1:
+def param_spec(axes: tuple, shape: tuple[int, ...], mesh: Mesh | None = None, *, field: str | None = None) -> PartitionSpec:
+    """PartitionSpec of one parameter with logical `axes` and `shape`, or of one `field` of a
+    quantized one: per-column scales ([..., N]) drop the input dim's axis, an input order
+    ([..., K]) the output dim's. With a mesh, an axis whose size does not divide the dimension is
+    dropped (the dimension stays whole)."""
+    if field in ("scales", "offsets") and len(shape) == len(axes) - 1:
         axes = axes[:-2] + axes[-1:]
+    if field == "input_order":
+        axes = axes[:-1]
     spec = rules.logical_to_spec(axes)
     if mesh is None:
         return spec
@@ -39,7 +42,7 @@ def param_partition_specs(params, config: ModelConfig) -> object:
     for path, leaf in leaves:
         name = ".".join(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
         field = path[-1].name if isinstance(path[-1], jax.tree_util.GetAttrKey) else None  # of a QuantizedWeight
-        specs.append(param_spec(quantized_axes(name) if field else axes[name], leaf.shape, scales=field in ("scales", "offsets")))
+        specs.append(param_spec(quantized_axes(name) if field else axes[name], leaf.shape, field=field))
     return jax.tree_util.tree_unflatten(treedef, specs)
 
 
