@@ -153,7 +153,7 @@ def grid_from_zeros(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray, bits: 
 
 def sort_groups(g_idx: np.ndarray, group_size: int, name: str) -> np.ndarray | None:
     """The order that makes the groups of `g_idx` contiguous (None when they already are);
-    CheckpointError if its groups are not all `group_size` rows."""
+    CheckpointError if its groups are not all `group_size` rows (the last one: what is left)."""
     K = len(g_idx)
     if np.array_equal(g_idx, np.arange(K) // group_size):
         return None
@@ -225,7 +225,7 @@ class QuantizedHFSource(TensorSource):
     def _zeros(self, module: str, N: int, K: int) -> np.ndarray:
         """Zero points unsigned, [N, G]."""
         bits, fmt = self.fmt.bits, self.fmt
-        G = K // (fmt.group_size or K)
+        G = -(-K // (fmt.group_size or K))
         if fmt.method == "gptq":
             zeros = unpack_cols(self.source.read(f"{module}.qzeros"), bits)[:, :N].T.astype(np.int16)
             return zeros + (1 if fmt.zeros_minus_one else 0)
@@ -241,8 +241,6 @@ class QuantizedHFSource(TensorSource):
         N, K = self.layers[name]
         fmt, bits = self.fmt, self.fmt.bits
         group = fmt.group_size or K
-        if K % group:
-            raise CheckpointError(f"{self.path}: {module}: K = {K} is not a multiple of the group size {group}")
         if fmt.method == "gptq":
             q = unpack_rows(self.source.read(f"{module}.qweight"), bits)[:K].T                 # [N, K]
             scales = self.source.read(f"{module}.scales").T                                     # [N, G]

@@ -60,17 +60,21 @@ class QuantLayout:
     def runnable(self, cols: int) -> "QuantLayout":
         """This layout with its groups split into the largest size the kernels run (a grid with
         one group per row of `cols` columns, or groups of 256, widens to 128); CheckpointError
-        when no such size divides the group."""
+        when no such size divides the group (`cols`: the matrix's, for the message)."""
         for size in RUNNABLE_GROUP_SIZES[self.bits]:
-            if self.group_size % size == 0 and cols % size == 0:
+            if self.group_size % size == 0:
                 return dataclasses.replace(self, group_size=size)
         raise CheckpointError(f"groups of {self.group_size} (of {cols} columns) split into none of the sizes "
                               f"{RUNNABLE_GROUP_SIZES[self.bits]} that {self.bits}-bit weights run with")
 
     def field_shapes(self, rows: int, cols: int) -> dict[str, tuple[tuple[int, int], np.dtype]]:
-        """The stored arrays of a [rows, cols] matrix: field -> (HF-oriented shape, dtype)."""
-        groups = (rows, cols // self.group_size)
-        shapes = {"qweight": ((rows, cols // 2), np.dtype(np.uint8)) if self.bits == 4 else ((rows, cols), np.dtype(np.int8)),
+        """The stored arrays of a [rows, cols] matrix: field -> (HF-oriented shape, dtype). When the
+        group size does not divide cols, the last group is partial and the stored integers are
+        padded with zero columns to whole groups (the model reads zero inputs there)."""
+        num_groups = -(-cols // self.group_size)
+        padded = num_groups * self.group_size
+        groups = (rows, num_groups)
+        shapes = {"qweight": ((rows, padded // 2), np.dtype(np.uint8)) if self.bits == 4 else ((rows, padded), np.dtype(np.int8)),
                   "scales": (groups, np.dtype(self.scale_dtype))}
         if self.has_offsets:
             shapes["offsets"] = (groups, np.dtype(self.scale_dtype))
@@ -88,6 +92,10 @@ class Grid:
     offsets: np.ndarray | None
     layout: QuantLayout
 
+    def per_column(self, a: np.ndarray) -> np.ndarray:
+        """Per-group numbers [rows, G] -> [rows, cols] (each column's group's)."""
+        return np.repeat(a, self.layout.group_size, axis=-1)[:, : self.values.shape[1]]
+
     def widen(self, layout: QuantLayout) -> "Grid":
         """The same numbers in `layout` (at least as wide in every respect as this one's)."""
         if layout == self.layout:
@@ -102,18 +110,23 @@ class Grid:
             if layout.bits == 4:  # int4 with offsets reads the nibble unshifted: v + 8, offset -8 scale
                 values, offsets = values + np.int8(8), -8 * scales
         repeat = self.layout.group_size // layout.group_size  # each group split into `repeat` smaller ones
-        scales = np.repeat(scales, repeat, axis=-1)
-        offsets = None if offsets is None else np.repeat(offsets, repeat, axis=-1)
+        num_groups = -(-values.shape[1] // layout.group_size)  # (a partial last group may need fewer)
+        scales = np.repeat(scales, repeat, axis=-1)[:, :num_groups]
+        offsets = None if offsets is None else np.repeat(offsets, repeat, axis=-1)[:, :num_groups]
         return Grid(values, scales.astype(layout.scale_dtype), None if offsets is None else offsets.astype(layout.scale_dtype),
                     layout)
 
     def stored(self) -> dict[str, np.ndarray]:
-        """field -> array as `QuantLayout.field_shapes` describes (int4: nibbles packed in pairs of columns)."""
+        """field -> array as `QuantLayout.field_shapes` describes (int4: nibbles packed in pairs of
+        columns; a partial last group padded with zeros)."""
+        rows, cols = self.values.shape
+        values = np.zeros((rows, self.scales.shape[1] * self.layout.group_size), np.int16)
+        values[:, :cols] = self.values
         if self.layout.bits == 4:
-            u = (self.values.astype(np.int16) + (0 if self.layout.has_offsets else 8)).astype(np.uint8)
+            u = (values + (0 if self.layout.has_offsets else 8)).astype(np.uint8)
             qweight = u[:, 0::2] | (u[:, 1::2] << 4)  # column 2i in the low nibble, 2i + 1 in the high
         else:
-            qweight = self.values.astype(np.int8)
+            qweight = values.astype(np.int8)
         out = {"qweight": qweight, "scales": self.scales}
         if self.offsets is not None:
             out["offsets"] = self.offsets
@@ -121,12 +134,10 @@ class Grid:
 
     def dequantize(self) -> np.ndarray:
         """float32 [rows, cols]: for tests and for a float load."""
-        g = self.layout.group_size
-        rows, cols = self.values.shape
-        w = self.values.astype(np.float32).reshape(rows, cols // g, g) * self.scales.astype(np.float32)[..., None]
+        w = self.values.astype(np.float32) * self.per_column(self.scales.astype(np.float32))
         if self.offsets is not None:
-            w = w + self.offsets.astype(np.float32)[..., None]
-        return w.reshape(rows, cols)
+            w = w + self.per_column(self.offsets.astype(np.float32))
+        return w
 
 
 def param_layouts(layouts: Mapping[str, QuantLayout], param_of: Mapping[str, str]) -> dict[str, QuantLayout]:
@@ -159,9 +170,8 @@ class QuantizedSource(TensorSource):
             if layout is None:
                 out.append((name, shape))
                 continue
-            if len(shape) != 2 or shape[1] % layout.group_size:
-                raise CheckpointError(f"quantized tensor {name!r} of shape {shape}: expected [rows, cols] with cols "
-                                      f"a multiple of the group size {layout.group_size}")
+            if len(shape) != 2:
+                raise CheckpointError(f"quantized tensor {name!r} of shape {shape}: expected [rows, cols]")
             out += [(f"{name}:{field}", s) for field, (s, _) in layout.field_shapes(*shape).items()]
         return out
 

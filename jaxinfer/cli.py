@@ -1,4 +1,4 @@
-"""`jaxinfer generate | chat | serve | convert | aot`.
+"""`jaxinfer generate | chat | serve | quantize | convert | aot`.
 
 Parallel runs: `--tensor-parallel-size/-tp`, `--data-parallel-size/-dp`,
 `--sequence-parallel-size/-sp`, `--expert-parallel-size/-ep` (or `--enable-expert-parallel`)
@@ -235,6 +235,21 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    from jaxinfer.calibration import quantize
+
+    text = None
+    if args.calibration_file:
+        with open(args.calibration_file) as f:
+            text = f.read()
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
+    out = quantize(args.model, args.out, method=args.method, bits=args.bits, group_size=args.group_size,
+                   symmetric=args.symmetric, act_order=args.act_order, calibration_text=text, num_tokens=args.num_tokens,
+                   seq_len=args.seq_len, log=log)
+    print(f"wrote {out} ({args.method}, {args.bits}-bit, groups of {args.group_size})")
+    return 0
+
+
 def cmd_aot(args) -> int:
     import jax
 
@@ -304,6 +319,20 @@ def main(argv=None) -> int:
                    help="on SIGTERM: seconds in-flight requests get to finish before they are aborted")
     s.add_argument("--warmup", action="store_true", help="compile every shape bucket before accepting requests")
     s.set_defaults(func=cmd_serve)
+
+    q = sub.add_parser("quantize", help="quantize a model's weights (RTN, GPTQ or AWQ from calibration text) into a checkpoint")
+    q.add_argument("model", nargs="?", default=None, help="HF folder, .gguf or converted folder (default: embedded SmolLM2)")
+    q.add_argument("out", help="the folder to write (GPTQ, AWQ or compressed-tensors layout; LLM(out) loads it)")
+    q.add_argument("--method", choices=("rtn", "gptq", "awq"), default="gptq")
+    q.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    q.add_argument("--group-size", type=int, default=128)
+    q.add_argument("--symmetric", action="store_true", help="no zero points (GPTQ, RTN)")
+    q.add_argument("--act-order", action="store_true", help="GPTQ: quantize inputs in order of importance (desc_act)")
+    q.add_argument("--calibration-file", default=None, help="text to calibrate on (default: jaxinfer/calibration/calibration.txt)")
+    q.add_argument("--num-tokens", type=int, default=512, help="calibration tokens")
+    q.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
+    q.add_argument("--verbose", "-v", action="store_true", help="print each layer's time")
+    q.set_defaults(func=cmd_quantize, coordinator=None, num_processes=None, process_id=None, multihost=False)
 
     v = sub.add_parser("convert", help="convert an HF folder or GGUF file to a jaxinfer (orbax) folder")
     v.add_argument("src")

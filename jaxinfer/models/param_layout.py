@@ -172,13 +172,11 @@ def loader_spec(config: ModelConfig, dtype, tp: int = 1) -> dict[str, tuple]:
 def quantized_loader_spec(config: ModelConfig, dtype, tp: int, layouts: dict) -> dict[str, tuple]:
     """`loader_spec` with each parameter of `layouts` (name -> checkpoints_conv.quantized.QuantLayout)
     replaced by its stored arrays `<name>:<field>` ([..., K / 2 or K, N] and [..., K / g, N], the
-    same fused columns). ValueError when a group would straddle K's end."""
+    same fused columns; K padded to whole groups)."""
     spec = loader_spec(config, dtype, tp)
     for name, layout in layouts.items():
         shape, _, columns = spec.pop(name)
         K, N = quantized_in_out(name, shape)
-        if K % layout.group_size:
-            raise ValueError(f"param {name!r}: K = {K} is not a multiple of the checkpoint's group size {layout.group_size}")
         for field, ((rows, cols), field_dtype) in layout.field_shapes(N, K).items():
             spec[f"{name}:{field}"] = ((*shape[:-2], cols, rows), field_dtype, columns)
     return spec
