@@ -25,6 +25,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--quantization", default=None, help="weight-only quantization: none | int8 | int4 | fp8")
+    p.add_argument("--quantization-group-size", type=int, default=None, help="int4: 32 | 64 | 128 (default 128); int8: per group")
+    p.add_argument("--keep-checkpoint-quantization", action=argparse.BooleanOptionalAction, default=None,
+                   help="run a GGUF / GPTQ / AWQ checkpoint's matrices in their own grid (default: on TPU / GPU, not on the CPU)")
     p.add_argument("--kernel-impl", "--attention-impl", dest="kernel_impl", default="auto",
                    help="auto | reference | pallas | pallas-tpu | pallas-gpu (see jaxinfer.ops.kernels)")
     par = p.add_argument_group("parallelism (a device mesh over every process's devices)")
@@ -90,7 +93,8 @@ def _llm(args, **extra):
     from jaxinfer import LLM
 
     return LLM(
-        args.model, dtype=args.dtype, quantization=args.quantization, kernel_impl=args.kernel_impl,
+        args.model, dtype=args.dtype, quantization=args.quantization, quantization_group_size=args.quantization_group_size,
+        keep_checkpoint_quantization=args.keep_checkpoint_quantization, kernel_impl=args.kernel_impl,
         max_model_len=args.max_model_len, page_size=args.page_size,
         num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,

@@ -44,10 +44,18 @@ class LLM:
       compute_dtype: dtype of activations, norms and the residual stream (default: float32 on
         CPU, where bfloat16 elementwise work is slow, bfloat16 elsewhere).
       kv_cache_dtype: dtype of the KV pages (default: compute_dtype).
-      quantization: weight-only quantization of the matmul weights after loading: None / "none",
-        "int8" (per output channel), "int4" (per group of `quantization_group_size` input rows,
-        packed two per byte) or "fp8" (e4m3, per output channel). The embedding stays in `dtype`.
-      quantization_group_size: int4 group size, 32, 64 or 128.
+      quantization: weight-only quantization of the matmul weights after loading (round to
+        nearest): None / "none", "int8" (per output channel, or per group of
+        `quantization_group_size` input rows), "int4" (per group, packed two per byte) or "fp8"
+        (e4m3, per output channel). The embedding stays in `dtype`.
+      quantization_group_size: groups of input rows sharing a scale: int4 32, 64 or 128 (default
+        128); int8 16..128 (default: one scale per output column).
+      quantization_symmetric: False: a scale and an offset per group (int4, grouped int8).
+      keep_checkpoint_quantization: run the matrices a checkpoint stores quantized (GGUF blocks,
+        GPTQ, AWQ, compressed-tensors) in their own integer grid, no float copy made (True), or
+        dequantize them at load (False). Default: on TPU / GPU yes, unless a dtype or quantization
+        is given; on the CPU no (XLA:CPU dequantizes a whole matrix to float32 before every dot,
+        which makes a Q4_1 decode step 3.8x slower than the float one).
       kernel_impl (alias attention_impl): "auto" (Pallas kernels on TPU and GPU, the XLA paths on
         the CPU), "reference", "pallas" (on the CPU: the TPU kernels in interpret mode, slow), or
         "pallas-tpu" / "pallas-gpu" to pick a platform's kernels (interpret mode elsewhere). Covers

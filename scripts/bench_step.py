@@ -60,7 +60,9 @@ def _csv(s: str) -> list[str]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtypes", type=_csv, default=["float32", "bfloat16"], help="parameter dtypes (default float32,bfloat16)")
+    p.add_argument("--dtypes", type=_csv, default=["float32", "bfloat16"],
+                   help=f"parameter dtypes (default float32,bfloat16); {GGUF_GRID!r}: jaxinfer runs the GGUF's matrices "
+                        f"in their own 4-bit grid (transformers has no such mode and skips it)")
     p.add_argument("--batches", type=_csv_ints, default=[1, 8, 32], help="decode batch sizes (default 1,8,32)")
     p.add_argument("--context", type=int, default=512, help="KV context of every decoding sequence (default 512)")
     p.add_argument("--prefill-len", type=int, default=512, help="prompt length of the prefill measurement (default 512)")
@@ -106,8 +108,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
+GGUF_GRID = "gguf"  # --dtypes entry: the GGUF file's own quantized matrices
+
 def _steps_for(args, dtype: str) -> int:
-    return args.steps if dtype == "float32" else args.bf16_steps
+    return args.steps if dtype in ("float32", GGUF_GRID) else args.bf16_steps
 
 
 class Phases:
@@ -189,7 +193,7 @@ def run_jaxinfer(args, dtype: str) -> dict:
     max_tokens = max(512, args.prefill_len)
     llm = LLM(
         args.model,
-        dtype=dtype,
+        dtype="auto" if dtype == GGUF_GRID else dtype,  # "auto": the GGUF's matrices in their own grid
         compute_dtype="float32",
         max_model_len=pages_per_seq * page_size,
         page_size=page_size,
@@ -763,6 +767,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     for system in systems:
         for dtype in args.dtypes if system != "llama.cpp" else [LLAMA_CPP_DTYPE]:
+            if system == "transformers" and dtype == GGUF_GRID:
+                continue
             log(f"== {system} {dtype} (loadavg {os.getloadavg()[0]:.2f})")
             r = run_child(args, system, dtype)
             if "error" in r:

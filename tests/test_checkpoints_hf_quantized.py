@@ -188,12 +188,13 @@ def test_quantized_checkpoint_computes_what_its_dequantized_weights_compute(tiny
 
 def test_a_quantized_folder_serves_through_llm(tiny, tmp_path):
     write_quantized(tiny, tmp_path / "q", "gptq", act_order=True)
-    llm = LLM(str(tmp_path / "q"), max_model_len=64, page_size=4, num_pages=32, max_num_batched_tokens=16, progress=False)
+    llm = LLM(str(tmp_path / "q"), keep_checkpoint_quantization=True, max_model_len=64, page_size=4, num_pages=32,
+              max_num_batched_tokens=16, progress=False)
     assert isinstance(llm.runner.params["layers"]["qkv_proj"].get_value(), QuantizedWeight)
     out = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
-    floats = LLM(str(tmp_path / "q"), dtype="float32", max_model_len=64, page_size=4, num_pages=32,
-                 max_num_batched_tokens=16, progress=False)  # dtype= asks for the dequantized floats
+    floats = LLM(str(tmp_path / "q"), max_model_len=64, page_size=4, num_pages=32,
+                 max_num_batched_tokens=16, progress=False)  # the CPU default: dequantized at load
     assert not isinstance(floats.runner.params["layers"]["qkv_proj"].get_value(), QuantizedWeight)
     assert floats.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                            use_tqdm=False)[0].outputs[0].token_ids == out.outputs[0].token_ids

@@ -70,7 +70,10 @@ def test_llm_quantization_option_generates_and_shrinks_the_weights(tiny_qwen2):
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [(dict(quantization="int3"), "quantization='int3'"), (dict(quantization="int4", quantization_group_size=100), "quantization_group_size=100")],
+    [(dict(quantization="int3"), "quantization='int3'"), (dict(quantization="int4", quantization_group_size=100), "quantization_group_size=100"),
+     (dict(quantization="fp8", quantization_group_size=32), "quantization_group_size=32"),
+     (dict(quantization="int8", quantization_symmetric=False), "quantization_symmetric=False needs a quantization_group_size"),
+     (dict(keep_checkpoint_quantization=True, quantization="int8"), "keep_checkpoint_quantization=True")],
 )
 def test_bad_quantization_options_are_rejected_by_name(tiny_qwen2, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -51,7 +51,7 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
     tokenizer_thread.shutdown(wait=False)
     weights = load_params(source, model_config, config.param_dtype, config.activation_dtype, kernels=config.kernels,
                           parallel=parallel, mesh=mesh, progress=config.progress,
-                          keep_quantized=config.keep_checkpoint_quantization)
+                          keep_quantized=config.keeps_checkpoint_quantization)
     placed = place_weights(model_config, config, mesh, weights, quantization=config.quantization)
     clock.mark("weights")
     tokenizer, tokenizer_seconds = tokenizer_future.result()
@@ -143,7 +143,7 @@ def build_draft_runner(spec: SpeculativeConfig, model_config: ModelConfig, confi
             )
         weights = load_params(source, draft_config, config.param_dtype, config.activation_dtype, kernels=config.kernels,
                               parallel=parallel, mesh=mesh, progress=config.progress,
-                              keep_quantized=config.dtype == "auto" and spec.quantization is None)
+                              keep_quantized=config.keeps_checkpoint_quantization and spec.quantization is None)
     if spec.num_layers is not None:
         if spec.num_layers >= draft_config.num_layers:
             raise ValueError(f"speculative_config['num_layers']={spec.num_layers}: the model has only "
