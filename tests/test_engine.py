@@ -82,7 +82,7 @@ def test_a_pool_too_small_preempts_and_everything_still_completes_identically(mo
     computed = []
     if mode == "swap":  # count the tokens restored from host memory instead of recomputed
         original = small.runner.write_pages
-        small.runner.write_pages = lambda replica, pages, k, v: (computed.append(len(pages)), original(replica, pages, k, v))
+        small.runner.write_pages = lambda replica, pages, saved: (computed.append(len(pages)), original(replica, pages, saved))
     assert together(small, prompts, params) == reference
     assert small.engine.get_stats().num_preemptions > 0
     assert (sum(computed) > 0) == (mode == "swap")

@@ -27,7 +27,7 @@ from jaxinfer.ops.batch import BucketKey, Buckets
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.model_runner import empty_inputs
 from jaxinfer.ops.kernels import Kernels
-from jaxinfer.ops.kv_cache import KVCache
+from jaxinfer.ops.kv_cache import KVCache, is_quantized
 from jaxinfer.ops.quantization import quantize_model
 from jaxinfer.runtime.loading import abstract_model
 from jaxinfer.runtime.placement import kv_partition_spec, param_partition_specs
@@ -102,26 +102,29 @@ class AbstractStep:
         num_pages = shape.num_pages or shape.pages_needed()
         replicas = parallel.num_replicas
         kv_shape = KVCache.shape(config, num_pages * replicas, shape.page_size, kv_dtype, tp=parallel.tp, kernels=kernels)
-        kv_struct = jax.ShapeDtypeStruct(kv_shape, kv_dtype, sharding=NamedSharding(mesh, kv_partition_spec().k))
+        kv_specs = kv_partition_spec(is_quantized(kv_dtype))
+        struct = lambda shp, dt, spec: jax.ShapeDtypeStruct(shp, dt, sharding=NamedSharding(mesh, spec))  # noqa: E731
+        kv = KVCache(k=struct(kv_shape, kv_dtype, kv_specs.k), v=struct(kv_shape, kv_dtype, kv_specs.v))
+        if kv_specs.k_scale is not None:  # a quantized pool: a float32 scale per token and head
+            kv.k_scale, kv.v_scale = (struct(kv_shape[:-1], jnp.float32, kv_specs.k_scale) for _ in range(2))
         buckets = Buckets.default(shape.max_num_batched_tokens, min(shape.max_num_seqs, shape.max_num_batched_tokens),
                                   shape.pages_per_seq, token_multiple=parallel.sp)
         step = StepFunction(graphdef, NUM_TOP_LOGPROBS, max_rows=buckets.max_tokens, mesh=mesh, param_specs=specs)
-        return cls(config, target, parallel, shape, mesh, step, params, KVCache(k=kv_struct, v=kv_struct), buckets, num_pages)
+        return cls(config, target, parallel, shape, mesh, step, params, kv, buckets, num_pages)
 
     def with_num_pages(self, num_pages: int) -> "AbstractStep":
         """The same step over a KV pool of `num_pages` pages per replica."""
         shape = dataclasses.replace(self.shape, num_pages=num_pages)
-        k = self.kv.k
-        kv_shape = (k.shape[0], num_pages * self.parallel.num_replicas) + k.shape[2:]
-        kv_struct = jax.ShapeDtypeStruct(kv_shape, k.dtype, sharding=k.sharding)
-        return dataclasses.replace(self, shape=shape, kv=KVCache(k=kv_struct, v=kv_struct), num_pages=num_pages)
+        kv = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], num_pages * self.parallel.num_replicas) + a.shape[2:],
+                                                         a.dtype, sharding=a.sharding), self.kv)
+        return dataclasses.replace(self, shape=shape, kv=kv, num_pages=num_pages)
 
     # ------------------------------------------------------------------ per chip
     def weight_bytes_per_chip(self) -> int:
         return sum(_shard_bytes(a) for a in jax.tree.leaves(self.params))
 
     def kv_bytes_per_chip(self) -> int:
-        return 2 * _shard_bytes(self.kv.k)
+        return sum(_shard_bytes(a) for a in jax.tree.leaves(self.kv))  # K, V and a quantized pool's scales
 
     def kv_bytes_per_page_per_chip(self) -> int:
         return self.kv_bytes_per_chip() // self.num_pages  # a chip holds its replica's num_pages pages

@@ -25,7 +25,7 @@ from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.spec_decode import NgramProposer, SpeculativeConfig
 from jaxinfer.models.draft_heads import load_heads
-from jaxinfer.ops.kv_cache import KVCache
+from jaxinfer.ops.kv_cache import KVCache, is_quantized
 from jaxinfer.ops.quantization import cast_scales, default_group_size, quantize_model
 from jaxinfer.runtime.loading import abstract_model, load_params, read_config, resolve_model
 from jaxinfer.runtime.placement import kv_partition_spec, param_partition_specs, put_global
@@ -97,9 +97,11 @@ def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights:
                  return_hidden: bool = False) -> ModelRunner:
     """A model's runner on `mesh`: its placed weights and a KV pool of the (resolved) config's page geometry."""
     parallel = config.parallel(model_config)
-    kv_sharding = jax.sharding.NamedSharding(mesh, kv_partition_spec().k)
+    specs = kv_partition_spec(quantized=is_quantized(config.kv_dtype))
     kv = KVCache.create(model_config, config.num_pages * parallel.num_replicas, config.page_size, config.kv_dtype,
-                        tp=parallel.tp, sharding=kv_sharding, kernels=config.kernels)
+                        tp=parallel.tp, sharding=jax.sharding.NamedSharding(mesh, specs.k),
+                        scale_sharding=jax.sharding.NamedSharding(mesh, specs.k_scale) if specs.k_scale else None,
+                        kernels=config.kernels)
     return ModelRunner(weights.graphdef, weights.params, kv, config.buckets(parallel), num_top_logprobs=num_top_logprobs,
                        mesh=mesh, param_specs=weights.param_specs, return_hidden=return_hidden)
 

@@ -18,7 +18,6 @@ jaxinfer's own: `page_size` (vLLM's `block_size`), `num_pages` (vLLM's
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Any
 
@@ -34,21 +33,23 @@ from jaxinfer.ops.quantization import GROUP_SIZES, MODES, default_group_size
 from sharding.mesh import ParallelConfig, ShardingError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+KV_DTYPES = {**DTYPES, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "float8_e4m3fn": jnp.float8_e4m3fn}
 PREEMPTION_MODES = ("recompute", "swap")
 
 
-def dtype_of(name: str | Any | None, what: str = "dtype"):
+def dtype_of(name: str | Any | None, what: str = "dtype", names: dict = DTYPES):
     """"auto" | "float32" | "bfloat16" | "float16" | a numpy/jax dtype -> the jnp scalar type
-    ("auto": float32 on the CPU, bfloat16 elsewhere); None stays None."""
+    ("auto": float32 on the CPU, bfloat16 elsewhere); None stays None. `names`: the names allowed
+    (KV_DTYPES for kv_cache_dtype: also "int8" and "fp8")."""
     if name is None:
         return None
     if not isinstance(name, str):
         return jnp.dtype(name).type
     if name == "auto":
         return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    if name not in DTYPES:
-        raise ValueError(f"{what}={name!r}: expected one of 'auto', {', '.join(map(repr, DTYPES))}")
-    return DTYPES[name]
+    if name not in names:
+        raise ValueError(f"{what}={name!r}: expected one of 'auto', {', '.join(map(repr, names))}")
+    return names[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +102,9 @@ class EngineConfig:
                                  f"for quantization={self.quantization!r} (None: one scale per output column)")
             if not self.quantization_symmetric and self.quantization_group_size is None:
                 raise ValueError(f"quantization_symmetric=False needs a quantization_group_size (offsets are per group)")
-        for field in ("dtype", "compute_dtype", "kv_cache_dtype"):
+        for field in ("dtype", "compute_dtype"):
             dtype_of(getattr(self, field), field)  # raises for an unknown name
+        dtype_of(self.kv_cache_dtype, "kv_cache_dtype", KV_DTYPES)
         if self.keep_checkpoint_quantization and (self.quantization is not None or self.dtype != "auto"):
             raise ValueError("keep_checkpoint_quantization=True runs the checkpoint's own grid: it takes neither a "
                              f"quantization ({self.quantization!r}) nor a dtype ({self.dtype!r}) of its own")
@@ -144,7 +146,7 @@ class EngineConfig:
 
     @property
     def kv_dtype(self):
-        return dtype_of(self.kv_cache_dtype, "kv_cache_dtype") or self.activation_dtype
+        return dtype_of(self.kv_cache_dtype, "kv_cache_dtype", KV_DTYPES) or self.activation_dtype
 
     @property
     def kernels(self) -> Kernels:
@@ -174,9 +176,8 @@ class EngineConfig:
         pages_per_seq = -(-max_model_len // self.page_size)
         num_pages = self.num_pages
         if num_pages is None:
-            kv_shape = KVCache.shape(model_config, 1, self.page_size, self.kv_dtype, tp=self.tensor_parallel_size,
-                                     kernels=self.kernels)
-            page_bytes = 2 * math.prod(kv_shape) * jnp.dtype(self.kv_dtype).itemsize
+            page_bytes = KVCache.page_bytes(model_config, self.page_size, self.kv_dtype, tp=self.tensor_parallel_size,
+                                            kernels=self.kernels)
             num_pages = max(2, min(self.kv_cache_memory_bytes // page_bytes, self.max_num_seqs * pages_per_seq + 1))
         return dataclasses.replace(self, max_model_len=max_model_len, num_pages=num_pages)
 

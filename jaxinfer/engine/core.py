@@ -31,6 +31,8 @@ import dataclasses
 import threading
 import time
 
+import jax
+
 from jaxinfer.engine.block_manager import BlockManager, OutOfPagesError
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.model_runner import InFlightStep, ModelRunner, RowResult
@@ -143,11 +145,9 @@ class EngineCore:
         copies = []
         for r, (plan, replica) in enumerate(zip(plans, self.replicas)):
             for seq, pages, num_computed in plan.swap_out:  # before anything can overwrite the freed pages
-                k, v = self.runner.read_pages(r, pages)
-                seq.swapped = SwappedKV(k, v, num_computed)
+                seq.swapped = SwappedKV(self.runner.read_pages(r, pages), num_computed)
             for seq, first, pages in plan.swap_in:
-                self.runner.write_pages(r, pages, seq.swapped.k[:, first : first + len(pages)],
-                                        seq.swapped.v[:, first : first + len(pages)])
+                self.runner.write_pages(r, pages, jax.tree.map(lambda a: a[:, first : first + len(pages)], seq.swapped.pages))
                 replica.block_manager.mark_computed(seq.seq_id, seq.num_computed, seq.token_ids)
                 seq.swapped = None
             copies += [(r, copy) for copy in plan.page_copies]

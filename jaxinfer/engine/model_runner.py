@@ -293,17 +293,18 @@ class ModelRunner:
         dst = np.zeros(n, np.int32)
         for i, (replica, (s, d)) in enumerate(copies):
             src[i], dst[i] = self._global_pages(replica, [s, d])
-        self.kv = page_ops(self.step_fn.mesh).copy(self.kv, src, dst)
+        self.kv = page_ops(self.step_fn.mesh, self.kv.quantized).copy(self.kv, src, dst)
 
-    def read_pages(self, replica: int, pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """K and V of a replica's pages, all layers, on the host: [L, len(pages), page_size, Hkv, D]
-        each (all KV heads, gathered from their tensor shards; every process gets them)."""
-        k, v = page_ops(self.step_fn.mesh).read(self.kv, self._global_pages(replica, pages))
-        return np.asarray(k), np.asarray(v)
+    def read_pages(self, replica: int, pages: Sequence[int]) -> KVCache:
+        """A replica's pages, all layers, on the host: a KVCache of numpy arrays, k and v
+        [L, len(pages), page_size, Hkv, D] (and a quantized pool's scales) (all KV heads,
+        gathered from their tensor shards; every process gets them)."""
+        saved = page_ops(self.step_fn.mesh, self.kv.quantized).read(self.kv, self._global_pages(replica, pages))
+        return jax.tree.map(np.asarray, saved)
 
-    def write_pages(self, replica: int, pages: Sequence[int], k: np.ndarray, v: np.ndarray) -> None:
-        """Writes host K/V (as read_pages returns them) into a replica's pages, in place."""
-        self.kv = page_ops(self.step_fn.mesh).write(self.kv, self._global_pages(replica, pages), k, v)
+    def write_pages(self, replica: int, pages: Sequence[int], saved: KVCache) -> None:
+        """Writes host pages (as read_pages returns them) into a replica's pages, in place."""
+        self.kv = page_ops(self.step_fn.mesh, self.kv.quantized).write(self.kv, self._global_pages(replica, pages), saved)
 
 
 def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int) -> tuple[RaggedBatch, SamplingTensors]:
@@ -338,24 +339,26 @@ class PageOps(NamedTuple):
     """Jitted whole-page operations on the cache of one mesh (it keeps the step's sharding)."""
 
     copy: Callable  # (kv, src [n], dst [n]) -> kv, in place: copy-on-write
-    write: Callable  # (kv, pages [n], k, v [L, n, page_size, Hs, Ds]) -> kv, in place: swap-in
-    read: Callable  # (kv, pages [n]) -> (k, v), replicated so every process can fetch them: swap-out
+    write: Callable  # (kv, pages [n], saved: KVCache of [L, n, ...]) -> kv, in place: swap-in
+    read: Callable  # (kv, pages [n]) -> KVCache of [L, n, ...], replicated so every process can fetch it: swap-out
 
 
 @functools.cache
-def page_ops(mesh) -> PageOps:
-    kv_sharding = kv_shardings(mesh)
+def page_ops(mesh, quantized: bool) -> PageOps:
+    """Every array of the cache (K, V and a quantized pool's scales) shares the [L, P] leading
+    axes, so each operation is the same on all of them."""
+    kv_sharding = kv_shardings(mesh, quantized)
     everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def copy(kv: KVCache, src, dst) -> KVCache:
-        return KVCache(k=kv.k.at[:, dst].set(kv.k[:, src]), v=kv.v.at[:, dst].set(kv.v[:, src]))
+        return jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), kv)
 
-    def write(kv: KVCache, pages, k, v) -> KVCache:
-        return KVCache(k=kv.k.at[:, pages].set(k.astype(kv.k.dtype)), v=kv.v.at[:, pages].set(v.astype(kv.v.dtype)))
+    def write(kv: KVCache, pages, saved: KVCache) -> KVCache:
+        return jax.tree.map(lambda a, b: a.at[:, pages].set(b.astype(a.dtype)), kv, saved)
 
-    def read(kv: KVCache, pages):
-        return kv.k[:, pages], kv.v[:, pages]
+    def read(kv: KVCache, pages) -> KVCache:
+        return jax.tree.map(lambda a: a[:, pages], kv)
 
     return PageOps(copy=jax.jit(copy, donate_argnums=0, out_shardings=kv_sharding),
                    write=jax.jit(write, donate_argnums=0, out_shardings=kv_sharding),
-                   read=jax.jit(read, out_shardings=(everywhere, everywhere)))
+                   read=jax.jit(read, out_shardings=everywhere))

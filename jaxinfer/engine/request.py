@@ -61,10 +61,10 @@ class RequestMetrics:
 
 @dataclasses.dataclass(eq=False)
 class SwappedKV:
-    """A preempted sequence's computed K/V, saved on the host: [L, pages, page_size, Hkv, D] each."""
+    """A preempted sequence's computed pages, saved on the host (ModelRunner.read_pages: a KVCache
+    of numpy arrays [L, pages, ...])."""
 
-    k: object
-    v: object
+    pages: object
     num_computed: int
 
 

@@ -124,12 +124,11 @@ class LlamaForCausalLM(nnx.Module):
 
         # Fold the layer axis into the page axis: layer i's page p is page i * P + p of one pool.
         L, num_pages = kv.k.shape[:2]
-        pool_shape = (L * num_pages,) + kv.k.shape[2:]  # [L * P, page_size, Hkv_local, D]
 
         # The loop carries the residual stream as (hidden, residual): each norm takes in the add
         # that precedes it (add_rms_norm), so on accelerators the add and the norm are one pass.
         def layer(i, carry):
-            hidden, residual, k_pages, v_pages = carry  # [Tl, H] each; the stream is hidden + residual
+            hidden, residual, pool = carry  # [Tl, H] each (the stream is hidden + residual); the pages
             w = {name: jax.tree.map(lambda a: a[i], p) for name, p in stacked.items()}  # layer i's weights
             h, residual = add_rms_norm(hidden, residual, w["attn_norm"], c.rms_norm_eps, kernels)
             qkv = linear(h, w["qkv_proj"], w.get("qkv_bias"), kernels)  # one matmul: [Tl, (Hq + 2*Hkv)*D] local
@@ -137,8 +136,8 @@ class LlamaForCausalLM(nnx.Module):
             if c.qk_norm:
                 q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
                 k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
-            attn, k_pages, v_pages = write_kv_and_attend(  # RoPE, KV write, attention
-                q, k, v, cos, sin, k_pages, v_pages, i * num_pages, write_page, write_offset, batch,
+            attn, pool = write_kv_and_attend(  # RoPE, KV write, attention
+                q, k, v, cos, sin, pool, i * num_pages, write_page, write_offset, batch,
                 sm_scale=sm_scale, sliding_window=c.sliding_window, query_block=query_block, spec_block=spec_block,
                 kernels=kernels, parallel=par,
             )
@@ -149,14 +148,12 @@ class LlamaForCausalLM(nnx.Module):
             else:
                 hidden = self._row_parallel(gate_up_swiglu(h, w["gate_up_proj"], w.get("gate_up_bias"), kernels),
                                             w["down_proj"], w.get("down_bias"))
-            return hidden, residual, k_pages, v_pages
+            return hidden, residual, pool
 
-        hidden, residual, k_pages, v_pages = jax.lax.fori_loop(
-            0, c.num_layers, layer, (x, jnp.zeros_like(x), kv.k.reshape(pool_shape), kv.v.reshape(pool_shape))
-        )
+        hidden, residual, pool = jax.lax.fori_loop(0, c.num_layers, layer, (x, jnp.zeros_like(x), kv.fold_layers()))
         hidden, residual = self._logits_rows(hidden, residual, batch.logits_indices, first_row)  # [R, H] each
         h, _ = add_rms_norm(hidden, residual, self.final_norm[...], c.rms_norm_eps, kernels)
-        kv = KVCache(k=k_pages.reshape(kv.k.shape), v=v_pages.reshape(kv.v.shape))
+        kv = pool.unfold_layers(L)
         if return_hidden:  # the final-normed hidden state of each logits row [R, H] (what the LM head reads)
             return self._lm_head(h), kv, h
         return self._lm_head(h), kv

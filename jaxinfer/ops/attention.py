@@ -16,13 +16,17 @@ on accelerators (`rope_and_write_kv`). Which attention runs is the model's `Kern
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.ops.batch import RaggedBatch
 from jaxinfer.ops.kernels import PREFILL_KV_TOKENS_PER_ITEM, Kernels
+from jaxinfer.ops.kv_cache import KVCache
 from pallas_kernels.ragged_paged_attention import split_kv
+from pallas_kernels.ragged_paged_attention.reference import quantize_kv
 from pallas_kernels.rope_kv_write import apply_rope
 from sharding.mesh import ParallelConfig
 from sharding.ring_attention import merge_partials, ring_attention
@@ -46,39 +50,75 @@ def kv_write_locations(batch: RaggedBatch, page_size: int, scratch_page: int) ->
     return page, offset
 
 
-def rope_and_write_kv(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset, kernels: Kernels = Kernels()):
+def rope_and_write_kv(q, k, v, cos, sin, pool: KVCache, write_page, write_offset, kernels: Kernels = Kernels()):
     """RoPE on q and k, then the rotated keys and the values into their page slots.
 
-    q [T, Hq, D], k / v [T, Hkv, D], cos / sin [T, D], pools [N, page_size, Hs, Ds], write_page /
-    write_offset [T] (pool page, slot). Returns (q_rot, k_rot [T, Hkv, D], k_pages, v_pages).
-    With Pallas kernels this is one kernel (pallas_kernels.rope_kv_write) that writes each token's
-    row into its page in place; the XLA path rotates and scatters. The TPU kernel copies rows as
-    they are, so it needs k / v in the pools' dtype (quantized pages take the XLA path); the GPU
-    kernel needs head_dim / 2 to be a power of two. Pools holding more heads or lanes than the
-    model (TPU tiling: kv_cache.pool_kv_heads and pool_head_dim) get zeros in the extra ones; with
-    padded lanes the rotation and the write are XLA's (the kernel rotates the halves of the row
-    it stores, which would be the padded row).
+    q [T, Hq, D], k / v [T, Hkv, D], cos / sin [T, D], `pool` the page pools [N, page_size, Hs, Ds]
+    (and a quantized pool's scales [N, page_size, Hs]), write_page / write_offset [T] (pool page,
+    slot). Returns (q_rot, k_rot [T, Hkv, D], pool). With Pallas kernels this is one kernel
+    (pallas_kernels.rope_kv_write) that writes each token's row into its page in place; the XLA
+    path rotates and scatters (`write_rows`). The TPU kernel copies rows as they are, so it needs
+    k / v in the pools' dtype; the GPU kernel needs head_dim / 2 to be a power of two; a
+    quantized pool takes the XLA path, which quantizes each row as it writes it. Pools holding
+    more heads or lanes than the model (TPU tiling: kv_cache.pool_kv_heads and pool_head_dim)
+    get zeros in the extra ones; with padded lanes the rotation and the write are XLA's (the
+    kernel rotates the halves of the row it stores, which would be the padded row).
     """
     Hkv, D = k.shape[1:]
-    if k_pages.shape[3] != D:  # TPU pools with head_dim padded to whole lanes: rotate, then write padded rows
+    if pool.quantized or pool.k.shape[3] != D:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_pages = k_pages.at[write_page, write_offset].set(pad_to_pool(k, k_pages))
-        v_pages = v_pages.at[write_page, write_offset].set(pad_to_pool(v, v_pages))
-        return q, k, k_pages, v_pages
-    k, v = pad_to_pool(k, k_pages), pad_to_pool(v, v_pages)
-    q, k, k_pages, v_pages = kernels.rope_kv_write(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset)
-    return q, k[:, :Hkv], k_pages, v_pages
+        return q, k, write_rows(pool, write_page, write_offset, k, v)
+    k, v = pad_to_pool(k, pool.k), pad_to_pool(v, pool.v)
+    q, k, k_pages, v_pages = kernels.rope_kv_write(q, k, v, cos, sin, pool.k, pool.v, write_page, write_offset)
+    return q, k[:, :Hkv], dataclasses.replace(pool, k=k_pages, v=v_pages)
 
 
-def pad_to_pool(x: jax.Array, pool: jax.Array) -> jax.Array:
-    """[T, Hkv, D] -> [T, Hs, Ds] in the pool's dtype: zero heads and zero lanes appended where the
-    pool stores more (TPU pools, kv_cache.pool_kv_heads / pool_head_dim)."""
+def write_rows(pool: KVCache, pages, offsets, k, v) -> KVCache:
+    """Rows k, v [n, Hkv, D] (after RoPE) into slots (pages [n], offsets [n]) of the pool: padded
+    to its heads and lanes, and in a quantized pool turned by `kv_rotation` and stored as entries
+    and a scale per head (kv_cache)."""
+    if pool.quantized:
+        rotation = kv_rotation(k.shape[-1])
+        k, v = k.astype(jnp.float32) @ rotation, v.astype(jnp.float32) @ rotation
+    k, v = pad_to_pool(k, pool.k, cast=False), pad_to_pool(v, pool.v, cast=False)
+    if not pool.quantized:
+        return dataclasses.replace(pool, k=pool.k.at[pages, offsets].set(k.astype(pool.k.dtype)),
+                                   v=pool.v.at[pages, offsets].set(v.astype(pool.v.dtype)))
+    (k, k_scale), (v, v_scale) = quantize_kv(k, pool.k.dtype), quantize_kv(v, pool.v.dtype)
+    return KVCache(k=pool.k.at[pages, offsets].set(k), v=pool.v.at[pages, offsets].set(v),
+                   k_scale=pool.k_scale.at[pages, offsets].set(k_scale), v_scale=pool.v_scale.at[pages, offsets].set(v_scale))
+
+
+@functools.cache
+def kv_rotation(head_dim: int) -> np.ndarray:
+    """The orthogonal [D, D] matrix a quantized pool stores K and V turned by (kv_cache): the
+    normalized Hadamard matrix when D is a power of two, else a fixed random orthogonal one. A
+    key's few large channels (RoPE leaves some) spread over all of them, so a row's absmax no longer
+    sets a coarse grid for the rest; q turned the same way keeps every score (q R . k R = q . k),
+    and the attention output over turned values is turned back by R^T. Measured on SmolLM2
+    (held-out text): int8 K and V per row +0.47 % perplexity, turned -0.02 %."""
+    if head_dim & (head_dim - 1) == 0:
+        h = np.ones((1, 1))
+        while h.shape[0] < head_dim:
+            h = np.block([[h, h], [h, -h]])
+        return (h / np.sqrt(head_dim)).astype(np.float32)
+    q, r = np.linalg.qr(np.random.default_rng(0).normal(size=(head_dim, head_dim)))
+    return (q * np.sign(np.diag(r))).astype(np.float32)
+
+
+def pad_to_pool(x: jax.Array, pool: jax.Array, cast: bool = True) -> jax.Array:
+    """[T, Hkv, D] -> [T, Hs, Ds] (in the pool's dtype unless cast=False): zero heads and zero
+    lanes appended where the pool stores more (TPU pools, kv_cache.pool_kv_heads / pool_head_dim)."""
     T, H, D = x.shape
-    return jnp.pad(x, ((0, 0), (0, pool.shape[2] - H), (0, pool.shape[3] - D))).astype(pool.dtype)
+    x = jnp.pad(x, ((0, 0), (0, pool.shape[2] - H), (0, pool.shape[3] - D)))
+    return x.astype(pool.dtype) if cast else x
 
 
-def model_part(pool: jax.Array, num_kv_heads: int, head_dim: int) -> jax.Array:
-    """The model's heads and lanes of a pool [P, page_size, Hs, Ds] (a copy when the pool is padded)."""
+def model_part(pool: jax.Array, num_kv_heads: int, head_dim: int | None = None) -> jax.Array:
+    """The model's heads and lanes of a pool [P, page_size, Hs, Ds] (or of its scales
+    [P, page_size, Hs]: head_dim None); a copy when the pool is padded."""
+    if head_dim is None:
+        return pool if pool.shape[2] == num_kv_heads else pool[:, :, :num_kv_heads]
     return pool if pool.shape[2:] == (num_kv_heads, head_dim) else pool[:, :, :num_kv_heads, :head_dim]
 
 
@@ -88,8 +128,7 @@ def write_kv_and_attend(
     v: jax.Array,  # [T, Hkv, D]
     cos: jax.Array,  # [T, D]: each token's rotation (layers.rope_cos_sin)
     sin: jax.Array,  # [T, D]
-    k_pages: jax.Array,  # [L * P, page_size, Hkv, D]: every layer's pages in one pool
-    v_pages: jax.Array,
+    pool: KVCache,  # every layer's pages in one pool: [L * P, page_size, Hkv, D] (KVCache.fold_layers)
     layer_page_offset: jax.Array,  # scalar: layer * P, where this layer's pages start
     write_page: jax.Array,  # [T] from kv_write_locations
     write_offset: jax.Array,  # [T]
@@ -101,8 +140,8 @@ def write_kv_and_attend(
     spec_block: int = 0,
     kernels: Kernels = Kernels(),
     parallel: ParallelConfig = ParallelConfig(),
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Returns (attention output [T, Hq, D], k_pages, v_pages).
+) -> tuple[jax.Array, KVCache]:
+    """Returns (attention output [T, Hq, D], pool).
 
     With sequence parallelism (parallel.sp > 1) q, k and v are this device's block of the step's
     rows ([T / sp, ...]) and the rest is every row's: see `attend_sequence_parallel`.
@@ -113,15 +152,13 @@ def write_kv_and_attend(
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, query_block=query_block, spec_block=spec_block,
                    kernels=kernels)
     if parallel.sp > 1:
-        return attend_sequence_parallel(q, k, v, cos, sin, k_pages, v_pages, layer_page_offset, write_page, write_offset,
+        return attend_sequence_parallel(q, k, v, cos, sin, pool, layer_page_offset, write_page, write_offset,
                                         batch, mode=parallel.sp_attention, **options)
-    q, k, k_pages, v_pages = rope_and_write_kv(
-        q, k, v, cos, sin, k_pages, v_pages, layer_page_offset + write_page, write_offset, kernels
-    )
-    return paged_attention(q, k, v, k_pages, v_pages, layer_page_offset, batch, **options), k_pages, v_pages
+    q, k, pool = rope_and_write_kv(q, k, v, cos, sin, pool, layer_page_offset + write_page, write_offset, kernels)
+    return paged_attention(q, k, v, pool, layer_page_offset, batch, **options), pool
 
 
-def paged_attention(q, k, v, k_pages, v_pages, layer_page_offset, batch: RaggedBatch, *, sm_scale, sliding_window,
+def paged_attention(q, k, v, pool: KVCache, layer_page_offset, batch: RaggedBatch, *, sm_scale, sliding_window,
                     query_block: int, spec_block: int = 0, kernels: Kernels = Kernels()) -> jax.Array:
     """Attention of this step's queries q [T, Hq, D] (rotated; K/V already in the pages) over one
     layer's pages; k, v [T, Hkv, D] are this step's own rotated keys and values (flash attention
@@ -130,9 +167,18 @@ def paged_attention(q, k, v, k_pages, v_pages, layer_page_offset, batch: RaggedB
     spec_block > 0 (speculative decoding): sequences of 2 .. spec_block queries (verifying drafted
     tokens; any number of them) get a pass of their own with query blocks of spec_block."""
     page_table = batch.page_table + layer_page_offset
-    paged = lambda: kernels.ragged_attention(  # noqa: E731
-        q, k_pages, v_pages, page_table, batch, num_kv_heads=k.shape[1], sm_scale=sm_scale, sliding_window=sliding_window,
-        query_block=query_block, spec_block=spec_block)
+
+    def paged():
+        if not pool.quantized:
+            return kernels.ragged_attention(q, pool.k, pool.v, page_table, batch, num_kv_heads=k.shape[1], sm_scale=sm_scale,
+                                            sliding_window=sliding_window, query_block=query_block, spec_block=spec_block)
+        rotation = kv_rotation(q.shape[-1])  # the pool holds K and V turned: turn q, and the output back
+        out = kernels.ragged_attention((q.astype(jnp.float32) @ rotation).astype(q.dtype), pool.k, pool.v, page_table, batch,
+                                       num_kv_heads=k.shape[1], sm_scale=sm_scale, sliding_window=sliding_window,
+                                       query_block=query_block, spec_block=spec_block, k_scale=pool.k_scale,
+                                       v_scale=pool.v_scale)
+        return (out.astype(jnp.float32) @ rotation.T).astype(q.dtype)
+
     T, S = q.shape[0], batch.kv_lens.shape[0]
     if kernels.flash_attention is None or query_block == 1 or T < FLASH_MIN_TOKENS:
         return paged()
@@ -166,7 +212,7 @@ def local_view(batch: RaggedBatch, first_row, num_rows: int) -> RaggedBatch:
     )
 
 
-def attend_sequence_parallel(q, k, v, cos, sin, k_pages, v_pages, layer_page_offset, write_page, write_offset,
+def attend_sequence_parallel(q, k, v, cos, sin, pool: KVCache, layer_page_offset, write_page, write_offset,
                              batch: RaggedBatch, *, mode: str, sm_scale, sliding_window, query_block: int,
                              spec_block: int = 0, kernels: Kernels = Kernels()):
     """Attention with the step's rows split over the mesh axis "sequence" (sp devices).
@@ -183,7 +229,7 @@ def attend_sequence_parallel(q, k, v, cos, sin, k_pages, v_pages, layer_page_off
       it with an online softmax, never holding more than two blocks; the cached part of each
       sequence (earlier steps) is one more partial, from the pages (split-KV, `kv_end`), merged
       in. Both give the same result; the ring overlaps communication with compute.
-    Returns (out [Tl, Hq, D], k_pages, v_pages).
+    Returns (out [Tl, Hq, D], pool).
     """
     sp = jax.lax.axis_size("sequence")
     Tl = q.shape[0]
@@ -197,11 +243,10 @@ def attend_sequence_parallel(q, k, v, cos, sin, k_pages, v_pages, layer_page_off
     if mode == "allgather":
         k_all = jax.lax.all_gather(k, "sequence", axis=0, tiled=True)  # [T, Hkv, D]
         v_all = jax.lax.all_gather(v, "sequence", axis=0, tiled=True)
-        k_pages = k_pages.at[pages, write_offset].set(pad_to_pool(k_all, k_pages))
-        v_pages = v_pages.at[pages, write_offset].set(pad_to_pool(v_all, v_pages))
-        out = paged_attention(q, k, v, k_pages, v_pages, layer_page_offset, view, query_block=query_block,
+        pool = write_rows(pool, pages, write_offset, k_all, v_all)
+        out = paged_attention(q, k, v, pool, layer_page_offset, view, query_block=query_block,
                               spec_block=spec_block, kernels=kernels, **options)
-        return out, k_pages, v_pages
+        return out, pool
 
     T = Tl * sp
     S = batch.kv_lens.shape[0]
@@ -209,22 +254,26 @@ def attend_sequence_parallel(q, k, v, cos, sin, k_pages, v_pages, layer_page_off
     seq_all = jnp.minimum(jnp.searchsorted(batch.cu_q_lens[1:], jnp.arange(T), side="right"), S - 1)  # [T]
     valid_all = jnp.arange(T) < batch.cu_q_lens[batch.num_seqs[0]]
     Hkv, D = k.shape[1:]
+    q_cached, scales = q, {}
+    if pool.quantized:  # turned K / V in the pool (kv_rotation): q turned, the output turned back
+        q_cached = (q.astype(jnp.float32) @ kv_rotation(D)).astype(q.dtype)
+        scales = dict(k_scale=model_part(pool.k_scale, Hkv), v_scale=model_part(pool.v_scale, Hkv))
     cached_out, cached_lse = split_kv.ragged_paged_attention(  # earlier steps' K/V, from the pages
-        q, model_part(k_pages, Hkv, D), model_part(v_pages, Hkv, D), view.kv_lens, view.page_table + layer_page_offset,
+        q_cached, model_part(pool.k, Hkv, D), model_part(pool.v, Hkv, D), view.kv_lens, view.page_table + layer_page_offset,
         view.cu_q_lens, view.num_seqs,
         kv_end=batch.kv_lens - q_lens, return_lse=True, num_queries_per_block=query_block,
-        num_kv_pages_per_block=max(1, PREFILL_KV_TOKENS_PER_ITEM // k_pages.shape[1]), **options,
+        num_kv_pages_per_block=max(1, PREFILL_KV_TOKENS_PER_ITEM // pool.k.shape[1]), **scales, **options,
     )
+    if pool.quantized:
+        cached_out = cached_out.astype(jnp.float32) @ kv_rotation(D).T
 
-    def write_block(pools, k_block, v_block, origin):
+    def write_block(pool, k_block, v_block, origin):
         rows = origin * Tl + jnp.arange(Tl)
-        k_pool, v_pool = pools
-        return (k_pool.at[pages[rows], write_offset[rows]].set(pad_to_pool(k_block, k_pool)),
-                v_pool.at[pages[rows], write_offset[rows]].set(pad_to_pool(v_block, v_pool)))
+        return write_rows(pool, pages[rows], write_offset[rows], k_block, v_block)
 
-    ring_out, ring_lse, (k_pages, v_pages) = ring_attention(
+    ring_out, ring_lse, pool = ring_attention(
         q, k, v, mine(seq_all), mine(batch.positions), mine(valid_all), seq_all, batch.positions, valid_all,
-        axis_name="sequence", axis_size=sp, carry=(k_pages, v_pages), on_block=write_block, **options,
+        axis_name="sequence", axis_size=sp, carry=pool, on_block=write_block, **options,
     )
     out, _ = merge_partials(cached_out, cached_lse, ring_out, ring_lse)
-    return out.astype(q.dtype), k_pages, v_pages
+    return out.astype(q.dtype), pool

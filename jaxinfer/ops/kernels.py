@@ -19,6 +19,13 @@ GPU RoPE kernel a power-of-two half head_dim, the TPU RoPE kernel K/V already in
 dtype) falls back to the XLA path inside its entry. The table is static: part of the model's
 structure (equal tables compare equal by platform and interpret flag), so one compiled step per
 choice.
+
+Quantized KV pools (int8 / e4m3 entries with a scale per token and head, jaxinfer.ops.kv_cache)
+are read by the XLA split-KV attention on every platform: the Pallas attention kernels take one
+scale per pool, not a pool of scales (on a TPU, a scale array [pages, page_size, heads] is tiled
+on its two minor dims, so a kernel cannot fetch a page's scales without cutting a tile). Their
+pools hold exactly the model's heads (no TPU head padding: the XLA path groups query heads by
+the pool's head count).
 """
 
 from __future__ import annotations
@@ -55,7 +62,8 @@ TPU_LANES = 128
 
 # ----------------------------------------------------------------------------- the XLA paths
 def xla_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale: float,
-                         sliding_window: int | None, query_block: int, spec_block: int = 0) -> jax.Array:
+                         sliding_window: int | None, query_block: int, spec_block: int = 0, k_scale=None,
+                         v_scale=None) -> jax.Array:
     """Split-KV ragged paged attention (`pallas_kernels.ragged_paged_attention.split_kv`), in
     passes over disjoint sequences: one-token ones with query blocks of 1, with spec_block the
     short chunks of speculating sequences, then the (at most MAX_PREFILL_CHUNKS) prefill chunks
@@ -66,7 +74,7 @@ def xla_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *,
     T, S = q.shape[0], batch.kv_lens.shape[0]
     attend = lambda query_block, kv_tokens, items, **kw: split_kv.ragged_paged_attention(  # noqa: E731
         q, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window, num_queries_per_block=query_block,
+        sm_scale=sm_scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, num_queries_per_block=query_block,
         num_kv_pages_per_block=max(1, kv_tokens // page_size), items_per_step=items, **kw,
     )
     if query_block == 1:
@@ -108,19 +116,30 @@ def same_dtype(dtype):
 
 # ----------------------------------------------------------------------------- Pallas adapters
 def _tpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale: float,
-                          sliding_window: int | None, query_block: int, spec_block: int = 0, interpret: bool) -> jax.Array:
+                          sliding_window: int | None, query_block: int, spec_block: int = 0, k_scale=None, v_scale=None,
+                          interpret: bool) -> jax.Array:
     """The TPU kernel reads the model's first num_kv_heads of a padded pool; q gets zero lanes up
-    to the pool's head_dim (scores unchanged), which come off the output."""
+    to the pool's head_dim (scores unchanged), which come off the output. A quantized pool: the
+    XLA path (module docstring), over the same zero-padded lanes."""
     D = q.shape[2]
     q_lanes = jnp.pad(q, ((0, 0), (0, 0), (0, k_pages.shape[3] - D)))
+    if k_scale is not None:
+        return xla_ragged_attention(q_lanes, k_pages, v_pages, page_table, batch, num_kv_heads=num_kv_heads,
+                                    sm_scale=sm_scale, sliding_window=sliding_window, query_block=query_block,
+                                    spec_block=spec_block, k_scale=k_scale, v_scale=v_scale)[:, :, :D]
     out = rpa_tpu.ragged_paged_attention(
         q_lanes, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, num_kv_heads=num_kv_heads,
-        sm_scale=sm_scale, sliding_window=sliding_window, num_queries_per_block=query_block, interpret=interpret)
+        sm_scale=sm_scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, num_queries_per_block=query_block, interpret=interpret)
     return out[:, :, :D]
 
 
 def _gpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale: float,
-                          sliding_window: int | None, query_block: int, spec_block: int = 0, interpret: bool) -> jax.Array:
+                          sliding_window: int | None, query_block: int, spec_block: int = 0, k_scale=None, v_scale=None,
+                          interpret: bool) -> jax.Array:
+    if k_scale is not None:  # a quantized pool: the XLA path (module docstring)
+        return xla_ragged_attention(q, k_pages, v_pages, page_table, batch, num_kv_heads=num_kv_heads, sm_scale=sm_scale,
+                                    sliding_window=sliding_window, query_block=query_block, spec_block=spec_block,
+                                    k_scale=k_scale, v_scale=v_scale)
     return rpa_gpu.ragged_paged_attention(
         q, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, sm_scale=sm_scale,
         sliding_window=sliding_window, num_queries_per_block=query_block, interpret=interpret)
@@ -152,6 +171,14 @@ def _tpu_scale_dtype(dtype):
     return jnp.dtype(jnp.float32) if jnp.dtype(dtype) == jnp.float16 else dtype
 
 
+def _tpu_kv_heads(num_kv_heads: int, dtype) -> int:
+    """The TPU kernel's padded heads (whole 32-bit words and tiles); a quantized pool, read by the
+    XLA path, keeps the model's."""
+    if jnp.dtype(dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)):
+        return num_kv_heads
+    return rpa_tpu.stored_kv_heads(num_kv_heads, dtype)
+
+
 def _tpu_head_dim(head_dim: int) -> int:
     """head_dim in whole 128-lane rows (see jaxinfer.ops.kv_cache.pool_head_dim)."""
     return -(-head_dim // TPU_LANES) * TPU_LANES
@@ -163,7 +190,8 @@ class Kernels:
     """One implementation per operation (see the module docstring for each signature's source).
 
     ragged_attention(q [T,Hq,D], k_pages, v_pages, page_table [S,pages], batch, *, num_kv_heads,
-        sm_scale, sliding_window, query_block, spec_block) -> [T,Hq,D]
+        sm_scale, sliding_window, query_block, spec_block, k_scale, v_scale) -> [T,Hq,D]
+        (k_scale / v_scale: a quantized pool's scales [pages, page_size, heads], else None)
     flash_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, sliding_window, causal) -> [T,Hq,D];
         None: no flash path (the XLA attention serves every step)
     rope_kv_write(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset) -> (q, k, k_pages, v_pages)
@@ -212,7 +240,7 @@ def _tpu_table(interpret: bool) -> dict[str, Callable]:
     return dict(ragged_attention=pallas(_tpu_ragged_attention), flash_attention=pallas(flash_attention_tpu),
                 rope_kv_write=pallas(_tpu_rope_kv_write), quantized_matmul=pallas(qmm_tpu.quantized_matmul),
                 add_rms_norm=pallas(add_rms_norm_tpu), swiglu_matmul=pallas(_tpu_swiglu_matmul),
-                stored_kv_heads=rpa_tpu.stored_kv_heads, stored_head_dim=_tpu_head_dim, scale_dtype=_tpu_scale_dtype)
+                stored_kv_heads=_tpu_kv_heads, stored_head_dim=_tpu_head_dim, scale_dtype=_tpu_scale_dtype)
 
 
 def _gpu_table(interpret: bool) -> dict[str, Callable]:

@@ -34,6 +34,9 @@ def param_spec(axes: tuple, shape: tuple[int, ...], mesh: Mesh | None = None, *,
     return PartitionSpec(*(a if a is None or shape[i] % _axis_size(mesh, a) == 0 else None for i, a in enumerate(spec)))
 
 
+QUANTIZED_FIELDS = ("qweight", "scales", "offsets", "input_order")
+
+
 def param_partition_specs(params, config: ModelConfig) -> object:
     """A tree like `params` (an nnx State, maybe holding QuantizedWeights) of PartitionSpecs."""
     axes = param_axes(config)
@@ -41,7 +44,8 @@ def param_partition_specs(params, config: ModelConfig) -> object:
     specs = []
     for path, leaf in leaves:
         name = ".".join(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
-        field = path[-1].name if isinstance(path[-1], jax.tree_util.GetAttrKey) else None  # of a QuantizedWeight
+        field = path[-1].name if isinstance(path[-1], jax.tree_util.GetAttrKey) else None
+        field = field if field in QUANTIZED_FIELDS else None  # an array of a QuantizedWeight (not a Variable's .value)
         specs.append(param_spec(quantized_axes(name) if field else axes[name], leaf.shape, field=field))
     return jax.tree_util.tree_unflatten(treedef, specs)
 
@@ -61,14 +65,18 @@ def param_shardings(config: ModelConfig, mesh: Mesh, tp: int | None = None, spec
     return out
 
 
-def kv_partition_spec() -> KVCache:
-    """The KV cache's spec: pages split over the replica axes, KV heads over "tensor"."""
+def kv_partition_spec(quantized: bool = False) -> KVCache:
+    """The KV cache's spec: pages split over the replica axes, KV heads over "tensor" (a
+    quantized pool's scales, [L, P, page_size, Hkv], likewise)."""
     spec = rules.logical_to_spec(rules.KV_CACHE_AXES)
-    return KVCache(k=spec, v=spec)
+    if not quantized:
+        return KVCache(k=spec, v=spec)
+    scale_spec = rules.logical_to_spec(rules.KV_CACHE_AXES[:-1])
+    return KVCache(k=spec, v=spec, k_scale=scale_spec, v_scale=scale_spec)
 
 
-def kv_shardings(mesh: Mesh) -> KVCache:
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_partition_spec(),
+def kv_shardings(mesh: Mesh, quantized: bool = False) -> KVCache:
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_partition_spec(quantized),
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 

@@ -56,7 +56,6 @@ class StepFunction:
             raise ValueError("StepFunction on a mesh of several devices needs param_specs")
         self.param_specs = param_specs
         self.num_replicas = rules.num_replicas(self.mesh)
-        self.kv_specs = kv_partition_spec()
         replicas = rules.REPLICA_AXES
 
         def gather_replicas(x):  # [1, ...] per device -> [replicas, ...] on every device
@@ -82,10 +81,11 @@ class StepFunction:
 
         def step(params, kv, batch, sampling, prev_tokens, *, query_block: int, spec_block: int = 0):
             self.num_compiles += 1  # runs only while tracing, i.e. once per compiled variant
-            out_specs = (rules.replicated(), rules.per_replica(2), self.kv_specs)  # every SampleOutput field replicated
+            kv_specs = kv_partition_spec(kv.quantized)
+            out_specs = (rules.replicated(), rules.per_replica(2), kv_specs)  # every SampleOutput field replicated
             return jax.shard_map(
                 lambda *a: per_device_step(*a, query_block, spec_block), mesh=self.mesh,
-                in_specs=(self._specs(params), self.kv_specs, per_replica_specs(batch), per_replica_specs(sampling),
+                in_specs=(self._specs(params), kv_specs, per_replica_specs(batch), per_replica_specs(sampling),
                           rules.per_replica(2)),
                 out_specs=out_specs, check_vma=False,
             )(params, kv, batch, sampling, prev_tokens)
@@ -93,10 +93,11 @@ class StepFunction:
         def forward(params, kv, batch, *, query_block: int, spec_block: int = 0):
             """The raw logits [replicas, R, V] (for tests and scoring; with return_hidden also the
             rows' hidden states [replicas, R, H]); not the serving path."""
+            kv_specs = kv_partition_spec(kv.quantized)
             return jax.shard_map(
                 lambda *a: per_device_forward(*a, query_block, spec_block), mesh=self.mesh,
-                in_specs=(self._specs(params), self.kv_specs, per_replica_specs(batch)),
-                out_specs=(rules.replicated(), self.kv_specs) + ((rules.replicated(),) if return_hidden else ()), check_vma=False,
+                in_specs=(self._specs(params), kv_specs, per_replica_specs(batch)),
+                out_specs=(rules.replicated(), kv_specs) + ((rules.replicated(),) if return_hidden else ()), check_vma=False,
             )(params, kv, batch)
 
         self._step = jax.jit(step, donate_argnums=(1,), static_argnames=("query_block", "spec_block"))

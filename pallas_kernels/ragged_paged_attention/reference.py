@@ -21,7 +21,10 @@ past cu_q_lens[num_seqs] are padding and come out as zeros.
 
 Options: `sliding_window` (a query sees the last `sliding_window` positions, its own included),
 `soft_cap` (scores become soft_cap * tanh(score / soft_cap) before the softmax), and int8 or
-float8_e4m3fn pages with per-tensor scales `k_scale` / `v_scale` (entry * scale is the value).
+float8_e4m3fn pages with scales `k_scale` / `v_scale`: entry * scale is the value, the scale
+either one float for the whole pool (the Pallas kernels' form) or a pool of its own,
+[P, page_size, Hkv] float32, one per token and head (what jaxinfer's quantized KV cache stores:
+jaxinfer.ops.kv_cache).
 
 How it computes (the same tiling a kernel uses, written with gathers):
 - queries are cut into *query blocks* of `num_queries_per_block` rows of one sequence, so a block
@@ -40,24 +43,48 @@ import jax.numpy as jnp
 
 DEFAULT_KV_TOKENS_PER_BLOCK = 128
 
-# KV pages may be stored quantized, one float scale per tensor (k_scale, v_scale): the value a
-# page entry stands for is entry * scale, dequantized in float32 as the pages are read.
+# KV pages may be stored quantized (module docstring): the value a page entry stands for is
+# entry * scale, dequantized in float32 as the pages are read.
 QUANTIZED_KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+KV_QUANT_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}  # what a row's absmax maps to
 
 
 def check_kv_scales(k_pages, v_pages, k_scale, v_scale) -> None:
-    """ValueError unless quantized pages come with their scale and float pages without one."""
+    """ValueError unless quantized pages come with their scale (a float, or an array of the
+    pages' shape without head_dim) and float pages without one."""
     for name, pages, scale in (("k", k_pages, k_scale), ("v", v_pages, v_scale)):
         quantized = pages.dtype in QUANTIZED_KV_DTYPES
         if quantized and scale is None:
             raise ValueError(f"{name}_pages are {pages.dtype}: pass {name}_scale (the float they are multiplied by)")
         if not quantized and scale is not None:
             raise ValueError(f"{name}_scale is given but {name}_pages are {pages.dtype}, not int8/float8_e4m3fn")
+        if is_pool(scale) and tuple(scale.shape) != tuple(pages.shape[:-1]):
+            raise ValueError(f"{name}_scale of shape {tuple(scale.shape)}: expected one per token and head, "
+                             f"{tuple(pages.shape[:-1])}")
 
 
-def dequantize_kv(x: jax.Array, scale: float | None) -> jax.Array:
-    """Quantized K or V values -> float32 (x * scale); float pages pass through unchanged."""
-    return x if scale is None else x.astype(jnp.float32) * scale
+def is_pool(scale) -> bool:
+    """A per-token scale pool (an array of rank > 0), rather than one float for the whole pool."""
+    return getattr(scale, "ndim", 0) > 0
+
+
+def dequantize_kv(x: jax.Array, scale) -> jax.Array:
+    """Quantized K or V values [..., D] -> float32: x * scale, the scale a float or [...] (one per
+    row, gathered like x); float pages pass through unchanged."""
+    if scale is None:
+        return x
+    return x.astype(jnp.float32) * (scale[..., None] if is_pool(scale) else scale)
+
+
+def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] -> (entries [..., D] in `dtype` (int8 / e4m3), scales [...] float32): each row by
+    its own absmax, rounded to nearest (int8) or cast (e4m3). An all-zero row has scale 0."""
+    xf = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(xf), axis=-1) / KV_QUANT_MAX[jnp.dtype(dtype)]
+    scaled = xf / jnp.where(scale > 0, scale, 1.0)[..., None]
+    if jnp.dtype(dtype) == jnp.int8:
+        scaled = jnp.round(scaled)
+    return scaled.astype(dtype), scale
 
 
 def _cdiv(a, b):
@@ -66,9 +93,7 @@ def _cdiv(a, b):
 
 @functools.partial(
     jax.jit,
-    static_argnames=(
-        "sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale", "num_queries_per_block", "num_kv_pages_per_block"
-    ),
+    static_argnames=("sm_scale", "sliding_window", "soft_cap", "num_queries_per_block", "num_kv_pages_per_block"),
 )
 def ragged_paged_attention(
     q: jax.Array,
@@ -82,8 +107,8 @@ def ragged_paged_attention(
     sm_scale: float = 1.0,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
+    k_scale: float | jax.Array | None = None,  # a float, or [P, page_size, Hkv] (module docstring)
+    v_scale: float | jax.Array | None = None,
     num_queries_per_block: int = 8,
     num_kv_pages_per_block: int | None = None,
 ) -> jax.Array:
@@ -128,9 +153,8 @@ def ragged_paged_attention(
     def kv_step(j, carry):
         m, l, acc = carry  # [NB, Hkv, Bq*G], same, [NB, Hkv, Bq*G, D]
         pages = jax.lax.dynamic_slice_in_dim(block_pages, j * C, C, axis=1)  # [NB, C]
-        k = k_pages[pages].reshape(NB, kv_block, Hkv, D).transpose(0, 2, 1, 3)  # [NB, Hkv, kv_block, D]
-        v = v_pages[pages].reshape(NB, kv_block, Hkv, D).transpose(0, 2, 1, 3)
-        k, v = dequantize_kv(k, k_scale), dequantize_kv(v, v_scale)
+        k, v = (dequantize_kv(pool[pages], scale[pages] if is_pool(scale) else scale).reshape(NB, kv_block, Hkv, D)
+                .transpose(0, 2, 1, 3) for pool, scale in ((k_pages, k_scale), (v_pages, v_scale)))  # [NB, Hkv, kv_block, D]
         s = jnp.einsum("bhqd,bhkd->bhqk", qb, k, preferred_element_type=jnp.float32) * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)

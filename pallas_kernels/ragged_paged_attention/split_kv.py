@@ -36,7 +36,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention.reference import check_kv_scales, dequantize_kv
+from pallas_kernels.ragged_paged_attention.reference import check_kv_scales, dequantize_kv, is_pool
 
 DEFAULT_KV_TOKENS_PER_BLOCK = 128
 
@@ -51,8 +51,6 @@ def _cdiv(a, b):
         "sm_scale",
         "sliding_window",
         "soft_cap",
-        "k_scale",
-        "v_scale",
         "num_queries_per_block",
         "num_kv_pages_per_block",
         "items_per_step",
@@ -72,8 +70,8 @@ def ragged_paged_attention(
     sm_scale: float = 1.0,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    k_scale: float | None = None,  # int8 / fp8 pages: entry * scale is the value (see reference.py)
-    v_scale: float | None = None,
+    k_scale: float | jax.Array | None = None,  # int8 / fp8 pages: entry * scale is the value (see reference.py)
+    v_scale: float | jax.Array | None = None,
     num_queries_per_block: int = 8,
     num_kv_pages_per_block: int | None = None,
     items_per_step: int = 32,
@@ -156,8 +154,8 @@ def ragged_paged_attention(
         item_block = jax.lax.dynamic_slice_in_dim(item_block_all, start, W)
         kv_blk = jax.lax.dynamic_slice_in_dim(kv_blk_all, start, W)
         pages = jax.lax.dynamic_slice_in_dim(item_pages_all, start, W)  # [W, C]
-        k = dequantize_kv(k_pages[pages].reshape(W, kv_block, Hkv, D), k_scale)
-        v = dequantize_kv(v_pages[pages].reshape(W, kv_block, Hkv, D), v_scale)
+        k = dequantize_kv(k_pages[pages], k_scale[pages] if is_pool(k_scale) else k_scale).reshape(W, kv_block, Hkv, D)
+        v = dequantize_kv(v_pages[pages], v_scale[pages] if is_pool(v_scale) else v_scale).reshape(W, kv_block, Hkv, D)
         s = jnp.einsum("whrd,wkhd->whrk", qb[item_block], k, preferred_element_type=jnp.float32) * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
