@@ -24,6 +24,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-cache-dtype", default=None, help="KV pages: float32 | bfloat16 | int8 | fp8 (default: the compute dtype)")
     p.add_argument("--quantization", default=None, help="weight-only quantization: none | int8 | int4 | fp8")
     p.add_argument("--quantization-group-size", type=int, default=None, help="int4: 32 | 64 | 128 (default 128); int8: per group")
     p.add_argument("--keep-checkpoint-quantization", action=argparse.BooleanOptionalAction, default=None,
@@ -93,7 +94,8 @@ def _llm(args, **extra):
     from jaxinfer import LLM
 
     return LLM(
-        args.model, dtype=args.dtype, quantization=args.quantization, quantization_group_size=args.quantization_group_size,
+        args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
         keep_checkpoint_quantization=args.keep_checkpoint_quantization, kernel_impl=args.kernel_impl,
         max_model_len=args.max_model_len, page_size=args.page_size,
         num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

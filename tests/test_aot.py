@@ -8,6 +8,8 @@ Triton's, and the whole serving step's memory.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -72,15 +74,16 @@ def refused(results):
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
 def test_every_tpu_kernel_compiles_at_a_gqa_and_a_smollm2_shape(chip, request):
     """Attention in decode, prefill and mixed buckets with bf16, int8 and fp8 pages, flash
-    attention, RoPE + KV write, add+RMSNorm, SwiGLU and int8 / fp8 / int4 matmuls."""
+    attention, RoPE + KV write, add+RMSNorm, SwiGLU and int8 / fp8 / int4 matmuls, and the GGUF
+    grids (int4 with float16 offsets, int8 groups of 32 with float16 scales, of 16 with offsets)."""
     results = kernel_check.check_kernels(request.getfixturevalue(chip), families=["llama-3.1-8b", "smollm2-135m"])
-    assert len(results) == 2 * 16
+    assert len(results) == 2 * 19
     assert refused(results) == []
 
 
 def test_every_triton_kernel_compiles_for_an_h100(h100):
     results = kernel_check.check_kernels(h100, families=["llama-3.1-8b", "smollm2-135m"])
-    assert len(results) == 2 * 16
+    assert len(results) == 2 * 19
     assert refused(results) == []
 
 
@@ -99,7 +102,8 @@ def test_a_mis_tiled_block_is_refused_by_the_tpu_compiler(v6e):
 def test_tpu_pools_keep_the_row_major_layout_the_kernels_read(v6e):
     """A TPU lays out a [.., heads, 64] bf16 array with the page axis in the lanes; the pools are
     sized (kv_cache.pool_kv_heads / pool_head_dim) so that every family's keeps the row-major
-    layout the kernels DMA from, at every tp and KV dtype."""
+    layout the kernels DMA from, at every tp. (Quantized pools are read by the XLA attention,
+    whatever their layout: ops.kernels; their step compiles without pool copies, below.)"""
     mesh = v6e.mesh(("x",), (1,))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     for family in ("llama-3.1-8b", "llama-3.2-1b", "qwen2.5-7b", "smollm2-135m"):
@@ -107,7 +111,7 @@ def test_tpu_pools_keep_the_row_major_layout_the_kernels_read(v6e):
         for tp in (1, 2, 8):
             if config.num_kv_heads % tp and tp % config.num_kv_heads:
                 continue
-            for dtype in (jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn):
+            for dtype in (jnp.bfloat16,):
                 L, P, page, heads, D = KVCache.shape(config, 64, 16, dtype, tp=tp, kernels=Kernels("tpu"))
                 local = jax.ShapeDtypeStruct((L, P, page, heads // tp, D), dtype, sharding=sharding)
                 with jax.set_mesh(mesh):
@@ -134,6 +138,15 @@ def test_whole_step_compiles_for_two_tpu_chips_with_tensor_parallelism(v6e):
     mixed = max(keys, key=lambda k: (k.num_tokens, k.num_seqs))
     for key in (decode, mixed):
         assert_in_place_with_kernels(plan, key, "tpu_custom_call")
+
+
+def test_a_step_with_a_quantized_kv_pool_compiles_for_a_tpu_and_updates_it_in_place(v6e):
+    """int8 pages and their scales, tensor-parallel over two chips: quantized on write, read by the
+    XLA attention (ops.kernels), the donated pool and scales aliased, no pool-sized copy."""
+    plan = AbstractStep.build(SMALL, v6e, ParallelConfig(tp=2), dataclasses.replace(SHAPE, kv_cache_dtype="int8"))
+    assert plan.kv.quantized and plan.kv.k.dtype == jnp.int8 and plan.kv.k_scale.shape == plan.kv.k.shape[:-1]
+    decode = next(k for k in plan.buckets.all_keys() if k.query_block == 1)
+    assert_in_place_with_kernels(plan, decode, "tpu_custom_call")  # the other kernels (norm, SwiGLU) stay
 
 
 @pytest.mark.parametrize("gpu", ["h100", "h200"])

@@ -15,7 +15,6 @@ import dataclasses
 import time
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -39,7 +39,9 @@ class ZeroPointGrid:
 def group_params(w: jax.Array, bits: int, symmetric: bool) -> tuple[jax.Array, jax.Array]:
     """(scale, zero) [..., N] of the rows w [..., g, N] of one group (scale float16-rounded, in float32)."""
     top = (1 << bits) - 1
-    lo, hi = jnp.min(w, axis=-2), jnp.max(w, axis=-2)
+    # The range holds 0, so that the zero point is a level (as GPTQ's quantizer does): a group of
+    # one sign would otherwise clip its far end.
+    lo, hi = jnp.minimum(jnp.min(w, axis=-2), 0.0), jnp.maximum(jnp.max(w, axis=-2), 0.0)
     if symmetric:
         hi = jnp.maximum(-lo, hi)
         lo = -hi

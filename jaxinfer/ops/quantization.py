@@ -7,7 +7,7 @@ quantizers here make:
     mode   per                             symmetric                        asymmetric (symmetric=False)
     int8   output column, or group of K    absmax / 127, f32 scales         -
            (group_size 16..128)            absmax / 127, f32 scales         (max - min) / 255, f32 scale + offset
-    int4   group of `group_size` rows      absmax / 7, bf16 scales          (max - min) / 15, bf16 scale + offset
+    int4   group of `group_size` rows      absmax / 7, bf16 scales          (max - min) / 15, bf16 scale, f32 offset
     fp8    output column                   absmax / 448, f32 scales         -
 
 Asymmetric groups fit [min, max] instead of [-absmax, absmax]: a group whose values are not
@@ -85,13 +85,21 @@ def _symmetric_grid(wg: jax.Array, vmax: int, scale_dtype):
     return jnp.clip(v, -vmax - 1, vmax), scales
 
 
-def _asymmetric_grid(wg: jax.Array, vmin: int, vmax: int, dtype):
-    """The same onto v in [vmin, vmax] with scale (max - min) / (vmax - vmin) and the offset that
-    puts vmin on the group's min: (v, scales, offsets), both rounded to `dtype` first."""
-    lo, hi = jnp.min(wg, axis=-2), jnp.max(wg, axis=-2)                   # [..., G, N]
-    scales = ((hi - lo) / (vmax - vmin)).astype(dtype)
-    offsets = (lo - vmin * scales.astype(jnp.float32)).astype(dtype)
-    v = jnp.round((wg - offsets.astype(jnp.float32)[..., None, :]) / _safe(scales.astype(jnp.float32))[..., None, :])
+def _asymmetric_grid(wg: jax.Array, vmin: int, vmax: int, scale_dtype):
+    """The same onto v in [vmin, vmax] with scale (max - min) / (vmax - vmin) (rounded to
+    scale_dtype first) and an offset that is a whole number of scales, -z * scale with z the
+    level nearest the group's zero: (v, scales, offsets float32). An offset that is not a whole
+    number of scales (the group's min itself, rounded) would shift every weight of the group by
+    its rounding error, a bias shared by the whole group that round-to-nearest's errors do not
+    have (measured on SmolLM2 int4 g128: +94 % perplexity with bf16 min offsets, +23 % with
+    integer zero points)."""
+    # The range holds 0, so that the zero point is a level (a group of one sign would clip its far end).
+    lo, hi = jnp.minimum(jnp.min(wg, axis=-2), 0.0), jnp.maximum(jnp.max(wg, axis=-2), 0.0)   # [..., G, N]
+    scales = ((hi - lo) / (vmax - vmin)).astype(scale_dtype)
+    s = _safe(scales.astype(jnp.float32))
+    zero = jnp.clip(jnp.round(vmin - lo / s), vmin, vmax)                 # the level standing for 0
+    offsets = -zero * scales.astype(jnp.float32)                           # exact in float32 (0 for an all-zero group)
+    v = jnp.round(wg / s[..., None, :]) + zero[..., None, :]
     return jnp.clip(v, vmin, vmax), scales, offsets
 
 
@@ -129,11 +137,11 @@ def pack_int4(v: jax.Array, signed: bool = True) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("group_size", "symmetric"))
 def quantize_int4(w: jax.Array, group_size: int, symmetric: bool = True):
-    """w [..., K, N] -> (uint8 [..., Kp // 2, N], bf16 scales [..., Kp // g, N], bf16 offsets or None).
+    """w [..., K, N] -> (uint8 [..., Kp // 2, N], bf16 scales [..., Kp // g, N], f32 offsets or None).
 
     Kp is K rounded up to a multiple of group_size (the weight is padded with zero rows). Each
     run of `group_size` rows of a column shares a scale (and offset); |w - dequantized| <= scale / 2
-    (plus the offset's bf16 rounding, under 1/64 of a step).
+    (within the group's range; the zero point's rounding may clip its ends by up to half a step).
     """
     check_mode("int4", group_size)
     wg = _groups(w, group_size)
