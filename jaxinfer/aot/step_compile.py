@@ -28,6 +28,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.model_runner import empty_inputs
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.kv_cache import KVCache, is_quantized
+from pallas_kernels.ragged_paged_attention.reference import storage_dtype
 from jaxinfer.ops.quantization import quantize_model
 from jaxinfer.runtime.loading import abstract_model
 from jaxinfer.runtime.placement import kv_partition_spec, param_partition_specs
@@ -104,7 +105,8 @@ class AbstractStep:
         kv_shape = KVCache.shape(config, num_pages * replicas, shape.page_size, kv_dtype, tp=parallel.tp, kernels=kernels)
         kv_specs = kv_partition_spec(is_quantized(kv_dtype))
         struct = lambda shp, dt, spec: jax.ShapeDtypeStruct(shp, dt, sharding=NamedSharding(mesh, spec))  # noqa: E731
-        kv = KVCache(k=struct(kv_shape, kv_dtype, kv_specs.k), v=struct(kv_shape, kv_dtype, kv_specs.v))
+        stored = storage_dtype(kv_dtype)  # e4m3 pools hold bytes
+        kv = KVCache(k=struct(kv_shape, stored, kv_specs.k), v=struct(kv_shape, stored, kv_specs.v))
         if kv_specs.k_scale is not None:  # a quantized pool: a float32 scale per token and head
             kv.k_scale, kv.v_scale = (struct(kv_shape[:-1], jnp.float32, kv_specs.k_scale) for _ in range(2))
         buckets = Buckets.default(shape.max_num_batched_tokens, min(shape.max_num_seqs, shape.max_num_batched_tokens),

@@ -34,7 +34,8 @@ result does not depend on how a sequence's tokens were cut into steps (prefill c
 verified drafts). The price is 4 bytes per (token, head): with head_dim 64 an int8 row is 68
 bytes against 128 (bfloat16) or 256 (float32), 1.88x / 3.8x the sequences in the same memory;
 with head_dim 128, 1.94x / 3.9x (`pallas_kernels.ragged_paged_attention.reference.quantize_kv`
-quantizes, its attention reads them). Every page operation (copy-on-write, swap, sharding) moves the
+quantizes, its attention reads them). e4m3 entries are stored as their bytes (uint8,
+`reference.storage_dtype`): XLA:CPU scatters into a float8 array by converting all of it. Every page operation (copy-on-write, swap, sharding) moves the
 scales with their pages: they share the page axis, so `jax.tree.map` over the cache does it.
 """
 
@@ -48,7 +49,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.ops.kernels import Kernels
-from pallas_kernels.ragged_paged_attention.reference import QUANTIZED_KV_DTYPES
+from pallas_kernels.ragged_paged_attention.reference import QUANTIZED_KV_DTYPES, storage_dtype
 from sharding.mesh import kv_heads_per_shard
 
 
@@ -91,7 +92,7 @@ class KVCache:
         `sharding` (a jax Sharding for k and v; `scale_sharding` for the scales) places each
         device's part directly, nothing whole anywhere."""
         shape = KVCache.shape(config, num_pages, page_size, dtype, tp=tp, kernels=kernels)
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+        zeros = jax.jit(lambda: jnp.zeros(shape, storage_dtype(dtype)), out_shardings=sharding)
         if not is_quantized(dtype):
             return KVCache(k=zeros(), v=zeros())
         scales = jax.jit(lambda: jnp.zeros(shape[:-1], jnp.float32), out_shardings=scale_sharding)
