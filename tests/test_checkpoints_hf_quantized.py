@@ -200,6 +200,21 @@ def test_a_quantized_folder_serves_through_llm(tiny, tmp_path):
                            use_tqdm=False)[0].outputs[0].token_ids == out.outputs[0].token_ids
 
 
+def test_a_quantized_folder_splits_over_tensor_parallel_shards(tmp_path):
+    """GPTQ grids fused, stacked and sharded like floats: tp = 2 gives the tokens of one device
+    (every row-split weight holds whole groups per shard: K = 64 and 128, groups of 32)."""
+    save_hf_model("llama2", tmp_path / "float", intermediate_size=128)
+    write_quantized(tmp_path / "float", tmp_path / "q", "gptq")
+    args = dict(keep_checkpoint_quantization=True, max_model_len=64, page_size=4, num_pages=32, max_num_batched_tokens=16,
+                progress=False)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    one = LLM(str(tmp_path / "q"), **args).generate(["hello", "a b c"], params, use_tqdm=False)
+    two = LLM(str(tmp_path / "q"), tensor_parallel_size=2, **args)
+    assert isinstance(two.runner.params["layers"]["o_proj"].get_value(), QuantizedWeight)
+    assert [o.outputs[0].token_ids for o in two.generate(["hello", "a b c"], params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in one]
+
+
 def test_our_packing_is_compressed_tensors_packing():
     torch = pytest.importorskip("torch")
     helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
