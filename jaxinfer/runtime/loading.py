@@ -11,10 +11,12 @@ parameter's sharding (`sharding.rules`): every process reads from the safetensor
 its devices hold. Converted folders hold the tensor-parallel degree 1 layout and are restored
 onto any mesh (fused parameters are re-laid out for the mesh's tensor-parallel degree).
 
-Matrices a checkpoint stores quantized (GGUF blocks) load as `QuantizedWeight`s in their own grid,
-with no float copy made (`keep_quantized`, the default): the embedding, the attention and MLP
-projections and the LM head, when every tensor of the parameter is quantized (a parameter's
-tensors are joined into one layout that holds each exactly: checkpoints_conv.quantized).
+Matrices a checkpoint stores quantized (GGUF blocks; GPTQ, AWQ and compressed-tensors folders)
+load as `QuantizedWeight`s in their own grid, with no float copy made (`keep_quantized`; the
+engine's default depends on the backend: EngineConfig.keeps_checkpoint_quantization): the
+embedding, the attention and MLP projections and the LM head, when every tensor of the parameter
+is quantized (a parameter's tensors are joined into one layout that holds each exactly:
+checkpoints_conv.quantized).
 """
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ def stored_quantization(tensors, config: ModelConfig, tp: int) -> tuple[dict, di
         K, _ = quantized_in_out(name, shapes[name])
         if tp > 1 and name in ROW_PARALLEL and (K // tp) % layout.group_size:
             raise ValueError(f"tensor_parallel_size={tp}: {name} has {K} input rows, {K // tp} per shard, not whole "
-                             f"groups of the checkpoint's {layout.group_size}; load it as floats (dtype='float32')")
+                             f"groups of the checkpoint's {layout.group_size}; load it as floats (keep_checkpoint_quantization=False)")
     return layouts, {hf: layouts[param] for hf, param in param_of.items() if param in layouts}
 
 
@@ -187,7 +189,7 @@ def input_orders(tensors: checkpoints_conv.QuantizedSource, layouts: dict, confi
         per_layer = found.setdefault(target.param, {})
         if target.layer in per_layer and not _same_order(per_layer[target.layer], order):
             raise ValueError(f"{hf_name}: its act-order differs from the other tensors fused into {target.param!r}; "
-                             f"load it as floats (dtype='float32')")
+                             f"load it as floats (keep_checkpoint_quantization=False)")
         per_layer[target.layer] = order
     out = {}
     for param, per_layer in found.items():

@@ -106,7 +106,7 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
             return _sse(_completion_chunks(request_id, model_name, parsed, streams))
         outputs = await _until_done(request, [_last(s) for s in streams])
         if outputs is None:
-            return CLIENT_LEFT
+            return _client_left()
         return protocol.completion_response(request_id, model_name, outputs, parsed)
 
     @v1.post("/chat/completions")
@@ -123,7 +123,7 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
             return _sse(_chat_chunks(request_id, model_name, parsed, stream))
         outputs = await _until_done(request, [_last(stream)])
         if outputs is None:
-            return CLIENT_LEFT
+            return _client_left()
         return protocol.chat_response(request_id, model_name, outputs[0], parsed)
 
     app.include_router(v1)
@@ -131,7 +131,10 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
 
 
 # ----------------------------------------------------------------------------- helpers
-CLIENT_LEFT = Response(status_code=499)  # nginx's "client closed request": nobody reads it
+def _client_left() -> Response:
+    return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+
 def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
