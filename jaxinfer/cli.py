@@ -25,7 +25,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-cache-dtype", default=None, help="KV pages: float32 | bfloat16 | int8 | fp8 (default: the compute dtype)")
-    p.add_argument("--quantization", default=None, help="weight-only quantization: none | int8 | int4 | fp8")
+    p.add_argument("--quantization", default=None, help="weight quantization: none | int8 | int4 | fp8 | w8a8 (int8 weights and activations)")
     p.add_argument("--quantization-group-size", type=int, default=None, help="int4: 32 | 64 | 128 (default 128); int8: per group")
     p.add_argument("--keep-checkpoint-quantization", action=argparse.BooleanOptionalAction, default=None,
                    help="run a GGUF / GPTQ / AWQ checkpoint's matrices in their own grid (default: on TPU / GPU, not on the CPU)")

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.beam_search import BeamSearchParams, beam_search
@@ -99,12 +97,6 @@ class LLM:
         config = EngineConfig(model=model, **settings)
         enable_compilation_cache(config.compilation_cache_dir)
         clock = PhaseClock()
-        if jax.default_backend() == "cpu" and config.param_dtype != jnp.float32:
-            warnings.warn(
-                f"dtype={jnp.dtype(config.param_dtype).name} on the CPU: XLA:CPU runs small-batch 16-bit matmuls "
-                "several times slower than float32 (scripts/bench_step.py shows it); use it to save memory, not time",
-                stacklevel=2,
-            )
         self.engine = engine = build_engine(config, clock)
         self.load_seconds = time.perf_counter() - clock.t0
         if config.warmup:

@@ -61,7 +61,7 @@ def _csv(s: str) -> list[str]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", type=_csv, default=["float32", "bfloat16"],
-                   help=f"parameter dtypes (default float32,bfloat16); {GGUF_GRID!r}: jaxinfer runs the GGUF's matrices "
+                   help=f"parameter dtypes (default float32,bfloat16); {W8A8!r}: jaxinfer quantizes the float32 weights to int8 with int8 activations; {GGUF_GRID!r}: jaxinfer runs the GGUF's matrices "
                         f"in their own 4-bit grid (transformers has no such mode and skips it)")
     p.add_argument("--batches", type=_csv_ints, default=[1, 8, 32], help="decode batch sizes (default 1,8,32)")
     p.add_argument("--context", type=int, default=512, help="KV context of every decoding sequence (default 512)")
@@ -109,9 +109,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 GGUF_GRID = "gguf"  # --dtypes entry: the GGUF file's own quantized matrices
+W8A8 = "w8a8"  # --dtypes entry: float32 weights quantized at load to int8, int8 activations
+JAX_ONLY = (GGUF_GRID, W8A8)  # entries transformers has no mode for
 
 def _steps_for(args, dtype: str) -> int:
-    return args.steps if dtype in ("float32", GGUF_GRID) else args.bf16_steps
+    return args.steps if dtype in ("float32", *JAX_ONLY) else args.bf16_steps
 
 
 class Phases:
@@ -193,7 +195,9 @@ def run_jaxinfer(args, dtype: str) -> dict:
     max_tokens = max(512, args.prefill_len)
     llm = LLM(
         args.model,
-        dtype="auto" if dtype == GGUF_GRID else dtype,  # "auto": the GGUF's matrices in their own grid
+        dtype={GGUF_GRID: "auto", W8A8: "float32"}.get(dtype, dtype),  # "auto": the GGUF's matrices in their own grid
+        quantization="w8a8" if dtype == W8A8 else None,
+        keep_checkpoint_quantization=True if dtype == GGUF_GRID else None,
         compute_dtype="float32",
         max_model_len=pages_per_seq * page_size,
         page_size=page_size,
@@ -767,7 +771,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     for system in systems:
         for dtype in args.dtypes if system != "llama.cpp" else [LLAMA_CPP_DTYPE]:
-            if system == "transformers" and dtype == GGUF_GRID:
+            if system == "transformers" and dtype in JAX_ONLY:
                 continue
             log(f"== {system} {dtype} (loadavg {os.getloadavg()[0]:.2f})")
             r = run_child(args, system, dtype)

@@ -10,7 +10,7 @@ Default: the embedded SmolLM2-135M-Instruct (a Q4_1 GGUF) scored on tests/data/p
 - the GGUF's own grid (keep_checkpoint_quantization=True: Q4_1 int4 g32 with float16 scale and
   minimum, the Q8_0 embedding int8 g32);
 - round to nearest from the floats (`quantization=`): int8 per column and per group of 32, fp8,
-  int4 symmetric and asymmetric;
+  int4 symmetric and asymmetric, and w8a8 (int8 activations too);
 - calibrated (`jaxinfer quantize`, then loaded): GPTQ and AWQ int4 g128 asymmetric;
 - the KV cache in int8 / fp8 (float32 weights).
 
@@ -54,6 +54,7 @@ MODES = [
     ("RTN int8 per column", dict(dtype="float32", quantization="int8")),
     ("RTN int8 g32", dict(dtype="float32", quantization="int8", quantization_group_size=32)),
     ("RTN fp8 per column", dict(dtype="float32", quantization="fp8")),
+    ("w8a8: int8 weights per column, int8 activations per row", dict(dtype="float32", quantization="w8a8")),
     ("RTN int4 g128 symmetric", dict(dtype="float32", quantization="int4", quantization_group_size=128)),
     ("RTN int4 g128 asymmetric", dict(dtype="float32", quantization="int4", quantization_group_size=128,
                                       quantization_symmetric=False)),

@@ -198,6 +198,25 @@ def test_no_bucket_copies_the_kv_pool(model_dir):
         assert copies == 0, f"{key}: {copies} whole-pool copies"
 
 
+def test_bfloat16_weights_are_converted_one_layer_at_a_time(model_dir):
+    """XLA:CPU computes a bfloat16 dot in float32; the step must convert each layer's weights inside
+    the layer loop, never the whole [L, K, N] stack before it (what loop-invariant code motion
+    did: every step converted the whole model)."""
+    import re
+
+    llm = LLM(str(model_dir[0]), dtype="bfloat16", **ENGINE_ARGS)
+    stacked = llm.runner.params["layers"]["gate_up_proj"].get_value().shape  # [L, K, N]
+    decode = min((k for k in llm.buckets.all_keys() if k.query_block == 1), key=lambda k: k.num_tokens)
+    batch, sampling = llm.runner._empty_inputs(decode)
+    lowered = llm.runner.step_fn.lower(llm.runner.params, llm.runner.kv, batch, sampling, llm.runner.token_buffer, decode)
+    # compiled as outside the tests (conftest turns XLA's optimizations down for compile speed)
+    hlo = lowered.compile({"xla_backend_optimization_level": 2, "xla_cpu_use_fusion_emitters": True}).as_text()
+    whole = ",".join(map(str, stacked))
+    assert re.search(rf"bf16\[{whole}\]", hlo)  # the parameter is there
+    written = re.findall(rf"= f32\[{whole}\]\S* fusion\(", hlo)  # a fusion writing a float32 stack out
+    assert not written, "the whole stacked gate_up_proj is converted to float32 before the layer loop"
+
+
 # ----------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize(
     "field,value",

@@ -166,6 +166,61 @@ def test_quantized_matmul_is_close_to_the_unquantized_matmul():
         assert np.linalg.norm(y - exact) / np.linalg.norm(exact) < tol, mode
 
 
+# ----------------------------------------------------------------------------- w8a8: int8 activations too
+@pytest.mark.parametrize("K", [576, 1536, 96])
+def test_the_rotation_is_the_block_hadamard_matrix_and_undoes_itself(K):
+    b = qz.rotation_block(K)
+    assert b == {576: 64, 1536: 512, 96: 32}[K]
+    R = np.kron(np.eye(K // b), qz.hadamard(b))
+    np.testing.assert_allclose(R @ R.T, np.eye(K), atol=1e-5)
+    x = np.random.default_rng(0).normal(size=(3, K)).astype(np.float32)
+    np.testing.assert_allclose(qz.rotate_rows(jnp.asarray(x), axis=-1), x @ R, atol=1e-5)
+    np.testing.assert_allclose(qz.rotate_rows(qz.rotate_rows(jnp.asarray(x.T), axis=0), axis=0), x.T, atol=1e-5)
+
+
+def test_w8a8_multiplies_int8_rows_of_the_turned_x_by_the_int8_turned_weight():
+    from jaxinfer.models.layers import matmul
+
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(5, 576)), jnp.float32)
+    w = weight((576, 48), seed=1)
+    qw = qz.quantize(w, "w8a8")
+    assert (qw.mode, qw.group_size, qw.activations, qw.qweight.dtype) == ("int8", None, "int8", jnp.int8)
+    # the weight stored is R w quantized per column: dequantized and turned back, it is w
+    np.testing.assert_allclose(qz.rotate_rows(qw.dequantize(), axis=0), w, atol=float(qw.scales.max()))
+    xr = np.asarray(x, np.float64) @ np.kron(np.eye(9), qz.hadamard(64))
+    x_scales = np.abs(xr).max(axis=1, keepdims=True) / 127
+    xq = np.clip(np.round(xr / x_scales), -127, 127)
+    expected = (xq @ np.asarray(qw.qweight, np.float64)) * x_scales * np.asarray(qw.scales, np.float64)
+    y = np.asarray(matmul(x, qw))
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    exact = np.asarray(x @ w)
+    assert np.linalg.norm(y - exact) / np.linalg.norm(exact) < 0.02
+
+
+def test_w8a8_quantizes_a_tied_embedding_as_the_lm_head_and_looks_tokens_up_from_it():
+    from jaxinfer.models.layers import embed_lookup, tied_logits
+
+    table = weight((200, 64), seed=2)  # [V, H]
+    tied = qz.quantize_params({"embed": table, "layers.o_proj": weight((2, 64, 64))}, "w8a8")
+    assert tied["embed"].shape == (64, 200) and tied["embed"].activations == "int8"
+    rows = embed_lookup(tied["embed"], jnp.asarray([3, 0, 199]))
+    np.testing.assert_allclose(rows, table[jnp.asarray([3, 0, 199])], atol=float(tied["embed"].scales.max()))
+    h = jnp.asarray(np.random.default_rng(2).normal(size=(2, 64)), jnp.float32)
+    exact = np.asarray(h @ table.T)
+    assert np.linalg.norm(tied_logits(h, tied["embed"]) - exact) / np.linalg.norm(exact) < 0.02
+    untied = qz.quantize_params({"embed": table, "lm_head": weight((64, 200))}, "w8a8")
+    assert not isinstance(untied["embed"], qz.QuantizedWeight) and untied["lm_head"].activations == "int8"
+
+
+@pytest.mark.parametrize("kwargs", [dict(group_size=32), dict(symmetric=False)])
+def test_w8a8_is_per_column_and_symmetric_only(kwargs):
+    with pytest.raises(ValueError, match="w8a8"):
+        qz.quantize(weight((64, 8)), "w8a8", **kwargs)
+    qw = qz.quantize(weight((64, 8)), "int8", 32)
+    with pytest.raises(ValueError, match="int8 activations"):
+        qz.QuantizedWeight(qw.qweight, qw.scales, mode="int8", group_size=32, activations="int8")
+
+
 # ----------------------------------------------------------------------------- stacked [L, K, N]
 @pytest.mark.parametrize("mode,group_size", MATMUL_CASES)
 def test_stacked_weights_are_quantized_layer_by_layer(mode, group_size):

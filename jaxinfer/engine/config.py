@@ -29,7 +29,7 @@ from jaxinfer.engine.spec_decode import SpeculativeConfig
 from jaxinfer.ops.batch import Buckets
 from jaxinfer.ops.kernels import KERNEL_IMPLS, Kernels, resolve_kernels
 from jaxinfer.ops.kv_cache import KVCache
-from jaxinfer.ops.quantization import GROUP_SIZES, MODES, default_group_size
+from jaxinfer.ops.quantization import QUANTIZATION_GROUP_SIZES, QUANTIZATION_MODES, default_group_size
 from sharding.mesh import ParallelConfig, ShardingError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -91,12 +91,12 @@ class EngineConfig:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
         if self.quantization == "none":
             set_("quantization", None)
-        if self.quantization not in (None, *MODES):
-            raise ValueError(f"quantization={self.quantization!r}: expected 'none', {', '.join(map(repr, MODES))}")
+        if self.quantization not in (None, *QUANTIZATION_MODES):
+            raise ValueError(f"quantization={self.quantization!r}: expected 'none', {', '.join(map(repr, QUANTIZATION_MODES))}")
         if self.quantization is not None:
             if self.quantization_group_size is None:
                 set_("quantization_group_size", default_group_size(self.quantization))
-            allowed = GROUP_SIZES[self.quantization]
+            allowed = QUANTIZATION_GROUP_SIZES[self.quantization]
             if self.quantization_group_size not in allowed:
                 raise ValueError(f"quantization_group_size={self.quantization_group_size!r}: expected one of {allowed} "
                                  f"for quantization={self.quantization!r} (None: one scale per output column)")

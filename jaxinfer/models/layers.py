@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.ops.kernels import Kernels
-from jaxinfer.ops.quantization import QuantizedWeight
+from jaxinfer.ops.quantization import QuantizedWeight, int8_activation_matmul, rotate_rows
 
 
 def matmul(x: jax.Array, w: jax.Array | QuantizedWeight, kernels: Kernels = Kernels()) -> jax.Array:
@@ -24,11 +24,13 @@ def matmul(x: jax.Array, w: jax.Array | QuantizedWeight, kernels: Kernels = Kern
     A plain weight takes x cast to its dtype with f32 accumulation. A QuantizedWeight (int8 /
     int4 / fp8, per column or group, maybe with offsets: jaxinfer.ops.quantization) goes through
     the kernel table's quantized matmul,
-    which dequantizes inside the call.
+    which dequantizes inside the call; one with int8 activations (w8a8) multiplies integers.
     """
     if not isinstance(w, QuantizedWeight):
         return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
     x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+    if w.activations == "int8":
+        return int8_activation_matmul(x2, w).reshape(*x.shape[:-1], w.qweight.shape[-1])
     if w.input_order is not None:  # act-order: the rows are stored sorted by group
         x2 = jnp.take(x2, w.input_order, axis=1)
     y = kernels.quantized_matmul(x2, w.qweight, w.scales, w.offsets, mode=w.mode, group_size=w.group_size)
@@ -40,7 +42,10 @@ def embed_lookup(table: jax.Array | QuantizedWeight, token_ids: jax.Array) -> ja
     is stored [H, V] as the tied LM head reads it: [T, H] (the table's dtype; float32 if quantized)."""
     if isinstance(table, QuantizedWeight):
         columns = jax.tree.map(lambda a: a[..., token_ids], table)  # qweight [H (/2), T], scales [G, T]
-        return columns.dequantize().T
+        w = columns.dequantize()  # [H, T]
+        if table.activations == "int8":  # w8a8 stores R w: turn it back (R R = I)
+            w = rotate_rows(w, axis=0)
+        return w.T
     return table[token_ids]
 
 

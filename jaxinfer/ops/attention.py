@@ -25,6 +25,7 @@ import numpy as np
 from jaxinfer.ops.batch import RaggedBatch
 from jaxinfer.ops.kernels import PREFILL_KV_TOKENS_PER_ITEM, Kernels
 from jaxinfer.ops.kv_cache import KVCache
+from jaxinfer.ops.quantization import hadamard
 from pallas_kernels.ragged_paged_attention import split_kv
 from pallas_kernels.ragged_paged_attention.reference import quantize_kv
 from pallas_kernels.rope_kv_write import apply_rope
@@ -98,10 +99,7 @@ def kv_rotation(head_dim: int) -> np.ndarray:
     and the attention output over turned values is turned back by R^T. Measured on SmolLM2
     (held-out text): int8 K and V per row +0.47 % perplexity, turned -0.02 %."""
     if head_dim & (head_dim - 1) == 0:
-        h = np.ones((1, 1))
-        while h.shape[0] < head_dim:
-            h = np.block([[h, h], [h, -h]])
-        return (h / np.sqrt(head_dim)).astype(np.float32)
+        return hadamard(head_dim)
     q, r = np.linalg.qr(np.random.default_rng(0).normal(size=(head_dim, head_dim)))
     return (q * np.sign(np.diag(r))).astype(np.float32)
 
