@@ -62,6 +62,11 @@ def _csv_ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+# jaxinfer weight modes (--jax-dtypes) -> LLM keywords
+JAX_MODES = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
+             "w8a8": dict(dtype="float32", quantization="w8a8")}
+
+
 def _settings(s: str) -> list[tuple[int, int]]:
     out = []
     for item in s.split(","):
@@ -77,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=None, help="only the first N requests (quick checks)")
     p.add_argument("--settings", type=_settings, default=[(512, 64), (256, 32), (1024, 64)],
                    help="jaxinfer max_num_batched_tokens/max_num_seqs pairs (default 512/64,256/32,1024/64; 512/64 is LLM's default)")
+    p.add_argument("--jax-dtypes", type=lambda s: [x for x in s.split(",") if x], default=["float32"],
+                   help=f"jaxinfer weight modes, each run at every setting: {', '.join(JAX_MODES)} (default float32)")
     p.add_argument("--max-model-len", type=int, default=1024, help="jaxinfer max_model_len (default 1024)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", help="jaxinfer: enable_prefix_caching=False")
     p.add_argument("--no-cold", dest="cold", action="store_false",
@@ -159,9 +166,10 @@ def run_jaxinfer(args, setting: str) -> dict:
 
     wl = load_workload(args)
     reqs = wl["requests"]
-    T, S = (int(x) for x in setting.split("/"))
+    T, S, mode = setting.split("/") if setting.count("/") == 2 else (*setting.split("/"), "float32")
+    T, S = int(T), int(S)
     ph.mark("import")
-    llm = LLM(args.model, dtype="float32", max_model_len=args.max_model_len, max_num_batched_tokens=T, max_num_seqs=S,
+    llm = LLM(args.model, **JAX_MODES[mode], max_model_len=args.max_model_len, max_num_batched_tokens=T, max_num_seqs=S,
               enable_prefix_caching=args.prefix_caching, progress=False, warmup=not args.cold)  # --no-cold: compile every bucket now
     runner, engine = llm.runner, llm.engine
     ph.mark("load")
@@ -598,7 +606,8 @@ def render(args, env: dict, wl: dict, results: list[dict], agree: dict | None) -
     L.append(f"- jax devices: {', '.join(devs) or '—'}")
     L.append("- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()))
     L.append(f"- ISA flags: {env.get('isa', '?')}; load average at the start: {env.get('loadavg_start', '?')}")
-    L.append(f"- jaxinfer: max_model_len {args.max_model_len}, prefix caching {'on' if args.prefix_caching else 'off'}, other LLM "
+    L.append(f"- jaxinfer: weight modes {', '.join(args.jax_dtypes)} (a setting T/S/mode names its mode; no mode: float32), "
+             f"max_model_len {args.max_model_len}, prefix caching {'on' if args.prefix_caching else 'off'}, other LLM "
              f"defaults; jax persistent compile cache {'on' if args.compile_cache else 'off'}; "
              f"{'a cold pass compiles what it meets' if args.cold else 'every bucket compiled before the timed pass (LLM warmup=True)'}; "
              f"transformers: torch threads {args.threads}, EOS disabled, dtypes {', '.join(args.hf_dtypes)}; static batches sorted by "
@@ -775,7 +784,10 @@ def main(argv=None) -> int:
     wl = load_workload(args)
     jobs = []
     if not args.skip_jax:
-        jobs += [("jaxinfer", f"{t}/{s}") for t, s in args.settings]
+        for mode in args.jax_dtypes:
+            if mode not in JAX_MODES:
+                raise SystemExit(f"--jax-dtypes: {mode!r} is not one of {', '.join(JAX_MODES)}")
+            jobs += [("jaxinfer", f"{t}/{s}" + ("" if mode == "float32" else f"/{mode}")) for t, s in args.settings]
     if not args.skip_hf:
         for dtype in args.hf_dtypes:
             jobs += [("transformers", f"{b}/{dtype}") for b in args.hf_batch_sizes]

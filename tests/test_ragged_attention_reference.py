@@ -1,8 +1,10 @@
 """The jnp ragged paged attention implementations against a per-sequence numpy loop.
 
 Both plain-jnp versions are checked: `reference` (the truth kernels are held to) and `split_kv`
-(the work-list version the XLA CPU path runs).
+(the work-list version the XLA CPU path runs), the latter with each of its contractions.
 """
+
+import functools
 
 import hypothesis
 import hypothesis.strategies as st
@@ -12,7 +14,8 @@ import pytest
 
 from pallas_kernels.ragged_paged_attention import reference, split_kv
 
-IMPLS = {"reference": reference.ragged_paged_attention, "split_kv": split_kv.ragged_paged_attention}
+IMPLS = {"reference": reference.ragged_paged_attention, "split_kv": split_kv.ragged_paged_attention,
+         "split_kv-reduce": functools.partial(split_kv.ragged_paged_attention, contraction="reduce")}
 
 pytestmark = pytest.mark.parametrize("ragged_paged_attention", list(IMPLS.values()), ids=list(IMPLS))
 

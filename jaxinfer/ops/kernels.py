@@ -51,10 +51,13 @@ from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu, swiglu_matmul_tpu
 
 KERNEL_IMPLS = ("auto", "reference", "pallas", "pallas-tpu", "pallas-gpu")
 
-# KV tokens per work item of the XLA split-KV attention: decodes (one query row per block) do
-# best with short items, query blocks of a prefill chunk with longer ones (measured on the CPU,
-# scripts/bench_step.py).
-DECODE_KV_TOKENS_PER_ITEM = 32
+# KV tokens per work item of the XLA split-KV attention, and items per loop iteration (measured
+# on the CPU, 30 layers of SmolLM2's attention). Decodes (one query row per block) contract by
+# products and sums ("reduce": no transposed copy of K and V) over items of 128 tokens, as many
+# items per iteration as the bucket has sequences, from 2 to 16: batch 1 wants little padding per
+# iteration (512 tokens of context: 2.2 ms with 2 items, 4.8 with 16), 32 sequences want few
+# iterations (61-84 ms with 16 items; the former 32-token items with matmuls: 99-125 ms).
+DECODE_KV_TOKENS_PER_ITEM = 128
 SPEC_KV_TOKENS_PER_ITEM = 64  # verify chunks of speculative decoding: a few queries, long contexts
 PREFILL_KV_TOKENS_PER_ITEM = 128
 TPU_LANES = 128
@@ -77,10 +80,11 @@ def xla_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *,
         sm_scale=sm_scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, num_queries_per_block=query_block,
         num_kv_pages_per_block=max(1, kv_tokens // page_size), items_per_step=items, **kw,
     )
+    decode_items = min(max(S, 2), 16)
     if query_block == 1:
-        return attend(1, DECODE_KV_TOKENS_PER_ITEM, 16)
+        return attend(1, DECODE_KV_TOKENS_PER_ITEM, decode_items, contraction="reduce")
     q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
-    out = attend(1, DECODE_KV_TOKENS_PER_ITEM, 16, seq_mask=q_lens == 1, max_query_blocks=S)
+    out = attend(1, DECODE_KV_TOKENS_PER_ITEM, decode_items, seq_mask=q_lens == 1, max_query_blocks=S, contraction="reduce")
     if spec_block:
         out += attend(spec_block, SPEC_KV_TOKENS_PER_ITEM, 16, seq_mask=(q_lens > 1) & (q_lens <= spec_block), max_query_blocks=S)
     out += attend(

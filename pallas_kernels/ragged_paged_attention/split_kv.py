@@ -17,6 +17,13 @@ The reference loops every query block to the batch's longest context; on a batch
 mixed lengths most of that is padding. Here the work is the sum of what each block needs, which
 is what makes the XLA CPU path fast. The trip count of the loop is dynamic, the shapes static.
 
+`contraction` chooses how an item's scores and output are formed: "dot" (batched matmuls over
+(item, head), which moves K and V's head axis in front of their token axis first) or "reduce"
+(products summed over the contracted axis, reading K and V in their page layout: one fused
+loop, no transposed copy). With one query row per block (decode) "reduce" is up to 2x faster on
+XLA:CPU (32 decodes of 512 tokens, 30 layers: 55-85 ms against 99-125 ms); with query blocks of
+many rows the matmuls win.
+
 Two options make the result a *partial* attention that can be merged with others:
 
 - `kv_end` [S]: sequence s sees only cache positions < kv_end[s] (on top of the causal, window
@@ -56,6 +63,7 @@ def _cdiv(a, b):
         "items_per_step",
         "max_query_blocks",
         "return_lse",
+        "contraction",
     ),
 )
 def ragged_paged_attention(
@@ -79,8 +87,11 @@ def ragged_paged_attention(
     max_query_blocks: int | None = None,  # static bound on query blocks, when the caller knows a smaller one
     kv_end: jax.Array | None = None,  # [S] int32: sequence s sees only cache positions < kv_end[s]
     return_lse: bool = False,  # also return lse [T, Hq] float32 (log-sum-exp of the visible scores)
+    contraction: str = "dot",  # "dot" | "reduce": see the module docstring
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     check_kv_scales(k_pages, v_pages, k_scale, v_scale)
+    if contraction not in ("dot", "reduce"):
+        raise ValueError(f"contraction={contraction!r}: expected 'dot' or 'reduce'")
     T, Hq, D = q.shape
     page_size, Hkv = k_pages.shape[1], k_pages.shape[2]
     S, pages_per_seq = page_indices.shape
@@ -156,7 +167,7 @@ def ragged_paged_attention(
         pages = jax.lax.dynamic_slice_in_dim(item_pages_all, start, W)  # [W, C]
         k = dequantize_kv(k_pages[pages], k_scale[pages] if is_pool(k_scale) else k_scale).reshape(W, kv_block, Hkv, D)
         v = dequantize_kv(v_pages[pages], v_scale[pages] if is_pool(v_scale) else v_scale).reshape(W, kv_block, Hkv, D)
-        s = jnp.einsum("whrd,wkhd->whrk", qb[item_block], k, preferred_element_type=jnp.float32) * sm_scale
+        s = _scores(qb[item_block], k, contraction) * sm_scale  # [W, Hkv, Bq*G, kv_block]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = kv_blk[:, None] * kv_block + jnp.arange(kv_block)[None, :]  # [W, kv_block]
@@ -169,7 +180,7 @@ def ragged_paged_attention(
         m = s.max(axis=-1)
         p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m)[..., None])
         l = p.sum(axis=-1)
-        o = jnp.einsum("whrk,wkhd->whrd", p, v.astype(jnp.float32))
+        o = _weighted_values(p, v.astype(jnp.float32), contraction)  # [W, Hkv, Bq*G, D]
         m_all = jax.lax.dynamic_update_slice_in_dim(m_all, m, start, axis=0)
         l_all = jax.lax.dynamic_update_slice_in_dim(l_all, l, start, axis=0)
         o_all = jax.lax.dynamic_update_slice_in_dim(o_all, o, start, axis=0)
@@ -195,6 +206,21 @@ def ragged_paged_attention(
     if not return_lse:
         return result
     return result, _scatter_lse(m_blk, l_blk, rows, T)
+
+
+def _scores(q, k, contraction: str) -> jax.Array:
+    """q [W, Hkv, R, D] . k [W, kv_block, Hkv, D] -> float32 [W, Hkv, R, kv_block]."""
+    if contraction == "dot":
+        return jnp.einsum("whrd,wkhd->whrk", q, k, preferred_element_type=jnp.float32)
+    products = q.astype(jnp.float32)[:, None] * k.astype(jnp.float32)[:, :, :, None, :]  # [W, kv_block, Hkv, R, D]
+    return products.sum(axis=-1).transpose(0, 2, 3, 1)
+
+
+def _weighted_values(p, v, contraction: str) -> jax.Array:
+    """p [W, Hkv, R, kv_block] (float32) x v [W, kv_block, Hkv, D] -> [W, Hkv, R, D]."""
+    if contraction == "dot":
+        return jnp.einsum("whrk,wkhd->whrd", p, v)
+    return (p.transpose(0, 3, 1, 2)[..., None] * v[:, :, :, None, :]).sum(axis=1)
 
 
 def _scatter_lse(m_blk, l_blk, rows, T):
