@@ -362,7 +362,7 @@ def main(argv=None) -> int:
     a.add_argument("--num-pages", type=int, default=None, help="KV pages per replica (default: max-num-seqs at max-model-len)")
     a.add_argument("--dtype", default="bfloat16")
     a.add_argument("--kv-cache-dtype", default=None, help="default: --dtype; int8 or float8_e4m3fn halve the pool")
-    a.add_argument("--quantization", choices=("int8", "int4", "fp8"), default=None)
+    a.add_argument("--quantization", choices=("int8", "int4", "fp8", "w8a8"), default=None)
     a.add_argument("--group-size", type=int, default=128, help="int4 group size")
     a.add_argument("--jobs", "-j", type=int, default=1, help="buckets compiled at once")
     a.add_argument("--cache-dir", default=None,

@@ -9,6 +9,7 @@ Triton's, and the whole serving step's memory.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +148,16 @@ def test_a_step_with_a_quantized_kv_pool_compiles_for_a_tpu_and_updates_it_in_pl
     assert plan.kv.quantized and plan.kv.k.dtype == jnp.int8 and plan.kv.k_scale.shape == plan.kv.k.shape[:-1]
     decode = next(k for k in plan.buckets.all_keys() if k.query_block == 1)
     assert_in_place_with_kernels(plan, decode, "tpu_custom_call")  # the other kernels (norm, SwiGLU) stay
+
+
+def test_a_w8a8_step_compiles_for_a_tpu_with_integer_matmuls(v6e):
+    """quantization="w8a8", tensor-parallel over two chips: the projections are int8 x int8 dots
+    accumulated in int32 on the chip, and the pool is still updated in place."""
+    plan = AbstractStep.build(SMALL, v6e, ParallelConfig(tp=2), dataclasses.replace(SHAPE, quantization="w8a8"))
+    decode = next(k for k in plan.buckets.all_keys() if k.query_block == 1)
+    assert_in_place_with_kernels(plan, decode, "tpu_custom_call")
+    integer_dots = re.findall(r"= s32\[[^\n]*(?:convolution|dot)\(", plan.compile(decode).as_text())
+    assert len(integer_dots) >= 5  # qkv, o, gate_up, down (in the layer loop) and the LM head
 
 
 @pytest.mark.parametrize("gpu", ["h100", "h200"])

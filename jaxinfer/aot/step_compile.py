@@ -50,8 +50,8 @@ class ServingShape:
     num_pages: int | None = None  # per replica; None: every sequence at max_model_len, plus the scratch page
     dtype: str = "bfloat16"  # weights and activations
     kv_cache_dtype: str | None = None  # default: dtype
-    quantization: str | None = None  # "int8" | "int4" | "fp8" weights
-    group_size: int = 128
+    quantization: str | None = None  # "int8" | "int4" | "fp8" | "w8a8" weights
+    group_size: int = 128  # int4's groups (the other modes: one scale per output column)
 
     @property
     def pages_per_seq(self) -> int:
@@ -91,7 +91,8 @@ class AbstractStep:
             quantized_graphdef = []
 
             def quantize(state):
-                new_graphdef, new_state = quantize_model(graphdef, state, shape.quantization, shape.group_size)
+                group_size = shape.group_size if shape.quantization == "int4" else None
+                new_graphdef, new_state = quantize_model(graphdef, state, shape.quantization, group_size)
                 quantized_graphdef.append(new_graphdef)
                 return new_state
 
