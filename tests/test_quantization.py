@@ -168,14 +168,16 @@ def test_quantized_matmul_is_close_to_the_unquantized_matmul():
 
 # ----------------------------------------------------------------------------- w8a8: int8 activations too
 @pytest.mark.parametrize("K", [576, 1536, 96])
-def test_the_rotation_is_the_block_hadamard_matrix_and_undoes_itself(K):
+def test_the_rotation_is_an_orthogonal_kronecker_product_that_mixes_every_entry(K):
     b = qz.rotation_block(K)
     assert b == {576: 64, 1536: 512, 96: 32}[K]
-    R = np.kron(np.eye(K // b), qz.hadamard(b))
+    R = np.kron(qz.block_mixing(K // b), qz.hadamard(b))  # Q (x) H
     np.testing.assert_allclose(R @ R.T, np.eye(K), atol=1e-5)
+    assert np.all(R != 0)  # one large entry of x spreads over the whole row
     x = np.random.default_rng(0).normal(size=(3, K)).astype(np.float32)
     np.testing.assert_allclose(qz.rotate_rows(jnp.asarray(x), axis=-1), x @ R, atol=1e-5)
-    np.testing.assert_allclose(qz.rotate_rows(qz.rotate_rows(jnp.asarray(x.T), axis=0), axis=0), x.T, atol=1e-5)
+    np.testing.assert_allclose(qz.rotate_rows(jnp.asarray(x.T), axis=0), (x @ R).T, atol=1e-5)
+    np.testing.assert_allclose(qz.rotate_rows(qz.rotate_rows(jnp.asarray(x), axis=-1), axis=-1, inverse=True), x, atol=1e-5)
 
 
 def test_w8a8_multiplies_int8_rows_of_the_turned_x_by_the_int8_turned_weight():
@@ -185,9 +187,10 @@ def test_w8a8_multiplies_int8_rows_of_the_turned_x_by_the_int8_turned_weight():
     w = weight((576, 48), seed=1)
     qw = qz.quantize(w, "w8a8")
     assert (qw.mode, qw.group_size, qw.activations, qw.qweight.dtype) == ("int8", None, "int8", jnp.int8)
-    # the weight stored is R w quantized per column: dequantized and turned back, it is w
-    np.testing.assert_allclose(qz.rotate_rows(qw.dequantize(), axis=0), w, atol=float(qw.scales.max()))
-    xr = np.asarray(x, np.float64) @ np.kron(np.eye(9), qz.hadamard(64))
+    # the weight stored is R^T w quantized per column: dequantized and turned back, it is w
+    back = np.asarray(qz.rotate_rows(qw.dequantize(), axis=0, inverse=True))
+    assert np.linalg.norm(back - w) / np.linalg.norm(w) < 0.01
+    xr = np.asarray(x, np.float64) @ np.kron(qz.block_mixing(9), qz.hadamard(64))
     x_scales = np.abs(xr).max(axis=1, keepdims=True) / 127
     xq = np.clip(np.round(xr / x_scales), -127, 127)
     expected = (xq @ np.asarray(qw.qweight, np.float64)) * x_scales * np.asarray(qw.scales, np.float64)

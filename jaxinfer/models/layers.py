@@ -43,8 +43,8 @@ def embed_lookup(table: jax.Array | QuantizedWeight, token_ids: jax.Array) -> ja
     if isinstance(table, QuantizedWeight):
         columns = jax.tree.map(lambda a: a[..., token_ids], table)  # qweight [H (/2), T], scales [G, T]
         w = columns.dequantize()  # [H, T]
-        if table.activations == "int8":  # w8a8 stores R w: turn it back (R R = I)
-            w = rotate_rows(w, axis=0)
+        if table.activations == "int8":  # w8a8 stores R^T w: turn it back
+            w = rotate_rows(w, axis=0, inverse=True)
         return w.T
     return table[token_ids]
 

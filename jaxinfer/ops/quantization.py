@@ -16,10 +16,11 @@ quantizers here make:
 w8a8 is int8 per column whose matmul also quantizes its input: each row of x is scaled by its
 absmax / 127 and rounded to int8 when the matmul runs ("dynamic per-token" activations, as
 vLLM's W8A8 and llama.cpp's Q8 activations), and the product is an int8 x int8 dot with int32
-accumulation, times both scales. Both x's rows and w's rows are first turned by the same block
-Hadamard matrix R (orthogonal, symmetric: (x R)(R w) = x w), which spreads a few large channels
-over many, so a row's absmax no longer sets a coarse grid for the rest. It changes the arithmetic (the activations lose precision too),
-not just the storage; on the CPU it is the fastest mode (XLA:CPU's int8 dots, no float copy of
+accumulation, times both scales. x's rows are first turned by an orthogonal matrix R and w's
+rows by R^T (Hadamard blocks mixed by a fixed orthogonal matrix: (x R)(R^T w) = x w), which
+spreads a few large channels over all of them, so a row's absmax no longer sets a coarse grid
+for the rest. It changes the arithmetic (the activations lose precision too), not just the
+storage; on the CPU it is the fastest mode (XLA:CPU's int8 dots, no float copy of
 the weight), and it quantizes a tied embedding too, stored [H, V] as the LM head reads it.
 
 Asymmetric groups fit [min, max] instead of [-absmax, absmax]: a group whose values are not
@@ -241,7 +242,9 @@ jax.tree_util.register_dataclass(
 )
 
 
-ROTATION_BLOCK = 512  # SmolLM2 w8a8 perplexity: +1.3 % with blocks of 64, +0.3 % with 512 (down_proj's 1536 inputs)
+# SmolLM2 w8a8 perplexity: Hadamard blocks of 64 +1.3 %, of up to 512 (down_proj's 1536 inputs) +0.3 %,
+# and with the blocks mixed (block_mixing) +0.01 %
+ROTATION_BLOCK = 512
 
 
 def rotation_block(K: int) -> int:
@@ -263,13 +266,30 @@ def hadamard(n: int) -> np.ndarray:
     return (h / np.sqrt(n)).astype(np.float32)
 
 
-def rotate_rows(x: jax.Array, axis: int) -> jax.Array:
-    """x (float32) with its `axis` (of size K) turned by R, the block-diagonal Hadamard matrix
-    with blocks of rotation_block(K): R is orthogonal and symmetric, so (x R) (R w) = x w."""
+@functools.cache
+def block_mixing(n: int) -> np.ndarray:
+    """A fixed [n, n] orthogonal matrix (seeded) that mixes the n Hadamard blocks of a row."""
+    if n == 1:
+        return np.ones((1, 1), np.float32)
+    q, r = np.linalg.qr(np.random.default_rng(n).normal(size=(n, n)))
+    return (q * np.sign(np.diag(r))).astype(np.float32)
+
+
+def rotate_rows(x: jax.Array, axis: int, inverse: bool = False) -> jax.Array:
+    """x (float32) with its `axis` (of size K) multiplied by R, or by R^T with inverse=True.
+
+    R = Q (x) H (Kronecker product): H the normalized Hadamard matrix of rotation_block(K) turns
+    each block of entries, Q (block_mixing) mixes the K / block blocks, so a large entry is spread
+    over the whole row; R is orthogonal, so (x R)(R^T w) = x w, and `rotate_rows(w, axis=-2)` is
+    R^T w for a [K, N] weight."""
     x = jnp.moveaxis(x, axis, -1).astype(jnp.float32)
     *lead, K = x.shape
     b = rotation_block(K)
-    y = jnp.einsum("...gi,ij->...gj", x.reshape(*lead, K // b, b), hadamard(b), precision=jax.lax.Precision.HIGHEST)
+    H, Q = hadamard(b), block_mixing(K // b)  # H is symmetric
+    if inverse:
+        Q = Q.T
+    y = jnp.einsum("...gi,ij->...gj", x.reshape(*lead, K // b, b), H, precision=jax.lax.Precision.HIGHEST)  # each block by H
+    y = jnp.einsum("...gj,gh->...hj", y, Q, precision=jax.lax.Precision.HIGHEST)  # the blocks mixed by Q
     return jnp.moveaxis(y.reshape(*lead, K), -1, axis)
 
 
