@@ -266,13 +266,16 @@ def hadamard(n: int) -> np.ndarray:
     return (h / np.sqrt(n)).astype(np.float32)
 
 
+def random_orthogonal(n: int, seed: int) -> np.ndarray:
+    """A fixed [n, n] orthogonal matrix drawn from `seed` (QR of a Gaussian matrix, signs fixed)."""
+    q, r = np.linalg.qr(np.random.default_rng(seed).normal(size=(n, n)))
+    return (q * np.sign(np.diag(r))).astype(np.float32)
+
+
 @functools.cache
 def block_mixing(n: int) -> np.ndarray:
-    """A fixed [n, n] orthogonal matrix (seeded) that mixes the n Hadamard blocks of a row."""
-    if n == 1:
-        return np.ones((1, 1), np.float32)
-    q, r = np.linalg.qr(np.random.default_rng(n).normal(size=(n, n)))
-    return (q * np.sign(np.diag(r))).astype(np.float32)
+    """A fixed [n, n] orthogonal matrix that mixes the n Hadamard blocks of a row."""
+    return np.ones((1, 1), np.float32) if n == 1 else random_orthogonal(n, seed=n)
 
 
 def rotate_rows(x: jax.Array, axis: int, inverse: bool = False) -> jax.Array:
