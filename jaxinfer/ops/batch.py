@@ -91,7 +91,7 @@ class Buckets:
     of `prefill_query_block` (large: few blocks, big matmuls).
 
     S is capped at max_num_seqs. A batch takes the smallest T that holds its tokens and
-    sequences. Logits rows are padded to S, unless a batch needs more (prompt logprobs), then to
+    sequences (prefill and mixed batches: at least `min_chunk_tokens`). Logits rows are padded to S, unless a batch needs more (prompt logprobs), then to
     the next token bucket.
     """
 
@@ -103,6 +103,8 @@ class Buckets:
     # with speculative decoding: the longest verification chunk (1 + drafted tokens), rounded up to
     # a power of two; non-decode buckets then attend such chunks in a pass of their own
     spec_block: int = 0
+    # prefill and mixed batches pad to at least this many tokens (decode batches do not)
+    min_chunk_tokens: int = 1
 
     @staticmethod
     def default(max_num_batched_tokens: int, max_num_seqs: int, pages_per_seq: int, token_multiple: int = 1,
@@ -113,6 +115,11 @@ class Buckets:
         There is no 1-token bucket: with one token, XLA:CPU turned the KV scatter into a
         dynamic-update-slice and copied the whole page pool each layer (seen with small
         max_model_len); one padding token avoids that at no measurable cost.
+
+        Without speculative decoding a batch of fewer than 8 tokens that is not all decodes is
+        rare (a prompt of a few tokens, once per request), so prefill buckets start at 8 tokens:
+        two programs fewer to compile (~3 s of a cold start on 2 cores) for ~10 ms on such a
+        step. With it, verification chunks of 2-4 tokens come every step and keep their buckets.
         """
         if max_num_batched_tokens % token_multiple:
             raise ValueError(
@@ -124,7 +131,8 @@ class Buckets:
             sizes.append(-(-t // token_multiple) * token_multiple)
             t *= 2
         sizes.append(max_num_batched_tokens)
-        return Buckets(tuple(sorted(set(sizes))), max_num_seqs, pages_per_seq, spec_block=spec_block)
+        return Buckets(tuple(sorted(set(sizes))), max_num_seqs, pages_per_seq, spec_block=spec_block,
+                       min_chunk_tokens=1 if spec_block else 8)
 
     @property
     def max_tokens(self) -> int:
@@ -153,7 +161,7 @@ class Buckets:
             raise ValueError(f"{num_seqs} sequences exceed max_num_seqs={self.max_num_seqs}")
         decode = num_tokens == num_seqs if decode is None else decode
         kind = "decode" if decode else "prefill" if num_seqs <= self.few_seqs else "mixed"
-        T = self.round_up(max(num_tokens, 1))
+        T = self.round_up(max(num_tokens, 1 if decode else min(self.min_chunk_tokens, self.max_tokens)))
         while num_seqs > self._kind(T, kind)[0]:
             T = self.round_up(T + 1)
         S, query_block = self._kind(T, kind)
@@ -168,6 +176,10 @@ class Buckets:
             kinds = (["decode"] if T <= max(self.max_num_seqs, self.token_buckets[0]) else []) + (["prefill", "mixed"] if T > 1 else [])
             for kind in kinds:
                 S, qb = self._kind(T, kind)
+                if kind != "decode" and T < self.round_up(min(self.min_chunk_tokens, self.max_tokens)):
+                    continue
+                if kind == "mixed" and S <= self.few_seqs:
+                    continue  # key_for sends batches of so few sequences to a prefill bucket
                 key = BucketKey(T, S, S, qb, 0 if kind == "decode" else self.spec_block)
                 if key not in keys:
                     keys.append(key)
