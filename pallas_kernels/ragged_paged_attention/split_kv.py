@@ -8,10 +8,10 @@ Same inputs and result as `reference.ragged_paged_attention`, computed the way a
 2. Each query block needs only the KV blocks it can see: from the window start (0 without a
    sliding window) up to its last query's position. Every (query block, KV block) pair that is
    needed becomes one *work item*; nothing is padded to the longest sequence of the batch.
-3. A loop takes `items_per_step` work items at a time: it gathers their pages, computes scores,
-   and keeps for each item the partial softmax statistics (max m, sum l, unnormalised output o).
-4. The partials of one query block are merged at the end: M = max m, l = sum exp(m - M) l,
-   o = sum exp(m - M) o, output = o / l.
+3. A loop takes `items_per_step` work items at a time: it gathers their pages, computes scores
+   and each item's partial softmax statistics (max m, sum l, unnormalised output o).
+4. Each step merges its items' partials into their query blocks' running statistics: M' = max(M,
+   m), L' = exp(M - M') L + sum exp(m - M') l, O' likewise; the output is O / L.
 
 The reference loops every query block to the batch's longest context; on a batch of decodes with
 mixed lengths most of that is padding. Here the work is the sum of what each block needs, which
@@ -158,8 +158,8 @@ def ragged_paged_attention(
     kv_blk_all = jnp.clip(kv_blk_all, 0, max_kv_blocks - 1)
     item_pages_all = seq_pages[block_seq[item_block_all], kv_blk_all]  # [NI, C]
 
-    def work(i, partials):
-        m_all, l_all, o_all = partials
+    def work(i, blocks):
+        m_blk, l_blk, o_blk = blocks
         start = i * W
         item_valid = jax.lax.dynamic_slice_in_dim(item_valid_all, start, W)  # [W]
         item_block = jax.lax.dynamic_slice_in_dim(item_block_all, start, W)
@@ -177,28 +177,31 @@ def ragged_paged_attention(
             mask &= kv_pos[:, None, :] > qp[:, :, None] - sliding_window
         mask &= row_valid_rows[item_block][:, :, None] & item_valid[:, None, None]
         s = jnp.where(mask[:, None], s, -jnp.inf)  # [W, Hkv, Bq*G, kv_block]
-        m = s.max(axis=-1)
+        m = s.max(axis=-1)  # [W, Hkv, Bq*G]; -inf where an item row sees nothing
         p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m)[..., None])
         l = p.sum(axis=-1)
         o = _weighted_values(p, v.astype(jnp.float32), contraction)  # [W, Hkv, Bq*G, D]
-        m_all = jax.lax.dynamic_update_slice_in_dim(m_all, m, start, axis=0)
-        l_all = jax.lax.dynamic_update_slice_in_dim(l_all, l, start, axis=0)
-        o_all = jax.lax.dynamic_update_slice_in_dim(o_all, o, start, axis=0)
-        return m_all, l_all, o_all
+        # merge the W partials into their query blocks' running (max, sum, output); several of
+        # the W items may belong to one block, so the new maxima come first, then one rescale
+        target = jnp.where(item_valid, item_block, NB)  # NB: dropped
+        m_new = m_blk.at[target].max(m, mode="drop")  # [NB, Hkv, Bq*G]
+        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        keep = jnp.exp(m_blk - m_ref)  # what the block's earlier partials are worth now (0 when none)
+        weight = jnp.exp(m - m_ref[item_block])  # [W, Hkv, Bq*G]; 0 for rows that saw nothing
+        l_blk = (l_blk * keep).at[target].add(weight * l, mode="drop")
+        o_blk = (o_blk * keep[..., None]).at[target].add(weight[..., None] * o, mode="drop")
+        return m_new, l_blk, o_blk
 
-    partials = (
-        jnp.full((NI, Hkv, Bq * G), -jnp.inf, jnp.float32),
-        jnp.zeros((NI, Hkv, Bq * G), jnp.float32),
-        jnp.zeros((NI, Hkv, Bq * G, D), jnp.float32),
+    # Running per-block results, not per-item partials: the number of items has only a static
+    # bound of NB x (KV blocks of the longest possible sequence), e.g. 768 for a 512-token prefill
+    # at max_model_len 8192, and per-item buffers of that size cost more than the attention.
+    blocks = (
+        jnp.full((NB, Hkv, Bq * G), -jnp.inf, jnp.float32),
+        jnp.zeros((NB, Hkv, Bq * G), jnp.float32),
+        jnp.zeros((NB, Hkv, Bq * G, D), jnp.float32),
     )
-    m_all, l_all, o_all = jax.lax.fori_loop(0, _cdiv(num_items, W), work, partials)
-
-    # ---- merge the partials of each query block (items past num_items land in no block)
-    m_blk = jax.ops.segment_max(m_all, owner, num_segments=NB)  # [NB, Hkv, Bq*G]
+    m_blk, l_blk, o_blk = jax.lax.fori_loop(0, _cdiv(num_items, W), work, blocks)
     m_blk = jnp.where(m_blk == -jnp.inf, 0.0, m_blk)
-    scale = jnp.exp(m_all - m_blk[jnp.minimum(owner, NB - 1)])  # [NI, Hkv, Bq*G]; exp(-inf) = 0 for empty items
-    l_blk = jax.ops.segment_sum(scale * l_all, owner, num_segments=NB)
-    o_blk = jax.ops.segment_sum(scale[..., None] * o_all, owner, num_segments=NB)
     out = o_blk / jnp.where(l_blk == 0.0, 1.0, l_blk)[..., None]  # [NB, Hkv, Bq*G, D]
     out = out.reshape(NB, Hkv, Bq, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * Bq, Hq, D)
     result = jnp.zeros((T, Hq, D), q.dtype)
