@@ -17,6 +17,7 @@ _EXPORTS = {
     "EngineConfig": "jaxinfer.engine.config",
     "build_engine": "jaxinfer.engine.build",
     "SamplingParams": "jaxinfer.sampling_params",
+    "StructuredOutputsParams": "jaxinfer.sampling_params",
     "BeamSearchParams": "jaxinfer.beam_search",
     "RequestOutput": "jaxinfer.outputs",
     "CompletionOutput": "jaxinfer.outputs",

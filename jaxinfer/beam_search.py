@@ -22,8 +22,15 @@ class BeamSearchParams:
     max_tokens: int
     ignore_eos: bool = False
     length_penalty: float = 1.0
+    structured_outputs: object = None  # refused: see __post_init__
 
     def __post_init__(self):
+        if self.structured_outputs is not None:
+            raise ValueError(
+                "BeamSearchParams.structured_outputs: beam search cannot be constrained here (beams grow from each "
+                "position's top logprobs, which the grammar mask does not touch); use SamplingParams(n=..., "
+                "structured_outputs=...) for several constrained completions"
+            )
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
             raise ValueError(f"BeamSearchParams.beam_width={self.beam_width!r}: must be an integer >= 1")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

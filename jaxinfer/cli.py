@@ -213,7 +213,8 @@ def cmd_serve(args) -> int:
               file=sys.stderr, flush=True)
         return 0
     app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
-                    request_timeout=args.request_timeout, publisher=Publisher() if jax.process_count() > 1 else None)
+                    request_timeout=args.request_timeout, publisher=Publisher() if jax.process_count() > 1 else None,
+                    tool_call_parser=args.tool_call_parser)
     print(f"jaxinfer: serving {app.state.model_name!r} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     # SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for shutdown_timeout seconds,
     # then cancel them (each aborts its request); the engine thread stops with the app; exit 0.
@@ -320,6 +321,8 @@ def main(argv=None) -> int:
     s.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the model folder's)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 routes")
     s.add_argument("--max-queue", type=int, default=None, help="requests waiting for a slot beyond which new ones get 429")
+    s.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                   help="the tool-call format of the model's chat template (default: detected from the template)")
     s.add_argument("--request-timeout", type=float, default=None, help="seconds a request may take (504 past it)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds in-flight requests get to finish before they are aborted")

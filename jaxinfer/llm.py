@@ -256,10 +256,12 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat_prompt(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                    chat_template: str | None = None) -> dict:
+                    chat_template: str | None = None, tools: list[dict] | None = None) -> dict:
         """One conversation rendered by the chat template, as a prompt `generate` and `stream` take:
-        {"prompt": text, "prompt_token_ids": ids}."""
+        {"prompt": text, "prompt_token_ids": ids}. `tools`: OpenAI-style function definitions the
+        template shows the model."""
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+            **({"tools": tools} if tools else {}),
         )
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}

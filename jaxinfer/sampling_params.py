@@ -1,8 +1,73 @@
-"""`SamplingParams`, with vLLM's field names and meanings, validated on construction."""
+"""`SamplingParams` and `StructuredOutputsParams`, with vLLM's field names and meanings,
+validated on construction."""
 
 from __future__ import annotations
 
 import dataclasses
+import json as _json
+
+GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output: exactly one of
+
+    json: a JSON schema (a dict, or its text); json_object=True: any JSON object; regex: a
+    regular expression the whole output matches; choice: a list of strings, the output is one of
+    them; grammar: a context-free grammar, in Lark / llguidance syntax or llama.cpp's GBNF.
+
+    disable_any_whitespace: JSON without optional whitespace (the default is llguidance's
+    compact separators, ", " and ": ", no free whitespace, which keeps small models from
+    wandering into runs of spaces); whitespace_pattern: a regex for the whitespace JSON may hold
+    between tokens instead.
+
+    Generation stops when the constraint is complete (EOS is then the only token allowed).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self):
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"StructuredOutputsParams: give exactly one of {', '.join(self.KINDS)} "
+                f"(got {', '.join(given) if given else 'none'})"
+            )
+        if isinstance(self.json, str):
+            try:
+                self.json = _json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"StructuredOutputsParams.json: not valid JSON ({e})") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError(f"StructuredOutputsParams.json: a JSON schema is an object, got {type(self.json).__name__}")
+        for field in ("regex", "grammar", "whitespace_pattern"):
+            v = getattr(self, field)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"StructuredOutputsParams.{field}: must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple)) or not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("StructuredOutputsParams.choice: must be a non-empty list of non-empty strings")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def cache_key(self) -> str:
+        """The constraint as text: equal constraints share one compiled grammar."""
+        return _json.dumps({k: getattr(self, k) for k in (self.kind, "disable_any_whitespace", "whitespace_pattern")},
+                           sort_keys=True)
 
 
 @dataclasses.dataclass
@@ -24,6 +89,9 @@ class SamplingParams:
     detokenize: False leaves the output text empty (token ids only; no stop strings then).
     num_speculative_tokens (jaxinfer's, not vLLM's): with speculative decoding on, this
     request's draft length (None: the engine's; 0: this request does not speculate).
+    structured_outputs: a `StructuredOutputsParams` (or a dict of its fields) the output must
+    follow; the older names guided_json / guided_regex / guided_choice / guided_grammar are
+    accepted as keywords and become it. A constrained request does not speculate.
     """
 
     n: int = 1
@@ -46,10 +114,28 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     num_speculative_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dataclasses.InitVar[str | dict | None] = None
+    guided_regex: dataclasses.InitVar[str | None] = None
+    guided_choice: dataclasses.InitVar[list[str] | None] = None
+    guided_grammar: dataclasses.InitVar[str | None] = None
 
-    def __post_init__(self):
+    def __post_init__(self, guided_json=None, guided_regex=None, guided_choice=None, guided_grammar=None):
         def bad(field, why):
             raise ValueError(f"SamplingParams.{field}={getattr(self, field)!r}: {why}")
+
+        guided = {name: v for name, v in zip(GUIDED_ALIASES, (guided_json, guided_regex, guided_choice, guided_grammar))
+                  if v is not None}
+        if guided:
+            if self.structured_outputs is not None or len(guided) > 1:
+                raise ValueError(f"SamplingParams: give one constraint, got {', '.join(guided)}"
+                                 + (" and structured_outputs" if self.structured_outputs is not None else ""))
+            (name, value), = guided.items()
+            self.structured_outputs = StructuredOutputsParams(**{GUIDED_ALIASES[name]: value})
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams (or a dict of its fields)")
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "must be an integer >= 1")

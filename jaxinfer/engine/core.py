@@ -15,6 +15,10 @@ Data parallelism: one `Replica` (block manager + scheduler, each with the full b
 attention replica of the runner's model. A request runs on one replica, picked when it arrives:
 the longest cached prefix of its prompt, then the least work queued.
 
+Structured outputs: a constrained sequence's sampling rows carry the bitmask of the tokens its
+grammar allows next (`GrammarBackend`), computed when its step is planned; the step before must
+have been read, so a batch holding constrained sequences runs without the pipelining above.
+
 Speculative decoding: before scheduling, each sequence that speculates gets drafts from the
 proposer, which sees the core only through `DraftContext` (page tables, slot reservation, the
 last hidden states). Its chunk is its newest token plus the drafts; the rows verify them on the
@@ -32,9 +36,11 @@ import threading
 import time
 
 import jax
+import numpy as np
 
 from jaxinfer.engine.block_manager import BlockManager, OutOfPagesError
 from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.grammar import GrammarBackend
 from jaxinfer.engine.model_runner import InFlightStep, ModelRunner, RowResult
 from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.engine.request import PENDING, Request, Sequence, SwappedKV
@@ -62,8 +68,10 @@ class _InFlight:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner: ModelRunner, output: OutputProcessor, proposer=None):
+    def __init__(self, config: EngineConfig, runner: ModelRunner, output: OutputProcessor, proposer=None, *,
+                 grammar: GrammarBackend | None = None):
         self.config = config
+        self.grammar = grammar  # computes the allowed-token bitmasks of constrained sequences
         self.runner = runner
         self.output = output
         self.proposer = proposer  # drafts tokens (jaxinfer.engine.spec_decode); None: no speculation
@@ -156,6 +164,7 @@ class EngineCore:
         if copies:
             self.runner.copy_pages(copies)
         entries = [s for plan in plans for s in plan.scheduled]
+        self._fill_allowed_tokens([s for s in entries if s.seq.grammar is not None and s.samples])
         want_logprobs = any(s.seq.request.params.logprobs is not None or s.seq.request.wants_prompt_logprobs for s in entries)
         drafts_sampled = any(s.chunk.sampling.draft_src for s in entries)
         handle = self.runner.dispatch([[s.chunk for s in plan.scheduled] for plan in plans], want_logprobs=want_logprobs,
@@ -168,11 +177,23 @@ class EngineCore:
                 inflight.must_sync |= self._dispatched(s, speculates)
         return inflight
 
+    def _fill_allowed_tokens(self, constrained: list[ScheduledSeq]) -> None:
+        """Each constrained sampling chunk's bitmask of allowed tokens, from its sequence's
+        matcher, which has taken every token so far (such a step is read before the next one is
+        scheduled: `_dispatched`). One parallel call for the whole step."""
+        if not constrained:
+            return
+        masks = np.empty((len(constrained), self.grammar.num_words), np.int32)
+        self.grammar.fill_bitmasks([s.seq.grammar for s in constrained], masks)
+        for s, mask in zip(constrained, masks):
+            s.chunk.sampling.allowed_tokens = mask
+
     def _dispatched(self, s: ScheduledSeq, speculates: bool) -> bool:
         """Advances a sequence past its dispatched chunk (its sampled token PENDING on the device);
         returns whether the step must be read before the next one is scheduled."""
         seq, request, p = s.seq, s.seq.request, s.seq.request.params
         must_sync = speculates and seq.spec is not None and seq.spec.drafts_next_step  # its next draft needs the tokens
+        must_sync |= seq.grammar is not None  # its next allowed tokens depend on this step's
         if s.num_draft:  # verification: num_computed and tokens are settled when it is read
             return must_sync
         seq.num_computed += s.num_tokens
@@ -236,6 +257,7 @@ class EngineCore:
         if not request.forked:  # the prompt is done: make the n completions, sharing its pages
             for j, row in enumerate(samples[1:], start=1):
                 child = Sequence(request, j, seq.token_ids[:end] + [row.token], child_seed(request.seed, j), num_computed=end)
+                child.grammar = seq.grammar.copy() if seq.grammar is not None else None  # before seq takes its token
                 replica.block_manager.fork(seq.seq_id, child.seq_id)
                 # its own draft length; the hidden row it came from; nothing in a draft model's cache yet
                 child.spec = dataclasses.replace(seq.spec, draft=[], draft_src=[], draft_computed=0) if seq.spec else None

@@ -9,7 +9,8 @@
 Three parts, as in vLLM v1:
 - `InputProcessor` (input_processor.py): tokenize, validate, make the Request;
 - `EngineCore` (core.py): schedule -> dispatch -> collect, pipelining, replicas, speculation;
-- `OutputProcessor` (output_processor.py): logprobs, detokenization, stop checks, RequestOutputs.
+- `OutputProcessor` (output_processor.py): logprobs, detokenization, stop checks, RequestOutputs;
+- `GrammarBackend` (grammar.py): structured outputs' grammars, one matcher per sequence.
 
 `add_request` and `abort_request` may be called from other threads while one thread drives
 `step()` (the HTTP server does); see `EngineCore`.
@@ -23,6 +24,7 @@ import time
 
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.core import EngineCore
+from jaxinfer.engine.grammar import GrammarBackend
 from jaxinfer.engine.input_processor import InputProcessor
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.output_processor import OutputProcessor
@@ -70,9 +72,11 @@ class LLMEngine:
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
-        self.input = InputProcessor(config, tokenizer, vocab_size=vocab_size, pages_per_replica=runner.pages_per_replica)
+        self.grammar = GrammarBackend(tokenizer, vocab_size, eos_token_ids)  # structured outputs
+        self.input = InputProcessor(config, tokenizer, vocab_size=vocab_size, pages_per_replica=runner.pages_per_replica,
+                                    grammar=self.grammar)
         self.output = OutputProcessor(tokenizer, eos_token_ids=eos_token_ids, max_model_len=config.max_model_len)
-        self.core = EngineCore(config, runner, self.output, proposer)
+        self.core = EngineCore(config, runner, self.output, proposer, grammar=self.grammar)
         self._last_log = time.time()
 
     # ------------------------------------------------------------------ requests

@@ -3,7 +3,8 @@
 A prompt is a string, a list of token ids, or a dict with "prompt" and / or
 "prompt_token_ids". `validate` raises ValueError, naming the request, for anything the engine
 cannot run (an empty prompt or one over max_model_len, token ids outside the vocabulary, more
-logprobs or completions than the engine allows, a request that cannot fit the KV cache), so a
+logprobs or completions than the engine allows, a request that cannot fit the KV cache, a
+structured_outputs constraint that does not compile), so a
 bad request never reaches the scheduler and costs no other request anything. Runs in the
 caller's thread.
 """
@@ -17,13 +18,16 @@ import time
 import numpy as np
 
 from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.grammar import GrammarBackend, GrammarError
 from jaxinfer.engine.request import Request, RequestMetrics, Sequence, SpecState
 from jaxinfer.sampling_params import SamplingParams
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer, *, vocab_size: int, pages_per_replica: int):
+    def __init__(self, config: EngineConfig, tokenizer, *, vocab_size: int, pages_per_replica: int,
+                 grammar: GrammarBackend | None = None):
         self.config = config
+        self.grammar = grammar  # compiles structured_outputs constraints (None: refused)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.num_usable_pages = pages_per_replica - 1  # page 0 is the scratch page
@@ -52,6 +56,8 @@ class InputProcessor:
         request = Request(request_id, text, ids, params, seed, limit, priority,
                           RequestMetrics(arrival_time if arrival_time is not None else time.time()))
         seq = Sequence(request, 0, list(ids), seed)
+        if params.structured_outputs is not None:
+            seq.grammar = self.matcher(params, label)
         k = self.draft_length(params)
         if k:
             seq.spec = SpecState(max_k=k, k=k)
@@ -103,6 +109,15 @@ class InputProcessor:
                 f"raise num_pages or lower max_tokens"
             )
 
+    def matcher(self, p: SamplingParams, label: str):
+        """A fresh matcher of the request's constraint (compiled once per distinct constraint)."""
+        if self.grammar is None:
+            raise ValueError(f"{label}: this engine takes no structured_outputs")
+        try:
+            return self.grammar.matcher(self.grammar.compile(p.structured_outputs))
+        except GrammarError as e:
+            raise ValueError(f"{label}: {e}") from None
+
     def draft_length(self, p: SamplingParams) -> int:
         """A new request's maximum draft length (0: it does not speculate)."""
         spec = self.config.speculative_config
@@ -110,5 +125,7 @@ class InputProcessor:
             return 0
         if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
             return 0  # penalties depend on every token before: verified rows could not apply them
+        if p.structured_outputs is not None:
+            return 0  # each row's allowed tokens depend on the tokens before it, drafts included
         k = spec.num_speculative_tokens if p.num_speculative_tokens is None else p.num_speculative_tokens
         return min(k, spec.num_speculative_tokens)

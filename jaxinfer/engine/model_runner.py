@@ -52,6 +52,7 @@ class RowSampling:
     num_prompt_history: int = 0  # how many leading `history` ids are the prompt
     draft_tokens: Sequence[int] = ()  # per logits row: the drafted token it verifies, -1 = none (speculative decoding)
     draft_src: Sequence[int] = ()  # per logits row: its draft's distribution, a row of dispatch's draft_buffer (-1 = one-hot)
+    allowed_tokens: np.ndarray | None = None  # int32 [ceil(V / 32)]: bitmask of the tokens its rows may sample (structured outputs)
 
     @property
     def uses_penalties(self) -> bool:
@@ -152,8 +153,9 @@ class ModelRunner:
         num_banned = max((len(s.sampling.banned_ids) for s in everything), default=0)
         penalties = any(s.sampling.uses_penalties for s in everything)
         drafts = any(s.sampling.draft_tokens for s in everything)
+        mask_words = max((len(s.sampling.allowed_tokens) for s in everything if s.sampling.allowed_tokens is not None), default=0)
         sampling = jax.tree.map(lambda *a: np.stack(a), *(
-            self._sampling_tensors(key, chunks, rows, want_logprobs, num_banned, penalties, drafts)
+            self._sampling_tensors(key, chunks, rows, want_logprobs, num_banned, penalties, drafts, mask_words)
             for chunks, rows in zip(scheduled, rows_of_chunk)
         ))
         if return_probs:
@@ -203,16 +205,19 @@ class ModelRunner:
 
     def _sampling_tensors(self, key: BucketKey, scheduled, rows_of_chunk, want_logprobs: bool = False,
                           max_banned: int | None = None, penalties: bool | None = None,
-                          drafts: bool | None = None) -> SamplingTensors:
+                          drafts: bool | None = None, mask_words: int | None = None) -> SamplingTensors:
         """One replica's per-row sampling tensors. The optional fields are switched on by
-        `max_banned` (columns of banned ids), `penalties` and `drafts`, by default when one of
-        these chunks needs them; a step passes what any replica needs, so the replicas' trees stack."""
+        `max_banned` (columns of banned ids), `penalties`, `drafts` and `mask_words` (the allowed-
+        token bitmask's width), by default when one of these chunks needs them; a step passes
+        what any replica needs, so the replicas' trees stack."""
         if max_banned is None:
             max_banned = max((len(s.sampling.banned_ids) for s in scheduled), default=0)
         if penalties is None:
             penalties = any(s.sampling.uses_penalties for s in scheduled)
         if drafts is None:
             drafts = any(s.sampling.draft_tokens for s in scheduled)
+        if mask_words is None:
+            mask_words = max((len(s.sampling.allowed_tokens) for s in scheduled if s.sampling.allowed_tokens is not None), default=0)
         R = key.num_logits
         temperature = np.zeros(R, np.float32)
         top_k = np.zeros(R, np.int32)
@@ -231,6 +236,11 @@ class ModelRunner:
             temperature, top_k, top_p, seed, counter, target_ids, min_p=min_p, want_logprobs=np.array([want_logprobs])
         )
         # Static switches: the fields stay None (a separate, cheaper compiled variant) unless some row needs them.
+        if mask_words:
+            st.allowed_tokens = np.full((R, mask_words), -1, np.int32)  # every bit set: unconstrained rows
+            for s, rows in zip(scheduled, rows_of_chunk):
+                if s.sampling.allowed_tokens is not None:
+                    st.allowed_tokens[rows] = s.sampling.allowed_tokens
         if drafts:
             st.draft_token = np.full(R, -1, np.int32)
             for s, rows in zip(scheduled, rows_of_chunk):

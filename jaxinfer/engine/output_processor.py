@@ -2,7 +2,8 @@
 
 For each new token (`on_token`): its logprobs, the request's timing metrics, incremental
 detokenization, and the stop checks in order: EOS (unless ignore_eos), a stop token id, a stop
-string in the new text (the text is cut there; `include_stop_str_in_output` keeps it), then the
+string in the new text (the text is cut there; `include_stop_str_in_output` keeps it), the end of
+a structured_outputs constraint (the sequence's grammar matcher takes every token), then the
 length limits (max_tokens, the request's max_len within max_model_len). It sets the sequence's
 finish reason; the engine core then frees the sequence's pages. `output` builds the
 RequestOutput of a request from its sequences.
@@ -52,10 +53,19 @@ class OutputProcessor:
                 seq.text = seq.detokenizer.text
                 if p.stop and delta:
                     self._check_stop_strings(seq, len(delta))
+            if seq.finish_reason is None and seq.grammar is not None:
+                accepted = seq.grammar.accept(token)
+                if not accepted or seq.grammar.is_terminated:  # the constraint is complete: stop as EOS would
+                    seq.finish_reason = "stop"
+                    self._flush(seq)
             if seq.finish_reason is None and (num_out >= (p.max_tokens or self.max_model_len) or length >= request.max_len):
                 seq.finish_reason = "length"
-                if seq.detokenizer is not None:
-                    seq.text += seq.detokenizer.flush()
+                self._flush(seq)
+
+    @staticmethod
+    def _flush(seq: Sequence) -> None:
+        if seq.detokenizer is not None:
+            seq.text += seq.detokenizer.flush()
 
     def on_prompt_logprob(self, request: Request, target: int, row: RowResult) -> None:
         """The logprob of prompt token `target` (scored by `row`), appended to the request's prompt logprobs."""

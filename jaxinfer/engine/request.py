@@ -17,6 +17,7 @@ import itertools
 import time
 
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
+from jaxinfer.engine.grammar import Matcher
 from jaxinfer.outputs import PositionLogprobs
 from jaxinfer.sampling_params import SamplingParams
 
@@ -146,6 +147,7 @@ class Sequence:
     pending: dict[int, int] = dataclasses.field(default_factory=dict)
     hold: bool = False  # its pending token ends it (length): don't schedule it again
     spec: "SpecState | None" = None  # speculative decoding: its drafts and draft length (None: it never speculates)
+    grammar: "Matcher | None" = None  # structured outputs: where its tokens so far leave it in its grammar
 
     @property
     def draft(self) -> list[int]:

@@ -17,10 +17,13 @@ batch without it traces exactly the code it traced before the feature existed):
   value times the token's output count. Applied to the raw logits, so greedy rows take the argmax
   of the penalized logits.
 - `banned_ids` [R, B]: logits set to -inf (the engine's min_tokens bans EOS/stop ids this way).
+- `allowed_tokens` [R, ceil(V / 32)] int32 bitmask (structured outputs): tokens whose bit is clear
+  get -inf, after penalties and bans and before temperature, min-p, top-k and top-p, so every
+  sampler setting works on the allowed tokens alone.
 - `min_p` (random rows only; argmax-invariant): after temperature, tokens whose probability is
   below min_p times the row's largest probability are dropped, before top-k/top-p.
 
-Penalties and bans change which token is chosen, never the reported logprobs.
+Penalties, bans and the allowed-token mask change which token is chosen, never the reported logprobs.
 
 Speculative decoding (`draft_token` set: a static switch like the others): a row that verifies
 a drafted token d (draft_token >= 0) was proposed with probability q (`draft_probs`, the draft's
@@ -67,6 +70,9 @@ class SamplingTensors:
     draft_probs: jax.Array | None = None  # [R, V] float32: its proposal distribution; None = one-hot at draft_token
     # [1] bool: also return each row's processed distribution (a draft model's q); None = don't
     return_probs: jax.Array | None = None
+    # [R, ceil(V / 32)] int32 structured outputs: bit t % 32 of word t // 32 set = token t allowed
+    # (-1: every token); None = no row is constrained
+    allowed_tokens: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -135,6 +141,16 @@ def filter_min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(drop, -jnp.inf, scaled)
 
 
+def allowed_mask(bitmask: jax.Array, V: int) -> jax.Array:
+    """int32 [R, W] bitmask (bit t % 32 of word t // 32: token t) -> bool [R, V]; tokens past
+    32 W are not allowed."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [R, W, 32]
+    bits = bits.reshape(bitmask.shape[0], -1)[:, :V]
+    if bits.shape[1] < V:
+        bits = jnp.pad(bits, ((0, 0), (0, V - bits.shape[1])))
+    return bits.astype(bool)
+
+
 def sample(logits: jax.Array, st: SamplingTensors, num_top_logprobs: int) -> SampleOutput:
     """logits [R, V] float32 -> one token per row, with log-probabilities."""
     R, V = logits.shape
@@ -145,6 +161,8 @@ def sample(logits: jax.Array, st: SamplingTensors, num_top_logprobs: int) -> Sam
         logits = apply_penalties(logits, st)
     if st.banned_ids is not None:
         logits = ban_tokens(logits, st.banned_ids)
+    if st.allowed_tokens is not None:
+        logits = jnp.where(allowed_mask(st.allowed_tokens, V), logits, -jnp.inf)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_random = st.temperature > 0
 

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxinfer.llm import LLM
 from jaxinfer.outputs import RequestOutput
-from jaxinfer.server import protocol
+from jaxinfer.server import protocol, tools
 from jaxinfer.server.async_engine import AsyncEngine, EngineFailed
 from jaxinfer.server.lockstep import Publisher
 from jaxinfer.server.metrics import ServerMetrics
@@ -34,10 +34,14 @@ from jaxinfer.server.protocol import ApiError, Parsed
 
 def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | None = None,
               max_queue: int | None = None, request_timeout: float | None = None,
-              publisher: Publisher | None = None) -> FastAPI:
+              publisher: Publisher | None = None, tool_call_parser: str | None = None) -> FastAPI:
     """The app serving `llm`; its engine thread starts and stops with the app's lifespan. On
-    several processes this is process 0's, and `publisher` feeds the others (server.lockstep)."""
+    several processes this is process 0's, and `publisher` feeds the others (server.lockstep).
+    `tool_call_parser`: "hermes" or "llama3_json" (default: what the chat template suggests)."""
     model_name = served_model_name or (str(llm.source.path.name) if llm.source else "jaxinfer")
+    if tool_call_parser is not None and tool_call_parser not in tools.PARSERS:
+        raise ValueError(f"tool_call_parser={tool_call_parser!r}: expected one of {tools.PARSERS}")
+    tool_parser = tool_call_parser or tools.detect_parser(getattr(llm.tokenizer, "chat_template", None))
     metrics = ServerMetrics(llm.engine)
     engine = AsyncEngine(llm.engine, max_queue=max_queue, on_finished=metrics.observe, publisher=publisher)
 
@@ -111,10 +115,10 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
 
     @v1.post("/chat/completions")
     async def chat(request: Request):
-        parsed = protocol.parse_chat(await _json(request))
+        parsed = protocol.parse_chat(await _json(request), tool_parser=tool_parser)
         _check_model(parsed, model_name)
         try:
-            prompt = llm.chat_prompt(parsed.prompts[0])
+            prompt = llm.chat_prompt(parsed.prompts[0], tools=parsed.tools if parsed.tool_choice != "none" else None)
         except Exception as e:  # noqa: BLE001 - the template rejected the conversation
             raise ApiError(f"messages: the chat template failed: {e}", param="messages") from None
         request_id = protocol.new_id("chatcmpl")
@@ -251,6 +255,22 @@ async def _chat_chunks(request_id: str, model: str, parsed: Parsed, stream) -> A
     created, sent, done, final = int(time.time()), {}, set(), None
     chunk = lambda choice: {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,  # noqa: E731
                             "choices": [choice]}
+    if parsed.tools and parsed.tool_choice != "none":
+        # a reply that may be a tool call is sent whole when it ends (content or tool_calls)
+        async for out in stream:
+            final = out
+            for c in out.outputs:
+                if c.finish_reason and c.index not in done:
+                    done.add(c.index)
+                    message, finish_reason = protocol.chat_message(c.text, c.finish_reason, parsed)
+                    delta = {"role": "assistant", "content": message["content"]}
+                    if "tool_calls" in message:
+                        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+                    yield chunk({"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason})
+        if parsed.include_usage and final is not None:
+            yield {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+                   "usage": protocol.usage([final])}
+        return
     async for out in stream:
         for c in out.outputs:
             if c.index in done:

@@ -6,18 +6,24 @@ fault: an unknown field, a wrong type, a value out of range. The response builde
 engine's `RequestOutput`s back into OpenAI's JSON, whole or as stream chunks.
 
 Accepted besides OpenAI's fields, as vLLM accepts them: top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens.
+min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens, and the
+output constraints structured_outputs (StructuredOutputsParams' fields), guided_json,
+guided_regex, guided_choice, guided_grammar. OpenAI's response_format (json_object,
+json_schema) becomes the same kind of constraint; chat's tools / tool_choice are handled with
+`jaxinfer.server.tools`. At most one constraint per request.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 from typing import Any
 
 from jaxinfer.outputs import PositionLogprobs, RequestOutput
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import GUIDED_ALIASES, SamplingParams, StructuredOutputsParams
+from jaxinfer.server import tools as tool_calls
 
 
 class ApiError(Exception):
@@ -51,9 +57,12 @@ _SAMPLING = {
     "stop": ((str, list), "stop"),
     "max_tokens": ((int,), "max_tokens"),
 }
-_COMMON = {"model": (str,), "stream": (bool,), "stream_options": (dict,), "user": (str,)}
+_CONSTRAINTS = {"response_format": (dict,), "structured_outputs": (dict,), "guided_json": (dict, str),
+                "guided_regex": (str,), "guided_choice": (list,), "guided_grammar": (str,)}
+_COMMON = {"model": (str,), "stream": (bool,), "stream_options": (dict,), "user": (str,), **_CONSTRAINTS}
 COMPLETION_FIELDS = {**_COMMON, "prompt": (str, list), "echo": (bool,), "logprobs": (int,), **{k: v[0] for k, v in _SAMPLING.items()}}
 CHAT_FIELDS = {**_COMMON, "messages": (list,), "logprobs": (bool,), "top_logprobs": (int,), "max_completion_tokens": (int,),
+               "tools": (list,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,),
                **{k: v[0] for k, v in _SAMPLING.items()}}
 
 
@@ -65,6 +74,9 @@ class Parsed:
     include_usage: bool = False
     echo: bool = False
     model: str | None = None
+    tools: list = dataclasses.field(default_factory=list)  # chat: the functions the model may call
+    tool_choice: str | dict = "none"
+    tool_parser: str = "hermes"  # the call format of the model's chat template (server.tools)
 
 
 def _check_fields(body: Any, fields: dict[str, tuple]) -> dict:
@@ -84,8 +96,46 @@ def _check_fields(body: Any, fields: dict[str, tuple]) -> dict:
     return {k: v for k, v in body.items() if v is not None}
 
 
-def _sampling_params(body: dict, *, max_tokens_field: str = "max_tokens", logprobs: int | None = None) -> SamplingParams:
+def _constraint(body: dict, forced: StructuredOutputsParams | None = None) -> StructuredOutputsParams | None:
+    """The request's one output constraint, from response_format, structured_outputs, a guided_*
+    field or a forced tool call; ApiError naming the field if it is malformed or not alone."""
+    given = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            given.append(("response_format", dict(json_object=True)))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ApiError("response_format.json_schema must be an object with a 'schema' object", param="response_format")
+            given.append(("response_format", dict(json=spec.get("schema", {}))))  # no schema: any JSON value's object
+        elif kind != "text":
+            raise ApiError(f"response_format.type={kind!r}: expected 'text', 'json_object' or 'json_schema'",
+                           param="response_format")
+    if "structured_outputs" in body:
+        given.append(("structured_outputs", body["structured_outputs"]))
+    given += [(name, {field: body[name]}) for name, field in GUIDED_ALIASES.items() if name in body]
+    if forced is not None:
+        given.append(("tool_choice", forced))
+    if len(given) > 1:
+        raise ApiError(f"give at most one output constraint, got {', '.join(n for n, _ in given)}", param=given[1][0])
+    if not given:
+        return None
+    name, value = given[0]
+    if isinstance(value, StructuredOutputsParams):
+        return value
+    try:
+        return StructuredOutputsParams(**value)
+    except (TypeError, ValueError) as e:
+        raise ApiError(f"{name}: {e}", param=name) from None
+
+
+def _sampling_params(body: dict, *, max_tokens_field: str = "max_tokens", logprobs: int | None = None,
+                     constraint: StructuredOutputsParams | None = None) -> SamplingParams:
     kwargs = {field: body[name] for name, (_, field) in _SAMPLING.items() if name in body}
+    if constraint is not None:
+        kwargs["structured_outputs"] = constraint
     if max_tokens_field in body:
         kwargs["max_tokens"] = body[max_tokens_field]
     if logprobs is not None:
@@ -124,12 +174,17 @@ def parse_completion(body: Any) -> Parsed:
     else:
         raise ApiError("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
                        param="prompt")
-    params = _sampling_params(body, logprobs=body.get("logprobs"))
+    params = _sampling_params(body, logprobs=body.get("logprobs"), constraint=_constraint(body))
     return Parsed(prompts, params, bool(body.get("stream")), _stream_options(body), bool(body.get("echo")), body.get("model"))
 
 
-def parse_chat(body: Any) -> Parsed:
+def parse_chat(body: Any, *, tool_parser: str = "hermes") -> Parsed:
+    """`tool_parser`: the call format of the served model's chat template (server.tools)."""
     body = _check_fields(body, CHAT_FIELDS)
+    try:
+        tools, tool_choice = tool_calls.check_tools(body.get("tools"), body.get("tool_choice"))
+    except tool_calls.ToolError as e:
+        raise ApiError(str(e), param="tool_choice" if "tool_choice" in str(e) else "tools") from None
     messages = body.get("messages")
     if not messages:
         raise ApiError("'messages' must be a non-empty array", param="messages")
@@ -137,6 +192,10 @@ def parse_chat(body: Any) -> Parsed:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(f"messages[{i}] must be an object with a 'role'", param="messages")
         content = m.get("content")
+        if m["role"] == "assistant" and m.get("tool_calls") is not None:
+            _check_tool_call_message(m, i)
+            if content is None:
+                m["content"] = content = ""
         if isinstance(content, list):  # OpenAI's content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
                 raise ApiError(f"messages[{i}].content: only text parts are supported", param="messages")
@@ -147,8 +206,27 @@ def parse_chat(body: Any) -> Parsed:
         raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
     logprobs = body.get("top_logprobs", 0) if body.get("logprobs") else None
     max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    params = _sampling_params(body, max_tokens_field=max_field, logprobs=logprobs)
-    return Parsed([messages], params, bool(body.get("stream")), _stream_options(body), False, body.get("model"))
+    forced = tool_calls.forced_call_constraint(tools, tool_choice, tool_parser)
+    params = _sampling_params(body, max_tokens_field=max_field, logprobs=logprobs, constraint=_constraint(body, forced))
+    return Parsed([messages], params, bool(body.get("stream")), _stream_options(body), False, body.get("model"),
+                  tools, tool_choice, tool_parser)
+
+
+def _check_tool_call_message(m: dict, i: int) -> None:
+    """An assistant message holding earlier tool calls: their arguments become objects, which is
+    what chat templates render (OpenAI sends them as JSON text)."""
+    calls = m["tool_calls"]
+    if not isinstance(calls, list):
+        raise ApiError(f"messages[{i}].tool_calls must be an array", param="messages")
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(f"messages[{i}].tool_calls[{j}] must hold a function with a name", param="messages")
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"] or "{}")
+            except ValueError:
+                raise ApiError(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON", param="messages") from None
 
 
 # ----------------------------------------------------------------------------- responses
@@ -204,11 +282,22 @@ def completion_response(request_id: str, model: str, outputs: list[RequestOutput
             "usage": usage(outputs)}
 
 
+def chat_message(text: str, finish_reason: str | None, parsed: Parsed) -> tuple[dict, str | None]:
+    """(the assistant message, the finish reason) of a finished reply: tool calls parsed out of
+    the text when the request offered tools (finish reason "tool_calls" then)."""
+    if parsed.tools and parsed.tool_choice != "none":
+        names = {t["function"]["name"] for t in parsed.tools}
+        content, calls = tool_calls.parse_tool_calls(text, parsed.tool_parser, names)
+        if calls:
+            return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": text}, finish_reason
+
+
 def chat_response(request_id: str, model: str, out: RequestOutput, parsed: Parsed) -> dict:
     choices = []
     for c in out.outputs:
         lp = chat_logprobs(c.logprobs or [], c.token_ids, parsed.params.logprobs) if parsed.params.logprobs is not None else None
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                        "finish_reason": c.finish_reason})
+        message, finish_reason = chat_message(c.text, c.finish_reason, parsed)
+        choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish_reason})
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model, "choices": choices,
             "usage": usage([out])}

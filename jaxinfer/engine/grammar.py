@@ -1,0 +1,148 @@
+"""Constrained decoding on the host: a compiled grammar per constraint, a matcher per sequence,
+and the bitmask of allowed tokens for each constrained row of a step.
+
+    backend = GrammarBackend(hf_tokenizer, vocab_size, eos_token_ids)
+    grammar = backend.compile(params.structured_outputs)  # cached by the constraint's text
+    matcher = backend.matcher(grammar)                    # one per sequence (copied when it forks)
+    backend.fill_bitmasks([matcher, ...], out)            # out: int32 [n, ceil(vocab / 32)]
+    matcher.accept(token)                                 # each emitted token, in order
+
+Bit t % 32 of word t // 32 is set when token t is allowed (llguidance's layout, which the
+device's `ops.sampling.allowed_mask` reads). Logits past the tokenizer's vocabulary (the model's
+padding rows) are never allowed. When the grammar is complete and cannot continue, only EOS is.
+
+The engine is llguidance: a Rust library with a small wheel and no Python dependencies (xgrammar
+needs torch and triton installed to import), computing masks for a batch in parallel threads
+with the GIL released. Its mask time per token at batch 32 is measured by
+`scripts/bench_structured_output.py`. Another engine fits behind the same four calls.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+
+import numpy as np
+
+from jaxinfer.sampling_params import StructuredOutputsParams
+
+try:
+    import llguidance
+    import llguidance.hf
+    import llguidance.numpy
+except ImportError:  # pragma: no cover - a dependency of the package; the error says what is missing
+    llguidance = None
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled (a malformed schema, regex or grammar)."""
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
+
+
+class Matcher:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, matcher):
+        self._m = matcher
+
+    def accept(self, token: int) -> bool:
+        """Advances past an emitted token; False if the grammar forbids it (the matcher is then
+        in an error state and allows nothing but EOS)."""
+        return self._m.consume_token(int(token))
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and cannot continue (or failed): the sequence should stop."""
+        return self._m.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self._m.get_error()
+
+    def copy(self) -> "Matcher":
+        return Matcher(self._m.deep_copy())
+
+    def rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
+
+
+class GrammarBackend:
+    """llguidance behind the engine's grammar interface (module docstring)."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids, *, cache_size: int = 256):
+        """Cheap: llguidance's view of the tokenizer (~0.5 s for a 49k vocabulary) is built by
+        the first constrained request."""
+        self.vocab_size = vocab_size
+        self.num_words = bitmask_words(vocab_size)
+        self._hf_tokenizer = hf_tokenizer
+        self._eos = sorted(eos_token_ids)
+        self._tokenizer = None
+        self.executor = None
+        self._cache: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()  # requests are checked in the callers' threads
+
+    @property
+    def tokenizer(self):
+        with self._lock:
+            if self._tokenizer is None:
+                if llguidance is None:
+                    raise ImportError("structured outputs need llguidance: pip install llguidance")
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+                                                               eos_token=self._eos or None)
+                self.executor = llguidance.LLExecutor()
+            return self._tokenizer
+
+    def compile(self, params: StructuredOutputsParams) -> str:
+        """The constraint's llguidance grammar, checked against the tokenizer (cached by its text).
+        GrammarError names the constraint and says what is wrong with it."""
+        key = params.cache_key()
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        grammar = self._grammar_text(params)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if is_error:
+            raise GrammarError(f"structured_outputs.{params.kind}: {messages[0] if messages else 'invalid'}")
+        with self._lock:
+            self._cache[key] = grammar
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def matcher(self, grammar: str) -> Matcher:
+        m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if m.is_error():
+            raise GrammarError(f"structured_outputs: {m.get_error()}")
+        return Matcher(m)
+
+    def fill_bitmasks(self, matchers: list[Matcher], out: np.ndarray) -> None:
+        """Row i of `out` (int32 [n, num_words], C-contiguous) <- the tokens matchers[i] allows."""
+        assert out.dtype == np.int32 and out.shape[1] == self.num_words and out.flags["C_CONTIGUOUS"]
+        if matchers:
+            llguidance.numpy.fill_next_token_bitmask_par(self.executor, [(m._m, i) for i, m in enumerate(matchers)], out)
+
+    @staticmethod
+    def _grammar_text(p: StructuredOutputsParams) -> str:
+        try:
+            if p.kind in ("json", "json_object"):
+                schema = {"type": "object"} if p.kind == "json_object" else p.json
+                if p.whitespace_pattern is not None:
+                    options = {"whitespace_flexible": True, "whitespace_pattern": p.whitespace_pattern}
+                elif p.disable_any_whitespace:
+                    options = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+                else:
+                    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+                return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
+            if p.kind == "regex":
+                return llguidance.LLMatcher.grammar_from_regex(p.regex)
+            if p.kind == "choice":
+                return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in p.choice))
+            return llguidance.grammar_from("grammar", p.grammar)  # Lark, or GBNF converted to Lark
+        except (ValueError, TypeError) as e:
+            raise GrammarError(f"structured_outputs.{p.kind}: {e}") from None
