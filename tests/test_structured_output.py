@@ -60,6 +60,16 @@ def test_the_older_guided_names_become_structured_outputs():
         SamplingParams(guided_regex="a", guided_choice=["b"])
 
 
+def test_a_constraint_survives_the_round_trip_other_processes_replay():
+    """Serving on several processes sends SamplingParams as dataclasses.asdict (server.lockstep)."""
+    import dataclasses
+
+    for so in (StructuredOutputsParams(json={"type": "object"}), StructuredOutputsParams(choice=["a", "b"]),
+               StructuredOutputsParams(grammar='start: "x"', disable_any_whitespace=True)):
+        p = SamplingParams(temperature=0.5, structured_outputs=so)
+        assert SamplingParams(**json.loads(json.dumps(dataclasses.asdict(p)))) == p
+
+
 # ----------------------------------------------------------------------------- the device mask
 def test_the_bitmask_allows_exactly_its_set_bits():
     rng = np.random.default_rng(0)

@@ -114,6 +114,14 @@ def test_tool_choice_required_always_gives_calls(client):
             check_call(call)
 
 
+def test_parallel_tool_calls_false_gives_one_call(client):
+    for seed in range(3):
+        reply = chat(client, tools=[WEATHER, TIME], tool_choice="required", temperature=1.0, seed=seed, max_tokens=300,
+                     parallel_tool_calls=False)
+        [call] = reply.choices[0].message.tool_calls
+        check_call(call)
+
+
 def test_a_named_tool_choice_calls_that_function(client):
     reply = chat(client, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}},
                  temperature=0.0, max_tokens=300)

@@ -206,7 +206,7 @@ def parse_chat(body: Any, *, tool_parser: str = "hermes") -> Parsed:
         raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
     logprobs = body.get("top_logprobs", 0) if body.get("logprobs") else None
     max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    forced = tool_calls.forced_call_constraint(tools, tool_choice, tool_parser)
+    forced = tool_calls.forced_call_constraint(tools, tool_choice, tool_parser, parallel=body.get("parallel_tool_calls", True))
     params = _sampling_params(body, max_tokens_field=max_field, logprobs=logprobs, constraint=_constraint(body, forced))
     return Parsed([messages], params, bool(body.get("stream")), _stream_options(body), False, body.get("model"),
                   tools, tool_choice, tool_parser)

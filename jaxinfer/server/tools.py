@@ -75,9 +75,10 @@ def _call_schema(fn: dict, parser: str) -> dict:
             "required": ["name", args], "additionalProperties": False}
 
 
-def forced_call_constraint(tools: list[dict], tool_choice, parser: str) -> StructuredOutputsParams | None:
+def forced_call_constraint(tools: list[dict], tool_choice, parser: str, *, parallel: bool = True) -> StructuredOutputsParams | None:
     """The grammar that makes the output a call, for tool_choice "required" or a named function
-    (None for "auto" and "none")."""
+    (None for "auto" and "none"); `parallel` (OpenAI's parallel_tool_calls): Hermes replies may
+    hold several calls."""
     if tool_choice in ("auto", "none"):
         return None
     fns = [t["function"] for t in tools]
@@ -90,7 +91,7 @@ def forced_call_constraint(tools: list[dict], tool_choice, parser: str) -> Struc
     # hermes: one or more <tool_call> blocks, each holding one call object, its JSON without free
     # whitespace (as StructuredOutputsParams' JSON: a small model can pad it with spaces forever)
     schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
-    lark = ('start: call ("\\n" call)*\n'
+    lark = (('start: call ("\\n" call)*\n' if parallel else "start: call\n") +
             'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
             f"body: %json {json.dumps(schema)}\n")
     return StructuredOutputsParams(grammar=lark)
