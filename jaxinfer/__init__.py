@@ -19,6 +19,7 @@ _EXPORTS = {
     "SamplingParams": "jaxinfer.sampling_params",
     "StructuredOutputsParams": "jaxinfer.sampling_params",
     "BeamSearchParams": "jaxinfer.beam_search",
+    "LoRARequest": "jaxinfer.lora_request",
     "RequestOutput": "jaxinfer.outputs",
     "CompletionOutput": "jaxinfer.outputs",
     "Logprob": "jaxinfer.outputs",

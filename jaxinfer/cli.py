@@ -106,6 +106,13 @@ def _llm(args, **extra):
     )
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise SystemExit(f"jaxinfer serve: --lora-modules takes NAME=PATH, got {text!r}")
+    return name, path
+
+
 def _sampling(args):
     from jaxinfer import SamplingParams
 
@@ -204,7 +211,12 @@ def cmd_serve(args) -> int:
 
     if args.model_path is not None:
         args.model = args.model_path
-    llm = _llm(args, warmup=args.warmup)
+    lora_modules = dict(_lora_module(m) for m in args.lora_modules or [])
+    if lora_modules and not args.enable_lora:
+        print("jaxinfer serve: --lora-modules needs --enable-lora", file=sys.stderr)
+        return 2
+    llm = _llm(args, warmup=args.warmup, **({"enable_lora": True, "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
+                                            if args.enable_lora else {}))
     if not _is_main_process():  # process 0 serves HTTP; this one replays its requests and steps with it
         n = follow(llm.engine, grace_s=args.shutdown_timeout + 30)
         stats = llm.engine.get_stats()
@@ -214,7 +226,7 @@ def cmd_serve(args) -> int:
         return 0
     app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
                     request_timeout=args.request_timeout, publisher=Publisher() if jax.process_count() > 1 else None,
-                    tool_call_parser=args.tool_call_parser)
+                    tool_call_parser=args.tool_call_parser, lora_modules=lora_modules)
     print(f"jaxinfer: serving {app.state.model_name!r} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     # SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for shutdown_timeout seconds,
     # then cancel them (each aborts its request); the engine thread stops with the app; exit 0.
@@ -321,6 +333,10 @@ def main(argv=None) -> int:
     s.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the model folder's)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 routes")
     s.add_argument("--max-queue", type=int, default=None, help="requests waiting for a slot beyond which new ones get 429")
+    s.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (a request's model names one)")
+    s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH", help="PEFT adapters to serve, by name")
+    s.add_argument("--max-loras", type=int, default=4, help="adapters in the device's slot table at once (default 4)")
+    s.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank served (default 16)")
     s.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                    help="the tool-call format of the model's chat template (default: detected from the template)")
     s.add_argument("--request-timeout", type=float, default=None, help="seconds a request may take (504 past it)")

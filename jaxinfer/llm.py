@@ -14,6 +14,7 @@ from jaxinfer.engine.build import build_draft_runner, build_engine, make_propose
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.spec_decode import SpeculativeConfig
+from jaxinfer.lora_request import LoRARequest
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.startup import PhaseClock
@@ -162,15 +163,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates completions for one prompt or a list of them.
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
-        `sampling_params` is one SamplingParams for all prompts or a list with one per prompt.
+        `sampling_params` is one SamplingParams for all prompts or a list with one per prompt;
+        `lora_request` likewise (LLM(enable_lora=True); None: the base model).
         Every prompt is checked before any work starts; a bad one raises ValueError naming it.
         """
         prompts, params = self._pair(prompts, sampling_params)
-        request_ids = self._add_requests(prompts, params)
+        request_ids = self._add_requests(prompts, params, self._loras(lora_request, len(prompts)))
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -229,15 +232,32 @@ class LLM:
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         return prompts, params
 
-    def _add_requests(self, prompts: list, params: list[SamplingParams]) -> list[str]:
+    def _add_requests(self, prompts: list, params: list[SamplingParams], loras: list | None = None) -> list[str]:
         """Checks every prompt first (a bad one raises ValueError naming its index, before any
         work), then queues them all."""
+        loras = loras or [None] * len(prompts)
         tokenized = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
             text, ids = self.engine.tokenize(prompt, f"prompt {i}")
             self.engine.validate(ids, p, f"prompt {i}")
+            if lora is not None:
+                if self.engine.lora is None:
+                    raise ValueError(f"prompt {i}: a LoRARequest needs LLM(enable_lora=True)")
+                try:
+                    self.engine.lora.check(lora)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
             tokenized.append({"prompt": text, "prompt_token_ids": ids})
-        return [self.engine.add_request(None, t, p).request_id for t, p in zip(tokenized, params)]
+        return [self.engine.add_request(None, t, p, lora_request=lora).request_id for t, p, lora in zip(tokenized, params, loras)]
+
+    @staticmethod
+    def _loras(lora_request, n: int) -> list:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * n
+        loras = list(lora_request)
+        if len(loras) != n:
+            raise ValueError(f"got {len(loras)} LoRA requests for {n} prompts")
+        return loras
 
     def chat(
         self,

@@ -21,6 +21,8 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.draft_head import DraftHeadProposer
 from jaxinfer.engine.draft_model import DraftModelProposer
+from jaxinfer.engine.lora import LoraManager
+from jaxinfer.models.lora import LoraSlots, LoraTable, lora_shapes
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.spec_decode import NgramProposer, SpeculativeConfig
@@ -53,6 +55,8 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
                           parallel=parallel, mesh=mesh, progress=config.progress,
                           keep_quantized=config.keeps_checkpoint_quantization)
     placed = place_weights(model_config, config, mesh, weights, quantization=config.quantization)
+    if config.enable_lora:
+        placed = add_lora_table(placed, model_config, config, mesh)
     clock.mark("weights")
     tokenizer, tokenizer_seconds = tokenizer_future.result()
     clock.mark("tokenizer (what it took beyond the weights)")
@@ -66,6 +70,9 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
     engine = LLMEngine(config, runner, tokenizer, vocab_size=model_config.vocab_size, eos_token_ids=sorted(eos),
                        proposer=proposer)
     engine.model_config, engine.mesh, engine.parallel, engine.source = model_config, mesh, parallel, source
+    if config.enable_lora:
+        engine.enable_lora(LoraManager(runner, model_config, max_loras=config.max_loras, max_rank=config.max_lora_rank,
+                                       tp=parallel.tp))
     engine.tokenizer_seconds = tokenizer_seconds
     clock.mark("KV cache and engine")
     return engine
@@ -91,6 +98,19 @@ def place_weights(model_config: ModelConfig, config: EngineConfig, mesh, weights
     params = cast_scales(params, config.kernels.scale_dtype)  # the dtype the quantized matmul loads
     param_specs = param_partition_specs(params, model_config)
     return PlacedWeights(graphdef, put_global(params, param_specs, mesh), param_specs)  # quantized weights: onto their shards
+
+
+def add_lora_table(placed: PlacedWeights, model_config: ModelConfig, config: EngineConfig, mesh) -> PlacedWeights:
+    """The placed model with an empty LoRA slot table (`jaxinfer.models.lora`) of max_loras + 1
+    slots at rank max_lora_rank, placed with its sharding beside the weights."""
+    if model_config.is_moe:
+        raise ValueError(f"enable_lora: LoRA adapters are not served on MoE models ({model_config.model_type})")
+    table = LoraTable(config.max_loras + 1, config.max_lora_rank)
+    model = nnx.merge(placed.graphdef, placed.params)
+    model.lora = LoraSlots(lora_shapes(model_config, table, config.parallel(model_config).tp))
+    graphdef, params = nnx.split(model)
+    param_specs = param_partition_specs(params, model_config)
+    return PlacedWeights(graphdef, put_global(params, param_specs, mesh), param_specs)
 
 
 def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights: PlacedWeights, *, num_top_logprobs: int,

@@ -8,7 +8,8 @@ depends on the model (dtypes for this backend, max_model_len, the KV pool size),
 every field is concrete. The names are vLLM's where vLLM has the setting (`dtype`,
 `kv_cache_dtype`, `quantization`, `max_model_len`, `max_num_batched_tokens`, `max_num_seqs`,
 `max_logprobs`, `enable_prefix_caching`, `preemption_mode`, `seed`, `tensor_parallel_size`,
-`data_parallel_size`, `enable_expert_parallel`, `speculative_config`, `kv_cache_memory_bytes`);
+`data_parallel_size`, `enable_expert_parallel`, `speculative_config`, `kv_cache_memory_bytes`,
+`enable_lora`, `max_loras`, `max_lora_rank`);
 jaxinfer's own: `page_size` (vLLM's `block_size`), `num_pages` (vLLM's
 `num_gpu_blocks_override`, per data-parallel replica), `compute_dtype`,
 `quantization_group_size`, `quantization_symmetric`, `keep_checkpoint_quantization`, `kernel_impl` (alias `attention_impl`), `sequence_parallel_size`,
@@ -86,6 +87,9 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     sequence_parallel_attention: str = "allgather"
     speculative_config: SpeculativeConfig | dict | None = None
+    enable_lora: bool = False  # LoRA adapters per request (LoRARequest), in a slot table on the device
+    max_loras: int = 4  # adapters the table holds at once (the batch's distinct adapters at most)
+    max_lora_rank: int = 16  # every adapter's rank is padded to this
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
@@ -122,6 +126,10 @@ class EngineConfig:
         set_("max_num_seqs", min(self.max_num_seqs, self.max_num_batched_tokens))  # a sequence needs a token
         if isinstance(self.speculative_config, dict) or self.speculative_config is None:
             set_("speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
+        if self.enable_lora:
+            for field in ("max_loras", "max_lora_rank"):
+                if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
+                    raise ValueError(f"{field}={getattr(self, field)!r} must be an integer >= 1")
 
     # ------------------------------------------------------------------ what follows from the settings
     @property

@@ -79,7 +79,9 @@ class EngineCore:
         for _ in range(runner.num_replicas):
             bm = BlockManager(runner.pages_per_replica, runner.page_size, enable_prefix_caching=config.enable_prefix_caching)
             self.replicas.append(Replica(bm, Scheduler(bm, max_num_batched_tokens=config.max_num_batched_tokens,
-                                                       max_num_seqs=config.max_num_seqs, preemption_mode=config.preemption_mode)))
+                                                       max_num_seqs=config.max_num_seqs, preemption_mode=config.preemption_mode,
+                                                       max_loras=config.max_loras if config.enable_lora else None)))
+        self.lora = None  # LoraManager with enable_lora: which table slot holds which adapter
         self.requests: dict[str, Request] = {}
         self._lock = threading.RLock()
         self._arrived = threading.Condition(self._lock)
@@ -165,6 +167,10 @@ class EngineCore:
             self.runner.copy_pages(copies)
         entries = [s for plan in plans for s in plan.scheduled]
         self._fill_allowed_tokens([s for s in entries if s.seq.grammar is not None and s.samples])
+        if self.lora is not None:  # every adapter of the step in a slot (the scheduler kept them <= max_loras)
+            in_use = {s.seq.lora_id for s in entries}
+            for s in entries:
+                s.chunk.chunk.lora_slot = self.lora.slot(s.seq.lora_id, in_use)
         want_logprobs = any(s.seq.request.params.logprobs is not None or s.seq.request.wants_prompt_logprobs for s in entries)
         drafts_sampled = any(s.chunk.sampling.draft_src for s in entries)
         handle = self.runner.dispatch([[s.chunk for s in plan.scheduled] for plan in plans], want_logprobs=want_logprobs,
@@ -335,7 +341,7 @@ class EngineCore:
     def _pick_replica(self, token_ids: list[int]) -> int:
         """The replica a new request runs on: the longest cached prefix, then the least work."""
         def rank(i: int):
-            bm, sched = self.replicas[i].block_manager, self.replicas[i].scheduler
+            bm, sched = self.replicas[i].block_manager, self.replicas[i].scheduler  # (the base model's prefix)
             unfinished = sum(seq.request.params.n if not seq.request.forked else 1 for seq in sched.waiting) + len(sched.running)
             return (-bm.num_cached_prefix_pages(token_ids), unfinished, bm.usage, i)
         return min(range(len(self.replicas)), key=rank)

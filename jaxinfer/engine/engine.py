@@ -29,6 +29,7 @@ from jaxinfer.engine.input_processor import InputProcessor
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.engine.request import Request
+from jaxinfer.lora_request import LoRARequest
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
@@ -77,13 +78,21 @@ class LLMEngine:
                                     grammar=self.grammar)
         self.output = OutputProcessor(tokenizer, eos_token_ids=eos_token_ids, max_model_len=config.max_model_len)
         self.core = EngineCore(config, runner, self.output, proposer, grammar=self.grammar)
+        self.lora = None
         self._last_log = time.time()
 
     # ------------------------------------------------------------------ requests
+    def enable_lora(self, manager) -> None:
+        """Serves LoRA adapters through `manager` (jaxinfer.engine.lora.LoraManager; build_engine
+        sets it up with enable_lora=True)."""
+        self.lora = self.input.lora = self.core.lora = manager
+
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict, params: SamplingParams | None = None, *,
-                    priority: int = 0, arrival_time: float | None = None) -> Request:
-        """Queues a request. A bad one raises ValueError naming it; nothing else is affected."""
-        request = self.input.make_request(request_id, prompt, params, priority=priority, arrival_time=arrival_time)
+                    priority: int = 0, arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> Request:
+        """Queues a request (with `lora_request`: under that adapter). A bad one raises ValueError
+        naming it; nothing else is affected."""
+        request = self.input.make_request(request_id, prompt, params, priority=priority, arrival_time=arrival_time,
+                                          lora_request=lora_request)
         self.core.add(request)
         return request
 

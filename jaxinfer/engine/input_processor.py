@@ -20,6 +20,7 @@ import numpy as np
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.grammar import GrammarBackend, GrammarError
 from jaxinfer.engine.request import Request, RequestMetrics, Sequence, SpecState
+from jaxinfer.lora_request import LoRARequest
 from jaxinfer.sampling_params import SamplingParams
 
 
@@ -28,6 +29,7 @@ class InputProcessor:
                  grammar: GrammarBackend | None = None):
         self.config = config
         self.grammar = grammar  # compiles structured_outputs constraints (None: refused)
+        self.lora = None  # LoraManager with enable_lora (LLMEngine.enable_lora): reads a request's adapter
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.num_usable_pages = pages_per_replica - 1  # page 0 is the scratch page
@@ -36,7 +38,8 @@ class InputProcessor:
         self._lock = threading.Lock()  # requests may come from several threads
 
     def make_request(self, request_id: str | None, prompt, params: SamplingParams | None = None, *, priority: int = 0,
-                     arrival_time: float | None = None, seed: int | None = None) -> Request:
+                     arrival_time: float | None = None, seed: int | None = None,
+                     lora_request: LoRARequest | None = None) -> Request:
         """A checked Request (one Sequence, for its prompt); ValueError naming it if it cannot run.
         Its seed: `seed` if given (another process's request, replayed), else params.seed, else drawn."""
         params = params or SamplingParams()
@@ -53,8 +56,15 @@ class InputProcessor:
                 seed = int(self._seed_rng.integers(0, 2**31))
         max_model_len = self.config.max_model_len
         limit = max_model_len if params.max_tokens is None else min(max_model_len, len(ids) + params.max_tokens)
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"{label}: a LoRARequest needs an engine built with enable_lora=True")
+            try:
+                self.lora.check(lora_request)
+            except ValueError as e:
+                raise ValueError(f"{label}: {e}") from None
         request = Request(request_id, text, ids, params, seed, limit, priority,
-                          RequestMetrics(arrival_time if arrival_time is not None else time.time()))
+                          RequestMetrics(arrival_time if arrival_time is not None else time.time()), lora=lora_request)
         seq = Sequence(request, 0, list(ids), seed)
         if params.structured_outputs is not None:
             seq.grammar = self.matcher(params, label)
@@ -101,6 +111,8 @@ class InputProcessor:
                 f"{label}: SamplingParams.num_speculative_tokens={p.num_speculative_tokens} exceeds the engine's "
                 f"num_speculative_tokens={spec.num_speculative_tokens}"
             )
+        if p.structured_outputs is not None:
+            self.matcher(p, label)  # compiles (and caches) the constraint: a malformed one fails here
         total = min(c.max_model_len, len(ids) + (p.max_tokens or c.max_model_len))
         need = -(-total // c.page_size) + (p.n - 1)  # its pages, and a partial page per extra completion
         if need > self.num_usable_pages:

@@ -118,6 +118,21 @@ class ModelRunner:
         self.pass_host_inputs = self.step_fn.mesh.size == 1 and jax.process_count() == 1
         self.compile_seconds: dict[BucketKey, float] = {}
         self.keys_seen: set[BucketKey] = set()  # bucket variants executed so far
+        self.lora_enabled = "lora" in params  # the model holds a LoRA slot table (jaxinfer.models.lora)
+        self._write_lora = None
+
+    def write_lora_slot(self, slot: int, arrays: dict[str, np.ndarray]) -> None:
+        """Puts one adapter (`models.lora.fuse_adapter`'s arrays, name -> [L, ...]; zeros to
+        clear) into slot `slot` of every stack of the table, in place; one compiled program
+        whatever the slot."""
+        if self._write_lora is None:
+            def write(table, slot, arrays):
+                return {name: table[name].at[:, slot].set(arrays[name].astype(table[name].dtype)) for name in table}
+            self._write_lora = jax.jit(write, donate_argnums=(0,))
+        table = {name: var.get_value() for name, var in self.params["lora"].items()}
+        new = self._write_lora(table, np.int32(slot), {f"{name}": arrays[f"lora.{name}"] for name in table})
+        for name, var in self.params["lora"].items():
+            var.set_value(new[name])
 
     @property
     def num_compiles(self) -> int:
@@ -143,7 +158,8 @@ class ModelRunner:
         if len(scheduled) != self.num_replicas:
             raise ValueError(f"got chunks for {len(scheduled)} replicas, the runner has {self.num_replicas}")
         key = shared_key([[s.chunk for s in chunks] for chunks in scheduled], self.buckets)
-        packed = [pack_batch([s.chunk for s in chunks], self.buckets, self.page_size, key) for chunks in scheduled]
+        packed = [pack_batch([s.chunk for s in chunks], self.buckets, self.page_size, key, with_lora=self.lora_enabled)
+                  for chunks in scheduled]
         rows_of_chunk = [rows for _, _, rows in packed]
         for chunks, replica_rows in zip(scheduled, rows_of_chunk):
             for s, rows in zip(chunks, replica_rows):
@@ -272,7 +288,7 @@ class ModelRunner:
     def _empty_inputs(self, key: BucketKey) -> tuple[RaggedBatch, SamplingTensors]:
         """`empty_inputs` as `dispatch` passes them (host arrays, or placed on the mesh): the
         jitted step keys its compiled variants on that too."""
-        inputs = empty_inputs(key, self.buckets.pages_per_seq, self.num_replicas)
+        inputs = empty_inputs(key, self.buckets.pages_per_seq, self.num_replicas, self.lora_enabled)
         return inputs if self.pass_host_inputs else self._put(inputs)
 
     def warmup(self, keys: Sequence[BucketKey] | None = None) -> None:
@@ -322,7 +338,7 @@ class ModelRunner:
         self.kv = page_ops(self.step_fn.mesh, self.kv.quantized).write(self.kv, self._global_pages(replica, pages), saved)
 
 
-def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int) -> tuple[RaggedBatch, SamplingTensors]:
+def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int, with_lora: bool = False) -> tuple[RaggedBatch, SamplingTensors]:
     """Host batches of the key's shapes with no sequences in them (every token writes to scratch),
     stacked over the replicas: what warm-up runs and what ahead-of-time compiles take the shapes of."""
     T, S, R = key.num_tokens, key.num_seqs, key.num_logits
@@ -335,6 +351,7 @@ def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int) -> tuple
         num_seqs=np.zeros(1, np.int32),
         logits_indices=np.zeros(R, np.int32),
         token_src=np.full(T, -1, np.int32),
+        lora_slots=np.zeros(S, np.int32) if with_lora else None,
     )
     sampling = SamplingTensors(
         np.zeros(R, np.float32), np.zeros(R, np.int32), np.ones(R, np.float32),

@@ -18,6 +18,7 @@ import time
 
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from jaxinfer.engine.grammar import Matcher
+from jaxinfer.lora_request import LoRARequest
 from jaxinfer.outputs import PositionLogprobs
 from jaxinfer.sampling_params import SamplingParams
 
@@ -150,6 +151,16 @@ class Sequence:
     grammar: "Matcher | None" = None  # structured outputs: where its tokens so far leave it in its grammar
 
     @property
+    def lora_id(self) -> int:
+        """Its request's LoRA adapter id (0: the base model)."""
+        return self.request.lora.lora_int_id if self.request.lora is not None else 0
+
+    @property
+    def prefix_salt(self) -> bytes:
+        """What its prefix-cache keys chain from: pages computed under another adapter differ."""
+        return f"lora:{self.lora_id}".encode() if self.lora_id else b""
+
+    @property
     def draft(self) -> list[int]:
         """Drafted tokens to verify in its next step."""
         return self.spec.draft if self.spec is not None else []
@@ -190,6 +201,7 @@ class Request:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     forked: bool = False  # the n completions exist
     replica: int = 0  # the data-parallel replica its sequences run on (its pages live there)
+    lora: "LoRARequest | None" = None  # the LoRA adapter it runs with (None: the base model)
 
     @property
     def finished(self) -> bool:

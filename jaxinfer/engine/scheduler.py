@@ -10,7 +10,8 @@ Each call to `schedule()` decides what one step computes, within two budgets:
 3. Then waiting sequences are admitted in order (priority, arrival) while pages and budgets
    allow; their prompt's cached prefix pages are reused and only the rest is prefilled. A
    sequence that does not fit blocks those behind it (FCFS), and nothing is admitted in a step
-   that had to preempt.
+   that had to preempt. With LoRA, a sequence whose adapter would make more than `max_loras`
+   distinct adapters run at once waits, and those behind it may go first.
 
 Speculative decoding: a decoding sequence holding drafted tokens (`seq.draft`) contributes its
 newest token plus the drafts (what the budget leaves of them), and pages for all of them; such
@@ -71,7 +72,8 @@ def priority_order(seq: Sequence) -> tuple:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_batched_tokens: int, max_num_seqs: int,
-                 preemption_mode: str = "recompute", max_prefill_chunks: int = MAX_PREFILL_CHUNKS):
+                 preemption_mode: str = "recompute", max_prefill_chunks: int = MAX_PREFILL_CHUNKS,
+                 max_loras: int | None = None):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode={preemption_mode!r}: expected 'recompute' or 'swap'")
         self.preemption_mode = preemption_mode
@@ -79,6 +81,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_prefill_chunks = max_prefill_chunks  # multi-token chunks per step (see batch.py)
+        self.max_loras = max_loras  # distinct LoRA adapters running at once (None: no LoRA)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -149,16 +152,20 @@ class Scheduler:
 
         if not preempted:
             occupied = sum(self._forks(s) for s in self.running)  # a request that will fork holds n places
+            adapters = {s.lora_id for s in self.running} - {0}
             for seq in sorted(self.waiting, key=priority_order):
+                if self.max_loras is not None and seq.lora_id and seq.lora_id not in adapters and len(adapters) >= self.max_loras:
+                    continue  # its adapter needs a slot that running sequences hold: later (others may go first)
                 slots = self._forks(seq)
                 if budget == 0 or occupied + slots > self.max_num_seqs or len(scheduled) >= self.max_num_seqs:
                     break
                 if num_chunks >= self.max_prefill_chunks or self._admission_rows(seq, budget, rows_left) > rows_left:
                     break
                 try:
-                    seq.num_computed = bm.allocate(seq.seq_id, seq.token_ids)
+                    seq.num_computed = bm.allocate(seq.seq_id, seq.token_ids, salt=seq.prefix_salt)
                 except OutOfPagesError:
                     break
+                adapters |= {seq.lora_id} - {0}
                 if seq.swapped is not None and seq.swapped.num_computed > seq.num_computed:
                     # restore its saved K/V instead of recomputing them; prefix-cache hits (shared,
                     # read-only pages) keep their content, only the pages after them are written
@@ -181,7 +188,7 @@ class Scheduler:
         """Logits rows of a waiting sequence's first chunk, were it admitted now (its cached prefix
         and swapped-out K/V are not recomputed)."""
         bm = self.block_manager
-        start = bm.num_cached_prefix_pages(seq.token_ids) * bm.page_size
+        start = bm.num_cached_prefix_pages(seq.token_ids, salt=seq.prefix_salt) * bm.page_size
         if seq.swapped is not None:
             start = max(start, seq.swapped.num_computed)
         saved, seq.num_computed = seq.num_computed, start

@@ -37,7 +37,8 @@ from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.kv_cache import KVCache
 from jaxinfer.models import moe
 from jaxinfer.models.layers import (add_rms_norm, embed_lookup, gate_up_swiglu, linear, matmul, rms_norm, rope_cos_sin,
-                                   tied_logits)
+                                   swiglu, tied_logits)
+from jaxinfer.models.lora import LoraSlots, LoraTable, lora_delta, lora_shapes
 from jaxinfer.models.param_layout import param_shapes
 from sharding.mesh import ParallelConfig, kv_heads_per_shard
 
@@ -83,6 +84,7 @@ class LlamaForCausalLM(nnx.Module):
         compute_dtype=jnp.float32,
         kernels: Kernels = Kernels(),
         parallel: ParallelConfig = ParallelConfig(),
+        lora: LoraTable | None = None,
         rngs: nnx.Rngs,
     ):
         self.config = config
@@ -96,6 +98,10 @@ class LlamaForCausalLM(nnx.Module):
         self.final_norm = nnx.Param(_init("final_norm", shapes["final_norm"], param_dtype, None))
         if "lm_head" in shapes:
             self.lm_head = nnx.Param(_init("lm_head", shapes["lm_head"], param_dtype, rngs.params()))
+        if lora is not None:
+            if config.is_moe:
+                raise ValueError(f"LoRA adapters are not served on MoE models ({config.model_type})")
+            self.lora = LoraSlots(lora_shapes(config, lora, parallel.tp))  # the adapter slot table (jaxinfer.models.lora)
 
     def __call__(self, kv: KVCache, batch: RaggedBatch, *, query_block: int, spec_block: int = 0,
                  return_hidden: bool = False):
@@ -121,6 +127,10 @@ class LlamaForCausalLM(nnx.Module):
         cos, sin = rope_cos_sin(c, batch.positions, batch.kv_lens[seq_of_token])  # [T, D] each
         stacked = self.layers.stacked()
         sm_scale = float(c.head_dim) ** -0.5
+        lora, slot = None, None  # LoRA: the slot table's stacks, and each of this device's tokens' slot
+        if getattr(self, "lora", None) is not None and batch.lora_slots is not None:
+            lora = self.lora.stacked()
+            slot = jax.lax.dynamic_slice_in_dim(batch.lora_slots[seq_of_token], first_row, Tl)  # [Tl]
 
         # Fold the layer axis into the page axis: layer i's page p is page i * P + p of one pool.
         L, num_pages = kv.k.shape[:2]
@@ -130,8 +140,11 @@ class LlamaForCausalLM(nnx.Module):
         def layer(i, carry):
             hidden, residual, pool = carry  # [Tl, H] each (the stream is hidden + residual); the pages
             w = {name: jax.tree.map(lambda a: a[i], p) for name, p in stacked.items()}  # layer i's weights
+            lw = {name: a[i] for name, a in lora.items()} if lora is not None else None  # [N, ...] each
             h, residual = add_rms_norm(hidden, residual, w["attn_norm"], c.rms_norm_eps, kernels)
             qkv = linear(h, w["qkv_proj"], w.get("qkv_bias"), kernels)  # one matmul: [Tl, (Hq + 2*Hkv)*D] local
+            if lw is not None:
+                qkv = (qkv.astype(jnp.float32) + lora_delta(h, lw["qkv_a"], lw["qkv_b"], slot)).astype(qkv.dtype)
             q, k, v = split_qkv(qkv, num_heads, num_kv_heads, c.head_dim)
             if c.qk_norm:
                 q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
@@ -141,10 +154,17 @@ class LlamaForCausalLM(nnx.Module):
                 sm_scale=sm_scale, sliding_window=c.sliding_window, query_block=query_block, spec_block=spec_block,
                 kernels=kernels, parallel=par,
             )
-            attn_out = self._row_parallel(attn.reshape(Tl, num_heads * c.head_dim), w["o_proj"], w.get("o_bias"))
+            attn = attn.reshape(Tl, num_heads * c.head_dim)
+            attn_out = self._row_parallel(attn, w["o_proj"], w.get("o_bias"),
+                                          lora_delta(attn, lw["o_a"], lw["o_b"], slot) if lw is not None else None)
             h, residual = add_rms_norm(attn_out, residual, w["mlp_norm"], c.rms_norm_eps, kernels)
             if c.is_moe:
                 hidden = self._tensor_sum(moe.moe_mlp(h, w, c, par, kernels))
+            elif lw is not None:
+                gate_up = linear(h, w["gate_up_proj"], w.get("gate_up_bias"), kernels).astype(jnp.float32)
+                act = swiglu((gate_up + lora_delta(h, lw["gate_up_a"], lw["gate_up_b"], slot)).astype(h.dtype))
+                hidden = self._row_parallel(act, w["down_proj"], w.get("down_bias"),
+                                            lora_delta(act, lw["down_a"], lw["down_b"], slot))
             else:
                 hidden = self._row_parallel(gate_up_swiglu(h, w["gate_up_proj"], w.get("gate_up_bias"), kernels),
                                             w["down_proj"], w.get("down_bias"))
@@ -166,9 +186,13 @@ class LlamaForCausalLM(nnx.Module):
         partial = partial.astype(dtype or self.compute_dtype)
         return jax.lax.psum(partial, "tensor") if self.parallel.tp > 1 else partial
 
-    def _row_parallel(self, x, w, b=None):
-        """x [T, K_local] @ w [K_local, H], summed over the tensor shards, + b; in x's dtype."""
-        y = self._tensor_sum(matmul(x, w, self.kernels))
+    def _row_parallel(self, x, w, b=None, delta=None):
+        """x [T, K_local] @ w [K_local, H] (+ a LoRA `delta` [T, H] from the same K_local rows),
+        summed over the tensor shards, + b; in x's dtype."""
+        y = matmul(x, w, self.kernels)
+        if delta is not None:
+            y = y.astype(jnp.float32) + delta
+        y = self._tensor_sum(y)
         if b is not None:
             y = y.astype(jnp.float32) + b.astype(jnp.float32)
         return y.astype(x.dtype)

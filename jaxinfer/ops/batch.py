@@ -41,6 +41,7 @@ class RaggedBatch:
     num_seqs: jax.Array
     logits_indices: jax.Array
     token_src: jax.Array
+    lora_slots: jax.Array | None = None  # [S] int32: each sequence's LoRA adapter slot (0 = none); None: no LoRA
 
 
 @dataclasses.dataclass
@@ -54,6 +55,7 @@ class SequenceChunk:
     # {offset: row}: tokens not known on the host yet, taken on the device from row `row` of the
     # previous step's sampled tokens (their entry in token_ids is ignored)
     device_tokens: dict[int, int] = dataclasses.field(default_factory=dict)
+    lora_slot: int = 0  # the LoRA adapter slot its tokens use (0 = none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,10 +202,11 @@ def stack_replicas(batches: Sequence[RaggedBatch]) -> RaggedBatch:
 
 
 def pack_batch(
-    chunks: Sequence[SequenceChunk], buckets: Buckets, page_size: int, key: BucketKey | None = None
+    chunks: Sequence[SequenceChunk], buckets: Buckets, page_size: int, key: BucketKey | None = None, *,
+    with_lora: bool = False,
 ) -> tuple[BucketKey, RaggedBatch, list[list[int]]]:
     """Flattens chunks into a padded RaggedBatch (numpy arrays), in the bucket `key` (default:
-    the smallest that holds them).
+    the smallest that holds them); `with_lora`: with each sequence's LoRA slot (`lora_slots`).
 
     Returns the bucket key, the batch, and for each chunk the indices (into the R logits rows)
     of its requested logits rows, in the order of `chunk.logits_rows`.
@@ -260,4 +263,7 @@ def pack_batch(
         logits_indices=logits_indices,
         token_src=token_src,
     )
+    if with_lora:
+        batch.lora_slots = np.zeros(S, np.int32)
+        batch.lora_slots[: len(chunks)] = [c.lora_slot for c in chunks]
     return key, batch, rows_of_chunk

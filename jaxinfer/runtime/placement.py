@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxinfer.models.lora import LORA_AXES
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.param_layout import param_axes, param_shapes, quantized_axes
 from jaxinfer.ops.kv_cache import KVCache
@@ -39,7 +40,7 @@ QUANTIZED_FIELDS = ("qweight", "scales", "offsets", "input_order")
 
 def param_partition_specs(params, config: ModelConfig) -> object:
     """A tree like `params` (an nnx State, maybe holding QuantizedWeights) of PartitionSpecs."""
-    axes = param_axes(config)
+    axes = {**param_axes(config), **LORA_AXES}  # the LoRA slot table, when the model has one
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     specs = []
     for path, leaf in leaves:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
+import threading
 import time
 from typing import AsyncIterator
 
@@ -24,6 +26,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxinfer.llm import LLM
+from jaxinfer.lora_request import LoRARequest
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.server import protocol, tools
 from jaxinfer.server.async_engine import AsyncEngine, EngineFailed
@@ -34,14 +37,20 @@ from jaxinfer.server.protocol import ApiError, Parsed
 
 def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | None = None,
               max_queue: int | None = None, request_timeout: float | None = None,
-              publisher: Publisher | None = None, tool_call_parser: str | None = None) -> FastAPI:
+              publisher: Publisher | None = None, tool_call_parser: str | None = None,
+              lora_modules: dict[str, str] | None = None) -> FastAPI:
     """The app serving `llm`; its engine thread starts and stops with the app's lifespan. On
     several processes this is process 0's, and `publisher` feeds the others (server.lockstep).
-    `tool_call_parser`: "hermes" or "llama3_json" (default: what the chat template suggests)."""
+    `tool_call_parser`: "hermes" or "llama3_json" (default: what the chat template suggests).
+    `lora_modules`: adapter name -> PEFT folder, served as models of those names (the LLM needs
+    enable_lora=True); more can be loaded and unloaded at run time on one process."""
     model_name = served_model_name or (str(llm.source.path.name) if llm.source else "jaxinfer")
     if tool_call_parser is not None and tool_call_parser not in tools.PARSERS:
         raise ValueError(f"tool_call_parser={tool_call_parser!r}: expected one of {tools.PARSERS}")
     tool_parser = tool_call_parser or tools.detect_parser(getattr(llm.tokenizer, "chat_template", None))
+    adapters = LoraRegistry(llm.engine, model_name)
+    for name, path in (lora_modules or {}).items():
+        adapters.load(name, path)  # a bad one stops the server from starting, naming it
     metrics = ServerMetrics(llm.engine)
     engine = AsyncEngine(llm.engine, max_queue=max_queue, on_finished=metrics.observe, publisher=publisher)
 
@@ -70,8 +79,30 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
 
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "jaxinfer", "max_model_len": llm.max_model_len}]}
+        now = int(time.time())
+        base = {"id": model_name, "object": "model", "created": now, "owned_by": "jaxinfer", "max_model_len": llm.max_model_len}
+        return {"object": "list", "data": [base] + [
+            {"id": name, "object": "model", "created": now, "owned_by": "jaxinfer", "root": lr.lora_path, "parent": model_name,
+             "max_model_len": llm.max_model_len} for name, lr in adapters.items()]}
+
+    @v1.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = await _json(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ApiError("give 'lora_name' and 'lora_path' (strings)", param="lora_name")
+        if publisher is not None:
+            raise ApiError("adapters are loaded at start-up (--lora-modules) when serving on several processes", status=400)
+        await asyncio.to_thread(adapters.load, name, path)
+        return {"status": "ok", "lora_name": name}
+
+    @v1.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        body = await _json(request)
+        if publisher is not None:
+            raise ApiError("adapters cannot be unloaded when serving on several processes", status=400)
+        adapters.unload(body.get("lora_name"))
+        return {"status": "ok", "lora_name": body.get("lora_name")}
 
     @app.get("/metrics")
     async def prometheus():
@@ -102,33 +133,33 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
     @v1.post("/completions")
     async def completions(request: Request):
         parsed = protocol.parse_completion(await _json(request))
-        _check_model(parsed, model_name)
+        lora = adapters.of_model(parsed.model)
         request_id = protocol.new_id("cmpl")
-        streams = [engine.generate(p, parsed.params, request_id=f"{request_id}-{i}", timeout=request_timeout)
+        streams = [engine.generate(p, parsed.params, request_id=f"{request_id}-{i}", timeout=request_timeout, lora_request=lora)
                    for i, p in enumerate(parsed.prompts)]
         if parsed.stream:
-            return _sse(_completion_chunks(request_id, model_name, parsed, streams))
+            return _sse(_completion_chunks(request_id, parsed.model or model_name, parsed, streams))
         outputs = await _until_done(request, [_last(s) for s in streams])
         if outputs is None:
             return _client_left()
-        return protocol.completion_response(request_id, model_name, outputs, parsed)
+        return protocol.completion_response(request_id, parsed.model or model_name, outputs, parsed)
 
     @v1.post("/chat/completions")
     async def chat(request: Request):
         parsed = protocol.parse_chat(await _json(request), tool_parser=tool_parser)
-        _check_model(parsed, model_name)
+        lora = adapters.of_model(parsed.model)
         try:
             prompt = llm.chat_prompt(parsed.prompts[0], tools=parsed.tools if parsed.tool_choice != "none" else None)
         except Exception as e:  # noqa: BLE001 - the template rejected the conversation
             raise ApiError(f"messages: the chat template failed: {e}", param="messages") from None
         request_id = protocol.new_id("chatcmpl")
-        stream = engine.generate(prompt, parsed.params, request_id=request_id, timeout=request_timeout)
+        stream = engine.generate(prompt, parsed.params, request_id=request_id, timeout=request_timeout, lora_request=lora)
         if parsed.stream:
-            return _sse(_chat_chunks(request_id, model_name, parsed, stream))
+            return _sse(_chat_chunks(request_id, parsed.model or model_name, parsed, stream))
         outputs = await _until_done(request, [_last(stream)])
         if outputs is None:
             return _client_left()
-        return protocol.chat_response(request_id, model_name, outputs[0], parsed)
+        return protocol.chat_response(request_id, parsed.model or model_name, outputs[0], parsed)
 
     app.include_router(v1)
     return app
@@ -150,10 +181,59 @@ async def _json(request: Request):
         raise ApiError(f"the request body is not valid JSON: {e}") from None
 
 
-def _check_model(parsed: Parsed, model_name: str) -> None:
-    if parsed.model is not None and parsed.model != model_name:
-        raise ApiError(f"model {parsed.model!r} is not served here; this server serves {model_name!r}", status=404,
-                       param="model", type="not_found_error")
+class LoraRegistry:
+    """The adapters served by name (a request's "model" picks one): name -> LoRARequest, ids
+    handed out in order."""
+
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+        self._by_name: dict[str, LoRARequest] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def items(self):
+        with self._lock:
+            return list(self._by_name.items())
+
+    def load(self, name: str, path: str) -> LoRARequest:
+        if self.engine.lora is None:
+            raise ApiError("this server runs without LoRA (start it with --enable-lora)", param="lora_name")
+        with self._lock:
+            if name in self._by_name or name == self.model_name:
+                raise ApiError(f"a model named {name!r} is already served", param="lora_name")
+            lora = LoRARequest(name, next(self._ids), path)
+        try:
+            self.engine.lora.check(lora)
+        except ValueError as e:
+            raise ApiError(str(e), param="lora_path") from None
+        with self._lock:
+            self._by_name[name] = lora
+        return lora
+
+    def unload(self, name) -> None:
+        with self._lock:
+            lora = self._by_name.get(name)
+            if lora is None:
+                raise ApiError(f"no adapter named {name!r} is loaded", status=404, param="lora_name", type="not_found_error")
+            with self.engine.core._lock:  # between two steps: no running request may still use it
+                in_use = sum(1 for r in self.engine.core.requests.values() if r.lora is not None and r.lora.lora_int_id == lora.lora_int_id)
+                if in_use:
+                    raise ApiError(f"adapter {name!r} is in use by {in_use} request(s); unload it when they finish", status=409,
+                                   param="lora_name")
+                del self._by_name[name]
+                self.engine.lora.remove(lora.lora_int_id)
+
+    def of_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's "model" names (None: the base model); 404 for an unknown name."""
+        if model is None or model == self.model_name:
+            return None
+        with self._lock:
+            lora = self._by_name.get(model)
+        if lora is None:
+            served = [self.model_name] + [n for n, _ in self.items()]
+            raise ApiError(f"model {model!r} is not served here; this server serves {served}", status=404,
+                           param="model", type="not_found_error")
+        return lora
 
 
 async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:

@@ -127,7 +127,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ the handlers' side
     async def generate(self, prompt, params: SamplingParams, *, request_id: str | None = None,
-                       timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+                       timeout: float | None = None, lora_request=None) -> AsyncIterator[RequestOutput]:
         """The request's RequestOutputs as it advances (the last one finished). Raises ApiError:
         400 for a request the engine cannot run, 429 past max_queue, 504 past `timeout` seconds."""
         if self.max_queue is not None and self.num_waiting >= self.max_queue:
@@ -136,7 +136,8 @@ class AsyncEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         try:  # tokenization and input checks: off the event loop
-            request = await asyncio.to_thread(self.engine.input.make_request, request_id, prompt, params)
+            request = await asyncio.to_thread(self.engine.input.make_request, request_id, prompt, params,
+                                              lora_request=lora_request)
         except ValueError as e:
             raise ApiError(str(e)) from None
         with self._lock:

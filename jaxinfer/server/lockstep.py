@@ -36,6 +36,7 @@ from jax._src import distributed  # the coordinator's key-value store: no public
 
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.request import Request
+from jaxinfer.lora_request import LoRARequest
 from jaxinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxinfer.server")
@@ -63,7 +64,7 @@ def encode(events: list[Event]) -> bytes:
         r = e.request
         items.append({"add": {"id": r.request_id, "prompt": r.prompt, "ids": r.prompt_token_ids,
                               "params": dataclasses.asdict(r.params), "seed": r.seed, "priority": r.priority,
-                              "arrival": r.metrics.arrival_time}})
+                              "arrival": r.metrics.arrival_time, "lora": dataclasses.asdict(r.lora) if r.lora else None}})
     return json.dumps(items).encode()
 
 
@@ -87,7 +88,8 @@ def decode(engine: LLMEngine, payload: bytes) -> list[Event]:
         a = item["add"]
         request = engine.input.make_request(a["id"], {"prompt": a["prompt"], "prompt_token_ids": a["ids"]},
                                             SamplingParams(**a["params"]), priority=a["priority"],
-                                            arrival_time=a["arrival"], seed=a["seed"])
+                                            arrival_time=a["arrival"], seed=a["seed"],
+                                            lora_request=LoRARequest(**a["lora"]) if a.get("lora") else None)
         events.append(Event(request=request))
     return events
 

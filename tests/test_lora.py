@@ -1,0 +1,246 @@
+"""Multi-LoRA serving: PEFT adapters over one base model, in a slot table on the device.
+
+The truth is transformers + peft on the same tiny model and adapter (random non-zero LoRA
+weights, float32); a batch mixing adapters equals each request alone; adapters beyond the
+table's slots cycle through it without a recompile; tensor-parallel LoRA equals one device; a
+bad adapter fails its own request only.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+
+from jaxinfer import LLM, LoRARequest, SamplingParams
+from jaxinfer.ops.batch import Buckets, SequenceChunk, pack_batch, stack_replicas
+from tiny_models import save_hf_model
+
+SETTINGS = dict(max_model_len=128, page_size=4, num_pages=256, max_num_batched_tokens=64, max_num_seqs=16, progress=False)
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGET_SETS = {"attention q v": ("q_proj", "v_proj"), "all seven": ALL, "mlp": ("gate_proj", "up_proj", "down_proj"),
+               "k o": ("k_proj", "o_proj")}
+PROMPT = [5, 17, 99, 3, 42, 7, 8, 120, 33, 250, 4]
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("lora-base")
+    save_hf_model("llama3.2", directory)
+    return directory
+
+
+def make_adapter(base_dir, out_dir, targets=ALL, r=4, alpha=8, seed=0, **extra):
+    """A PEFT adapter with random non-zero A and B, saved in PEFT's format."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                                                      init_lora_weights=False, **extra))
+    model.save_pretrained(out_dir)
+    return model
+
+
+def peft_log_softmax(model, ids):
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1).numpy()
+
+
+def jax_log_softmax(llm, ids, lora: LoRARequest | None):
+    """Every position's next-token log-softmax [n, V] from the engine's own step, in the slot the
+    engine's LoRA manager gives the adapter."""
+    import jax
+
+    slot = 0
+    if lora is not None:
+        llm.engine.lora.check(lora)
+        slot = llm.engine.lora.slot(lora.lora_int_id, {lora.lora_int_id})
+    runner, n = llm.runner, len(ids)
+    pages = list(range(1, -(-n // runner.page_size) + 1))
+    key, batch, rows = pack_batch([SequenceChunk(ids, 0, pages, list(range(n)), lora_slot=slot)],
+                                  Buckets((16,), max_num_seqs=1, pages_per_seq=runner.buckets.pages_per_seq),
+                                  runner.page_size, with_lora=True)
+    logits, runner.kv = runner.step_fn.forward(runner.params, runner.kv, runner.step_fn.place_inputs(stack_replicas([batch])),
+                                               query_block=key.query_block)
+    return np.asarray(jax.nn.log_softmax(logits[0].astype(np.float64), axis=-1))[rows[0]]
+
+
+@pytest.fixture(scope="module")
+def llm(base_dir):
+    return LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, **SETTINGS)
+
+
+# ----------------------------------------------------------------------------- the truth: peft
+@pytest.mark.parametrize("name", list(TARGET_SETS))
+def test_logits_with_an_adapter_equal_transformers_with_peft(llm, base_dir, tmp_path, name):
+    model = make_adapter(base_dir, tmp_path / "adapter", TARGET_SETS[name], seed=len(name))
+    lora = LoRARequest(name, 10 + list(TARGET_SETS).index(name), str(tmp_path / "adapter"))
+    ours, truth = jax_log_softmax(llm, PROMPT, lora), peft_log_softmax(model, PROMPT)
+    assert np.abs(ours - truth).max() < 1e-4
+    assert np.abs(jax_log_softmax(llm, PROMPT, None) - truth).max() > 1e-2  # the adapter does change the logits
+
+
+def test_rslora_and_a_smaller_rank_than_the_table(llm, base_dir, tmp_path):
+    model = make_adapter(base_dir, tmp_path / "rs", ("q_proj", "down_proj"), r=2, alpha=6, seed=5, use_rslora=True)
+    ours = jax_log_softmax(llm, PROMPT, LoRARequest("rs", 20, str(tmp_path / "rs")))
+    assert np.abs(ours - peft_log_softmax(model, PROMPT)).max() < 1e-4
+
+
+# ----------------------------------------------------------------------------- the engine
+@pytest.fixture(scope="module")
+def adapters(base_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    out = []
+    for i, targets in enumerate([ALL, ("q_proj", "v_proj"), ("gate_proj", "up_proj", "down_proj"), ("k_proj", "o_proj"), ALL]):
+        make_adapter(base_dir, root / f"a{i}", targets, seed=100 + i)
+        out.append(LoRARequest(f"a{i}", i + 1, str(root / f"a{i}")))
+    return out
+
+
+def greedy(n=12):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def test_a_batch_mixing_four_adapters_and_the_base_equals_each_request_alone(base_dir, adapters):
+    llm = LLM(str(base_dir), enable_lora=True, max_loras=4, max_lora_rank=8, **SETTINGS)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(3, 250, int(rng.integers(3, 30)))] for _ in range(10)]
+    loras = [adapters[i % 4] if i % 5 else None for i in range(10)]  # four adapters and the base model
+    alone = [llm.generate([p], greedy(), lora_request=lr, use_tqdm=False)[0].outputs[0].token_ids for p, lr in zip(prompts, loras)]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), lora_request=loras, use_tqdm=False)]
+    assert together == alone
+    assert len({tuple(t) for t in alone}) > 5  # the adapters make different outputs
+
+
+def test_more_adapters_than_slots_cycle_through_lru_without_recompiling(base_dir, adapters):
+    llm = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, **SETTINGS)
+    prompt = [7, 8, 9, 10, 11, 12]
+    first = {lr.lora_int_id: llm.generate([prompt], greedy(), lora_request=lr, use_tqdm=False)[0].outputs[0].token_ids
+             for lr in adapters}
+    compiles = llm.runner.num_compiles
+    loads = llm.engine.lora.num_loads
+    # five adapters through two slots, all at once and again one by one: the same outputs
+    batch = llm.generate([prompt] * 5, greedy(), lora_request=adapters, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in batch] == [first[lr.lora_int_id] for lr in adapters]
+    for lr in reversed(adapters):
+        assert llm.generate([prompt], greedy(), lora_request=lr, use_tqdm=False)[0].outputs[0].token_ids == first[lr.lora_int_id]
+    assert llm.runner.num_compiles == compiles  # no variant compiled for a new adapter or slot
+    assert llm.engine.lora.num_loads > loads + 5  # the slots were refilled
+
+
+def test_the_prefix_cache_keeps_adapters_apart(base_dir, adapters):
+    llm = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, **SETTINGS)
+    prompt = list(range(3, 40))  # several full pages
+    with_a = llm.generate([prompt], greedy(), lora_request=adapters[0], use_tqdm=False)[0].outputs[0].token_ids
+    base = llm.generate([prompt], greedy(), use_tqdm=False)[0].outputs[0].token_ids  # must not reuse adapter 0's pages
+    fresh = LLM(str(base_dir), **SETTINGS).generate([prompt], greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    assert base == fresh and with_a != base
+    again = llm.generate([prompt], greedy(), lora_request=adapters[0], use_tqdm=False)[0].outputs[0].token_ids
+    assert again == with_a and llm.engine.get_stats().prefix_cache_hit_rate > 0
+
+
+def test_tensor_parallel_lora_equals_one_device(base_dir, adapters):
+    one = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, **SETTINGS)
+    two = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, tensor_parallel_size=2, **SETTINGS)
+    for lr in adapters[:3]:
+        assert np.abs(jax_log_softmax(two, PROMPT, lr) - jax_log_softmax(one, PROMPT, lr)).max() < 1e-4
+
+
+# ----------------------------------------------------------------------------- bad adapters
+def broken_adapters(base_dir, root):
+    """name -> (folder, the words the error must contain)."""
+    out = {}
+    make_adapter(base_dir, root / "good", ("q_proj",), seed=1)
+
+    def variant(name, edit_config=None, remove=None):
+        shutil.copytree(root / "good", root / name)
+        if edit_config:
+            cfg = json.loads((root / name / "adapter_config.json").read_text())
+            edit_config(cfg)
+            (root / name / "adapter_config.json").write_text(json.dumps(cfg))
+        if remove:
+            (root / name / remove).unlink()
+        return root / name
+
+    out["dora"] = (variant("dora", lambda c: c.update(use_dora=True)), "DoRA")
+    out["rank"] = (variant("rank", lambda c: c.update(r=64)), "max_lora_rank")
+    out["embed"] = (variant("embed", lambda c: c.update(target_modules=["q_proj", "embed_tokens"])), "embed_tokens")
+    out["saved"] = (variant("saved", lambda c: c.update(modules_to_save=["lm_head"])), "modules_to_save")
+    out["missing"] = (variant("missing", remove="adapter_model.safetensors"), "adapter_model.safetensors")
+    (root / "garbage").mkdir()
+    (root / "garbage" / "adapter_config.json").write_text("{not json")
+    (root / "garbage" / "adapter_model.safetensors").write_bytes(b"nope")
+    out["garbage"] = (root / "garbage", "not valid JSON")
+    return out
+
+
+def test_bad_adapters_fail_only_their_request(llm, base_dir, tmp_path):
+    engine = llm.engine
+    engine.add_request("fine", [3, 4, 5], greedy(6))
+    for i, (name, (folder, words)) in enumerate(broken_adapters(base_dir, tmp_path).items()):
+        with pytest.raises(ValueError, match=f"request 'bad-{name}'.*{words}"):
+            engine.add_request(f"bad-{name}", [3, 4, 5], greedy(), lora_request=LoRARequest(name, 50 + i, str(folder)))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert set(done) == {"fine"} and len(done["fine"].outputs[0].token_ids) == 6
+    with pytest.raises(ValueError, match="enable_lora"):
+        LLM(str(base_dir), **SETTINGS).generate([[3, 4]], greedy(), lora_request=LoRARequest("x", 1, str(tmp_path)))
+
+
+# ----------------------------------------------------------------------------- the server
+def test_the_server_serves_adapters_by_name_and_loads_them_at_run_time(base_dir, adapters):
+    import threading
+    import time
+
+    import httpx
+    import openai
+    import uvicorn
+
+    from jaxinfer.server.app import build_app
+
+    llm = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, **SETTINGS)
+    expected = {lr.lora_name: llm.generate([[3, 4, 5, 6]], greedy(), lora_request=lr, use_tqdm=False)[0].outputs[0].text
+                for lr in adapters[:3]}
+    base = llm.generate([[3, 4, 5, 6]], greedy(), use_tqdm=False)[0].outputs[0].text
+    app = build_app(llm, served_model_name="tiny", lora_modules={"a0": adapters[0].lora_path, "a1": adapters[1].lora_path})
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}/v1"
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+    try:
+        assert [m.id for m in client.models.list().data] == ["tiny", "a0", "a1"]
+
+        def tokens(model):  # the completion's text and the model the response names
+            out = client.completions.create(model=model, prompt=[3, 4, 5, 6], max_tokens=12, temperature=0.0,
+                                            extra_body={"ignore_eos": True})
+            return out.choices[0].text, out.model
+
+        for name in ("a0", "a1"):
+            text_ids, model = tokens(name)
+            assert model == name and text_ids == expected[name]
+        assert tokens("tiny")[0] == base
+        with pytest.raises(openai.NotFoundError, match="a2"):
+            tokens("a2")
+        r = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "a2", "lora_path": adapters[2].lora_path})
+        assert r.status_code == 200, r.text
+        assert tokens("a2")[0] == expected["a2"]  # a third adapter through two slots
+        bad = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nonexistent"})
+        assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+        assert httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "a1"}).status_code == 200
+        assert [m.id for m in client.models.list().data] == ["tiny", "a0", "a2"]
+        with pytest.raises(openai.NotFoundError):
+            tokens("a1")
+        assert httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "a1"}).status_code == 404
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=20)
