@@ -5,12 +5,15 @@ Adapters are random PEFT-format folders (adapter_config.json + adapter_model.saf
 every q/k/v/o/gate/up/down projection of SmolLM2-135M, written by this script (no torch).
 
 1. Formulations of x @ A[slot] @ B[slot] for T tokens over N slots (SmolLM2's qkv projection:
-   576 -> 960, rank 16, 9 slots): "dense over slots" (what the model runs: [T, K] x [K, N R],
+   576 -> 960, rank 16, 9 slots, float32): "dense over slots" (what the model runs: [T, K] x [K, N R],
    masked to each token's slot, then [T, N R] x [N R, O]), "gather" (each token's A and B
    gathered, then batched matvecs), "ragged_dot" (tokens sorted by slot, `jax.lax.ragged_dot`).
-2. Throughput: 32 requests (prompt 64 tokens, 64 new tokens, greedy, ignore_eos), the base
-   model without LoRA, then LLM(enable_lora=True, max_loras=8) with the requests spread over k
-   adapters; best of two passes after a warm-up.
+2. Step cost: a decode and a prefill step on the base model and over 4 adapters, alternated.
+3. Throughput: 32 requests (prompt 64 tokens, 64 new tokens, greedy, ignore_eos), the base
+   model without LoRA, then LLM(enable_lora=True, max_loras=M) for M in --max-loras with the
+   requests spread over k adapters; best of three passes after a warm-up (the base model
+   measured first and last, its best kept). The delta's cost follows
+   the table's size M (every step computes all M slots), not k.
 
     python scripts/bench_lora.py
 """
@@ -59,8 +62,11 @@ def formulations(args) -> None:
 
     K, O, R, N = 576, 960, 16, 9
     rng = np.random.default_rng(0)
-    a = jnp.asarray(rng.standard_normal((N, K, R)), jnp.float32)
-    b = jnp.asarray(rng.standard_normal((N, R, O)), jnp.float32)
+    a = jnp.asarray(rng.standard_normal((N, K, R)), jnp.float32).at[0].set(0.0)  # slot 0: the base model
+    b = jnp.asarray(rng.standard_normal((N, R, O)), jnp.float32).at[0].set(0.0)
+
+    def dense(x, a, b, slot):  # the model's lora_delta, one module
+        return lora_delta(x, a, [b], slot)
 
     def gather(x, a, b, slot):
         return jnp.einsum("tr,tro->to", jnp.einsum("tk,tkr->tr", x, a[slot]), b[slot])
@@ -79,7 +85,7 @@ def formulations(args) -> None:
         w = jnp.asarray(rng.standard_normal((K, O)), jnp.float32)
         ref = np.asarray(gather(x, a, b, slot))
         row = []
-        for fn in (lora_delta, gather, ragged):
+        for fn in (dense, gather, ragged):
             c = jax.jit(fn).lower(x, a, b, slot).compile()
             assert np.allclose(np.asarray(c(x, a, b, slot)), ref, rtol=1e-3, atol=1e-2)
             row.append(_time(lambda: c(x, a, b, slot)))
@@ -111,29 +117,83 @@ def throughput(args) -> None:
     def run(llm, loras) -> float:
         llm.generate(prompts, params, lora_request=loras, use_tqdm=False)  # warm-up: compiles, fills slots
         best = 0.0
-        for _ in range(2):
+        for _ in range(3):
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
             best = max(best, sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0))
         return best
 
-    base = run(LLM(**common), None)
+    base_llm = LLM(**common)
+    base = run(base_llm, None)
     print(f"- SmolLM2-135M {args.dtype}; {args.batch} requests x ({args.prompt_len} prompt + {args.max_tokens} new tokens); "
-          f"adapters of rank {args.rank} on all seven projections; max_loras 8")
+          f"adapters of rank {args.rank} on all seven projections")
     print()
-    print("| adapters in the batch | tok/s | ÷ base model alone |")
-    print("|---|---|---|")
-    print(f"| base model, LoRA off | {base:.1f} | 1.00 |")
+    print("| max_loras (table slots) | adapters in the batch | tok/s | ÷ base model alone |")
+    print("|---|---|---|---|")
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        llm = LLM(enable_lora=True, max_loras=8, max_lora_rank=args.rank, **common)
         requests = []
-        for i in range(8):
+        for max_loras in args.max_loras:
+            llm = LLM(enable_lora=True, max_loras=max_loras, max_lora_rank=args.rank, **common)
+            while len(requests) < max_loras:
+                i = len(requests)
+                write_adapter(Path(tmp) / f"a{i}", llm.config, args.rank, seed=i)
+                requests.append(LoRARequest(f"a{i}", i + 1, str(Path(tmp) / f"a{i}")))
+            for k in sorted({0, 1, min(4, max_loras), max_loras}):
+                loras = [requests[i % k] if k else None for i in range(args.batch)]
+                rate = run(llm, loras)
+                rows.append((max_loras, k, rate))
+    base = max(base, run(base_llm, None))  # measured again last: the machine's speed drifts
+    print(f"| LoRA off | — | {base:.1f} | 1.00 |")
+    for max_loras, k, rate in rows:
+        print(f"| {max_loras} | {k} | {rate:.1f} | {rate / base:.2f} |")
+
+
+def step_costs(args) -> None:
+    """Decode (32 sequences) and prefill (4 chunks of 128 tokens) steps with every sequence on the
+    base model, then spread over 4 adapters (max_loras 4), alternated in one process: what the
+    delta adds to a step, without the run-to-run drift of whole passes."""
+    from jaxinfer import LLM, LoRARequest
+    from jaxinfer.engine.model_runner import RowSampling, ScheduledChunk
+    from jaxinfer.ops.batch import SequenceChunk
+
+    B, ctx, ps = 32, 128, 16
+    pps = 512 // ps
+    llm = LLM(dtype=args.dtype, enable_lora=True, max_loras=4, max_lora_rank=args.rank, max_model_len=512,
+              num_pages=1 + B * pps, max_num_seqs=64, progress=False)
+    runner = llm.runner
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(4):
             write_adapter(Path(tmp) / f"a{i}", llm.config, args.rank, seed=i)
-            requests.append(LoRARequest(f"a{i}", i + 1, str(Path(tmp) / f"a{i}")))
-        for k in (0, 1, 4, 8):
-            loras = [requests[i % k] if k else None for i in range(args.batch)]
-            rate = run(llm, loras)
-            print(f"| {k} (LoRA on) | {rate:.1f} | {rate / base:.2f} |")
+            lora = LoRARequest(f"a{i}", i + 1, str(Path(tmp) / f"a{i}"))
+            llm.engine.lora.check(lora)
+            llm.engine.lora.slot(lora.lora_int_id, set())
+    pages = [list(range(1 + s * pps, 1 + (s + 1) * pps)) for s in range(B)]
+
+    def decode(i, adapters):
+        return [SequenceChunk([5], ctx + i, pages[s][: -(-(ctx + i + 1) // ps)], [0], lora_slot=s % 4 + 1 if adapters else 0)
+                for s in range(B)]
+
+    def prefill(i, adapters):
+        return [SequenceChunk(list(range(100, 228)), 0, pages[s][:8], [127], lora_slot=s % 4 + 1 if adapters else 0)
+                for s in range(4)]
+
+    def timed(chunks):
+        t0 = time.perf_counter()
+        runner.execute([[ScheduledChunk(c, RowSampling()) for c in chunks]])
+        return time.perf_counter() - t0
+
+    print("| step | base model ms | 4 adapters ms | ratio |")
+    print("|---|---|---|---|")
+    for name, make in (("decode, 32 sequences x 128 tokens", decode), ("prefill, 4 chunks of 128 tokens", prefill)):
+        for adapters in (False, True):
+            timed(make(0, adapters)), timed(make(1, adapters))  # compile
+        best = {False: [], True: []}
+        for rep in range(5):
+            for adapters in (False, True):
+                best[adapters].append(min(timed(make(2 + j, adapters)) for j in range(3)))
+        base, lora = np.median(best[False]) * 1e3, np.median(best[True]) * 1e3
+        print(f"| {name} | {base:.1f} | {lora:.1f} | {lora / base:.2f} |")
 
 
 def main() -> None:
@@ -143,14 +203,18 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-loras", default="4,8", help="table sizes to run (default 4,8)")
     ap.add_argument("--skip-throughput", action="store_true")
     args = ap.parse_args()
+    args.max_loras = [int(m) for m in args.max_loras.split(",")]
     import jax
 
     print(f"- cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs; jax {jax.__version__}; "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
     print()
     formulations(args)
+    print()
+    step_costs(args)
     if not args.skip_throughput:
         print()
         throughput(args)

@@ -107,7 +107,7 @@ def add_lora_table(placed: PlacedWeights, model_config: ModelConfig, config: Eng
         raise ValueError(f"enable_lora: LoRA adapters are not served on MoE models ({model_config.model_type})")
     table = LoraTable(config.max_loras + 1, config.max_lora_rank)
     model = nnx.merge(placed.graphdef, placed.params)
-    model.lora = LoraSlots(lora_shapes(model_config, table, config.parallel(model_config).tp))
+    model.lora = LoraSlots(lora_shapes(model_config, table, config.parallel(model_config).tp), config.param_dtype)
     graphdef, params = nnx.split(model)
     param_specs = param_partition_specs(params, model_config)
     return PlacedWeights(graphdef, put_global(params, param_specs, mesh), param_specs)

@@ -158,7 +158,9 @@ class ModelRunner:
         if len(scheduled) != self.num_replicas:
             raise ValueError(f"got chunks for {len(scheduled)} replicas, the runner has {self.num_replicas}")
         key = shared_key([[s.chunk for s in chunks] for chunks in scheduled], self.buckets)
-        packed = [pack_batch([s.chunk for s in chunks], self.buckets, self.page_size, key, with_lora=self.lora_enabled)
+        # LoRA only in steps where some sequence has an adapter (the others run the base variant)
+        with_lora = self.lora_enabled and any(s.chunk.lora_slot for chunks in scheduled for s in chunks)
+        packed = [pack_batch([s.chunk for s in chunks], self.buckets, self.page_size, key, with_lora=with_lora)
                   for chunks in scheduled]
         rows_of_chunk = [rows for _, _, rows in packed]
         for chunks, replica_rows in zip(scheduled, rows_of_chunk):

@@ -101,7 +101,7 @@ class LlamaForCausalLM(nnx.Module):
         if lora is not None:
             if config.is_moe:
                 raise ValueError(f"LoRA adapters are not served on MoE models ({config.model_type})")
-            self.lora = LoraSlots(lora_shapes(config, lora, parallel.tp))  # the adapter slot table (jaxinfer.models.lora)
+            self.lora = LoraSlots(lora_shapes(config, lora, parallel.tp), param_dtype)  # the adapter slot table (jaxinfer.models.lora)
 
     def __call__(self, kv: KVCache, batch: RaggedBatch, *, query_block: int, spec_block: int = 0,
                  return_hidden: bool = False):
@@ -144,7 +144,8 @@ class LlamaForCausalLM(nnx.Module):
             h, residual = add_rms_norm(hidden, residual, w["attn_norm"], c.rms_norm_eps, kernels)
             qkv = linear(h, w["qkv_proj"], w.get("qkv_bias"), kernels)  # one matmul: [Tl, (Hq + 2*Hkv)*D] local
             if lw is not None:
-                qkv = (qkv.astype(jnp.float32) + lora_delta(h, lw["qkv_a"], lw["qkv_b"], slot)).astype(qkv.dtype)
+                delta = lora_delta(h, lw["qkv_a"], [lw["q_b"], lw["k_b"], lw["v_b"]], slot)  # [Tl, q | k | v] local
+                qkv = (qkv.astype(jnp.float32) + delta).astype(qkv.dtype)
             q, k, v = split_qkv(qkv, num_heads, num_kv_heads, c.head_dim)
             if c.qk_norm:
                 q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
@@ -156,15 +157,15 @@ class LlamaForCausalLM(nnx.Module):
             )
             attn = attn.reshape(Tl, num_heads * c.head_dim)
             attn_out = self._row_parallel(attn, w["o_proj"], w.get("o_bias"),
-                                          lora_delta(attn, lw["o_a"], lw["o_b"], slot) if lw is not None else None)
+                                          lora_delta(attn, lw["o_a"], [lw["o_b"]], slot) if lw is not None else None)
             h, residual = add_rms_norm(attn_out, residual, w["mlp_norm"], c.rms_norm_eps, kernels)
             if c.is_moe:
                 hidden = self._tensor_sum(moe.moe_mlp(h, w, c, par, kernels))
             elif lw is not None:
                 gate_up = linear(h, w["gate_up_proj"], w.get("gate_up_bias"), kernels).astype(jnp.float32)
-                act = swiglu((gate_up + lora_delta(h, lw["gate_up_a"], lw["gate_up_b"], slot)).astype(h.dtype))
+                act = swiglu((gate_up + lora_delta(h, lw["gate_up_a"], [lw["gate_b"], lw["up_b"]], slot)).astype(h.dtype))
                 hidden = self._row_parallel(act, w["down_proj"], w.get("down_bias"),
-                                            lora_delta(act, lw["down_a"], lw["down_b"], slot))
+                                            lora_delta(act, lw["down_a"], [lw["down_b"]], slot))
             else:
                 hidden = self._row_parallel(gate_up_swiglu(h, w["gate_up_proj"], w.get("gate_up_bias"), kernels),
                                             w["down_proj"], w.get("down_bias"))

@@ -3,21 +3,25 @@ token's slot adds to the projections.
 
 Slot 0 is "no adapter" (all zeros); slots 1..N-1 hold adapters, filled and evicted by the engine
 (`jaxinfer.engine.lora`) without recompiling: the step only sees the table's fixed shapes and a
-slot index per sequence. Per layer, each projection has an A and a B stack over the slots, the
+slot index per sequence. Per layer, each projection input has one A stack over the slots (the
+blocks of the modules sharing that input side by side), each HF module its own B stack, the
 scale folded into B and ranks padded to the table's rank R:
 
-    lora.qkv_a      [L, N, H, 3R]       lora.qkv_b      [L, N, 3R, (Hq + 2Hkv')D]   q | k | v blocks
-    lora.o_a        [L, N, Hq D, R]     lora.o_b        [L, N, R, H]
-    lora.gate_up_a  [L, N, H, 2R]       lora.gate_up_b  [L, N, 2R, 2I]              gate | up blocks
-    lora.down_a     [L, N, I, R]        lora.down_b     [L, N, R, H]
+    lora.qkv_a      [L, N, H, 3R]   (q | k | v)   lora.q_b [L, N, R, Hq D]  lora.k_b, lora.v_b [L, N, R, Hkv' D]
+    lora.o_a        [L, N, Hq D, R]               lora.o_b [L, N, R, H]
+    lora.gate_up_a  [L, N, H, 2R]   (gate | up)   lora.gate_b, lora.up_b [L, N, R, I]
+    lora.down_a     [L, N, I, R]                  lora.down_b [L, N, R, H]
 
-The fused B stacks take the fused weight's columns (shard-major, `param_layout.param_columns`),
-so tensor parallelism splits them like qkv_proj / gate_up_proj; o and down's A stacks split on
-their rows like o_proj / down_proj, and the partial delta joins the partial product before the
-projection's all-reduce. An adapter that leaves a projection alone has zeros there.
+Tensor parallelism splits the B stacks of q / k / v / gate / up on their columns (each device's
+columns are then exactly its part of the fused qkv_proj / gate_up_proj, in the same order), and
+the A stacks of o / down on their rows; the partial delta of o and down joins the projection's
+partial sum before its all-reduce. An adapter that leaves a module alone has zeros there.
 
-The delta (`lora_delta`) is computed over every slot at once and masked to each token's slot:
-two small matmuls ([T, K] x [K, N R] and [T, N R] x [N R, out]), no gather of per-token matrices.
+The delta (`lora_delta`) is computed over the adapter slots at once and masked to each token's
+slot: [T, K] x [K, (N-1) P R] then, per module, [T, (N-1) R] x [(N-1) R, out], in the model's
+dtype with float32 accumulation: no gather of per-token matrices (`scripts/bench_lora.py`
+measures it against a per-token gather and `jax.lax.ragged_dot`). Steps where no sequence uses
+an adapter skip it (`RaggedBatch.lora_slots` is None).
 """
 
 from __future__ import annotations
@@ -32,15 +36,16 @@ from flax import nnx
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.param_layout import num_kv_heads_stored, param_columns
 
-PROJECTIONS = ("qkv", "o", "gate_up", "down")
-# the HF modules feeding each block of a fused A / B stack, in block order
-BLOCKS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
-_PART_MODULE = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "gate": "gate_proj", "up": "up_proj"}
+# projection input -> the HF modules reading it, in the order of their blocks in its A stack
+A_BLOCKS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+B_NAME = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 LORA_AXES = {
-    "lora.qkv_a": ("layers", None, "embed", None), "lora.qkv_b": ("layers", None, None, "qkv"),
+    "lora.qkv_a": ("layers", None, "embed", None), "lora.q_b": ("layers", None, None, "heads"),
+    "lora.k_b": ("layers", None, None, "qkv"), "lora.v_b": ("layers", None, None, "qkv"),
     "lora.o_a": ("layers", None, "heads", None), "lora.o_b": ("layers", None, None, "embed"),
-    "lora.gate_up_a": ("layers", None, "embed", None), "lora.gate_up_b": ("layers", None, None, "mlp"),
+    "lora.gate_up_a": ("layers", None, "embed", None), "lora.gate_b": ("layers", None, None, "mlp"),
+    "lora.up_b": ("layers", None, None, "mlp"),
     "lora.down_a": ("layers", None, "mlp", None), "lora.down_b": ("layers", None, None, "embed"),
 }
 
@@ -54,22 +59,21 @@ class LoraTable:
 def lora_shapes(config: ModelConfig, table: LoraTable, tp: int = 1) -> dict[str, tuple[int, ...]]:
     c, N, R = config, table.num_slots, table.rank
     L, H, I = c.num_layers, c.hidden_size, c.intermediate_size
-    q_dim = c.num_heads * c.head_dim
-    qkv_dim = q_dim + 2 * num_kv_heads_stored(c, tp) * c.head_dim
+    q_dim, kv_dim = c.num_heads * c.head_dim, num_kv_heads_stored(c, tp) * c.head_dim
     return {
-        "lora.qkv_a": (L, N, H, 3 * R), "lora.qkv_b": (L, N, 3 * R, qkv_dim),
+        "lora.qkv_a": (L, N, H, 3 * R), "lora.q_b": (L, N, R, q_dim), "lora.k_b": (L, N, R, kv_dim), "lora.v_b": (L, N, R, kv_dim),
         "lora.o_a": (L, N, q_dim, R), "lora.o_b": (L, N, R, H),
-        "lora.gate_up_a": (L, N, H, 2 * R), "lora.gate_up_b": (L, N, 2 * R, 2 * I),
+        "lora.gate_up_a": (L, N, H, 2 * R), "lora.gate_b": (L, N, R, I), "lora.up_b": (L, N, R, I),
         "lora.down_a": (L, N, I, R), "lora.down_b": (L, N, R, H),
     }
 
 
 class LoraSlots(nnx.Module):
-    """The slot table's A / B stacks (zeros: every slot empty), float32."""
+    """The slot table's A / B stacks (zeros: every slot empty), in `dtype`."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype=jnp.float32):
         for name, shape in shapes.items():
-            setattr(self, name.removeprefix("lora."), nnx.Param(jnp.zeros(shape, jnp.float32)))
+            setattr(self, name.removeprefix("lora."), nnx.Param(jnp.zeros(shape, dtype)))
 
     def stacked(self) -> dict[str, jax.Array]:
         return {name: var.get_value() for name, var in vars(self).items() if isinstance(var, nnx.Param)}
@@ -81,31 +85,38 @@ def fuse_adapter(config: ModelConfig, table: LoraTable, weights: dict, scale: fl
     shapes = {name: (shape[0],) + shape[2:] for name, shape in lora_shapes(config, table, tp).items()}
     out = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
     R = table.rank
-    columns = param_columns(config, tp)
+    qkv_columns = param_columns(config, tp)["layers.qkv_proj"]
     for (layer, module), (a, b) in weights.items():
         r = a.shape[0]
-        for proj, modules in BLOCKS.items():
-            if module not in modules:
-                continue
-            block = modules.index(module)
-            rows = slice(block * R, block * R + r)
-            out[f"lora.{proj}_a"][layer, :, rows] = a.T
-            bt = b.T * scale  # [r, out] of this module
-            if proj in ("o", "down"):
-                out[f"lora.{proj}_b"][layer, rows] = bt
-                continue
-            col = 0  # the fused columns, shard-major: where this module's HF rows go
-            for part, start, width in columns["layers.qkv_proj" if proj == "qkv" else "layers.gate_up_proj"]:
-                if _PART_MODULE[part] == module:
-                    out[f"lora.{proj}_b"][layer, rows, col : col + width] = bt[:, start : start + width]
-                col += width
+        proj = next(p for p, modules in A_BLOCKS.items() if module in modules)
+        block = A_BLOCKS[proj].index(module)
+        out[f"lora.{proj}_a"][layer, :, block * R : block * R + r] = a.T
+        bt = b.T * scale  # [r, out features in HF order]
+        name = f"lora.{B_NAME[module]}_b"
+        if module in ("k_proj", "v_proj"):  # the stored KV columns, shard by shard (KV heads may be replicated)
+            part = module[0]
+            col = 0
+            for seg_part, start, width in qkv_columns:
+                if seg_part == part:
+                    out[name][layer, :r, col : col + width] = bt[:, start : start + width]
+                    col += width
+        else:
+            out[name][layer, :r] = bt
     return out
 
 
-def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slot: jax.Array) -> jax.Array:
-    """x [T, K] (this device's K), a [N, K, R'], b [N, R', O], slot [T] int32 -> float32 [T, O]:
-    x @ a[slot] @ b[slot] per token, over all slots with the others masked out."""
-    N, K, Rp = a.shape
-    xa = jnp.dot(x.astype(jnp.float32), a.transpose(1, 0, 2).reshape(K, N * Rp)).reshape(-1, N, Rp)  # [T, N, R']
-    xa = jnp.where((slot[:, None] == jnp.arange(N))[:, :, None], xa, 0.0)
-    return jnp.dot(xa.reshape(-1, N * Rp), b.reshape(N * Rp, -1))
+def lora_delta(x: jax.Array, a: jax.Array, bs: list[jax.Array], slot: jax.Array) -> jax.Array:
+    """x [T, K] (this device's K), a [N, K, P R] (P modules' A blocks), bs: P arrays [N, R, O_p],
+    slot [T] int32 -> float32 [T, sum O_p]: x @ A[slot] @ B[slot] of each module side by side,
+    over the adapter slots 1..N-1 at once with the others masked out (slot 0 adds nothing)."""
+    N, K, PR = a.shape
+    R = bs[0].shape[1]
+    P = PR // R
+    dtype = a.dtype
+    xa = jnp.dot(x.astype(dtype), a[1:].transpose(1, 0, 2).reshape(K, (N - 1) * PR), preferred_element_type=jnp.float32)
+    xa = xa.reshape(-1, N - 1, P, R)
+    xa = jnp.where((slot[:, None] == jnp.arange(1, N))[:, :, None, None], xa, 0.0).astype(dtype)
+    return jnp.concatenate([
+        jnp.dot(xa[:, :, p].reshape(-1, (N - 1) * R), b[1:].reshape((N - 1) * R, -1), preferred_element_type=jnp.float32)
+        for p, b in enumerate(bs)
+    ], axis=-1)
