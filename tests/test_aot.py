@@ -160,6 +160,18 @@ def test_a_w8a8_step_compiles_for_a_tpu_with_integer_matmuls(v6e):
     assert len(integer_dots) >= 5  # qkv, o, gate_up, down (in the layer loop) and the LM head
 
 
+@pytest.mark.parametrize("target", ["v6e", "h100"])
+def test_a_lora_step_compiles_for_a_tpu_and_a_gpu(v6e, target):
+    """enable_lora's slot table (4 adapters, rank 16), tensor-parallel over two TPU chips or one
+    GPU: the dense-over-slots delta compiles beside the kernels and the pool stays in place."""
+    tpu = target == "v6e"
+    plan = AbstractStep.build(SMALL, v6e if tpu else compile_target(target), ParallelConfig(tp=2 if tpu else 1),
+                              dataclasses.replace(SHAPE, max_loras=4, max_lora_rank=16))
+    assert any("lora" in str(path) for path, _ in jax.tree_util.tree_flatten_with_path(plan.params)[0])
+    decode = next(k for k in plan.buckets.all_keys() if k.query_block == 1)
+    assert_in_place_with_kernels(plan, decode, "tpu_custom_call" if tpu else "xla.gpu.triton")
+
+
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
 def test_whole_step_compiles_for_an_nvidia_gpu(gpu):
     """The H200's description is the H100's with its memory and bandwidth (targets.py)."""

@@ -26,6 +26,7 @@ from jaxinfer.aot.targets import Target
 from jaxinfer.ops.batch import BucketKey, Buckets
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.model_runner import empty_inputs
+from jaxinfer.models.lora import LoraTable
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.kv_cache import KVCache, is_quantized
 from pallas_kernels.ragged_paged_attention.reference import storage_dtype
@@ -52,6 +53,8 @@ class ServingShape:
     kv_cache_dtype: str | None = None  # default: dtype
     quantization: str | None = None  # "int8" | "int4" | "fp8" | "w8a8" weights
     group_size: int = 128  # int4's groups (the other modes: one scale per output column)
+    max_loras: int = 0  # > 0: the LoRA slot table of LLM(enable_lora=True, max_loras=..., max_lora_rank=...)
+    max_lora_rank: int = 16
 
     @property
     def pages_per_seq(self) -> int:
@@ -86,7 +89,8 @@ class AbstractStep:
         kv_dtype = jnp.dtype(shape.kv_cache_dtype or shape.dtype)
         kernels = Kernels(platform=target.platform, interpret=False)
         mesh = make_mesh(parallel, target.devices)
-        graphdef, params = abstract_model(config, dtype, dtype, kernels, parallel)
+        lora = LoraTable(shape.max_loras + 1, shape.max_lora_rank) if shape.max_loras else None
+        graphdef, params = abstract_model(config, dtype, dtype, kernels, parallel, lora=lora)
         if shape.quantization is not None:
             quantized_graphdef = []
 
@@ -138,7 +142,7 @@ class AbstractStep:
     # ------------------------------------------------------------------ compiling
     def inputs(self, key: BucketKey):
         """(batch, sampling, prev_tokens) of bucket `key`, abstract and sharded as the step takes them."""
-        host = empty_inputs(key, self.buckets.pages_per_seq, self.parallel.num_replicas)
+        host = empty_inputs(key, self.buckets.pages_per_seq, self.parallel.num_replicas, with_lora=self.shape.max_loras > 0)
         batch, sampling = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
                                        host, self.step.input_shardings(host))
         prev_tokens = jax.ShapeDtypeStruct((self.parallel.num_replicas, self.buckets.max_tokens), np.int32,

@@ -103,12 +103,14 @@ def read_config(source: ModelSource) -> ModelConfig:
 
 
 def abstract_model(
-    config: ModelConfig, param_dtype, compute_dtype, kernels: Kernels = Kernels(), parallel: ParallelConfig = ParallelConfig()
+    config: ModelConfig, param_dtype, compute_dtype, kernels: Kernels = Kernels(), parallel: ParallelConfig = ParallelConfig(),
+    lora=None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    """The model's structure and a State of ShapeDtypeStructs (no memory allocated)."""
+    """The model's structure and a State of ShapeDtypeStructs (no memory allocated); `lora`: a
+    models.lora.LoraTable to give it a LoRA slot table."""
     model = nnx.eval_shape(
         lambda: LlamaForCausalLM(config, param_dtype=param_dtype, compute_dtype=compute_dtype, kernels=kernels,
-                                 parallel=parallel, rngs=nnx.Rngs(0))
+                                 parallel=parallel, lora=lora, rngs=nnx.Rngs(0))
     )
     return nnx.split(model)
 
