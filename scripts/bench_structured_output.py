@@ -113,7 +113,6 @@ def throughput_table(args):
     from jaxinfer import LLM, SamplingParams, StructuredOutputsParams
 
     llm = LLM(dtype=args.dtype, max_model_len=1024, max_num_seqs=max(args.batches), progress=False)
-    tok = llm.tokenizer
     items = args.items
     schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": items, "maxItems": items}
     constrained = SamplingParams(temperature=1.0, seed=0, max_tokens=4 * items + 8,

@@ -196,13 +196,10 @@ def test_bad_adapters_fail_only_their_request(llm, base_dir, tmp_path):
 
 # ----------------------------------------------------------------------------- the server
 def test_the_server_serves_adapters_by_name_and_loads_them_at_run_time(base_dir, adapters):
-    import threading
-    import time
-
     import httpx
     import openai
-    import uvicorn
 
+    from http_server import running
     from jaxinfer.server.app import build_app
 
     llm = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, **SETTINGS)
@@ -210,14 +207,9 @@ def test_the_server_serves_adapters_by_name_and_loads_them_at_run_time(base_dir,
                 for lr in adapters[:3]}
     base = llm.generate([[3, 4, 5, 6]], greedy(), use_tqdm=False)[0].outputs[0].text
     app = build_app(llm, served_model_name="tiny", lora_modules={"a0": adapters[0].lora_path, "a1": adapters[1].lora_path})
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}/v1"
-    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
-    try:
+    with running(app) as root:
+        url = root + "/v1"
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == ["tiny", "a0", "a1"]
 
         def tokens(model):  # the completion's text and the model the response names
@@ -226,8 +218,8 @@ def test_the_server_serves_adapters_by_name_and_loads_them_at_run_time(base_dir,
             return out.choices[0].text, out.model
 
         for name in ("a0", "a1"):
-            text_ids, model = tokens(name)
-            assert model == name and text_ids == expected[name]
+            text, model = tokens(name)
+            assert model == name and text == expected[name]
         assert tokens("tiny")[0] == base
         with pytest.raises(openai.NotFoundError, match="a2"):
             tokens("a2")
@@ -241,6 +233,3 @@ def test_the_server_serves_adapters_by_name_and_loads_them_at_run_time(base_dir,
         with pytest.raises(openai.NotFoundError):
             tokens("a1")
         assert httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "a1"}).status_code == 404
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=20)

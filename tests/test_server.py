@@ -11,16 +11,15 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from jaxinfer import LLM
 from jaxinfer.server.app import build_app
+from http_server import running
 from tiny_models import save_hf_model
 
 SETTINGS = dict(max_model_len=128, page_size=4, num_pages=256, max_num_batched_tokens=32, max_num_seqs=16, progress=False)
@@ -39,18 +38,8 @@ def server(model_dir):
     """(base URL, app) of a server in this process, on a free port."""
     llm = LLM(model_dir, **SETTINGS)
     app = build_app(llm, served_model_name="tiny", api_key=KEY)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", app
-    srv.should_exit = True
-    thread.join(timeout=20)
+    with running(app) as url:
+        yield url, app
 
 
 @pytest.fixture()

@@ -6,17 +6,15 @@ message.tool_calls (streamed and not), and the tool-call parsers of both templat
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import jsonschema
 import openai
 import pytest
-import uvicorn
 
 from jaxinfer import LLM
 from jaxinfer.server import tools
 from jaxinfer.server.app import build_app
+from http_server import running
 from tiny_models import save_hf_model
 
 SETTINGS = dict(max_model_len=512, page_size=8, num_pages=512, max_num_batched_tokens=256, max_num_seqs=16, progress=False)
@@ -39,23 +37,10 @@ def llm(tmp_path_factory):
     return LLM(str(directory), **SETTINGS)
 
 
-def serve(app):
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    return srv, thread, f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}/v1"
-
-
 @pytest.fixture(scope="module", params=["hermes", "llama3_json"])
 def client(request, llm):
-    srv, thread, url = serve(build_app(llm, served_model_name="tiny", tool_call_parser=request.param))
-    yield openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
-    srv.should_exit = True
-    thread.join(timeout=20)
+    with running(build_app(llm, served_model_name="tiny", tool_call_parser=request.param)) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def chat(client, **kw):
