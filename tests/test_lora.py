@@ -143,6 +143,16 @@ def test_the_prefix_cache_keeps_adapters_apart(base_dir, adapters):
     assert again == with_a and llm.engine.get_stats().prefix_cache_hit_rate > 0
 
 
+def test_data_parallel_replicas_share_the_table(base_dir, adapters):
+    """Two replicas, two slots: each replica runs one adapter at a time, the outputs are unchanged."""
+    one = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, **SETTINGS)
+    two = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, data_parallel_size=2, **SETTINGS)
+    prompts = [[3 + i, 4, 5, 6 + i] for i in range(8)]
+    loras = [adapters[i % 4] for i in range(8)]
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, greedy(), lora_request=loras, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in two.generate(prompts, greedy(), lora_request=loras, use_tqdm=False)] == expected
+
+
 def test_tensor_parallel_lora_equals_one_device(base_dir, adapters):
     one = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, **SETTINGS)
     two = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, tensor_parallel_size=2, **SETTINGS)

@@ -76,11 +76,16 @@ class EngineCore:
         self.output = output
         self.proposer = proposer  # drafts tokens (jaxinfer.engine.spec_decode); None: no speculation
         self.replicas = []
+        # LoRA: the table is shared by the replicas, so each runs at most its share of max_loras adapters
+        lora_share = config.max_loras // runner.num_replicas if config.enable_lora else None
+        if lora_share == 0:
+            raise ValueError(f"max_loras={config.max_loras} is below the {runner.num_replicas} data-parallel replicas, "
+                             f"which share its slots (at least one each)")
         for _ in range(runner.num_replicas):
             bm = BlockManager(runner.pages_per_replica, runner.page_size, enable_prefix_caching=config.enable_prefix_caching)
             self.replicas.append(Replica(bm, Scheduler(bm, max_num_batched_tokens=config.max_num_batched_tokens,
                                                        max_num_seqs=config.max_num_seqs, preemption_mode=config.preemption_mode,
-                                                       max_loras=config.max_loras if config.enable_lora else None)))
+                                                       max_loras=lora_share)))
         self.lora = None  # LoraManager with enable_lora: which table slot holds which adapter
         self.requests: dict[str, Request] = {}
         self._lock = threading.RLock()
