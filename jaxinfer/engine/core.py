@@ -103,7 +103,7 @@ class EngineCore:
         with self._lock:
             if request.request_id in self.requests:
                 raise ValueError(f"request {request.request_id!r}: a request with this id is already running")
-            request.replica = self._pick_replica(request.prompt_token_ids)
+            request.replica = self._pick_replica(request.prompt_token_ids, request.seqs[0].prefix_salt)
             self.requests[request.request_id] = request
             for seq in request.seqs:
                 self.replicas[request.replica].scheduler.add(seq)
@@ -343,12 +343,13 @@ class EngineCore:
     def _scheduler(self, seq: Sequence) -> Scheduler:
         return self.replicas[seq.request.replica].scheduler
 
-    def _pick_replica(self, token_ids: list[int]) -> int:
-        """The replica a new request runs on: the longest cached prefix, then the least work."""
+    def _pick_replica(self, token_ids: list[int], salt: bytes = b"") -> int:
+        """The replica a new request runs on: the longest cached prefix (under its adapter's
+        salt), then the least work."""
         def rank(i: int):
-            bm, sched = self.replicas[i].block_manager, self.replicas[i].scheduler  # (the base model's prefix)
+            bm, sched = self.replicas[i].block_manager, self.replicas[i].scheduler
             unfinished = sum(seq.request.params.n if not seq.request.forked else 1 for seq in sched.waiting) + len(sched.running)
-            return (-bm.num_cached_prefix_pages(token_ids), unfinished, bm.usage, i)
+            return (-bm.num_cached_prefix_pages(token_ids, salt=salt), unfinished, bm.usage, i)
         return min(range(len(self.replicas)), key=rank)
 
 
