@@ -243,3 +243,16 @@ def test_the_server_serves_adapters_by_name_and_loads_them_at_run_time(base_dir,
         with pytest.raises(openai.NotFoundError):
             tokens("a1")
         assert httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "a1"}).status_code == 404
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+                                  {"method": "draft_model", "num_layers": 1, "num_speculative_tokens": 2}])
+def test_speculative_decoding_keeps_an_adapters_output(base_dir, adapters, spec):
+    """Drafts come from the base model (n-gram lookup, or the target's first layer without the
+    table); verification runs under the adapter, so the output is the adapter's."""
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6]
+    plain = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, **SETTINGS)
+    expected = plain.generate([prompt], greedy(20), lora_request=adapters[0], use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, speculative_config=spec, **SETTINGS)
+    assert llm.generate([prompt], greedy(20), lora_request=adapters[0], use_tqdm=False)[0].outputs[0].token_ids == expected
+    assert llm.engine.core.num_draft_tokens > 0

@@ -181,7 +181,7 @@ def first_layers(model_config: ModelConfig, weights, num_layers: int, config: En
     truncated = dataclasses.replace(model_config, num_layers=num_layers)
     flat = nested_to_flat(nnx.to_pure_dict(weights[1]))
     flat = {name: jax.tree.map(lambda a: a[:num_layers], value) if name.startswith("layers.") else value
-            for name, value in flat.items()}
+            for name, value in flat.items() if not name.startswith("lora.")}  # the draft drafts with the base model
     graphdef, state = abstract_model(truncated, config.param_dtype, config.activation_dtype, config.kernels, parallel)
     nnx.replace_by_pure_dict(state, flat_to_nested(flat))
     return truncated, (graphdef, state)
