@@ -239,14 +239,7 @@ class LLM:
         tokenized = []
         for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
             text, ids = self.engine.tokenize(prompt, f"prompt {i}")
-            self.engine.validate(ids, p, f"prompt {i}")
-            if lora is not None:
-                if self.engine.lora is None:
-                    raise ValueError(f"prompt {i}: a LoRARequest needs LLM(enable_lora=True)")
-                try:
-                    self.engine.lora.check(lora)
-                except ValueError as e:
-                    raise ValueError(f"prompt {i}: {e}") from None
+            self.engine.validate(ids, p, f"prompt {i}", lora)
             tokenized.append({"prompt": text, "prompt_token_ids": ids})
         return [self.engine.add_request(None, t, p, lora_request=lora).request_id for t, p, lora in zip(tokenized, params, loras)]
 

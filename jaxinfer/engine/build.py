@@ -67,12 +67,11 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
     eos = set(model_config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
+    lora = (LoraManager(runner, model_config, max_loras=config.max_loras, max_rank=config.max_lora_rank, tp=parallel.tp)
+            if config.enable_lora else None)
     engine = LLMEngine(config, runner, tokenizer, vocab_size=model_config.vocab_size, eos_token_ids=sorted(eos),
-                       proposer=proposer)
+                       proposer=proposer, lora=lora)
     engine.model_config, engine.mesh, engine.parallel, engine.source = model_config, mesh, parallel, source
-    if config.enable_lora:
-        engine.enable_lora(LoraManager(runner, model_config, max_loras=config.max_loras, max_rank=config.max_lora_rank,
-                                       tp=parallel.tp))
     engine.tokenizer_seconds = tokenizer_seconds
     clock.mark("KV cache and engine")
     return engine

@@ -41,6 +41,7 @@ import numpy as np
 from jaxinfer.engine.block_manager import BlockManager, OutOfPagesError
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.grammar import GrammarBackend
+from jaxinfer.engine.lora import LoraManager
 from jaxinfer.engine.model_runner import InFlightStep, ModelRunner, RowResult
 from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.engine.request import PENDING, Request, Sequence, SwappedKV
@@ -69,7 +70,7 @@ class _InFlight:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: ModelRunner, output: OutputProcessor, proposer=None, *,
-                 grammar: GrammarBackend | None = None):
+                 grammar: GrammarBackend | None = None, lora: LoraManager | None = None):
         self.config = config
         self.grammar = grammar  # computes the allowed-token bitmasks of constrained sequences
         self.runner = runner
@@ -86,7 +87,7 @@ class EngineCore:
             self.replicas.append(Replica(bm, Scheduler(bm, max_num_batched_tokens=config.max_num_batched_tokens,
                                                        max_num_seqs=config.max_num_seqs, preemption_mode=config.preemption_mode,
                                                        max_loras=lora_share)))
-        self.lora = None  # LoraManager with enable_lora: which table slot holds which adapter
+        self.lora = lora  # with enable_lora: which table slot holds which adapter
         self.requests: dict[str, Request] = {}
         self._lock = threading.RLock()
         self._arrived = threading.Condition(self._lock)
@@ -120,6 +121,11 @@ class EngineCore:
                     seq.finish_reason = "abort"
                     self._scheduler(seq).finish(seq)
             request.metrics.finished_time = time.time()
+
+    def num_unfinished_with_adapter(self, lora_int_id: int) -> int:
+        """Unfinished requests running under LoRA adapter `lora_int_id`."""
+        with self._lock:
+            return sum(1 for r in self.requests.values() if r.lora is not None and r.lora.lora_int_id == lora_int_id)
 
     def has_unfinished(self) -> bool:
         with self._lock:

@@ -26,6 +26,7 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.core import EngineCore
 from jaxinfer.engine.grammar import GrammarBackend
 from jaxinfer.engine.input_processor import InputProcessor
+from jaxinfer.engine.lora import LoraManager
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.engine.request import Request
@@ -65,27 +66,24 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer, *, vocab_size: int, eos_token_ids,
-                 proposer=None):
+                 proposer=None, lora: LoraManager | None = None):
         """`config` with max_model_len set (EngineConfig.resolved); `proposer` drafts for
-        config.speculative_config (jaxinfer.engine.build makes it)."""
+        config.speculative_config, `lora` serves LoRA adapters with enable_lora (jaxinfer.engine.build
+        makes both)."""
         if config.max_model_len is None:
             raise ValueError("LLMEngine needs an EngineConfig with max_model_len set (EngineConfig.resolved)")
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
         self.grammar = GrammarBackend(tokenizer, vocab_size, eos_token_ids)  # structured outputs
+        self.lora = lora
         self.input = InputProcessor(config, tokenizer, vocab_size=vocab_size, pages_per_replica=runner.pages_per_replica,
-                                    grammar=self.grammar)
+                                    grammar=self.grammar, lora=lora)
         self.output = OutputProcessor(tokenizer, eos_token_ids=eos_token_ids, max_model_len=config.max_model_len)
-        self.core = EngineCore(config, runner, self.output, proposer, grammar=self.grammar)
-        self.lora = None
+        self.core = EngineCore(config, runner, self.output, proposer, grammar=self.grammar, lora=lora)
         self._last_log = time.time()
 
     # ------------------------------------------------------------------ requests
-    def enable_lora(self, manager) -> None:
-        """Serves LoRA adapters through `manager` (jaxinfer.engine.lora.LoraManager; build_engine
-        sets it up with enable_lora=True)."""
-        self.lora = self.input.lora = self.core.lora = manager
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict, params: SamplingParams | None = None, *,
                     priority: int = 0, arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> Request:
@@ -143,8 +141,8 @@ class LLMEngine:
     def tokenize(self, prompt, label: str) -> tuple[str | None, list[int]]:
         return self.input.tokenize(prompt, label)
 
-    def validate(self, ids: list[int], params: SamplingParams, label: str) -> None:
-        self.input.validate(ids, params, label)
+    def validate(self, ids: list[int], params: SamplingParams, label: str, lora_request: LoRARequest | None = None) -> None:
+        self.input.validate(ids, params, label, lora_request)
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:

@@ -59,15 +59,8 @@ class Matcher:
         """The grammar is complete and cannot continue (or failed): the sequence should stop."""
         return self._m.is_stopped()
 
-    @property
-    def error(self) -> str:
-        return self._m.get_error()
-
     def copy(self) -> "Matcher":
         return Matcher(self._m.deep_copy())
-
-    def rollback(self, num_tokens: int) -> None:
-        self._m.rollback(num_tokens)
 
 
 class GrammarBackend:

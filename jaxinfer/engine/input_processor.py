@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.grammar import GrammarBackend, GrammarError
+from jaxinfer.engine.lora import LoraManager
 from jaxinfer.engine.request import Request, RequestMetrics, Sequence, SpecState
 from jaxinfer.lora_request import LoRARequest
 from jaxinfer.sampling_params import SamplingParams
@@ -26,10 +27,10 @@ from jaxinfer.sampling_params import SamplingParams
 
 class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer, *, vocab_size: int, pages_per_replica: int,
-                 grammar: GrammarBackend | None = None):
+                 grammar: GrammarBackend | None = None, lora: LoraManager | None = None):
         self.config = config
         self.grammar = grammar  # compiles structured_outputs constraints (None: refused)
-        self.lora = None  # LoraManager with enable_lora (LLMEngine.enable_lora): reads a request's adapter
+        self.lora = lora  # reads a request's LoRA adapter (None: the engine has no LoRA table)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.num_usable_pages = pages_per_replica - 1  # page 0 is the scratch page
@@ -48,7 +49,7 @@ class InputProcessor:
         request_id = str(counter) if request_id is None else str(request_id)
         label = f"request {request_id!r}"
         text, ids = self.tokenize(prompt, label)
-        self.validate(ids, params, label)
+        self.validate(ids, params, label, lora_request)
         if seed is None and params.seed is not None:
             seed = params.seed
         elif seed is None:
@@ -56,18 +57,12 @@ class InputProcessor:
                 seed = int(self._seed_rng.integers(0, 2**31))
         max_model_len = self.config.max_model_len
         limit = max_model_len if params.max_tokens is None else min(max_model_len, len(ids) + params.max_tokens)
-        if lora_request is not None:
-            if self.lora is None:
-                raise ValueError(f"{label}: a LoRARequest needs an engine built with enable_lora=True")
-            try:
-                self.lora.check(lora_request)
-            except ValueError as e:
-                raise ValueError(f"{label}: {e}") from None
         request = Request(request_id, text, ids, params, seed, limit, priority,
                           RequestMetrics(arrival_time if arrival_time is not None else time.time()), lora=lora_request)
         seq = Sequence(request, 0, list(ids), seed)
-        if params.structured_outputs is not None:
-            seq.grammar = self.matcher(params, label)
+        if params.structured_outputs is not None:  # compiled by validate: a cache hit here
+            grammar = self.grammar.compile(params.structured_outputs)
+            seq.grammar = self._grammar_errors(label, lambda: self.grammar.matcher(grammar))
         k = self.draft_length(params)
         if k:
             seq.spec = SpecState(max_k=k, k=k)
@@ -86,8 +81,9 @@ class InputProcessor:
             return None, [int(t) for t in prompt]
         raise ValueError(f"{label}: expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def validate(self, ids: list[int], p: SamplingParams, label: str) -> None:
-        """Raises ValueError, starting with `label`, for a prompt the engine cannot run."""
+    def validate(self, ids: list[int], p: SamplingParams, label: str, lora_request: LoRARequest | None = None) -> None:
+        """Raises ValueError, starting with `label`, for a prompt the engine cannot run (with its
+        adapter, which this reads and fuses the first time)."""
         c = self.config
         if not ids:
             raise ValueError(f"{label}: the prompt is empty (0 tokens)")
@@ -112,7 +108,16 @@ class InputProcessor:
                 f"num_speculative_tokens={spec.num_speculative_tokens}"
             )
         if p.structured_outputs is not None:
-            self.matcher(p, label)  # compiles (and caches) the constraint: a malformed one fails here
+            if self.grammar is None:
+                raise ValueError(f"{label}: this engine takes no structured_outputs")
+            self._grammar_errors(label, lambda: self.grammar.compile(p.structured_outputs))  # cached by its text
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"{label}: a LoRARequest needs an engine built with enable_lora=True")
+            try:
+                self.lora.check(lora_request)
+            except ValueError as e:
+                raise ValueError(f"{label}: {e}") from None
         total = min(c.max_model_len, len(ids) + (p.max_tokens or c.max_model_len))
         need = -(-total // c.page_size) + (p.n - 1)  # its pages, and a partial page per extra completion
         if need > self.num_usable_pages:
@@ -121,12 +126,11 @@ class InputProcessor:
                 f"raise num_pages or lower max_tokens"
             )
 
-    def matcher(self, p: SamplingParams, label: str):
-        """A fresh matcher of the request's constraint (compiled once per distinct constraint)."""
-        if self.grammar is None:
-            raise ValueError(f"{label}: this engine takes no structured_outputs")
+    @staticmethod
+    def _grammar_errors(label: str, fn):
+        """fn(), a GrammarError becoming a ValueError naming the request."""
         try:
-            return self.grammar.matcher(self.grammar.compile(p.structured_outputs))
+            return fn()
         except GrammarError as e:
             raise ValueError(f"{label}: {e}") from None
 

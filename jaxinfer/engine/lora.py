@@ -60,9 +60,6 @@ class LoraManager:
         self._requests.pop(lora_int_id, None)
         self._slot_of.pop(lora_int_id, None)
 
-    def adapters(self) -> list[LoRARequest]:
-        return list(self._requests.values())
-
     def slot(self, lora_int_id: int, keep: set[int]) -> int:
         """The slot holding adapter `lora_int_id` (0: the base model), loading it into a free slot
         or the least recently used one outside `keep` (the adapters the step uses)."""

@@ -122,15 +122,14 @@ class ModelRunner:
         self._write_lora = None
 
     def write_lora_slot(self, slot: int, arrays: dict[str, np.ndarray]) -> None:
-        """Puts one adapter (`models.lora.fuse_adapter`'s arrays, name -> [L, ...]; zeros to
-        clear) into slot `slot` of every stack of the table, in place; one compiled program
-        whatever the slot."""
+        """Puts one adapter (`models.lora.fuse_adapter`'s arrays, name -> [L, ...]) into slot
+        `slot` of every stack of the table, in place; one compiled program whatever the slot."""
         if self._write_lora is None:
             def write(table, slot, arrays):
                 return {name: table[name].at[:, slot].set(arrays[name].astype(table[name].dtype)) for name in table}
             self._write_lora = jax.jit(write, donate_argnums=(0,))
         table = {name: var.get_value() for name, var in self.params["lora"].items()}
-        new = self._write_lora(table, np.int32(slot), {f"{name}": arrays[f"lora.{name}"] for name in table})
+        new = self._write_lora(table, np.int32(slot), {name: arrays[f"lora.{name}"] for name in table})
         for name, var in self.params["lora"].items():
             var.set_value(new[name])
 

@@ -93,8 +93,8 @@ class Buckets:
     of `prefill_query_block` (large: few blocks, big matmuls).
 
     S is capped at max_num_seqs. A batch takes the smallest T that holds its tokens and
-    sequences (prefill and mixed batches: at least `min_chunk_tokens`). Logits rows are padded to S, unless a batch needs more (prompt logprobs), then to
-    the next token bucket.
+    sequences (prefill and mixed batches: at least `min_chunk_tokens`). Logits rows are padded to
+    S, unless a batch needs more (prompt logprobs), then to the next token bucket.
     """
 
     token_buckets: tuple[int, ...]

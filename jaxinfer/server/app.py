@@ -215,13 +215,12 @@ class LoraRegistry:
             lora = self._by_name.get(name)
             if lora is None:
                 raise ApiError(f"no adapter named {name!r} is loaded", status=404, param="lora_name", type="not_found_error")
-            with self.engine.core._lock:  # between two steps: no running request may still use it
-                in_use = sum(1 for r in self.engine.core.requests.values() if r.lora is not None and r.lora.lora_int_id == lora.lora_int_id)
-                if in_use:
-                    raise ApiError(f"adapter {name!r} is in use by {in_use} request(s); unload it when they finish", status=409,
-                                   param="lora_name")
-                del self._by_name[name]
-                self.engine.lora.remove(lora.lora_int_id)
+            in_use = self.engine.core.num_unfinished_with_adapter(lora.lora_int_id)
+            if in_use:
+                raise ApiError(f"adapter {name!r} is in use by {in_use} request(s); unload it when they finish", status=409,
+                               param="lora_name")
+            del self._by_name[name]  # no new request finds it now
+            self.engine.lora.remove(lora.lora_int_id)
 
     def of_model(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's "model" names (None: the base model); 404 for an unknown name."""

@@ -109,7 +109,7 @@ def _constraint(body: dict, forced: StructuredOutputsParams | None = None) -> St
             spec = fmt.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
                 raise ApiError("response_format.json_schema must be an object with a 'schema' object", param="response_format")
-            given.append(("response_format", dict(json=spec.get("schema", {}))))  # no schema: any JSON value's object
+            given.append(("response_format", dict(json=spec.get("schema", {}))))  # no schema: any JSON value
         elif kind != "text":
             raise ApiError(f"response_format.type={kind!r}: expected 'text', 'json_object' or 'json_schema'",
                            param="response_format")
