@@ -76,15 +76,16 @@ def refused(results):
 def test_every_tpu_kernel_compiles_at_a_gqa_and_a_smollm2_shape(chip, request):
     """Attention in decode, prefill and mixed buckets with bf16, int8 and fp8 pages, flash
     attention, RoPE + KV write, add+RMSNorm, SwiGLU and int8 / fp8 / int4 matmuls, and the GGUF
-    grids (int4 with float16 offsets, int8 groups of 32 with float16 scales, of 16 with offsets)."""
+    grids (int4 with float16 offsets, int8 groups of 32 with float16 scales, of 16 with offsets),
+    and LoRA's SGMV shrink and expand at a decode and a prefill bucket."""
     results = kernel_check.check_kernels(request.getfixturevalue(chip), families=["llama-3.1-8b", "smollm2-135m"])
-    assert len(results) == 2 * 19
+    assert len(results) == 2 * 25
     assert refused(results) == []
 
 
 def test_every_triton_kernel_compiles_for_an_h100(h100):
     results = kernel_check.check_kernels(h100, families=["llama-3.1-8b", "smollm2-135m"])
-    assert len(results) == 2 * 19
+    assert len(results) == 2 * 25
     assert refused(results) == []
 
 
@@ -163,13 +164,16 @@ def test_a_w8a8_step_compiles_for_a_tpu_with_integer_matmuls(v6e):
 @pytest.mark.parametrize("target", ["v6e", "h100"])
 def test_a_lora_step_compiles_for_a_tpu_and_a_gpu(v6e, target):
     """enable_lora's slot table (4 adapters, rank 16), tensor-parallel over two TPU chips or one
-    GPU: the dense-over-slots delta compiles beside the kernels and the pool stays in place."""
+    GPU: the delta runs as the platform's SGMV kernels (shrink and expand) beside the others, and
+    the pool stays in place."""
     tpu = target == "v6e"
     plan = AbstractStep.build(SMALL, v6e if tpu else compile_target(target), ParallelConfig(tp=2 if tpu else 1),
                               dataclasses.replace(SHAPE, max_loras=4, max_lora_rank=16))
     assert any("lora" in str(path) for path, _ in jax.tree_util.tree_flatten_with_path(plan.params)[0])
     decode = next(k for k in plan.buckets.all_keys() if k.query_block == 1)
     assert_in_place_with_kernels(plan, decode, "tpu_custom_call" if tpu else "xla.gpu.triton")
+    hlo = plan.compile(decode).as_text()
+    assert "lora_sgmv_shrink" in hlo and "lora_sgmv_expand" in hlo
 
 
 @pytest.mark.parametrize("gpu", ["h100", "h200"])

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import jax
+
 import numpy as np
 import peft
 import pytest
@@ -53,8 +55,6 @@ def peft_log_softmax(model, ids):
 def jax_log_softmax(llm, ids, lora: LoRARequest | None):
     """Every position's next-token log-softmax [n, V] from the engine's own step, in the slot the
     engine's LoRA manager gives the adapter."""
-    import jax
-
     slot = 0
     if lora is not None:
         llm.engine.lora.check(lora)
@@ -151,6 +151,44 @@ def test_data_parallel_replicas_share_the_table(base_dir, adapters):
     loras = [adapters[i % 4] for i in range(8)]
     expected = [o.outputs[0].token_ids for o in one.generate(prompts, greedy(), lora_request=loras, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in two.generate(prompts, greedy(), lora_request=loras, use_tqdm=False)] == expected
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_the_models_delta_through_the_sgmv_kernels_gives_the_same_logits(llm, adapters, platform):
+    """The model with its kernel table's LoRA entry set to a platform's SGMV kernels (interpret
+    mode; the other entries stay on the XLA paths): a step mixing two adapters and the base model
+    gives the XLA path's log-probabilities."""
+    import dataclasses
+    import functools
+
+    from flax import nnx
+
+    from jaxinfer.runtime.step import StepFunction
+    from pallas_kernels.lora_sgmv import lora_delta_gpu, lora_delta_tpu
+
+    kernel = {"tpu": lora_delta_tpu, "gpu": lora_delta_gpu}[platform]
+    runner = llm.runner
+    model = nnx.merge(runner.graphdef, runner.params)
+    model.kernels = dataclasses.replace(model.kernels, lora_delta=functools.partial(kernel, interpret=True))
+    with_kernel = StepFunction(nnx.split(model)[0], num_top_logprobs=0)
+    slots = []
+    for lr in adapters[:2]:
+        llm.engine.lora.check(lr)
+        slots.append(llm.engine.lora.slot(lr.lora_int_id, {a.lora_int_id for a in adapters[:2]}))
+    prompts = [PROMPT, PROMPT[:7], PROMPT[3:]]
+    chunks, first_page = [], 1
+    for ids, slot in zip(prompts, [slots[0], 0, slots[1]]):
+        pages = list(range(first_page, first_page + -(-len(ids) // runner.page_size)))
+        chunks.append(SequenceChunk(ids, 0, pages, list(range(len(ids))), lora_slot=slot))
+        first_page += len(pages)
+    key, batch, _ = pack_batch(chunks, Buckets((32,), max_num_seqs=4, pages_per_seq=runner.buckets.pages_per_seq),
+                               runner.page_size, with_lora=True)
+    log_probs = []
+    for step in (runner.step_fn, with_kernel):
+        logits, runner.kv = step.forward(runner.params, runner.kv, step.place_inputs(stack_replicas([batch])),
+                                         query_block=key.query_block)
+        log_probs.append(np.asarray(jax.nn.log_softmax(logits[0].astype(np.float64), axis=-1)))
+    assert np.abs(log_probs[1] - log_probs[0]).max() < 1e-5
 
 
 def test_tensor_parallel_lora_equals_one_device(base_dir, adapters):

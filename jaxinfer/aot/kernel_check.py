@@ -20,6 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxinfer.aot.targets import Target, compile_target
 from pallas_kernels.flash_attention import flash_attention_gpu, flash_attention_tpu
 from pallas_kernels.fused_rms_norm import add_rms_norm_gpu, add_rms_norm_tpu
+from pallas_kernels.lora_sgmv import gpu as lora_gpu
+from pallas_kernels.lora_sgmv import tpu as lora_tpu
 from pallas_kernels.quantized_matmul import gpu as qmm_gpu
 from pallas_kernels.quantized_matmul import tpu as qmm_tpu
 from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
@@ -30,10 +32,10 @@ from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu, swiglu_matmul_tpu
 # Each platform's kernels, called directly (not through jaxinfer.ops.kernels: no XLA fallbacks here).
 TPU_KERNELS = dict(flash_attention=flash_attention_tpu, add_rms_norm=add_rms_norm_tpu, quantized_matmul=qmm_tpu.quantized_matmul,
                    ragged_paged_attention=rpa_tpu.ragged_paged_attention, rope_kv_write=rope_kv_write_tpu,
-                   swiglu_matmul=swiglu_matmul_tpu)
+                   swiglu_matmul=swiglu_matmul_tpu, lora_sgmv_shrink=lora_tpu.sgmv_shrink, lora_sgmv_expand=lora_tpu.sgmv_expand)
 GPU_KERNELS = dict(flash_attention=flash_attention_gpu, add_rms_norm=add_rms_norm_gpu, quantized_matmul=qmm_gpu.quantized_matmul,
                    ragged_paged_attention=rpa_gpu.ragged_paged_attention, rope_kv_write=rope_kv_write_gpu,
-                   swiglu_matmul=swiglu_matmul_gpu)
+                   swiglu_matmul=swiglu_matmul_gpu, lora_sgmv_shrink=lora_gpu.sgmv_shrink, lora_sgmv_expand=lora_gpu.sgmv_expand)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,7 @@ PAGES_PER_SEQ = 256  # 4096 tokens of context
 # (bucket, tokens, sequences, query block): the engine's bucket kinds (jaxinfer.ops.batch.Buckets)
 ATTENTION_BUCKETS = (("decode", 64, 64, 1), ("prefill", 512, 4, 64), ("mixed", 256, 64, 64))
 MATMUL_TOKENS = 256
+LORA_SLOTS, LORA_RANK = 9, 16  # 8 adapters (+ slot 0), rank 16
 
 
 @dataclasses.dataclass
@@ -129,6 +132,21 @@ def kernel_cases(target: Target, shape: FamilyShape):
            (spec((T, N), bf16), spec((N, H), jnp.int8), spec((N // 32, H), f16)))
     yield ("quantized_matmul", f"int8 g16 offsets T={T} {N}->{H}", functools.partial(quantized_matmul, mode="int8", group_size=16),
            (spec((T, N), bf16), spec((N, H), jnp.int8), spec((N // 16, H), jnp.float32), spec((N // 16, H), jnp.float32)))
+
+    # LoRA (grouped by slot, blocks of one sublane tile / 16 rows): the widest shrink (gate | up
+    # from the hidden size, down from the MLP size) and expand (into the MLP size), at a decode and
+    # a prefill bucket's grouped rows
+    lora_block = 16
+    for T in (64, 512):
+        rows = (T // lora_block + LORA_SLOTS - 1) * lora_block
+        slots = spec((rows // lora_block,), i32)
+        for K, P in ((H, 3), (F, 1)):
+            fn = functools.partial(k["lora_sgmv_shrink"], **(dict(block=lora_block) if tpu else {}))
+            yield ("lora_sgmv_shrink", f"T={T} {K}->{P}x{LORA_RANK}", fn,
+                   (spec((rows, K), bf16), spec((LORA_SLOTS, K, P * LORA_RANK), bf16), slots))
+        fn = functools.partial(k["lora_sgmv_expand"], **(dict(block=lora_block) if tpu else {}))
+        yield ("lora_sgmv_expand", f"T={T} {LORA_RANK}->{F}", fn,
+               (spec((rows, LORA_RANK), bf16), spec((LORA_SLOTS, LORA_RANK, F), bf16), slots))
 
 
 def compile_for(target: Target, fn, args):

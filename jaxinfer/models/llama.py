@@ -38,7 +38,7 @@ from jaxinfer.ops.kv_cache import KVCache
 from jaxinfer.models import moe
 from jaxinfer.models.layers import (add_rms_norm, embed_lookup, gate_up_swiglu, linear, matmul, rms_norm, rope_cos_sin,
                                    swiglu, tied_logits)
-from jaxinfer.models.lora import LoraSlots, LoraTable, lora_delta, lora_shapes
+from jaxinfer.models.lora import LoraSlots, LoraTable, lora_shapes
 from jaxinfer.models.param_layout import param_shapes
 from sharding.mesh import ParallelConfig, kv_heads_per_shard
 
@@ -144,7 +144,7 @@ class LlamaForCausalLM(nnx.Module):
             h, residual = add_rms_norm(hidden, residual, w["attn_norm"], c.rms_norm_eps, kernels)
             qkv = linear(h, w["qkv_proj"], w.get("qkv_bias"), kernels)  # one matmul: [Tl, (Hq + 2*Hkv)*D] local
             if lw is not None:
-                delta = lora_delta(h, lw["qkv_a"], [lw["q_b"], lw["k_b"], lw["v_b"]], slot)  # [Tl, q | k | v] local
+                delta = kernels.lora_delta(h, lw["qkv_a"], [lw["q_b"], lw["k_b"], lw["v_b"]], slot)  # [Tl, q | k | v] local
                 qkv = (qkv.astype(jnp.float32) + delta).astype(qkv.dtype)
             q, k, v = split_qkv(qkv, num_heads, num_kv_heads, c.head_dim)
             if c.qk_norm:
@@ -157,15 +157,15 @@ class LlamaForCausalLM(nnx.Module):
             )
             attn = attn.reshape(Tl, num_heads * c.head_dim)
             attn_out = self._row_parallel(attn, w["o_proj"], w.get("o_bias"),
-                                          lora_delta(attn, lw["o_a"], [lw["o_b"]], slot) if lw is not None else None)
+                                          kernels.lora_delta(attn, lw["o_a"], [lw["o_b"]], slot) if lw is not None else None)
             h, residual = add_rms_norm(attn_out, residual, w["mlp_norm"], c.rms_norm_eps, kernels)
             if c.is_moe:
                 hidden = self._tensor_sum(moe.moe_mlp(h, w, c, par, kernels))
             elif lw is not None:
                 gate_up = linear(h, w["gate_up_proj"], w.get("gate_up_bias"), kernels).astype(jnp.float32)
-                act = swiglu((gate_up + lora_delta(h, lw["gate_up_a"], [lw["gate_b"], lw["up_b"]], slot)).astype(h.dtype))
+                act = swiglu((gate_up + kernels.lora_delta(h, lw["gate_up_a"], [lw["gate_b"], lw["up_b"]], slot)).astype(h.dtype))
                 hidden = self._row_parallel(act, w["down_proj"], w.get("down_bias"),
-                                            lora_delta(act, lw["down_a"], [lw["down_b"]], slot))
+                                            kernels.lora_delta(act, lw["down_a"], [lw["down_b"]], slot))
             else:
                 hidden = self._row_parallel(gate_up_swiglu(h, w["gate_up_proj"], w.get("gate_up_bias"), kernels),
                                             w["down_proj"], w.get("down_bias"))

@@ -17,11 +17,10 @@ columns are then exactly its part of the fused qkv_proj / gate_up_proj, in the s
 the A stacks of o / down on their rows; the partial delta of o and down joins the projection's
 partial sum before its all-reduce. An adapter that leaves a module alone has zeros there.
 
-The delta (`lora_delta`) is computed over the adapter slots at once and masked to each token's
-slot: [T, K] x [K, (N-1) P R] then, per module, [T, (N-1) R] x [(N-1) R, out], in the model's
-dtype with float32 accumulation: no gather of per-token matrices (`scripts/bench_lora.py`
-measures it against a per-token gather and `jax.lax.ragged_dot`). Steps where no sequence uses
-an adapter skip it (`RaggedBatch.lora_slots` is None).
+The model adds each projection's delta through its kernel table (`Kernels.lora_delta`, from
+`pallas_kernels.lora_sgmv`): on the CPU every slot at once, masked to each token's slot (two
+plain matmuls); on TPU and GPU grouped SGMV-style kernels whose work follows the adapters the
+tokens use. Steps where no sequence uses an adapter skip it (`RaggedBatch.lora_slots` is None).
 """
 
 from __future__ import annotations
@@ -103,20 +102,3 @@ def fuse_adapter(config: ModelConfig, table: LoraTable, weights: dict, scale: fl
         else:
             out[name][layer, :r] = bt
     return out
-
-
-def lora_delta(x: jax.Array, a: jax.Array, bs: list[jax.Array], slot: jax.Array) -> jax.Array:
-    """x [T, K] (this device's K), a [N, K, P R] (P modules' A blocks), bs: P arrays [N, R, O_p],
-    slot [T] int32 -> float32 [T, sum O_p]: x @ A[slot] @ B[slot] of each module side by side,
-    over the adapter slots 1..N-1 at once with the others masked out (slot 0 adds nothing)."""
-    N, K, PR = a.shape
-    R = bs[0].shape[1]
-    P = PR // R
-    dtype = a.dtype
-    xa = jnp.dot(x.astype(dtype), a[1:].transpose(1, 0, 2).reshape(K, (N - 1) * PR), preferred_element_type=jnp.float32)
-    xa = xa.reshape(-1, N - 1, P, R)
-    xa = jnp.where((slot[:, None] == jnp.arange(1, N))[:, :, None, None], xa, 0.0).astype(dtype)
-    return jnp.concatenate([
-        jnp.dot(xa[:, :, p].reshape(-1, (N - 1) * R), b[1:].reshape((N - 1) * R, -1), preferred_element_type=jnp.float32)
-        for p, b in enumerate(bs)
-    ], axis=-1)

@@ -3,8 +3,9 @@
     LLM(..., kernel_impl="auto" | "reference" | "pallas" | "pallas-tpu" | "pallas-gpu")
     # (attention_impl=... is accepted as an alias: the option first chose attention only)
 
-- "reference": the XLA (plain jnp) paths: split-KV ragged attention, dequantize-then-dot
-  quantized matmul, unfused norm / SwiGLU / RoPE + scatter; what the CPU runs by default.
+- "reference": the XLA (plain jnp) paths: split-KV ragged attention, the dense LoRA delta,
+  dequantize-then-dot quantized matmul, unfused norm / SwiGLU / RoPE + scatter; what the CPU runs
+  by default.
 - "pallas": the Pallas kernels of the current platform: Mosaic TPU kernels on a TPU, Triton GPU
   kernels on a GPU. On the CPU, where neither compiles, it runs the TPU kernels in interpret mode
   (slow: for tests and checks, not for serving).
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 from jaxinfer.ops.batch import MAX_PREFILL_CHUNKS, RaggedBatch
 from pallas_kernels.flash_attention import flash_attention_gpu, flash_attention_tpu
 from pallas_kernels.fused_rms_norm import add_rms_norm_gpu, add_rms_norm_reference, add_rms_norm_tpu
+from pallas_kernels.lora_sgmv import lora_delta_dense, lora_delta_gpu, lora_delta_tpu
 from pallas_kernels.quantized_matmul import gpu as qmm_gpu
 from pallas_kernels.quantized_matmul import reference as qmm_reference
 from pallas_kernels.quantized_matmul import tpu as qmm_tpu
@@ -202,6 +204,9 @@ class Kernels:
     quantized_matmul(x [M,K], qweight, scales, offsets, *, mode, group_size) -> [M,N]
     add_rms_norm(x, residual, weight, *, eps) -> (normed, x + residual)
     swiglu_matmul(x [T,H], w_gate_up [H,2I]) -> silu(gate) * up [T,I]
+    lora_delta(x [T,K], a [N,K,P R], bs (P x [N,R,O_p]), slot [T]) -> float32 [T, sum O_p]: the
+        LoRA adapters' delta of P projections sharing an input (jaxinfer.models.lora); the XLA
+        path computes every slot masked, the kernels group tokens by slot (SGMV)
     stored_kv_heads(heads per shard, dtype) / stored_head_dim(head_dim): the KV pool layout the
         attention kernel reads (jaxinfer.ops.kv_cache)
     scale_dtype(dtype): the dtype a quantized weight's scales and offsets are placed in for the
@@ -217,6 +222,7 @@ class Kernels:
     quantized_matmul: Callable = dataclasses.field(default=None, compare=False, repr=False)
     add_rms_norm: Callable = dataclasses.field(default=None, compare=False, repr=False)
     swiglu_matmul: Callable = dataclasses.field(default=None, compare=False, repr=False)
+    lora_delta: Callable = dataclasses.field(default=None, compare=False, repr=False)
     stored_kv_heads: Callable = dataclasses.field(default=None, compare=False, repr=False)
     stored_head_dim: Callable = dataclasses.field(default=None, compare=False, repr=False)
     scale_dtype: Callable = dataclasses.field(default=None, compare=False, repr=False)
@@ -236,6 +242,7 @@ class Kernels:
 def _xla_table(interpret: bool) -> dict[str, Callable | None]:
     return dict(ragged_attention=xla_ragged_attention, flash_attention=None, rope_kv_write=rope_kv_write_reference,
                 quantized_matmul=xla_quantized_matmul, add_rms_norm=add_rms_norm_reference, swiglu_matmul=xla_swiglu_matmul,
+                lora_delta=lora_delta_dense,
                 stored_kv_heads=same_kv_heads, stored_head_dim=same_head_dim, scale_dtype=same_dtype)
 
 
@@ -243,7 +250,7 @@ def _tpu_table(interpret: bool) -> dict[str, Callable]:
     pallas = functools.partial(functools.partial, interpret=interpret)  # f -> f(..., interpret=interpret)
     return dict(ragged_attention=pallas(_tpu_ragged_attention), flash_attention=pallas(flash_attention_tpu),
                 rope_kv_write=pallas(_tpu_rope_kv_write), quantized_matmul=pallas(qmm_tpu.quantized_matmul),
-                add_rms_norm=pallas(add_rms_norm_tpu), swiglu_matmul=pallas(_tpu_swiglu_matmul),
+                add_rms_norm=pallas(add_rms_norm_tpu), swiglu_matmul=pallas(_tpu_swiglu_matmul), lora_delta=pallas(lora_delta_tpu),
                 stored_kv_heads=_tpu_kv_heads, stored_head_dim=_tpu_head_dim, scale_dtype=_tpu_scale_dtype)
 
 
@@ -251,7 +258,7 @@ def _gpu_table(interpret: bool) -> dict[str, Callable]:
     pallas = functools.partial(functools.partial, interpret=interpret)
     return dict(ragged_attention=pallas(_gpu_ragged_attention), flash_attention=pallas(flash_attention_gpu),
                 rope_kv_write=pallas(_gpu_rope_kv_write), quantized_matmul=pallas(qmm_gpu.quantized_matmul),
-                add_rms_norm=pallas(add_rms_norm_gpu), swiglu_matmul=pallas(swiglu_matmul_gpu),
+                add_rms_norm=pallas(add_rms_norm_gpu), swiglu_matmul=pallas(swiglu_matmul_gpu), lora_delta=pallas(lora_delta_gpu),
                 stored_kv_heads=same_kv_heads, stored_head_dim=same_head_dim, scale_dtype=same_dtype)
 
 
