@@ -6,7 +6,7 @@
 
 The delta of a targeted projection is x @ A^T @ B^T * scale. Refused, with a message naming the
 adapter and the feature: DoRA, adapters on the embeddings or the LM head (or any module outside
-q/k/v/o/gate/up/down), `modules_to_save`, per-module rank or alpha patterns, LoRA biases,
+q/k/v/o/gate/up/down, or outside q/k/v/o on a MoE model, whose experts take no adapter), `modules_to_save`, per-module rank or alpha patterns, LoRA biases,
 `layers_to_transform`, a rank above `max_rank`, a layer index the model lacks, and files that
 are missing or malformed. Only safetensors are read (never a pickle: adapter_model.bin is refused).
 """
@@ -39,7 +39,8 @@ class LoraAdapter:
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]  # (layer, module) -> (A [r, in], B [out, r]) float32
 
 
-def read_lora_adapter(path, *, num_layers: int, max_rank: int) -> LoraAdapter:
+def read_lora_adapter(path, *, num_layers: int, max_rank: int, modules: tuple[str, ...] = LORA_MODULES) -> LoraAdapter:
+    """`modules`: the projections the model serves LoRA on (a MoE model: the attention's only)."""
     path = Path(path)
     label = f"LoRA adapter {str(path)!r}"
     config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
@@ -74,9 +75,9 @@ def read_lora_adapter(path, *, num_layers: int, max_rank: int) -> LoraAdapter:
     targets = cfg.get("target_modules") or []
     if isinstance(targets, str):  # a regex over module names
         targets = [m for m in LORA_MODULES if re.search(targets, m)] or [targets]
-    bad = sorted({t.rsplit(".", 1)[-1] for t in targets} - set(LORA_MODULES))
+    bad = sorted({t.rsplit(".", 1)[-1] for t in targets} - set(modules))
     if bad:
-        raise AdapterError(f"{label}: target module(s) {bad} are not served (LoRA on {', '.join(LORA_MODULES)} only)")
+        raise AdapterError(f"{label}: target module(s) {bad} are not served (LoRA on {', '.join(modules)} only)")
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
 
     parts: dict[tuple[int, str], dict[str, np.ndarray]] = {}
@@ -85,10 +86,10 @@ def read_lora_adapter(path, *, num_layers: int, max_rank: int) -> LoraAdapter:
             for key in f.keys():
                 m = _KEY.match(key)
                 if m is None:
-                    raise AdapterError(f"{label}: tensor {key!r} is not a LoRA A/B weight of a decoder projection "
-                                       f"(embedding, LM head or other modules are not served)")
+                    raise AdapterError(f"{label}: tensor {key!r} is not a LoRA A/B weight of a projection served "
+                                       f"({', '.join(modules)}: no embedding, LM head, MoE expert or other module)")
                 layer, module, which = int(m.group(1)), m.group(2), m.group(3)
-                if module not in LORA_MODULES:
+                if module not in modules:
                     raise AdapterError(f"{label}: tensor {key!r}: module {module!r} is not served")
                 if layer >= num_layers:
                     raise AdapterError(f"{label}: tensor {key!r}: the model has {num_layers} layers")

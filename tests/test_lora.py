@@ -198,6 +198,23 @@ def test_tensor_parallel_lora_equals_one_device(base_dir, adapters):
         assert np.abs(jax_log_softmax(two, PROMPT, lr) - jax_log_softmax(one, PROMPT, lr)).max() < 1e-4
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_a_moe_model_serves_attention_adapters_and_refuses_mlp_ones(family, tmp_path):
+    """A MoE model's experts take no adapter; its attention does, with peft's logits."""
+    save_hf_model(family, tmp_path / "base")
+    model = make_adapter(tmp_path / "base", tmp_path / "attn", ("q_proj", "k_proj", "v_proj", "o_proj"), seed=7)
+    llm = LLM(str(tmp_path / "base"), enable_lora=True, max_loras=1, max_lora_rank=8, **SETTINGS)
+    ours, truth = jax_log_softmax(llm, PROMPT, LoRARequest("attn", 1, str(tmp_path / "attn"))), peft_log_softmax(model, PROMPT)
+    assert np.abs(ours - truth).max() < 1e-4
+    assert np.abs(jax_log_softmax(llm, PROMPT, None) - truth).max() > 1e-2  # the adapter does change the logits
+    mlp = ("w1", "w3") if family == "mixtral" else ("gate_proj", "up_proj")  # Qwen2-MoE: its shared expert's
+    shutil.copytree(tmp_path / "attn", tmp_path / "mlp")
+    config = json.loads((tmp_path / "mlp" / "adapter_config.json").read_text())
+    (tmp_path / "mlp" / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", *mlp]}))
+    with pytest.raises(ValueError, match=f"request 'mlp'.*{mlp[0]}.*not served"):
+        llm.engine.add_request("mlp", [3, 4, 5], greedy(), lora_request=LoRARequest("mlp", 2, str(tmp_path / "mlp")))
+
+
 # ----------------------------------------------------------------------------- bad adapters
 def broken_adapters(base_dir, root):
     """name -> (folder, the words the error must contain)."""

@@ -102,8 +102,6 @@ def place_weights(model_config: ModelConfig, config: EngineConfig, mesh, weights
 def add_lora_table(placed: PlacedWeights, model_config: ModelConfig, config: EngineConfig, mesh) -> PlacedWeights:
     """The placed model with an empty LoRA slot table (`jaxinfer.models.lora`) of max_loras + 1
     slots at rank max_lora_rank, placed with its sharding beside the weights."""
-    if model_config.is_moe:
-        raise ValueError(f"enable_lora: LoRA adapters are not served on MoE models ({model_config.model_type})")
     table = LoraTable(config.max_loras + 1, config.max_lora_rank)
     model = nnx.merge(placed.graphdef, placed.params)
     model.lora = LoraSlots(lora_shapes(model_config, table, config.parallel(model_config).tp), config.param_dtype)

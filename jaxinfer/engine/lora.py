@@ -20,7 +20,7 @@ import numpy as np
 from checkpoints_conv.peft_adapter import AdapterError, read_lora_adapter
 from jaxinfer.config import ModelConfig
 from jaxinfer.lora_request import LoRARequest
-from jaxinfer.models.lora import LoraTable, fuse_adapter
+from jaxinfer.models.lora import LoraTable, fuse_adapter, served_modules
 
 
 class LoraManager:
@@ -47,7 +47,8 @@ class LoraManager:
                                  f"adapter {known.lora_path!r}")
             return
         try:
-            adapter = read_lora_adapter(request.lora_path, num_layers=self.model_config.num_layers, max_rank=self.table.rank)
+            adapter = read_lora_adapter(request.lora_path, num_layers=self.model_config.num_layers, max_rank=self.table.rank,
+                                        modules=served_modules(self.model_config))
         except AdapterError as e:
             raise ValueError(f"LoRARequest {request.lora_name!r}: {e}") from None
         self._fused[request.lora_int_id] = fuse_adapter(self.model_config, self.table, adapter.weights, adapter.scale, self.tp)

@@ -99,8 +99,6 @@ class LlamaForCausalLM(nnx.Module):
         if "lm_head" in shapes:
             self.lm_head = nnx.Param(_init("lm_head", shapes["lm_head"], param_dtype, rngs.params()))
         if lora is not None:
-            if config.is_moe:
-                raise ValueError(f"LoRA adapters are not served on MoE models ({config.model_type})")
             self.lora = LoraSlots(lora_shapes(config, lora, parallel.tp), param_dtype)  # the adapter slot table (jaxinfer.models.lora)
 
     def __call__(self, kv: KVCache, batch: RaggedBatch, *, query_block: int, spec_block: int = 0,

@@ -15,7 +15,8 @@ scale folded into B and ranks padded to the table's rank R:
 Tensor parallelism splits the B stacks of q / k / v / gate / up on their columns (each device's
 columns are then exactly its part of the fused qkv_proj / gate_up_proj, in the same order), and
 the A stacks of o / down on their rows; the partial delta of o and down joins the projection's
-partial sum before its all-reduce. An adapter that leaves a module alone has zeros there.
+partial sum before its all-reduce. An adapter that leaves a module alone has zeros there. A MoE
+model's table has the attention's stacks only (its experts take no adapter: `served_modules`).
 
 The model adds each projection's delta through its kernel table (`Kernels.lora_delta`, from
 `pallas_kernels.lora_sgmv`): on the CPU every slot at once, masked to each token's slot (two
@@ -39,6 +40,16 @@ from jaxinfer.models.param_layout import num_kv_heads_stored, param_columns
 A_BLOCKS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 B_NAME = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+
+def served_modules(config: ModelConfig) -> tuple[str, ...]:
+    """The projections an adapter may change: all seven, or on a MoE model the attention's (its
+    MLP is experts, which take no adapter here)."""
+    return ATTENTION_MODULES if config.is_moe else ATTENTION_MODULES + MLP_MODULES
+
+
 LORA_AXES = {
     "lora.qkv_a": ("layers", None, "embed", None), "lora.q_b": ("layers", None, None, "heads"),
     "lora.k_b": ("layers", None, None, "qkv"), "lora.v_b": ("layers", None, None, "qkv"),
@@ -59,12 +70,16 @@ def lora_shapes(config: ModelConfig, table: LoraTable, tp: int = 1) -> dict[str,
     c, N, R = config, table.num_slots, table.rank
     L, H, I = c.num_layers, c.hidden_size, c.intermediate_size
     q_dim, kv_dim = c.num_heads * c.head_dim, num_kv_heads_stored(c, tp) * c.head_dim
-    return {
+    shapes = {
         "lora.qkv_a": (L, N, H, 3 * R), "lora.q_b": (L, N, R, q_dim), "lora.k_b": (L, N, R, kv_dim), "lora.v_b": (L, N, R, kv_dim),
         "lora.o_a": (L, N, q_dim, R), "lora.o_b": (L, N, R, H),
-        "lora.gate_up_a": (L, N, H, 2 * R), "lora.gate_b": (L, N, R, I), "lora.up_b": (L, N, R, I),
-        "lora.down_a": (L, N, I, R), "lora.down_b": (L, N, R, H),
     }
+    if not c.is_moe:  # a MoE model's MLP (experts) takes no adapter: served_modules
+        shapes.update({
+            "lora.gate_up_a": (L, N, H, 2 * R), "lora.gate_b": (L, N, R, I), "lora.up_b": (L, N, R, I),
+            "lora.down_a": (L, N, I, R), "lora.down_b": (L, N, R, H),
+        })
+    return shapes
 
 
 class LoraSlots(nnx.Module):
@@ -86,6 +101,8 @@ def fuse_adapter(config: ModelConfig, table: LoraTable, weights: dict, scale: fl
     R = table.rank
     qkv_columns = param_columns(config, tp)["layers.qkv_proj"]
     for (layer, module), (a, b) in weights.items():
+        if module not in served_modules(config):
+            raise ValueError(f"LoRA on {module} is not served on {config.model_type} (only {', '.join(served_modules(config))})")
         r = a.shape[0]
         proj = next(p for p, modules in A_BLOCKS.items() if module in modules)
         block = A_BLOCKS[proj].index(module)
