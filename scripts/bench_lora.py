@@ -8,10 +8,12 @@ every q/k/v/o/gate/up/down projection of SmolLM2-135M, written by this script (n
    576 -> 960, rank 16, 9 slots, --dtype), with one or eight adapters in use:
    "dense over slots" (the XLA path the CPU runs: [T, K] x [K, N R], masked to each token's slot,
    then [T, N R] x [N R, O]), "gather" (the reference: each token's A and B gathered),
-   "ragged_dot" (tokens sorted by slot, `jax.lax.ragged_dot`), and on a TPU or GPU the platform's
+   "ragged_dot" (tokens sorted by slot, `jax.lax.ragged_dot`), "grouped blocks" (the kernels'
+   layout in XLA: tokens in blocks of 32 of one slot, a batched dot per block), and on a TPU or GPU the platform's
    Pallas SGMV kernels (`pallas_kernels.lora_sgmv`; `--formulations-only` runs just this table
    there, on JAX's default back end).
-2. Step cost: a decode and a prefill step on the base model and over 4 adapters, alternated.
+2. Step cost: decode steps of 1 and 32 sequences and a prefill step on the base model and over 4
+   adapters (the one sequence: on adapter 1), alternated.
 3. Throughput: 32 requests (prompt 64 tokens, 64 new tokens, greedy, ignore_eos), the base
    model without LoRA, then LLM(enable_lora=True, max_loras=M) for M in --max-loras with the
    requests spread over k adapters; best of three passes after a warm-up (the base model
@@ -63,7 +65,7 @@ def formulations(args) -> None:
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.lora_sgmv import lora_delta_dense, lora_delta_gpu, lora_delta_reference, lora_delta_tpu
+    from pallas_kernels.lora_sgmv import common, lora_delta_dense, lora_delta_gpu, lora_delta_reference, lora_delta_tpu
 
     K, O, R, N = 576, 960, 16, 9
     dtype = jnp.dtype(args.dtype)
@@ -84,17 +86,25 @@ def formulations(args) -> None:
         y = jax.lax.ragged_dot(xa, b, sizes, preferred_element_type=jnp.float32)
         return jnp.zeros_like(y).at[order].set(y)
 
+    def grouped(x, a, b, slot, block=32):  # the kernels' layout in XLA: blocks of one slot, batched dots
+        g = common.group_by_slot(slot, N, block)
+        xg = common.gather_rows(x, g).reshape(g.num_blocks, block, K).astype(a.dtype)
+        xa = jnp.einsum("bmk,bkr->bmr", xg, a[g.block_slot], preferred_element_type=jnp.float32).astype(a.dtype)
+        y = jnp.einsum("bmr,bro->bmo", xa, b[g.block_slot], preferred_element_type=jnp.float32)
+        return common.scatter_back(y.reshape(g.num_blocks * block, O), slot, g)
+
     backend = jax.default_backend()
     kernel = {"tpu": lora_delta_tpu, "gpu": lora_delta_gpu, "cuda": lora_delta_gpu}.get(backend)
 
     def sgmv(x, a, b, slot):  # the platform's Pallas kernels (none compiles for the CPU)
         return kernel(x, a, [b], slot)
 
-    impls = [dense, gather, ragged] + ([sgmv] if kernel else [])
+    impls = [dense, gather, ragged, grouped] + ([sgmv] if kernel else [])
     print(f"x @ A[slot] @ B[slot], {K} -> {O}, rank {R}, {N - 1} adapter slots, {dtype.name}, on {backend}, ms:")
     print()
-    print("| tokens | adapters used | dense over slots | per-token gather | ragged_dot | SGMV kernels | the base matmul |")
-    print("|---|---|---|---|---|---|---|")
+    print("| tokens | adapters used | dense over slots | per-token gather | ragged_dot | grouped blocks (XLA) | SGMV kernels "
+          "| the base matmul |")
+    print("|---|---|---|---|---|---|---|---|")
     for T in (1, 32, 512):
         for used in (1, N - 1):
             if used > T:
@@ -195,6 +205,9 @@ def step_costs(args) -> None:
         return [SequenceChunk([5], ctx + i, pages[s][: -(-(ctx + i + 1) // ps)], [0], lora_slot=s % 4 + 1 if adapters else 0)
                 for s in range(B)]
 
+    def decode_one(i, adapters):
+        return decode(i, adapters)[:1]
+
     def prefill(i, adapters):
         return [SequenceChunk(list(range(100, 228)), 0, pages[s][:8], [127], lora_slot=s % 4 + 1 if adapters else 0)
                 for s in range(4)]
@@ -206,7 +219,8 @@ def step_costs(args) -> None:
 
     print("| step | base model ms | 4 adapters ms | ratio |")
     print("|---|---|---|---|")
-    for name, make in (("decode, 32 sequences x 128 tokens", decode), ("prefill, 4 chunks of 128 tokens", prefill)):
+    for name, make in (("decode, 1 sequence x 128 tokens", decode_one), ("decode, 32 sequences x 128 tokens", decode),
+                       ("prefill, 4 chunks of 128 tokens", prefill)):
         for adapters in (False, True):
             timed(make(0, adapters)), timed(make(1, adapters))  # compile
         best = {False: [], True: []}

@@ -35,6 +35,7 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}  # largest error, relative to th
 CASES = {  # name: (T, N slots, K, rank, module widths, dtype, slots of the tokens: "mix" | "none" | "one" | list)
     "decode mix, qkv-like": (13, 5, 256, 16, (256, 64, 64), jnp.float32, "mix"),
     "one token": (1, 3, 256, 8, (384,), jnp.float32, "one"),
+    "fewer tokens than slots": (2, 9, 256, 16, (256, 64, 64), jnp.float32, [3, 7]),  # the XLA path gathers
     "no token has an adapter": (9, 3, 256, 8, (384,), jnp.float32, "none"),
     "prefill, every slot": (64, 9, 576, 16, (384,), jnp.float32, list(range(9)) * 7 + [8]),
     "bf16 gate/up-like": (40, 5, 256, 16, (192, 192), jnp.bfloat16, "mix"),
