@@ -6,19 +6,20 @@ every q/k/v/o/gate/up/down projection of SmolLM2-135M, written by this script (n
 
 1. Formulations of x @ A[slot] @ B[slot] for T tokens over N slots (SmolLM2's qkv projection:
    576 -> 960, rank 16, 9 slots, --dtype), with one or eight adapters in use:
-   "dense over slots" (the XLA path the CPU runs: [T, K] x [K, N R], masked to each token's slot,
-   then [T, N R] x [N R, O]), "gather" (the reference: each token's A and B gathered),
+   "dense over slots" (the CPU's path, `pallas_kernels.lora_sgmv.xla`: [T, K] x [K, N R], masked
+   to each token's slot, then [T, N R] x [N R, O]; below N - 1 tokens the gather),
+   "gather" (the reference: each token's A and B gathered),
    "ragged_dot" (tokens sorted by slot, `jax.lax.ragged_dot`), "grouped blocks" (the kernels'
-   layout in XLA: tokens in blocks of 32 of one slot, a batched dot per block), and on a TPU or GPU the platform's
-   Pallas SGMV kernels (`pallas_kernels.lora_sgmv`; `--formulations-only` runs just this table
-   there, on JAX's default back end).
+   layout in XLA: tokens in blocks of 32 of one slot, a batched dot per block). On a TPU or GPU,
+   the platform's Pallas SGMV kernels too (`--formulations-only` runs just this table there,
+   on JAX's default back end).
 2. Step cost: decode steps of 1 and 32 sequences and a prefill step on the base model and over 4
    adapters (the one sequence: on adapter 1), alternated.
 3. Throughput: 32 requests (prompt 64 tokens, 64 new tokens, greedy, ignore_eos), the base
    model without LoRA, then LLM(enable_lora=True, max_loras=M) for M in --max-loras with the
    requests spread over k adapters; best of three passes after a warm-up (the base model
-   measured first and last, its best kept). The delta's cost follows
-   the table's size M (every step computes all M slots), not k.
+   measured first and last, its best kept). In decode steps the delta's cost follows the
+   table's size M (every slot computed, masked), not k.
 
     python scripts/bench_lora.py
 """
@@ -65,7 +66,7 @@ def formulations(args) -> None:
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.lora_sgmv import common, lora_delta_dense, lora_delta_gpu, lora_delta_reference, lora_delta_tpu
+    from pallas_kernels.lora_sgmv import lora_delta_gpu, lora_delta_reference, lora_delta_tpu, xla
 
     K, O, R, N = 576, 960, 16, 9
     dtype = jnp.dtype(args.dtype)
@@ -73,8 +74,8 @@ def formulations(args) -> None:
     a = jnp.asarray(rng.standard_normal((N, K, R)) / np.sqrt(K), dtype).at[0].set(0.0)  # slot 0: the base model
     b = jnp.asarray(rng.standard_normal((N, R, O)), dtype).at[0].set(0.0)
 
-    def dense(x, a, b, slot):  # the XLA path (the CPU's), one module
-        return lora_delta_dense(x, a, [b], slot)
+    def cpu_path(x, a, b, slot):  # the XLA path: every slot at once, masked; gathered below N - 1 tokens
+        return xla.lora_delta(x, a, [b], slot)
 
     def gather(x, a, b, slot):  # the reference: each token's matrices gathered
         return lora_delta_reference(x, a, [b], slot)
@@ -86,12 +87,8 @@ def formulations(args) -> None:
         y = jax.lax.ragged_dot(xa, b, sizes, preferred_element_type=jnp.float32)
         return jnp.zeros_like(y).at[order].set(y)
 
-    def grouped(x, a, b, slot, block=32):  # the kernels' layout in XLA: blocks of one slot, batched dots
-        g = common.group_by_slot(slot, N, block)
-        xg = common.gather_rows(x, g).reshape(g.num_blocks, block, K).astype(a.dtype)
-        xa = jnp.einsum("bmk,bkr->bmr", xg, a[g.block_slot], preferred_element_type=jnp.float32).astype(a.dtype)
-        y = jnp.einsum("bmr,bro->bmo", xa, b[g.block_slot], preferred_element_type=jnp.float32)
-        return common.scatter_back(y.reshape(g.num_blocks * block, O), slot, g)
+    def grouped(x, a, b, slot):  # the kernels' layout in XLA: blocks of one slot, batched dots
+        return xla.grouped_blocks(x, a, [b], slot)
 
     backend = jax.default_backend()
     kernel = {"tpu": lora_delta_tpu, "gpu": lora_delta_gpu, "cuda": lora_delta_gpu}.get(backend)
@@ -99,10 +96,10 @@ def formulations(args) -> None:
     def sgmv(x, a, b, slot):  # the platform's Pallas kernels (none compiles for the CPU)
         return kernel(x, a, [b], slot)
 
-    impls = [dense, gather, ragged, grouped] + ([sgmv] if kernel else [])
+    impls = [cpu_path, gather, ragged, grouped] + ([sgmv] if kernel else [])
     print(f"x @ A[slot] @ B[slot], {K} -> {O}, rank {R}, {N - 1} adapter slots, {dtype.name}, on {backend}, ms:")
     print()
-    print("| tokens | adapters used | dense over slots | per-token gather | ragged_dot | grouped blocks (XLA) | SGMV kernels "
+    print("| tokens | adapters used | dense over slots (the CPU's path) | per-token gather | ragged_dot | grouped blocks (XLA) | SGMV kernels "
           "| the base matmul |")
     print("|---|---|---|---|---|---|---|---|")
     for T in (1, 32, 512):

@@ -1,6 +1,6 @@
-"""The LoRA delta of a batch mixing adapters: the grouped layout the SGMV kernels read, the dense
-XLA path, and the TPU (Mosaic) and GPU (Triton) kernels, each against the per-token reference, in
-interpret mode on the CPU.
+"""The LoRA delta of a batch mixing adapters: the grouped layout the SGMV kernels read, the XLA
+path (by shape: the gather or dense over slots) and the grouped blocks in jnp it measured, and the TPU (Mosaic) and GPU (Triton) kernels in interpret mode, each against the
+per-token reference.
 
 Read as a specification: every token adds (x A[slot]) B[slot] to each module's columns and a
 token of slot 0 adds exactly nothing, whatever the mix of slots (none, one, all of them, a slot
@@ -20,14 +20,17 @@ import pytest
 
 from pallas_kernels.lora_sgmv import (
     common,
-    lora_delta_dense,
     lora_delta_gpu,
     lora_delta_reference,
     lora_delta_tpu,
+    lora_delta_xla,
+    xla,
 )
 
 KERNELS = {
-    "dense (XLA)": lora_delta_dense,
+    "xla (by shape)": lora_delta_xla,
+    "xla dense over slots": xla.dense_over_slots,
+    "xla grouped blocks": functools.partial(xla.grouped_blocks, block=8),
     "tpu": functools.partial(lora_delta_tpu, block_k=128, block_n=128, interpret=True),
     "gpu": functools.partial(lora_delta_gpu, block_k=64, block_n=64, interpret=True),
 }
@@ -38,6 +41,7 @@ CASES = {  # name: (T, N slots, K, rank, module widths, dtype, slots of the toke
     "fewer tokens than slots": (2, 9, 256, 16, (256, 64, 64), jnp.float32, [3, 7]),  # the XLA path gathers
     "no token has an adapter": (9, 3, 256, 8, (384,), jnp.float32, "none"),
     "prefill, every slot": (64, 9, 576, 16, (384,), jnp.float32, list(range(9)) * 7 + [8]),
+    "a long step": (300, 5, 128, 8, (128, 64), jnp.float32, "mix"),
     "bf16 gate/up-like": (40, 5, 256, 16, (192, 192), jnp.bfloat16, "mix"),
 }
 

@@ -3,7 +3,7 @@
     LLM(..., kernel_impl="auto" | "reference" | "pallas" | "pallas-tpu" | "pallas-gpu")
     # (attention_impl=... is accepted as an alias: the option first chose attention only)
 
-- "reference": the XLA (plain jnp) paths: split-KV ragged attention, the dense LoRA delta,
+- "reference": the XLA (plain jnp) paths: split-KV ragged attention, the LoRA delta by shape,
   dequantize-then-dot quantized matmul, unfused norm / SwiGLU / RoPE + scatter; what the CPU runs
   by default.
 - "pallas": the Pallas kernels of the current platform: Mosaic TPU kernels on a TPU, Triton GPU
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jaxinfer.ops.batch import MAX_PREFILL_CHUNKS, RaggedBatch
 from pallas_kernels.flash_attention import flash_attention_gpu, flash_attention_tpu
 from pallas_kernels.fused_rms_norm import add_rms_norm_gpu, add_rms_norm_reference, add_rms_norm_tpu
-from pallas_kernels.lora_sgmv import lora_delta_dense, lora_delta_gpu, lora_delta_tpu
+from pallas_kernels.lora_sgmv import lora_delta_gpu, lora_delta_tpu, lora_delta_xla
 from pallas_kernels.quantized_matmul import gpu as qmm_gpu
 from pallas_kernels.quantized_matmul import reference as qmm_reference
 from pallas_kernels.quantized_matmul import tpu as qmm_tpu
@@ -205,8 +205,8 @@ class Kernels:
     add_rms_norm(x, residual, weight, *, eps) -> (normed, x + residual)
     swiglu_matmul(x [T,H], w_gate_up [H,2I]) -> silu(gate) * up [T,I]
     lora_delta(x [T,K], a [N,K,P R], bs (P x [N,R,O_p]), slot [T]) -> float32 [T, sum O_p]: the
-        LoRA adapters' delta of P projections sharing an input (jaxinfer.models.lora); the XLA
-        path computes every slot masked, the kernels group tokens by slot (SGMV)
+        LoRA adapters' delta of P projections sharing an input (jaxinfer.models.lora); the
+        kernels group tokens by slot (SGMV), the XLA path picks its form by shape
     stored_kv_heads(heads per shard, dtype) / stored_head_dim(head_dim): the KV pool layout the
         attention kernel reads (jaxinfer.ops.kv_cache)
     scale_dtype(dtype): the dtype a quantized weight's scales and offsets are placed in for the
@@ -242,7 +242,7 @@ class Kernels:
 def _xla_table(interpret: bool) -> dict[str, Callable | None]:
     return dict(ragged_attention=xla_ragged_attention, flash_attention=None, rope_kv_write=rope_kv_write_reference,
                 quantized_matmul=xla_quantized_matmul, add_rms_norm=add_rms_norm_reference, swiglu_matmul=xla_swiglu_matmul,
-                lora_delta=lora_delta_dense,
+                lora_delta=lora_delta_xla,
                 stored_kv_heads=same_kv_heads, stored_head_dim=same_head_dim, scale_dtype=same_dtype)
 
 

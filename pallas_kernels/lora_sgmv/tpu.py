@@ -5,7 +5,7 @@ Same inputs and result as `reference.lora_delta` (read its docstring for the sem
 
     lora_delta(x [T, K], a [N, K, P R], bs (P arrays [N, R, O_p]), slot [T]) -> float32 [T, sum O_p]
 
-Unlike the dense XLA path (`dense.py`), the work follows the adapters the tokens use, not the
+Unlike the XLA path's dense form (`xla.py`), the work follows the adapters the tokens use, not the
 table's size: tokens with no adapter (slot 0) cost nothing, and each used slot's A and B are read
 once per run of blocks.
 
