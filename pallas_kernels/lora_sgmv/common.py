@@ -1,15 +1,16 @@
-"""What the TPU and GPU SGMV kernels share: the tokens laid out in blocks of one adapter slot
-each, the dot they accumulate with, and their cost estimate.
+"""What the TPU and GPU SGMV kernels share (and `xla.grouped_blocks`, their algorithm in jnp): the
+tokens laid out in blocks of one adapter slot each, the dot they accumulate with, and their cost
+estimate.
 
 A step's tokens come in sequence order, each with its sequence's slot. `group_by_slot` sorts them
 by slot and starts each slot's group on a block boundary, so every block of `block` rows belongs
 to one slot (its A and B are fetched once for the whole block) and slot 0's tokens (no adapter)
 are left out:
 
-    slot      = [2, 0, 1, 2, 2, 1]          block = 2, N = 3 slots
-    rows      = [2, 5, 0, 3, 4, 6]          token in each row of the grouped layout (T = 6: padding)
-    block_slot = [1, 2, 2, 0, ...]          slot of each block (0: unused, computes nothing)
-    position  = [2, -, 0, 3, 4, 1]         each token's row (slot-0 tokens: any, masked on the way back)
+    slot       = [2, 0, 1, 2, 2, 1]         block = 2, N = 3 slots: cdiv(6 + 2 x 1, 2) = 4 blocks
+    rows       = [2, 5, 0, 3, 4, 6, 6, 6]   token in each row of the grouped layout (T = 6: padding)
+    block_slot = [1, 2, 2, 0]               slot of each block (0: unused, computes nothing)
+    position   = [2, -, 0, 3, 4, 1]         each token's row (slot-0 tokens: any, masked on the way back)
 
 The grouped layout has a static number of rows: every group wastes at most block - 1 rows, so
 cdiv(T + (N - 1) (block - 1), block) blocks always suffice; the blocks past the last group have
