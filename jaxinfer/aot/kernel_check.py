@@ -147,6 +147,16 @@ def kernel_cases(target: Target, shape: FamilyShape):
         fn = functools.partial(k["lora_sgmv_expand"], **(dict(block=lora_block) if tpu else {}))
         yield ("lora_sgmv_expand", f"T={T} {LORA_RANK}->{F}", fn,
                (spec((rows, LORA_RANK), bf16), spec((LORA_SLOTS, LORA_RANK, F), bf16), slots))
+    # a float32 table of rank 8 (sublane tile 8): q | k | v of 24 columns, and the expand into a
+    # KV width (192 for SmolLM2: no multiple of 128 divides it)
+    f32, rank, rows = jnp.float32, 8, (64 // 8 + LORA_SLOTS - 1) * 8
+    slots = spec((rows // 8,), i32)
+    fn = functools.partial(k["lora_sgmv_shrink"], **(dict(block=8) if tpu else {}))
+    yield ("lora_sgmv_shrink", f"f32 T=64 {H}->3x{rank}", fn,
+           (spec((rows, H), f32), spec((LORA_SLOTS, H, 3 * rank), f32), slots))
+    fn = functools.partial(k["lora_sgmv_expand"], **(dict(block=8) if tpu else {}))
+    yield ("lora_sgmv_expand", f"f32 T=64 {rank}->{Hkv * D}", fn,
+           (spec((rows, rank), f32), spec((LORA_SLOTS, rank, Hkv * D), f32), slots))
 
 
 def compile_for(target: Target, fn, args):

@@ -128,7 +128,8 @@ class LlamaForCausalLM(nnx.Module):
         lora, slot = None, None  # LoRA: the slot table's stacks, and each of this device's tokens' slot
         if getattr(self, "lora", None) is not None and batch.lora_slots is not None:
             lora = self.lora.stacked()
-            slot = jax.lax.dynamic_slice_in_dim(batch.lora_slots[seq_of_token], first_row, Tl)  # [Tl]
+            slot_of_token = jnp.where(jnp.arange(T) < batch.cu_q_lens[-1], batch.lora_slots[seq_of_token], 0)  # padding: none
+            slot = jax.lax.dynamic_slice_in_dim(slot_of_token, first_row, Tl)  # [Tl]
 
         # Fold the layer axis into the page axis: layer i's page p is page i * P + p of one pool.
         L, num_pages = kv.k.shape[:2]

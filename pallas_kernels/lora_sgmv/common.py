@@ -45,7 +45,9 @@ def num_blocks(num_tokens: int, num_slots: int, block: int) -> int:
 
 
 def group_by_slot(slot: jax.Array, num_slots: int, block: int) -> Grouping:
-    """slot [T] int32 in [0, num_slots) -> the grouped layout (module docstring)."""
+    """slot [T] int32 -> the grouped layout (module docstring). Every slot must lie in
+    [0, num_slots) (the engine's slots do; values are not checked inside a trace, and one out of
+    range would misplace the other tokens)."""
     T = slot.shape[0]
     nb = num_blocks(T, num_slots, block)
     counts = jnp.zeros(num_slots, jnp.int32).at[slot].add(1)  # [N] tokens per slot
@@ -82,6 +84,8 @@ def dot(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
-def cost_estimate(rows: int, K: int, N: int, *, slots_read: int, itemsize: int, out_itemsize: int) -> pl.CostEstimate:
-    """[rows, K] grouped rows times one [K, N] matrix per block, `slots_read` distinct matrices at most."""
-    return cost.matmul(rows, K, N, x_itemsize=itemsize, weight_bytes=slots_read * K * N * itemsize, out_itemsize=out_itemsize)
+def cost_estimate(rows: int, K: int, N: int, *, matrices_read: int, itemsize: int, out_itemsize: int) -> pl.CostEstimate:
+    """[rows, K] grouped rows times one [K, N] matrix per block, read `matrices_read` times in all
+    (an upper bound where the number of blocks in use is only known at run time)."""
+    return cost.matmul(rows, K, N, x_itemsize=itemsize, weight_bytes=matrices_read * K * N * itemsize,
+                       out_itemsize=out_itemsize)

@@ -111,7 +111,7 @@ def sgmv_shrink(x, a, block_slot, *, block_k: int = 64, num_warps: int = 4, inte
         grid=(nb,),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=3),
         interpret=interpret,
-        cost_estimate=common.cost_estimate(rows, K, PR, slots_read=min(nb, a.shape[0] - 1), itemsize=a.dtype.itemsize,
+        cost_estimate=common.cost_estimate(rows, K, PR, matrices_read=nb, itemsize=a.dtype.itemsize,
                                            out_itemsize=a.dtype.itemsize),
         name="lora_sgmv_shrink",
     )(block_slot, x.astype(a.dtype), a)
@@ -127,7 +127,7 @@ def sgmv_expand(xa, b, block_slot, *, block_n: int = 128, num_warps: int = 4, in
         grid=(nb, pl.cdiv(O, block_n)),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
-        cost_estimate=common.cost_estimate(rows, R, O, slots_read=min(nb, b.shape[0] - 1), itemsize=b.dtype.itemsize,
+        cost_estimate=common.cost_estimate(rows, R, O, matrices_read=nb, itemsize=b.dtype.itemsize,
                                            out_itemsize=4),
         name="lora_sgmv_expand",
     )(block_slot, xa.astype(b.dtype), b)

@@ -6,8 +6,9 @@ Same inputs and result as `reference.lora_delta` (read its docstring for the sem
     lora_delta(x [T, K], a [N, K, P R], bs (P arrays [N, R, O_p]), slot [T]) -> float32 [T, sum O_p]
 
 Unlike the XLA path's dense form (`xla.py`), the work follows the adapters the tokens use, not the
-table's size: tokens with no adapter (slot 0) cost nothing, and each used slot's A and B are read
-once per run of blocks.
+table's size: tokens with no adapter (slot 0) cost nothing. B is read once per run of blocks of
+one slot; A once per block (K is the shrink's inner grid axis; A is K x P R, small next to x's
+block rows times K).
 
 Layout
 ------
@@ -19,8 +20,8 @@ K] is gathered in XLA (T x K values, as much as reading x once).
 Shrink: grid (nb, K // bk), K innermost ("arbitrary": the reduction). Step (i, k) reads x's block
 [block, bk] at (i, k) and A[block_slot[i]]'s block [bk, P R] at (k, 0), and adds their product to
 a float32 [block, P R] VMEM accumulator, written out in the stacks' dtype at the last k. Blocks of
-slot 0 skip the product (zeros out) and keep their block indices fixed at k = 0, so the pipeline
-fetches nothing new for them.
+slot 0 skip the product (zeros out) and keep their K block index at 0, so the pipeline fetches
+no new A block for them (only x's tile moves).
 
 Expand, once per module p: grid (O_p // bn, nb), blocks innermost, so consecutive blocks of one
 slot reuse the B block already in VMEM (the pipeline skips a copy whose block index is unchanged).
@@ -29,8 +30,11 @@ Step (j, i) reads xa_p's block [block, R] at (i, 0) and B_p[block_slot[i]]'s blo
 
 Blocks: `block` is a sublane tile (8 rows for float32 stacks, 16 for bf16), so a decode batch
 spread over many adapters wastes at most block - 1 rows per adapter. bk is the largest multiple of
-128 dividing K up to 2048, else all of K; bn the largest multiple of 128 dividing O_p up to 512,
-else all of O_p (a block equal to the whole dimension is always legal). P R and R are whole
+128 dividing K up to block_k (2048), else all of K; bn the largest multiple of 128 dividing O_p
+up to block_n (2048: few column steps, the [R, bn] B block is small), else all of O_p (a block
+equal to the whole dimension is always legal). These sizes are not tuned on a chip (none here):
+a long prefill in blocks of 16 rows takes many small grid steps, and larger blocks for large T
+are the first thing to measure. P R and R are whole
 dimensions of their blocks. VMEM per step (bf16, K = 14336 -> bk = 2048, P R = 48 in 128 lanes):
 x 2 x 16 x 2048 x 2 + A 2 x 2048 x 128 x 2 + accumulator and output: under 1.3 MiB.
 
@@ -119,13 +123,13 @@ def sgmv_shrink(x: jax.Array, a: jax.Array, block_slot: jax.Array, *, block: int
         ),
         compiler_params=compiler_params("parallel", "arbitrary"),
         interpret=interpret,
-        cost_estimate=common.cost_estimate(rows, K, PR, slots_read=min(nb, a.shape[0] - 1), itemsize=a.dtype.itemsize,
+        cost_estimate=common.cost_estimate(rows, K, PR, matrices_read=nb, itemsize=a.dtype.itemsize,  # A: once per block
                                            out_itemsize=a.dtype.itemsize),
         name="lora_sgmv_shrink",
     )(block_slot, x.astype(a.dtype), a)
 
 
-def sgmv_expand(xa: jax.Array, b: jax.Array, block_slot: jax.Array, *, block: int, block_n: int = 512,
+def sgmv_expand(xa: jax.Array, b: jax.Array, block_slot: jax.Array, *, block: int, block_n: int = 2048,
                 interpret=False) -> jax.Array:
     """xa [nb * block, R] grouped, b [N, R, O], block_slot [nb] -> float32 [nb * block, O]."""
     rows, R = xa.shape
@@ -145,17 +149,18 @@ def sgmv_expand(xa: jax.Array, b: jax.Array, block_slot: jax.Array, *, block: in
         ),
         compiler_params=compiler_params("parallel", "parallel"),
         interpret=interpret,
-        cost_estimate=common.cost_estimate(rows, R, O, slots_read=min(nb, b.shape[0] - 1), itemsize=b.dtype.itemsize,
-                                           out_itemsize=4),
+        cost_estimate=common.cost_estimate(rows, R, O, matrices_read=min(nb, b.shape[0] - 1), itemsize=b.dtype.itemsize,
+                                           out_itemsize=4),  # B: once per run of one slot's blocks
         name="lora_sgmv_expand",
     )(block_slot, xa.astype(b.dtype), b)
 
 
 @functools.partial(jax.jit, static_argnames=("block", "block_k", "block_n", "interpret"))
 def lora_delta(x: jax.Array, a: jax.Array, bs, slot: jax.Array, *, block: int | None = None, block_k: int = 2048,
-               block_n: int = 512, interpret=False) -> jax.Array:
+               block_n: int = 2048, interpret=False) -> jax.Array:
     """See the module docstring. block: tokens per block (default: the stacks' sublane tile);
-    block_k / block_n: the largest K / O_p block tried (a multiple of 128 dividing the dimension)."""
+    block_k / block_n: the largest K / O_p block tried (a multiple of 128 dividing the dimension;
+    with none up to the limit, the whole dimension)."""
     _, R = check_inputs(x, a, bs, slot)
     block = block or 8 * 4 // a.dtype.itemsize
     if interpret:
