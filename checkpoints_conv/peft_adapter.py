@@ -6,9 +6,10 @@
 
 The delta of a targeted projection is x @ A^T @ B^T * scale. Refused, with a message naming the
 adapter and the feature: DoRA, adapters on the embeddings or the LM head (or any module outside
-q/k/v/o/gate/up/down, or outside q/k/v/o on a MoE model, whose experts take no adapter), `modules_to_save`, per-module rank or alpha patterns, LoRA biases,
-`layers_to_transform`, a rank above `max_rank`, a layer index the model lacks, and files that
-are missing or malformed. Only safetensors are read (never a pickle: adapter_model.bin is refused).
+q/k/v/o/gate/up/down, or outside q/k/v/o on a MoE model, whose experts take no adapter),
+`modules_to_save`, per-module rank or alpha patterns, LoRA biases, `layers_to_transform`, a rank
+above `max_rank`, a layer index the model lacks, and files that are missing or malformed. Only
+safetensors are read (never a pickle: adapter_model.bin is refused).
 """
 
 from __future__ import annotations

@@ -40,14 +40,12 @@ from jaxinfer.models.param_layout import num_kv_heads_stored, param_columns
 A_BLOCKS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 B_NAME = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-
 
 def served_modules(config: ModelConfig) -> tuple[str, ...]:
     """The projections an adapter may change: all seven, or on a MoE model the attention's (its
     MLP is experts, which take no adapter here)."""
-    return ATTENTION_MODULES if config.is_moe else ATTENTION_MODULES + MLP_MODULES
+    attention = A_BLOCKS["qkv"] + A_BLOCKS["o"]
+    return attention if config.is_moe else tuple(B_NAME)
 
 
 LORA_AXES = {
@@ -100,9 +98,10 @@ def fuse_adapter(config: ModelConfig, table: LoraTable, weights: dict, scale: fl
     out = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
     R = table.rank
     qkv_columns = param_columns(config, tp)["layers.qkv_proj"]
+    served = served_modules(config)
     for (layer, module), (a, b) in weights.items():
-        if module not in served_modules(config):
-            raise ValueError(f"LoRA on {module} is not served on {config.model_type} (only {', '.join(served_modules(config))})")
+        if module not in served:
+            raise ValueError(f"LoRA on {module} is not served on {config.model_type} (only {', '.join(served)})")
         r = a.shape[0]
         proj = next(p for p, modules in A_BLOCKS.items() if module in modules)
         block = A_BLOCKS[proj].index(module)

@@ -33,7 +33,6 @@ class Grouping:
     rows: jax.Array  # [num_blocks * block] int32: the token in each grouped row (T: a padding row)
     block_slot: jax.Array  # [num_blocks] int32: each block's slot (0: no token of an adapter)
     position: jax.Array  # [T] int32: each token's grouped row (meaningless for slot 0)
-    block: int
 
     @property
     def num_blocks(self) -> int:
@@ -65,7 +64,7 @@ def group_by_slot(slot: jax.Array, num_slots: int, block: int) -> Grouping:
     block_start = jnp.arange(nb, dtype=jnp.int32) * block
     owner = jnp.searchsorted(group_end, block_start, side="right").astype(jnp.int32)  # first group ending after it
     block_slot = jnp.where(owner < num_slots, owner, 0)
-    return Grouping(rows, block_slot, position, block)
+    return Grouping(rows, block_slot, position)
 
 
 def gather_rows(x: jax.Array, grouping: Grouping) -> jax.Array:

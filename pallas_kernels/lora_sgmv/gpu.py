@@ -35,22 +35,13 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels.compat import patch_interpret_mode
 from pallas_kernels.lora_sgmv import common
 from pallas_kernels.lora_sgmv.reference import check_inputs
+from pallas_kernels.triton_tiles import masked_tile
 
 BLOCK = 16  # rows per block: the smallest tensor-core dot tile
 
 
 def _pow2_at_least_16(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
-
-
-def _tile(ref, rows: int, cols: int, row_start, col_start, n_rows: int, n_cols: int, *, slot=None):
-    """Masked [n_rows, n_cols] tile from (row_start, col_start) of a 2-D ref, or of ref[slot] for a
-    3-D one; 0 past (rows, cols). (One indexer: the Triton lowering takes no `.at[...]` chains.)"""
-    row_ids = row_start + jnp.arange(n_rows)
-    col_ids = col_start + jnp.arange(n_cols)
-    mask = (row_ids < rows)[:, None] & (col_ids < cols)[None, :]
-    index = (pl.ds(row_start, n_rows), pl.ds(col_start, n_cols))
-    return plt.load(ref.at[index if slot is None else (slot, *index)], mask=mask, other=jnp.zeros((), ref.dtype))
 
 
 def _store(ref, value, row_start, col_start, cols: int):
@@ -69,8 +60,8 @@ def _shrink_kernel(block_slot_ref, x_ref, a_ref, out_ref, *, bk: int, prp: int):
 
     def k_step(step, acc):  # acc [BLOCK, prp] f32
         k0 = step * bk
-        x = _tile(x_ref, x_ref.shape[0], K, row0, k0, BLOCK, bk)  # [BLOCK, bk]
-        a = _tile(a_ref, K, PR, k0, 0, bk, prp, slot=slot)  # [bk, prp] of the block's adapter
+        x = masked_tile(x_ref, x_ref.shape[0], K, row0, k0, BLOCK, bk)  # [BLOCK, bk]
+        a = masked_tile(a_ref, K, PR, k0, 0, bk, prp, lead=slot)  # [bk, prp] of the block's adapter
         return acc + common.dot(x, a)
 
     @pl.when(slot != 0)
@@ -92,8 +83,8 @@ def _expand_kernel(block_slot_ref, xa_ref, b_ref, out_ref, *, rp: int, bn: int):
 
     @pl.when(slot != 0)
     def _product():
-        xa = _tile(xa_ref, xa_ref.shape[0], R, row0, 0, BLOCK, rp)  # [BLOCK, rp]
-        b = _tile(b_ref, R, O, 0, col0, rp, bn, slot=slot)  # [rp, bn] of the block's adapter
+        xa = masked_tile(xa_ref, xa_ref.shape[0], R, row0, 0, BLOCK, rp)  # [BLOCK, rp]
+        b = masked_tile(b_ref, R, O, 0, col0, rp, bn, lead=slot)  # [rp, bn] of the block's adapter
         _store(out_ref, common.dot(xa, b), row0, col0, O)
 
     @pl.when(slot == 0)

@@ -55,6 +55,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels.compat import patch_interpret_mode
 from pallas_kernels import cost
 from pallas_kernels.quantized_matmul.reference import check_matmul_inputs
+from pallas_kernels.triton_tiles import masked_tile
 
 SMALL_M = 16  # the smallest tile a tensor-core dot takes; decode batches are padded (masked) up to it
 
@@ -70,14 +71,6 @@ def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _tile(ref, rows: jax.Array, cols: jax.Array, row_start, col_start, n_rows: int, n_cols: int):
-    """Masked [n_rows, n_cols] tile of a 2-D ref starting at (row_start, col_start); 0 outside the array."""
-    row_ids = row_start + jnp.arange(n_rows)
-    col_ids = col_start + jnp.arange(n_cols)
-    mask = (row_ids < rows)[:, None] & (col_ids < cols)[None, :]
-    return plt.load(ref.at[pl.ds(row_start, n_rows), pl.ds(col_start, n_cols)], mask=mask, other=jnp.zeros((), ref.dtype))
-
-
 # ----------------------------------------------------------------------------- kernels
 def _per_column_kernel(x_ref, w_ref, scale_ref, out_ref, *, bm: int, bn: int, bk: int):
     """int8 / fp8. x_ref [M, K], w_ref [K, N], scale_ref [N] f32, out_ref [M, N] (whole arrays)."""
@@ -88,8 +81,8 @@ def _per_column_kernel(x_ref, w_ref, scale_ref, out_ref, *, bm: int, bn: int, bk
 
     def k_step(step, acc):                                   # acc [bm, bn] f32
         k0 = step * bk
-        x = _tile(x_ref, M, K, m0, k0, bm, bk)               # [bm, bk]
-        w = _tile(w_ref, K, N, k0, n0, bk, bn)               # [bk, bn] int8 | fp8
+        x = masked_tile(x_ref, M, K, m0, k0, bm, bk)         # [bm, bk]
+        w = masked_tile(w_ref, K, N, k0, n0, bk, bn)         # [bk, bn] int8 | fp8
         return acc + _dot(x, w.astype(x.dtype))              # the cast is exact
 
     acc = jax.lax.fori_loop(0, pl.cdiv(K, bk), k_step, jnp.zeros((bm, bn), jnp.float32))
@@ -123,8 +116,8 @@ def _grouped_kernel(*refs, planes: int, has_offsets: bool, bm: int, bn: int, bk:
         for g_in_step in range(bk // group_size):            # static: bk / group_size groups per step
             group = step * (bk // group_size) + g_in_step
             r0 = group * plane_g                             # first row of this group in each plane
-            xs = [_tile(x_ref, M, plane_k, m0, r0, bm, plane_g) for x_ref in x_refs]    # [bm, g / planes] each
-            stored = _tile(w_ref, plane_k, N, r0, n0, plane_g, bn).astype(jnp.int32)    # [g / planes, bn]
+            xs = [masked_tile(x_ref, M, plane_k, m0, r0, bm, plane_g) for x_ref in x_refs]    # [bm, g / planes] each
+            stored = masked_tile(w_ref, plane_k, N, r0, n0, plane_g, bn).astype(jnp.int32)    # [g / planes, bn]
             bias = 0 if offset_ref is not None else 8        # int4 with offsets: the nibble is v as it is
             values = ((stored & 0x0F) - bias, (stored >> 4) - bias) if planes == 2 else (stored,)
             partial = sum(_dot(x, v.astype(x_dtype)) for x, v in zip(xs, values))      # exact integers

@@ -55,21 +55,13 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels.compat import patch_interpret_mode
 from pallas_kernels.swiglu_matmul import common
 from pallas_kernels.swiglu_matmul.reference import check_inputs
+from pallas_kernels.triton_tiles import masked_tile
 
 SMALL_M = 16  # the smallest tile a tensor-core dot takes; decode batches are padded (masked) up to it
 
 
 def _is_power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
-
-
-def _tile(ref, rows: int, cols: int, row_start, col_start, n_rows: int, n_cols: int):
-    """Masked [n_rows, n_cols] tile of a 2-D ref starting at (row_start, col_start); 0 at rows >= rows
-    or columns >= cols."""
-    row_ids = row_start + jnp.arange(n_rows)
-    col_ids = col_start + jnp.arange(n_cols)
-    mask = (row_ids < rows)[:, None] & (col_ids < cols)[None, :]
-    return plt.load(ref.at[pl.ds(row_start, n_rows), pl.ds(col_start, n_cols)], mask=mask, other=jnp.zeros((), ref.dtype))
 
 
 def _swiglu_kernel(x_ref, w_ref, out_ref, *, bm: int, bn: int, bk: int):
@@ -82,9 +74,9 @@ def _swiglu_kernel(x_ref, w_ref, out_ref, *, bm: int, bn: int, bk: int):
     def k_step(step, accs):  # accs: gate, up [bm, bn] f32
         gate_acc, up_acc = accs
         k0 = step * bk
-        x = _tile(x_ref, M, K, m0, k0, bm, bk)  # [bm, bk]
-        gate = _tile(w_ref, K, N, k0, n0, bk, bn)  # [bk, bn], columns n0.. of the gate half
-        up = _tile(w_ref, K, 2 * N, k0, N + n0, bk, bn)  # [bk, bn], the same columns of the up half
+        x = masked_tile(x_ref, M, K, m0, k0, bm, bk)  # [bm, bk]
+        gate = masked_tile(w_ref, K, N, k0, n0, bk, bn)  # [bk, bn], columns n0.. of the gate half
+        up = masked_tile(w_ref, K, 2 * N, k0, N + n0, bk, bn)  # [bk, bn], the same columns of the up half
         return gate_acc + common.dot(x, gate), up_acc + common.dot(x, up)
 
     zeros = jnp.zeros((bm, bn), jnp.float32)
