@@ -23,6 +23,7 @@ _EXPORTS = {
     "RequestOutput": "jaxinfer.outputs",
     "CompletionOutput": "jaxinfer.outputs",
     "Logprob": "jaxinfer.outputs",
+    "RequestFailedError": "jaxinfer.outputs",
     "ModelConfig": "jaxinfer.config",
 }
 __all__ = list(_EXPORTS)

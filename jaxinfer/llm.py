@@ -15,7 +15,7 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.spec_decode import SpeculativeConfig
 from jaxinfer.lora_request import LoRARequest
-from jaxinfer.outputs import RequestOutput
+from jaxinfer.outputs import RequestFailedError, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.startup import PhaseClock
 from jaxinfer.tokenizer import cache_root
@@ -180,15 +180,27 @@ class LLM:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(request_ids), desc="Generating", unit="req", leave=False)
-        while len(finished) < len(request_ids):
-            for out in self.engine.step():
-                if out.finished and out.request_id in request_ids:
-                    finished[out.request_id] = out
-                    if bar:
-                        bar.update(1)
-        if bar:
-            bar.close()
+        try:
+            while len(finished) < len(request_ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in request_ids:
+                        self._raise_if_failed(out, request_ids)
+                        finished[out.request_id] = out
+                        if bar:
+                            bar.update(1)
+        finally:  # an error (or an interrupt) leaves none of these requests queued
+            for request_id in request_ids:
+                if request_id not in finished:
+                    self.engine.abort_request(request_id)
+            if bar:
+                bar.close()
         return [finished[r] for r in request_ids]
+
+    @staticmethod
+    def _raise_if_failed(out: RequestOutput, request_ids: list[str]) -> None:
+        if out.error is not None:
+            raise RequestFailedError(f"prompt {request_ids.index(out.request_id)} (request {out.request_id!r}) "
+                                     f"failed: {out.error}")
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list:
         """Beam search over the engine (see jaxinfer.beam_search); returns one BeamSearchOutput per prompt."""
@@ -203,14 +215,15 @@ class LLM:
         """Like `generate`, but yields each RequestOutput as it advances (text so far, finished flag),
         so callers can print tokens as they come. Stopping the iteration aborts what is left."""
         prompts, params = self._pair(prompts, sampling_params)
-        request_ids = set(self._add_requests(prompts, params))
+        request_ids = self._add_requests(prompts, params)
         remaining = set(request_ids)
         try:
             while remaining:
                 for out in self.engine.step():
-                    if out.request_id in request_ids:
+                    if out.request_id in remaining:
                         if out.finished:
                             remaining.discard(out.request_id)
+                            self._raise_if_failed(out, request_ids)
                         yield out
         finally:
             for request_id in remaining:

@@ -24,7 +24,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[PositionLogprobs] | None
-    finish_reason: str | None = None  # "stop" | "length" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
@@ -40,3 +40,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: Any = None  # engine.request.RequestMetrics: arrival, first token, finish; ttft / tpot / e2e
+    error: str | None = None  # set when the engine failed the request (finish_reason "error"): why
+
+
+class RequestFailedError(RuntimeError):
+    """A request the engine failed (its RequestOutput.error); `LLM.generate` raises it after
+    aborting its other requests."""

@@ -25,6 +25,16 @@ last hidden states). Its chunk is its newest token plus the drafts; the rows ver
 device (rejection sampling) and reading the step keeps the accepted drafts plus one token,
 rewinding the rest (`BlockManager.truncate`).
 
+Failures: a step that raises never leaves the engine broken. Work that belongs to one request
+(planning its chunk, its grammar's mask, its LoRA slot, packing its rows, reading its results)
+fails that request alone: it finishes with reason "error" and `Request.error` says why, and the
+step goes on without it. A failure that belongs to no one request (launching or reading the
+step on the device, scheduling, drafting) fails the requests of the steps in play (the one being
+read and the one dispatched after it); the in-flight step is discarded, and if the failure
+consumed the KV pool (donated to a program that did not finish) the pool is re-created and every
+other running sequence is recomputed from its tokens. Waiting requests are untouched; the next
+step runs as if the failed requests had been aborted.
+
 Threads: `add`, `abort` and `has_unfinished` may be called from any thread while another drives
 `step()`; one lock serializes them with the step (they wait for a running step to end).
 """
@@ -32,6 +42,7 @@ Threads: `add`, `abort` and `has_unfinished` may be called from any thread while
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 
@@ -49,6 +60,8 @@ from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxinfer.engine.seeds import child_seed
 from jaxinfer.engine.spec_decode import draft_budget, replica_speculates
 from jaxinfer.engine.step_plan import plan_chunk
+
+logger = logging.getLogger("jaxinfer")
 
 
 @dataclasses.dataclass
@@ -93,6 +106,7 @@ class EngineCore:
         self._arrived = threading.Condition(self._lock)
         self._inflight: _InFlight | None = None
         self._draft_buffer = None  # this step's draft distributions (a draft model's), on the device
+        self._in_play: list[list[SchedulerOutput]] = []  # the steps a failure now would fail (see _recover)
         self.num_processed = 0  # steps read back so far
         self.last_hidden = None  # [replicas, R, H] hidden states of the last step read (draft heads read them)
         self.num_steps = self.num_prompt_tokens_computed = 0
@@ -138,31 +152,89 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[Request]:
-        """Runs one iteration; returns the requests it advanced (see the module docstring)."""
+        """Runs one iteration; returns the requests it advanced, failed ones included (see the
+        module docstring)."""
         with self._lock:
             advanced: dict[str, Request] = {}
-            previous, self._inflight = self._inflight, None
-            if previous is not None and previous.must_sync:
-                self._process(previous, advanced)
-                previous = None
-            if self.proposer is not None:
-                self._propose_drafts()
-            plans = [replica.scheduler.schedule() for replica in self.replicas]
-            for plan in plans:
-                for seq in plan.preempted:
-                    if seq.spec is not None:
-                        seq.spec.draft_computed = 0  # its pages are gone, the draft model's too
-            if any(plan.scheduled for plan in plans):
-                self._inflight = self._dispatch(plans)
-            if previous is not None:
-                self._process(previous, advanced)
-            if self._inflight is None and previous is None and not advanced:
+            try:
+                self._step(advanced)
+            except Exception as error:  # noqa: BLE001 - a failed step fails its requests, the engine goes on
+                self._recover(error, advanced)
+            if self._inflight is None and not advanced:
                 if any(r.scheduler.waiting and not r.scheduler.running for r in self.replicas):
                     raise RuntimeError("no waiting request fits in the KV cache; raise num_pages")  # validation prevents this
             return list(advanced.values())
 
-    def _dispatch(self, plans: list[SchedulerOutput]) -> _InFlight:
-        """Page copies and swaps, then one step for every replica's plan."""
+    def _step(self, advanced: dict[str, Request]) -> None:
+        previous, self._inflight = self._inflight, None
+        self._in_play = [previous.plans] if previous is not None else []
+        if previous is not None and previous.must_sync:
+            self._process(previous, advanced)
+            previous, self._in_play = None, []
+        if self.proposer is not None:
+            self._propose_drafts()
+        plans = [replica.scheduler.schedule() for replica in self.replicas]
+        self._in_play.append(plans)
+        for plan in plans:
+            for seq in plan.preempted:
+                if seq.spec is not None:
+                    seq.spec.draft_computed = 0  # its pages are gone, the draft model's too
+        if any(plan.scheduled for plan in plans):
+            self._inflight = self._dispatch(plans, advanced)
+        if previous is not None:
+            self._process(previous, advanced)
+        self._in_play = []
+
+    # ------------------------------------------------------------------ failures
+    def _fail(self, request: Request, error: BaseException | str, advanced: dict[str, Request]) -> None:
+        """Finishes a request with reason "error" (its pages freed, nothing of it left queued)."""
+        if request.finished:
+            return
+        request.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        logger.error("request %r failed: %s", request.request_id, request.error)
+        for seq in request.seqs:
+            if seq.finished:
+                continue
+            seq.finish_reason = "error"
+            if seq.pending:  # tokens of steps that will never be read
+                del seq.token_ids[min(seq.pending):]
+                seq.pending.clear()
+            self._scheduler(seq).finish(seq)
+        request.metrics.finished_time = time.time()
+        self.requests.pop(request.request_id, None)
+        advanced[request.request_id] = request
+
+    def _recover(self, error: Exception, advanced: dict[str, Request]) -> None:
+        """A failure no single request owns: the requests of the steps in play fail, the
+        in-flight step is dropped, and a consumed KV pool is re-created (the sequences that held
+        pages in it start over from their tokens)."""
+        logger.error("engine step failed; failing the requests of the steps in play", exc_info=error)
+        message = f"the engine step failed: {type(error).__name__}: {error}"
+        self._inflight, self._draft_buffer = None, None
+        for plans in self._in_play:
+            for plan in plans:
+                for s in plan.scheduled:
+                    self._fail(s.seq.request, message, advanced)
+                for seq, _, _ in plan.swap_out:
+                    if seq.swapped is None:  # preempted to host memory, but its pages were never read
+                        self._fail(seq.request, message, advanced)
+        self._in_play = []
+        if self.runner.recover():
+            logger.error("the KV cache was lost with the failed step: re-created, running sequences recomputed")
+            for replica in self.replicas:
+                for seq in replica.scheduler.requeue_running():
+                    if seq.spec is not None:
+                        seq.spec.draft_computed = 0
+                replica.block_manager.reset_prefix_cache()
+
+    @staticmethod
+    def _drop_failed(plans: list[SchedulerOutput]) -> None:
+        for plan in plans:
+            plan.scheduled = [s for s in plan.scheduled if not s.seq.finished]
+
+    def _dispatch(self, plans: list[SchedulerOutput], advanced: dict[str, Request]) -> _InFlight | None:
+        """Page copies and swaps, then one step for every replica's plan. A request whose own part
+        of the step cannot be built fails alone (`_fail`); None if no request is left to run."""
         copies = []
         for r, (plan, replica) in enumerate(zip(plans, self.replicas)):
             for seq, pages, num_computed in plan.swap_out:  # before anything can overwrite the freed pages
@@ -173,19 +245,28 @@ class EngineCore:
                 seq.swapped = None
             copies += [(r, copy) for copy in plan.page_copies]
             for s in plan.scheduled:
-                s.chunk = plan_chunk(s, replica.block_manager.page_table(s.seq.seq_id), self.output.eos_token_ids)
+                try:
+                    s.chunk = plan_chunk(s, replica.block_manager.page_table(s.seq.seq_id), self.output.eos_token_ids)
+                except Exception as error:  # noqa: BLE001 - this request's own failure
+                    self._fail(s.seq.request, error, advanced)
         if copies:
             self.runner.copy_pages(copies)
-        entries = [s for plan in plans for s in plan.scheduled]
-        self._fill_allowed_tokens([s for s in entries if s.seq.grammar is not None and s.samples])
+        self._drop_failed(plans)
+        self._fill_allowed_tokens([s for plan in plans for s in plan.scheduled if s.seq.grammar is not None and s.samples],
+                                  advanced)
+        self._drop_failed(plans)
         if self.lora is not None:  # every adapter of the step in a slot (the scheduler kept them <= max_loras)
-            in_use = {s.seq.lora_id for s in entries}
-            for s in entries:
-                s.chunk.chunk.lora_slot = self.lora.slot(s.seq.lora_id, in_use)
-        want_logprobs = any(s.seq.request.params.logprobs is not None or s.seq.request.wants_prompt_logprobs for s in entries)
-        drafts_sampled = any(s.chunk.sampling.draft_src for s in entries)
-        handle = self.runner.dispatch([[s.chunk for s in plan.scheduled] for plan in plans], want_logprobs=want_logprobs,
-                                      draft_buffer=self._draft_buffer if drafts_sampled else None)
+            in_use = {s.seq.lora_id for plan in plans for s in plan.scheduled}
+            for s in (s for plan in plans for s in plan.scheduled):
+                try:
+                    s.chunk.chunk.lora_slot = self.lora.slot(s.seq.lora_id, in_use)
+                except Exception as error:  # noqa: BLE001 - its adapter could not be loaded
+                    self._fail(s.seq.request, error, advanced)
+            self._drop_failed(plans)
+        packed = self._pack(plans, advanced)
+        if packed is None:
+            return None
+        handle = self.runner.launch(packed, self._draft_buffer)
         self.num_steps += 1
         inflight = _InFlight(plans, handle)
         for plan, replica in zip(plans, self.replicas):
@@ -194,16 +275,55 @@ class EngineCore:
                 inflight.must_sync |= self._dispatched(s, speculates)
         return inflight
 
-    def _fill_allowed_tokens(self, constrained: list[ScheduledSeq]) -> None:
+    def _pack(self, plans: list[SchedulerOutput], advanced: dict[str, Request]):
+        """The step's host arrays (ModelRunner.pack). If packing fails, each chunk is packed
+        alone to find the ones at fault; their requests fail and the rest is packed again. A
+        failure no single chunk causes is raised (the whole step fails)."""
+        while any(plan.scheduled for plan in plans):
+            entries = [s for plan in plans for s in plan.scheduled]
+            want_logprobs = any(s.seq.request.params.logprobs is not None or s.seq.request.wants_prompt_logprobs
+                                for s in entries)
+            drafts_sampled = self._draft_buffer is not None and any(s.chunk.sampling.draft_src for s in entries)
+
+            def pack(chunks):
+                return self.runner.pack(chunks, want_logprobs=want_logprobs, with_draft_src=drafts_sampled)
+
+            try:
+                return pack([[s.chunk for s in plan.scheduled] for plan in plans])
+            except Exception as error:  # noqa: BLE001 - find whose chunk it is
+                culprits = []
+                for r, plan in enumerate(plans):
+                    for s in plan.scheduled:
+                        try:
+                            pack([[s.chunk] if i == r else [] for i in range(len(plans))])
+                        except Exception as own:  # noqa: BLE001
+                            culprits.append((s, own))
+                if not culprits:
+                    raise error
+                for s, own in culprits:
+                    self._fail(s.seq.request, own, advanced)
+                self._drop_failed(plans)
+        return None
+
+    def _fill_allowed_tokens(self, constrained: list[ScheduledSeq], advanced: dict[str, Request]) -> None:
         """Each constrained sampling chunk's bitmask of allowed tokens, from its sequence's
         matcher, which has taken every token so far (such a step is read before the next one is
-        scheduled: `_dispatched`). One parallel call for the whole step."""
+        scheduled: `_dispatched`). One parallel call for the whole step; if it fails, one call
+        per sequence finds the matchers at fault, whose requests fail."""
         if not constrained:
             return
         masks = np.empty((len(constrained), self.grammar.num_words), np.int32)
-        self.grammar.fill_bitmasks([s.seq.grammar for s in constrained], masks)
+        try:
+            self.grammar.fill_bitmasks([s.seq.grammar for s in constrained], masks)
+        except Exception:  # noqa: BLE001 - find the matcher at fault
+            for i, s in enumerate(constrained):
+                try:
+                    self.grammar.fill_bitmasks([s.seq.grammar], masks[i : i + 1])
+                except Exception as error:  # noqa: BLE001
+                    self._fail(s.seq.request, error, advanced)
         for s, mask in zip(constrained, masks):
-            s.chunk.sampling.allowed_tokens = mask
+            if not s.seq.finished:
+                s.chunk.sampling.allowed_tokens = mask
 
     def _dispatched(self, s: ScheduledSeq, speculates: bool) -> bool:
         """Advances a sequence past its dispatched chunk (its sampled token PENDING on the device);
@@ -236,10 +356,13 @@ class EngineCore:
             for s in plan.scheduled:
                 if s.seq.finished:  # finished or aborted after this step was dispatched
                     continue
-                if s.num_draft:
-                    self._verified(s, now)
-                else:
-                    self._advance(s, now)
+                try:
+                    if s.num_draft:
+                        self._verified(s, now)
+                    else:
+                        self._advance(s, now)
+                except Exception as error:  # noqa: BLE001 - reading this request's results failed: it alone fails
+                    self._fail(s.seq.request, error, advanced)
                 touched[s.seq.request.request_id] = s.seq.request
         for request in touched.values():
             if request.finished:

@@ -87,6 +87,18 @@ class RowResult:
 
 
 @dataclasses.dataclass
+class PackedStep:
+    """A step's host-side inputs, ready to launch (ModelRunner.pack)."""
+
+    key: BucketKey
+    batch: RaggedBatch  # [replicas, ...] host arrays
+    sampling: SamplingTensors
+    draft_src: np.ndarray | None  # [replicas, R] rows of the draft buffer, or None
+    chunks: list[list[ScheduledChunk]]  # per replica
+    want_logprobs: bool
+
+
+@dataclasses.dataclass
 class InFlightStep:
     """A dispatched step whose results have not been read yet."""
 
@@ -103,6 +115,8 @@ class ModelRunner:
         self.graphdef = graphdef
         self.params = params
         self.kv = kv
+        # the pool's shapes, dtypes and shardings, to re-create it if a failed step consumed it (recover)
+        self._kv_layout = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), kv)
         self.buckets = buckets
         self.num_top_logprobs = num_top_logprobs
         self.step_fn = StepFunction(graphdef, num_top_logprobs, max_rows=buckets.max_tokens, mesh=mesh, param_specs=param_specs,
@@ -154,6 +168,13 @@ class ModelRunner:
         sampling distribution (`InFlightStep.out.probs`, on the device: a draft model's q).
         `draft_buffer` [replicas, N, V]: draft distributions the chunks' `draft_src` rows point into.
         """
+        return self.launch(self.pack(scheduled, want_logprobs=want_logprobs, return_probs=return_probs,
+                                     with_draft_src=draft_buffer is not None), draft_buffer)
+
+    def pack(self, scheduled: Sequence[Sequence[ScheduledChunk]], *, want_logprobs: bool = False,
+             return_probs: bool = False, with_draft_src: bool = False) -> "PackedStep":
+        """The host half of `dispatch`: the step's input arrays (nothing runs on the device, the
+        runner's state is untouched, so a failure here leaves the engine as it was)."""
         if len(scheduled) != self.num_replicas:
             raise ValueError(f"got chunks for {len(scheduled)} replicas, the runner has {self.num_replicas}")
         key = shared_key([[s.chunk for s in chunks] for chunks in scheduled], self.buckets)
@@ -178,16 +199,21 @@ class ModelRunner:
         if return_probs:
             sampling.return_probs = np.ones((self.num_replicas, 1), bool)
         src = None
-        if draft_buffer is not None:
+        if with_draft_src:
             src = np.full((self.num_replicas, key.num_logits), -1, np.int32)
             for i, (chunks, replica_rows) in enumerate(zip(scheduled, rows_of_chunk)):
                 for s, rows in zip(chunks, replica_rows):
                     if s.sampling.draft_src:
                         src[i, rows] = s.sampling.draft_src
+        return PackedStep(key, batch, sampling, src, [list(chunks) for chunks in scheduled], want_logprobs)
+
+    def launch(self, packed: "PackedStep", draft_buffer: jax.Array | None = None) -> "InFlightStep":
+        """The device half of `dispatch`: runs the packed step, the cache donated."""
+        key, batch, sampling = packed.key, packed.batch, packed.sampling
         if not self.pass_host_inputs:
             batch, sampling = self._put((batch, sampling))
-        if src is not None:
-            sampling.draft_probs = _gather_rows(draft_buffer, self._put(src))
+        if packed.draft_src is not None:
+            sampling.draft_probs = _gather_rows(draft_buffer, self._put(packed.draft_src))
         self.keys_seen.add(key)
         compiles_before = self.step_fn.num_compiles
         t0 = time.perf_counter()
@@ -197,7 +223,21 @@ class ModelRunner:
         )
         if self.step_fn.num_compiles != compiles_before:  # tracing and compiling happen at dispatch
             self.compile_seconds[key] = time.perf_counter() - t0
-        return InFlightStep(out, [list(chunks) for chunks in scheduled], want_logprobs)
+        return InFlightStep(out, packed.chunks, packed.want_logprobs)
+
+    def recover(self) -> bool:
+        """After a step (or a page copy) that failed: re-creates the KV pool and the token buffer
+        if the failure consumed them (the pool was donated to a program that did not finish, or
+        they are the outputs of one that failed). Returns whether the pool was re-created: every
+        page's contents are then gone and every sequence holding pages must be recomputed."""
+        if not _usable(self.token_buffer):
+            self.token_buffer = self._put(np.zeros((self.num_replicas, self.buckets.max_tokens), np.int32))
+        if _usable(self.kv):
+            return False
+        spec = self._kv_layout
+        self.kv = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec),
+                          out_shardings=jax.tree.map(lambda s: s.sharding, spec))()
+        return True
 
     def collect(self, step: "InFlightStep") -> None:
         """Waits for a dispatched step and fills each chunk's `results`: one RowResult per logits
@@ -363,6 +403,17 @@ def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int, with_lor
 
 
 @jax.jit
+def _usable(tree) -> bool:
+    """Whether every array of `tree` is alive and was computed without error."""
+    try:
+        if any(a.is_deleted() for a in jax.tree.leaves(tree)):
+            return False
+        jax.block_until_ready(tree)
+        return True
+    except Exception:  # noqa: BLE001 - an array whose computation failed raises its error here
+        return False
+
+
 def _gather_rows(buffer: jax.Array, src: jax.Array) -> jax.Array:
     """buffer [replicas, N, V], src [replicas, R] (-1: any row) -> [replicas, R, V]."""
     return jax.vmap(lambda b, s: b[jnp.maximum(s, 0)])(buffer, src)

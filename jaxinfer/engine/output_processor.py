@@ -118,4 +118,5 @@ class OutputProcessor:
             ],
             finished=request.finished,
             metrics=request.metrics,
+            error=request.error,
         )

@@ -137,7 +137,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     output_logprobs: list[PositionLogprobs] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""
@@ -202,11 +202,12 @@ class Request:
     forked: bool = False  # the n completions exist
     replica: int = 0  # the data-parallel replica its sequences run on (its pages live there)
     lora: "LoRARequest | None" = None  # the LoRA adapter it runs with (None: the base model)
+    error: str | None = None  # why the engine failed it (its sequences' finish_reason is "error")
 
     @property
     def finished(self) -> bool:
         done = all(s.finished for s in self.seqs)
-        return done and (self.forked or any(s.finish_reason == "abort" for s in self.seqs))
+        return done and (self.forked or any(s.finish_reason in ("abort", "error") for s in self.seqs))
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -105,6 +105,14 @@ class Scheduler:
             self.block_manager.free(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
 
+    def requeue_running(self) -> list[Sequence]:
+        """Every running sequence back to the queue, to be computed again from its tokens (the
+        KV pool they held pages in was lost: EngineCore._recover). Returns them."""
+        requeued = list(self.running)
+        for seq in requeued:
+            self._preempt(seq)
+        return requeued
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -74,8 +74,8 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
         return _error(e)
 
     @app.get("/health")
-    async def health():
-        return Response(status_code=200)
+    async def health():  # 503 while the engine cannot step (its last step raised)
+        return Response(status_code=200 if engine.healthy else 503)
 
     @v1.get("/models")
     async def models():

@@ -11,9 +11,13 @@ stops early: a client that disconnects, a timeout) to the inbox. Each iteration 
 loop drains the inbox, applies its events, and steps while any request is unfinished (sleeping
 on the inbox otherwise); each RequestOutput goes to the asyncio queue of its request
 (`loop.call_soon_threadsafe`). So adding or aborting never waits for a running step, and an
-aborted request's pages are free before the next step is scheduled. A step that raises fails
-the requests it held (each consumer gets the error, HTTP 500; they are aborted) and the loop goes
-on with the rest.
+aborted request's pages are free before the next step is scheduled.
+
+Failures: the engine fails a request whose step failed (EngineCore: that request alone when the
+failure is its own, else the requests of the steps in play) and goes on; its consumer gets
+`EngineFailed` (HTTP 500), every other request runs on. Should a step raise all the same (the
+engine could not recover), every request gets the error and `healthy` is False (`/health`
+answers 503) until a step succeeds again. No exception ends the engine thread.
 
 On several processes (`publisher`, jaxinfer.server.lockstep) each iteration's events are
 published before they are applied, so that the other processes replay them and step with this one.
@@ -55,6 +59,7 @@ class AsyncEngine:
         self._posted = threading.Condition(self._lock)
         self._stop = threading.Event()
         self._ids = itertools.count()
+        self._step_error: str | None = None  # why the last step raised; None once one succeeds
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
 
     def start(self) -> None:
@@ -66,6 +71,11 @@ class AsyncEngine:
             self._stop.set()
             self._posted.notify_all()
         self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        """The engine thread runs and its last step did not raise."""
+        return self._thread.is_alive() and self._step_error is None
 
     @property
     def num_waiting(self) -> int:
@@ -81,9 +91,8 @@ class AsyncEngine:
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
         while True:
-            busy = self.engine.has_unfinished_requests()
             with self._posted:
-                if not busy:
+                if not self._busy():
                     self._posted.wait_for(lambda: self._inbox or self._stop.is_set(), timeout=1.0)
                 events, self._inbox = self._inbox, []
                 stopping = self._stop.is_set()
@@ -91,18 +100,33 @@ class AsyncEngine:
                 if self.publisher is not None:
                     self.publisher.stop()
                 return
-            if self.publisher is not None:
-                self.publisher.publish(events)
-            apply(self.engine, events)
-            if not self.engine.has_unfinished_requests():
-                continue
             try:
-                outputs = self.engine.step()
-            except Exception as e:  # noqa: BLE001 - one bad step must not stop the server
+                self._iterate(events)
+            except Exception as e:  # noqa: BLE001 - the engine could not recover: fail what it holds, keep serving
                 logger.exception("engine step failed")
+                self._step_error = f"{type(e).__name__}: {e}"
                 self._fail_all(e)
-                continue
-            for out in outputs:
+                time.sleep(0.05)  # a step that keeps failing must not spin
+
+    def _busy(self) -> bool:
+        try:
+            return self.engine.has_unfinished_requests()
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _iterate(self, events: list[Event]) -> None:
+        """One iteration of the engine loop: this iteration's adds and aborts, then a step."""
+        if self.publisher is not None:
+            self.publisher.publish(events)
+        apply(self.engine, events)
+        if not self.engine.has_unfinished_requests():
+            return
+        outputs = self.engine.step()
+        self._step_error = None
+        for out in outputs:
+            if out.error is not None:  # the engine failed this request (and only it)
+                self._deliver(out.request_id, EngineFailed(out.error))
+            else:
                 self._deliver(out.request_id, out)
 
     def _post(self, event: Event) -> None:
