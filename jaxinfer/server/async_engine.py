@@ -63,6 +63,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
 
     def start(self) -> None:
+        if self.publisher is not None:
+            self.publisher.board.watch()
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -99,6 +101,7 @@ class AsyncEngine:
             if stopping:
                 if self.publisher is not None:
                     self.publisher.stop()
+                    self.publisher.board.close()
                 return
             try:
                 self._iterate(events)
@@ -106,6 +109,8 @@ class AsyncEngine:
                 logger.exception("engine step failed")
                 self._step_error = f"{type(e).__name__}: {e}"
                 self._fail_all(e)
+                if self.publisher is not None:  # the other processes cannot follow this one: the set ends
+                    self.publisher.board.end(f"process 0's step raised {self._step_error}")
                 time.sleep(0.05)  # a step that keeps failing must not spin
 
     def _busy(self) -> bool:
@@ -123,6 +128,9 @@ class AsyncEngine:
             return
         outputs = self.engine.step()
         self._step_error = None
+        failed = [out.request_id for out in outputs if out.error is not None]
+        if failed and self.publisher is not None:  # the followers must have failed the same ones
+            self.publisher.board.agree(self.publisher.num_sent - 1, failed)
         for out in outputs:
             if out.error is not None:  # the engine failed this request (and only it)
                 self._deliver(out.request_id, EngineFailed(out.error))
