@@ -108,6 +108,30 @@ def test_fully_cached_prompt_leaves_last_token_to_compute():
     bm.check_invariants()
 
 
+
+def test_max_cached_tokens_caps_the_lookup_but_not_the_registration():
+    """A sequence that needs some tokens recomputed (prompt logprobs) reuses at most that many
+    cached tokens, in whole pages; what it computes is still registered for later sequences."""
+    bm = BlockManager(num_pages=32, page_size=PS)
+    prompt = list(range(100, 117))  # 4 full pages before the last token
+    prefill(bm, "a", prompt)
+    queries = bm.stats.queries
+    assert bm.num_cached_prefix_pages(prompt, max_cached_tokens=0) == 0
+    assert bm.allocate("b", prompt, max_cached_tokens=0) == 0  # no look-up at all, as vLLM
+    assert bm.stats.queries == queries and not set(bm.page_table("b")) & set(bm.page_table("a"))
+    assert bm.num_cached_prefix_pages(prompt, max_cached_tokens=11) == 2
+    assert bm.allocate("c", prompt, max_cached_tokens=11) == 8  # whole pages within the cap
+    assert bm.allocate("d", prompt, max_cached_tokens=100) == 16  # the back-off rule still holds
+    bm.check_invariants()
+    bm.free("a")
+    bm.mark_computed("b", len(prompt), prompt)  # same content as a's pages: a's stay registered
+    bm.check_invariants()
+    fresh = list(range(200, 209))
+    bm.allocate("e", fresh, max_cached_tokens=0)
+    bm.mark_computed("e", len(fresh), fresh)  # new content: registered though it looked nothing up
+    assert bm.allocate("f", fresh) == 8
+    bm.check_invariants()
+
 def test_mark_computed_registers_pages_as_they_fill():
     bm = BlockManager(num_pages=16, page_size=PS)
     tokens = list(range(6))

@@ -67,6 +67,64 @@ def test_greedy_tokens_and_logprobs_match_transformers(llm, model_dir):
         assert len(entry) <= 3
 
 
+
+# ----------------------------------------------------------------------------- prompt logprobs and the prefix cache
+def prompt_logprob_values(out) -> list[dict[int, tuple[float, int]] | None]:
+    """An answer's prompt logprobs as plain values: per position {token id: (logprob, rank)}."""
+    return [None if e is None else {t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in out.prompt_logprobs]
+
+
+def assert_prompt_logprobs_are_the_truth(out, ids, truth, tol=1e-4):
+    """One entry per prompt token: None first, then each token's logprob as `truth` (log-softmax
+    rows of the uncached prompt) scores it."""
+    assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+    for pos in range(1, len(ids)):
+        assert abs(out.prompt_logprobs[pos][ids[pos]].logprob - truth[pos - 1][ids[pos]]) < tol, pos
+
+
+def random_ids(n, seed):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 250, n)]
+
+
+def test_a_repeated_prompt_gets_every_prompt_logprob_again(llm, model_dir):
+    """The second time, its pages are in the prefix cache: the answer is still the first's."""
+    ids = random_ids(40, seed=33)
+    p = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+    first = llm.generate(ids, p, use_tqdm=False)[0]
+    assert llm.engine.block_manager.num_cached_prefix_pages(ids) == (len(ids) - 1) // 4  # cached for the second
+    second = llm.generate(ids, p, use_tqdm=False)[0]
+    assert_prompt_logprobs_are_the_truth(first, ids, hf_logprobs(model_dir[1], ids))
+    assert len(second.prompt_logprobs) == len(ids)
+    for a, b in zip(prompt_logprob_values(first)[1:], prompt_logprob_values(second)[1:]):
+        assert a.keys() == b.keys() and all(abs(a[t][0] - b[t][0]) < 1e-5 and a[t][1] == b[t][1] for t in a)
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_a_prompt_sharing_a_cached_page_aligned_prefix_gets_every_prompt_logprob(llm, model_dir):
+    shared = random_ids(32, seed=34)  # 8 full pages
+    llm.generate(shared + random_ids(9, seed=35), GREEDY, use_tqdm=False)  # caches the shared pages
+    ids = shared + random_ids(8, seed=36)
+    assert llm.engine.block_manager.num_cached_prefix_pages(ids) == 8
+    out = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    assert_prompt_logprobs_are_the_truth(out, ids, hf_logprobs(model_dir[1], ids))
+
+
+def test_a_cached_prompt_longer_than_a_chunk_gets_every_prompt_logprob_in_each_of_n_completions(llm, model_dir):
+    """80 tokens with a 32-token budget: three chunks, the prompt's pages all cached beforehand;
+    n=2 forks after the prompt, and the request still has one entry per prompt token."""
+    ids = random_ids(80, seed=37)
+    llm.generate(ids, GREEDY, use_tqdm=False)
+    assert llm.engine.block_manager.num_cached_prefix_pages(ids) == (len(ids) - 1) // 4
+    out = llm.generate(ids, SamplingParams(n=2, temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    assert_prompt_logprobs_are_the_truth(out, ids, hf_logprobs(model_dir[1], ids))
+    assert all(len(e) == 1 for e in out.prompt_logprobs[1:])  # prompt_logprobs=0: the prompt token alone
+
+
+def test_a_one_token_prompt_has_one_prompt_logprob_entry(llm):
+    out = llm.generate([42], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]
+    assert out.prompt_logprobs == [None]
+
 def test_seeded_sampling_reproduces_whatever_shares_the_batch(llm):
     p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=8, ignore_eos=True)
     alone = llm.generate("a seeded request", p, use_tqdm=False)[0].outputs[0].token_ids

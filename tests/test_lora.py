@@ -143,6 +143,24 @@ def test_the_prefix_cache_keeps_adapters_apart(base_dir, adapters):
     assert again == with_a and llm.engine.get_stats().prefix_cache_hit_rate > 0
 
 
+
+def test_prompt_logprobs_of_an_adapter_whose_prompt_pages_are_cached(llm, base_dir, tmp_path):
+    """A request asking for prompt logprobs gets one per prompt token, the adapter's truth, even
+    when the prefix cache holds its prompt's pages under its adapter."""
+    model = make_adapter(base_dir, tmp_path / "pl", ALL, seed=7)
+    lora = LoRARequest("pl", 30, str(tmp_path / "pl"))
+    prompt = [int(t) for t in np.random.default_rng(8).integers(3, 250, 30)]  # 7 full pages before its last token
+    llm.generate([prompt], greedy(2), lora_request=lora, use_tqdm=False)  # computes and caches them
+    hits = llm.engine.block_manager.stats.hits
+    llm.generate([prompt], greedy(2), lora_request=lora, use_tqdm=False)
+    assert llm.engine.block_manager.stats.hits - hits == 7  # cached under the adapter
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), lora_request=lora,
+                       use_tqdm=False)[0]
+    truth = peft_log_softmax(model, prompt)
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    errors = [abs(out.prompt_logprobs[i][prompt[i]].logprob - truth[i - 1][prompt[i]]) for i in range(1, len(prompt))]
+    assert max(errors) < 1e-4
+
 def test_data_parallel_replicas_share_the_table(base_dir, adapters):
     """Two replicas, two slots: each replica runs one adapter at a time, the outputs are unchanged."""
     one = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, **SETTINGS)

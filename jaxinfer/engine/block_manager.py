@@ -26,6 +26,9 @@ token, i.e. the first (len(prompt) - 1) // page_size pages. The last prompt toke
 always computed (it produces the logits), and when a page-aligned prompt is entirely cached its
 last page is recomputed into a fresh page rather than being written in place: cached pages stay
 immutable and no device copy is needed, at the cost of recomputing at most one page of tokens.
+A caller that needs some tokens' outputs recomputed (prompt logprobs: a row per prompt token)
+caps the look-up with `max_cached_tokens`; the sequence's pages are still registered as they
+are computed, for later sequences to reuse.
 
 Copy-on-write. `fork` shares every page of the parent, including a partial last page. Writes
 only go to positions >= num_tokens, and the only existing page such a write can touch is the
@@ -115,17 +118,27 @@ class BlockManager:
         """Fraction of usable pages held by at least one sequence."""
         return 1.0 - self.num_free_pages / self.num_usable_pages
 
-    def num_cached_prefix_pages(self, token_ids: Sequence[int], *, salt: bytes = b"") -> int:
+    def num_cached_prefix_pages(self, token_ids: Sequence[int], *, salt: bytes = b"",
+                                max_cached_tokens: int | None = None) -> int:
         """How many leading pages of a prompt `allocate` would find in the prefix cache now (a
         read-only look-up: no stats, no state change)."""
-        if not self.enable_prefix_caching:
-            return 0
+        num_lookup = self._num_lookup(len(token_ids), max_cached_tokens)
         ps, parent = self.page_size, salt
-        for i in range((len(token_ids) - 1) // ps):
+        for i in range(num_lookup):
             parent = page_key(parent, token_ids[i * ps : (i + 1) * ps])
             if parent not in self._page_of_key:
                 return i
-        return (len(token_ids) - 1) // ps
+        return num_lookup
+
+    def _num_lookup(self, num_tokens: int, max_cached_tokens: int | None) -> int:
+        """Leading pages of a num_tokens prompt to look up: the full ones before its last token,
+        and at most max_cached_tokens tokens' worth (None: no cap)."""
+        if not self.enable_prefix_caching:
+            return 0
+        num_lookup = (num_tokens - 1) // self.page_size
+        if max_cached_tokens is not None:
+            num_lookup = min(num_lookup, max_cached_tokens // self.page_size)
+        return num_lookup
 
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -158,8 +171,10 @@ class BlockManager:
                 self._free.append(page)
 
     # ------------------------------------------------------------------ sequences
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], *, salt: bytes = b"") -> int:
-        """Reserve pages for a new sequence's prompt, reusing cached prefix pages.
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], *, salt: bytes = b"",
+                 max_cached_tokens: int | None = None) -> int:
+        """Reserve pages for a new sequence's prompt, reusing cached prefix pages (at most
+        max_cached_tokens tokens' worth; None: as many as the back-off rule allows).
 
         Returns num_cached_tokens: the prompt tokens whose K/V are already in the cache (a
         multiple of page_size, always < len(token_ids)); prefill starts there.
@@ -171,7 +186,7 @@ class BlockManager:
         ps = self.page_size
         hit_pages: list[int] = []
         keys: list[bytes] = []
-        num_lookup = (len(token_ids) - 1) // ps if self.enable_prefix_caching else 0
+        num_lookup = self._num_lookup(len(token_ids), max_cached_tokens)
         parent = salt
         for i in range(num_lookup):
             parent = page_key(parent, token_ids[i * ps : (i + 1) * ps])

@@ -68,9 +68,8 @@ class OutputProcessor:
             seq.text += seq.detokenizer.flush()
 
     def on_prompt_logprob(self, request: Request, target: int, row: RowResult) -> None:
-        """The logprob of prompt token `target` (scored by `row`), appended to the request's prompt logprobs."""
-        if request.prompt_logprobs is None:
-            request.prompt_logprobs = [None]  # the first prompt token has none
+        """The logprob of prompt token `target` (scored by `row`), appended to the request's prompt
+        logprobs: rows come in prompt order, each scoring the next position without an entry."""
         request.prompt_logprobs.append(self.position_logprobs(target, row, request.params.prompt_logprobs))
 
     def _check_stop_strings(self, seq: Sequence, delta_len: int) -> None:

@@ -161,6 +161,17 @@ class Sequence:
         return f"lora:{self.lora_id}".encode() if self.lora_id else b""
 
     @property
+    def max_cached_tokens(self) -> int | None:
+        """How many of its leading tokens may take their K/V from cache (prefix-cache pages, or its
+        own pages swapped out) instead of being computed; None: all of them. While its request
+        still collects prompt logprobs, only the tokens before the row that scores the first
+        missing entry: a fresh request computes its whole prompt (vLLM skips the prefix-cache
+        lookup for it too) and a preempted one resumes where its entries stop."""
+        if not self.request.wants_prompt_logprobs:
+            return None
+        return len(self.request.prompt_logprobs) - 1
+
+    @property
     def draft(self) -> list[int]:
         """Drafted tokens to verify in its next step."""
         return self.spec.draft if self.spec is not None else []
@@ -198,11 +209,17 @@ class Request:
     priority: int = 0  # lower runs first (vLLM's convention)
     metrics: RequestMetrics = dataclasses.field(default_factory=lambda: RequestMetrics(time.time()))
     seqs: list[Sequence] = dataclasses.field(default_factory=list)
+    # one entry per prompt token scored so far (with params.prompt_logprobs; else None); entry 0,
+    # the first token's, is None: nothing comes before it
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     forked: bool = False  # the n completions exist
     replica: int = 0  # the data-parallel replica its sequences run on (its pages live there)
     lora: "LoRARequest | None" = None  # the LoRA adapter it runs with (None: the base model)
     error: str | None = None  # why the engine failed it (its sequences' finish_reason is "error")
+
+    def __post_init__(self):
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def finished(self) -> bool:
@@ -211,7 +228,5 @@ class Request:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        """Still collecting prompt logprobs (only on the first pass over the prompt)."""
-        return self.params.prompt_logprobs is not None and (
-            self.prompt_logprobs is None or len(self.prompt_logprobs) < len(self.prompt_token_ids)
-        )
+        """Still collecting prompt logprobs (until every prompt token has its entry)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)

@@ -8,7 +8,8 @@ Each call to `schedule()` decides what one step computes, within two budgets:
    chunks of what budget is left, at most `max_prefill_chunks` multi-token chunks per step (the
    attention's prefill pass is sized for that many; see batch.py).
 3. Then waiting sequences are admitted in order (priority, arrival) while pages and budgets
-   allow; their prompt's cached prefix pages are reused and only the rest is prefilled. A
+   allow; their prompt's cached prefix pages are reused and only the rest is prefilled (a
+   request collecting prompt logprobs reuses none: each prompt token needs its row). A
    sequence that does not fit blocks those behind it (FCFS), and nothing is admitted in a step
    that had to preempt. With LoRA, a sequence whose adapter would make more than `max_loras`
    distinct adapters run at once waits, and those behind it may go first.
@@ -22,7 +23,9 @@ When a running sequence needs a page and none is free, the lowest-priority runni
 not yet scheduled this step is preempted: its pages are freed and it goes back to waiting with
 its tokens. With preemption_mode="recompute" (the default) its K/V are recomputed (with
 whatever prefix pages are still cached) when it is readmitted; with "swap" the engine first
-copies its pages to host memory and, on readmission, back into the new pages.
+copies its pages to host memory and, on readmission, back into the new pages. Either way a
+request collecting prompt logprobs resumes no later than its first position without an entry
+(`Sequence.max_cached_tokens`), so each prompt token gets exactly one.
 """
 
 from __future__ import annotations
@@ -170,17 +173,19 @@ class Scheduler:
                 if num_chunks >= self.max_prefill_chunks or self._admission_rows(seq, budget, rows_left) > rows_left:
                     break
                 try:
-                    seq.num_computed = bm.allocate(seq.seq_id, seq.token_ids, salt=seq.prefix_salt)
+                    seq.num_computed = bm.allocate(seq.seq_id, seq.token_ids, salt=seq.prefix_salt,
+                                                   max_cached_tokens=seq.max_cached_tokens)
                 except OutOfPagesError:
                     break
                 adapters |= {seq.lora_id} - {0}
-                if seq.swapped is not None and seq.swapped.num_computed > seq.num_computed:
+                restored = self._swapped_tokens(seq)
+                if restored > seq.num_computed:
                     # restore its saved K/V instead of recomputing them; prefix-cache hits (shared,
                     # read-only pages) keep their content, only the pages after them are written
                     first = seq.num_computed // bm.page_size
-                    last = bm.pages_needed(seq.swapped.num_computed)
+                    last = bm.pages_needed(restored)
                     swap_in.append((seq, first, bm.page_table(seq.seq_id)[first:last]))
-                    seq.num_computed = seq.swapped.num_computed
+                    seq.num_computed = restored
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
@@ -196,14 +201,22 @@ class Scheduler:
         """Logits rows of a waiting sequence's first chunk, were it admitted now (its cached prefix
         and swapped-out K/V are not recomputed)."""
         bm = self.block_manager
-        start = bm.num_cached_prefix_pages(seq.token_ids, salt=seq.prefix_salt) * bm.page_size
-        if seq.swapped is not None:
-            start = max(start, seq.swapped.num_computed)
+        start = bm.num_cached_prefix_pages(seq.token_ids, salt=seq.prefix_salt,
+                                           max_cached_tokens=seq.max_cached_tokens) * bm.page_size
+        start = max(start, self._swapped_tokens(seq))
         saved, seq.num_computed = seq.num_computed, start
         try:
             return self._logits_rows(seq, self._chunk_size(seq, budget, rows_left))
         finally:
             seq.num_computed = saved
+
+    @staticmethod
+    def _swapped_tokens(seq: Sequence) -> int:
+        """Leading tokens whose K/V a readmitted sequence restores from host memory (swap mode)."""
+        if seq.swapped is None:
+            return 0
+        limit = seq.max_cached_tokens
+        return seq.swapped.num_computed if limit is None else min(seq.swapped.num_computed, limit)
 
     @staticmethod
     def _forks(seq: Sequence) -> int:

@@ -32,7 +32,7 @@ def plan_chunk(s: ScheduledSeq, pages: list[int], eos_token_ids: set[int]) -> Sc
     start = s.start
     rows, targets = [], []
     if request.wants_prompt_logprobs and seq.index == 0:
-        have = len(request.prompt_logprobs or [None])
+        have = len(request.prompt_logprobs)  # entries so far (a recompute skips the rows that scored them)
         for i in range(s.num_tokens):
             nxt = start + i + 1  # the row at offset i scores token nxt
             if have <= nxt < len(request.prompt_token_ids):
