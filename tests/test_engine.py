@@ -50,9 +50,9 @@ def test_64_requests_batched_with_chunked_prefill_equal_each_request_alone(model
     # a 16-token budget: prompts are prefilled in chunks interleaved with other requests' decodes
     tight = LLM(model_dir, num_pages=1024, max_num_batched_tokens=16, **BASE)
     chunks_per_step = []  # multi-token chunks in each step
-    dispatch = tight.runner.dispatch
-    tight.runner.dispatch = lambda scheduled, **kw: (
-        chunks_per_step.append(sum(len(s.chunk.token_ids) > 1 for s in scheduled[0])), dispatch(scheduled, **kw))[1]
+    pack = tight.runner.pack
+    tight.runner.pack = lambda scheduled, **kw: (
+        chunks_per_step.append(sum(len(s.chunk.token_ids) > 1 for s in scheduled[0])), pack(scheduled, **kw))[1]
     assert together(tight, prompts, params) == reference
     assert 1 < max(chunks_per_step) <= MAX_PREFILL_CHUNKS  # several prompts share steps, within the cap
     stats = tight.engine.get_stats()
@@ -271,10 +271,10 @@ def test_step_n_plus_1_is_dispatched_before_step_n_is_read(model_dir):
     """Host/device overlap: decode steps are launched before the previous step's tokens are read."""
     llm = LLM(model_dir, num_pages=256, max_num_batched_tokens=32, **BASE)
     runner, events, handles = llm.runner, [], []
-    dispatch, collect = runner.dispatch, runner.collect
+    launch, collect = runner.launch, runner.collect
 
-    def traced_dispatch(*a, **k):
-        handle = dispatch(*a, **k)
+    def traced_launch(*a, **k):
+        handle = launch(*a, **k)
         handles.append(handle)
         events.append(("dispatch", len(handles) - 1))
         return handle
@@ -283,11 +283,11 @@ def test_step_n_plus_1_is_dispatched_before_step_n_is_read(model_dir):
         events.append(("collect", next(i for i, h in enumerate(handles) if h is handle)))
         return collect(handle)
 
-    runner.dispatch, runner.collect = traced_dispatch, traced_collect
+    runner.launch, runner.collect = traced_launch, traced_collect
     params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 4
     prompts, _ = workload(4, seed=5)
     out = together(llm, prompts, params)
-    runner.dispatch, runner.collect = dispatch, collect
+    runner.launch, runner.collect = launch, collect
     steps = len(handles)
     assert sorted(i for kind, i in events if kind == "collect") == list(range(steps))  # every step read once
     overlapped = [k for k in range(steps - 1) if events.index(("dispatch", k + 1)) < events.index(("collect", k))]

@@ -141,13 +141,13 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
 
 def test_a_client_that_leaves_a_non_streamed_request_frees_its_pages(server):
     engine = server[1].state.engine.engine
-    runner, real = engine.runner, engine.runner.dispatch
+    runner, real = engine.runner, engine.runner.launch
 
     def slow(*args, **kwargs):  # 60 tokens take over 3 s: the client leaves long before the end
         time.sleep(0.05)
         return real(*args, **kwargs)
 
-    runner.dispatch = slow
+    runner.launch = slow
     generated = engine.get_stats().num_generated_tokens
     try:
         with pytest.raises(httpx.ReadTimeout):
@@ -155,7 +155,7 @@ def test_a_client_that_leaves_a_non_streamed_request_frees_its_pages(server):
             httpx.post(server[0] + "/v1/completions", json=post_body, headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0)
         assert engine_idle(server[1], seconds=2.0)  # noticed within the handler's 0.1 s poll, then aborted
     finally:
-        runner.dispatch = real
+        runner.launch = real
     assert engine.get_stats().num_generated_tokens - generated < 60
 
 
@@ -254,13 +254,13 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(model_dir, tmp_p
 
 def test_an_engine_failure_fails_its_requests_with_500_and_the_server_goes_on(server, client):
     runner = server[1].state.engine.engine.runner
-    real = runner.dispatch
+    real = runner.launch
 
     def broken(*args, **kwargs):  # the next step fails once
-        runner.dispatch = real
+        runner.launch = real
         raise RuntimeError("injected failure")
 
-    runner.dispatch = broken
+    runner.launch = broken
     response = post(server, "/v1/completions", {"model": "tiny", "prompt": "doomed", "max_tokens": 3})
     assert response.status_code == 500 and "injected failure" in response.json()["error"]["message"]
     next_one = client.completions.create(model="tiny", prompt="next one", max_tokens=3, extra_body={"ignore_eos": True})
