@@ -199,8 +199,15 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def _env_flag(name: str) -> bool:
+    import os
+
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def cmd_serve(args) -> int:
     import contextlib
+    import os
     import signal
 
     import jax
@@ -224,9 +231,17 @@ def cmd_serve(args) -> int:
               f"unfinished requests {stats.num_running + stats.num_waiting}, KV cache usage {stats.kv_cache_usage:.0%}",
               file=sys.stderr, flush=True)
         return 0
-    app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
-                    request_timeout=args.request_timeout, publisher=Publisher() if jax.process_count() > 1 else None,
-                    tool_call_parser=args.tool_call_parser, lora_modules=lora_modules)
+    allow_lora_updating = args.allow_runtime_lora_updating or _env_flag("JAXINFER_ALLOW_RUNTIME_LORA_UPDATING")
+    try:
+        app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get("JAXINFER_API_KEY"),
+                        max_queue=args.max_queue, request_timeout=args.request_timeout,
+                        publisher=Publisher() if jax.process_count() > 1 else None, tool_call_parser=args.tool_call_parser,
+                        lora_modules=lora_modules, allow_runtime_lora_updating=allow_lora_updating,
+                        chat_template=args.chat_template, generation_config=args.generation_config,
+                        max_request_bytes=args.max_request_bytes)
+    except ValueError as e:
+        print(f"jaxinfer serve: {e}", file=sys.stderr)
+        return 2
     print(f"jaxinfer: serving {app.state.model_name!r} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     # SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for shutdown_timeout seconds,
     # then cancel them (each aborts its request); the engine thread stops with the app; exit 0.
@@ -331,12 +346,25 @@ def main(argv=None) -> int:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the model folder's)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 routes")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on /v1 routes and /tokenize, /detokenize "
+                        "(default: the JAXINFER_API_KEY environment variable; neither: no key)")
     s.add_argument("--max-queue", type=int, default=None, help="requests waiting for a slot beyond which new ones get 429")
     s.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (a request's model names one)")
     s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH", help="PEFT adapters to serve, by name")
     s.add_argument("--max-loras", type=int, default=4, help="adapters in the device's slot table at once (default 4)")
     s.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank served (default 16)")
+    s.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (clients then make the server read "
+                        "any folder it can; also JAXINFER_ALLOW_RUNTIME_LORA_UPDATING=1)")
+    s.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one, in place of the tokenizer's")
+    s.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="sampling defaults for the fields a request leaves unset: 'auto' the model's generation_config.json "
+                        "(as vLLM: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), 'vllm' none, "
+                        "or a folder holding a generation_config.json (default auto)")
+    s.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
+                   help="request bodies over this many bytes get 413 (default 16 MiB)")
     s.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                    help="the tool-call format of the model's chat template (default: detected from the template)")
     s.add_argument("--request-timeout", type=float, default=None, help="seconds a request may take (504 past it)")

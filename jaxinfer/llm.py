@@ -14,6 +14,7 @@ from jaxinfer.engine.build import build_draft_runner, build_engine, make_propose
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.spec_decode import SpeculativeConfig
+from jaxinfer.generation_defaults import generation_defaults
 from jaxinfer.lora_request import LoRARequest
 from jaxinfer.outputs import RequestFailedError, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
@@ -157,6 +158,13 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the sampling fields the model's generation_config.json sets
+        (vLLM's reading of it: jaxinfer.generation_defaults); what generate / stream / chat use
+        when given none."""
+        folder = self.source.path if self.source is not None and self.source.kind != "gguf" else None
+        return SamplingParams(**generation_defaults("auto", folder))
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -236,7 +244,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 
 import jax
 
@@ -289,7 +290,13 @@ def test_the_server_serves_adapters_by_name_and_loads_them_at_run_time(base_dir,
     expected = {lr.lora_name: llm.generate([[3, 4, 5, 6]], greedy(), lora_request=lr, use_tqdm=False)[0].outputs[0].text
                 for lr in adapters[:3]}
     base = llm.generate([[3, 4, 5, 6]], greedy(), use_tqdm=False)[0].outputs[0].text
-    app = build_app(llm, served_model_name="tiny", lora_modules={"a0": adapters[0].lora_path, "a1": adapters[1].lora_path})
+    closed = build_app(llm, served_model_name="tiny", lora_modules={"a0": adapters[0].lora_path})
+    with running(closed) as root:  # loading adapters over HTTP reads server folders: only when asked for
+        r = httpx.post(f"{root}/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": adapters[2].lora_path})
+        assert r.status_code == 404 and "--allow-runtime-lora-updating" in r.json()["error"]["message"]
+        assert httpx.post(f"{root}/v1/unload_lora_adapter", json={"lora_name": "a0"}).status_code == 404
+    app = build_app(llm, served_model_name="tiny", lora_modules={"a0": adapters[0].lora_path, "a1": adapters[1].lora_path},
+                    allow_runtime_lora_updating=True)
     with running(app) as root:
         url = root + "/v1"
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
@@ -316,6 +323,70 @@ def test_the_server_serves_adapters_by_name_and_loads_them_at_run_time(base_dir,
         with pytest.raises(openai.NotFoundError):
             tokens("a1")
         assert httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "a1"}).status_code == 404
+        unloading_an_adapter_a_request_is_being_tokenized_for_is_refused(app, url, llm, expected["a0"])
+
+
+def unloading_an_adapter_a_request_is_being_tokenized_for_is_refused(app, url, llm, expected_text):
+    """While a request naming "a0" is being tokenized and checked (held here, in the server's
+    worker thread), "a0" cannot be unloaded (409); the request then runs with it."""
+    import httpx
+
+    processor, real = llm.engine.input, llm.engine.input.make_request
+    tokenizing, go_on = threading.Event(), threading.Event()
+
+    def held(*args, **kwargs):
+        tokenizing.set()
+        go_on.wait(30)
+        return real(*args, **kwargs)
+
+    result = {}
+    body = {"model": "a0", "prompt": [3, 4, 5, 6], "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    client = threading.Thread(target=lambda: result.update(r=httpx.post(f"{url}/completions", json=body, timeout=60)))
+    processor.make_request = held
+    try:
+        client.start()
+        assert tokenizing.wait(30)
+        refused = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "a0"}, timeout=10)
+        assert refused.status_code == 409 and "in use" in refused.json()["error"]["message"]
+    finally:
+        processor.make_request = real
+        go_on.set()
+        client.join(60)
+    assert result["r"].status_code == 200 and result["r"].json()["choices"][0]["text"] == expected_text
+    assert httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "a0"}).status_code == 200
+    assert llm.engine.lora.pins(1) == 0 and 1 not in llm.engine.lora.held
+
+
+def test_the_host_keeps_pinned_adapters_and_at_most_max_cpu_loras_others(llm, adapters):
+    """Adapters read on several threads at once; pinned ones stay (and cannot be removed), the
+    others are dropped least recently used first past max_cpu_loras (= max_loras here)."""
+    manager = llm.engine.lora
+    first = adapters[0]
+    manager.pin(first.lora_int_id)
+    try:
+        errors = []
+
+        def check_all():
+            try:
+                for lr in adapters:
+                    manager.check(lr)
+            except Exception as e:  # noqa: BLE001 - collected for the assertion below
+                errors.append(e)
+
+        threads = [threading.Thread(target=check_all) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == []
+        assert first.lora_int_id in manager.held and len(manager.held) <= manager.max_cpu_loras + 1
+        with pytest.raises(ValueError, match="in use"):
+            manager.remove(first.lora_int_id)
+    finally:
+        manager.unpin(first.lora_int_id)
+    assert len(manager.held) <= manager.max_cpu_loras  # trimmed once nothing pins the extra one
+    out = llm.generate([[3, 4, 5]], greedy(4), lora_request=adapters[2], use_tqdm=False)[0]  # read again, pinned while it ran
+    assert len(out.outputs[0].token_ids) == 4 and manager.pins(adapters[2].lora_int_id) == 0
 
 
 @pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},

@@ -17,7 +17,8 @@ import httpx
 import openai
 import pytest
 
-from jaxinfer import LLM
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.generation_defaults import generation_defaults
 from jaxinfer.server.app import build_app
 from http_server import running
 from tiny_models import save_hf_model
@@ -34,9 +35,13 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
+def llm(model_dir):
+    return LLM(model_dir, **SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
     """(base URL, app) of a server in this process, on a free port."""
-    llm = LLM(model_dir, **SETTINGS)
     app = build_app(llm, served_model_name="tiny", api_key=KEY)
     with running(app) as url:
         yield url, app
@@ -186,10 +191,13 @@ def test_bad_chat_requests_and_the_server_keeps_serving(server, client):
     assert engine_idle(server[1])
 
 
-def test_an_api_key_is_required_on_v1_routes(server):
+def test_an_api_key_is_required_on_v1_routes_and_tokenization(server):
     assert post(server, "/v1/completions", {"model": "tiny", "prompt": "x"}, key=None).status_code == 401
     assert post(server, "/v1/completions", {"model": "tiny", "prompt": "x"}, key="wrong").status_code == 401
+    assert post(server, "/v1/completions", {"model": "tiny", "prompt": "x"}, key=KEY + "x").status_code == 401
     assert httpx.get(server[0] + "/v1/models").status_code == 401
+    assert post(server, "/tokenize", {"prompt": "x"}, key=None).status_code == 401
+    assert post(server, "/detokenize", {"tokens": [3]}, key="wrong").status_code == 401
     assert httpx.get(server[0] + "/health").status_code == 200
 
 
@@ -217,11 +225,11 @@ def test_metrics_report_latencies_and_engine_state(server, client):
     assert float(count.split()[-1]) >= 1
 
 
-def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(model_dir, tmp_path):
+def test_sigterm_lets_the_request_in_flight_finish_then_exits_0_and_the_key_comes_from_the_environment(model_dir, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, JAXINFER_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, JAXINFER_CACHE=str(tmp_path / "cache"), JAXINFER_API_KEY=KEY)  # the key from the environment
     proc = subprocess.Popen(
         [sys.executable, "-c", "from jaxinfer.cli import main; raise SystemExit(main())", "serve", model_dir, "--port", str(port), "--max-model-len", "128",
          "--page-size", "4", "--num-pages", "64", "--max-num-batched-tokens", "32", "--shutdown-timeout", "60"],
@@ -234,10 +242,12 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(model_dir, tmp_p
                     break
             except httpx.TransportError:
                 time.sleep(0.05)
+        assert httpx.get(url + "/v1/models").status_code == 401
         body = {"model": os.path.basename(model_dir), "prompt": "drain", "max_tokens": 48, "temperature": 0,
                 "stream": True, "ignore_eos": True}
         events = []
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=120) as response:
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
@@ -266,3 +276,78 @@ def test_an_engine_failure_fails_its_requests_with_500_and_the_server_goes_on(se
     next_one = client.completions.create(model="tiny", prompt="next one", max_tokens=3, extra_body={"ignore_eos": True})
     assert next_one.usage.completion_tokens == 3
     assert engine_idle(server[1])
+
+
+# ----------------------------------------------------------------------------- OpenAI's defaults
+def test_without_max_tokens_a_request_may_fill_the_rest_of_the_context(client):
+    """OpenAI and vLLM: no max_tokens means up to the context (not 16); the prompts here leave ~30 tokens."""
+    text = client.completions.create(model="tiny", prompt="y" * 100, temperature=0, extra_body={"ignore_eos": True})
+    assert text.choices[0].finish_reason == "length" and text.usage.total_tokens == SETTINGS["max_model_len"]
+    assert text.usage.completion_tokens > 16
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "z" * 90}], temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length" and chat.usage.total_tokens == SETTINGS["max_model_len"]
+    assert chat.usage.completion_tokens > 16
+
+
+def test_a_prompt_that_fills_the_context_gets_400_naming_the_limit(server):
+    response = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w" * 130}]})
+    assert response.status_code == 400 and "max_model_len=128" in response.json()["error"]["message"]
+
+
+def test_streamed_text_with_stop_strings_equals_the_whole_answer(client):
+    """Stop strings of three characters straddle three tokens each (one token per byte): the
+    stream never sends the start of one and then takes it back."""
+    sampled = dict(model="tiny", prompt="abc", max_tokens=24, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    text = client.completions.create(**sampled).choices[0].text
+    for stop in ([text[9:12]], [text[4:7], text[15:17] + "\x01"], [text[-2:] + "\x01"]):  # the last two never complete
+        whole = client.completions.create(**sampled, stop=stop).choices[0].text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(**sampled, stop=stop, stream=True)
+                           if c.choices)
+        assert streamed == whole, stop
+        assert whole == text[: min([text.find(s) for s in stop if s in text] or [len(text)])]
+
+
+def test_generation_config_fills_the_sampling_fields_a_request_leaves_unset(server, client, model_dir, tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"max_new_tokens": 5, "temperature": 0.0, "top_k": 3, "do_sample": True, "eos_token_id": 2}))
+    defaults = generation_defaults(str(tmp_path), model_dir)
+    assert defaults == {"max_tokens": 5, "temperature": 0.0, "top_k": 3}  # vLLM's fields; max_new_tokens is max_tokens
+    assert generation_defaults("vllm", tmp_path) == {} and generation_defaults("auto", model_dir) == {}
+    app = server[1]
+    kept, app.state.sampling_defaults = app.state.sampling_defaults, defaults
+    try:
+        greedy = client.completions.create(model="tiny", prompt="abc", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+        default = client.completions.create(model="tiny", prompt="abc", extra_body={"ignore_eos": True})
+        assert default.usage.completion_tokens == 5 and default.choices[0].text == greedy.choices[0].text
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=7,
+                                              extra_body={"ignore_eos": True})
+        assert chat.usage.completion_tokens == 7  # what a request sets wins
+    finally:
+        app.state.sampling_defaults = kept
+
+
+def test_a_bad_generation_config_is_refused_naming_it(llm, tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ValueError, match="generation_config.json.*temperature"):
+        build_app(llm, generation_config=str(tmp_path))
+    with pytest.raises(ValueError, match="no generation_config.json"):
+        generation_defaults(str(tmp_path / "missing"), None)
+    assert llm.get_default_sampling_params() == SamplingParams()  # the tiny model's file sets no sampling field
+
+
+def test_a_chat_template_and_a_body_limit_of_the_servers_own(llm, server, tmp_path):
+    """A second app over the same engine (it generates nothing: the fixture's engine thread does
+    the stepping): --chat-template from a file renders the conversation; a body over the limit
+    gets 413 before it is read whole."""
+    assert engine_idle(server[1])
+    (tmp_path / "template.jinja").write_text("{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}")
+    app = build_app(llm, api_key=KEY, chat_template=str(tmp_path / "template.jinja"), max_request_bytes=1000)
+    with running(app) as url:
+        ids = post((url,), "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+        assert llm.tokenizer.decode(ids) == "[user:hi]"
+        big = post((url,), "/v1/completions", {"model": "tiny", "prompt": "x" * 1000})
+        assert big.status_code == 413 and "1000 bytes" in big.json()["error"]["message"]
+        assert post((url,), "/tokenize", {"prompt": "x" * 900}).status_code == 200
+    with pytest.raises(ValueError, match="chat_template"):
+        build_app(llm, chat_template="{% for m in messages %}")

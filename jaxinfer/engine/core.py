@@ -117,6 +117,7 @@ class EngineCore:
         """Queues a checked request (InputProcessor.make_request) on the replica that suits it."""
         with self._lock:
             if request.request_id in self.requests:
+                self._release(request)
                 raise ValueError(f"request {request.request_id!r}: a request with this id is already running")
             request.replica = self._pick_replica(request.prompt_token_ids, request.seqs[0].prefix_salt)
             self.requests[request.request_id] = request
@@ -130,16 +131,17 @@ class EngineCore:
             request = self.requests.pop(str(request_id), None)
             if request is None:
                 return
+            self._release(request)
             for seq in request.seqs:
                 if not seq.finished:
                     seq.finish_reason = "abort"
                     self._scheduler(seq).finish(seq)
             request.metrics.finished_time = time.time()
 
-    def num_unfinished_with_adapter(self, lora_int_id: int) -> int:
-        """Unfinished requests running under LoRA adapter `lora_int_id`."""
-        with self._lock:
-            return sum(1 for r in self.requests.values() if r.lora is not None and r.lora.lora_int_id == lora_int_id)
+    def _release(self, request: Request) -> None:
+        """A request leaves the engine: its adapter's pin (taken when it was made) goes."""
+        if request.lora is not None and self.lora is not None:
+            self.lora.unpin(request.lora.lora_int_id)
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -367,7 +369,8 @@ class EngineCore:
         for request in touched.values():
             if request.finished:
                 request.metrics.finished_time = now
-                self.requests.pop(request.request_id, None)
+                if self.requests.pop(request.request_id, None) is not None:
+                    self._release(request)
             advanced[request.request_id] = request
 
     def _advance(self, s: ScheduledSeq, now: float) -> None:

@@ -67,6 +67,8 @@ class InputProcessor:
         if k:
             seq.spec = SpecState(max_k=k, k=k)
         request.seqs.append(seq)
+        if lora_request is not None:  # held until the core finishes or aborts it (EngineCore.add)
+            self.lora.pin(lora_request.lora_int_id)
         return request
 
     def tokenize(self, prompt, label: str) -> tuple[str | None, list[int]]:

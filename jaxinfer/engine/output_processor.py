@@ -2,11 +2,16 @@
 
 For each new token (`on_token`): its logprobs, the request's timing metrics, incremental
 detokenization, and the stop checks in order: EOS (unless ignore_eos), a stop token id, a stop
-string in the new text (the text is cut there; `include_stop_str_in_output` keeps it), the end of
-a structured_outputs constraint (the sequence's grammar matcher takes every token), then the
-length limits (max_tokens, the request's max_len within max_model_len). It sets the sequence's
-finish reason; the engine core then frees the sequence's pages. `output` builds the
+string in the new text once past min_tokens (the text is cut there; `include_stop_str_in_output`
+keeps it), the end of a structured_outputs constraint (the sequence's grammar matcher takes every
+token), then the length limits (max_tokens, the request's max_len within max_model_len). It sets
+the sequence's finish reason; the engine core then frees the sequence's pages. `output` builds the
 RequestOutput of a request from its sequences.
+
+The text an unfinished sequence shows holds back its end while that end may still begin a stop
+string (at most the longest stop string less one character): a later token could complete the
+stop string, and the text would then be cut before it. So each output's text extends the one
+before, and a stream's deltas add up to the finished text exactly.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ class OutputProcessor:
                                                              skip_special_tokens=p.skip_special_tokens)
                 delta = seq.detokenizer.add(token)
                 seq.text = seq.detokenizer.text
-                if p.stop and delta:
+                if p.stop and delta and num_out > p.min_tokens:  # as in vLLM: no stop string within min_tokens
                     self._check_stop_strings(seq, len(delta))
             if seq.finish_reason is None and seq.grammar is not None:
                 accepted = seq.grammar.accept(token)
@@ -108,7 +113,7 @@ class OutputProcessor:
             prompt_logprobs=request.prompt_logprobs if p.prompt_logprobs is not None else None,
             outputs=[
                 CompletionOutput(
-                    index=s.index, text=s.text, token_ids=list(s.output_token_ids),
+                    index=s.index, text=shown_text(s), token_ids=list(s.output_token_ids),
                     cumulative_logprob=s.cumulative_logprob if p.logprobs is not None else None,
                     logprobs=s.output_logprobs if p.logprobs is not None else None,
                     finish_reason=s.finish_reason, stop_reason=s.stop_reason,
@@ -119,3 +124,18 @@ class OutputProcessor:
             metrics=request.metrics,
             error=request.error,
         )
+
+
+def shown_text(seq: Sequence) -> str:
+    """The sequence's text as its RequestOutput shows it: all of it once finished; while it runs,
+    less the longest end of it that begins one of its stop strings (which a later token may
+    complete, cutting the text there). With include_stop_str_in_output nothing is held back: the
+    cut then falls after the stop string, past every character shown before."""
+    p, text = seq.request.params, seq.text
+    if seq.finish_reason is not None or not p.stop or p.include_stop_str_in_output:
+        return text
+    for held in range(min(max(len(s) for s in p.stop) - 1, len(text)), 0, -1):
+        end = text[-held:]
+        if any(s.startswith(end) for s in p.stop):
+            return text[:-held]
+    return text

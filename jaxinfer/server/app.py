@@ -6,18 +6,28 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent
 events, "data: [DONE]" last), GET /v1/models, GET /health, POST /tokenize, POST /detokenize,
-GET /metrics (Prometheus). With an API key every /v1 route wants `Authorization: Bearer <key>`
-(401 otherwise). Errors are OpenAI's JSON: 400 naming the field at fault, 401, 404, 429 with
+GET /metrics (Prometheus); with --allow-runtime-lora-updating, POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter. With an API key (--api-key or JAXINFER_API_KEY) every /v1 route and
+/tokenize, /detokenize want `Authorization: Bearer <key>` (401 otherwise; compared in constant
+time); /health and /metrics stay open. Errors are OpenAI's JSON: 400 naming the field at fault,
+401, 404, 409 (unloading an adapter in use), 413 for a body over --max-request-bytes, 429 with
 Retry-After past --max-queue, 500 when the engine step holding the request failed, 504 past
 --request-timeout. A client that disconnects aborts its request, which frees its pages at once.
+
+Requests get OpenAI's and vLLM's defaults: max_tokens left unset runs to the end of the context,
+and the sampling fields a request leaves unset take the model's generation_config.json values
+(--generation-config auto | vllm | <folder>: jaxinfer.generation_defaults). Chat templating and
+tokenization run in worker threads, never on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
 import json
+import os
 import threading
 import time
 from typing import AsyncIterator
@@ -25,6 +35,7 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from jaxinfer.generation_defaults import generation_defaults
 from jaxinfer.llm import LLM
 from jaxinfer.lora_request import LoRARequest
 from jaxinfer.outputs import RequestOutput
@@ -35,19 +46,33 @@ from jaxinfer.server.metrics import ServerMetrics
 from jaxinfer.server.protocol import ApiError, Parsed
 
 
+MAX_REQUEST_BYTES = 16 * 2**20  # a request body's default limit: 16 MiB of JSON
+
+
 def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | None = None,
               max_queue: int | None = None, request_timeout: float | None = None,
               publisher: Publisher | None = None, tool_call_parser: str | None = None,
-              lora_modules: dict[str, str] | None = None) -> FastAPI:
+              lora_modules: dict[str, str] | None = None, allow_runtime_lora_updating: bool = False,
+              chat_template: str | None = None, generation_config: str = "auto",
+              max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """The app serving `llm`; its engine thread starts and stops with the app's lifespan. On
     several processes this is process 0's, and `publisher` feeds the others (server.lockstep).
     `tool_call_parser`: "hermes" or "llama3_json" (default: what the chat template suggests).
     `lora_modules`: adapter name -> PEFT folder, served as models of those names (the LLM needs
-    enable_lora=True); more can be loaded and unloaded at run time on one process."""
+    enable_lora=True); with `allow_runtime_lora_updating`, more can be loaded (from any folder
+    the server can read) and unloaded over HTTP, on one process. `chat_template`: a Jinja
+    template, or a file holding one, in place of the tokenizer's. `generation_config`: where
+    the sampling defaults come from ("auto", "vllm" or a folder; jaxinfer.generation_defaults).
+    `max_request_bytes`: larger request bodies get 413. ValueError for a bad setting, naming it."""
     model_name = served_model_name or (str(llm.source.path.name) if llm.source else "jaxinfer")
     if tool_call_parser is not None and tool_call_parser not in tools.PARSERS:
         raise ValueError(f"tool_call_parser={tool_call_parser!r}: expected one of {tools.PARSERS}")
-    tool_parser = tool_call_parser or tools.detect_parser(getattr(llm.tokenizer, "chat_template", None))
+    if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes={max_request_bytes!r}: must be a positive integer")
+    chat_template = _checked_chat_template(llm, chat_template)
+    tool_parser = tool_call_parser or tools.detect_parser(chat_template or getattr(llm.tokenizer, "chat_template", None))
+    model_folder = llm.source.path if llm.source is not None and llm.source.kind != "gguf" else None
+    sampling_defaults = generation_defaults(generation_config, model_folder)
     adapters = LoraRegistry(llm.engine, model_name)
     for name, path in (lora_modules or {}).items():
         adapters.load(name, path)  # a bad one stops the server from starting, naming it
@@ -62,12 +87,27 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
 
     app = FastAPI(title="jaxinfer", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, model_name
+    app.state.sampling_defaults = sampling_defaults  # SamplingParams field -> what a request leaving it unset gets
+    expected_authorization = f"Bearer {api_key}".encode() if api_key is not None else None
 
     async def check_api_key(request: Request):
-        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+        given = request.headers.get("authorization", "").encode()
+        if expected_authorization is not None and not hmac.compare_digest(given, expected_authorization):
             raise ApiError("invalid or missing API key (Authorization: Bearer <key>)", status=401, type="authentication_error")
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])  # every /v1 route wants the key
+    needs_key = [Depends(check_api_key)]
+    v1 = APIRouter(prefix="/v1", dependencies=needs_key)  # every /v1 route wants the key
+
+    async def body_of(request: Request):
+        return await _json(request, max_request_bytes)
+
+    def check_runtime_lora_updating():
+        if not allow_runtime_lora_updating:
+            raise ApiError("loading and unloading adapters over HTTP is off: start the server with "
+                           "--allow-runtime-lora-updating (or JAXINFER_ALLOW_RUNTIME_LORA_UPDATING=1)", status=404,
+                           type="not_found_error")
+        if publisher is not None:
+            raise ApiError("adapters are loaded at start-up (--lora-modules) when serving on several processes", status=400)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -87,20 +127,18 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
 
     @v1.post("/load_lora_adapter")
     async def load_lora_adapter(request: Request):
-        body = await _json(request)
+        check_runtime_lora_updating()
+        body = await body_of(request)
         name, path = body.get("lora_name"), body.get("lora_path")
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise ApiError("give 'lora_name' and 'lora_path' (strings)", param="lora_name")
-        if publisher is not None:
-            raise ApiError("adapters are loaded at start-up (--lora-modules) when serving on several processes", status=400)
         await asyncio.to_thread(adapters.load, name, path)
         return {"status": "ok", "lora_name": name}
 
     @v1.post("/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
-        body = await _json(request)
-        if publisher is not None:
-            raise ApiError("adapters cannot be unloaded when serving on several processes", status=400)
+        check_runtime_lora_updating()
+        body = await body_of(request)
         adapters.unload(body.get("lora_name"))
         return {"status": "ok", "lora_name": body.get("lora_name")}
 
@@ -108,35 +146,50 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/tokenize")
+    async def chat_prompt(messages, tools=None) -> dict:
+        """The conversation rendered and tokenized, in a worker thread; 400 if the template fails."""
+        try:
+            return await asyncio.to_thread(llm.chat_prompt, messages, chat_template=chat_template, tools=tools)
+        except Exception as e:  # noqa: BLE001 - the template rejected the conversation
+            raise ApiError(f"messages: the chat template failed: {e}", param="messages") from None
+
+    @app.post("/tokenize", dependencies=needs_key)
     async def tokenize(request: Request):
-        body = await _json(request)
+        body = await body_of(request)
         if "messages" in body:
-            ids = llm.chat_prompt(body["messages"])["prompt_token_ids"]
+            if not isinstance(body["messages"], list):
+                raise ApiError("'messages' must be an array", param="messages")
+            ids = (await chat_prompt(body["messages"]))["prompt_token_ids"]
         elif isinstance(body.get("prompt"), str):
-            ids = llm.tokenizer.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
+            ids = await asyncio.to_thread(llm.tokenizer.encode, body["prompt"],
+                                          add_special_tokens=body.get("add_special_tokens", True))
         else:
             raise ApiError("give 'prompt' (a string) or 'messages'", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=needs_key)
     async def detokenize(request: Request):
-        body = await _json(request)
+        body = await body_of(request)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise ApiError("'tokens' must be an array of token ids", param="tokens")
         bad = [t for t in tokens if not 0 <= t < llm.config.vocab_size]
         if bad:
             raise ApiError(f"token id {bad[0]} is outside the vocabulary [0, {llm.config.vocab_size})", param="tokens")
-        return {"prompt": llm.tokenizer.decode(tokens)}
+        return {"prompt": await asyncio.to_thread(llm.tokenizer.decode, tokens)}
+
+    def generate(prompt, params, request_id: str, lora: LoRARequest | None) -> AsyncIterator[RequestOutput]:
+        """engine.generate, with the adapter pinned while the request lives here (see LoraRegistry.holding)."""
+        stream = lambda: engine.generate(prompt, params, request_id=request_id, timeout=request_timeout,  # noqa: E731
+                                         lora_request=lora)
+        return adapters.holding(lora, stream) if lora is not None else stream()
 
     @v1.post("/completions")
     async def completions(request: Request):
-        parsed = protocol.parse_completion(await _json(request))
+        parsed = protocol.parse_completion(await body_of(request), defaults=app.state.sampling_defaults)
         lora = adapters.of_model(parsed.model)
         request_id = protocol.new_id("cmpl")
-        streams = [engine.generate(p, parsed.params, request_id=f"{request_id}-{i}", timeout=request_timeout, lora_request=lora)
-                   for i, p in enumerate(parsed.prompts)]
+        streams = [generate(p, parsed.params, f"{request_id}-{i}", lora) for i, p in enumerate(parsed.prompts)]
         if parsed.stream:
             return _sse(_completion_chunks(request_id, parsed.model or model_name, parsed, streams))
         outputs = await _until_done(request, [_last(s) for s in streams])
@@ -146,14 +199,11 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
 
     @v1.post("/chat/completions")
     async def chat(request: Request):
-        parsed = protocol.parse_chat(await _json(request), tool_parser=tool_parser)
+        parsed = protocol.parse_chat(await body_of(request), tool_parser=tool_parser, defaults=app.state.sampling_defaults)
         lora = adapters.of_model(parsed.model)
-        try:
-            prompt = llm.chat_prompt(parsed.prompts[0], tools=parsed.tools if parsed.tool_choice != "none" else None)
-        except Exception as e:  # noqa: BLE001 - the template rejected the conversation
-            raise ApiError(f"messages: the chat template failed: {e}", param="messages") from None
+        prompt = await chat_prompt(parsed.prompts[0], tools=parsed.tools if parsed.tool_choice != "none" else None)
         request_id = protocol.new_id("chatcmpl")
-        stream = engine.generate(prompt, parsed.params, request_id=request_id, timeout=request_timeout, lora_request=lora)
+        stream = generate(prompt, parsed.params, request_id, lora)
         if parsed.stream:
             return _sse(_chat_chunks(request_id, parsed.model or model_name, parsed, stream))
         outputs = await _until_done(request, [_last(stream)])
@@ -174,16 +224,49 @@ def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-async def _json(request: Request):
+async def _json(request: Request, limit: int):
+    """The request's JSON body; 413 past `limit` bytes, found before reading on (Content-Length)
+    or while reading (a chunked body), so a huge body is never held whole."""
+    too_large = ApiError(f"the request body is over the server's limit of {limit} bytes (--max-request-bytes)", status=413)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
     try:
-        return json.loads(await request.body())
+        return json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(f"the request body is not valid JSON: {e}") from None
 
 
+def _checked_chat_template(llm: LLM, chat_template: str | None) -> str | None:
+    """The template text of --chat-template (a file's content, or the template itself), checked
+    by rendering a one-message conversation; ValueError naming it if it cannot be used."""
+    if chat_template is None:
+        return None
+    if os.path.isfile(chat_template):
+        with open(chat_template, encoding="utf-8") as f:
+            chat_template = f.read()
+    elif "{{" not in chat_template and "{%" not in chat_template:
+        raise ValueError(f"chat_template={chat_template!r}: no such file, and not a Jinja template")
+    try:
+        llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True,
+                                          chat_template=chat_template)
+    except Exception as e:  # noqa: BLE001 - any template error: refuse it at start-up, naming it
+        raise ValueError(f"chat_template: it does not render a conversation: {type(e).__name__}: {e}") from None
+    return chat_template
+
+
 class LoraRegistry:
     """The adapters served by name (a request's "model" picks one): name -> LoRARequest, ids
-    handed out in order."""
+    handed out in order. A request holds its adapter (`holding`: a pin in the engine's
+    LoraManager) while its stream runs, tokenization and the engine's queue included; the engine
+    holds it from the request's creation until it finishes or is aborted. So an adapter is never
+    unloaded (409) nor dropped from the host while a request naming it is queued, being tokenized
+    or running; one unloaded between a request's parsing and its stream gets that request a 404."""
 
     def __init__(self, engine, model_name: str):
         self.engine, self.model_name = engine, model_name
@@ -215,12 +298,12 @@ class LoraRegistry:
             lora = self._by_name.get(name)
             if lora is None:
                 raise ApiError(f"no adapter named {name!r} is loaded", status=404, param="lora_name", type="not_found_error")
-            in_use = self.engine.core.num_unfinished_with_adapter(lora.lora_int_id)
-            if in_use:
-                raise ApiError(f"adapter {name!r} is in use by {in_use} request(s); unload it when they finish", status=409,
-                               param="lora_name")
+            try:
+                self.engine.lora.remove(lora.lora_int_id)
+            except ValueError:
+                raise ApiError(f"adapter {name!r} is in use by requests queued, being tokenized or running; unload it "
+                               f"when they finish", status=409, param="lora_name") from None
             del self._by_name[name]  # no new request finds it now
-            self.engine.lora.remove(lora.lora_int_id)
 
     def of_model(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's "model" names (None: the base model); 404 for an unknown name."""
@@ -233,6 +316,19 @@ class LoraRegistry:
             raise ApiError(f"model {model!r} is not served here; this server serves {served}", status=404,
                            param="model", type="not_found_error")
         return lora
+
+    async def holding(self, lora: LoRARequest, stream) -> AsyncIterator[RequestOutput]:
+        """The outputs of `stream()` with `lora` pinned meanwhile; 404 if it was unloaded since
+        the request named it."""
+        with self._lock:
+            if self._by_name.get(lora.lora_name) is not lora:
+                raise ApiError(f"model {lora.lora_name!r} was unloaded", status=404, param="model", type="not_found_error")
+            self.engine.lora.pin(lora.lora_int_id)
+        try:
+            async for out in stream():
+                yield out
+        finally:
+            self.engine.lora.unpin(lora.lora_int_id)
 
 
 async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:

@@ -11,6 +11,11 @@ output constraints structured_outputs (StructuredOutputsParams' fields), guided_
 guided_regex, guided_choice, guided_grammar. OpenAI's response_format (json_object,
 json_schema) becomes the same kind of constraint; chat's tools / tool_choice are handled with
 `jaxinfer.server.tools`. At most one constraint per request.
+
+Defaults, as OpenAI's and vLLM's: a sampling field the request leaves unset takes the server's
+default (`defaults`: the model's generation_config.json, jaxinfer.generation_defaults), else
+SamplingParams' own; max_tokens (chat: max_completion_tokens) left unset means up to the end of
+the context, unless generation_config.json gives max_new_tokens.
 """
 
 from __future__ import annotations
@@ -132,12 +137,13 @@ def _constraint(body: dict, forced: StructuredOutputsParams | None = None) -> St
 
 
 def _sampling_params(body: dict, *, max_tokens_field: str = "max_tokens", logprobs: int | None = None,
-                     constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+                     constraint: StructuredOutputsParams | None = None, defaults: dict | None = None) -> SamplingParams:
     kwargs = {field: body[name] for name, (_, field) in _SAMPLING.items() if name in body}
     if constraint is not None:
         kwargs["structured_outputs"] = constraint
     if max_tokens_field in body:
         kwargs["max_tokens"] = body[max_tokens_field]
+    kwargs = {"max_tokens": None, **(defaults or {}), **kwargs}  # no max_tokens: up to the end of the context
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
     try:
@@ -157,7 +163,8 @@ def _stream_options(body: dict) -> bool:
     return bool(options.get("include_usage"))
 
 
-def parse_completion(body: Any) -> Parsed:
+def parse_completion(body: Any, *, defaults: dict | None = None) -> Parsed:
+    """`defaults`: SamplingParams field -> value for the fields the request leaves unset."""
     body = _check_fields(body, COMPLETION_FIELDS)
     if "prompt" not in body:
         raise ApiError("'prompt' is required", param="prompt")
@@ -174,12 +181,13 @@ def parse_completion(body: Any) -> Parsed:
     else:
         raise ApiError("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
                        param="prompt")
-    params = _sampling_params(body, logprobs=body.get("logprobs"), constraint=_constraint(body))
+    params = _sampling_params(body, logprobs=body.get("logprobs"), constraint=_constraint(body), defaults=defaults)
     return Parsed(prompts, params, bool(body.get("stream")), _stream_options(body), bool(body.get("echo")), body.get("model"))
 
 
-def parse_chat(body: Any, *, tool_parser: str = "hermes") -> Parsed:
-    """`tool_parser`: the call format of the served model's chat template (server.tools)."""
+def parse_chat(body: Any, *, tool_parser: str = "hermes", defaults: dict | None = None) -> Parsed:
+    """`tool_parser`: the call format of the served model's chat template (server.tools);
+    `defaults`: SamplingParams field -> value for the fields the request leaves unset."""
     body = _check_fields(body, CHAT_FIELDS)
     try:
         tools, tool_choice = tool_calls.check_tools(body.get("tools"), body.get("tool_choice"))
@@ -207,7 +215,8 @@ def parse_chat(body: Any, *, tool_parser: str = "hermes") -> Parsed:
     logprobs = body.get("top_logprobs", 0) if body.get("logprobs") else None
     max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     forced = tool_calls.forced_call_constraint(tools, tool_choice, tool_parser, parallel=body.get("parallel_tool_calls", True))
-    params = _sampling_params(body, max_tokens_field=max_field, logprobs=logprobs, constraint=_constraint(body, forced))
+    params = _sampling_params(body, max_tokens_field=max_field, logprobs=logprobs, constraint=_constraint(body, forced),
+                              defaults=defaults)
     return Parsed([messages], params, bool(body.get("stream")), _stream_options(body), False, body.get("model"),
                   tools, tool_choice, tool_parser)
 
