@@ -29,10 +29,11 @@ from jaxinfer.engine.spec_decode import NgramProposer, SpeculativeConfig
 from jaxinfer.models.draft_heads import load_heads
 from jaxinfer.ops.kv_cache import KVCache, is_quantized
 from jaxinfer.ops.quantization import cast_scales, default_group_size, quantize_model
+from jaxinfer.runtime.kernel_selfcheck import checked_kernels, step_shapes, with_kernels
 from jaxinfer.runtime.loading import abstract_model, load_params, read_config, resolve_model
 from jaxinfer.runtime.placement import kv_partition_spec, param_partition_specs, put_global
 from jaxinfer.startup import PhaseClock
-from jaxinfer.tokenizer import load_tokenizer
+from jaxinfer.tokenizer import cache_root, load_tokenizer
 from jaxinfer.tree import flat_to_nested, nested_to_flat
 from sharding.mesh import ParallelConfig, ShardingError, make_mesh
 
@@ -58,6 +59,7 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
     if config.enable_lora:
         placed = add_lora_table(placed, model_config, config, mesh)
     clock.mark("weights")
+    config, placed = check_kernels_on_device(config, model_config, parallel, placed, clock)
     tokenizer, tokenizer_seconds = tokenizer_future.result()
     clock.mark("tokenizer (what it took beyond the weights)")
     spec = config.speculative_config
@@ -97,6 +99,26 @@ def place_weights(model_config: ModelConfig, config: EngineConfig, mesh, weights
     params = cast_scales(params, config.kernels.scale_dtype)  # the dtype the quantized matmul loads
     param_specs = param_partition_specs(params, model_config)
     return PlacedWeights(graphdef, put_global(params, param_specs, mesh), param_specs)  # quantized weights: onto their shards
+
+
+def check_kernels_on_device(config: EngineConfig, model_config: ModelConfig, parallel, placed: PlacedWeights,
+                            clock: PhaseClock) -> tuple[EngineConfig, PlacedWeights]:
+    """(config, weights) running only kernels that passed their check on the device at the
+    model's shapes (`jaxinfer.runtime.kernel_selfcheck`), when config.check_kernels asks for it
+    (None: when the Pallas kernels compile for this chip): a failing one's operation joins
+    xla_kernels, and the model's table follows."""
+    kernels = config.kernels
+    if not (kernels.pallas and (config.check_kernels if config.check_kernels is not None else not kernels.interpret)):
+        return config, placed
+    shapes = step_shapes(model_config, placed.params, parallel=parallel, dtype=config.activation_dtype, kv_dtype=config.kv_dtype,
+                         page_size=config.page_size, max_tokens=config.buckets(parallel).max_tokens,
+                         spec_block=config.buckets(parallel).spec_block)
+    checked = checked_kernels(kernels, shapes, cache=cache_root() / "kernel_checks.json")
+    clock.mark("kernel check on the device")
+    if checked == kernels:
+        return config, placed
+    placed = dataclasses.replace(placed, graphdef=with_kernels(placed.graphdef, placed.params, checked))
+    return dataclasses.replace(config, xla_kernels=checked.xla), placed
 
 
 def add_lora_table(placed: PlacedWeights, model_config: ModelConfig, config: EngineConfig, mesh) -> PlacedWeights:

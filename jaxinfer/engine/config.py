@@ -12,7 +12,8 @@ every field is concrete. The names are vLLM's where vLLM has the setting (`dtype
 `enable_lora`, `max_loras`, `max_lora_rank`);
 jaxinfer's own: `page_size` (vLLM's `block_size`), `num_pages` (vLLM's
 `num_gpu_blocks_override`, per data-parallel replica), `compute_dtype`,
-`quantization_group_size`, `quantization_symmetric`, `keep_checkpoint_quantization`, `kernel_impl` (alias `attention_impl`), `sequence_parallel_size`,
+`quantization_group_size`, `quantization_symmetric`, `keep_checkpoint_quantization`, `kernel_impl` (alias `attention_impl`),
+`check_kernels`, `xla_kernels`, `sequence_parallel_size`,
 `expert_parallel_size`, `sequence_parallel_attention`, `warmup`, `log_stats_interval`.
 """
 
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.spec_decode import SpeculativeConfig
 from jaxinfer.ops.batch import Buckets
-from jaxinfer.ops.kernels import KERNEL_IMPLS, Kernels, resolve_kernels
+from jaxinfer.ops.kernels import KERNEL_IMPLS, OPERATIONS, Kernels, resolve_kernels
 from jaxinfer.ops.kv_cache import KVCache
 from jaxinfer.ops.quantization import QUANTIZATION_GROUP_SIZES, QUANTIZATION_MODES, default_group_size
 from sharding.mesh import ParallelConfig, ShardingError
@@ -66,6 +67,10 @@ class EngineConfig:
     quantization_symmetric: bool = True
     keep_checkpoint_quantization: bool | None = None  # None: on TPU / GPU, not on the CPU (see the property)
     kernel_impl: str = "auto"
+    # Each Pallas kernel run on the device against its reference before serving (jaxinfer.runtime.
+    # kernel_selfcheck); None: when the kernels compile for this chip (TPU, GPU), True: also in interpret mode
+    check_kernels: bool | None = None
+    xla_kernels: tuple[str, ...] = ()  # kernel-table operations on their XLA path (the check adds those that fail)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     page_size: int = 16
     num_pages: int | None = None  # per replica; default: what kv_cache_memory_bytes holds
@@ -114,6 +119,9 @@ class EngineConfig:
                              f"quantization ({self.quantization!r}) nor a dtype ({self.dtype!r}) of its own")
         if self.kernel_impl not in KERNEL_IMPLS:
             raise ValueError(f"kernel_impl={self.kernel_impl!r}: expected one of {', '.join(map(repr, KERNEL_IMPLS))}")
+        set_("xla_kernels", (self.xla_kernels,) if isinstance(self.xla_kernels, str) else tuple(self.xla_kernels))
+        if set(self.xla_kernels) - set(OPERATIONS):
+            raise ValueError(f"xla_kernels={self.xla_kernels!r}: expected names among {', '.join(map(repr, OPERATIONS))}")
         if self.page_size < 1:
             raise ValueError(f"page_size={self.page_size} must be >= 1")
         if self.num_pages is not None and self.num_pages < 2:
@@ -158,7 +166,7 @@ class EngineConfig:
 
     @property
     def kernels(self) -> Kernels:
-        return resolve_kernels(self.kernel_impl)
+        return resolve_kernels(self.kernel_impl, xla=self.xla_kernels)
 
     def parallel(self, model_config: ModelConfig) -> ParallelConfig:
         """The mesh sizes, checked against the model. Without an expert_parallel_size,

@@ -18,8 +18,14 @@ operation whatever the platform; the model and `jaxinfer.ops.attention` call eac
 one place. A kernel that cannot take a shape (the TPU SwiGLU kernel needs 128-column halves, the
 GPU RoPE kernel a power-of-two half head_dim, the TPU RoPE kernel K/V already in the pool's
 dtype) falls back to the XLA path inside its entry. The table is static: part of the model's
-structure (equal tables compare equal by platform and interpret flag), so one compiled step per
+structure (tables compare equal by platform, interpret flag and `xla`), so one compiled step per
 choice.
+
+`Kernels(..., xla=("ragged_attention", ...))` runs those operations' XLA paths whatever the
+platform: the on-device check (`jaxinfer.runtime.kernel_selfcheck`) puts there every kernel that
+failed against its reference on the chip; it is part of the table's identity (its own compiled
+step). The XLA attention reads the model's own heads, so "ragged_attention" brings the XLA pool
+layout (`stored_kv_heads`, `stored_head_dim`) with it.
 
 Quantized KV pools (int8 / e4m3 entries with a scale per token and head, jaxinfer.ops.kv_cache)
 are read by the XLA split-KV attention on every platform: the Pallas attention kernels take one
@@ -52,6 +58,9 @@ from pallas_kernels.rope_kv_write import gpu_supports, rope_kv_write_gpu, rope_k
 from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu, swiglu_matmul_tpu
 
 KERNEL_IMPLS = ("auto", "reference", "pallas", "pallas-tpu", "pallas-gpu")
+# The table's operations (its other entries describe the KV pool's layout and the scale dtype).
+OPERATIONS = ("ragged_attention", "flash_attention", "rope_kv_write", "quantized_matmul", "add_rms_norm", "swiglu_matmul",
+              "lora_delta")
 
 # KV tokens per work item of the XLA split-KV attention, and items per loop iteration (measured
 # on the CPU, 30 layers of SmolLM2's attention). Decodes (one query row per block) contract by
@@ -215,7 +224,8 @@ class Kernels:
 
     platform: str = "reference"  # "reference" | "tpu" | "gpu": whose kernels run
     interpret: bool = False  # Pallas kernels in interpret mode (on a platform that cannot compile them)
-    # The entries: filled from `platform` (an entry given explicitly is kept).
+    xla: tuple[str, ...] = ()  # OPERATIONS that run their XLA path instead (sorted; see the module docstring)
+    # The entries: filled from `platform` (an entry given explicitly is kept, unless `xla` names it).
     ragged_attention: Callable = dataclasses.field(default=None, compare=False, repr=False)
     flash_attention: Callable | None = dataclasses.field(default=None, compare=False, repr=False)
     rope_kv_write: Callable = dataclasses.field(default=None, compare=False, repr=False)
@@ -230,8 +240,17 @@ class Kernels:
     def __post_init__(self):
         if self.platform not in _TABLES:
             raise ValueError(f"Kernels(platform={self.platform!r}): expected one of {', '.join(map(repr, _TABLES))}")
+        unknown = sorted(set(self.xla) - set(OPERATIONS))
+        if unknown:
+            raise ValueError(f"Kernels(xla={tuple(self.xla)!r}): {', '.join(map(repr, unknown))} is no operation of the "
+                             f"kernel table (expected some of {', '.join(map(repr, OPERATIONS))})")
+        object.__setattr__(self, "xla", tuple(sorted(set(self.xla))))
+        xla = _xla_table(self.interpret)
+        on_xla = set(self.xla) | ({"stored_kv_heads", "stored_head_dim"} if "ragged_attention" in self.xla else set())
         for name, fn in _TABLES[self.platform](self.interpret).items():
-            if getattr(self, name) is None:
+            if name in on_xla:
+                object.__setattr__(self, name, xla[name])
+            elif getattr(self, name) is None:
                 object.__setattr__(self, name, fn)
 
     @property
@@ -265,8 +284,9 @@ def _gpu_table(interpret: bool) -> dict[str, Callable]:
 _TABLES = {"reference": _xla_table, "tpu": _tpu_table, "gpu": _gpu_table}
 
 
-def resolve_kernels(kernel_impl: str, backend: str | None = None) -> Kernels:
-    """kernel_impl (see the module docstring) on `backend` (default: JAX's default backend) -> the table."""
+def resolve_kernels(kernel_impl: str, backend: str | None = None, xla: tuple[str, ...] = ()) -> Kernels:
+    """kernel_impl (see the module docstring) on `backend` (default: JAX's default backend) -> the
+    table; `xla`: operations that run their XLA path all the same (Kernels.xla)."""
     if kernel_impl not in KERNEL_IMPLS:
         raise ValueError(f"kernel_impl={kernel_impl!r}: expected one of {', '.join(map(repr, KERNEL_IMPLS))}")
     backend = backend or jax.default_backend()
@@ -280,4 +300,4 @@ def resolve_kernels(kernel_impl: str, backend: str | None = None) -> Kernels:
         platform = backend if backend in ("tpu", "gpu") else "tpu"
     else:
         platform = kernel_impl.removeprefix("pallas-")
-    return Kernels(platform, interpret=platform != backend)
+    return Kernels(platform, interpret=platform != backend, xla=tuple(xla))
