@@ -103,13 +103,13 @@ class SamplingParams:
     (if positive) or multiplied (if negative) by it. presence_penalty / frequency_penalty (in
     [-2, 2], 0 = off): subtracted once / once per occurrence from tokens already in the output.
     seed: makes sampling reproducible whatever else shares the batch; any Python int (over HTTP a
-    signed 64-bit one, as vLLM's API). The sampler's seeds are uint32: a seed in [0, 2**32) is used
-    as it is, any other is hashed to one (`jaxinfer.engine.seeds.sampler_seed`: the first 4 bytes,
-    little-endian, of the 4-byte BLAKE2b digest of `seed.to_bytes(seed.bit_length() // 8 + 1,
-    "little", signed=True)`), the same in every process. max_tokens: tokens to generate at most (None: up to the
-    context). min_tokens: EOS and stop_token_ids cannot end generation before this many tokens
-    (then at most `model_runner.MAX_HELD_BACK_IDS` ids, EOS included, can be held back).
-    ignore_eos: keep going past EOS.
+    signed 64-bit one, as vLLM's API). The sampler's seeds are uint32: a seed in [0, 2**32) is
+    used as it is, any other is hashed to one (`jaxinfer.engine.seeds.sampler_seed`: the 4-byte
+    BLAKE2b digest, read little-endian, of `seed.to_bytes(seed.bit_length() // 8 + 1, "little",
+    signed=True)`), the same in every process. max_tokens: tokens to generate at most (None: up
+    to the context). min_tokens: EOS and stop_token_ids cannot end generation before this many
+    tokens (the engine holds back at most `ops.sampling.MAX_BANNED_IDS` = 32 such ids, EOS
+    included). ignore_eos: keep going past EOS.
     logprobs: also return the top-`logprobs` alternatives of each generated token (0 = only the
     sampled token's; True = 1, as vLLM); the engine's max_logprobs bounds it. prompt_logprobs: the
     same for every prompt token. stop_token_ids: extra tokens that end generation (ids in the

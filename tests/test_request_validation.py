@@ -122,7 +122,7 @@ def test_every_sampling_params_value_is_refused_naming_its_field_or_runs(llm, kw
     ("seed", -1), ("seed", 2**40), ("seed", -(2**70)), ("temperature", 1e-9), ("top_k", -1),
     ("stop_token_ids", (7, 8)), ("logprobs", True), ("n", 2),
 ])
-def test_values_the_engine_used_to_trip_on_now_run(llm, field, value):
+def test_edge_values_are_accepted_and_run(llm, field, value):
     params = SamplingParams(max_tokens=3, min_tokens=2, **{field: value})
     assert llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
 
@@ -215,7 +215,7 @@ def test_request_parameters_compile_nothing_after_warmup(llm):
             llm.generate([prompt], params, use_tqdm=False)
     compiling = []  # the settings that compiled a step variant
 
-    @hypothesis.settings(SETTINGS, max_examples=30, phases=[hypothesis.Phase.generate])  # no shrinking: a variant compiles once
+    @hypothesis.settings(SETTINGS, max_examples=25, phases=[hypothesis.Phase.generate])  # no shrinking: a variant compiles once
     @hypothesis.given(prompt=st.lists(st.integers(3, VOCAB - 1), min_size=5, max_size=5), params=served_params())
     def serve(prompt, params):
         compiled = llm.runner.num_compiles

@@ -19,10 +19,10 @@ def sampler_seed(seed: int) -> int:
     """Any Python int as a seed the sampler takes, in [0, 2**32).
 
     A seed already in that range is used as it is. Any other (negative, or 2**32 and over) is
-    hashed, so that seeds differing only in their high bits still differ: the first 4 bytes, read
-    little-endian, of the BLAKE2b digest (4-byte digest size) of the seed's two's-complement
-    little-endian bytes, `seed.bit_length() // 8 + 1` of them. The same in every process:
-    sampler_seed(-1) == 0xF9358970.
+    hashed, so that seeds differing only in their high bits still differ: the BLAKE2b digest of
+    4 bytes, read little-endian, of the seed's two's-complement little-endian bytes
+    (`seed.bit_length() // 8 + 1` of them). The same in every process: sampler_seed(-1) ==
+    0xF9358970.
     """
     seed = int(seed)
     if 0 <= seed < SEED_RANGE:
