@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json as _json
+import math
+import numbers
+
+import numpy as np
 
 GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -70,21 +74,46 @@ class StructuredOutputsParams:
                            sort_keys=True)
 
 
+# The sampler holds every float setting as a float32: values past its range would become inf.
+FLOAT32_MAX = 3.4028234663852886e38
+# vLLM's floor for a sampling temperature: 0 < t < MIN_TEMPERATURE is raised to it (logits / t
+# would overflow float32 and the draw turn into NaN).
+MIN_TEMPERATURE = 1e-2
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_int(value) -> bool:
+    """An integer, Python's or NumPy's, and not a bool (True is an int to Python, not to a client)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """How to decode one request.
 
-    n: completions per prompt. temperature: 0 means greedy. top_k: 0 or -1 disables it.
-    top_p: nucleus mass in (0, 1]. min_p: drop tokens below min_p x the top token's probability.
-    repetition_penalty (1 = off): logits of tokens already in the prompt or output are divided
-    (if positive) or multiplied (if negative) by it. presence_penalty / frequency_penalty (0 =
-    off): subtracted once / once per occurrence from tokens already in the output. seed: makes
-    sampling reproducible whatever else shares the batch. max_tokens: tokens to generate at
-    most. min_tokens: EOS and stop_token_ids cannot end generation before this many tokens.
-    ignore_eos: keep going past EOS.
+    n: completions per prompt. temperature: 0 means greedy (a temperature in (0, 0.01) is raised
+    to 0.01, as vLLM does). top_k: 0 or -1 disables it (stored as 0); the engine refuses one over
+    the vocabulary, as vLLM does. top_p: nucleus mass in (0, 1]. min_p: drop tokens below
+    min_p x the top token's probability.
+    repetition_penalty (> 0, 1 = off): logits of tokens already in the prompt or output are divided
+    (if positive) or multiplied (if negative) by it. presence_penalty / frequency_penalty (in
+    [-2, 2], 0 = off): subtracted once / once per occurrence from tokens already in the output.
+    seed: makes sampling reproducible whatever else shares the batch; any Python int (over HTTP a
+    signed 64-bit one, as vLLM's API). The sampler's seeds are uint32: a seed in [0, 2**32) is
+    used as it is, any other is hashed to one (`jaxinfer.engine.seeds.sampler_seed`: the 4-byte
+    BLAKE2b digest, read little-endian, of `seed.to_bytes(seed.bit_length() // 8 + 1, "little",
+    signed=True)`), the same in every process. max_tokens: tokens to generate at most (None: up
+    to the context). min_tokens: EOS and stop_token_ids cannot end generation before this many
+    tokens (the engine holds back at most `ops.sampling.MAX_BANNED_IDS` = 32 such ids, EOS
+    included). ignore_eos: keep going past EOS.
     logprobs: also return the top-`logprobs` alternatives of each generated token (0 = only the
-    sampled token's). prompt_logprobs: the same for every prompt token. stop_token_ids: extra
-    tokens that end generation. stop: strings that end generation (trimmed from the text unless
+    sampled token's; True = 1, as vLLM); the engine's max_logprobs bounds it. prompt_logprobs: the
+    same for every prompt token. stop_token_ids: extra tokens that end generation (ids in the
+    vocabulary). stop: strings that end generation (trimmed from the text unless
     include_stop_str_in_output). skip_special_tokens: drop special tokens from the text.
     detokenize: False leaves the output text empty (token ids only; no stop strings then).
     num_speculative_tokens (jaxinfer's, not vLLM's): with speculative decoding on, this
@@ -92,6 +121,10 @@ class SamplingParams:
     structured_outputs: a `StructuredOutputsParams` (or a dict of its fields) the output must
     follow; the older names guided_json / guided_regex / guided_choice / guided_grammar are
     accepted as keywords and become it. A constrained request does not speculate.
+
+    Every field is checked on construction: a ValueError names the field
+    ("SamplingParams.<field>=<value>: why"). Integers may be NumPy's (stored as int), never bools;
+    numbers must be finite and within float32's range (stored as float).
     """
 
     n: int = 1
@@ -121,9 +154,6 @@ class SamplingParams:
     guided_grammar: dataclasses.InitVar[str | None] = None
 
     def __post_init__(self, guided_json=None, guided_regex=None, guided_choice=None, guided_grammar=None):
-        def bad(field, why):
-            raise ValueError(f"SamplingParams.{field}={getattr(self, field)!r}: {why}")
-
         guided = {name: v for name, v in zip(GUIDED_ALIASES, (guided_json, guided_regex, guided_choice, guided_grammar))
                   if v is not None}
         if guided:
@@ -135,49 +165,82 @@ class SamplingParams:
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            bad("structured_outputs", "must be a StructuredOutputsParams (or a dict of its fields)")
+            self._bad("structured_outputs", "must be a StructuredOutputsParams (or a dict of its fields)")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", "must be an integer >= 1")
-        if self.temperature is None or self.temperature < 0:
-            bad("temperature", "must be >= 0")
-        if not (0.0 < self.top_p <= 1.0):
-            bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top_k", "must be -1 or 0 (disabled) or a positive integer")
+        for field in ("logprobs", "prompt_logprobs"):  # vLLM: True asks for one alternative
+            if getattr(self, field) is True:
+                setattr(self, field, 1)
+        self._integer("n", low=1)
+        self._integer("top_k", low=-1, why="must be -1 or 0 (disabled) or a positive integer")
         if self.top_k == -1:
             self.top_k = 0
-        if not (0.0 <= self.min_p <= 1.0):
-            bad("min_p", "must be in [0, 1]")
-        if not self.repetition_penalty > 0:
-            bad("repetition_penalty", "must be > 0 (1 disables it)")
-        for field in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, field) <= 2.0:
-                bad(field, "must be in [-2, 2]")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad("min_tokens", "must be an integer >= 0")
+        self._integer("seed", none_ok=True)
+        self._integer("max_tokens", low=1, none_ok=True, why="must be an integer >= 1 (or None: up to the context limit)")
+        self._integer("min_tokens", low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer or None")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad("max_tokens", "must be an integer >= 1 (or None: up to the context limit)")
+            self._bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
         for field in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, field)
-            if v is not None and (not isinstance(v, int) or v < 0):
-                bad(field, "must be None or an integer >= 0")
-        if self.stop_token_ids is not None and not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be a list of non-negative token ids")
-        if self.num_speculative_tokens is not None and (
-            not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0
-        ):
-            bad("num_speculative_tokens", "must be None or an integer >= 0")
+            self._integer(field, low=0, none_ok=True, why="must be None or an integer >= 0")
+        self._integer("num_speculative_tokens", low=0, none_ok=True, why="must be None or an integer >= 0")
+
+        self._number("temperature", 0.0, FLOAT32_MAX, note=" (0: greedy)")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
+        self._number("top_p", 0.0, 1.0, low_open=True)
+        self._number("min_p", 0.0, 1.0)
+        self._number("repetition_penalty", 0.0, FLOAT32_MAX, low_open=True, note=" (1 disables it)")
+        for field in ("presence_penalty", "frequency_penalty"):
+            self._number(field, -2.0, 2.0)
+
+        for field in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, field), (bool, np.bool_)):
+                self._bad(field, "must be True or False")
+            setattr(self, field, bool(getattr(self, field)))
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple, np.ndarray)) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids
+            ):
+                self._bad("stop_token_ids", "must be a list of non-negative token ids")
+            self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
-            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if self.stop is not None:
+            if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+                self._bad("stop", "must be a non-empty string or a list of non-empty strings")
+            self.stop = list(self.stop)
         if self.stop and not self.detokenize:
-            bad("stop", "stop strings need detokenize=True")
+            self._bad("stop", "stop strings need detokenize=True")
+
+    def _bad(self, field: str, why: str):
+        raise ValueError(f"SamplingParams.{field}={_shown(getattr(self, field))}: {why}")
+
+    def _integer(self, field: str, *, low: int | None = None, none_ok: bool = False, why: str | None = None) -> None:
+        """Checks an integer field (stored as a Python int); `low`: its least value."""
+        value = getattr(self, field)
+        if value is None and none_ok:
+            return
+        if not _is_int(value) or (low is not None and value < low):
+            self._bad(field, why or ("must be an integer" + (f" >= {low}" if low is not None else "")
+                                     + (" or None" if none_ok else "")))
+        setattr(self, field, int(value))
+
+    def _number(self, field: str, low: float, high: float, *, low_open: bool = False, note: str = "") -> None:
+        """Checks a finite number in [low, high] (low excluded if `low_open`), stored as a float."""
+        value = getattr(self, field)
+        if high == FLOAT32_MAX:
+            want = f"a finite number {'>' if low_open else '>='} {low:g} (at most {FLOAT32_MAX:.4g}, float32's largest)"
+        else:
+            want = f"a number in {'(' if low_open else '['}{low:g}, {high:g}]"
+        want += note
+        if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+            self._bad(field, f"must be {want}")
+        try:
+            number = float(value)
+        except OverflowError:  # an int past float's range
+            number = math.inf
+        if not (math.isfinite(number) and (low < number if low_open else low <= number) and number <= high):
+            self._bad(field, f"must be {want}")
+        setattr(self, field, number)
 
     @property
     def greedy(self) -> bool:

@@ -6,9 +6,10 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxinfer.engine.model_runner import ModelRunner, RowSampling, ScheduledChunk
-from jaxinfer.ops.sampling import SamplingTensors, apply_penalties, filter_min_p, filter_top_k_top_p, sample
+from jaxinfer.ops.sampling import MAX_BANNED_IDS, SamplingTensors, apply_penalties, filter_min_p, filter_top_k_top_p, sample
 
 
 def tensors(R, temperature=0.0, top_k=0, top_p=1.0, seed=0, counter=0, target=-1):
@@ -218,11 +219,14 @@ def test_runner_turns_the_switches_on_only_when_needed():
     np.testing.assert_allclose(st.min_p, [0.1, 0, 0, 0])
     st = build(RowSampling(banned_ids=[7, 8]), RowSampling(presence_penalty=0.5, history=[1, 2, 3], num_prompt_history=2),
                RowSampling(history=[9]))
-    assert st.banned_ids.shape == (4, 8) and st.banned_ids[0, :3].tolist() == [7, 8, -1]
+    assert st.banned_ids.shape == (4, MAX_BANNED_IDS) and st.banned_ids[0, :3].tolist() == [7, 8, -1]
     assert (st.banned_ids[1:] == -1).all()
     assert st.history_ids.shape == (4, 32)  # the longest sequence: pages_per_seq * page_size
     assert st.history_ids[1, :4].tolist() == [1, 2, 3, -1] and st.num_prompt_history[1] == 2
     assert (st.history_ids[[0, 2, 3]] == -1).all()  # rows without penalties carry no history
     np.testing.assert_allclose(st.presence_penalty, [0, 0.5, 0, 0])
     np.testing.assert_allclose(st.repetition_penalty, 1.0)
-    assert build(RowSampling(banned_ids=list(range(9)))).banned_ids.shape == (4, 16)
+    # one width whatever a request holds back: no stop list picks a compiled shape
+    assert build(RowSampling(banned_ids=list(range(MAX_BANNED_IDS)))).banned_ids.shape == (4, MAX_BANNED_IDS)
+    with pytest.raises(ValueError, match="banned ids"):  # the input checks refuse such a request before
+        build(RowSampling(banned_ids=list(range(MAX_BANNED_IDS + 1))))

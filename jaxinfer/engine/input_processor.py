@@ -1,17 +1,20 @@
 """Input processing: a user's prompt and SamplingParams -> a checked `Request`, before it reaches the core.
 
 A prompt is a string, a list of token ids, or a dict with "prompt" and / or
-"prompt_token_ids". `validate` raises ValueError, naming the request, for anything the engine
-cannot run (an empty prompt or one over max_model_len, token ids outside the vocabulary, more
-logprobs or completions than the engine allows, a request that cannot fit the KV cache, a
-structured_outputs constraint that does not compile), so a
-bad request never reaches the scheduler and costs no other request anything. Runs in the
-caller's thread.
+"prompt_token_ids". `validate` raises ValueError, naming the request and the field, for anything
+the engine cannot run (an empty prompt or one over max_model_len, prompt or stop token ids outside
+the vocabulary, a top_k over the vocabulary (as vLLM), more logprobs or completions than the engine
+allows, more ids held back by min_tokens than the sampler's fixed width, a request that cannot
+fit the KV cache, a structured_outputs constraint that does not compile), so a bad request never
+reaches the scheduler and costs no other request anything; `SamplingParams` has already checked
+each field on its own. A request's seed becomes the sampler's (`seeds.sampler_seed`). Runs in
+the caller's thread.
 """
 
 from __future__ import annotations
 
 import itertools
+import numbers
 import threading
 import time
 
@@ -21,14 +24,17 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.grammar import GrammarBackend, GrammarError
 from jaxinfer.engine.lora import LoraManager
 from jaxinfer.engine.request import Request, RequestMetrics, Sequence, SpecState
+from jaxinfer.engine.seeds import sampler_seed
 from jaxinfer.lora_request import LoRARequest
+from jaxinfer.ops.sampling import MAX_BANNED_IDS
 from jaxinfer.sampling_params import SamplingParams
 
 
 class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer, *, vocab_size: int, pages_per_replica: int,
-                 grammar: GrammarBackend | None = None, lora: LoraManager | None = None):
+                 grammar: GrammarBackend | None = None, lora: LoraManager | None = None, eos_token_ids=()):
         self.config = config
+        self.eos_token_ids = set(eos_token_ids)  # held back with the stop ids until min_tokens
         self.grammar = grammar  # compiles structured_outputs constraints (None: refused)
         self.lora = lora  # reads a request's LoRA adapter (None: the engine has no LoRA table)
         self.tokenizer = tokenizer
@@ -42,7 +48,8 @@ class InputProcessor:
                      arrival_time: float | None = None, seed: int | None = None,
                      lora_request: LoRARequest | None = None) -> Request:
         """A checked Request (one Sequence, for its prompt); ValueError naming it if it cannot run.
-        Its seed: `seed` if given (another process's request, replayed), else params.seed, else drawn."""
+        Its seed: `seed` if given (another process's request, replayed), else params.seed as the
+        sampler takes it (`sampler_seed`), else drawn."""
         params = params or SamplingParams()
         with self._lock:
             counter = next(self._ids)
@@ -51,7 +58,7 @@ class InputProcessor:
         text, ids = self.tokenize(prompt, label)
         self.validate(ids, params, label, lora_request)
         if seed is None and params.seed is not None:
-            seed = params.seed
+            seed = sampler_seed(params.seed)
         elif seed is None:
             with self._lock:
                 seed = int(self._seed_rng.integers(0, 2**31))
@@ -77,11 +84,23 @@ class InputProcessor:
             return prompt, (self.tokenizer.encode(prompt) if prompt else [])
         if isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt):
             text = prompt.get("prompt")
-            ids = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else self.tokenizer.encode(text or "")
-            return text, [int(t) for t in ids]
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"{label}: 'prompt' must be a string, got {type(text).__name__}")
+            if "prompt_token_ids" in prompt:
+                return text, self._token_ids(prompt["prompt_token_ids"], label)
+            return text, self.tokenizer.encode(text or "")
         if isinstance(prompt, (list, tuple, np.ndarray)):
-            return None, [int(t) for t in prompt]
+            return None, self._token_ids(prompt, label)
         raise ValueError(f"{label}: expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    @staticmethod
+    def _token_ids(ids, label: str) -> list[int]:
+        """Prompt token ids as Python ints: integers (NumPy's too), not bools, floats or strings."""
+        if not isinstance(ids, (list, tuple, np.ndarray)) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, (bool, np.bool_)) for t in ids
+        ):
+            raise ValueError(f"{label}: prompt token ids must be a list of integers")
+        return [int(t) for t in ids]
 
     def validate(self, ids: list[int], p: SamplingParams, label: str, lora_request: LoRARequest | None = None) -> None:
         """Raises ValueError, starting with `label`, for a prompt the engine cannot run (with its
@@ -103,6 +122,20 @@ class InputProcessor:
                 raise ValueError(f"{label}: SamplingParams.{field}={v} exceeds max_logprobs={c.max_logprobs}")
         if p.n > c.max_num_seqs:
             raise ValueError(f"{label}: SamplingParams.n={p.n} exceeds max_num_seqs={c.max_num_seqs}")
+        if p.top_k > self.vocab_size:
+            raise ValueError(f"{label}: SamplingParams.top_k={p.top_k} exceeds the vocabulary size {self.vocab_size} "
+                             f"(0 or -1: every token)")
+        bad = [t for t in p.stop_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"{label}: SamplingParams.stop_token_ids holds {bad[0]}, outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        if p.min_tokens:
+            held_back = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else self.eos_token_ids)
+            if len(held_back) > MAX_BANNED_IDS:
+                raise ValueError(
+                    f"{label}: SamplingParams.stop_token_ids: with min_tokens={p.min_tokens} at most {MAX_BANNED_IDS} "
+                    f"token ids (EOS included) can be held back until then; this request holds back {len(held_back)}"
+                )
         spec = c.speculative_config
         if p.num_speculative_tokens and spec and p.num_speculative_tokens > spec.num_speculative_tokens:
             raise ValueError(

@@ -7,6 +7,12 @@ and runs the jitted step with the cache donated. `dispatch` writes each chunk's 
 the chunk (`ScheduledChunk.rows`), `collect` its results (`ScheduledChunk.results`, numpy on the
 host). It keeps no per-request state.
 
+Compiled step variants: one per bucket (`BucketKey`) and set of optional sampling features a step
+uses (penalties, banned ids, an allowed-token mask, drafts; `ops.sampling`). Every array width
+comes from the configuration (buckets, max_model_len, max_logprobs, the vocabulary,
+`MAX_BANNED_IDS`), never from a request's values, so the variants are a small fixed set: `warmup`
+compiles each bucket without the optional features, which compile once on first use.
+
 Page ids in chunks are the replica's own (each replica's block manager hands out 1 ..
 pages_per_replica - 1, page 0 being its scratch page); the cache holds the replicas' pools one
 after the other on its page axis, split over the replica axes of the mesh.
@@ -25,12 +31,10 @@ import numpy as np
 
 from jaxinfer.ops.batch import BucketKey, Buckets, RaggedBatch, SequenceChunk, pack_batch, shared_key, stack_replicas
 from jaxinfer.ops.kv_cache import KVCache
-from jaxinfer.ops.sampling import SampleOutput, SamplingTensors
+from jaxinfer.ops.sampling import MAX_BANNED_IDS, SampleOutput, SamplingTensors
 from jaxinfer.runtime.placement import kv_shardings
 from jaxinfer.runtime.step import StepFunction
 from jaxinfer.sampling_params import SamplingParams
-
-BANNED_IDS_MULTIPLE = 8  # banned-id columns are padded to a multiple of this (one variant for up to 8)
 
 
 @dataclasses.dataclass
@@ -47,7 +51,7 @@ class RowSampling:
     repetition_penalty: float = 1.0  # 1 = off; on prompt and output tokens
     presence_penalty: float = 0.0  # 0 = off; on output tokens
     frequency_penalty: float = 0.0  # 0 = off; on output tokens
-    banned_ids: Sequence[int] = ()  # never sampled (min_tokens: EOS and stop ids)
+    banned_ids: Sequence[int] = ()  # never sampled (min_tokens: EOS and stop ids), at most MAX_BANNED_IDS
     history: Sequence[int] = ()  # prompt ids then output ids so far; only read when a penalty is on
     num_prompt_history: int = 0  # how many leading `history` ids are the prompt
     draft_tokens: Sequence[int] = ()  # per logits row: the drafted token it verifies, -1 = none (speculative decoding)
@@ -264,7 +268,8 @@ class ModelRunner:
                           max_banned: int | None = None, penalties: bool | None = None,
                           drafts: bool | None = None, mask_words: int | None = None) -> SamplingTensors:
         """One replica's per-row sampling tensors. The optional fields are switched on by
-        `max_banned` (columns of banned ids), `penalties`, `drafts` and `mask_words` (the allowed-
+        `max_banned` (the most banned ids of a row; always MAX_BANNED_IDS columns), `penalties`,
+        `drafts` and `mask_words` (the allowed-
         token bitmask's width), by default when one of these chunks needs them; a step passes
         what any replica needs, so the replicas' trees stack."""
         if max_banned is None:
@@ -304,7 +309,9 @@ class ModelRunner:
                 if s.sampling.draft_tokens:
                     st.draft_token[rows] = s.sampling.draft_tokens
         if max_banned:
-            st.banned_ids = np.full((R, -(-max_banned // BANNED_IDS_MULTIPLE) * BANNED_IDS_MULTIPLE), -1, np.int32)
+            if max_banned > MAX_BANNED_IDS:  # the input checks refuse such a request
+                raise ValueError(f"{max_banned} banned ids in one row; the sampler holds at most {MAX_BANNED_IDS}")
+            st.banned_ids = np.full((R, MAX_BANNED_IDS), -1, np.int32)
             for s, rows in zip(scheduled, rows_of_chunk):
                 st.banned_ids[np.asarray(rows)[:, None], np.arange(len(s.sampling.banned_ids))] = s.sampling.banned_ids
         if penalties:

@@ -57,7 +57,7 @@ def plan_chunk(s: ScheduledSeq, pages: list[int], eos_token_ids: set[int]) -> Sc
         seed = [seq.seed] * (len(rows) - n) + [child_seed(seq.seed, j) for j in range(n)]
     banned = ()
     if num_out < p.min_tokens:  # min_tokens: EOS (unless ignored) and the stop ids are banned until then
-        banned = tuple(p.stop_token_ids or ()) if p.ignore_eos else tuple(sorted(eos_token_ids | set(p.stop_token_ids or ())))
+        banned = tuple(sorted(set(p.stop_token_ids or ()) | (set() if p.ignore_eos else eos_token_ids)))
     sampling = RowSampling.from_params(p, seed=seed, counter=counter, target_ids=targets, banned_ids=banned,
                                        draft_tokens=draft_tokens, draft_src=draft_src)
     if sampling.uses_penalties:  # history as of the sampled row: everything up to this chunk's end

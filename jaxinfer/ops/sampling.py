@@ -16,7 +16,8 @@ batch without it traces exactly the code it traced before the feature existed):
   multiplied); presence subtracts once per token present in the output; frequency subtracts its
   value times the token's output count. Applied to the raw logits, so greedy rows take the argmax
   of the penalized logits.
-- `banned_ids` [R, B]: logits set to -inf (the engine's min_tokens bans EOS/stop ids this way).
+- `banned_ids` [R, MAX_BANNED_IDS]: logits set to -inf (the engine's min_tokens bans EOS/stop ids
+  this way). One fixed width, so that no request's stop list picks a shape.
 - `allowed_tokens` [R, ceil(V / 32)] int32 bitmask (structured outputs): tokens whose bit is clear
   get -inf, after penalties and bans and before temperature, min-p, top-k and top-p, so every
   sampler setting works on the allowed tokens alone.
@@ -24,6 +25,10 @@ batch without it traces exactly the code it traced before the feature existed):
   below min_p times the row's largest probability are dropped, before top-k/top-p.
 
 Penalties, bans and the allowed-token mask change which token is chosen, never the reported logprobs.
+
+Every width here is fixed by the engine's configuration (rows R and tokens from its buckets, H from
+max_model_len, the top-logprobs count from max_logprobs, the bitmask from the vocabulary,
+MAX_BANNED_IDS): no value a request sends picks a shape, so none compiles a new variant.
 
 Speculative decoding (`draft_token` set: a static switch like the others): a row that verifies
 a drafted token d (draft_token >= 0) was proposed with probability q (`draft_probs`, the draft's
@@ -44,6 +49,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+# Columns of `SamplingTensors.banned_ids`: a request with min_tokens holds back at most this many
+# token ids (its stop_token_ids and EOS); the engine's input checks refuse more.
+MAX_BANNED_IDS = 32
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -56,7 +65,7 @@ class SamplingTensors:
     target_ids: jax.Array  # [R] int32, token whose logprob to report; -1 = the sampled token
     # Optional features; None = off for the whole batch (and not compiled in).
     min_p: jax.Array | None = None  # [R] float32, 0 = off
-    banned_ids: jax.Array | None = None  # [R, B] int32, -1 = padding
+    banned_ids: jax.Array | None = None  # [R, MAX_BANNED_IDS] int32, -1 = padding
     history_ids: jax.Array | None = None  # [R, H] int32: prompt ids then output ids, -1 = padding
     num_prompt_history: jax.Array | None = None  # [R] int32: the first this-many history ids are prompt
     repetition_penalty: jax.Array | None = None  # [R] float32, 1 = off
@@ -127,7 +136,7 @@ def apply_penalties(logits: jax.Array, st: SamplingTensors) -> jax.Array:
 
 
 def ban_tokens(logits: jax.Array, banned_ids: jax.Array) -> jax.Array:
-    """Sets each row's banned ids [R, B] (-1 = padding) to -inf. [R, V]."""
+    """Sets each row's banned ids [R, B] (-1 = padding; ids past V are dropped) to -inf. [R, V]."""
     R, V = logits.shape
     ids = jnp.where(banned_ids >= 0, banned_ids, V)  # padding scatters out of bounds and is dropped
     rows = jnp.broadcast_to(jnp.arange(R)[:, None], banned_ids.shape)

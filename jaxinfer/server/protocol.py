@@ -62,6 +62,9 @@ _SAMPLING = {
     "stop": ((str, list), "stop"),
     "max_tokens": ((int,), "max_tokens"),
 }
+# field -> (least, greatest) integer over HTTP where SamplingParams takes more: vLLM's API bounds
+# seed to a signed 64-bit int (SamplingParams takes any int and hashes it to the sampler's width)
+_INT_BOUNDS = {"seed": (-(2**63), 2**63 - 1)}
 _CONSTRAINTS = {"response_format": (dict,), "structured_outputs": (dict,), "guided_json": (dict, str),
                 "guided_regex": (str,), "guided_choice": (list,), "guided_grammar": (str,)}
 _COMMON = {"model": (str,), "stream": (bool,), "stream_options": (dict,), "user": (str,), **_CONSTRAINTS}
@@ -137,7 +140,14 @@ def _constraint(body: dict, forced: StructuredOutputsParams | None = None) -> St
 
 
 def _sampling_params(body: dict, *, max_tokens_field: str = "max_tokens", logprobs: int | None = None,
-                     constraint: StructuredOutputsParams | None = None, defaults: dict | None = None) -> SamplingParams:
+                     logprobs_field: str = "logprobs", constraint: StructuredOutputsParams | None = None,
+                     defaults: dict | None = None) -> SamplingParams:
+    """The body's SamplingParams; ApiError naming the body's field (`max_tokens_field` and
+    `logprobs_field`: the fields that became max_tokens and logprobs). `defaults` fill the
+    sampling fields the body leaves out (generation_config.json's)."""
+    for name, (low, high) in _INT_BOUNDS.items():
+        if name in body and not low <= body[name] <= high:
+            raise ApiError(f"'{name}' must be in [{low}, {high}], got {body[name]}", param=name)
     kwargs = {field: body[name] for name, (_, field) in _SAMPLING.items() if name in body}
     if constraint is not None:
         kwargs["structured_outputs"] = constraint
@@ -148,9 +158,12 @@ def _sampling_params(body: dict, *, max_tokens_field: str = "max_tokens", logpro
         kwargs["logprobs"] = logprobs
     try:
         return SamplingParams(**kwargs)
-    except ValueError as e:  # "SamplingParams.<field>=...: why"
-        field = str(e).split("=", 1)[0].removeprefix("SamplingParams.")
-        raise ApiError(str(e).replace("SamplingParams.", ""), param=field) from None
+    except ValueError as e:  # "SamplingParams.<field>=<value>: why", or about several fields
+        field, equals, rest = str(e).removeprefix("SamplingParams.").partition("=")
+        if not equals or not field.isidentifier():
+            raise ApiError(str(e).replace("SamplingParams", "the sampling parameters")) from None
+        name = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(field, field)
+        raise ApiError(f"{name}={rest}", param=name) from None
 
 
 def _stream_options(body: dict) -> bool:
@@ -215,8 +228,8 @@ def parse_chat(body: Any, *, tool_parser: str = "hermes", defaults: dict | None 
     logprobs = body.get("top_logprobs", 0) if body.get("logprobs") else None
     max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     forced = tool_calls.forced_call_constraint(tools, tool_choice, tool_parser, parallel=body.get("parallel_tool_calls", True))
-    params = _sampling_params(body, max_tokens_field=max_field, logprobs=logprobs, constraint=_constraint(body, forced),
-                              defaults=defaults)
+    params = _sampling_params(body, max_tokens_field=max_field, logprobs=logprobs, logprobs_field="top_logprobs",
+                              constraint=_constraint(body, forced), defaults=defaults)
     return Parsed([messages], params, bool(body.get("stream")), _stream_options(body), False, body.get("model"),
                   tools, tool_choice, tool_parser)
 
