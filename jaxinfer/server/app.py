@@ -44,7 +44,7 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
     `tool_call_parser`: "hermes" or "llama3_json" (default: what the chat template suggests).
     `lora_modules`: adapter name -> PEFT folder, served as models of those names (the LLM needs
     enable_lora=True); more can be loaded and unloaded at run time on one process."""
-    model_name = served_model_name or (str(llm.source.path.name) if llm.source else "jaxinfer")
+    model_name = served_model_name or (llm.source.name if llm.source else "jaxinfer")
     if tool_call_parser is not None and tool_call_parser not in tools.PARSERS:
         raise ValueError(f"tool_call_parser={tool_call_parser!r}: expected one of {tools.PARSERS}")
     tool_parser = tool_call_parser or tools.detect_parser(getattr(llm.tokenizer, "chat_template", None))
