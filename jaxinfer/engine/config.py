@@ -5,7 +5,8 @@
 
 Built once from `LLM(...)` keywords or the CLI's flags; `resolved(model_config)` fills in what
 depends on the model (dtypes for this backend, max_model_len, the KV pool size), after which
-every field is concrete. The names are vLLM's where vLLM has the setting (`dtype`,
+every field is concrete (but for a TPU / GPU pool sized from the devices' memory, which
+build_engine measures once the weights are placed). The names are vLLM's where vLLM has the setting (`dtype`,
 `kv_cache_dtype`, `quantization`, `max_model_len`, `max_num_batched_tokens`, `max_num_seqs`,
 `max_logprobs`, `enable_prefix_caching`, `preemption_mode`, `seed`, `tensor_parallel_size`,
 `data_parallel_size`, `enable_expert_parallel`, `speculative_config`, `kv_cache_memory_bytes`,
