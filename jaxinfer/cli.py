@@ -17,11 +17,19 @@ import sys
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF folder, .gguf file or converted folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="HF folder, .gguf file, converted folder, or a Hugging Face Hub id: "
+                                                "org/name, org/name:file.gguf (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--revision", default=None, help="a Hub id's branch, tag or commit (default: main)")
     p.add_argument("--dtype", default="auto", help="parameter dtype: auto | float32 | bfloat16 | float16")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--num-pages", "--num-gpu-blocks-override", dest="num_pages", type=int, default=None,
+                   help="KV pages per replica (default: sized by --kv-cache-memory or --gpu-memory-utilization)")
+    p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory_bytes", type=_byte_count,
+                   default=None, help="the KV pool's bytes per replica, e.g. 8GiB (default: the CPU 1GiB, else sized by "
+                                      "--gpu-memory-utilization)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="TPU / GPU: the share of each device's memory for weights, step scratch and KV pool (default 0.9)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-cache-dtype", default=None, help="KV pages: float32 | bfloat16 | int8 | fp8 (default: the compute dtype)")
@@ -42,6 +50,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=_json_dict, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     _add_distributed_args(p)
+
+
+def _byte_count(text: str) -> int:
+    """"8589934592", "8GiB", "8G", "512MiB", "512M" (binary units) -> bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(?:i?B)?)?\s*", text, re.IGNORECASE)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes, e.g. 8589934592, 8GiB or 512MiB")
+    return int(float(m.group(1)) * 1024 ** (" KMGT".index(m.group(2).upper()) if m.group(2) else 0))
 
 
 def _json_dict(text: str) -> dict:
@@ -97,8 +115,10 @@ def _llm(args, **extra):
         args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
         keep_checkpoint_quantization=args.keep_checkpoint_quantization, kernel_impl=args.kernel_impl,
-        max_model_len=args.max_model_len, page_size=args.page_size,
-        num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, page_size=args.page_size, revision=args.revision,
+        num_pages=args.num_pages, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         sequence_parallel_size=args.sequence_parallel_size, expert_parallel_size=args.expert_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, sequence_parallel_attention=args.sequence_parallel_attention,
@@ -242,6 +262,7 @@ def cmd_serve(args) -> int:
     except ValueError as e:
         print(f"jaxinfer serve: {e}", file=sys.stderr)
         return 2
+    print(f"jaxinfer: {llm.engine.kv_cache_summary}", file=sys.stderr)
     print(f"jaxinfer: serving {app.state.model_name!r} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     # SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for shutdown_timeout seconds,
     # then cancel them (each aborts its request); the engine thread stops with the app; exit 0.
@@ -260,7 +281,7 @@ def cmd_convert(args) -> int:
     from jaxinfer.runtime.loading import load_params, read_config, resolve_model, save_converted
     from jaxinfer.tokenizer import load_tokenizer
 
-    source = resolve_model(args.src)
+    source = resolve_model(args.src, revision=args.revision)
     config = read_config(source)
     dtype = dtype_of(args.dtype, "dtype")
     _, state = load_params(source, config, dtype, dtype, keep_quantized=False)  # converted folders hold floats
@@ -302,6 +323,7 @@ def cmd_aot(args) -> int:
     parallel = ParallelConfig(dp=args.data_parallel_size, tp=args.tensor_parallel_size, ep=args.expert_parallel_size)
     shape = ServingShape(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
+                         kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
                          dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                          group_size=args.group_size)
     print(f"compiling for {target.name} ({target.num_chips} x {target.chip.kind}) ...", file=sys.stderr, flush=True)
@@ -387,9 +409,10 @@ def main(argv=None) -> int:
     q.add_argument("--verbose", "-v", action="store_true", help="print each layer's time")
     q.set_defaults(func=cmd_quantize, coordinator=None, num_processes=None, process_id=None, multihost=False)
 
-    v = sub.add_parser("convert", help="convert an HF folder or GGUF file to a jaxinfer (orbax) folder")
-    v.add_argument("src")
+    v = sub.add_parser("convert", help="convert an HF folder, GGUF file or Hub id to a jaxinfer (orbax) folder")
+    v.add_argument("src", help="HF folder, .gguf file, or a Hugging Face Hub id (org/name, org/name:file.gguf)")
     v.add_argument("dst")
+    v.add_argument("--revision", default=None, help="a Hub id's branch, tag or commit (default: main)")
     v.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     v.add_argument("--overwrite", action="store_true", help="replace an existing converted folder")
     v.set_defaults(func=cmd_convert)
@@ -406,7 +429,12 @@ def main(argv=None) -> int:
     a.add_argument("--max-num-seqs", type=int, default=64)
     a.add_argument("--max-num-batched-tokens", type=int, default=512)
     a.add_argument("--page-size", type=int, default=16)
-    a.add_argument("--num-pages", type=int, default=None, help="KV pages per replica (default: max-num-seqs at max-model-len)")
+    a.add_argument("--num-pages", "--num-gpu-blocks-override", dest="num_pages", type=int, default=None,
+                   help="KV pages per replica (default: as the engine sizes it, --kv-cache-memory or --gpu-memory-utilization)")
+    a.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory_bytes", type=_byte_count,
+                   default=None, help="the KV pool's bytes per replica, e.g. 8GiB")
+    a.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="the share of each chip's HBM for weights, step scratch and KV pool (default 0.9)")
     a.add_argument("--dtype", default="bfloat16")
     a.add_argument("--kv-cache-dtype", default=None, help="default: --dtype; int8 or float8_e4m3fn halve the pool")
     a.add_argument("--quantization", choices=("int8", "int4", "fp8", "w8a8"), default=None)

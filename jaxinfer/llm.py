@@ -37,8 +37,12 @@ class LLM:
     """An LLM with its paged KV cache, ready to generate.
 
     Args:
-      model: None (the embedded SmolLM2-135M-Instruct), an HF folder, a .gguf file, or a folder
-        written by `jaxinfer convert`.
+      model: None (the embedded SmolLM2-135M-Instruct), an HF folder, a .gguf file, a folder
+        written by `jaxinfer convert`, or a Hugging Face Hub id that is no local path: "org/name"
+        (its configs, tokenizer and safetensors) or "org/name:file.gguf" (one file of a GGUF
+        repository), from huggingface_hub's cache or downloaded into it (HF_HUB_OFFLINE=1: the
+        cache alone; gated models through HF_TOKEN or `hf auth login`; jaxinfer.runtime.hub).
+      revision: a Hub id's branch, tag or commit (default: main).
       dtype: parameter (and matmul input) dtype: "auto" (float32 on CPU, bfloat16 on TPU/GPU),
         "float32", "bfloat16", "float16".
       compute_dtype: dtype of activations, norms and the residual stream (default: float32 on
@@ -62,9 +66,15 @@ class LLM:
         every entry of the kernel table (jaxinfer.ops.kernels): attention, RoPE + KV write, norm,
         SwiGLU and the quantized matmul.
       max_model_len: longest prompt + output (default: the model's max_position_embeddings).
-      page_size: tokens per KV page. num_pages: pages in each replica's pool (default: what fits
-        in kv_cache_memory_bytes per replica, 1 GiB unless given; with tensor parallelism each
-        device holds 1 / tp of it).
+      page_size: tokens per KV page. The KV pool (pages per data-parallel replica; page 0 is a
+        scratch page) is, first to last: `num_pages` (alias `num_gpu_blocks_override`, vLLM's
+        name); what `kv_cache_memory_bytes` holds (per replica, each tensor-parallel device 1 / tp
+        of it; at most every sequence at max_model_len); on a TPU / GPU, what each device's memory
+        leaves at `gpu_memory_utilization` (default 0.9; of `memory_stats()['bytes_limit']`, which
+        on a GPU is XLA_PYTHON_CLIENT_MEM_FRACTION of it) after the weights and the step's
+        scratch, measured by compiling the largest bucket once (jaxinfer.engine.memory); on the
+        CPU, 1 GiB. The start-up log line ("jaxinfer" logger, INFO; `engine.kv_cache_summary`)
+        says its pages, tokens and sequences at max_model_len.
       tensor_parallel_size / data_parallel_size / sequence_parallel_size / expert_parallel_size:
         the device mesh (sharding.mesh; vLLM's names where vLLM has them). Tensor: Megatron
         sharding of heads and MLP. Data: independent replicas, each with its own KV pages, the

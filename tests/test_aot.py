@@ -17,7 +17,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 from jaxinfer.aot import kernel_check
-from jaxinfer.aot.plan import DoesNotFit, plan_deployment
+from jaxinfer.aot.plan import DoesNotFit, plan_deployment, size_pool
 from jaxinfer.aot.presets import read_model_config
 from jaxinfer.aot.step_compile import AbstractStep, ServingShape
 from jaxinfer.aot.targets import TargetError, compile_target
@@ -200,6 +200,21 @@ def test_aot_prints_a_table_of_every_bucket_with_memory_and_a_decode_estimate(tm
     assert len(rows) == len(Buckets.default(4, 4, pages_per_seq=1024 // 16).all_keys())
     assert all(line.rstrip().endswith("| 0 |") for line in rows), "no bucket copies the pool"
     assert "largest that fits" in out and "HBM roofline" in out and "TPU v6 lite" in out
+
+
+def test_llama_8b_on_one_v6e_gets_a_pool_that_fills_85_to_90_percent_of_its_hbm_at_the_default_utilization(v6e):
+    """One v6e chip (32 GB): the step's scratch measured by compiling its largest bucket once (64
+    tokens, to keep the compile short), the pool sized as the engine sizes it at
+    gpu_memory_utilization 0.9. Weights, pool and scratch then fill 85-90 % of the HBM: about
+    100k tokens of cache, where the old fixed 1 GiB held 8k."""
+    shape = ServingShape(max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=64)
+    sizing = size_pool(AbstractStep.build(read_model_config("llama-3.1-8b"), v6e, ParallelConfig(), shape))
+    hbm = v6e.chip.hbm_bytes
+    assert sizing.sized_by == "gpu_memory_utilization=0.9" and sizing.probe_pages == 8192 // 16 + 1
+    assert 14.9 < sizing.weight_bytes / 2**30 < 15.0 and 0 < sizing.scratch_bytes < 0.05 * hbm
+    assert 0.85 <= sizing.chip_bytes(sizing.pages) / hbm <= 0.90
+    assert (sizing.pages - 1) * 16 > 90_000 and sizing.pages < sizing.largest_pages
+    assert sizing.page_bytes == 32 * 16 * 2 * 8 * 128 * 2  # layers x tokens x (K, V) x KV heads x head_dim x bf16
 
 
 def test_aot_refuses_a_model_whose_weights_do_not_fit_and_says_by_how_much(v5e):

@@ -5,11 +5,14 @@ compiling every bucket of the serving step for the target, with no chip and no w
 
 1. The weights per chip (from the sharded abstract parameters) must fit the chip's HBM: if not,
    an error says by how much.
-2. The largest bucket is compiled first with the requested KV pool (every sequence at
-   max_model_len) or, when that cannot fit, the largest pool that can: its temporaries tell how
-   much HBM the pool may take (`largest_pool_pages`).
-3. Every bucket is compiled with that pool: compile seconds and `memory_analysis()` per bucket,
-   and an HLO check that no bucket copies the pool (the cache must be updated in place).
+2. The KV pool is sized as the engine sizes it (`jaxinfer.engine.memory`): `num_pages` as given,
+   else what `kv_cache_memory_bytes` holds, else what `gpu_memory_utilization` (0.9) of the
+   chip's HBM leaves beside the weights and the step's scratch; the scratch is measured by
+   compiling the largest bucket over a pool of one sequence (`size_pool`, one compile), and
+   also gives the largest pool that fits at all (`largest_pool_pages`).
+3. Every bucket is compiled with that pool (at most the largest that fits): compile seconds and
+   `memory_analysis()` per bucket, and an HLO check that no bucket copies the pool (the cache
+   must be updated in place).
 4. A decode estimate from bytes moved per step over the chip's HBM bandwidth: an HBM roofline,
    labelled as an estimate, not a measurement.
 """
@@ -22,14 +25,17 @@ import time
 
 from jaxinfer.aot.step_compile import AbstractStep, ServingShape
 from jaxinfer.aot.targets import Target
+from jaxinfer.engine.memory import kv_pool_pages, largest_bucket, pages_for_bytes, step_scratch_bytes
 from jaxinfer.ops.batch import BucketKey
 from jaxinfer.config import ModelConfig
+from jaxinfer.ops.kernels import Kernels
+from jaxinfer.ops.kv_cache import KVCache
 from sharding.hlo import pool_sized_copies
 from sharding.mesh import ParallelConfig
 
 GiB = 2**30
-HBM_HEADROOM = 0.03  # of the chip's HBM kept free (the runtime's own buffers, fragmentation)
-PROBE_BELOW = 0.8  # a requested pool that brings the chip past this share of HBM is sized from a probe compile
+HBM_HEADROOM = 0.03  # of the chip's HBM kept free by "the largest pool that fits" (the runtime's own buffers, fragmentation)
+PROBE_BELOW = 0.8  # a pool given that brings the chip past this share of HBM: the scratch is measured over a small one
 
 
 class DoesNotFit(ValueError):
@@ -45,6 +51,7 @@ class BucketCompile:
     output_bytes: int
     alias_bytes: int  # outputs that reuse an argument's buffer (the donated KV pool)
     pool_copies: int  # pool-sized copies in the optimized program (0 when updated in place)
+    scratch_bytes: int  # per chip, beyond weights and pool: temporaries, inputs, outputs not aliased
 
     @property
     def peak_bytes(self) -> int:
@@ -58,11 +65,36 @@ class BucketCompile:
 
 
 @dataclasses.dataclass
+class PoolSizing:
+    """The KV pool of a deployment, per replica, as the engine would size it on the target."""
+
+    probe: BucketCompile  # the largest bucket, compiled over a pool of `probe_pages`
+    probe_pages: int
+    weight_bytes: int  # per chip
+    scratch_bytes: int  # per chip: the largest bucket's step beyond weights and pool
+    page_bytes: int  # per chip
+    pages: int  # the engine's pool: num_pages, kv_cache_memory_bytes or gpu_memory_utilization
+    sized_by: str
+    largest_pages: int  # the largest pool that fits at all (1 - HBM_HEADROOM of the HBM)
+
+    def chip_bytes(self, pages: int) -> int:
+        """Weights + pool of `pages` + step scratch, per chip."""
+        return self.weight_bytes + pages * self.page_bytes + self.scratch_bytes
+
+
+@dataclasses.dataclass
 class Plan:
     step: AbstractStep
     buckets: list[BucketCompile]
-    pages_requested: int  # per replica: max_num_seqs sequences at max_model_len
-    largest_pool_pages: int  # per replica: what fits beside the weights and the largest bucket's temporaries
+    sizing: PoolSizing
+
+    @property
+    def pages_requested(self) -> int:  # per replica: the engine's pool
+        return self.sizing.pages
+
+    @property
+    def largest_pool_pages(self) -> int:  # per replica: what fits beside the weights and the largest bucket's scratch
+        return self.sizing.largest_pages
 
     @property
     def target(self) -> Target:
@@ -83,6 +115,8 @@ class Plan:
 
 
 def _compile_bucket(step: AbstractStep, key: BucketKey) -> BucketCompile:
+    """`key`'s step compiled for the target, with its memory per chip; DoesNotFit when the compiler
+    runs out of HBM."""
     start = time.perf_counter()
     try:
         compiled = step.compile(key)
@@ -94,8 +128,35 @@ def _compile_bucket(step: AbstractStep, key: BucketKey) -> BucketCompile:
     seconds = time.perf_counter() - start
     m = compiled.memory_analysis()
     copies = pool_sized_copies(compiled.as_text(), step.kv_pool_elements_per_chip())
+    scratch = step_scratch_bytes(m, step.weight_bytes_per_chip(), step.kv_bytes_per_chip())
     return BucketCompile(key, seconds, m.argument_size_in_bytes, m.temp_size_in_bytes, m.output_size_in_bytes,
-                         m.alias_size_in_bytes, copies)
+                         m.alias_size_in_bytes, copies, scratch)
+
+
+def size_pool(step: AbstractStep) -> PoolSizing:
+    """The KV pool the engine would allocate on the target for `step.shape` (see the module
+    docstring), from one compile of the largest bucket: over the pool given when it leaves room,
+    else over a pool of one sequence (the scratch does not grow with the pool)."""
+    shape, target = step.shape, step.target
+    weights = step.weight_bytes_per_chip()
+    page_bytes = step.kv_bytes_per_page_per_chip()
+    given, sized_by = shape.num_pages, "num_pages"
+    if given is None and shape.kv_cache_memory_bytes is not None:
+        kernels = Kernels(platform=target.platform, interpret=False)
+        replica_page = KVCache.page_bytes(step.config, shape.page_size, shape.kv_cache_dtype or shape.dtype,
+                                          tp=step.parallel.tp, kernels=kernels)
+        given = pages_for_bytes(shape.kv_cache_memory_bytes, replica_page, shape.pages_needed())
+        sized_by = f"kv_cache_memory_bytes={shape.kv_cache_memory_bytes}"
+    roomy = given is not None and weights + given * page_bytes < PROBE_BELOW * target.chip.hbm_bytes
+    probe_pages = given if roomy else shape.pages_per_seq + 1
+    probe = _compile_bucket(step.with_num_pages(probe_pages), largest_bucket(step.buckets.all_keys()))
+    fit = dict(capacity_bytes=target.chip.hbm_bytes, weight_bytes=weights, scratch_bytes=probe.scratch_bytes,
+               page_bytes=page_bytes)
+    if given is None:
+        given = kv_pool_pages(utilization=shape.gpu_memory_utilization, **fit)
+        sized_by = f"gpu_memory_utilization={shape.gpu_memory_utilization}"
+    return PoolSizing(probe, probe_pages, weights, probe.scratch_bytes, page_bytes, given, sized_by,
+                      kv_pool_pages(utilization=1 - HBM_HEADROOM, **fit))
 
 
 def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfig, shape: ServingShape, *,
@@ -114,26 +175,23 @@ def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfi
             f"and a {target.chip.kind} holds {target.chip.hbm_bytes / GiB:.1f} GiB: {weights / capacity:.2f}x too much. "
             f"Use more chips (-tp) or smaller weights (--quantization int8 / int4)"
         )
-    page_bytes = step.kv_bytes_per_page_per_chip()
-    pages_requested = shape.num_pages or shape.pages_needed()
-    keys = step.buckets.all_keys()
-    largest = max(keys, key=lambda k: (k.num_tokens, k.num_seqs, k.query_block))
-    # The step's scratch does not grow with the pool (the pool is updated in place). When the
-    # requested pool leaves little room, the largest bucket is first compiled over a pool of one
-    # sequence to measure that scratch, then over the largest pool that fits.
-    roomy = weights + pages_requested * page_bytes < PROBE_BELOW * capacity
-    probe_pages = pages_requested if roomy else shape.pages_per_seq + 1
-    probe = _compile_bucket(step.with_num_pages(probe_pages), largest)
-    other_args = probe.argument_bytes - weights - probe_pages * page_bytes  # the batch, sampling inputs
-    largest_pool = int((capacity - weights - probe.temp_bytes - max(other_args, 0)) // page_bytes)
-    if largest_pool < 1 + shape.pages_per_seq:
+    sizing = size_pool(step)
+    if sizing.largest_pages < 1 + shape.pages_per_seq:
         raise DoesNotFit(
-            f"after {weights / GiB:.1f} GiB of weights and {probe.temp_bytes / GiB:.1f} GiB of step scratch per chip, "
-            f"{max(largest_pool, 0)} KV pages fit; one sequence of max_model_len={shape.max_model_len} needs "
+            f"after {weights / GiB:.1f} GiB of weights and {sizing.scratch_bytes / GiB:.1f} GiB of step scratch per chip, "
+            f"{sizing.largest_pages} KV pages fit; one sequence of max_model_len={shape.max_model_len} needs "
             f"{shape.pages_per_seq + 1}. Use more chips, smaller weights, a smaller --max-model-len or an int8 KV cache"
         )
-    step = step.with_num_pages(min(pages_requested, largest_pool))
-    results = {largest: probe if step.num_pages == probe_pages else _compile_bucket(step, largest)}
+    if sizing.pages < 1 + shape.pages_per_seq and shape.num_pages is None and shape.kv_cache_memory_bytes is None:
+        raise DoesNotFit(  # as the engine refuses it
+            f"{sizing.sized_by} leaves {sizing.pages} KV pages per replica after {weights / GiB:.1f} GiB of weights and "
+            f"{sizing.scratch_bytes / GiB:.1f} GiB of step scratch per chip; one sequence of max_model_len="
+            f"{shape.max_model_len} needs {shape.pages_per_seq + 1} (up to {sizing.largest_pages} would fit)"
+        )
+    keys = step.buckets.all_keys()
+    largest = sizing.probe.key
+    step = step.with_num_pages(min(sizing.pages, sizing.largest_pages))
+    results = {largest: sizing.probe if step.num_pages == sizing.probe_pages else _compile_bucket(step, largest)}
     if on_bucket:
         on_bucket(results[largest])
     rest = [k for k in keys if k not in results]
@@ -142,7 +200,7 @@ def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfi
             results[key] = result
             if on_bucket:
                 on_bucket(result)
-    return Plan(step, [results[k] for k in keys], pages_requested, largest_pool)
+    return Plan(step, [results[k] for k in keys], sizing)
 
 
 # ----------------------------------------------------------------------------- the table
@@ -171,6 +229,7 @@ def format_plan(plan: Plan) -> str:
     peak = max(b.peak_bytes for b in plan.buckets)
     replicas = s.parallel.num_replicas
     tokens_fit = (plan.largest_pool_pages - 1) * shape.page_size
+    tokens_asked = (plan.pages_requested - 1) * shape.page_size
     lines += [
         "",
         "| per chip | GiB |",
@@ -180,8 +239,11 @@ def format_plan(plan: Plan) -> str:
         f"| largest step scratch | {_gib(max(b.temp_bytes for b in plan.buckets))} |",
         f"| peak of the largest bucket | {_gib(peak)} ({100 * peak / t.chip.hbm_bytes:.0f}% of HBM) |",
         "",
-        f"KV pool requested: {plan.pages_requested} pages per replica ({shape.max_num_seqs} sequences x {shape.max_model_len} "
-        f"tokens); largest that fits: {plan.largest_pool_pages} pages = {tokens_fit} tokens per replica "
+        f"KV pool ({plan.sizing.sized_by}, as the engine sizes it): {plan.pages_requested} pages per replica = "
+        f"{tokens_asked} tokens = {tokens_asked // shape.max_model_len} sequences at max_model_len "
+        f"(max_num_seqs {shape.max_num_seqs}: {shape.pages_needed()} pages); weights + pool + scratch "
+        f"{100 * plan.sizing.chip_bytes(plan.pages_requested) / t.chip.hbm_bytes:.1f}% of HBM",
+        f"largest that fits: {plan.largest_pool_pages} pages = {tokens_fit} tokens per replica "
         f"= {tokens_fit // shape.max_model_len} sequences at max_model_len"
         + ("" if plan.largest_pool_pages >= plan.pages_requested else
            f" (the requested pool does NOT fit: compiled with {s.num_pages} pages)"),

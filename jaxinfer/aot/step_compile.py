@@ -19,22 +19,19 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.aot.targets import Target
 from jaxinfer.ops.batch import BucketKey, Buckets
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.model_runner import empty_inputs
+from jaxinfer.engine.memory import GPU_MEMORY_UTILIZATION, abstract_inputs, abstract_pool, bytes_per_device
 from jaxinfer.models.lora import LoraTable
 from jaxinfer.ops.kernels import Kernels
-from jaxinfer.ops.kv_cache import KVCache, is_quantized
-from pallas_kernels.ragged_paged_attention.reference import storage_dtype
+from jaxinfer.ops.kv_cache import KVCache
 from jaxinfer.ops.quantization import quantize_model
 from jaxinfer.runtime.loading import abstract_model
-from jaxinfer.runtime.placement import kv_partition_spec, param_partition_specs
+from jaxinfer.runtime.placement import param_partition_specs
 from jaxinfer.runtime.step import StepFunction
-from sharding import rules
 from sharding.mesh import ParallelConfig, make_mesh
 
 NUM_TOP_LOGPROBS = 20  # LLM's default max_logprobs: part of the compiled step
@@ -48,7 +45,11 @@ class ServingShape:
     max_num_seqs: int
     max_num_batched_tokens: int = 512
     page_size: int = 16
-    num_pages: int | None = None  # per replica; None: every sequence at max_model_len, plus the scratch page
+    # The KV pool per replica, as the engine sizes it (jaxinfer.engine.memory; aot.plan.size_pool):
+    # num_pages > kv_cache_memory_bytes > gpu_memory_utilization of the chip's HBM.
+    num_pages: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
     dtype: str = "bfloat16"  # weights and activations
     kv_cache_dtype: str | None = None  # default: dtype
     quantization: str | None = None  # "int8" | "int4" | "fp8" | "w8a8" weights
@@ -56,17 +57,16 @@ class ServingShape:
     max_loras: int = 0  # > 0: the LoRA slot table of LLM(enable_lora=True, max_loras=..., max_lora_rank=...)
     max_lora_rank: int = 16
 
+    def __post_init__(self):
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: expected a fraction in (0, 1]")
+
     @property
     def pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
 
     def pages_needed(self) -> int:
         return self.max_num_seqs * self.pages_per_seq + 1
-
-
-def _shard_bytes(struct: jax.ShapeDtypeStruct) -> int:
-    """Bytes of one device's shard of an abstract array."""
-    return math.prod(struct.sharding.shard_shape(struct.shape)) * jnp.dtype(struct.dtype).itemsize
 
 
 @dataclasses.dataclass
@@ -105,15 +105,9 @@ class AbstractStep:
         specs = param_partition_specs(params, config)
         params = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
                               params, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-        num_pages = shape.num_pages or shape.pages_needed()
-        replicas = parallel.num_replicas
-        kv_shape = KVCache.shape(config, num_pages * replicas, shape.page_size, kv_dtype, tp=parallel.tp, kernels=kernels)
-        kv_specs = kv_partition_spec(is_quantized(kv_dtype))
-        struct = lambda shp, dt, spec: jax.ShapeDtypeStruct(shp, dt, sharding=NamedSharding(mesh, spec))  # noqa: E731
-        stored = storage_dtype(kv_dtype)  # e4m3 pools hold bytes
-        kv = KVCache(k=struct(kv_shape, stored, kv_specs.k), v=struct(kv_shape, stored, kv_specs.v))
-        if kv_specs.k_scale is not None:  # a quantized pool: a float32 scale per token and head
-            kv.k_scale, kv.v_scale = (struct(kv_shape[:-1], jnp.float32, kv_specs.k_scale) for _ in range(2))
+        num_pages = shape.num_pages or shape.pages_needed()  # plan.size_pool resizes it
+        kv = abstract_pool(config, num_pages * parallel.num_replicas, shape.page_size, kv_dtype, tp=parallel.tp,
+                           kernels=kernels, mesh=mesh)
         buckets = Buckets.default(shape.max_num_batched_tokens, min(shape.max_num_seqs, shape.max_num_batched_tokens),
                                   shape.pages_per_seq, token_multiple=parallel.sp)
         step = StepFunction(graphdef, NUM_TOP_LOGPROBS, max_rows=buckets.max_tokens, mesh=mesh, param_specs=specs)
@@ -128,10 +122,10 @@ class AbstractStep:
 
     # ------------------------------------------------------------------ per chip
     def weight_bytes_per_chip(self) -> int:
-        return sum(_shard_bytes(a) for a in jax.tree.leaves(self.params))
+        return bytes_per_device(self.params)
 
     def kv_bytes_per_chip(self) -> int:
-        return sum(_shard_bytes(a) for a in jax.tree.leaves(self.kv))  # K, V and a quantized pool's scales
+        return bytes_per_device(self.kv)  # K, V and a quantized pool's scales
 
     def kv_bytes_per_page_per_chip(self) -> int:
         return self.kv_bytes_per_chip() // self.num_pages  # a chip holds its replica's num_pages pages
@@ -142,12 +136,7 @@ class AbstractStep:
     # ------------------------------------------------------------------ compiling
     def inputs(self, key: BucketKey):
         """(batch, sampling, prev_tokens) of bucket `key`, abstract and sharded as the step takes them."""
-        host = empty_inputs(key, self.buckets.pages_per_seq, self.parallel.num_replicas, with_lora=self.shape.max_loras > 0)
-        batch, sampling = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                                       host, self.step.input_shardings(host))
-        prev_tokens = jax.ShapeDtypeStruct((self.parallel.num_replicas, self.buckets.max_tokens), np.int32,
-                                           sharding=NamedSharding(self.mesh, rules.per_replica(2)))
-        return batch, sampling, prev_tokens
+        return abstract_inputs(self.step, key, self.buckets.pages_per_seq, with_lora=self.shape.max_loras > 0)
 
     def lower(self, key: BucketKey) -> jax.stages.Lowered:
         with jax.set_mesh(self.mesh):  # Pallas asks the mesh's chip for its facts (VMEM, generation)

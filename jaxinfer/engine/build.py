@@ -6,12 +6,17 @@
 target and for every draft model: quantize (if asked) and place each parameter with its
 sharding; allocate the KV pool (the engine's page geometry, every replica's pool on one page
 axis) and wrap both in a `ModelRunner` over the engine's shape buckets.
+
+On a TPU or GPU the pool's size comes from the devices' memory unless given (engine/memory.py):
+`pages_from_device_memory` runs after every weight is placed (a draft model's too) and before any
+pool exists, and compiles the largest bucket once over an abstract pool to measure its scratch.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import time
 
 import jax
@@ -22,6 +27,8 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.draft_head import DraftHeadProposer
 from jaxinfer.engine.draft_model import DraftModelProposer
 from jaxinfer.engine.lora import LoraManager
+from jaxinfer.engine.memory import (PoolSummary, abstract_pool, bytes_per_device, device_capacity_bytes, kv_pool_pages,
+                                    measure_step_scratch)
 from jaxinfer.models.lora import LoraSlots, LoraTable, lora_shapes
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.model_runner import ModelRunner
@@ -32,19 +39,23 @@ from jaxinfer.ops.quantization import cast_scales, default_group_size, quantize_
 from jaxinfer.runtime.kernel_selfcheck import checked_kernels, step_shapes, with_kernels
 from jaxinfer.runtime.loading import abstract_model, load_params, read_config, resolve_model
 from jaxinfer.runtime.placement import kv_partition_spec, param_partition_specs, put_global
+from jaxinfer.runtime.step import StepFunction
 from jaxinfer.startup import PhaseClock
 from jaxinfer.tokenizer import cache_root, load_tokenizer
 from jaxinfer.tree import flat_to_nested, nested_to_flat
 from sharding.mesh import ParallelConfig, ShardingError, make_mesh
+
+logger = logging.getLogger("jaxinfer")
 
 
 def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEngine:
     """The engine of `config`, with `model_config`, `mesh` and `parallel` attributes. `clock`
     records the phases (config, weights, tokenizer, KV cache and engine, warmup)."""
     clock = clock or PhaseClock()
-    source = resolve_model(config.model)
+    source = resolve_model(config.model, revision=config.revision)
     model_config = read_config(source)
     parallel = config.parallel(model_config)
+    sized_by = config.pool_sized_by
     config = config.resolved(model_config)
     mesh = make_mesh(parallel)
     clock.mark("config")
@@ -58,14 +69,29 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
     placed = place_weights(model_config, config, mesh, weights, quantization=config.quantization)
     if config.enable_lora:
         placed = add_lora_table(placed, model_config, config, mesh)
+    spec = config.speculative_config
+    return_hidden = spec is not None and spec.method in ("eagle", "medusa")
+    draft = load_draft_weights(spec, model_config, config, mesh, placed) if spec is not None and spec.method == "draft_model" else None
     clock.mark("weights")
     config, placed = check_kernels_on_device(config, model_config, parallel, placed, clock)
     tokenizer, tokenizer_seconds = tokenizer_future.result()
     clock.mark("tokenizer (what it took beyond the weights)")
-    spec = config.speculative_config
+    if config.num_pages is None:  # a TPU / GPU: the pool takes the memory the weights and the step leave
+        capacity = device_capacity_bytes(mesh)
+        pages, _ = pages_from_device_memory(config, model_config, mesh, placed, drafts=[draft] if draft else [],
+                                            return_hidden=return_hidden, capacity_bytes=capacity)
+        config = dataclasses.replace(config, num_pages=pages)
+        sized_by += f" of {capacity / 2**30:.1f} GiB per device"
+        clock.mark("KV cache size (the largest bucket compiled once)")
+    summary = PoolSummary(config.num_pages, config.page_size, config.max_model_len, parallel.num_replicas, sized_by)
+    logger.info("%s", summary)
     runner = build_runner(model_config, config, mesh, placed, num_top_logprobs=config.max_logprobs,
-                          return_hidden=spec is not None and spec.method in ("eagle", "medusa"))
-    proposer = make_proposer(spec, model_config, config, runner) if spec is not None else None
+                          return_hidden=return_hidden)
+    if draft is not None:
+        draft_config, draft_weights = draft
+        proposer = DraftModelProposer(build_runner(draft_config, config, mesh, draft_weights, num_top_logprobs=1))
+    else:
+        proposer = make_proposer(spec, model_config, config, runner) if spec is not None else None
     eos = set(model_config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
@@ -75,6 +101,7 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
                        proposer=proposer, lora=lora)
     engine.model_config, engine.mesh, engine.parallel, engine.source = model_config, mesh, parallel, source
     engine.tokenizer_seconds = tokenizer_seconds
+    engine.kv_cache_summary = str(summary)  # the start-up line: pages, tokens, sequences at max_model_len
     clock.mark("KV cache and engine")
     return engine
 
@@ -172,6 +199,14 @@ def build_draft_runner(spec: SpeculativeConfig, model_config: ModelConfig, confi
     another model, or the target (already loaded) truncated to its first `num_layers` layers
     and / or quantized."""
     mesh = target.step_fn.mesh
+    draft_config, placed = load_draft_weights(spec, model_config, config, mesh, PlacedWeights(target.graphdef, target.params, None))
+    return build_runner(draft_config, config, mesh, placed, num_top_logprobs=1)
+
+
+def load_draft_weights(spec: SpeculativeConfig, model_config: ModelConfig, config: EngineConfig, mesh,
+                       target: PlacedWeights) -> tuple[ModelConfig, PlacedWeights]:
+    """(config, placed weights) of the draft model of method "draft_model" (build_draft_runner),
+    loaded before any KV pool exists so that a pool sized from the devices' memory counts them."""
     parallel = config.parallel(model_config)
     draft_config, weights = model_config, (target.graphdef, target.params)
     if spec.model is not None:
@@ -190,8 +225,49 @@ def build_draft_runner(spec: SpeculativeConfig, model_config: ModelConfig, confi
             raise ValueError(f"speculative_config['num_layers']={spec.num_layers}: the model has only "
                              f"{draft_config.num_layers} layers")
         draft_config, weights = first_layers(draft_config, weights, spec.num_layers, config, parallel)
-    placed = place_weights(draft_config, config, mesh, weights, quantization=spec.quantization)
-    return build_runner(draft_config, config, mesh, placed, num_top_logprobs=1)
+    return draft_config, place_weights(draft_config, config, mesh, weights, quantization=spec.quantization)
+
+
+def pages_from_device_memory(config: EngineConfig, model_config: ModelConfig, mesh, weights: PlacedWeights, *,
+                             drafts: list[tuple[ModelConfig, PlacedWeights]] = (), return_hidden: bool = False,
+                             capacity_bytes: int | None) -> tuple[int, int]:
+    """(pages per replica, the step's scratch bytes per device) of the pool that fills each
+    device up to config.gpu_memory_utilization of `capacity_bytes` beside the placed weights
+    (the target's and the drafts') and the scratch of the target's largest bucket, compiled once
+    over a pool of one sequence (engine/memory.py). The draft models' pools have as many pages
+    as the target's, so a page costs all of theirs; their steps run apart from the target's and
+    need less scratch. ValueError when one sequence of max_model_len does not fit."""
+    if capacity_bytes is None:
+        raise ValueError("the devices do not say how much memory they hold (memory_stats()['bytes_limit']): give "
+                         "num_gpu_blocks_override (pages per replica) or kv_cache_memory_bytes")
+    parallel = config.parallel(model_config)
+    replicas = parallel.num_replicas
+    models = [(model_config, weights), *drafts]
+
+    def pool(model: ModelConfig, pages: int):  # pages per replica
+        return abstract_pool(model, pages * replicas, config.page_size, config.kv_dtype, tp=parallel.tp,
+                             kernels=config.kernels, mesh=mesh)
+
+    weight_bytes = bytes_per_device([w.params for _, w in models])
+    page_bytes = sum(bytes_per_device(pool(m, 1)) for m, _ in models)
+    buckets = config.buckets(parallel)
+    one_sequence = buckets.pages_per_seq + 1
+    step = StepFunction(weights.graphdef, config.max_logprobs, max_rows=buckets.max_tokens, mesh=mesh,
+                        param_specs=weights.param_specs, return_hidden=return_hidden)
+    scratch = measure_step_scratch(step, weights.params, pool(model_config, one_sequence), buckets,
+                                   with_lora=config.enable_lora)
+    pages = kv_pool_pages(capacity_bytes=capacity_bytes, utilization=config.gpu_memory_utilization,
+                          weight_bytes=weight_bytes, scratch_bytes=scratch, page_bytes=page_bytes)
+    if pages < one_sequence:
+        GiB = 2**30
+        raise ValueError(
+            f"gpu_memory_utilization={config.gpu_memory_utilization} of {capacity_bytes / GiB:.2f} GiB per device, less "
+            f"{weight_bytes / GiB:.2f} GiB of weights and {scratch / GiB:.2f} GiB of step scratch, holds {pages} KV pages; "
+            f"one sequence of max_model_len={config.max_model_len} needs {one_sequence}. Raise gpu_memory_utilization, "
+            f"lower max_model_len, use more devices (tensor_parallel_size), smaller weights (quantization) or an int8 KV "
+            f"cache, or give the pool's size: num_gpu_blocks_override / kv_cache_memory_bytes"
+        )
+    return pages, scratch
 
 
 def first_layers(model_config: ModelConfig, weights, num_layers: int, config: EngineConfig, parallel: ParallelConfig):

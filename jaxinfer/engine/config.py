@@ -5,13 +5,15 @@
 
 Built once from `LLM(...)` keywords or the CLI's flags; `resolved(model_config)` fills in what
 depends on the model (dtypes for this backend, max_model_len, the KV pool size), after which
-every field is concrete. The names are vLLM's where vLLM has the setting (`dtype`,
+every field is concrete (but for a TPU / GPU pool sized from the devices' memory, which
+build_engine measures once the weights are placed). The names are vLLM's where vLLM has the setting (`dtype`,
 `kv_cache_dtype`, `quantization`, `max_model_len`, `max_num_batched_tokens`, `max_num_seqs`,
 `max_logprobs`, `enable_prefix_caching`, `preemption_mode`, `seed`, `tensor_parallel_size`,
 `data_parallel_size`, `enable_expert_parallel`, `speculative_config`, `kv_cache_memory_bytes`,
-`enable_lora`, `max_loras`, `max_lora_rank`);
-jaxinfer's own: `page_size` (vLLM's `block_size`), `num_pages` (vLLM's
-`num_gpu_blocks_override`, per data-parallel replica), `compute_dtype`,
+`gpu_memory_utilization`, `num_gpu_blocks_override`, `revision`, `enable_lora`, `max_loras`,
+`max_lora_rank`);
+jaxinfer's own: `page_size` (vLLM's `block_size`), `num_pages` (= `num_gpu_blocks_override`,
+per data-parallel replica), `compute_dtype`,
 `quantization_group_size`, `quantization_symmetric`, `keep_checkpoint_quantization`, `kernel_impl` (alias `attention_impl`),
 `check_kernels`, `xla_kernels`, `sequence_parallel_size`,
 `expert_parallel_size`, `sequence_parallel_attention`, `warmup`, `log_stats_interval`.
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.memory import CPU_KV_CACHE_MEMORY_BYTES, GPU_MEMORY_UTILIZATION, pages_for_bytes
 from jaxinfer.engine.spec_decode import SpeculativeConfig
 from jaxinfer.ops.batch import Buckets
 from jaxinfer.ops.kernels import KERNEL_IMPLS, OPERATIONS, Kernels, resolve_kernels
@@ -59,6 +62,7 @@ class EngineConfig:
     """See `jaxinfer.llm.LLM` for what each setting does."""
 
     model: str | os.PathLike | None = None
+    revision: str | None = None  # a Hub id's branch, tag or commit (default: main)
     dtype: Any = "auto"
     compute_dtype: Any = None  # default: float32 on the CPU, bfloat16 elsewhere
     kv_cache_dtype: Any = None  # default: compute_dtype
@@ -73,8 +77,13 @@ class EngineConfig:
     xla_kernels: tuple[str, ...] = ()  # kernel-table operations on their XLA path (the check adds those that fail)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     page_size: int = 16
-    num_pages: int | None = None  # per replica; default: what kv_cache_memory_bytes holds
-    kv_cache_memory_bytes: int = 1 << 30
+    # The KV pool per replica (engine/memory.py): num_pages (= num_gpu_blocks_override) >
+    # kv_cache_memory_bytes > gpu_memory_utilization of each device's memory (TPU / GPU); the CPU's
+    # default is CPU_KV_CACHE_MEMORY_BYTES.
+    num_pages: int | None = None
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_logprobs: int = 20
@@ -124,8 +133,19 @@ class EngineConfig:
             raise ValueError(f"xla_kernels={self.xla_kernels!r}: expected names among {', '.join(map(repr, OPERATIONS))}")
         if self.page_size < 1:
             raise ValueError(f"page_size={self.page_size} must be >= 1")
+        if self.num_gpu_blocks_override is not None:
+            if self.num_pages is not None and self.num_pages != self.num_gpu_blocks_override:
+                raise ValueError(f"num_gpu_blocks_override={self.num_gpu_blocks_override} and num_pages={self.num_pages}: "
+                                 f"two names of one setting, give one")
+            set_("num_pages", self.num_gpu_blocks_override)
+            set_("num_gpu_blocks_override", None)  # folded into num_pages, the one field read
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages={self.num_pages}: need at least 2 (page 0 is the scratch page)")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: expected a fraction in (0, 1] "
+                             f"of each device's memory")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r}: expected 'recompute' or 'swap'")
         for field in ("max_num_batched_tokens", "max_num_seqs"):
@@ -182,19 +202,36 @@ class EngineConfig:
         parallel.check_model(model_config)
         return parallel
 
+    @property
+    def pool_sized_by(self) -> str:
+        """Which setting decides the KV pool's size (see engine/memory.py)."""
+        if self.num_pages is not None:
+            return "num_gpu_blocks_override"
+        if self.kv_cache_memory_bytes is not None:
+            return f"kv_cache_memory_bytes={self.kv_cache_memory_bytes}"
+        if jax.default_backend() == "cpu":
+            return f"the CPU's default of {CPU_KV_CACHE_MEMORY_BYTES >> 20} MiB"
+        return f"gpu_memory_utilization={self.gpu_memory_utilization}"
+
     def resolved(self, model_config: ModelConfig) -> "EngineConfig":
         """This config with what depends on the model filled in: max_model_len and num_pages (per
-        replica, from kv_cache_memory_bytes)."""
+        replica: as given, or what kv_cache_memory_bytes holds (the CPU's default
+        CPU_KV_CACHE_MEMORY_BYTES), at most every sequence at max_model_len). On a TPU or GPU
+        with neither given num_pages stays None: build_engine sizes the pool from the devices'
+        memory once the weights are placed (gpu_memory_utilization)."""
         max_model_len = self.max_model_len if self.max_model_len is not None else model_config.max_position_embeddings
         if not 0 < max_model_len <= model_config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} must be in [1, {model_config.max_position_embeddings}] "
                              f"(the model's max_position_embeddings)")
         pages_per_seq = -(-max_model_len // self.page_size)
         num_pages = self.num_pages
-        if num_pages is None:
+        kv_bytes = self.kv_cache_memory_bytes
+        if kv_bytes is None and jax.default_backend() == "cpu":
+            kv_bytes = CPU_KV_CACHE_MEMORY_BYTES
+        if num_pages is None and kv_bytes is not None:
             page_bytes = KVCache.page_bytes(model_config, self.page_size, self.kv_dtype, tp=self.tensor_parallel_size,
                                             kernels=self.kernels)
-            num_pages = max(2, min(self.kv_cache_memory_bytes // page_bytes, self.max_num_seqs * pages_per_seq + 1))
+            num_pages = pages_for_bytes(kv_bytes, page_bytes, self.max_num_seqs * pages_per_seq + 1)
         return dataclasses.replace(self, max_model_len=max_model_len, num_pages=num_pages)
 
     def buckets(self, parallel: ParallelConfig) -> Buckets:

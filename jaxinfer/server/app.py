@@ -64,7 +64,7 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
     template, or a file holding one, in place of the tokenizer's. `generation_config`: where
     the sampling defaults come from ("auto", "vllm" or a folder; jaxinfer.generation_defaults).
     `max_request_bytes`: larger request bodies get 413. ValueError for a bad setting, naming it."""
-    model_name = served_model_name or (str(llm.source.path.name) if llm.source else "jaxinfer")
+    model_name = served_model_name or (llm.source.name if llm.source else "jaxinfer")
     if tool_call_parser is not None and tool_call_parser not in tools.PARSERS:
         raise ValueError(f"tool_call_parser={tool_call_parser!r}: expected one of {tools.PARSERS}")
     if not isinstance(max_request_bytes, int) or max_request_bytes < 1:

@@ -1,0 +1,154 @@
+"""How many KV pages the pool gets: given, from a byte budget, or from the device's memory.
+
+    pages = kv_pool_pages(capacity_bytes=32 << 30, utilization=0.9, weight_bytes=15 << 30,
+                          scratch_bytes=1 << 30, page_bytes=2 << 20)      # 6553
+
+Precedence (EngineConfig.resolved, jaxinfer.aot's ServingShape): `num_gpu_blocks_override`
+(= `num_pages`) > `kv_cache_memory_bytes` > `gpu_memory_utilization`. On the CPU the pool is a
+fixed `CPU_KV_CACHE_MEMORY_BYTES` unless given (host memory is shared with everything else).
+
+On a TPU or GPU, every number is per device: the pool takes what is left of
+`utilization * capacity` after the weights and the step's scratch, where
+
+- capacity is what the device's allocator may hold (`memory_stats()['bytes_limit']`; on a GPU JAX
+  preallocates XLA_PYTHON_CLIENT_MEM_FRACTION of the memory, 0.75 unless set, and that is the
+  limit) or, for `jaxinfer aot`, the described chip's HBM;
+- scratch is what the compiled step of the largest bucket needs beyond its weights and pool
+  (XLA's `memory_analysis()`: temporaries, inputs, outputs not aliased to the donated pool). It
+  does not grow with the pool, which is updated in place, so it is measured by compiling over a
+  pool of one sequence (`measure_step_scratch`), before the real pool exists.
+
+The same function sizes the engine's pool (engine/build.py, on its devices) and the pool
+`jaxinfer aot` plans (aot/plan.py, for a chip that is not here). Variants of the largest bucket
+with more logits rows (prompt logprobs) or penalties need a little more scratch than the one
+measured; what `utilization` leaves free covers them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.model_runner import empty_inputs
+from jaxinfer.ops.batch import BucketKey, Buckets
+from jaxinfer.ops.kernels import Kernels
+from jaxinfer.ops.kv_cache import KVCache, is_quantized
+from jaxinfer.runtime.placement import kv_partition_spec
+from jaxinfer.runtime.step import StepFunction
+from pallas_kernels.ragged_paged_attention.reference import storage_dtype
+from sharding import rules
+
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default, on TPUs too
+CPU_KV_CACHE_MEMORY_BYTES = 1 << 30  # the CPU's pool per replica unless given
+
+
+def kv_pool_pages(*, capacity_bytes: int, utilization: float, weight_bytes: int, scratch_bytes: int,
+                  page_bytes: int) -> int:
+    """Whole KV pages (per replica, page 0 included) that fit on each device beside the weights
+    and the step's scratch, within `utilization` of its capacity; 0 when none does. Every size
+    is per device."""
+    budget = int(capacity_bytes * utilization) - weight_bytes - scratch_bytes
+    return max(0, budget // page_bytes)
+
+
+def pages_for_bytes(kv_bytes: int, page_bytes: int, max_pages: int) -> int:
+    """A pool of `kv_bytes` (per replica, all its devices together) in pages of `page_bytes`
+    (likewise), at most `max_pages` (every sequence at max_model_len) and at least 2."""
+    return max(2, min(kv_bytes // page_bytes, max_pages))
+
+
+def device_capacity_bytes(mesh) -> int | None:
+    """The least memory a device of `mesh` (those of this process) lets its allocator hold
+    (`memory_stats()['bytes_limit']`); None where the platform does not say (the CPU)."""
+    limits = []
+    for device in np.asarray(mesh.devices).flat:
+        if getattr(device, "process_index", 0) != jax.process_index():
+            continue
+        stats = device.memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            return None
+        limits.append(int(stats["bytes_limit"]))
+    return min(limits) if limits else None
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes one device holds of the arrays of `tree` (placed arrays or ShapeDtypeStructs with a
+    sharding: each leaf's shard; replicated leaves whole), an array held twice counted once (a
+    draft model that is the target itself)."""
+    total = 0
+    for leaf in {id(leaf): leaf for leaf in jax.tree.leaves(tree)}.values():
+        sharding = getattr(leaf, "sharding", None)
+        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def abstract_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, *, tp: int, kernels: Kernels,
+                  mesh) -> KVCache:
+    """The KV pool `KVCache.create` would place (`num_pages` over every replica), as
+    ShapeDtypeStructs with their shardings on `mesh`: nothing allocated."""
+    shape = KVCache.shape(config, num_pages, page_size, dtype, tp=tp, kernels=kernels)
+    specs = kv_partition_spec(is_quantized(dtype))
+    struct = lambda shp, dt, spec: jax.ShapeDtypeStruct(shp, dt, sharding=NamedSharding(mesh, spec))  # noqa: E731
+    stored = storage_dtype(dtype)  # e4m3 pools hold bytes
+    kv = KVCache(k=struct(shape, stored, specs.k), v=struct(shape, stored, specs.v))
+    if specs.k_scale is not None:  # a quantized pool: a float32 scale per token and head
+        kv.k_scale, kv.v_scale = (struct(shape[:-1], jnp.float32, specs.k_scale) for _ in range(2))
+    return kv
+
+
+def abstract_inputs(step: StepFunction, key: BucketKey, pages_per_seq: int, with_lora: bool):
+    """(batch, sampling, prev_tokens) of bucket `key`, abstract and sharded as the step takes them."""
+    host = empty_inputs(key, pages_per_seq, step.num_replicas, with_lora=with_lora)
+    batch, sampling = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                                   host, step.input_shardings(host))
+    prev_tokens = jax.ShapeDtypeStruct((step.num_replicas, step.max_rows), np.int32,
+                                       sharding=NamedSharding(step.mesh, rules.per_replica(2)))
+    return batch, sampling, prev_tokens
+
+
+def largest_bucket(keys) -> BucketKey:
+    """The bucket whose step needs the most scratch: the most tokens, then sequences."""
+    return max(keys, key=lambda k: (k.num_tokens, k.num_seqs, k.query_block))
+
+
+def step_scratch_bytes(memory, weight_bytes: int, pool_bytes: int) -> int:
+    """What a compiled step (`memory` = its `memory_analysis()`) needs on a device beyond its
+    weights and KV pool: temporaries, the batch's inputs, outputs that do not reuse the donated
+    pool's buffer."""
+    peak = (memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes)
+    return max(0, peak - weight_bytes - pool_bytes)
+
+
+def measure_step_scratch(step: StepFunction, params, pool: KVCache, buckets: Buckets, *, with_lora: bool) -> int:
+    """`step_scratch_bytes` of the largest bucket's step, compiled for `params` over `pool` (an
+    abstract pool: `abstract_pool`, one sequence's pages are enough)."""
+    key = largest_bucket(buckets.all_keys())
+    lowered = step.lower(params, pool, *abstract_inputs(step, key, buckets.pages_per_seq, with_lora), key)
+    return step_scratch_bytes(lowered.compile().memory_analysis(), bytes_per_device(params), bytes_per_device(pool))
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSummary:
+    """The pool as vLLM reports it at start-up."""
+
+    num_pages: int  # per replica, the scratch page 0 included
+    page_size: int
+    max_model_len: int
+    num_replicas: int
+    sized_by: str  # "num_gpu_blocks_override", "kv_cache_memory_bytes=...", "gpu_memory_utilization=0.9 of ..."
+
+    def __str__(self) -> str:
+        pages = self.num_pages - 1  # page 0 takes padding's writes
+        tokens = pages * self.page_size
+        sequences = pages // -(-self.max_model_len // self.page_size)
+        per_replica = f" per replica ({self.num_replicas} replicas)" if self.num_replicas > 1 else ""
+        return (f"KV cache: {pages} pages x {self.page_size} tokens = {tokens} tokens{per_replica}; max concurrency "
+                f"at max_model_len {self.max_model_len}: {sequences} sequences ({self.sized_by})")
