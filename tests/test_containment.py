@@ -115,6 +115,22 @@ def test_a_step_that_dies_on_the_device_fails_its_requests_recreates_the_pool_an
     assert_clean(llm)
 
 
+def test_a_step_refused_before_it_reaches_the_device_keeps_the_pool(llm, monkeypatch):
+    runner, engine = llm.runner, llm.engine
+    pool, real = runner.kv, runner.launch
+
+    def refused(*args, **kwargs):  # once, before anything is donated
+        monkeypatch.setattr(runner, "launch", real)
+        raise RuntimeError("launch refused")
+
+    monkeypatch.setattr(runner, "launch", refused)
+    engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=3, **GREEDY))
+    outs = drive(engine)
+    assert outs["x"].outputs[0].finish_reason == "error" and "launch refused" in outs["x"].error
+    assert runner.kv is pool  # nothing consumed it: not re-created, its cached pages kept
+    assert_clean(llm)
+
+
 def test_generate_raises_a_failed_requests_error_and_leaves_nothing_queued(llm, dying_step):
     with pytest.raises(RequestFailedError, match=r"prompt 0 \(request '\d+'\) failed: the engine step failed: "
                                                  r"RuntimeError: device halted"):

@@ -409,7 +409,6 @@ def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int, with_lor
     return jax.tree.map(lambda a: np.stack([a] * num_replicas), (batch, sampling))
 
 
-@jax.jit
 def _usable(tree) -> bool:
     """Whether every array of `tree` is alive and was computed without error."""
     try:
@@ -421,6 +420,7 @@ def _usable(tree) -> bool:
         return False
 
 
+@jax.jit
 def _gather_rows(buffer: jax.Array, src: jax.Array) -> jax.Array:
     """buffer [replicas, N, V], src [replicas, R] (-1: any row) -> [replicas, R, V]."""
     return jax.vmap(lambda b, s: b[jnp.maximum(s, 0)])(buffer, src)
