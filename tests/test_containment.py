@@ -9,6 +9,7 @@ requests in play fail, the pool is re-created).
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -131,6 +132,26 @@ def test_a_step_refused_before_it_reaches_the_device_keeps_the_pool(llm, monkeyp
     assert_clean(llm)
 
 
+def test_a_failure_no_step_in_play_owns_fails_every_unfinished_request(llm, monkeypatch):
+    """Scheduling (or drafting) raised: no request can be blamed and the same failure would come
+    back at every step, so every unfinished request fails and the engine is empty again."""
+    engine = llm.engine
+    scheduler, real = engine.scheduler, engine.scheduler.schedule
+
+    def broken():
+        monkeypatch.setattr(scheduler, "schedule", real)
+        raise RuntimeError("scheduler bug")
+
+    engine.add_request("p", [5, 6, 7], SamplingParams(max_tokens=3, **GREEDY))
+    engine.add_request("q", [8, 9, 10], SamplingParams(max_tokens=3, **GREEDY))
+    monkeypatch.setattr(scheduler, "schedule", broken)
+    outs = drive(engine)
+    assert {name: o.outputs[0].finish_reason for name, o in outs.items()} == {"p": "error", "q": "error"}
+    assert "scheduler bug" in outs["p"].error
+    assert_clean(llm)
+    assert len(alone(llm, [5, 6, 7], 3)) == 3
+
+
 def test_generate_raises_a_failed_requests_error_and_leaves_nothing_queued(llm, dying_step):
     with pytest.raises(RequestFailedError, match=r"prompt 0 \(request '\d+'\) failed: the engine step failed: "
                                                  r"RuntimeError: device halted"):
@@ -177,7 +198,7 @@ def test_the_server_answers_500_for_the_failed_request_503_on_health_while_broke
         except urllib.error.HTTPError as e:
             return e.code
 
-    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
     with running(build_app(llm, served_model_name="tiny")) as url:
         assert post(url, body)[0] == 200 and health(url) == 200
         real_step = llm.engine.step
@@ -186,6 +207,10 @@ def test_the_server_answers_500_for_the_failed_request_503_on_health_while_broke
         assert status == 500 and "cannot step" in answer["error"]["message"]
         assert health(url) == 503
         monkeypatch.setattr(llm.engine, "step", real_step)
-        status, answer = post(url, body)
-        assert status == 200 and len(answer["choices"][0]["text"]) >= 0
+        for _ in range(50):  # the idle engine thread probes with a one-token request each second
+            if health(url) == 200:
+                break
+            time.sleep(0.1)
         assert health(url) == 200
+        status, answer = post(url, body)
+        assert status == 200 and answer["usage"]["completion_tokens"] == 3

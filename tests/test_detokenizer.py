@@ -131,3 +131,7 @@ def test_stop_strings_are_not_checked_before_min_tokens():
     assert shown_texts(text, ["STOP"])[0][-1] == "abc"
     assert shown_texts(text, ["STOP"], min_tokens=7)[0][-1] == "abcSTOPdef"  # the first STOP ends at token 7
     assert shown_texts(text, ["STOP"], min_tokens=6)[0][-1] == "abc"  # ... which is past 6
+    # a short stop string inside min_tokens is not found later by a longer one's search window
+    shown, reason = shown_texts("a\nbcEND", ["\n", "END"], min_tokens=3)
+    assert shown[-1] == "a\nbc" and reason == "stop"
+    assert all(later.startswith(earlier) for earlier, later in zip(shown, shown[1:]))  # nothing streamed is taken back

@@ -389,6 +389,17 @@ def test_the_host_keeps_pinned_adapters_and_at_most_max_cpu_loras_others(llm, ad
     assert len(out.outputs[0].token_ids) == 4 and manager.pins(adapters[2].lora_int_id) == 0
 
 
+def test_a_request_the_engine_fails_gives_back_its_adapters_pin(llm, adapters):
+    engine, lora = llm.engine, adapters[1]
+    request = engine.add_request("doomed", [3, 4, 5, 6], greedy(4), lora_request=lora)
+    assert engine.lora.pins(lora.lora_int_id) == 1
+    request.seqs[0].token_ids[1] = 2**40  # no int32 holds it: packing its step fails, for it alone
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    assert outs[-1].outputs[0].finish_reason == "error" and engine.lora.pins(lora.lora_int_id) == 0
+    engine.lora.remove(lora.lora_int_id)  # nothing holds it now
+
+
 @pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
                                   {"method": "draft_model", "num_layers": 1, "num_speculative_tokens": 2}])
 def test_speculative_decoding_keeps_an_adapters_output(base_dir, adapters, spec):

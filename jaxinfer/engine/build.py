@@ -28,7 +28,7 @@ from jaxinfer.engine.draft_head import DraftHeadProposer
 from jaxinfer.engine.draft_model import DraftModelProposer
 from jaxinfer.engine.lora import LoraManager
 from jaxinfer.engine.memory import (PoolSummary, abstract_pool, bytes_per_device, device_capacity_bytes, kv_pool_pages,
-                                    measure_step_scratch)
+                                    least_over_processes, measure_step_scratch)
 from jaxinfer.models.lora import LoraSlots, LoraTable, lora_shapes
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.model_runner import ModelRunner
@@ -74,13 +74,18 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
     draft = load_draft_weights(spec, model_config, config, mesh, placed) if spec is not None and spec.method == "draft_model" else None
     clock.mark("weights")
     config, placed = check_kernels_on_device(config, model_config, parallel, placed, clock)
+    if draft is not None and config.xla_kernels:  # a draft model runs the same table: the same fallbacks
+        draft_config, draft_weights = draft
+        draft = (draft_config, dataclasses.replace(
+            draft_weights, graphdef=with_kernels(draft_weights.graphdef, draft_weights.params, config.kernels)))
     tokenizer, tokenizer_seconds = tokenizer_future.result()
     clock.mark("tokenizer (what it took beyond the weights)")
     if config.num_pages is None:  # a TPU / GPU: the pool takes the memory the weights and the step leave
         capacity = device_capacity_bytes(mesh)
         pages, _ = pages_from_device_memory(config, model_config, mesh, placed, drafts=[draft] if draft else [],
                                             return_hidden=return_hidden, capacity_bytes=capacity)
-        config = dataclasses.replace(config, num_pages=pages)
+        # every process of the mesh must hold the same pool (they schedule the same steps)
+        config = dataclasses.replace(config, num_pages=least_over_processes(pages))
         sized_by += f" of {capacity / 2**30:.1f} GiB per device"
         clock.mark("KV cache size (the largest bucket compiled once)")
     summary = PoolSummary(config.num_pages, config.page_size, config.max_model_len, parallel.num_replicas, sized_by)

@@ -117,7 +117,7 @@ class EngineCore:
         """Queues a checked request (InputProcessor.make_request) on the replica that suits it."""
         with self._lock:
             if request.request_id in self.requests:
-                self._release(request)
+                self.release(request)
                 raise ValueError(f"request {request.request_id!r}: a request with this id is already running")
             request.replica = self._pick_replica(request.prompt_token_ids, request.seqs[0].prefix_salt)
             self.requests[request.request_id] = request
@@ -131,15 +131,16 @@ class EngineCore:
             request = self.requests.pop(str(request_id), None)
             if request is None:
                 return
-            self._release(request)
+            self.release(request)
             for seq in request.seqs:
                 if not seq.finished:
                     seq.finish_reason = "abort"
                     self._scheduler(seq).finish(seq)
             request.metrics.finished_time = time.time()
 
-    def _release(self, request: Request) -> None:
-        """A request leaves the engine: its adapter's pin (taken when it was made) goes."""
+    def release(self, request: Request) -> None:
+        """A request leaves the engine (or was made and never added): its adapter's pin, taken
+        when it was made, goes."""
         if request.lora is not None and self.lora is not None:
             self.lora.unpin(request.lora.lora_int_id)
 
@@ -188,10 +189,11 @@ class EngineCore:
         self._in_play = []
 
     # ------------------------------------------------------------------ failures
-    def _fail(self, request: Request, error: BaseException | str, advanced: dict[str, Request]) -> None:
-        """Finishes a request with reason "error" (its pages freed, nothing of it left queued)."""
+    def _fail(self, request: Request, error: BaseException | str, advanced: dict[str, Request]) -> bool:
+        """Finishes a request with reason "error" (its pages freed, its adapter's pin released,
+        nothing of it left queued); False if it had finished already."""
         if request.finished:
-            return
+            return False
         request.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         logger.error("request %r failed: %s", request.request_id, request.error)
         for seq in request.seqs:
@@ -203,31 +205,43 @@ class EngineCore:
                 seq.pending.clear()
             self._scheduler(seq).finish(seq)
         request.metrics.finished_time = time.time()
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None:
+            self.release(request)
         advanced[request.request_id] = request
+        return True
 
     def _recover(self, error: Exception, advanced: dict[str, Request]) -> None:
-        """A failure no single request owns: the requests of the steps in play fail, the
-        in-flight step is dropped, and a consumed KV pool is re-created (the sequences that held
-        pages in it start over from their tokens)."""
+        """A failure no single request owns: the requests of the steps in play fail (every
+        unfinished request when none was in play: drafting or scheduling failed, and would fail
+        again), the in-flight step is dropped, and what the failure consumed on the device is
+        re-created: the KV pool (the sequences that held pages in it start over from their
+        tokens), a draft model's pool, the LoRA table (its adapters are written again)."""
         logger.error("engine step failed; failing the requests of the steps in play", exc_info=error)
         message = f"the engine step failed: {type(error).__name__}: {error}"
         self._inflight, self._draft_buffer = None, None
-        for plans in self._in_play:
-            for plan in plans:
-                for s in plan.scheduled:
-                    self._fail(s.seq.request, message, advanced)
-                for seq, _, _ in plan.swap_out:
-                    if seq.swapped is None:  # preempted to host memory, but its pages were never read
-                        self._fail(seq.request, message, advanced)
+        in_play = [s.seq.request for plans in self._in_play for plan in plans for s in plan.scheduled]
+        in_play += [seq.request for plans in self._in_play for plan in plans for seq, _, _ in plan.swap_out
+                    if seq.swapped is None]  # preempted to host memory, but its pages were never read
         self._in_play = []
-        if self.runner.recover():
+        failed = [request for request in in_play if self._fail(request, message, advanced)]
+        if not failed:
+            for request in list(self.requests.values()):
+                self._fail(request, message, advanced)
+        recovered = self.runner.recover()
+        if recovered.lora_table and self.lora is not None:
+            self.lora.forget_slots()
+        draft_runner = getattr(self.proposer, "runner", None)  # a draft model's own pool
+        draft_lost = draft_runner is not None and draft_runner.recover().pool
+        if recovered.pool:
             logger.error("the KV cache was lost with the failed step: re-created, running sequences recomputed")
             for replica in self.replicas:
-                for seq in replica.scheduler.requeue_running():
+                replica.scheduler.requeue_running()
+                replica.block_manager.reset_prefix_cache()
+        if recovered.pool or draft_lost:
+            for replica in self.replicas:
+                for seq in replica.scheduler.running + replica.scheduler.waiting:
                     if seq.spec is not None:
                         seq.spec.draft_computed = 0
-                replica.block_manager.reset_prefix_cache()
 
     @staticmethod
     def _drop_failed(plans: list[SchedulerOutput]) -> None:
@@ -370,7 +384,7 @@ class EngineCore:
             if request.finished:
                 request.metrics.finished_time = now
                 if self.requests.pop(request.request_id, None) is not None:
-                    self._release(request)
+                    self.release(request)
             advanced[request.request_id] = request
 
     def _advance(self, s: ScheduledSeq, now: float) -> None:

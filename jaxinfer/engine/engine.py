@@ -94,6 +94,11 @@ class LLMEngine:
         self.core.add(request)
         return request
 
+    def discard(self, request: Request) -> None:
+        """A request made (`input.make_request`) but never added: gives back what making it took
+        (its LoRA adapter's pin)."""
+        self.core.release(request)
+
     def abort_request(self, request_id: str) -> None:
         """Stops a request at once: its sequences finish with reason "abort" and free their pages."""
         self.core.abort(request_id)
@@ -135,8 +140,8 @@ class LLMEngine:
         return self.output.eos_token_ids
 
     @eos_token_ids.setter
-    def eos_token_ids(self, ids) -> None:
-        self.output.eos_token_ids = set(ids)
+    def eos_token_ids(self, ids) -> None:  # one set: the input checks count what the sampler holds back
+        self.output.eos_token_ids = self.input.eos_token_ids = set(ids)
 
     def tokenize(self, prompt, label: str) -> tuple[str | None, list[int]]:
         return self.input.tokenize(prompt, label)

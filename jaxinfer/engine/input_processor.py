@@ -55,28 +55,36 @@ class InputProcessor:
             counter = next(self._ids)
         request_id = str(counter) if request_id is None else str(request_id)
         label = f"request {request_id!r}"
-        text, ids = self.tokenize(prompt, label)
-        self.validate(ids, params, label, lora_request)
-        if seed is None and params.seed is not None:
-            seed = sampler_seed(params.seed)
-        elif seed is None:
-            with self._lock:
-                seed = int(self._seed_rng.integers(0, 2**31))
-        max_model_len = self.config.max_model_len
-        limit = max_model_len if params.max_tokens is None else min(max_model_len, len(ids) + params.max_tokens)
-        request = Request(request_id, text, ids, params, seed, limit, priority,
-                          RequestMetrics(arrival_time if arrival_time is not None else time.time()), lora=lora_request)
-        seq = Sequence(request, 0, list(ids), seed)
-        if params.structured_outputs is not None:  # compiled by validate: a cache hit here
-            grammar = self.grammar.compile(params.structured_outputs)
-            seq.grammar = self._grammar_errors(label, lambda: self.grammar.matcher(grammar))
-        k = self.draft_length(params)
-        if k:
-            seq.spec = SpecState(max_k=k, k=k)
-        request.seqs.append(seq)
-        if lora_request is not None:  # held until the core finishes or aborts it (EngineCore.add)
+        # its adapter pinned from now until the core finishes or aborts it (EngineCore.release): no
+        # other thread's request can drop it from the host between its check and its step
+        pinned = isinstance(lora_request, LoRARequest) and self.lora is not None
+        if pinned:
             self.lora.pin(lora_request.lora_int_id)
-        return request
+        try:
+            text, ids = self.tokenize(prompt, label)
+            self.validate(ids, params, label, lora_request)
+            if seed is None and params.seed is not None:
+                seed = sampler_seed(params.seed)
+            elif seed is None:
+                with self._lock:
+                    seed = int(self._seed_rng.integers(0, 2**31))
+            max_model_len = self.config.max_model_len
+            limit = max_model_len if params.max_tokens is None else min(max_model_len, len(ids) + params.max_tokens)
+            request = Request(request_id, text, ids, params, seed, limit, priority,
+                              RequestMetrics(arrival_time if arrival_time is not None else time.time()), lora=lora_request)
+            seq = Sequence(request, 0, list(ids), seed)
+            if params.structured_outputs is not None:  # compiled by validate: a cache hit here
+                grammar = self.grammar.compile(params.structured_outputs)
+                seq.grammar = self._grammar_errors(label, lambda: self.grammar.matcher(grammar))
+            k = self.draft_length(params)
+            if k:
+                seq.spec = SpecState(max_k=k, k=k)
+            request.seqs.append(seq)
+            return request
+        except BaseException:
+            if pinned:
+                self.lora.unpin(lora_request.lora_int_id)
+            raise
 
     def tokenize(self, prompt, label: str) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt given as a string, token ids, or a dict."""

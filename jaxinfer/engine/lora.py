@@ -122,6 +122,12 @@ class LoraManager:
             self._fused.pop(lora_int_id, None)
             self._slot_of.pop(lora_int_id, None)
 
+    def forget_slots(self) -> None:
+        """The device's table was re-created empty (a failed step consumed it): every adapter is
+        written into a slot again when a step next uses it."""
+        with self._lock:
+            self._slot_of.clear()
+
     def _trim(self, keep: int | None = None) -> None:
         """Drops the host arrays of the least recently used unpinned adapters (except `keep`)
         while more than max_cpu_loras are held; a slot holding one keeps it. Under the lock."""

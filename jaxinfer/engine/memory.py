@@ -32,6 +32,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from jaxinfer.config import ModelConfig
@@ -75,6 +76,14 @@ def device_capacity_bytes(mesh) -> int | None:
             return None
         limits.append(int(stats["bytes_limit"]))
     return min(limits) if limits else None
+
+
+def least_over_processes(value: int) -> int:
+    """The smallest of every process's `value` (each process calls it): hosts whose devices
+    report different limits still size one pool, as the processes of one mesh must."""
+    if jax.process_count() == 1:
+        return value
+    return int(np.min(multihost_utils.process_allgather(np.asarray(value, np.int64))))
 
 
 def bytes_per_device(tree) -> int:

@@ -120,7 +120,7 @@ class ModelRunner:
         self.params = params
         self.kv = kv
         # the pool's shapes, dtypes and shardings, to re-create it if a failed step consumed it (recover)
-        self._kv_layout = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), kv)
+        self._kv_layout = jax.tree.map(_layout, kv)
         self.buckets = buckets
         self.num_top_logprobs = num_top_logprobs
         self.step_fn = StepFunction(graphdef, num_top_logprobs, max_rows=buckets.max_tokens, mesh=mesh, param_specs=param_specs,
@@ -137,6 +137,8 @@ class ModelRunner:
         self.compile_seconds: dict[BucketKey, float] = {}
         self.keys_seen: set[BucketKey] = set()  # bucket variants executed so far
         self.lora_enabled = "lora" in params  # the model holds a LoRA slot table (jaxinfer.models.lora)
+        self._lora_layout = ({name: _layout(var.get_value()) for name, var in params["lora"].items()}
+                             if self.lora_enabled else {})
         self._write_lora = None
 
     def write_lora_slot(self, slot: int, arrays: dict[str, np.ndarray]) -> None:
@@ -229,19 +231,23 @@ class ModelRunner:
             self.compile_seconds[key] = time.perf_counter() - t0
         return InFlightStep(out, packed.chunks, packed.want_logprobs)
 
-    def recover(self) -> bool:
-        """After a step (or a page copy) that failed: re-creates the KV pool and the token buffer
-        if the failure consumed them (the pool was donated to a program that did not finish, or
-        they are the outputs of one that failed). Returns whether the pool was re-created: every
-        page's contents are then gone and every sequence holding pages must be recomputed."""
+    def recover(self) -> "Recovered":
+        """After a step (or a page copy, or a LoRA slot write) that failed: re-creates what the
+        failure consumed (donated to a program that did not finish, or computed by one that
+        failed), as zeros: the token buffer, the KV pool (every page's contents are then gone:
+        the sequences holding pages must be recomputed), the LoRA table (its slots hold nothing)."""
         if not _usable(self.token_buffer):
             self.token_buffer = self._put(np.zeros((self.num_replicas, self.buckets.max_tokens), np.int32))
-        if _usable(self.kv):
-            return False
-        spec = self._kv_layout
-        self.kv = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec),
-                          out_shardings=jax.tree.map(lambda s: s.sharding, spec))()
-        return True
+        pool = not _usable(self.kv)
+        if pool:
+            self.kv = _zeros(self._kv_layout)
+        table = self.params["lora"] if self.lora_enabled else {}
+        lora_table = not _usable({name: var.get_value() for name, var in table.items()})
+        if lora_table:
+            fresh = _zeros(self._lora_layout)
+            for name, var in table.items():
+                var.set_value(fresh[name])
+        return Recovered(pool, lora_table)
 
     def collect(self, step: "InFlightStep") -> None:
         """Waits for a dispatched step and fills each chunk's `results`: one RowResult per logits
@@ -407,6 +413,23 @@ def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int, with_lor
         want_logprobs=np.array([False]),
     )  # the variant without penalties or banned ids, which is what most batches use
     return jax.tree.map(lambda a: np.stack([a] * num_replicas), (batch, sampling))
+
+
+class Recovered(NamedTuple):
+    """What ModelRunner.recover re-created."""
+
+    pool: bool  # the KV pool: its pages' contents are gone
+    lora_table: bool  # the LoRA slot table: every slot is empty
+
+
+def _layout(a: jax.Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+
+
+def _zeros(layout):
+    """Zeros of a tree of ShapeDtypeStructs, placed with their shardings."""
+    return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), layout),
+                   out_shardings=jax.tree.map(lambda s: s.sharding, layout))()
 
 
 def _usable(tree) -> bool:

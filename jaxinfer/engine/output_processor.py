@@ -78,10 +78,11 @@ class OutputProcessor:
         request.prompt_logprobs.append(self.position_logprobs(target, row, request.params.prompt_logprobs))
 
     def _check_stop_strings(self, seq: Sequence, delta_len: int) -> None:
+        """Ends `seq` at the first stop string that ends in its newest `delta_len` characters (each
+        searched from where it could start and still reach them, as vLLM does: text before
+        min_tokens, never checked, is not searched later either)."""
         p = seq.request.params
-        longest = max(len(s) for s in p.stop)
-        window_start = max(0, len(seq.text) - delta_len - longest + 1)
-        hits = [(seq.text.find(s, window_start), s) for s in p.stop]
+        hits = [(seq.text.find(s, max(0, len(seq.text) - delta_len - len(s) + 1)), s) for s in p.stop]
         hits = [(at, s) for at, s in hits if at >= 0]
         if hits:
             at, stop = min(hits)

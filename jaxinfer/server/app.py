@@ -290,6 +290,9 @@ class LoraRegistry:
         except ValueError as e:
             raise ApiError(str(e), param="lora_path") from None
         with self._lock:
+            if name in self._by_name:  # loaded by another request meanwhile: that one stands
+                self.engine.lora.remove(lora.lora_int_id)
+                raise ApiError(f"a model named {name!r} is already served", param="lora_name")
             self._by_name[name] = lora
         return lora
 

@@ -17,7 +17,8 @@ Failures: the engine fails a request whose step failed (EngineCore: that request
 failure is its own, else the requests of the steps in play) and goes on; its consumer gets
 `EngineFailed` (HTTP 500), every other request runs on. Should a step raise all the same (the
 engine could not recover), every request gets the error and `healthy` is False (`/health`
-answers 503) until a step succeeds again. No exception ends the engine thread.
+answers 503) until a step succeeds again: an idle engine thread tries one with a one-token
+probe request each second. No exception ends the engine thread.
 
 On several processes (`publisher`, jaxinfer.server.lockstep) each iteration's events are
 published before they are applied, so that the other processes replay them and step with this one.
@@ -104,6 +105,8 @@ class AsyncEngine:
                     self.publisher.board.close()
                 return
             try:
+                if self._step_error is not None and not events and not self._busy():
+                    events = [self._probe()]  # idle but unhealthy: find out whether it can step again
                 self._iterate(events)
             except Exception as e:  # noqa: BLE001 - the engine could not recover: fail what it holds, keep serving
                 logger.exception("engine step failed")
@@ -112,6 +115,12 @@ class AsyncEngine:
                 if self.publisher is not None:  # the other processes cannot follow this one: the set ends
                     self.publisher.board.end(f"process 0's step raised {self._step_error}")
                 time.sleep(0.05)  # a step that keeps failing must not spin
+
+    def _probe(self) -> Event:
+        """A one-token request nobody waits for: the step that runs it clears `healthy`'s error."""
+        request = self.engine.input.make_request(f"health-probe-{next(self._ids)}", [0],
+                                                 SamplingParams(max_tokens=1, temperature=0.0))
+        return Event(request=request)
 
     def _busy(self) -> bool:
         try:
@@ -167,15 +176,24 @@ class AsyncEngine:
                            type="rate_limit_error", headers={"Retry-After": "1"})
         request_id = request_id or f"req-{next(self._ids)}"
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        try:  # tokenization and input checks: off the event loop
-            request = await asyncio.to_thread(self.engine.input.make_request, request_id, prompt, params,
-                                              lora_request=lora_request)
+        # tokenization and input checks: off the event loop. A request made but never queued (the
+        # client left meanwhile, its id taken) gives back what making it took (its adapter's pin).
+        making = asyncio.ensure_future(asyncio.to_thread(self.engine.input.make_request, request_id, prompt, params,
+                                                         lora_request=lora_request))
+        try:
+            request = await asyncio.shield(making)
         except ValueError as e:
             raise ApiError(str(e)) from None
+        except asyncio.CancelledError:
+            making.add_done_callback(lambda f: f.cancelled() or f.exception() or self.engine.discard(f.result()))
+            raise
         with self._lock:
-            if request_id in self._streams:
-                raise ApiError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = (loop, queue, request)
+            taken = request_id in self._streams
+            if not taken:
+                self._streams[request_id] = (loop, queue, request)
+        if taken:
+            self.engine.discard(request)
+            raise ApiError(f"request id {request_id!r} is already in use")
         self._post(Event(request=request))
         finished = False
         deadline = None if timeout is None else time.monotonic() + timeout
