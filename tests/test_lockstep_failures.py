@@ -28,15 +28,17 @@ import sys, time
 from sharding.mesh import initialize_distributed
 initialize_distributed()
 import jax
+from jax._src import distributed
 from jaxinfer.server.lockstep import FailureBoard
 board = FailureBoard(agree_s=2.0, poll_ms=200)
 board.watch()
+distributed.global_state.client.wait_at_barrier("started", 60_000)  # as a step's collectives tie real processes
 board.agree(7, ["req-3", "req-1"] if jax.process_index() else ["req-1", "req-3"])  # both: the requests' fault
 time.sleep(3)  # past the agreement time
 print("went on after iteration 7", flush=True)
 if sys.argv[1] == "one" and jax.process_index() == 1:
     board.agree(8, ["req-4"])  # process 1 alone: a host's fault
-time.sleep(3)  # stuck, as in a collective that will never complete
+time.sleep(15)  # stuck, as in a collective that will never complete
 print("went on after iteration 8", flush=True)
 board.close()
 """
