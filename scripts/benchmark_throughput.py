@@ -180,22 +180,20 @@ def run_jaxinfer(args, setting: str) -> dict:
         "load_seconds": llm.load_seconds, "passes": {},
     }
 
-    # per-step timing by bucket (wrapping this runner instance's dispatch/collect; engine code untouched).
+    # per-step timing by bucket (wrapping this runner instance's launch/collect; engine code untouched).
     # The engine overlaps steps (it dispatches step N+1 before reading step N), so a step's time is
     # the interval between its result and the previous step's result: the device is busy throughout.
     steps: list[tuple] = []
     launched: dict[int, tuple] = {}
     last_done = [time.perf_counter()]
-    orig_dispatch, orig_collect = runner.dispatch, runner.collect
+    orig_launch, orig_collect = runner.launch, runner.collect
 
-    def timed_dispatch(replica_chunks, **kw):
-        chunks = replica_chunks[0]  # one replica: this script runs on one device
+    def timed_launch(packed, *args, **kw):
+        chunks = packed.chunks[0]  # one replica: this script runs on one device
         n_tok = sum(len(c.chunk.token_ids) for c in chunks)
-        n_log = sum(len(c.chunk.logits_rows) for c in chunks)
-        key = runner.buckets.key_for(n_tok, len(chunks), n_log)
         c0 = runner.num_compiles
-        handle = orig_dispatch(replica_chunks, **kw)
-        launched[id(handle)] = (key, n_tok, len(chunks), runner.num_compiles - c0)
+        handle = orig_launch(packed, *args, **kw)
+        launched[id(handle)] = (packed.key, n_tok, len(chunks), runner.num_compiles - c0)
         return handle
 
     def timed_collect(handle):
@@ -206,7 +204,7 @@ def run_jaxinfer(args, setting: str) -> dict:
         last_done[0] = now
         return out
 
-    runner.dispatch, runner.collect = timed_dispatch, timed_collect
+    runner.launch, runner.collect = timed_launch, timed_collect
 
     def one_pass(name: str, subset) -> dict:
         prompts = [r["prompt_token_ids"] for r in subset]
