@@ -30,10 +30,12 @@ Failures: a step that raises never leaves the engine broken. Work that belongs t
 fails that request alone: it finishes with reason "error" and `Request.error` says why, and the
 step goes on without it. A failure that belongs to no one request (launching or reading the
 step on the device, scheduling, drafting) fails the requests of the steps in play (the one being
-read and the one dispatched after it); the in-flight step is discarded, and if the failure
-consumed the KV pool (donated to a program that did not finish) the pool is re-created and every
-other running sequence is recomputed from its tokens. Waiting requests are untouched; the next
-step runs as if the failed requests had been aborted.
+read and the one dispatched after it; every unfinished request when no step was in play, since
+the same failure would come back); the in-flight step is discarded, and what the failure
+consumed on the device (donated to a program that did not finish) is re-created: the KV pool
+(every other running sequence is then recomputed from its tokens), a draft model's pool, the
+LoRA table. Otherwise waiting requests are untouched; the next step runs as if the failed
+requests had been aborted.
 
 Threads: `add`, `abort` and `has_unfinished` may be called from any thread while another drives
 `step()`; one lock serializes them with the step (they wait for a running step to end).
