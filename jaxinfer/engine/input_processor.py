@@ -105,8 +105,8 @@ class InputProcessor:
     def _token_ids(ids, label: str) -> list[int]:
         """Prompt token ids as Python ints: integers (NumPy's too), not bools, floats or strings."""
         if not isinstance(ids, (list, tuple, np.ndarray)) or not all(
-            isinstance(t, numbers.Integral) and not isinstance(t, (bool, np.bool_)) for t in ids
-        ):
+            type(t) is int or (isinstance(t, numbers.Integral) and not isinstance(t, (bool, np.bool_))) for t in ids
+        ):  # (plain ints, by far the most common, skip the slower abstract-class check)
             raise ValueError(f"{label}: prompt token ids must be a list of integers")
         return [int(t) for t in ids]
 
