@@ -86,7 +86,7 @@ def _shown(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _is_int(value) -> bool:
+def is_integer(value) -> bool:
     """An integer, Python's or NumPy's, and not a bool (True is an int to Python, not to a client)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
@@ -198,7 +198,7 @@ class SamplingParams:
             setattr(self, field, bool(getattr(self, field)))
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple, np.ndarray)) or not all(
-                _is_int(t) and t >= 0 for t in self.stop_token_ids
+                is_integer(t) and t >= 0 for t in self.stop_token_ids
             ):
                 self._bad("stop_token_ids", "must be a list of non-negative token ids")
             self.stop_token_ids = [int(t) for t in self.stop_token_ids]
@@ -219,7 +219,7 @@ class SamplingParams:
         value = getattr(self, field)
         if value is None and none_ok:
             return
-        if not _is_int(value) or (low is not None and value < low):
+        if not is_integer(value) or (low is not None and value < low):
             self._bad(field, why or ("must be an integer" + (f" >= {low}" if low is not None else "")
                                      + (" or None" if none_ok else "")))
         setattr(self, field, int(value))

@@ -14,7 +14,6 @@ the caller's thread.
 from __future__ import annotations
 
 import itertools
-import numbers
 import threading
 import time
 
@@ -27,7 +26,7 @@ from jaxinfer.engine.request import Request, RequestMetrics, Sequence, SpecState
 from jaxinfer.engine.seeds import sampler_seed
 from jaxinfer.lora_request import LoRARequest
 from jaxinfer.ops.sampling import MAX_BANNED_IDS
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import SamplingParams, is_integer
 
 
 class InputProcessor:
@@ -105,7 +104,7 @@ class InputProcessor:
     def _token_ids(ids, label: str) -> list[int]:
         """Prompt token ids as Python ints: integers (NumPy's too), not bools, floats or strings."""
         if not isinstance(ids, (list, tuple, np.ndarray)) or not all(
-            type(t) is int or (isinstance(t, numbers.Integral) and not isinstance(t, (bool, np.bool_))) for t in ids
+            type(t) is int or is_integer(t) for t in ids
         ):  # (plain ints, by far the most common, skip the slower abstract-class check)
             raise ValueError(f"{label}: prompt token ids must be a list of integers")
         return [int(t) for t in ids]
