@@ -162,8 +162,9 @@ class FailureBoard:
 
     def end(self, reason: str) -> None:
         """Ends the whole set: posts the reason for every process's watcher, then leaves."""
+        reason = f"process {self.process_index}: {reason}"  # what every process logs, whichever thread leaves first
         try:
-            self._client.key_value_set(FAILED_KEY, f"process {self.process_index}: {reason}")
+            self._client.key_value_set(FAILED_KEY, reason)
         except jax.errors.JaxRuntimeError:  # another process ended it first
             pass
         self._leave(reason)
