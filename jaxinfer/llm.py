@@ -93,7 +93,10 @@ class LLM:
         readmission (default) or "swap" its pages to host memory and back.
       log_stats_interval: seconds between engine stats lines on the "jaxinfer" logger (None: off).
       seed: seeds the per-request seeds of requests that give none.
-      warmup: compile every shape bucket now rather than on first use.
+      warmup: compile now, rather than on first use, every program serving can run: the step of
+        every shape bucket (with and without LoRA, with prompt-logprob rows), every sampling
+        program (penalties, held-back ids, structured outputs, logprobs) and the page copies, so
+        that no request compiles anything. (A draft model's own programs still compile on first use.)
       speculative_config: speculative decoding, as vLLM configures it: {"method": "ngram",
         "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} (see
         jaxinfer.engine.spec_decode). Output stays exactly the target model's: token for token
@@ -112,8 +115,11 @@ class LLM:
         self.engine = engine = build_engine(config, clock)
         self.load_seconds = time.perf_counter() - clock.t0
         if config.warmup:
-            engine.runner.warmup()
-            clock.mark("warmup (compiling every bucket)")
+            runner = engine.runner
+            runner.warmup(drafts=config.speculative_config is not None)
+            runner.warmup_page_ops(max_copies=runner.buckets.max_num_seqs * runner.num_replicas,
+                                   max_swapped=runner.buckets.pages_per_seq if config.preemption_mode == "swap" else 0)
+            clock.mark("warmup (compiling every bucket and sampling program)")
         # Seconds per phase of this constructor (config, weights, tokenizer, KV cache and engine, warmup);
         # tokenizer_seconds is the tokenizer's own time, spent in a thread beside the weights.
         self.startup_seconds = clock.phases

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.engine.model_runner import ModelRunner, RowSampling, ScheduledChunk
-from jaxinfer.ops.sampling import MAX_BANNED_IDS, SamplingTensors, apply_penalties, filter_min_p, filter_top_k_top_p, sample
+from jaxinfer.engine.model_runner import RowSampling, ScheduledChunk, sampling_tensors
+from jaxinfer.ops.sampling import MAX_BANNED_IDS, SamplingTensors, filter_min_p, filter_top_k_top_p, process_logits, sample
 
 
 def tensors(R, temperature=0.0, top_k=0, top_p=1.0, seed=0, counter=0, target=-1):
@@ -152,7 +152,7 @@ def test_penalties_match_vllm_definition():
     ]
     for rep, pres, freq in cases:
         st = with_penalties(tensors(4), HISTORIES, NUM_PROMPT, rep, pres, freq)
-        got = np.asarray(apply_penalties(jnp.asarray(logits), st))
+        got = np.asarray(process_logits(jnp.asarray(logits), st))
         for r in range(4):
             want = numpy_penalize(logits[r], HISTORIES[r], NUM_PROMPT[r], rep[r], pres[r], freq[r])
             np.testing.assert_allclose(got[r], want, rtol=1e-6, atol=1e-6)
@@ -210,10 +210,9 @@ def test_rows_without_the_features_are_unaffected():
 
 
 def test_runner_turns_the_switches_on_only_when_needed():
-    fake = types.SimpleNamespace(buckets=types.SimpleNamespace(pages_per_seq=4), kv=types.SimpleNamespace(page_size=8))
     key = types.SimpleNamespace(num_logits=4)
-    build = lambda *samplings: ModelRunner._sampling_tensors(
-        fake, key, [ScheduledChunk(None, s) for s in samplings], [[i] for i in range(len(samplings))])
+    build = lambda *samplings: sampling_tensors(  # noqa: E731
+        key, [ScheduledChunk(None, s) for s in samplings], [[i] for i in range(len(samplings))], max_history=32)
     st = build(RowSampling(temperature=1.0, min_p=0.1), RowSampling())
     assert st.banned_ids is None and st.history_ids is None
     np.testing.assert_allclose(st.min_p, [0.1, 0, 0, 0])
@@ -221,7 +220,7 @@ def test_runner_turns_the_switches_on_only_when_needed():
                RowSampling(history=[9]))
     assert st.banned_ids.shape == (4, MAX_BANNED_IDS) and st.banned_ids[0, :3].tolist() == [7, 8, -1]
     assert (st.banned_ids[1:] == -1).all()
-    assert st.history_ids.shape == (4, 32)  # the longest sequence: pages_per_seq * page_size
+    assert st.history_ids.shape == (4, 32)  # the longest sequence
     assert st.history_ids[1, :4].tolist() == [1, 2, 3, -1] and st.num_prompt_history[1] == 2
     assert (st.history_ids[[0, 2, 3]] == -1).all()  # rows without penalties carry no history
     np.testing.assert_allclose(st.presence_penalty, [0, 0.5, 0, 0])

@@ -220,11 +220,11 @@ def format_plan(plan: Plan) -> str:
         f"serving: max_model_len {shape.max_model_len}, max_num_seqs {shape.max_num_seqs}, max_num_batched_tokens "
         f"{shape.max_num_batched_tokens}, page_size {shape.page_size}",
         "",
-        "| bucket | tokens | seqs | query block | compile s | arguments GiB | temporaries GiB | peak GiB | pool copies |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| bucket | tokens | seqs | logits rows | query block | compile s | arguments GiB | temporaries GiB | peak GiB | pool copies |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for b in plan.buckets:
-        lines.append(f"| {b.kind} | {b.key.num_tokens} | {b.key.num_seqs} | {b.key.query_block} | {b.seconds:.1f} | "
+        lines.append(f"| {b.kind} | {b.key.num_tokens} | {b.key.num_seqs} | {b.key.num_logits} | {b.key.query_block} | {b.seconds:.1f} | "
                      f"{_gib(b.argument_bytes)} | {_gib(b.temp_bytes)} | {_gib(b.peak_bytes)} | {b.pool_copies} |")
     peak = max(b.peak_bytes for b in plan.buckets)
     replicas = s.parallel.num_replicas

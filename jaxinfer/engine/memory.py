@@ -36,7 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.model_runner import empty_inputs
+from jaxinfer.engine.model_runner import empty_inputs, sampling_tensors
 from jaxinfer.ops.batch import BucketKey, Buckets
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.kv_cache import KVCache, is_quantized
@@ -124,7 +124,7 @@ def abstract_inputs(step: StepFunction, key: BucketKey, pages_per_seq: int, with
 
 def largest_bucket(keys) -> BucketKey:
     """The bucket whose step needs the most scratch: the most tokens, then sequences."""
-    return max(keys, key=lambda k: (k.num_tokens, k.num_seqs, k.query_block))
+    return max(keys, key=lambda k: (k.num_tokens, k.num_seqs, k.num_logits, k.query_block))
 
 
 def step_scratch_bytes(memory, weight_bytes: int, pool_bytes: int) -> int:
@@ -138,10 +138,24 @@ def step_scratch_bytes(memory, weight_bytes: int, pool_bytes: int) -> int:
 
 def measure_step_scratch(step: StepFunction, params, pool: KVCache, buckets: Buckets, *, with_lora: bool) -> int:
     """`step_scratch_bytes` of the largest bucket's step, compiled for `params` over `pool` (an
-    abstract pool: `abstract_pool`, one sequence's pages are enough)."""
+    abstract pool: `abstract_pool`, one sequence's pages are enough): the larger of its model
+    program's and of its sampling programs' with every logits processor on (they run one after
+    the other; the model's logits are the latter's arguments)."""
     key = largest_bucket(buckets.all_keys())
     lowered = step.lower(params, pool, *abstract_inputs(step, key, buckets.pages_per_seq, with_lora), key)
-    return step_scratch_bytes(lowered.compile().memory_analysis(), bytes_per_device(params), bytes_per_device(pool))
+    model = step_scratch_bytes(lowered.compile().memory_analysis(), bytes_per_device(params), bytes_per_device(pool))
+    logits, _, *hidden = lowered.out_info
+    vocab = logits.shape[-1]
+    host = sampling_tensors(key, [], [], buckets.pages_per_seq * pool.page_size, penalties=True, max_banned=1,
+                            mask_words=-(-vocab // 32))
+    host = jax.tree.map(lambda a: np.stack([a] * step.num_replicas), host)
+    sampling = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                            host, step.input_shardings(host))
+    rows = step.logits_layout(key.num_logits, vocab)
+    hidden = jax.ShapeDtypeStruct(hidden[0].shape, jnp.float32, sharding=rows.sharding) if hidden else None
+    sampling_peaks = [step_scratch_bytes(program.compile().memory_analysis(), 0, 0)
+                      for program in step.lower_sampling(rows, sampling, hidden)]
+    return max(model, *sampling_peaks)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,11 +7,13 @@ and runs the jitted step with the cache donated. `dispatch` writes each chunk's 
 the chunk (`ScheduledChunk.rows`), `collect` its results (`ScheduledChunk.results`, numpy on the
 host). It keeps no per-request state.
 
-Compiled step variants: one per bucket (`BucketKey`) and set of optional sampling features a step
-uses (penalties, banned ids, an allowed-token mask, drafts; `ops.sampling`). Every array width
-comes from the configuration (buckets, max_model_len, max_logprobs, the vocabulary,
-`MAX_BANNED_IDS`), never from a request's values, so the variants are a small fixed set: `warmup`
-compiles each bucket without the optional features, which compile once on first use.
+Compiled programs (runtime/step.py): the model per bucket (`BucketKey`, prompt-logprob rows
+included) and LoRA switch; per logits-row count, each logits processor a step may switch on
+(penalties, banned ids, an allowed-token mask) and the sampler (with drafts to verify, another).
+Every array width comes from the configuration (buckets, max_model_len, max_logprobs, the
+vocabulary, `MAX_BANNED_IDS`), never from a request's values, and page copies and swaps pad to
+powers of two, so the programs are a small fixed set: `warmup` and `warmup_page_ops` compile them
+all, after which no request compiles anything.
 
 Page ids in chunks are the replica's own (each replica's block manager hands out 1 ..
 pages_per_replica - 1, page 0 being its scratch page); the cache holds the replicas' pools one
@@ -199,7 +201,8 @@ class ModelRunner:
         drafts = any(s.sampling.draft_tokens for s in everything)
         mask_words = max((len(s.sampling.allowed_tokens) for s in everything if s.sampling.allowed_tokens is not None), default=0)
         sampling = jax.tree.map(lambda *a: np.stack(a), *(
-            self._sampling_tensors(key, chunks, rows, want_logprobs, num_banned, penalties, drafts, mask_words)
+            self._sampling_tensors(key, chunks, rows, want_logprobs, max_banned=num_banned, penalties=penalties,
+                                  drafts=drafts, mask_words=mask_words)
             for chunks, rows in zip(scheduled, rows_of_chunk)
         ))
         if return_probs:
@@ -270,91 +273,50 @@ class ModelRunner:
         self.collect(self.dispatch(scheduled, want_logprobs=want_logprobs))
         return [[s.results for s in chunks] for chunks in scheduled]
 
-    def _sampling_tensors(self, key: BucketKey, scheduled, rows_of_chunk, want_logprobs: bool = False,
-                          max_banned: int | None = None, penalties: bool | None = None,
-                          drafts: bool | None = None, mask_words: int | None = None) -> SamplingTensors:
-        """One replica's per-row sampling tensors. The optional fields are switched on by
-        `max_banned` (the most banned ids of a row; always MAX_BANNED_IDS columns), `penalties`,
-        `drafts` and `mask_words` (the allowed-
-        token bitmask's width), by default when one of these chunks needs them; a step passes
-        what any replica needs, so the replicas' trees stack."""
-        if max_banned is None:
-            max_banned = max((len(s.sampling.banned_ids) for s in scheduled), default=0)
-        if penalties is None:
-            penalties = any(s.sampling.uses_penalties for s in scheduled)
-        if drafts is None:
-            drafts = any(s.sampling.draft_tokens for s in scheduled)
-        if mask_words is None:
-            mask_words = max((len(s.sampling.allowed_tokens) for s in scheduled if s.sampling.allowed_tokens is not None), default=0)
-        R = key.num_logits
-        temperature = np.zeros(R, np.float32)
-        top_k = np.zeros(R, np.int32)
-        top_p = np.ones(R, np.float32)
-        seed = np.zeros(R, np.uint32)
-        counter = np.zeros(R, np.int32)
-        target_ids = np.full(R, -1, np.int32)
-        min_p = np.zeros(R, np.float32)
-        for s, rows in zip(scheduled, rows_of_chunk):
-            p = s.sampling
-            temperature[rows], top_k[rows], top_p[rows] = p.temperature, p.top_k, p.top_p
-            seed[rows], counter[rows], min_p[rows] = p.seed, p.counter, p.min_p
-            if p.target_ids:
-                target_ids[rows] = p.target_ids
-        st = SamplingTensors(
-            temperature, top_k, top_p, seed, counter, target_ids, min_p=min_p, want_logprobs=np.array([want_logprobs])
-        )
-        # Static switches: the fields stay None (a separate, cheaper compiled variant) unless some row needs them.
-        if mask_words:
-            st.allowed_tokens = np.full((R, mask_words), -1, np.int32)  # every bit set: unconstrained rows
-            for s, rows in zip(scheduled, rows_of_chunk):
-                if s.sampling.allowed_tokens is not None:
-                    st.allowed_tokens[rows] = s.sampling.allowed_tokens
-        if drafts:
-            st.draft_token = np.full(R, -1, np.int32)
-            for s, rows in zip(scheduled, rows_of_chunk):
-                if s.sampling.draft_tokens:
-                    st.draft_token[rows] = s.sampling.draft_tokens
-        if max_banned:
-            if max_banned > MAX_BANNED_IDS:  # the input checks refuse such a request
-                raise ValueError(f"{max_banned} banned ids in one row; the sampler holds at most {MAX_BANNED_IDS}")
-            st.banned_ids = np.full((R, MAX_BANNED_IDS), -1, np.int32)
-            for s, rows in zip(scheduled, rows_of_chunk):
-                st.banned_ids[np.asarray(rows)[:, None], np.arange(len(s.sampling.banned_ids))] = s.sampling.banned_ids
-        if penalties:
-            H = self.buckets.pages_per_seq * self.kv.page_size  # the longest a sequence can be
-            st.history_ids = np.full((R, H), -1, np.int32)
-            st.num_prompt_history = np.zeros(R, np.int32)
-            st.repetition_penalty = np.ones(R, np.float32)
-            st.presence_penalty = np.zeros(R, np.float32)
-            st.frequency_penalty = np.zeros(R, np.float32)
-            for s, rows in zip(scheduled, rows_of_chunk):
-                p = s.sampling
-                if not p.uses_penalties:
-                    continue
-                if len(p.history) > H:
-                    raise ValueError(f"history of {len(p.history)} tokens exceeds the maximum sequence length {H}")
-                st.history_ids[np.asarray(rows)[:, None], np.arange(len(p.history))] = p.history
-                st.num_prompt_history[rows] = p.num_prompt_history
-                st.repetition_penalty[rows], st.presence_penalty[rows] = p.repetition_penalty, p.presence_penalty
-                st.frequency_penalty[rows] = p.frequency_penalty
-        return st
+    def _sampling_tensors(self, key: BucketKey, scheduled, rows_of_chunk, want_logprobs: bool = False, **switches) -> SamplingTensors:
+        return sampling_tensors(key, scheduled, rows_of_chunk, self.buckets.pages_per_seq * self.kv.page_size,
+                                want_logprobs, **switches)
 
-    def _empty_inputs(self, key: BucketKey) -> tuple[RaggedBatch, SamplingTensors]:
+    def _empty_inputs(self, key: BucketKey, with_lora: bool | None = None) -> tuple[RaggedBatch, SamplingTensors]:
         """`empty_inputs` as `dispatch` passes them (host arrays, or placed on the mesh): the
         jitted step keys its compiled variants on that too."""
-        inputs = empty_inputs(key, self.buckets.pages_per_seq, self.num_replicas, self.lora_enabled)
+        with_lora = self.lora_enabled if with_lora is None else with_lora
+        inputs = empty_inputs(key, self.buckets.pages_per_seq, self.num_replicas, with_lora)
         return inputs if self.pass_host_inputs else self._put(inputs)
 
-    def warmup(self, keys: Sequence[BucketKey] | None = None) -> None:
-        """Compiles the step for every bucket (or the given ones) without running it: JAX keeps
-        what `lower(...).compile()` traced, lowered and compiled, so the first real step of that
-        bucket dispatches at once (running an empty batch instead cost ~4 s over the default
-        buckets on 2 cores)."""
-        for key in keys or self.buckets.all_keys():
-            batch, sampling = self._empty_inputs(key)
-            t0 = time.perf_counter()
-            self.step_fn.lower(self.params, self.kv, batch, sampling, self.token_buffer, key).compile()
-            self.compile_seconds[key] = time.perf_counter() - t0
+    def warmup(self, keys: Sequence[BucketKey] | None = None, *, drafts: bool = False) -> None:
+        """Compiles every program a step can run, so that no request compiles anything.
+
+        The model program of every bucket (default: `Buckets.all_keys()`, prompt-logprob rows
+        included), and its LoRA variant when the model holds a LoRA table, compiled without
+        running (JAX keeps what `lower(...).compile()` traced, lowered and compiled, so the first
+        real step dispatches at once; running an empty batch cost ~4 s over the default buckets
+        on 2 cores). Then, for each count of logits rows, the sampling programs, run once on zero
+        logits: every logits processor (penalties, held-back ids, the structured-output mask) and
+        the sampler; with `drafts` also the sampler that verifies drafted tokens (proposers with
+        one-hot drafts: n-gram, EAGLE, Medusa). With LoRA, also the program that loads an adapter."""
+        keys = list(keys or self.buckets.all_keys())
+        if self.lora_enabled:  # the program that writes an adapter into a slot: zeros into slot 0 (no adapter)
+            self.write_lora_slot(0, {f"lora.{name}": np.zeros(a.shape[:1] + a.shape[2:], np.float32)
+                                     for name, a in self._lora_layout.items()})
+        after_model = {}  # R -> (a bucket with R logits rows, the model program's logits and hidden states)
+        for key in keys:
+            for with_lora in (False, True) if self.lora_enabled else (False,):
+                batch, sampling = self._empty_inputs(key, with_lora)
+                t0 = time.perf_counter()
+                lowered = self.step_fn.lower(self.params, self.kv, batch, sampling, self.token_buffer, key)
+                lowered.compile()
+                self.compile_seconds[key] = self.compile_seconds.get(key, 0.0) + time.perf_counter() - t0
+            after_model.setdefault(key.num_logits, (key, lowered.out_info))
+        every_processor = dict(penalties=True, max_banned=1)
+        for key, (logits, _, *hidden) in after_model.values():
+            sharding = self.step_fn.logits_layout(key.num_logits, logits.shape[-1]).sharding
+            outputs = _zeros([jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (logits, *hidden)])
+            for variant in [every_processor] + ([dict(drafts=True)] if drafts else []):
+                sampling = self._sampling_tensors(key, [], [], mask_words=-(-logits.shape[-1] // 32), **variant)
+                sampling = jax.tree.map(lambda a: np.stack([a] * self.num_replicas), sampling)
+                jax.block_until_ready(self.step_fn.sample(outputs[0], sampling if self.pass_host_inputs else self._put(sampling),
+                                                          *outputs[1:]))
 
     def compiled_hlo(self, key: BucketKey) -> str:
         """The optimized HLO of one bucket's step (for inspection; compiles if needed)."""
@@ -371,9 +333,9 @@ class ModelRunner:
         holds (replica, (src, dst)) pairs of that replica's page ids.
 
         Used for copy-on-write. The list is padded to a power of two with scratch-to-scratch
-        copies so only a few sizes ever compile.
+        copies so only a few sizes ever compile (`warmup_page_ops` compiles them).
         """
-        n = 1 << max(0, (len(copies) - 1).bit_length())
+        n = _power_of_two(len(copies))
         src = np.zeros(n, np.int32)
         dst = np.zeros(n, np.int32)
         for i, (replica, (s, d)) in enumerate(copies):
@@ -383,13 +345,109 @@ class ModelRunner:
     def read_pages(self, replica: int, pages: Sequence[int]) -> KVCache:
         """A replica's pages, all layers, on the host: a KVCache of numpy arrays, k and v
         [L, len(pages), page_size, Hkv, D] (and a quantized pool's scales) (all KV heads,
-        gathered from their tensor shards; every process gets them)."""
-        saved = page_ops(self.step_fn.mesh, self.kv.quantized).read(self.kv, self._global_pages(replica, pages))
-        return jax.tree.map(np.asarray, saved)
+        gathered from their tensor shards; every process gets them). The page list is padded to
+        a power of two with the scratch page, as `copy_pages` does."""
+        padded = np.zeros(_power_of_two(len(pages)), np.int32)
+        padded[: len(pages)] = pages
+        saved = page_ops(self.step_fn.mesh, self.kv.quantized).read(self.kv, self._global_pages(replica, padded))
+        return jax.tree.map(lambda a: np.asarray(a)[:, : len(pages)], saved)
 
     def write_pages(self, replica: int, pages: Sequence[int], saved: KVCache) -> None:
-        """Writes host pages (as read_pages returns them) into a replica's pages, in place."""
-        self.kv = page_ops(self.step_fn.mesh, self.kv.quantized).write(self.kv, self._global_pages(replica, pages), saved)
+        """Writes host pages (as read_pages returns them) into a replica's pages, in place (the
+        list padded to a power of two with writes of zeros to the scratch page)."""
+        n = _power_of_two(len(pages))
+        padded = np.zeros(n, np.int32)
+        padded[: len(pages)] = pages
+        saved = jax.tree.map(lambda a: np.pad(a, [(0, 0), (0, n - a.shape[1])] + [(0, 0)] * (a.ndim - 2)), saved)
+        self.kv = page_ops(self.step_fn.mesh, self.kv.quantized).write(self.kv, self._global_pages(replica, padded), saved)
+
+    def warmup_page_ops(self, *, max_copies: int, max_swapped: int = 0) -> None:
+        """Compiles the page programs for every padded size: copies of up to `max_copies` pages
+        (copy-on-write: a step copies at most a page per sequence) and, with swapping, reads and
+        writes of up to `max_swapped` pages (a sequence's). Each runs once on the scratch page."""
+        for n in _powers_of_two_to(max_copies):
+            self.copy_pages([(0, (0, 0))] * n)
+        for n in _powers_of_two_to(max_swapped):
+            self.write_pages(0, [0] * n, self.read_pages(0, [0] * n))
+
+
+def _power_of_two(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _powers_of_two_to(n: int) -> list[int]:
+    """1, 2, 4, ... up to the padded size of n (none for n = 0)."""
+    return [1 << i for i in range(_power_of_two(n).bit_length())] if n > 0 else []
+
+def sampling_tensors(key: BucketKey, scheduled, rows_of_chunk, max_history: int, want_logprobs: bool = False,
+                      max_banned: int | None = None, penalties: bool | None = None,
+                      drafts: bool | None = None, mask_words: int | None = None) -> SamplingTensors:
+    """One replica's per-row sampling tensors (host arrays); `max_history`: the longest a sequence
+    can be (the penalties' history width). The optional fields are switched on by
+    `max_banned` (the most banned ids of a row; always MAX_BANNED_IDS columns), `penalties`,
+    `drafts` and `mask_words` (the allowed-token bitmask's width), by default when one of these
+    chunks needs them; a step passes what any replica needs, so the replicas' trees stack."""
+    if max_banned is None:
+        max_banned = max((len(s.sampling.banned_ids) for s in scheduled), default=0)
+    if penalties is None:
+        penalties = any(s.sampling.uses_penalties for s in scheduled)
+    if drafts is None:
+        drafts = any(s.sampling.draft_tokens for s in scheduled)
+    if mask_words is None:
+        mask_words = max((len(s.sampling.allowed_tokens) for s in scheduled if s.sampling.allowed_tokens is not None), default=0)
+    R = key.num_logits
+    temperature = np.zeros(R, np.float32)
+    top_k = np.zeros(R, np.int32)
+    top_p = np.ones(R, np.float32)
+    seed = np.zeros(R, np.uint32)
+    counter = np.zeros(R, np.int32)
+    target_ids = np.full(R, -1, np.int32)
+    min_p = np.zeros(R, np.float32)
+    for s, rows in zip(scheduled, rows_of_chunk):
+        p = s.sampling
+        temperature[rows], top_k[rows], top_p[rows] = p.temperature, p.top_k, p.top_p
+        seed[rows], counter[rows], min_p[rows] = p.seed, p.counter, p.min_p
+        if p.target_ids:
+            target_ids[rows] = p.target_ids
+    st = SamplingTensors(
+        temperature, top_k, top_p, seed, counter, target_ids, min_p=min_p, want_logprobs=np.array([want_logprobs])
+    )
+    # Static switches: the fields stay None (a separate, cheaper compiled variant) unless some row needs them.
+    if mask_words:
+        st.allowed_tokens = np.full((R, mask_words), -1, np.int32)  # every bit set: unconstrained rows
+        for s, rows in zip(scheduled, rows_of_chunk):
+            if s.sampling.allowed_tokens is not None:
+                st.allowed_tokens[rows] = s.sampling.allowed_tokens
+    if drafts:
+        st.draft_token = np.full(R, -1, np.int32)
+        for s, rows in zip(scheduled, rows_of_chunk):
+            if s.sampling.draft_tokens:
+                st.draft_token[rows] = s.sampling.draft_tokens
+    if max_banned:
+        if max_banned > MAX_BANNED_IDS:  # the input checks refuse such a request
+            raise ValueError(f"{max_banned} banned ids in one row; the sampler holds at most {MAX_BANNED_IDS}")
+        st.banned_ids = np.full((R, MAX_BANNED_IDS), -1, np.int32)
+        for s, rows in zip(scheduled, rows_of_chunk):
+            st.banned_ids[np.asarray(rows)[:, None], np.arange(len(s.sampling.banned_ids))] = s.sampling.banned_ids
+    if penalties:
+        H = max_history
+        st.history_ids = np.full((R, H), -1, np.int32)
+        st.num_prompt_history = np.zeros(R, np.int32)
+        st.repetition_penalty = np.ones(R, np.float32)
+        st.presence_penalty = np.zeros(R, np.float32)
+        st.frequency_penalty = np.zeros(R, np.float32)
+        for s, rows in zip(scheduled, rows_of_chunk):
+            p = s.sampling
+            if not p.uses_penalties:
+                continue
+            if len(p.history) > H:
+                raise ValueError(f"history of {len(p.history)} tokens exceeds the maximum sequence length {H}")
+            st.history_ids[np.asarray(rows)[:, None], np.arange(len(p.history))] = p.history
+            st.num_prompt_history[rows] = p.num_prompt_history
+            st.repetition_penalty[rows], st.presence_penalty[rows] = p.repetition_penalty, p.presence_penalty
+            st.frequency_penalty[rows] = p.frequency_penalty
+    return st
 
 
 def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int, with_lora: bool = False) -> tuple[RaggedBatch, SamplingTensors]:

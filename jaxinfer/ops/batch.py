@@ -94,7 +94,8 @@ class Buckets:
 
     S is capped at max_num_seqs. A batch takes the smallest T that holds its tokens and
     sequences (prefill and mixed batches: at least `min_chunk_tokens`). Logits rows are padded to
-    S, unless a batch needs more (prompt logprobs), then to the next token bucket.
+    S, unless a batch needs more (prompt logprobs, drafts to verify), then to T: one row per token,
+    so each bucket has at most two row counts and warm-up can compile them all.
     """
 
     token_buckets: tuple[int, ...]
@@ -167,11 +168,16 @@ class Buckets:
         while num_seqs > self._kind(T, kind)[0]:
             T = self.round_up(T + 1)
         S, query_block = self._kind(T, kind)
-        R = S if num_logits <= S else self.round_up(num_logits)
-        return BucketKey(T, S, R, query_block, 0 if kind == "decode" else self.spec_block)
+        if num_logits <= S:
+            return BucketKey(T, S, S, query_block, 0 if kind == "decode" else self.spec_block)
+        T = self.round_up(max(T, num_logits))  # more rows than sequences: a logits row for every token
+        S, query_block = self._kind(T, kind)
+        return BucketKey(T, S, T, query_block, 0 if kind == "decode" else self.spec_block)
 
     def all_keys(self) -> list[BucketKey]:
-        """Every variant the engine may compile for batches without prompt logprobs (for warm-up)."""
+        """Every variant the engine may compile (for warm-up): each bucket with a logits row per
+        sequence, and each prefill and mixed bucket also with a logits row per token (prompt
+        logprobs, speculative verification)."""
         keys = []
         for T in self.token_buckets:
             # decode batches hold up to max_num_seqs tokens (and a single one pads to the smallest T)
@@ -182,9 +188,11 @@ class Buckets:
                     continue
                 if kind == "mixed" and S <= self.few_seqs:
                     continue  # key_for sends batches of so few sequences to a prefill bucket
-                key = BucketKey(T, S, S, qb, 0 if kind == "decode" else self.spec_block)
-                if key not in keys:
-                    keys.append(key)
+                spec_block = 0 if kind == "decode" else self.spec_block
+                for R in (S, T) if kind != "decode" and T > S else (S,):
+                    key = BucketKey(T, S, R, qb, spec_block)
+                    if key not in keys:
+                        keys.append(key)
         return keys
 
 

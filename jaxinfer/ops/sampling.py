@@ -126,13 +126,14 @@ def history_counts(history_ids: jax.Array, num_prompt: jax.Array, V: int) -> tup
     return output_counts, all_counts > 0
 
 
-def apply_penalties(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+def apply_penalties(logits: jax.Array, history_ids: jax.Array, num_prompt_history: jax.Array,
+                    repetition_penalty: jax.Array, presence_penalty: jax.Array, frequency_penalty: jax.Array) -> jax.Array:
     """vLLM's repetition (prompt + output), frequency and presence (output only) penalties. [R, V]."""
-    output_counts, seen = history_counts(st.history_ids, st.num_prompt_history, logits.shape[-1])
-    rep = jnp.where(seen, st.repetition_penalty[:, None], 1.0)
+    output_counts, seen = history_counts(history_ids, num_prompt_history, logits.shape[-1])
+    rep = jnp.where(seen, repetition_penalty[:, None], 1.0)
     logits = jnp.where(logits > 0, logits / rep, logits * rep)
-    logits = logits - st.frequency_penalty[:, None] * output_counts.astype(logits.dtype)
-    return logits - st.presence_penalty[:, None] * (output_counts > 0).astype(logits.dtype)
+    logits = logits - frequency_penalty[:, None] * output_counts.astype(logits.dtype)
+    return logits - presence_penalty[:, None] * (output_counts > 0).astype(logits.dtype)
 
 
 def ban_tokens(logits: jax.Array, banned_ids: jax.Array) -> jax.Array:
@@ -141,6 +142,36 @@ def ban_tokens(logits: jax.Array, banned_ids: jax.Array) -> jax.Array:
     ids = jnp.where(banned_ids >= 0, banned_ids, V)  # padding scatters out of bounds and is dropped
     rows = jnp.broadcast_to(jnp.arange(R)[:, None], banned_ids.shape)
     return logits.at[rows, ids].set(-jnp.inf, mode="drop")
+
+
+def keep_allowed(logits: jax.Array, allowed_tokens: jax.Array) -> jax.Array:
+    """Sets the tokens whose bit is clear in each row's bitmask [R, W] to -inf. [R, V]."""
+    return jnp.where(allowed_mask(allowed_tokens, logits.shape[-1]), logits, -jnp.inf)
+
+
+# The logits processors in the order `sample` applies them: (the SamplingTensors fields each one
+# reads, its function of (logits, *fields)). A processor runs when its first field is set; the
+# engine's step runs each as a program of its own (runtime/step.py), so that the variants add up
+# instead of multiplying.
+LOGITS_PROCESSORS = (
+    (("history_ids", "num_prompt_history", "repetition_penalty", "presence_penalty", "frequency_penalty"), apply_penalties),
+    (("banned_ids",), ban_tokens),
+    (("allowed_tokens",), keep_allowed),
+)
+
+
+def process_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """logits [R, V] after the processors `st` switches on (penalties, bans, the allowed-token mask)."""
+    for fields, processor in LOGITS_PROCESSORS:
+        if getattr(st, fields[0]) is not None:
+            assert all(getattr(st, f) is not None for f in fields), f"{processor.__name__} needs all of {fields}"
+            logits = processor(logits, *(getattr(st, f) for f in fields))
+    return logits
+
+
+def without_processors(st: SamplingTensors) -> SamplingTensors:
+    """`st` with every logits processor switched off (what the sampler reads after they ran)."""
+    return dataclasses.replace(st, **{f: None for fields, _ in LOGITS_PROCESSORS for f in fields})
 
 
 def filter_min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -160,18 +191,12 @@ def allowed_mask(bitmask: jax.Array, V: int) -> jax.Array:
     return bits.astype(bool)
 
 
-def sample(logits: jax.Array, st: SamplingTensors, num_top_logprobs: int) -> SampleOutput:
-    """logits [R, V] float32 -> one token per row, with log-probabilities."""
+def sample(logits: jax.Array, st: SamplingTensors, num_top_logprobs: int, raw_logits: jax.Array | None = None) -> SampleOutput:
+    """logits [R, V] float32 -> one token per row, with log-probabilities (of `raw_logits`, by
+    default `logits` before the processors: logprobs are of the raw logits, whatever the processing)."""
     R, V = logits.shape
-    raw_logits = logits  # logprobs are of the raw logits, whatever the processing
-    penalty_fields = (st.num_prompt_history, st.repetition_penalty, st.presence_penalty, st.frequency_penalty)
-    if st.history_ids is not None:
-        assert all(f is not None for f in penalty_fields), "penalties need all their SamplingTensors fields"
-        logits = apply_penalties(logits, st)
-    if st.banned_ids is not None:
-        logits = ban_tokens(logits, st.banned_ids)
-    if st.allowed_tokens is not None:
-        logits = jnp.where(allowed_mask(st.allowed_tokens, V), logits, -jnp.inf)
+    raw_logits = logits if raw_logits is None else raw_logits
+    logits = process_logits(logits, st)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_random = st.temperature > 0
 

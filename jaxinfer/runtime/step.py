@@ -2,28 +2,43 @@
 
     step(params, kv, batch, sampling, prev_tokens, query_block=...) -> (SampleOutput, token_buffer, kv)
 
+A step runs as a chain of programs, all asynchronous on the device, none reading back to the host:
+
+1. the model program: the forward over the batch -> logits rows [replicas, R, V] (and with
+   return_hidden the rows' hidden states), the cache donated. One compiled variant per bucket
+   (the padded shapes of `batch` plus the static attention query-block size) and LoRA switch.
+2. the logits processors the step's `sampling` tensors switch on (penalties, held-back ids, the
+   structured-output mask: `ops.sampling.LOGITS_PROCESSORS`), each a program of its own over the
+   logits rows: one variant per row count R.
+3. the sampler: one token per row, with logprobs (of the raw logits). One variant per row count
+   R (and with drafts to verify, another).
+
+Split this way the variants add instead of multiplying (buckets + processors x row counts, not
+buckets x 2^features), so warm-up can compile every one of them (`ModelRunner.warmup`) and no
+request a client sends compiles anything. The cost: each optional processor's extra dispatch and
+one more write and read of the logits rows, small beside the model.
+
 Every array here has a leading *replica* axis: a model runs as `num_replicas` independent
 attention replicas (data parallelism; with MoE expert parallelism the expert axis counts too),
 each with its own ragged batch, its own KV pages and its own sampled tokens. With one replica
 that axis has size 1.
 
-The step runs per device in `jax.shard_map` over the mesh (`sharding.mesh.make_mesh`; one device
-by default), with the PartitionSpecs of `sharding.rules`: parameters split over "tensor" (and
-experts over "expert"), the KV cache split on pages over the replica axes and on KV heads over
-"tensor", batch and sampling inputs split on the replica axis. Inside, each device runs the
-model on its shards (the collectives are in `jaxinfer.models.llama`), samples, and all-gathers
-the sampled tokens over the replicas, so every device (every process, on several hosts) holds
-all of them and the host reads them without a cross-host transfer.
+Each program runs per device in `jax.shard_map` over the mesh (`sharding.mesh.make_mesh`; one
+device by default), with the PartitionSpecs of `sharding.rules`: parameters split over "tensor"
+(and experts over "expert"), the KV cache split on pages over the replica axes and on KV heads
+over "tensor", batch, sampling inputs and logits rows split on the replica axis. Inside, each
+device runs the model on its shards (the collectives are in `jaxinfer.models.llama`); the sampler
+all-gathers the sampled tokens over the replicas, so every device (every process, on several
+hosts) holds all of them and the host reads them without a cross-host transfer.
 
-Sampled tokens stay on the device: the step also returns them padded into a per-replica
-`token_buffer` [replicas, max_rows], and the next step takes that buffer as `prev_tokens`,
-reading the tokens its batch marks in `batch.token_src`. So the host can dispatch step N+1 before
-it has read step N's tokens.
+Sampled tokens stay on the device: the sampler also returns them padded into a per-replica
+`token_buffer` [replicas, max_rows], and the next step's model program takes that buffer as
+`prev_tokens`, reading the tokens its batch marks in `batch.token_src`. So the host can dispatch
+step N+1 before it has read step N's tokens.
 
 `params` is the model's nnx.State (a pytree of arrays); the model's structure (its graphdef) is
-closed over. One compiled variant exists per bucket (the padded shapes of `batch` plus the static
-attention query-block size); `StepFunction.num_compiles` counts them, so tests can assert that
-steady-state serving compiles nothing new.
+closed over. `StepFunction.num_compiles` counts the variants traced (`num_model_compiles` the
+model's), so tests can assert that steady-state serving compiles nothing new.
 """
 
 from __future__ import annotations
@@ -36,7 +51,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.ops.kv_cache import KVCache
-from jaxinfer.ops.sampling import SampleOutput, sample
+from jaxinfer.ops.sampling import LOGITS_PROCESSORS, SampleOutput, sample, without_processors
 from jaxinfer.runtime.placement import kv_partition_spec, per_replica_specs, put_global
 from sharding import rules
 from sharding.mesh import ParallelConfig, make_mesh
@@ -62,7 +77,8 @@ class StepFunction:
         """`mesh` defaults to one device; `param_specs` (`param_partition_specs`) is needed with a
         mesh of more than one device (on one device every parameter is whole). `return_hidden`:
         the step's SampleOutput also carries the logits rows' hidden states (`hidden` [R, H])."""
-        self.num_compiles = 0
+        self.num_compiles = 0  # programs traced (each compiled variant of each program)
+        self.num_model_compiles = 0  # of which model programs (one per bucket and LoRA switch)
         self.return_hidden = return_hidden
         self.max_rows = max_rows  # size of each replica's token buffer handed from one step to the next
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig(), jax.devices()[:1])
@@ -71,38 +87,60 @@ class StepFunction:
         self.param_specs = param_specs
         self.num_replicas = rules.num_replicas(self.mesh)
         replicas = rules.REPLICA_AXES
+        rows_spec = rules.per_replica(3)  # logits [replicas, R, V] and hidden states [replicas, R, H]
+        options = compiler_options(self.mesh.devices.flat[0].platform)
 
         def gather_replicas(x):  # [1, ...] per device -> [replicas, ...] on every device
             return jax.lax.all_gather(x[0], replicas, axis=0, tiled=False) if self.num_replicas > 1 else x
 
-        def per_device_step(params, kv, batch, sampling, prev_tokens, query_block, spec_block):
-            batch, sampling = jax.tree.map(lambda a: a[0], (batch, sampling))  # this replica's
+        def per_device_model(params, kv, batch, prev_tokens, query_block, spec_block):
+            batch = jax.tree.map(lambda a: a[0], batch)  # this replica's
             from_device = prev_tokens[0][jnp.maximum(batch.token_src, 0)]
             batch = dataclasses.replace(batch, token_ids=jnp.where(batch.token_src >= 0, from_device, batch.token_ids))
-            model = nnx.merge(graphdef, params)
-            logits, kv, *hidden = model(kv, batch, query_block=query_block, spec_block=spec_block, return_hidden=return_hidden)
-            out = sample(logits, sampling, num_top_logprobs)
-            if return_hidden:
-                out = dataclasses.replace(out, hidden=hidden[0].astype(jnp.float32))
+            logits, kv, *hidden = nnx.merge(graphdef, params)(kv, batch, query_block=query_block, spec_block=spec_block,
+                                                              return_hidden=return_hidden)
+            return (logits[None], kv, *(h[None].astype(jnp.float32) for h in hidden))
+
+        def model(params, kv, batch, prev_tokens, *, query_block: int, spec_block: int = 0):
+            self.num_compiles += 1  # runs only while tracing, i.e. once per compiled variant
+            self.num_model_compiles += 1
+            kv_specs = kv_partition_spec(kv.quantized)
+            return jax.shard_map(
+                lambda *a: per_device_model(*a, query_block, spec_block), mesh=self.mesh,
+                in_specs=(self._specs(params), kv_specs, per_replica_specs(batch), rules.per_replica(2)),
+                out_specs=(rows_spec, kv_specs) + ((rows_spec,) if return_hidden else ()), check_vma=False,
+            )(params, kv, batch, prev_tokens)
+
+        def processor_program(processor):
+            def program(logits, *fields):  # [replicas, R, V], each field [replicas, R, ...]
+                self.num_compiles += 1
+                return jax.shard_map(
+                    lambda lg, *f: processor(lg[0], *(a[0] for a in f))[None], mesh=self.mesh,
+                    in_specs=(rows_spec, *per_replica_specs(fields)), out_specs=rows_spec, check_vma=False,
+                )(logits, *fields)
+            return jax.jit(program)
+
+        def per_device_sample(raw, processed, sampling, *hidden):
+            raw, processed, sampling = jax.tree.map(lambda a: a[0], (raw, processed, sampling))
+            out = sample(processed, sampling, num_top_logprobs, raw_logits=raw)
+            if hidden:
+                out = dataclasses.replace(out, hidden=hidden[0][0])
             token_buffer = jnp.zeros(max_rows, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
-            return jax.tree.map(lambda a: gather_replicas(a[None]), out), token_buffer[None], kv
+            return jax.tree.map(lambda a: gather_replicas(a[None]), out), token_buffer[None]
+
+        def sampler(raw, processed, sampling, *hidden):
+            self.num_compiles += 1
+            return jax.shard_map(
+                per_device_sample, mesh=self.mesh,
+                in_specs=(rows_spec, rows_spec, per_replica_specs(sampling), *(rows_spec for _ in hidden)),
+                out_specs=(rules.replicated(), rules.per_replica(2)), check_vma=False,  # every SampleOutput field replicated
+            )(raw, processed, sampling, *hidden)
 
         def per_device_forward(params, kv, batch, query_block, spec_block):
             batch = jax.tree.map(lambda a: a[0], batch)
             logits, kv, *hidden = nnx.merge(graphdef, params)(kv, batch, query_block=query_block, spec_block=spec_block,
                                                               return_hidden=return_hidden)
             return (gather_replicas(logits[None]), kv, *(gather_replicas(h[None]) for h in hidden))
-
-        def step(params, kv, batch, sampling, prev_tokens, *, query_block: int, spec_block: int = 0):
-            self.num_compiles += 1  # runs only while tracing, i.e. once per compiled variant
-            kv_specs = kv_partition_spec(kv.quantized)
-            out_specs = (rules.replicated(), rules.per_replica(2), kv_specs)  # every SampleOutput field replicated
-            return jax.shard_map(
-                lambda *a: per_device_step(*a, query_block, spec_block), mesh=self.mesh,
-                in_specs=(self._specs(params), kv_specs, per_replica_specs(batch), per_replica_specs(sampling),
-                          rules.per_replica(2)),
-                out_specs=out_specs, check_vma=False,
-            )(params, kv, batch, sampling, prev_tokens)
 
         def forward(params, kv, batch, *, query_block: int, spec_block: int = 0):
             """The raw logits [replicas, R, V] (for tests and scoring; with return_hidden also the
@@ -114,8 +152,10 @@ class StepFunction:
                 out_specs=(rules.replicated(), kv_specs) + ((rules.replicated(),) if return_hidden else ()), check_vma=False,
             )(params, kv, batch)
 
-        self._step = jax.jit(step, donate_argnums=(1,), static_argnames=("query_block", "spec_block"),
-                             compiler_options=compiler_options(self.mesh.devices.flat[0].platform))
+        self._model = jax.jit(model, donate_argnums=(1,), static_argnames=("query_block", "spec_block"),
+                              compiler_options=options)
+        self._processors = [(fields, processor_program(processor)) for fields, processor in LOGITS_PROCESSORS]
+        self._sampler = jax.jit(sampler)
         # forward is also traced inside other programs (tests read its jaxpr), where JAX refuses
         # compiler options: it keeps XLA's defaults (scoring, not serving)
         self._forward = jax.jit(forward, donate_argnums=(1,), static_argnames=("query_block", "spec_block"))
@@ -132,13 +172,38 @@ class StepFunction:
 
     def __call__(self, params, kv, batch, sampling, prev_tokens, *, query_block: int,
                  spec_block: int = 0) -> tuple[SampleOutput, jax.Array, KVCache]:
-        return self._step(params, kv, batch, sampling, prev_tokens, query_block=query_block, spec_block=spec_block)
+        logits, kv, *hidden = self._model(params, kv, batch, prev_tokens, query_block=query_block, spec_block=spec_block)
+        out, token_buffer = self.sample(logits, sampling, *hidden)
+        return out, token_buffer, kv
+
+    def sample(self, logits: jax.Array, sampling, *hidden) -> tuple[SampleOutput, jax.Array]:
+        """The sampling half of a step: the logits processors `sampling` switches on, each its own
+        program, then the sampler. logits [replicas, R, V]; returns (SampleOutput, token_buffer)."""
+        processed = logits
+        for fields, program in self._processors:
+            if getattr(sampling, fields[0]) is not None:
+                processed = program(processed, *(getattr(sampling, f) for f in fields))
+        return self._sampler(logits, processed, without_processors(sampling), *hidden)
 
     def lower(self, params, kv, batch, sampling, prev_tokens, key) -> jax.stages.Lowered:
-        """The step of bucket `key` (a BucketKey) lowered for these arguments, which may be
-        abstract (jax.ShapeDtypeStruct with shardings, e.g. on a TPU topology: jaxinfer.aot)."""
-        return self._step.lower(params, kv, batch, sampling, prev_tokens, query_block=key.query_block,
-                                spec_block=key.spec_block)
+        """The model program of bucket `key` (a BucketKey) lowered for these arguments, which may
+        be abstract (jax.ShapeDtypeStruct with shardings, e.g. on a TPU topology: jaxinfer.aot).
+        `sampling` is not its argument: `lower_sampling` lowers the sampling programs."""
+        return self._model.lower(params, kv, batch, prev_tokens, query_block=key.query_block, spec_block=key.spec_block)
+
+    def lower_sampling(self, logits, sampling, hidden=None) -> list[jax.stages.Lowered]:
+        """The sampling programs a step with these (possibly abstract) `sampling` tensors runs
+        after the model, lowered for logits like `logits` [replicas, R, V]: each logits processor
+        it switches on, then the sampler."""
+        lowered = [program.lower(logits, *(getattr(sampling, f) for f in fields))
+                   for fields, program in self._processors if getattr(sampling, fields[0]) is not None]
+        return lowered + [self._sampler.lower(logits, logits, without_processors(sampling),
+                                              *(() if hidden is None else (hidden,)))]
+
+    def logits_layout(self, num_rows: int, vocab: int) -> jax.ShapeDtypeStruct:
+        """The model program's logits [replicas, num_rows, vocab], abstract, placed as it returns them."""
+        return jax.ShapeDtypeStruct((self.num_replicas, num_rows, vocab), jnp.float32,
+                                    sharding=NamedSharding(self.mesh, rules.per_replica(3)))
 
     def input_shardings(self, tree):
         """NamedShardings of a per-replica input tree (batches, sampling tensors, token buffers)."""

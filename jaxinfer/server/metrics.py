@@ -67,7 +67,7 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"jaxinfer:{name}", doc, value=value)
         for name, doc, value in (
             ("num_preemptions", "Sequences preempted", s.num_preemptions),
-            ("num_compiles", "Step variants compiled", s.num_compiles),
+            ("num_compiles", "Step programs compiled (model buckets and sampling variants)", s.num_compiles),
             ("generation_tokens", "Tokens generated", s.num_generated_tokens),
             ("prompt_tokens_computed", "Prompt tokens computed in prefill chunks", s.num_prompt_tokens_computed),
             ("spec_decode_num_draft_tokens", "Speculative tokens drafted", s.num_draft_tokens),
