@@ -36,12 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxinfer.ops.batch import RaggedBatch  # noqa: E402
+from jaxinfer.ops.batch import BucketKey, RaggedBatch  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.ops.kv_cache import KVCache  # noqa: E402
 from jaxinfer.runtime.loading import abstract_model  # noqa: E402
 from jaxinfer.models.param_layout import num_kv_heads_stored  # noqa: E402
-from jaxinfer.ops.sampling import SamplingTensors  # noqa: E402
 from jaxinfer.runtime.placement import kv_partition_spec, param_partition_specs
 from jaxinfer.runtime.step import StepFunction  # noqa: E402
 from sharding import rules  # noqa: E402
@@ -86,11 +85,9 @@ def compiled_step_hlo(config: ModelConfig, parallel: ParallelConfig, num_tokens:
 
     batch = RaggedBatch(per_replica((T,)), per_replica((T,)), per_replica((S + 1,)), per_replica((S,)),
                         per_replica((S, pages_per_seq)), per_replica((1,)), per_replica((R,)), per_replica((T,)))
-    sampling = SamplingTensors(per_replica((R,), jnp.float32), per_replica((R,)), per_replica((R,), jnp.float32),
-                               per_replica((R,), jnp.uint32), per_replica((R,)), per_replica((R,)),
-                               min_p=per_replica((R,), jnp.float32), want_logprobs=per_replica((1,), jnp.bool_))
     step = StepFunction(graphdef, num_top_logprobs=0, max_rows=T, mesh=mesh, param_specs=specs)
-    lowered = step._step.lower(params, kv, batch, sampling, per_replica((T,)), query_block=1)
+    # the model program (the sampler, a program of its own, holds only the all-gather of the tokens)
+    lowered = step.lower(params, kv, batch, None, per_replica((T,)), BucketKey(T, S, R, query_block=1))
     lowered.compile()  # it compiles (the collectives below are those of a real program)
     return lowered.compiler_ir("hlo").as_hlo_text()
 
