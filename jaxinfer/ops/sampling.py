@@ -3,7 +3,7 @@
 Each row carries its own temperature (0 = greedy), top-k (0 = off), top-p (1 = off), seed and
 counter. The random draw for a row depends only on (seed, counter), so a seeded request samples
 the same tokens whatever else shares the batch. Sampling is Gumbel-max over the filtered,
-temperature-scaled logits; batches that need no filtering skip the sort, and all-greedy batches
+temperature-scaled logits; batches that need no filtering skip the filter, and all-greedy batches
 skip the random draw (`lax.cond` picks one branch at run time, no recompile).
 
 Optional per-row processing, in vLLM's order (each feature is a static switch: a `None` field in
@@ -96,19 +96,62 @@ class SampleOutput:
     hidden: jax.Array | None = None  # [R, H] float32: each row's final-normed hidden state (StepFunction(return_hidden=True))
 
 
-def filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Masks (to -inf) logits outside each row's top-k, then outside its top-p nucleus. [R, V]."""
+def filter_top_k_top_p_by_sorting(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The definition of `filter_top_k_top_p`, by sorting each row (the reference it is tested
+    against; a full-vocabulary sort costs ~49 s of TPU compile at a 128k vocabulary)."""
     V = logits.shape[-1]
     sorted_desc = -jnp.sort(-logits, axis=-1)
     k = jnp.where((top_k > 0) & (top_k < V), top_k, V)  # [R]
-    idx = jnp.arange(V)[None, :]
-    in_top_k = idx < k[:, None]
+    in_top_k = sorted_desc >= jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)  # ties with the k-th kept (vLLM)
     probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = in_top_k & (mass_before < top_p[:, None])  # the smallest prefix reaching top_p
+    keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))  # the smallest prefix reaching top_p
     num_keep = jnp.maximum(keep.sum(axis=-1), 1)
     threshold = jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)  # [R, 1]
     return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def order_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 keys in the same order (-inf lowest; -0.0 and +0.0 one key, as they compare equal)."""
+    x = x.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, jnp.float32(0), x), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Masks (to -inf) logits outside each row's top-k, then outside its top-p nucleus (the
+    smallest set of the largest logits whose probability reaches top_p). [R, V].
+
+    No sort: each threshold is found by bisection over the logits' order keys (`order_keys`), 32
+    halvings of a [R, V] count each. The top-k threshold is the largest key t with at least k
+    logits >= t (the k-th largest logit); the top-p one the smallest key t whose larger logits
+    hold less than top_p of the top-k probability mass (in sorted order: the last position whose
+    mass before it is under top_p). Ties with a threshold are kept, as in the sorted definition
+    (`filter_top_k_top_p_by_sorting`)."""
+    V = logits.shape[-1]
+    keys = order_keys(logits)  # [R, V]
+    k = jnp.where((top_k > 0) & (top_k < V), top_k, V)[:, None]  # [R, 1]
+    lowest, highest = keys.min(axis=-1, keepdims=True), keys.max(axis=-1, keepdims=True)
+
+    def kth_largest(_, bounds):  # the largest t with count(keys >= t) >= k lies in [lo, hi]
+        lo, hi = bounds
+        mid = lo + (hi - lo) - (hi - lo) // 2  # the upper middle: lo + ceil((hi - lo) / 2), no overflow
+        enough = (keys >= mid).sum(axis=-1, keepdims=True) >= k
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid - 1)
+
+    k_threshold, _ = jax.lax.fori_loop(0, 32, kth_largest, (lowest, highest))
+    in_top_k = keys >= k_threshold
+    probs = jax.nn.softmax(jnp.where(in_top_k, logits, -jnp.inf), axis=-1)
+
+    def nucleus_edge(_, bounds):  # the smallest t with mass(keys > t) < top_p lies in [lo, hi]
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        small = jnp.where(keys > mid, probs, 0.0).sum(axis=-1, keepdims=True) < top_p[:, None]
+        return jnp.where(small, lo, mid + 1), jnp.where(small, mid, hi)
+
+    p_threshold, _ = jax.lax.fori_loop(0, 32, nucleus_edge, (k_threshold, highest))
+    p_threshold = jnp.where(top_p[:, None] >= 1.0, k_threshold, p_threshold)  # top_p 1 keeps all, whatever the rounding
+    return jnp.where(keys >= p_threshold, logits, -jnp.inf)
 
 
 def history_counts(history_ids: jax.Array, num_prompt: jax.Array, V: int) -> tuple[jax.Array, jax.Array]:
