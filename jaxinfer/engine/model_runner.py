@@ -22,8 +22,10 @@ after the other on its page axis, split over the replica axes of the mesh.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
 import time
 from typing import Callable, NamedTuple, Sequence
 
@@ -289,7 +291,7 @@ class ModelRunner:
 
         The model program of every bucket (default: `Buckets.all_keys()`, prompt-logprob rows
         included), and its LoRA variant when the model holds a LoRA table, compiled without
-        running (JAX keeps what `lower(...).compile()` traced, lowered and compiled, so the first
+        running, as many at once as there are CPU cores (JAX keeps what `lower(...).compile()` traced, lowered and compiled, so the first
         real step dispatches at once; running an empty batch cost ~4 s over the default buckets
         on 2 cores). Then, for each count of logits rows, the sampling programs, run once on zero
         logits: every logits processor (penalties, held-back ids, the structured-output mask) and
@@ -299,15 +301,21 @@ class ModelRunner:
         if self.lora_enabled:  # the program that writes an adapter into a slot: zeros into slot 0 (no adapter)
             self.write_lora_slot(0, {f"lora.{name}": np.zeros(a.shape[:1] + a.shape[2:], np.float32)
                                      for name, a in self._lora_layout.items()})
+        def compile_model(job: tuple[BucketKey, bool]):
+            key, with_lora = job
+            batch, sampling = self._empty_inputs(key, with_lora)
+            t0 = time.perf_counter()
+            lowered = self.step_fn.lower(self.params, self.kv, batch, sampling, self.token_buffer, key)
+            lowered.compile()
+            return key, time.perf_counter() - t0, lowered.out_info
+
+        jobs = [(key, with_lora) for key in keys for with_lora in ((False, True) if self.lora_enabled else (False,))]
         after_model = {}  # R -> (a bucket with R logits rows, the model program's logits and hidden states)
-        for key in keys:
-            for with_lora in (False, True) if self.lora_enabled else (False,):
-                batch, sampling = self._empty_inputs(key, with_lora)
-                t0 = time.perf_counter()
-                lowered = self.step_fn.lower(self.params, self.kv, batch, sampling, self.token_buffer, key)
-                lowered.compile()
-                self.compile_seconds[key] = self.compile_seconds.get(key, 0.0) + time.perf_counter() - t0
-            after_model.setdefault(key.num_logits, (key, lowered.out_info))
+        # XLA compiles outside the GIL: one thread per core compiles that many buckets at once
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+            for key, seconds, out_info in pool.map(compile_model, jobs):
+                self.compile_seconds[key] = self.compile_seconds.get(key, 0.0) + seconds
+                after_model.setdefault(key.num_logits, (key, out_info))
         every_processor = dict(penalties=True, max_banned=1)
         for key, (logits, _, *hidden) in after_model.values():
             sharding = self.step_fn.logits_layout(key.num_logits, logits.shape[-1]).sharding
