@@ -13,6 +13,7 @@ processes replaying its requests step by step (jaxinfer.server.lockstep).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -439,7 +440,7 @@ def main(argv=None) -> int:
     a.add_argument("--kv-cache-dtype", default=None, help="default: --dtype; int8 or float8_e4m3fn halve the pool")
     a.add_argument("--quantization", choices=("int8", "int4", "fp8", "w8a8"), default=None)
     a.add_argument("--group-size", type=int, default=128, help="int4 group size")
-    a.add_argument("--jobs", "-j", type=int, default=1, help="buckets compiled at once")
+    a.add_argument("--jobs", "-j", type=int, default=os.cpu_count() or 1, help="programs compiled at once (default: one per CPU core; XLA compiles outside the GIL)")
     a.add_argument("--cache-dir", default=None,
                    help="also write each compiled bucket into this JAX compilation cache (experimental: see docs/aot.md)")
     a.set_defaults(func=cmd_aot, coordinator=None, num_processes=None, process_id=None, multihost=False)

@@ -65,17 +65,37 @@ class BucketCompile:
 
 
 @dataclasses.dataclass
+class SamplingCompile:
+    """The sampling programs (every logits processor and the sampler) of steps of `rows` logits
+    rows: one set per row count, whatever the bucket (runtime/step.py)."""
+
+    rows: int
+    programs: int
+    seconds: float
+    peak_bytes: int  # per chip: the largest program's arguments (the logits rows), temporaries and outputs
+
+
+def _compile_sampling(step: AbstractStep, rows: int) -> SamplingCompile:
+    start = time.perf_counter()
+    compiled = step.compile_sampling(rows)
+    seconds = time.perf_counter() - start
+    peak = max(step_scratch_bytes(c.memory_analysis(), 0, 0) for c in compiled)
+    return SamplingCompile(rows, len(compiled), seconds, peak)
+
+
+@dataclasses.dataclass
 class PoolSizing:
     """The KV pool of a deployment, per replica, as the engine would size it on the target."""
 
     probe: BucketCompile  # the largest bucket, compiled over a pool of `probe_pages`
     probe_pages: int
     weight_bytes: int  # per chip
-    scratch_bytes: int  # per chip: the largest bucket's step beyond weights and pool
+    scratch_bytes: int  # per chip: the largest bucket's step (model or sampling programs) beyond weights and pool
     page_bytes: int  # per chip
     pages: int  # the engine's pool: num_pages, kv_cache_memory_bytes or gpu_memory_utilization
     sized_by: str
     largest_pages: int  # the largest pool that fits at all (1 - HBM_HEADROOM of the HBM)
+    sampling: SamplingCompile | None = None  # the sampling programs of the most logits rows, compiled while sizing
 
     def chip_bytes(self, pages: int) -> int:
         """Weights + pool of `pages` + step scratch, per chip."""
@@ -87,6 +107,13 @@ class Plan:
     step: AbstractStep
     buckets: list[BucketCompile]
     sizing: PoolSizing
+    sampling: list[SamplingCompile] = dataclasses.field(default_factory=list)
+    wall_seconds: float = 0.0  # the whole plan, sizing included
+
+    @property
+    def compile_seconds(self) -> float:
+        """Every program the engine's warm-up compiles, one after the other."""
+        return sum(b.seconds for b in self.buckets) + sum(c.seconds for c in self.sampling)
 
     @property
     def pages_requested(self) -> int:  # per replica: the engine's pool
@@ -150,13 +177,16 @@ def size_pool(step: AbstractStep) -> PoolSizing:
     roomy = given is not None and weights + given * page_bytes < PROBE_BELOW * target.chip.hbm_bytes
     probe_pages = given if roomy else shape.pages_per_seq + 1
     probe = _compile_bucket(step.with_num_pages(probe_pages), largest_bucket(step.buckets.all_keys()))
-    fit = dict(capacity_bytes=target.chip.hbm_bytes, weight_bytes=weights, scratch_bytes=probe.scratch_bytes,
+    # the model's scratch, or the sampling programs' over the most logits rows (they run after it)
+    sampling = _compile_sampling(step, max(k.num_logits for k in step.buckets.all_keys()))
+    scratch = max(probe.scratch_bytes, sampling.peak_bytes)
+    fit = dict(capacity_bytes=target.chip.hbm_bytes, weight_bytes=weights, scratch_bytes=scratch,
                page_bytes=page_bytes)
     if given is None:
         given = kv_pool_pages(utilization=shape.gpu_memory_utilization, **fit)
         sized_by = f"gpu_memory_utilization={shape.gpu_memory_utilization}"
-    return PoolSizing(probe, probe_pages, weights, probe.scratch_bytes, page_bytes, given, sized_by,
-                      kv_pool_pages(utilization=1 - HBM_HEADROOM, **fit))
+    return PoolSizing(probe, probe_pages, weights, scratch, page_bytes, given, sized_by,
+                      kv_pool_pages(utilization=1 - HBM_HEADROOM, **fit), sampling)
 
 
 def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfig, shape: ServingShape, *,
@@ -166,6 +196,7 @@ def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfi
     if parallel.num_devices > target.num_chips:
         raise DoesNotFit(f"{parallel.describe()} needs {parallel.num_devices} chips; {target.name} has {target.num_chips}")
     parallel.check_model(config)
+    start = time.perf_counter()
     step = AbstractStep.build(config, target, parallel, shape)
     capacity = target.chip.hbm_bytes * (1 - HBM_HEADROOM)
     weights = step.weight_bytes_per_chip()
@@ -195,12 +226,14 @@ def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfi
     if on_bucket:
         on_bucket(results[largest])
     rest = [k for k in keys if k not in results]
+    rows = sorted({k.num_logits for k in keys} - {sizing.sampling.rows})
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
         for key, result in zip(rest, pool.map(lambda k: _compile_bucket(step, k), rest)):
             results[key] = result
             if on_bucket:
                 on_bucket(result)
-    return Plan(step, [results[k] for k in keys], sizing)
+        sampling = sorted([sizing.sampling, *pool.map(lambda r: _compile_sampling(step, r), rows)], key=lambda c: c.rows)
+    return Plan(step, [results[k] for k in keys], sizing, sampling, time.perf_counter() - start)
 
 
 # ----------------------------------------------------------------------------- the table
@@ -226,6 +259,13 @@ def format_plan(plan: Plan) -> str:
     for b in plan.buckets:
         lines.append(f"| {b.kind} | {b.key.num_tokens} | {b.key.num_seqs} | {b.key.num_logits} | {b.key.query_block} | {b.seconds:.1f} | "
                      f"{_gib(b.argument_bytes)} | {_gib(b.temp_bytes)} | {_gib(b.peak_bytes)} | {b.pool_copies} |")
+    if plan.sampling:
+        lines += ["", "Sampling programs (every logits processor and the sampler), one set per count of logits rows:", "",
+                  "| logits rows | programs | compile s | peak GiB |", "|---:|---:|---:|---:|"]
+        lines += [f"| {c.rows} | {c.programs} | {c.seconds:.1f} | {_gib(c.peak_bytes)} |" for c in plan.sampling]
+    lines += ["", f"Compile: {len(plan.buckets)} buckets and {sum(c.programs for c in plan.sampling)} sampling programs, "
+              f"{plan.compile_seconds:.0f} s summed over the programs; this plan, sizing included, took "
+              f"{plan.wall_seconds:.0f} s of wall time."]
     peak = max(b.peak_bytes for b in plan.buckets)
     replicas = s.parallel.num_replicas
     tokens_fit = (plan.largest_pool_pages - 1) * shape.page_size

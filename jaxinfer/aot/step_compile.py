@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxinfer.aot.targets import Target
 from jaxinfer.ops.batch import BucketKey, Buckets
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.memory import GPU_MEMORY_UTILIZATION, abstract_inputs, abstract_pool, bytes_per_device
+from jaxinfer.engine.memory import GPU_MEMORY_UTILIZATION, abstract_inputs, abstract_pool, bytes_per_device, lower_sampling
 from jaxinfer.models.lora import LoraTable
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.kv_cache import KVCache
@@ -146,3 +146,11 @@ class AbstractStep:
         lowered = self.lower(key)
         with jax.set_mesh(self.mesh):
             return lowered.compile()
+
+    def compile_sampling(self, num_rows: int) -> list[jax.stages.Compiled]:
+        """The sampling programs of a step of `num_rows` logits rows, every logits processor on
+        (the engine's warm-up compiles the same: jaxinfer.engine.model_runner)."""
+        with jax.set_mesh(self.mesh):
+            programs = lower_sampling(self.step, num_rows, self.config.vocab_size,
+                                      self.buckets.pages_per_seq * self.shape.page_size)
+            return [program.compile() for program in programs]

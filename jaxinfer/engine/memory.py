@@ -145,17 +145,24 @@ def measure_step_scratch(step: StepFunction, params, pool: KVCache, buckets: Buc
     lowered = step.lower(params, pool, *abstract_inputs(step, key, buckets.pages_per_seq, with_lora), key)
     model = step_scratch_bytes(lowered.compile().memory_analysis(), bytes_per_device(params), bytes_per_device(pool))
     logits, _, *hidden = lowered.out_info
-    vocab = logits.shape[-1]
-    host = sampling_tensors(key, [], [], buckets.pages_per_seq * pool.page_size, penalties=True, max_banned=1,
-                            mask_words=-(-vocab // 32))
+    sampling = lower_sampling(step, key.num_logits, logits.shape[-1], buckets.pages_per_seq * pool.page_size,
+                              hidden[0].shape[-1] if hidden else None)
+    return max(model, *(step_scratch_bytes(program.compile().memory_analysis(), 0, 0) for program in sampling))
+
+
+def lower_sampling(step: StepFunction, num_rows: int, vocab: int, max_history: int, hidden_size: int | None = None) -> list:
+    """The sampling programs of a step of `num_rows` logits rows with every logits processor on
+    (StepFunction.lower_sampling), over abstract logits [replicas, num_rows, vocab] (and hidden
+    states [replicas, num_rows, hidden_size] with return_hidden)."""
+    key = BucketKey(num_rows, num_rows, num_rows, 1)  # sampling reads only the row count
+    host = sampling_tensors(key, [], [], max_history, penalties=True, max_banned=1, mask_words=-(-vocab // 32))
     host = jax.tree.map(lambda a: np.stack([a] * step.num_replicas), host)
     sampling = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
                             host, step.input_shardings(host))
-    rows = step.logits_layout(key.num_logits, vocab)
-    hidden = jax.ShapeDtypeStruct(hidden[0].shape, jnp.float32, sharding=rows.sharding) if hidden else None
-    sampling_peaks = [step_scratch_bytes(program.compile().memory_analysis(), 0, 0)
-                      for program in step.lower_sampling(rows, sampling, hidden)]
-    return max(model, *sampling_peaks)
+    rows = step.logits_layout(num_rows, vocab)
+    hidden = None if hidden_size is None else jax.ShapeDtypeStruct(rows.shape[:2] + (hidden_size,), jnp.float32,
+                                                                   sharding=rows.sharding)
+    return step.lower_sampling(rows, sampling, hidden)
 
 
 @dataclasses.dataclass(frozen=True)
