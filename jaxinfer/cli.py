@@ -330,7 +330,7 @@ def cmd_aot(args) -> int:
     print(f"compiling for {target.name} ({target.num_chips} x {target.chip.kind}) ...", file=sys.stderr, flush=True)
 
     def progress(b):
-        print(f"  {b.kind} T={b.key.num_tokens} S={b.key.num_seqs}: {b.seconds:.1f} s", file=sys.stderr, flush=True)
+        print(f"  {b.kind} T={b.key.num_tokens} S={b.key.num_seqs} R={b.key.num_logits}: {b.seconds:.1f} s", file=sys.stderr, flush=True)
 
     print(format_plan(plan_deployment(config, target, parallel, shape, jobs=args.jobs, on_bucket=progress)))
     return 0

@@ -232,7 +232,9 @@ def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfi
             results[key] = result
             if on_bucket:
                 on_bucket(result)
-        sampling = sorted([sizing.sampling, *pool.map(lambda r: _compile_sampling(step, r), rows)], key=lambda c: c.rows)
+    # in this thread, one after the other: libtpu's SparseCore code generator (the penalties'
+    # scatter) overflowed its stack when these compiled in worker threads beside the buckets
+    sampling = sorted([sizing.sampling, *(_compile_sampling(step, r) for r in rows)], key=lambda c: c.rows)
     return Plan(step, [results[k] for k in keys], sizing, sampling, time.perf_counter() - start)
 
 
