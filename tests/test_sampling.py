@@ -176,6 +176,12 @@ def test_penalties_match_vllm_definition():
         for r in range(4):
             want = numpy_penalize(logits[r], HISTORIES[r], NUM_PROMPT[r], rep[r], pres[r], freq[r])
             np.testing.assert_allclose(got[r], want, rtol=1e-6, atol=1e-6)
+    # 32 rows (the last case's four, eight times): penalized in blocks of PENALTY_ROW_BLOCK, each row as alone
+    st = with_penalties(tensors(32), HISTORIES * 8, NUM_PROMPT * 8, rep * 8, pres * 8, freq * 8)
+    got = np.asarray(process_logits(jnp.asarray(np.tile(logits, (8, 1))), st))
+    for r in range(32):
+        want = numpy_penalize(logits[r % 4], HISTORIES[r % 4], NUM_PROMPT[r % 4], rep[r % 4], pres[r % 4], freq[r % 4])
+        np.testing.assert_allclose(got[r], want, rtol=1e-6, atol=1e-6)
 
 
 def test_greedy_under_penalties_and_raw_logprobs():

@@ -228,13 +228,14 @@ def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfi
     rest = [k for k in keys if k not in results]
     rows = sorted({k.num_logits for k in keys} - {sizing.sampling.rows})
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
-        for key, result in zip(rest, pool.map(lambda k: _compile_bucket(step, k), rest)):
+        buckets = pool.map(lambda k: _compile_bucket(step, k), rest)
+        # meanwhile the sampling programs, in this thread, one after the other: libtpu's SparseCore
+        # code generator (the penalties' scatter) overflowed its stack in a worker thread
+        sampling = sorted([sizing.sampling, *(_compile_sampling(step, r) for r in rows)], key=lambda c: c.rows)
+        for key, result in zip(rest, buckets):
             results[key] = result
             if on_bucket:
                 on_bucket(result)
-    # in this thread, one after the other: libtpu's SparseCore code generator (the penalties'
-    # scatter) overflowed its stack when these compiled in worker threads beside the buckets
-    sampling = sorted([sizing.sampling, *(_compile_sampling(step, r) for r in rows)], key=lambda c: c.rows)
     return Plan(step, [results[k] for k in keys], sizing, sampling, time.perf_counter() - start)
 
 

@@ -169,14 +169,29 @@ def history_counts(history_ids: jax.Array, num_prompt: jax.Array, V: int) -> tup
     return output_counts, all_counts > 0
 
 
+# apply_penalties works through its rows this many at a time: its scatter then compiles once at
+# this size whatever the row count (on a TPU, 10-15 s for 32-512 rows at a 128k vocabulary, ~1.5 s
+# for 16; a fused [R, V] pass costs the same either way)
+PENALTY_ROW_BLOCK = 16
+
+
 def apply_penalties(logits: jax.Array, history_ids: jax.Array, num_prompt_history: jax.Array,
                     repetition_penalty: jax.Array, presence_penalty: jax.Array, frequency_penalty: jax.Array) -> jax.Array:
     """vLLM's repetition (prompt + output), frequency and presence (output only) penalties. [R, V]."""
-    output_counts, seen = history_counts(history_ids, num_prompt_history, logits.shape[-1])
-    rep = jnp.where(seen, repetition_penalty[:, None], 1.0)
-    logits = jnp.where(logits > 0, logits / rep, logits * rep)
-    logits = logits - frequency_penalty[:, None] * output_counts.astype(logits.dtype)
-    return logits - presence_penalty[:, None] * (output_counts > 0).astype(logits.dtype)
+    R = logits.shape[0]
+    block = PENALTY_ROW_BLOCK if R % PENALTY_ROW_BLOCK == 0 else R
+
+    def penalize(rows):
+        logits, history_ids, num_prompt, rep, presence, frequency = rows
+        output_counts, seen = history_counts(history_ids, num_prompt, logits.shape[-1])
+        rep = jnp.where(seen, rep[:, None], 1.0)
+        logits = jnp.where(logits > 0, logits / rep, logits * rep)
+        logits = logits - frequency[:, None] * output_counts.astype(logits.dtype)
+        return logits - presence[:, None] * (output_counts > 0).astype(logits.dtype)
+
+    rows = (logits, history_ids, num_prompt_history, repetition_penalty, presence_penalty, frequency_penalty)
+    blocks = jax.tree.map(lambda a: a.reshape(R // block, block, *a.shape[1:]), rows)
+    return jax.lax.map(penalize, blocks).reshape(logits.shape)
 
 
 def ban_tokens(logits: jax.Array, banned_ids: jax.Array) -> jax.Array:
