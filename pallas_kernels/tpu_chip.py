@@ -31,6 +31,16 @@ def vmem_limit_bytes() -> int:
     return min(info.vmem_capacity_bytes // 2, MAX_VMEM_LIMIT_BYTES)
 
 
+FALLBACK_SMEM_BYTES = 1024 * 1024  # v5e's, v6e's and v5p's scalar memory
+
+
+def smem_capacity_bytes() -> int:
+    """The target chip's scalar memory (SMEM), where a kernel's prefetched scalars live; 1 MiB
+    when there is no chip to ask."""
+    info = target_tpu_info()
+    return FALLBACK_SMEM_BYTES if info is None or not info.smem_capacity_bytes else info.smem_capacity_bytes
+
+
 def compiler_params(*dimension_semantics: str) -> pltpu.CompilerParams:
     """Mosaic compiler parameters with the target chip's VMEM limit (`vmem_limit_bytes`)."""
     return pltpu.CompilerParams(dimension_semantics=dimension_semantics, vmem_limit_bytes=vmem_limit_bytes())

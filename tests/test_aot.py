@@ -177,6 +177,19 @@ def test_a_lora_step_compiles_for_a_tpu_and_a_gpu(v6e, target):
     assert "lora_sgmv_shrink" in hlo and "lora_sgmv_expand" in hlo
 
 
+def test_long_contexts_compile_for_a_tpu_up_to_the_page_table_that_fits_its_smem(v6e):
+    """The attention kernel holds the whole page table in SMEM (1 MiB): 31 sequences of 128k
+    tokens in pages of 16 compile (the pool's size does not matter to the kernel); 32 are refused
+    before compiling, by an error naming SMEM and the limit, not a compiler failure."""
+    shape = ServingShape(max_model_len=131072, max_num_seqs=31, max_num_batched_tokens=32, num_pages=1025)
+    plan = AbstractStep.build(SMALL, v6e, ParallelConfig(), shape)
+    most_seqs = max(plan.buckets.all_keys(), key=lambda k: (k.num_seqs, -k.num_logits))  # mixed, 32 tokens
+    assert most_seqs.num_seqs == 31 and "tpu_custom_call" in plan.compile(most_seqs).as_text()
+    with pytest.raises(ValueError, match=r"SMEM: .* 32 sequences x 8192 pages .* the chip holds 1048576"):
+        plan = AbstractStep.build(SMALL, v6e, ParallelConfig(), dataclasses.replace(shape, max_num_seqs=32))
+        plan.compile(max(plan.buckets.all_keys(), key=lambda k: (k.num_seqs, -k.num_logits)))
+
+
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
 def test_whole_step_compiles_for_an_nvidia_gpu(gpu):
     """The H200's description is the H100's with its memory and bandwidth (targets.py)."""

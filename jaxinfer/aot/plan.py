@@ -148,6 +148,8 @@ def _compile_bucket(step: AbstractStep, key: BucketKey) -> BucketCompile:
     try:
         compiled = step.compile(key)
     except Exception as e:  # noqa: BLE001
+        if isinstance(e, ValueError) and str(e).startswith("SMEM"):  # the attention kernel's page table (tpu.py)
+            raise DoesNotFit(f"bucket {key}: {e}") from e
         if "RESOURCE_EXHAUSTED" in str(e) or "exceeds" in str(e):
             first = next(line for line in str(e).splitlines() if line.strip())
             raise DoesNotFit(f"bucket {key}: the compiler ran out of HBM: {first}") from e

@@ -35,8 +35,11 @@ How the work is cut
   layout the kernel multiplies with: for every KV head h, the G = Hq // Hkv query heads that share
   it, rows r = query * G + head  ->  q_blocks [NB, Hkv, R = Bq*G, D]. NB = min(T, cdiv(T, Bq) + S)
   is a static bound on the number of blocks; blocks past the real ones are padding.
-* Scalar prefetch (SMEM, readable before the grid starts): kv_lens, page_indices, cu_q_lens,
-  num_seqs, block_seq, block_q_start. The kernel derives everything else from them.
+* Scalar prefetch (SMEM, readable before the grid starts): kv_lens, page_indices (flattened),
+  cu_q_lens, num_seqs, block_seq, block_q_start. The kernel derives everything else from them.
+  The whole page table lives in the chip's 1 MiB of SMEM: S x pages_per_seq entries must fit
+  (`smem_bytes`; e.g. 31 sequences of 128k tokens in pages of 16), and the wrapper refuses more
+  with an error naming the limit. Fetching each sequence's row instead would lift it.
 * Grid (NB,): program b computes query block b for every KV head. Its q and output tiles
   [Hkv, R, D] come through ordinary BlockSpecs (the Pallas pipeline double-buffers them); the
   wrapper scatters the output rows back to [T, Hq, D].
@@ -80,6 +83,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.compat import patch_interpret_mode
 from pallas_kernels import cost
 from pallas_kernels.ragged_paged_attention.reference import QUANTIZED_KV_DTYPES, check_kv_scales
+from pallas_kernels.tpu_chip import smem_capacity_bytes
 from pallas_kernels.tpu_chip import vmem_limit_bytes as chip_vmem_limit_bytes
 
 DEFAULT_KV_TOKENS_PER_BLOCK = 128
@@ -105,6 +109,21 @@ def stored_kv_heads(num_kv_heads: int, dtype) -> int:
         if heads % packing == 0 and (words in (1, 2, 4, 8) or words % 8 == 0):
             return heads
         heads += 1
+
+
+# SMEM the compiler keeps beside a kernel's own scalars (measured: ~4 KiB at the limit on v6e)
+SMEM_RESERVED_BYTES = 16 * 1024
+
+
+def smem_bytes(num_seqs: int, pages_per_seq: int, num_blocks: int) -> int:
+    """SMEM the kernel's prefetched scalars take (kv_lens, the page table, cu_q_lens, num_seqs,
+    block_seq, block_q_start, int32 each, and its 2-int fetch state), with the compiler's reserve."""
+    return 4 * (num_seqs + num_seqs * pages_per_seq + num_seqs + 1 + 1 + 2 * num_blocks + 2) + SMEM_RESERVED_BYTES
+
+
+def max_page_table_entries(smem_limit: int, num_seqs: int, num_blocks: int) -> int:
+    """The most page-table entries (sequences x pages per sequence) that fit SMEM beside the other scalars."""
+    return (smem_limit - smem_bytes(num_seqs, 0, num_blocks)) // 4
 
 
 def _tile_bytes(rows: int, cols: int, itemsize: int) -> int:
@@ -180,7 +199,7 @@ def read_heads(block_ref, num_heads: int, scale: float | None):
 def _kernel(
     # scalar prefetch (SMEM)
     kv_lens_ref,  # [S]
-    page_indices_ref,  # [S, pages_per_seq]
+    page_indices_ref,  # [S * pages_per_seq]: the page table flattened (a 2D SMEM array pads its rows to 8)
     cu_q_lens_ref,  # [S + 1]
     num_seqs_ref,  # [1]
     block_seq_ref,  # [NB] sequence of each query block
@@ -208,13 +227,13 @@ def _kernel(
     v_scale,
     Bq,
     G,
+    pages_per_seq,
 ):
     b = pl.program_id(0)
     num_blocks = pl.num_programs(0)
     num_kv_heads, rows, _ = q_ref.shape
     pages_per_block, page_size = k_buf.shape[1:3]
     kv_block = pages_per_block * page_size
-    pages_per_seq = page_indices_ref.shape[1]
     geometry = functools.partial(
         query_block,
         refs=(kv_lens_ref, cu_q_lens_ref, num_seqs_ref, block_seq_ref, block_q_start_ref),
@@ -229,7 +248,7 @@ def _kernel(
         for i in range(pages_per_block):
             page = j * pages_per_block + i  # page number within the sequence
             needed = (page * page_size <= blk.last_pos) & ((page + 1) * page_size > blk.lo_pos)
-            page_id = page_indices_ref[blk.seq, jnp.minimum(page, pages_per_seq - 1)]
+            page_id = page_indices_ref[blk.seq * pages_per_seq + jnp.minimum(page, pages_per_seq - 1)]
             k_copy = pltpu.make_async_copy(k_hbm.at[page_id], k_buf.at[slot, i], k_sems.at[slot])
             v_copy = pltpu.make_async_copy(v_hbm.at[page_id], v_buf.at[slot, i], v_sems.at[slot])
             copies.append((needed, k_copy, v_copy))
@@ -397,6 +416,15 @@ def ragged_paged_attention(
     blocks_per_seq = _cdiv(q_lens, Bq)
     cu_blocks = jnp.cumsum(blocks_per_seq)  # [S]
     NB = min(T, _cdiv(T, Bq) + S)  # static bound on the number of query blocks
+    smem_need = smem_bytes(S, pages_per_seq, NB)
+    smem_limit = smem_capacity_bytes()
+    if smem_need > smem_limit:
+        raise ValueError(
+            f"SMEM: the kernel prefetches the whole page table into the chip's scalar memory, {S} sequences x "
+            f"{pages_per_seq} pages (max_model_len / page_size) x 4 bytes = {4 * S * pages_per_seq} bytes of "
+            f"~{smem_need} with the other scalars, and the chip holds {smem_limit}: lower max_num_seqs x "
+            f"max_model_len (here at most {max_page_table_entries(smem_limit, S, NB)} page-table entries) or raise page_size"
+        )
     b = jnp.arange(NB)
     block_seq = jnp.minimum(jnp.searchsorted(cu_blocks, b, side="right"), S - 1).astype(jnp.int32)  # [NB]
     # padding blocks get a start >= their (clamped) sequence's length: no rows, no KV blocks
@@ -411,7 +439,7 @@ def ragged_paged_attention(
     tile = pl.BlockSpec((None, Hkv, R, D), lambda b, *_: (b, 0, 0, 0))
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
-        v_scale=v_scale, Bq=Bq, G=G,
+        v_scale=v_scale, Bq=Bq, G=G, pages_per_seq=pages_per_seq,
     )
     cost_estimate = cost.ragged_paged_attention(
         query_rows=NB * Bq, query_blocks=NB, Hq=Hq, Hkv_stored=Hs, D=D, kv_tokens_per_block=pages_per_seq * page_size,
@@ -445,7 +473,7 @@ def ragged_paged_attention(
         name="ragged_paged_attention",
     )(
         kv_lens.astype(jnp.int32),
-        page_indices.astype(jnp.int32),
+        page_indices.astype(jnp.int32).reshape(-1),
         cu_q_lens.astype(jnp.int32),
         num_seqs,
         block_seq,
