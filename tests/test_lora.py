@@ -119,7 +119,8 @@ def test_a_batch_mixing_four_adapters_and_the_base_equals_each_request_alone(bas
 
 
 def test_more_adapters_than_slots_cycle_through_lru_after_warmup_without_compiling(base_dir, adapters):
-    llm = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, warmup=True, **SETTINGS)
+    small_buckets = {**SETTINGS, "max_num_batched_tokens": 16, "max_num_seqs": 8}  # fewer programs to warm
+    llm = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, warmup=True, **small_buckets)
     compiled = compiles(), llm.runner.num_compiles  # warm-up compiled the steps with and without LoRA
     prompt = [7, 8, 9, 10, 11, 12]
     first = {lr.lora_int_id: llm.generate([prompt], greedy(), lora_request=lr, use_tqdm=False)[0].outputs[0].token_ids
