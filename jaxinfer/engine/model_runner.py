@@ -311,8 +311,9 @@ class ModelRunner:
 
         jobs = [(key, with_lora) for key in keys for with_lora in ((False, True) if self.lora_enabled else (False,))]
         after_model = {}  # R -> (a bucket with R logits rows, the model program's logits and hidden states)
-        # XLA compiles outside the GIL: one thread per core compiles that many buckets at once
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        # XLA compiles outside the GIL: one thread per core (at most 8: each holds a compile's host
+        # memory) compiles that many buckets at once
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1, 8))) as pool:
             for key, seconds, out_info in pool.map(compile_model, jobs):
                 self.compile_seconds[key] = self.compile_seconds.get(key, 0.0) + seconds
                 after_model.setdefault(key.num_logits, (key, out_info))
