@@ -17,6 +17,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 from jaxinfer.aot import kernel_check
+from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention as tpu_attention
 from jaxinfer.aot.plan import DoesNotFit, plan_deployment, size_pool
 from jaxinfer.aot.presets import read_model_config
 from jaxinfer.aot.step_compile import AbstractStep, ServingShape
@@ -177,17 +178,29 @@ def test_a_lora_step_compiles_for_a_tpu_and_a_gpu(v6e, target):
     assert "lora_sgmv_shrink" in hlo and "lora_sgmv_expand" in hlo
 
 
-def test_long_contexts_compile_for_a_tpu_up_to_the_page_table_that_fits_its_smem(v6e):
-    """The attention kernel holds the whole page table in SMEM (1 MiB): 31 sequences of 128k
-    tokens in pages of 16 compile (the pool's size does not matter to the kernel); 32 are refused
-    before compiling, by an error naming SMEM and the limit, not a compiler failure."""
-    shape = ServingShape(max_model_len=131072, max_num_seqs=31, max_num_batched_tokens=32, num_pages=1025)
+@pytest.mark.parametrize("max_model_len,max_num_seqs", [(131072, 64), (1048576, 4)])
+def test_long_contexts_compile_for_a_tpu(v6e, max_model_len, max_num_seqs):
+    """64 sequences of 128k tokens, 4 of 1M (pages of 16): page tables of 2 and 1 MiB, past the
+    chip's 1 MiB of SMEM, so the attention kernel fetches a row per program (the pool's size does
+    not matter to the kernel)."""
+    shape = ServingShape(max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=64, num_pages=1025)
     plan = AbstractStep.build(SMALL, v6e, ParallelConfig(), shape)
-    most_seqs = max(plan.buckets.all_keys(), key=lambda k: (k.num_seqs, -k.num_logits))  # mixed, 32 tokens
-    assert most_seqs.num_seqs == 31 and "tpu_custom_call" in plan.compile(most_seqs).as_text()
-    with pytest.raises(ValueError, match=r"SMEM: .* 32 sequences x 8192 pages .* the chip holds 1048576"):
-        plan = AbstractStep.build(SMALL, v6e, ParallelConfig(), dataclasses.replace(shape, max_num_seqs=32))
-        plan.compile(max(plan.buckets.all_keys(), key=lambda k: (k.num_seqs, -k.num_logits)))
+    most_seqs = max(plan.buckets.all_keys(), key=lambda k: (k.num_seqs, -k.num_logits))
+    prefill = max((k for k in plan.buckets.all_keys() if k.query_block > 1), key=lambda k: (k.num_tokens, -k.num_logits))
+    assert most_seqs.num_seqs == max_num_seqs
+    for key in (most_seqs, prefill):
+        hlo = plan.compile(key).as_text()
+        assert "tpu_custom_call" in hlo and pool_sized_copies(hlo, plan.kv_pool_elements_per_chip()) == 0
+
+
+def test_a_page_table_row_over_the_chips_smem_is_refused_naming_the_limit():
+    """4M tokens in pages of 16: two rows of 262144 page ids are 2 MiB: an error before compiling."""
+    with jax.set_mesh(AbstractStep.build(SMALL, compile_target("v6e:1"), ParallelConfig(), SHAPE).mesh):
+        q = jax.ShapeDtypeStruct((8, 4, 128), jnp.bfloat16)
+        pages = jax.ShapeDtypeStruct((64, 16, 2, 128), jnp.bfloat16)
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        with pytest.raises(ValueError, match=r"SMEM: .* two page-table rows of 262144 pages .* the chip holds 1048576"):
+            jax.jit(tpu_attention).lower(q, pages, pages, i32(1), i32(1, 262144), i32(2), i32(1))
 
 
 @pytest.mark.parametrize("gpu", ["h100", "h200"])

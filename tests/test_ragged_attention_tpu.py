@@ -43,7 +43,7 @@ def run_kernel_and_reference(case, **kw):
     rng = np.random.default_rng(99)
     k_stored, v_stored = pad_heads(k_pages, stored, rng), pad_heads(v_pages, stored, rng)
     got = tpu.ragged_paged_attention(q, k_stored, v_stored, *rest, num_kv_heads=Hkv, interpret=kw.pop("interpret", True), **kw)
-    kw.pop("vmem_limit_bytes", None)
+    kw.pop("vmem_limit_bytes", None), kw.pop("fetch_rows", None)  # kernel-only options
     want = reference.ragged_paged_attention(*args, **kw)
     assert got.dtype == args[0].dtype and got.shape == args[0].shape
     return np.asarray(got, np.float64), np.asarray(want, np.float64)
@@ -74,6 +74,18 @@ def test_mixed_batch_matches_reference_and_padding_rows_are_zero(Hq, Hkv, D, pag
     kv_lens = [16, 37, 50, 1, 0, 33, 17]
     case = make_case(rng, q_lens, kv_lens, Hq=Hq, Hkv=Hkv, D=D, page_size=page_size, pad_seqs=2, pad_tokens=5)
     got, want = run_kernel_and_reference(case, num_queries_per_block=4, num_kv_pages_per_block=2)
+    assert_close(got, want, F32_TOL)
+    assert np.all(got[real_rows(case) :] == 0)
+
+
+def test_page_table_rows_fetched_per_program_give_the_same_attention():
+    """Long contexts (a page table over the chip's SMEM): each program DMAs the next program's
+    page-table row into a slot of its own instead of reading the whole table from SMEM. Decodes,
+    prefills over several query blocks and KV blocks, padding: as the reference."""
+    rng = np.random.default_rng(0)
+    case = make_case(rng, [16, 1, 8, 1, 0, 17, 1], [16, 37, 50, 1, 0, 33, 17], Hq=4, Hkv=2, D=128, page_size=4,
+                     pad_seqs=2, pad_tokens=5)
+    got, want = run_kernel_and_reference(case, num_queries_per_block=4, num_kv_pages_per_block=2, fetch_rows=True)
     assert_close(got, want, F32_TOL)
     assert np.all(got[real_rows(case) :] == 0)
 

@@ -37,9 +37,11 @@ How the work is cut
   is a static bound on the number of blocks; blocks past the real ones are padding.
 * Scalar prefetch (SMEM, readable before the grid starts): kv_lens, page_indices (flattened),
   cu_q_lens, num_seqs, block_seq, block_q_start. The kernel derives everything else from them.
-  The whole page table lives in the chip's 1 MiB of SMEM: S x pages_per_seq entries must fit
-  (`smem_bytes`; e.g. 31 sequences of 128k tokens in pages of 16), and the wrapper refuses more
-  with an error naming the limit. Fetching each sequence's row instead would lift it.
+  The whole page table lives in the chip's 1 MiB of SMEM while S x pages_per_seq entries fit
+  (`smem_bytes`: e.g. 31 sequences of 128k tokens in pages of 16). Past that (`fetch_rows`) the
+  table stays in HBM and each program DMAs the next program's row into one of two SMEM row slots
+  (by program parity), waiting for it while its own first KV block is on its way; a sequence of
+  up to ~2M tokens then fits whatever S.
 * Grid (NB,): program b computes query block b for every KV head. Its q and output tiles
   [Hkv, R, D] come through ordinary BlockSpecs (the Pallas pipeline double-buffers them); the
   wrapper scatters the output rows back to [T, Hq, D].
@@ -115,15 +117,12 @@ def stored_kv_heads(num_kv_heads: int, dtype) -> int:
 SMEM_RESERVED_BYTES = 16 * 1024
 
 
-def smem_bytes(num_seqs: int, pages_per_seq: int, num_blocks: int) -> int:
-    """SMEM the kernel's prefetched scalars take (kv_lens, the page table, cu_q_lens, num_seqs,
-    block_seq, block_q_start, int32 each, and its 2-int fetch state), with the compiler's reserve."""
-    return 4 * (num_seqs + num_seqs * pages_per_seq + num_seqs + 1 + 1 + 2 * num_blocks + 2) + SMEM_RESERVED_BYTES
-
-
-def max_page_table_entries(smem_limit: int, num_seqs: int, num_blocks: int) -> int:
-    """The most page-table entries (sequences x pages per sequence) that fit SMEM beside the other scalars."""
-    return (smem_limit - smem_bytes(num_seqs, 0, num_blocks)) // 4
+def smem_bytes(num_seqs: int, pages_per_seq: int, num_blocks: int, fetch_rows: bool = False) -> int:
+    """SMEM the kernel's scalars take (kv_lens, the page table or with `fetch_rows` two of its
+    rows, cu_q_lens, num_seqs, block_seq, block_q_start, int32 each, and its 2-int fetch state),
+    with the compiler's reserve."""
+    table = 1 + 2 * pages_per_seq if fetch_rows else num_seqs * pages_per_seq
+    return 4 * (num_seqs + table + num_seqs + 1 + 1 + 2 * num_blocks + 2) + SMEM_RESERVED_BYTES
 
 
 def _tile_bytes(rows: int, cols: int, itemsize: int) -> int:
@@ -199,7 +198,7 @@ def read_heads(block_ref, num_heads: int, scale: float | None):
 def _kernel(
     # scalar prefetch (SMEM)
     kv_lens_ref,  # [S]
-    page_indices_ref,  # [S * pages_per_seq]: the page table flattened (a 2D SMEM array pads its rows to 8)
+    page_indices_ref,  # [S * pages_per_seq]: the page table flattened (a 2D SMEM array pads its rows to 8); [1] with fetch_rows
     cu_q_lens_ref,  # [S + 1]
     num_seqs_ref,  # [1]
     block_seq_ref,  # [NB] sequence of each query block
@@ -208,6 +207,7 @@ def _kernel(
     q_ref,  # [Hkv, R, D] VMEM: query block b, for each KV head the G query heads it serves
     k_hbm,  # [P, page_size, Hs, D] HBM
     v_hbm,  # [P, page_size, Hs, D] HBM
+    table_hbm,  # [S * pages_per_seq] HBM: the page table, read from here with fetch_rows
     # output
     o_ref,  # [Hkv, R, D] VMEM
     # scratch
@@ -219,6 +219,8 @@ def _kernel(
     m_ref,  # [Hkv, R, 1] float32: running max
     l_ref,  # [Hkv, R, 1] float32: running sum
     acc_ref,  # [Hkv, R, D] float32
+    rows_ref,  # SMEM int32 [2 * pages_per_seq] with fetch_rows: the page-table rows of this program and the next
+    rows_sem,  # DMA semaphore [1]
     *,
     sm_scale,
     sliding_window,
@@ -228,6 +230,7 @@ def _kernel(
     Bq,
     G,
     pages_per_seq,
+    fetch_rows,
 ):
     b = pl.program_id(0)
     num_blocks = pl.num_programs(0)
@@ -242,50 +245,76 @@ def _kernel(
         sliding_window=sliding_window,
     )
 
-    def page_copies(blk: QueryBlock, j, slot):
-        """(needed, K copy, V copy) for each page of KV block j of query block `blk`: whole pages."""
+    def row_start(program, blk: QueryBlock):
+        """Where the page ids of `program`'s sequence start: in the whole table, or with fetch_rows
+        in the row slot of the program's parity."""
+        return (program % 2) * pages_per_seq if fetch_rows else blk.seq * pages_per_seq
+
+    def page_copies(blk: QueryBlock, j, slot, row):
+        """(needed, K copy, V copy) for each page of KV block j of query block `blk`: whole pages.
+        `row`: where its page ids start (row_start)."""
+        table = rows_ref if fetch_rows else page_indices_ref
         copies = []
         for i in range(pages_per_block):
             page = j * pages_per_block + i  # page number within the sequence
             needed = (page * page_size <= blk.last_pos) & ((page + 1) * page_size > blk.lo_pos)
-            page_id = page_indices_ref[blk.seq * pages_per_seq + jnp.minimum(page, pages_per_seq - 1)]
+            page_id = table[row + jnp.minimum(page, pages_per_seq - 1)]
             k_copy = pltpu.make_async_copy(k_hbm.at[page_id], k_buf.at[slot, i], k_sems.at[slot])
             v_copy = pltpu.make_async_copy(v_hbm.at[page_id], v_buf.at[slot, i], v_sems.at[slot])
             copies.append((needed, k_copy, v_copy))
         return copies
 
-    def start_fetch(blk, j, slot):
-        for needed, k_copy, v_copy in page_copies(blk, j, slot):
+    def start_fetch(blk, j, slot, row):
+        for needed, k_copy, v_copy in page_copies(blk, j, slot, row):
 
             @pl.when(needed)
             def _():
                 k_copy.start()
                 v_copy.start()
 
-    def wait_fetch(blk, j, slot):
-        for needed, k_copy, v_copy in page_copies(blk, j, slot):
+    def wait_fetch(blk, j, slot, row):
+        for needed, k_copy, v_copy in page_copies(blk, j, slot, row):
 
             @pl.when(needed)
             def _():
                 k_copy.wait()
                 v_copy.wait()
 
+    def row_copy(program):  # with fetch_rows: the page-table row of `program`'s sequence into its parity's slot
+        seq = block_seq_ref[program]
+        return pltpu.make_async_copy(table_hbm.at[pl.ds(seq * pages_per_seq, pages_per_seq)],
+                                     rows_ref.at[pl.ds((program % 2) * pages_per_seq, pages_per_seq)], rows_sem.at[0])
+
     @pl.when(b == 0)
     def _():
         fetch_state[0] = 0
         fetch_state[1] = 0
+        if fetch_rows:
+            copy = row_copy(0)
+            copy.start()
+            copy.wait()
 
     blk = geometry(b)
+    row = row_start(b, blk)
     first_slot = fetch_state[0]
     has_kv = blk.kv_hi > blk.kv_lo
 
     @pl.when(has_kv & (fetch_state[1] == 0))
     def _():
-        start_fetch(blk, blk.kv_lo, first_slot)
+        start_fetch(blk, blk.kv_lo, first_slot, row)
 
     # the next program, whose first KV block our last iteration prefetches
-    next_blk = geometry(jnp.minimum(b + 1, num_blocks - 1))
+    next_b = jnp.minimum(b + 1, num_blocks - 1)
+    next_blk = geometry(next_b)
+    next_row = row_start(next_b, next_blk)
     next_has_kv = (b + 1 < num_blocks) & (next_blk.kv_hi > next_blk.kv_lo)
+    if fetch_rows:  # the next program's row, into the other slot (this program's KV fetch is in flight meanwhile)
+
+        @pl.when(b + 1 < num_blocks)
+        def _():
+            copy = row_copy(b + 1)
+            copy.start()
+            copy.wait()
 
     row_query = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // G  # query of each row, in the block
     q_pos = blk.first_pos + row_query  # [R, 1]
@@ -299,13 +328,13 @@ def _kernel(
     def kv_step(j, slot):
         @pl.when(j + 1 < blk.kv_hi)
         def _():
-            start_fetch(blk, j + 1, 1 - slot)
+            start_fetch(blk, j + 1, 1 - slot, row)
 
         @pl.when((j + 1 == blk.kv_hi) & next_has_kv)
         def _():
-            start_fetch(next_blk, next_blk.kv_lo, 1 - slot)
+            start_fetch(next_blk, next_blk.kv_lo, 1 - slot, next_row)
 
-        wait_fetch(blk, j, slot)
+        wait_fetch(blk, j, slot, row)
         kv_pos_col = j * kv_block + jax.lax.broadcasted_iota(jnp.int32, (kv_block, 1), 0)  # [K, 1]
         # rows of pages that were not fetched may hold anything, NaN included: zero them so that
         # 0 * garbage cannot leak into the sum
@@ -355,6 +384,7 @@ def _kernel(
         "num_queries_per_block",
         "num_kv_pages_per_block",
         "vmem_limit_bytes",
+        "fetch_rows",
         "interpret",
     ),
 )
@@ -376,6 +406,7 @@ def ragged_paged_attention(
     num_queries_per_block: int = 8,
     num_kv_pages_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,  # default: the target chip's (pallas_kernels.tpu_chip)
+    fetch_rows: bool | None = None,  # page-table rows fetched per program (default: when the whole table overflows SMEM)
     interpret=False,  # passed to pallas_call: True (HLO interpreter) or pltpu.InterpretParams(...)
 ) -> jax.Array:
     check_kv_scales(k_pages, v_pages, k_scale, v_scale)
@@ -416,14 +447,15 @@ def ragged_paged_attention(
     blocks_per_seq = _cdiv(q_lens, Bq)
     cu_blocks = jnp.cumsum(blocks_per_seq)  # [S]
     NB = min(T, _cdiv(T, Bq) + S)  # static bound on the number of query blocks
-    smem_need = smem_bytes(S, pages_per_seq, NB)
     smem_limit = smem_capacity_bytes()
+    if fetch_rows is None:  # the whole table while it fits the chip's scalar memory, else a row per program
+        fetch_rows = smem_bytes(S, pages_per_seq, NB) > smem_limit
+    smem_need = smem_bytes(S, pages_per_seq, NB, fetch_rows=fetch_rows)
     if smem_need > smem_limit:
         raise ValueError(
-            f"SMEM: the kernel prefetches the whole page table into the chip's scalar memory, {S} sequences x "
-            f"{pages_per_seq} pages (max_model_len / page_size) x 4 bytes = {4 * S * pages_per_seq} bytes of "
-            f"~{smem_need} with the other scalars, and the chip holds {smem_limit}: lower max_num_seqs x "
-            f"max_model_len (here at most {max_page_table_entries(smem_limit, S, NB)} page-table entries) or raise page_size"
+            f"SMEM: the kernel holds two page-table rows of {pages_per_seq} pages (max_model_len / page_size) in the "
+            f"chip's scalar memory, ~{smem_need} bytes with the other scalars of {S} sequences, and the chip holds "
+            f"{smem_limit}: lower max_model_len or raise page_size"
         )
     b = jnp.arange(NB)
     block_seq = jnp.minimum(jnp.searchsorted(cu_blocks, b, side="right"), S - 1).astype(jnp.int32)  # [NB]
@@ -439,12 +471,13 @@ def ragged_paged_attention(
     tile = pl.BlockSpec((None, Hkv, R, D), lambda b, *_: (b, 0, 0, 0))
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
-        v_scale=v_scale, Bq=Bq, G=G, pages_per_seq=pages_per_seq,
+        v_scale=v_scale, Bq=Bq, G=G, pages_per_seq=pages_per_seq, fetch_rows=fetch_rows,
     )
     cost_estimate = cost.ragged_paged_attention(
         query_rows=NB * Bq, query_blocks=NB, Hq=Hq, Hkv_stored=Hs, D=D, kv_tokens_per_block=pages_per_seq * page_size,
         q_itemsize=q.dtype.itemsize, kv_itemsize=k_pages.dtype.itemsize,
     )
+    table = page_indices.astype(jnp.int32).reshape(-1)  # [S * pages_per_seq]
     if interpret:
         patch_interpret_mode()
     out = pl.pallas_call(
@@ -453,7 +486,7 @@ def ragged_paged_attention(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(NB,),
-            in_specs=[tile, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[tile] + [pl.BlockSpec(memory_space=pl.ANY)] * 3,
             out_specs=tile,
             scratch_shapes=[
                 pltpu.VMEM((2, C, page_size, Hs, D), k_pages.dtype),
@@ -464,6 +497,8 @@ def ragged_paged_attention(
                 pltpu.VMEM((Hkv, R, 1), jnp.float32),
                 pltpu.VMEM((Hkv, R, 1), jnp.float32),
                 pltpu.VMEM((Hkv, R, D), jnp.float32),
+                pltpu.SMEM((2 * pages_per_seq if fetch_rows else 1,), jnp.int32),
+                pltpu.SemaphoreType.DMA((1,)),
             ],
         ),
         # "arbitrary": a program prefetches the next one's first KV block, so they run in order
@@ -473,7 +508,7 @@ def ragged_paged_attention(
         name="ragged_paged_attention",
     )(
         kv_lens.astype(jnp.int32),
-        page_indices.astype(jnp.int32).reshape(-1),
+        jnp.zeros(1, jnp.int32) if fetch_rows else table,
         cu_q_lens.astype(jnp.int32),
         num_seqs,
         block_seq,
@@ -481,6 +516,7 @@ def ragged_paged_attention(
         q_blocks,
         k_pages,
         v_pages,
+        table,
     )  # [NB, Hkv, R, D]
 
     out = out.reshape(NB, Hkv, Bq, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * Bq, Hq, D)
