@@ -248,6 +248,33 @@ def test_nothing_compiles_after_warmup(model_dir):
     assert (compiles(), llm.runner.num_compiles) == before
 
 
+RESTART = """
+import sys
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.runtime.compiles import cache_loads, compiles
+llm = LLM(sys.argv[1], warmup=True, compilation_cache_dir=sys.argv[2], max_model_len=32, page_size=4, num_pages=64,
+          max_num_batched_tokens=8, max_num_seqs=2, progress=False)
+llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)
+print(compiles(), cache_loads())
+"""
+
+
+def test_a_restart_with_the_same_model_compiles_nothing(model_dir, tmp_path):
+    """Two processes, one after the other, warm up the same model and serve a request with one
+    compilation cache: the second loads every executable from it and compiles none."""
+    import os
+    import subprocess
+    import sys
+
+    run = lambda: subprocess.run([sys.executable, "-c", RESTART, str(model_dir[0]), str(tmp_path / "xla")],  # noqa: E731
+                                 capture_output=True, text=True, check=True, timeout=300,
+                                 env={**os.environ, "JAX_PLATFORMS": "cpu"}).stdout.split()[-2:]
+    produced, loaded = map(int, run())
+    assert produced > 10 and loaded == 0  # the first start compiled everything
+    produced_again, loaded_again = map(int, run())
+    assert produced_again == loaded_again == produced  # the second loaded all of it
+
+
 def test_no_bucket_copies_the_kv_pool(model_dir):
     """The cache is donated and updated in place: no compiled variant holds a pool-sized copy.
     (A 1-token bucket with a short max_model_len used to copy the pool twice per layer.)"""
