@@ -87,7 +87,7 @@ def compiled_step_hlo(config: ModelConfig, parallel: ParallelConfig, num_tokens:
                         per_replica((S, pages_per_seq)), per_replica((1,)), per_replica((R,)), per_replica((T,)))
     step = StepFunction(graphdef, num_top_logprobs=0, max_rows=T, mesh=mesh, param_specs=specs)
     # the model program (the sampler, a program of its own, holds only the all-gather of the tokens)
-    lowered = step.lower(params, kv, batch, None, per_replica((T,)), BucketKey(T, S, R, query_block=1))
+    lowered = step.lower(params, kv, batch, per_replica((T,)), BucketKey(T, S, R, query_block=1))
     lowered.compile()  # it compiles (the collectives below are those of a real program)
     return lowered.compiler_ir("hlo").as_hlo_text()
 

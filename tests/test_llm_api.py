@@ -295,8 +295,8 @@ def test_bfloat16_weights_are_converted_one_layer_at_a_time(model_dir):
     llm = LLM(str(model_dir[0]), dtype="bfloat16", **ENGINE_ARGS)
     stacked = llm.runner.params["layers"]["gate_up_proj"].get_value().shape  # [L, K, N]
     decode = min((k for k in llm.buckets.all_keys() if k.query_block == 1), key=lambda k: k.num_tokens)
-    batch, sampling = llm.runner._empty_inputs(decode)
-    lowered = llm.runner.step_fn.lower(llm.runner.params, llm.runner.kv, batch, sampling, llm.runner.token_buffer, decode)
+    batch = llm.runner._empty_batch(decode)
+    lowered = llm.runner.step_fn.lower(llm.runner.params, llm.runner.kv, batch, llm.runner.token_buffer, decode)
     # compiled as outside the tests (conftest turns XLA's optimizations down for compile speed)
     hlo = lowered.compile({"xla_backend_optimization_level": 2, "xla_cpu_use_fusion_emitters": True}).as_text()
     whole = ",".join(map(str, stacked))

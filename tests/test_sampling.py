@@ -1,7 +1,6 @@
 """On-device sampling against numpy references on fixed logits."""
 
 import dataclasses
-import types
 
 import jax
 import jax.numpy as jnp
@@ -236,9 +235,8 @@ def test_rows_without_the_features_are_unaffected():
 
 
 def test_runner_turns_the_switches_on_only_when_needed():
-    key = types.SimpleNamespace(num_logits=4)
     build = lambda *samplings: sampling_tensors(  # noqa: E731
-        key, [ScheduledChunk(None, s) for s in samplings], [[i] for i in range(len(samplings))], max_history=32)
+        4, [ScheduledChunk(None, s) for s in samplings], [[i] for i in range(len(samplings))], max_history=32)
     st = build(RowSampling(temperature=1.0, min_p=0.1), RowSampling())
     assert st.banned_ids is None and st.history_ids is None
     np.testing.assert_allclose(st.min_p, [0.1, 0, 0, 0])

@@ -135,7 +135,7 @@ class AbstractStep:
 
     # ------------------------------------------------------------------ compiling
     def inputs(self, key: BucketKey):
-        """(batch, sampling, prev_tokens) of bucket `key`, abstract and sharded as the step takes them."""
+        """(batch, prev_tokens) of bucket `key`, abstract and sharded as the model program takes them."""
         return abstract_inputs(self.step, key, self.buckets.pages_per_seq, with_lora=self.shape.max_loras > 0)
 
     def lower(self, key: BucketKey) -> jax.stages.Lowered:

@@ -36,7 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.model_runner import empty_inputs, sampling_tensors
+from jaxinfer.engine.model_runner import empty_inputs, every_processor_sampling
 from jaxinfer.ops.batch import BucketKey, Buckets
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.kv_cache import KVCache, is_quantized
@@ -113,13 +113,17 @@ def abstract_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, *,
 
 
 def abstract_inputs(step: StepFunction, key: BucketKey, pages_per_seq: int, with_lora: bool):
-    """(batch, sampling, prev_tokens) of bucket `key`, abstract and sharded as the step takes them."""
-    host = empty_inputs(key, pages_per_seq, step.num_replicas, with_lora=with_lora)
-    batch, sampling = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                                   host, step.input_shardings(host))
+    """(batch, prev_tokens) of bucket `key`, abstract and sharded as the model program takes them."""
+    batch = _abstract(step, empty_inputs(key, pages_per_seq, step.num_replicas, with_lora=with_lora))
     prev_tokens = jax.ShapeDtypeStruct((step.num_replicas, step.max_rows), np.int32,
                                        sharding=NamedSharding(step.mesh, rules.per_replica(2)))
-    return batch, sampling, prev_tokens
+    return batch, prev_tokens
+
+
+def _abstract(step: StepFunction, host):
+    """A per-replica host tree as ShapeDtypeStructs placed as the step places it."""
+    return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                        host, step.input_shardings(host))
 
 
 def largest_bucket(keys) -> BucketKey:
@@ -154,11 +158,7 @@ def lower_sampling(step: StepFunction, num_rows: int, vocab: int, max_history: i
     """The sampling programs of a step of `num_rows` logits rows with every logits processor on
     (StepFunction.lower_sampling), over abstract logits [replicas, num_rows, vocab] (and hidden
     states [replicas, num_rows, hidden_size] with return_hidden)."""
-    key = BucketKey(num_rows, num_rows, num_rows, 1)  # sampling reads only the row count
-    host = sampling_tensors(key, [], [], max_history, penalties=True, max_banned=1, mask_words=-(-vocab // 32))
-    host = jax.tree.map(lambda a: np.stack([a] * step.num_replicas), host)
-    sampling = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                            host, step.input_shardings(host))
+    sampling = _abstract(step, every_processor_sampling(num_rows, vocab, max_history, step.num_replicas))
     rows = step.logits_layout(num_rows, vocab)
     hidden = None if hidden_size is None else jax.ShapeDtypeStruct(rows.shape[:2] + (hidden_size,), jnp.float32,
                                                                    sharding=rows.sharding)

@@ -276,24 +276,28 @@ class ModelRunner:
         return [[s.results for s in chunks] for chunks in scheduled]
 
     def _sampling_tensors(self, key: BucketKey, scheduled, rows_of_chunk, want_logprobs: bool = False, **switches) -> SamplingTensors:
-        return sampling_tensors(key, scheduled, rows_of_chunk, self.buckets.pages_per_seq * self.kv.page_size,
-                                want_logprobs, **switches)
+        return sampling_tensors(key.num_logits, scheduled, rows_of_chunk, self.max_history, want_logprobs, **switches)
 
-    def _empty_inputs(self, key: BucketKey, with_lora: bool | None = None) -> tuple[RaggedBatch, SamplingTensors]:
-        """`empty_inputs` as `dispatch` passes them (host arrays, or placed on the mesh): the
-        jitted step keys its compiled variants on that too."""
+    @property
+    def max_history(self) -> int:
+        """The longest a sequence can be: the penalties' history width."""
+        return self.buckets.pages_per_seq * self.kv.page_size
+
+    def _empty_batch(self, key: BucketKey, with_lora: bool | None = None) -> RaggedBatch:
+        """`empty_inputs` as `dispatch` passes a batch (host arrays, or placed on the mesh): the
+        jitted model keys its compiled variants on that too."""
         with_lora = self.lora_enabled if with_lora is None else with_lora
-        inputs = empty_inputs(key, self.buckets.pages_per_seq, self.num_replicas, with_lora)
-        return inputs if self.pass_host_inputs else self._put(inputs)
+        batch = empty_inputs(key, self.buckets.pages_per_seq, self.num_replicas, with_lora)
+        return batch if self.pass_host_inputs else self._put(batch)
 
     def warmup(self, keys: Sequence[BucketKey] | None = None, *, drafts: bool = False) -> None:
         """Compiles every program a step can run, so that no request compiles anything.
 
         The model program of every bucket (default: `Buckets.all_keys()`, prompt-logprob rows
         included), and its LoRA variant when the model holds a LoRA table, compiled without
-        running, as many at once as there are CPU cores (JAX keeps what `lower(...).compile()` traced, lowered and compiled, so the first
-        real step dispatches at once; running an empty batch cost ~4 s over the default buckets
-        on 2 cores). Then, for each count of logits rows, the sampling programs, run once on zero
+        running, as many at once as there are CPU cores (JAX keeps what `lower(...).compile()`
+        traced, lowered and compiled, so the first real step dispatches at once; running an empty
+        batch cost ~4 s over the default buckets on 2 cores). Then, for each count of logits rows, the sampling programs, run once on zero
         logits: every logits processor (penalties, held-back ids, the structured-output mask) and
         the sampler; with `drafts` also the sampler that verifies drafted tokens (proposers with
         one-hot drafts: n-gram, EAGLE, Medusa). With LoRA, also the program that loads an adapter."""
@@ -301,11 +305,12 @@ class ModelRunner:
         if self.lora_enabled:  # the program that writes an adapter into a slot: zeros into slot 0 (no adapter)
             self.write_lora_slot(0, {f"lora.{name}": np.zeros(a.shape[:1] + a.shape[2:], np.float32)
                                      for name, a in self._lora_layout.items()})
+
         def compile_model(job: tuple[BucketKey, bool]):
             key, with_lora = job
-            batch, sampling = self._empty_inputs(key, with_lora)
+            batch = self._empty_batch(key, with_lora)
             t0 = time.perf_counter()
-            lowered = self.step_fn.lower(self.params, self.kv, batch, sampling, self.token_buffer, key)
+            lowered = self.step_fn.lower(self.params, self.kv, batch, self.token_buffer, key)
             lowered.compile()
             return key, time.perf_counter() - t0, lowered.out_info
 
@@ -317,20 +322,18 @@ class ModelRunner:
             for key, seconds, out_info in pool.map(compile_model, jobs):
                 self.compile_seconds[key] = self.compile_seconds.get(key, 0.0) + seconds
                 after_model.setdefault(key.num_logits, (key, out_info))
-        every_processor = dict(penalties=True, max_banned=1)
         for key, (logits, _, *hidden) in after_model.values():
-            sharding = self.step_fn.logits_layout(key.num_logits, logits.shape[-1]).sharding
+            rows, vocab = key.num_logits, logits.shape[-1]
+            sharding = self.step_fn.logits_layout(rows, vocab).sharding
             outputs = _zeros([jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (logits, *hidden)])
-            for variant in [every_processor] + ([dict(drafts=True)] if drafts else []):
-                sampling = self._sampling_tensors(key, [], [], mask_words=-(-logits.shape[-1] // 32), **variant)
-                sampling = jax.tree.map(lambda a: np.stack([a] * self.num_replicas), sampling)
-                jax.block_until_ready(self.step_fn.sample(outputs[0], sampling if self.pass_host_inputs else self._put(sampling),
-                                                          *outputs[1:]))
+            for with_drafts in (False, True) if drafts else (False,):
+                sampling = every_processor_sampling(rows, vocab, self.max_history, self.num_replicas, drafts=with_drafts)
+                sampling = sampling if self.pass_host_inputs else self._put(sampling)
+                jax.block_until_ready(self.step_fn.sample(outputs[0], sampling, *outputs[1:]))
 
     def compiled_hlo(self, key: BucketKey) -> str:
         """The optimized HLO of one bucket's step (for inspection; compiles if needed)."""
-        batch, sampling = self._empty_inputs(key)
-        return self.step_fn.lower(self.params, self.kv, batch, sampling, self.token_buffer, key).compile().as_text()
+        return self.step_fn.lower(self.params, self.kv, self._empty_batch(key), self.token_buffer, key).compile().as_text()
 
     # ------------------------------------------------------------------ whole pages (copy-on-write, swapping)
     def _global_pages(self, replica: int, pages: Sequence[int]) -> np.ndarray:
@@ -389,11 +392,11 @@ def _powers_of_two_to(n: int) -> list[int]:
     """1, 2, 4, ... up to the padded size of n (none for n = 0)."""
     return [1 << i for i in range(_power_of_two(n).bit_length())] if n > 0 else []
 
-def sampling_tensors(key: BucketKey, scheduled, rows_of_chunk, max_history: int, want_logprobs: bool = False,
+def sampling_tensors(num_rows: int, scheduled, rows_of_chunk, max_history: int, want_logprobs: bool = False,
                       max_banned: int | None = None, penalties: bool | None = None,
                       drafts: bool | None = None, mask_words: int | None = None) -> SamplingTensors:
-    """One replica's per-row sampling tensors (host arrays); `max_history`: the longest a sequence
-    can be (the penalties' history width). The optional fields are switched on by
+    """One replica's sampling tensors for `num_rows` logits rows (host arrays); `max_history`: the
+    longest a sequence can be (the penalties' history width). The optional fields are switched on by
     `max_banned` (the most banned ids of a row; always MAX_BANNED_IDS columns), `penalties`,
     `drafts` and `mask_words` (the allowed-token bitmask's width), by default when one of these
     chunks needs them; a step passes what any replica needs, so the replicas' trees stack."""
@@ -405,7 +408,7 @@ def sampling_tensors(key: BucketKey, scheduled, rows_of_chunk, max_history: int,
         drafts = any(s.sampling.draft_tokens for s in scheduled)
     if mask_words is None:
         mask_words = max((len(s.sampling.allowed_tokens) for s in scheduled if s.sampling.allowed_tokens is not None), default=0)
-    R = key.num_logits
+    R = num_rows
     temperature = np.zeros(R, np.float32)
     top_k = np.zeros(R, np.int32)
     top_p = np.ones(R, np.float32)
@@ -459,9 +462,10 @@ def sampling_tensors(key: BucketKey, scheduled, rows_of_chunk, max_history: int,
     return st
 
 
-def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int, with_lora: bool = False) -> tuple[RaggedBatch, SamplingTensors]:
-    """Host batches of the key's shapes with no sequences in them (every token writes to scratch),
-    stacked over the replicas: what warm-up runs and what ahead-of-time compiles take the shapes of."""
+def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int, with_lora: bool = False) -> RaggedBatch:
+    """A host batch of the key's shapes with no sequences in it (every token writes to scratch),
+    stacked over the replicas: what warm-up compiles the model for and what ahead-of-time
+    compiles take the shapes of."""
     T, S, R = key.num_tokens, key.num_seqs, key.num_logits
     batch = RaggedBatch(
         token_ids=np.zeros(T, np.int32),
@@ -474,12 +478,17 @@ def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int, with_lor
         token_src=np.full(T, -1, np.int32),
         lora_slots=np.zeros(S, np.int32) if with_lora else None,
     )
-    sampling = SamplingTensors(
-        np.zeros(R, np.float32), np.zeros(R, np.int32), np.ones(R, np.float32),
-        np.zeros(R, np.uint32), np.zeros(R, np.int32), np.full(R, -1, np.int32), min_p=np.zeros(R, np.float32),
-        want_logprobs=np.array([False]),
-    )  # the variant without penalties or banned ids, which is what most batches use
-    return jax.tree.map(lambda a: np.stack([a] * num_replicas), (batch, sampling))
+    return jax.tree.map(lambda a: np.stack([a] * num_replicas), batch)
+
+
+def every_processor_sampling(num_rows: int, vocab: int, max_history: int, num_replicas: int, *,
+                             drafts: bool = False) -> SamplingTensors:
+    """Host sampling tensors of `num_rows` rows, stacked over the replicas, with every logits
+    processor switched on (penalties, held-back ids, the allowed-token mask) and with `drafts`
+    draft verification: what warm-up runs the sampling programs on and memory sizing measures."""
+    st = sampling_tensors(num_rows, [], [], max_history, penalties=True, max_banned=1, drafts=drafts,
+                          mask_words=-(-vocab // 32))
+    return jax.tree.map(lambda a: np.stack([a] * num_replicas), st)
 
 
 class Recovered(NamedTuple):

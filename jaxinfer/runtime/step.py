@@ -185,10 +185,10 @@ class StepFunction:
                 processed = program(processed, *(getattr(sampling, f) for f in fields))
         return self._sampler(logits, processed, without_processors(sampling), *hidden)
 
-    def lower(self, params, kv, batch, sampling, prev_tokens, key) -> jax.stages.Lowered:
+    def lower(self, params, kv, batch, prev_tokens, key) -> jax.stages.Lowered:
         """The model program of bucket `key` (a BucketKey) lowered for these arguments, which may
-        be abstract (jax.ShapeDtypeStruct with shardings, e.g. on a TPU topology: jaxinfer.aot).
-        `sampling` is not its argument: `lower_sampling` lowers the sampling programs."""
+        be abstract (jax.ShapeDtypeStruct with shardings, e.g. on a TPU topology: jaxinfer.aot);
+        `lower_sampling` lowers the sampling programs."""
         return self._model.lower(params, kv, batch, prev_tokens, query_block=key.query_block, spec_block=key.spec_block)
 
     def lower_sampling(self, logits, sampling, hidden=None) -> list[jax.stages.Lowered]:
