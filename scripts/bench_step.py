@@ -348,7 +348,7 @@ def run_jaxinfer(args, dtype: str) -> dict:
 
         from jaxinfer.ops.batch import pack_batch
 
-        cache_elems = runner.kv.k.size
+        cache_elems = runner.kv.pages.size
         for row in res["compiles"]:
             chunks = used_chunks[row["what"]]
             key, _, _ = pack_batch(chunks, runner.buckets, page_size)

@@ -1,10 +1,10 @@
 """The whole model with the Pallas kernels (interpret mode) gives the reference model's logits.
 
-One tiny model (untied LM head, biases, 6 query heads of 128 on 3 KV heads, which the TPU pools pad to 4) runs the same steps twice,
+One tiny model (untied LM head, biases, 6 query heads of 128 on 3 KV heads) runs the same steps twice,
 once on the XLA reference paths and once with a platform's Pallas kernels: a long fresh prefill
 (which takes the flash attention kernel), then a mixed step of decodes and prefill chunks with
-cached prefixes (the ragged paged attention kernel), then a decode step. Every step also runs the
-RoPE + KV-write kernel and the fused add + RMSNorm; the weights are int4 except gate/up, so the
+cached prefixes (the ragged paged attention kernel, over combined pages on TPU), then a decode
+step. Every step also runs the RoPE + KV write (a kernel on GPU) and the fused add + RMSNorm; the weights are int4 except gate/up, so the
 quantized matmul kernel and the SwiGLU matmul kernel (float weights only) both run. Each step's
 log-probabilities must agree.
 """
@@ -20,7 +20,8 @@ import pytest
 from jaxinfer.ops.attention import FLASH_MIN_TOKENS
 from jaxinfer.ops.batch import Buckets, SequenceChunk, pack_batch, stack_replicas
 from jaxinfer.ops.kernels import Kernels, resolve_kernels
-from jaxinfer.ops.kv_cache import KVCache, pool_kv_heads
+from jaxinfer.ops.kv_cache import KVCache
+from pallas_kernels.ragged_paged_attention.combined import combined_head_dim
 from jaxinfer.runtime.loading import load_params, read_config, resolve_model
 from jaxinfer.ops.quantization import quantize_model
 from jaxinfer.runtime.step import StepFunction
@@ -46,8 +47,8 @@ def run_steps(model_dir, kernels: Kernels, quantization: str | None) -> list[np.
         graphdef, params = quantize_model(graphdef, params, quantization, group_size=32, skip=("layers.gate_up_proj",))
     step = StepFunction(graphdef, num_top_logprobs=0)
     kv = KVCache.create(config, 80, PAGE_SIZE, kernels=kernels)
-    if kernels.platform == "tpu":  # TPU pools: heads in whole tiles, head_dim in whole lane rows
-        assert kv.k.shape[3:] == (pool_kv_heads(config, jnp.float32, kernels=kernels), 128)
+    if kernels.platform == "tpu":  # TPU pools: one row of K and V per token, exactly the model's heads
+        assert kv.combined and kv.kv.shape[3:] == (config.num_kv_heads * 2 * combined_head_dim(config.head_dim),)
     buckets = Buckets((16, FLASH_MIN_TOKENS), max_num_seqs=4, pages_per_seq=32)
     rng = np.random.default_rng(0)
     a, b, c = (list(rng.integers(3, 250, size=n)) for n in (150, 90, 30))
@@ -107,8 +108,9 @@ def pallas_calls(jaxpr) -> dict[str, bool]:
 
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_every_kernel_is_in_the_step(model_dir, platform):
-    """The step traced with a platform's kernels calls each of them (none silently falls back), and
-    each declares its cost to XLA (a pl.CostEstimate)."""
+    """The step traced with a platform's kernels calls each of them (none silently falls back; a TPU
+    writes its combined KV rows with XLA, pallas_kernels.rope_kv_write), and each declares its cost
+    to XLA (a pl.CostEstimate)."""
     source = resolve_model(model_dir)
     config = read_config(source)
     graphdef, params = load_params(source, config, jnp.float32, jnp.float32, kernels=Kernels(platform, True), progress=False)
@@ -119,7 +121,8 @@ def test_every_kernel_is_in_the_step(model_dir, platform):
     key, batch, _ = pack_batch([SequenceChunk(list(range(3, 203)), 0, list(range(1, 26)), [0])], buckets, PAGE_SIZE)
     forward = lambda params, kv, batch: step.forward(params, kv, batch, query_block=key.query_block)  # noqa: E731
     calls = pallas_calls(jax.make_jaxpr(forward)(params, kv, step.place_inputs(stack_replicas([batch]))))
-    kernels = ("add_rms_norm", "rope_kv_write", "swiglu_matmul", "ragged_paged_attention", "flash_attention", "quantized_matmul")
+    kernels = ("add_rms_norm", "swiglu_matmul", "ragged_paged_attention", "flash_attention", "quantized_matmul")
+    kernels += ("rope_kv_write",) if platform == "gpu" else ()
     assert [k for k in kernels if not any(name.startswith(k) for name in calls)] == [], calls
     assert [name for name, has_cost in calls.items() if not has_cost] == []
 
@@ -136,24 +139,26 @@ def test_kernel_impl_resolves_per_backend():
 
 
 def test_the_kernel_table_names_one_function_per_operation():
-    """Every platform fills every entry; the XLA table has no flash path; the TPU table stores
-    the pool in whole lanes and words. Tables compare by platform and interpret flag alone."""
-    entries = ("ragged_attention", "rope_kv_write", "quantized_matmul", "add_rms_norm", "swiglu_matmul",
-               "stored_kv_heads", "stored_head_dim")
+    """Every platform fills every entry; the XLA table has no flash path; the TPU table combines
+    float KV pools (quantized ones stay separate, for the XLA attention), and its XLA fallback for
+    attention brings the separate layout back. Tables compare by platform and interpret flag alone."""
+    entries = ("ragged_attention", "rope_kv_write", "quantized_matmul", "add_rms_norm", "swiglu_matmul", "combines_kv")
     for table in (Kernels(), Kernels("tpu", interpret=True), Kernels("gpu", interpret=True)):
         assert all(callable(getattr(table, name)) for name in entries), table
     assert Kernels().flash_attention is None and callable(Kernels("gpu", interpret=True).flash_attention)
-    assert (Kernels().stored_head_dim(64), Kernels("tpu", interpret=True).stored_head_dim(64)) == (64, 128)
-    assert Kernels("tpu", interpret=True).stored_kv_heads(3, jnp.bfloat16) == 4  # whole 32-bit words of heads
-    assert Kernels("gpu", interpret=True).stored_kv_heads(3, jnp.bfloat16) == 3
+    tpu = Kernels("tpu", interpret=True)
+    assert tpu.combines_kv(jnp.bfloat16) and tpu.combines_kv(jnp.float32) and not tpu.combines_kv(jnp.int8)
+    assert not Kernels("tpu", interpret=True, xla=("ragged_attention",)).combines_kv(jnp.bfloat16)
+    assert not Kernels().combines_kv(jnp.bfloat16) and not Kernels("gpu", interpret=True).combines_kv(jnp.bfloat16)
     assert Kernels("tpu", interpret=True) == resolve_kernels("pallas", "cpu") and len({Kernels(), Kernels()}) == 1
     with pytest.raises(ValueError, match="platform='cuda'"):
         Kernels("cuda")
 
 
 def test_tpu_pools_with_padded_lanes_match_the_reference(tmp_path_factory):
-    """head_dim 16 (like SmolLM2's 64, under a TPU lane row): the TPU pools store 128 lanes
-    (kv_cache.pool_head_dim), RoPE and the write run in XLA, the attention kernel reads padded rows."""
+    """head_dim 16, below the 64 lanes a combined row gives K and V of a head (combined.py): the
+    TPU pool stores each in 64 lanes with zeros past 16, and K and V share one 128-lane row the
+    attention kernel multiplies whole (the Ds = 64 case of SmolLM2 and Llama-3.2-1B)."""
     directory = tmp_path_factory.mktemp("tiny-qwen2-narrow-heads")
     save_hf_model("qwen2", directory, intermediate_size=128)  # 4 query heads of 16 on 1 KV head
     got = run_steps(directory, Kernels("tpu", interpret=True), None)

@@ -16,7 +16,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu_chip
-from pallas_kernels.ragged_paged_attention import reference, tpu
+from pallas_kernels.ragged_paged_attention import combined, reference, tpu
 from test_ragged_attention_reference import make_case
 
 SM_SCALE = 0.125
@@ -24,25 +24,27 @@ F32_TOL = 1e-5  # relative to the largest output entry
 BF16_TOL = 2e-2
 
 
-def pad_heads(pages, num_heads: int, rng):
-    """Pages [P, page_size, Hkv, D] -> [P, page_size, num_heads, D], the extra heads filled with
-    large noise: the kernel must never read them."""
-    P, page_size, Hkv, D = pages.shape
-    noise = np.asarray(rng.normal(0, 100, (P, page_size, num_heads - Hkv, D)), np.float32)
-    return jnp.concatenate([pages, jnp.asarray(noise).astype(pages.dtype)], axis=2)
+def combined_pages(k_pages, v_pages, rng):
+    """Separate pools [P, page_size, Hkv, D] -> combined pages [P, page_size, Hkv * 2 * Ds] as a TPU
+    stores them (combined.py), the lanes past D filled with large noise where the kernel must not
+    let them count (K's padding lanes meet q's zero lanes, V's are never output) instead of zeros."""
+    kv = combined.combine_kv(k_pages, v_pages)
+    D, Ds = k_pages.shape[-1], combined.combined_head_dim(k_pages.shape[-1])
+    if D == Ds:
+        return kv
+    lane = np.arange(kv.shape[-1]) % Ds
+    noise = np.asarray(rng.normal(0, 100, kv.shape), np.float32)
+    return jnp.where(lane >= D, jnp.asarray(noise).astype(kv.dtype), kv)
 
 
 def run_kernel_and_reference(case, **kw):
     """(kernel output, reference output) as float64 numpy arrays. The kernel gets the pools as a
-    TPU stores them: KV heads padded to `tpu.stored_kv_heads`."""
+    TPU stores them: combined pages."""
     args = [jnp.asarray(x) for x in case]
     kw = {"sm_scale": SM_SCALE, **kw}
     q, k_pages, v_pages, *rest = args
-    Hkv = k_pages.shape[2]
-    stored = tpu.stored_kv_heads(Hkv, k_pages.dtype)
-    rng = np.random.default_rng(99)
-    k_stored, v_stored = pad_heads(k_pages, stored, rng), pad_heads(v_pages, stored, rng)
-    got = tpu.ragged_paged_attention(q, k_stored, v_stored, *rest, num_kv_heads=Hkv, interpret=kw.pop("interpret", True), **kw)
+    kv_pages = combined_pages(k_pages, v_pages, np.random.default_rng(99))
+    got = tpu.ragged_paged_attention(q, kv_pages, *rest, interpret=kw.pop("interpret", True), **kw)
     kw.pop("vmem_limit_bytes", None), kw.pop("fetch_rows", None)  # kernel-only options
     want = reference.ragged_paged_attention(*args, **kw)
     assert got.dtype == args[0].dtype and got.shape == args[0].shape
@@ -60,8 +62,9 @@ def real_rows(case):
     return int(cu[int(np.reshape(num_seqs, -1)[0])])
 
 
-# (Hq, Hkv, head_dim, page_size): GQA ratios 1/2/4/8, head_dim 64 and 128, three page sizes
-CONFIGS = [(2, 2, 64, 4), (4, 2, 128, 16), (8, 2, 64, 8), (8, 1, 128, 16)]
+# (Hq, Hkv, head_dim, page_size): GQA ratios 1/2/4/8, head_dim 32 (stored in 64 lanes), 64 (K and V
+# of a head share a 128-lane row) and 128, three page sizes
+CONFIGS = [(2, 2, 64, 4), (4, 2, 128, 16), (8, 2, 64, 8), (8, 1, 128, 16), (4, 1, 32, 8)]
 
 
 @pytest.mark.parametrize("Hq,Hkv,D,page_size", CONFIGS, ids=[f"G{hq // hkv}-D{d}-page{p}" for hq, hkv, d, p in CONFIGS])
@@ -90,14 +93,8 @@ def test_page_table_rows_fetched_per_program_give_the_same_attention():
     assert np.all(got[real_rows(case) :] == 0)
 
 
-@pytest.mark.parametrize("Hkv,dtype,stored", [(3, jnp.bfloat16, 4), (1, jnp.bfloat16, 2), (1, jnp.float32, 1),
-                                               (2, jnp.int8, 4), (8, jnp.bfloat16, 8), (12, jnp.bfloat16, 16)])
-def test_pools_store_heads_in_whole_words_and_tiles(Hkv, dtype, stored):
-    assert tpu.stored_kv_heads(Hkv, dtype) == stored
-
-
-def test_odd_kv_head_count_padded_in_the_pool():
-    """SmolLM2's shape: 9 query heads over 3 KV heads of 64, the pool padded to 4 heads."""
+def test_odd_kv_head_count_needs_no_padding():
+    """SmolLM2's shape: 9 query heads over 3 KV heads of 64, a combined row of 3 x 128 lanes."""
     rng = np.random.default_rng(1)
     case = make_case(rng, [12, 1, 3], [12, 30, 9], Hq=9, Hkv=3, D=64, page_size=16, pad_tokens=3)
     case = tuple(jnp.asarray(x, jnp.bfloat16) if x.dtype == np.float32 else x for x in case)
@@ -105,10 +102,11 @@ def test_odd_kv_head_count_padded_in_the_pool():
     assert_close(got, want, BF16_TOL)
 
 
-def test_pools_that_do_not_tile_are_rejected():
-    case = make_case(np.random.default_rng(5), [2], [2], Hq=6, Hkv=3, D=64, page_size=4)
-    with pytest.raises(ValueError, match="store 4"):
-        tpu.ragged_paged_attention(*map(jnp.asarray, case), interpret=True)
+def test_pages_that_do_not_hold_whole_heads_are_rejected():
+    q, k, v, *rest = make_case(np.random.default_rng(5), [2], [2], Hq=6, Hkv=3, D=64, page_size=4)
+    kv_pages = combined.combine_kv(jnp.asarray(k), jnp.asarray(v))[..., :-64]
+    with pytest.raises(ValueError, match="whole heads"):
+        tpu.ragged_paged_attention(jnp.asarray(q), kv_pages, *map(jnp.asarray, rest), interpret=True)
 
 
 def test_bfloat16_queries_and_pages():
@@ -165,20 +163,21 @@ def test_query_blocks_visit_only_the_kv_blocks_they_can_see(sliding_window, want
 
 def test_quantized_pages_without_a_scale_are_rejected():
     q, k, v, *rest = make_case(np.random.default_rng(5), [2], [2], Hq=2, Hkv=1, D=64, page_size=4)
-    args = [jnp.asarray(q), jnp.asarray(k, jnp.int8), jnp.asarray(v, jnp.int8), *map(jnp.asarray, rest)]
+    args = [jnp.asarray(q), combined.combine_kv(jnp.asarray(k, jnp.int8), jnp.asarray(v, jnp.int8)), *map(jnp.asarray, rest)]
     with pytest.raises(ValueError, match="k_scale"):
         tpu.ragged_paged_attention(*args, sm_scale=SM_SCALE, interpret=True)
 
 
 def test_blocks_too_large_for_the_vmem_limit_are_rejected():
-    case = make_case(np.random.default_rng(6), [2], [2], Hq=2, Hkv=1, D=64, page_size=4)
+    q, k, v, *rest = map(jnp.asarray, make_case(np.random.default_rng(6), [2], [2], Hq=2, Hkv=1, D=64, page_size=4))
     with pytest.raises(ValueError, match="VMEM"):
-        tpu.ragged_paged_attention(*map(jnp.asarray, case), num_queries_per_block=8, vmem_limit_bytes=64 * 1024, interpret=True)
+        tpu.ragged_paged_attention(q, combined.combine_kv(k, v), *rest, num_queries_per_block=8, vmem_limit_bytes=64 * 1024,
+                                   interpret=True)
 
 
 def test_vmem_working_set_of_a_llama_prefill_block_fits_the_smallest_chip():
-    # Bq=32, G=4 (R=128 rows per KV head), 8 KV heads of 128, bf16, 8 pages of 16 tokens
-    need = tpu.vmem_working_set_bytes(rows=128, num_kv_heads=8, stored_heads=8, head_dim=128, kv_tokens=128,
+    # Bq=32, G=4 (R=128 rows per KV head), 8 KV heads of 128 (a combined row of 2048 lanes), bf16, 8 pages of 16 tokens
+    need = tpu.vmem_working_set_bytes(rows=128, num_kv_heads=8, row_width=2048, lanes=128, kv_tokens=128,
                                       q_itemsize=2, kv_itemsize=2)
     q_and_out, kv_slots, scores, one_head, softmax = 1024, 1024, 128, 256, 8 * (64 + 2 * 64)  # KiB; m, l lane-padded
     assert need == (q_and_out + kv_slots + scores + one_head + softmax) * 1024
@@ -209,7 +208,7 @@ def test_tpu_simulator_finds_no_race_and_no_unneeded_page_is_read(capfd):
     poisoned[1, : (23 - window) // page_size] = never  # the decode at position 22 sees 17..22: pages 0-3 unused
     try:
         got = tpu.ragged_paged_attention(
-            *map(jnp.asarray, (q, k, v, kv_lens, poisoned, cu, num_seqs)),
+            jnp.asarray(q), combined.combine_kv(jnp.asarray(k), jnp.asarray(v)), *map(jnp.asarray, (kv_lens, poisoned, cu, num_seqs)),
             sm_scale=SM_SCALE, sliding_window=window, num_queries_per_block=2, num_kv_pages_per_block=1,
             interpret=pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager"),
         )

@@ -26,12 +26,13 @@ from pallas_kernels.quantized_matmul import gpu as qmm_gpu
 from pallas_kernels.quantized_matmul import tpu as qmm_tpu
 from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
 from pallas_kernels.ragged_paged_attention import tpu as rpa_tpu
-from pallas_kernels.rope_kv_write import rope_kv_write_gpu, rope_kv_write_tpu
+from pallas_kernels.ragged_paged_attention.combined import row_width
+from pallas_kernels.rope_kv_write import rope_kv_write_gpu
 from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu, swiglu_matmul_tpu
 
 # Each platform's kernels, called directly (not through jaxinfer.ops.kernels: no XLA fallbacks here).
 TPU_KERNELS = dict(flash_attention=flash_attention_tpu, add_rms_norm=add_rms_norm_tpu, quantized_matmul=qmm_tpu.quantized_matmul,
-                   ragged_paged_attention=rpa_tpu.ragged_paged_attention, rope_kv_write=rope_kv_write_tpu,
+                   ragged_paged_attention=rpa_tpu.ragged_paged_attention,
                    swiglu_matmul=swiglu_matmul_tpu, lora_sgmv_shrink=lora_tpu.sgmv_shrink, lora_sgmv_expand=lora_tpu.sgmv_expand)
 GPU_KERNELS = dict(flash_attention=flash_attention_gpu, add_rms_norm=add_rms_norm_gpu, quantized_matmul=qmm_gpu.quantized_matmul,
                    ragged_paged_attention=rpa_gpu.ragged_paged_attention, rope_kv_write=rope_kv_write_gpu,
@@ -85,33 +86,31 @@ def kernel_cases(target: Target, shape: FamilyShape):
     tpu = target.platform == "tpu"
     k = TPU_KERNELS if tpu else GPU_KERNELS
     flash, add_rms_norm, quantized_matmul = k["flash_attention"], k["add_rms_norm"], k["quantized_matmul"]
-    ragged_paged_attention, rope_kv_write, swiglu = k["ragged_paged_attention"], k["rope_kv_write"], k["swiglu_matmul"]
-    stored_kv_heads = rpa_tpu.stored_kv_heads if tpu else (lambda n, dtype: n)
+    ragged_paged_attention, swiglu = k["ragged_paged_attention"], k["swiglu_matmul"]
 
     sm_scale = D**-0.5
     kv_dtypes = (("bf16", bf16, {}), ("int8", jnp.int8, dict(k_scale=0.05, v_scale=0.05)),
                  ("fp8", jnp.float8_e4m3fn, dict(k_scale=0.05, v_scale=0.05)))
-    Dp = -(-D // 128) * 128 if tpu else D  # the pool's rows as the model stores them (kv_cache.pool_head_dim)
     for name, kv_dtype, scales in kv_dtypes:
-        Hs = stored_kv_heads(Hkv, kv_dtype)
-        pages = spec((NUM_PAGES, PAGE_SIZE, Hs, Dp), kv_dtype)
+        # TPU: combined pages, one row of K and V per token (jaxinfer.ops.kv_cache); GPU: separate pools
+        pools = (spec((NUM_PAGES, PAGE_SIZE, row_width(Hkv, D)), kv_dtype),) if tpu else (spec((NUM_PAGES, PAGE_SIZE, Hkv, D), kv_dtype),) * 2
         for bucket, T, S, Bq in ATTENTION_BUCKETS:
-            heads = dict(num_kv_heads=Hkv) if tpu else {}
-            fn = functools.partial(ragged_paged_attention, sm_scale=sm_scale, num_queries_per_block=Bq, **heads, **scales)
-            args = (spec((T, Hq, Dp), bf16), pages, pages, spec((S,), i32), spec((S, PAGES_PER_SEQ), i32),
+            fn = functools.partial(ragged_paged_attention, sm_scale=sm_scale, num_queries_per_block=Bq, **scales)
+            args = (spec((T, Hq, D), bf16), *pools, spec((S,), i32), spec((S, PAGES_PER_SEQ), i32),
                     spec((S + 1,), i32), spec((1,), i32))
-            yield "ragged_paged_attention", f"{bucket} T={T} S={S} kv={name} Hs={Hs} D={Dp}", fn, args
+            layout = f"combined[{pools[0].shape[-1]}]" if tpu else f"[{Hkv}, {D}]"
+            yield "ragged_paged_attention", f"{bucket} T={T} S={S} kv={name} {layout}", fn, args
 
     T = 512
     yield ("flash_attention", f"prefill T={T}", functools.partial(flash, sm_scale=sm_scale, causal=True),
            (spec((T, Hq, D), bf16), spec((T, Hkv, D), bf16), spec((T, Hkv, D), bf16), spec((5,), i32), spec((1,), i32)))
 
     T = MATMUL_TOKENS
-    Hs = stored_kv_heads(Hkv, bf16)
-    pool = spec((NUM_PAGES, PAGE_SIZE, Hs, D), bf16)
-    yield ("rope_kv_write", f"T={T} Hs={Hs}", rope_kv_write,
-           (spec((T, Hq, D), bf16), spec((T, Hs, D), bf16), spec((T, Hs, D), bf16), spec((T, D), jnp.float32),
-            spec((T, D), jnp.float32), pool, pool, spec((T,), i32), spec((T,), i32)))
+    if not tpu:  # a TPU writes its combined pages with XLA's scatter (pallas_kernels.rope_kv_write)
+        pool = spec((NUM_PAGES, PAGE_SIZE, Hkv, D), bf16)
+        yield ("rope_kv_write", f"T={T} Hkv={Hkv}", k["rope_kv_write"],
+               (spec((T, Hq, D), bf16), spec((T, Hkv, D), bf16), spec((T, Hkv, D), bf16), spec((T, D), jnp.float32),
+                spec((T, D), jnp.float32), pool, pool, spec((T,), i32), spec((T,), i32)))
     yield ("add_rms_norm", f"T={T} H={H}", functools.partial(add_rms_norm, eps=1e-5),
            (spec((T, H), bf16), spec((T, H), bf16), spec((H,), bf16)))
     yield "swiglu_matmul", f"T={T} {H}->{F}", swiglu, (spec((T, H), bf16), spec((H, 2 * F), bf16))

@@ -131,7 +131,7 @@ class AbstractStep:
         return self.kv_bytes_per_chip() // self.num_pages  # a chip holds its replica's num_pages pages
 
     def kv_pool_elements_per_chip(self) -> int:
-        return math.prod(self.kv.k.sharding.shard_shape(self.kv.k.shape))
+        return math.prod(self.kv.pages.sharding.shard_shape(self.kv.pages.shape))
 
     # ------------------------------------------------------------------ compiling
     def inputs(self, key: BucketKey):

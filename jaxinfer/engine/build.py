@@ -168,9 +168,9 @@ def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights:
                  return_hidden: bool = False) -> ModelRunner:
     """A model's runner on `mesh`: its placed weights and a KV pool of the (resolved) config's page geometry."""
     parallel = config.parallel(model_config)
-    specs = kv_partition_spec(quantized=is_quantized(config.kv_dtype))
+    specs = kv_partition_spec(quantized=is_quantized(config.kv_dtype), combined=config.kernels.combines_kv(config.kv_dtype))
     kv = KVCache.create(model_config, config.num_pages * parallel.num_replicas, config.page_size, config.kv_dtype,
-                        tp=parallel.tp, sharding=jax.sharding.NamedSharding(mesh, specs.k),
+                        tp=parallel.tp, sharding=jax.sharding.NamedSharding(mesh, specs.pages),
                         scale_sharding=jax.sharding.NamedSharding(mesh, specs.k_scale) if specs.k_scale else None,
                         kernels=config.kernels)
     return ModelRunner(weights.graphdef, weights.params, kv, config.buckets(parallel), num_top_logprobs=num_top_logprobs,

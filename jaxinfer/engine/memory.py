@@ -103,9 +103,12 @@ def abstract_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, *,
     """The KV pool `KVCache.create` would place (`num_pages` over every replica), as
     ShapeDtypeStructs with their shardings on `mesh`: nothing allocated."""
     shape = KVCache.shape(config, num_pages, page_size, dtype, tp=tp, kernels=kernels)
-    specs = kv_partition_spec(is_quantized(dtype))
+    combined = kernels.combines_kv(dtype)
+    specs = kv_partition_spec(is_quantized(dtype), combined)
     struct = lambda shp, dt, spec: jax.ShapeDtypeStruct(shp, dt, sharding=NamedSharding(mesh, spec))  # noqa: E731
     stored = storage_dtype(dtype)  # e4m3 pools hold bytes
+    if combined:
+        return KVCache(kv=struct(shape, stored, specs.kv))
     kv = KVCache(k=struct(shape, stored, specs.k), v=struct(shape, stored, specs.v))
     if specs.k_scale is not None:  # a quantized pool: a float32 scale per token and head
         kv.k_scale, kv.v_scale = (struct(shape[:-1], jnp.float32, specs.k_scale) for _ in range(2))

@@ -352,7 +352,7 @@ class ModelRunner:
         dst = np.zeros(n, np.int32)
         for i, (replica, (s, d)) in enumerate(copies):
             src[i], dst[i] = self._global_pages(replica, [s, d])
-        self.kv = page_ops(self.step_fn.mesh, self.kv.quantized).copy(self.kv, src, dst)
+        self.kv = page_ops(self.step_fn.mesh, self.kv.quantized, self.kv.combined).copy(self.kv, src, dst)
 
     def read_pages(self, replica: int, pages: Sequence[int]) -> KVCache:
         """A replica's pages, all layers, on the host: a KVCache of numpy arrays, k and v
@@ -361,7 +361,7 @@ class ModelRunner:
         a power of two with the scratch page, as `copy_pages` does."""
         padded = np.zeros(_power_of_two(len(pages)), np.int32)
         padded[: len(pages)] = pages
-        saved = page_ops(self.step_fn.mesh, self.kv.quantized).read(self.kv, self._global_pages(replica, padded))
+        saved = page_ops(self.step_fn.mesh, self.kv.quantized, self.kv.combined).read(self.kv, self._global_pages(replica, padded))
         return jax.tree.map(lambda a: np.asarray(a)[:, : len(pages)], saved)
 
     def write_pages(self, replica: int, pages: Sequence[int], saved: KVCache) -> None:
@@ -371,7 +371,7 @@ class ModelRunner:
         padded = np.zeros(n, np.int32)
         padded[: len(pages)] = pages
         saved = jax.tree.map(lambda a: np.pad(a, [(0, 0), (0, n - a.shape[1])] + [(0, 0)] * (a.ndim - 2)), saved)
-        self.kv = page_ops(self.step_fn.mesh, self.kv.quantized).write(self.kv, self._global_pages(replica, padded), saved)
+        self.kv = page_ops(self.step_fn.mesh, self.kv.quantized, self.kv.combined).write(self.kv, self._global_pages(replica, padded), saved)
 
     def warmup_page_ops(self, *, max_copies: int, max_swapped: int = 0) -> None:
         """Compiles the page programs for every padded size: copies of up to `max_copies` pages
@@ -534,10 +534,10 @@ class PageOps(NamedTuple):
 
 
 @functools.cache
-def page_ops(mesh, quantized: bool) -> PageOps:
+def page_ops(mesh, quantized: bool, combined: bool = False) -> PageOps:
     """Every array of the cache (K, V and a quantized pool's scales) shares the [L, P] leading
     axes, so each operation is the same on all of them."""
-    kv_sharding = kv_shardings(mesh, quantized)
+    kv_sharding = kv_shardings(mesh, quantized, combined)
     everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def copy(kv: KVCache, src, dst) -> KVCache:

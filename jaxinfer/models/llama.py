@@ -132,7 +132,7 @@ class LlamaForCausalLM(nnx.Module):
             slot = jax.lax.dynamic_slice_in_dim(slot_of_token, first_row, Tl)  # [Tl]
 
         # Fold the layer axis into the page axis: layer i's page p is page i * P + p of one pool.
-        L, num_pages = kv.k.shape[:2]
+        L, num_pages = kv.num_layers, kv.num_pages
 
         # The loop carries the residual stream as (hidden, residual): each norm takes in the add
         # that precedes it (add_rms_norm), so on accelerators the add and the norm are one pass.

@@ -28,7 +28,8 @@ from jaxinfer.ops.kv_cache import KVCache
 from jaxinfer.ops.quantization import hadamard, random_orthogonal
 from pallas_kernels.ragged_paged_attention import split_kv
 from pallas_kernels.ragged_paged_attention.reference import quantize_kv
-from pallas_kernels.rope_kv_write import apply_rope
+from pallas_kernels.ragged_paged_attention.combined import combine_kv
+from pallas_kernels.rope_kv_write import apply_rope, rope_kv_write_combined
 from sharding.mesh import ParallelConfig
 from sharding.ring_attention import merge_partials, ring_attention
 
@@ -54,37 +55,34 @@ def kv_write_locations(batch: RaggedBatch, page_size: int, scratch_page: int) ->
 def rope_and_write_kv(q, k, v, cos, sin, pool: KVCache, write_page, write_offset, kernels: Kernels = Kernels()):
     """RoPE on q and k, then the rotated keys and the values into their page slots.
 
-    q [T, Hq, D], k / v [T, Hkv, D], cos / sin [T, D], `pool` the page pools [N, page_size, Hs, Ds]
-    (and a quantized pool's scales [N, page_size, Hs]), write_page / write_offset [T] (pool page,
-    slot). Returns (q_rot, k_rot [T, Hkv, D], pool). With Pallas kernels this is one kernel
-    (pallas_kernels.rope_kv_write) that writes each token's row into its page in place; the XLA
-    path rotates and scatters (`write_rows`). The TPU kernel copies rows as they are, so it needs
-    k / v in the pools' dtype; the GPU kernel needs head_dim / 2 to be a power of two; a
-    quantized pool takes the XLA path, which quantizes each row as it writes it. Pools holding
-    more heads or lanes than the model (TPU tiling: kv_cache.pool_kv_heads and pool_head_dim)
-    get zeros in the extra ones; with padded lanes the rotation and the write are XLA's (the
-    kernel rotates the halves of the row it stores, which would be the padded row).
+    q [T, Hq, D], k / v [T, Hkv, D], cos / sin [T, D], `pool` the folded page pools (kv_cache),
+    write_page / write_offset [T] (pool page, slot). Returns (q_rot, k_rot [T, Hkv, D], pool).
+    Separate float pools: the kernel table's `rope_kv_write` (one kernel on a GPU that writes each
+    token's rows into its page in place). A combined pool (TPU): RoPE and an in-place scatter of
+    each token's row, in XLA (`rope_kv_write_combined`). A quantized pool: rotate, then
+    `write_rows`, which quantizes each row as it writes it.
     """
-    Hkv, D = k.shape[1:]
-    if pool.quantized or pool.k.shape[3] != D:
+    if pool.combined:
+        q, k, kv = rope_kv_write_combined(q, k, v, cos, sin, pool.kv, write_page, write_offset)
+        return q, k, dataclasses.replace(pool, kv=kv)
+    if pool.quantized:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, write_rows(pool, write_page, write_offset, k, v)
-    k, v = pad_to_pool(k, pool.k), pad_to_pool(v, pool.v)
     q, k, k_pages, v_pages = kernels.rope_kv_write(q, k, v, cos, sin, pool.k, pool.v, write_page, write_offset)
-    return q, k[:, :Hkv], dataclasses.replace(pool, k=k_pages, v=v_pages)
+    return q, k, dataclasses.replace(pool, k=k_pages, v=v_pages)
 
 
 def write_rows(pool: KVCache, pages, offsets, k, v) -> KVCache:
-    """Rows k, v [n, Hkv, D] (after RoPE) into slots (pages [n], offsets [n]) of the pool: padded
-    to its heads and lanes, and in a quantized pool turned by `kv_rotation` and stored as entries
-    and a scale per head (kv_cache)."""
-    if pool.quantized:
-        rotation = kv_rotation(k.shape[-1])
-        k, v = k.astype(jnp.float32) @ rotation, v.astype(jnp.float32) @ rotation
-    k, v = pad_to_pool(k, pool.k, cast=False), pad_to_pool(v, pool.v, cast=False)
+    """Rows k, v [n, Hkv, D] (after RoPE) into slots (pages [n], offsets [n]) of the pool: one
+    combined row per token, or in separate pools K and V, a quantized pool's turned by
+    `kv_rotation` and stored as entries and a scale per head (kv_cache)."""
+    if pool.combined:
+        return dataclasses.replace(pool, kv=pool.kv.at[pages, offsets].set(combine_kv(k, v).astype(pool.kv.dtype)))
     if not pool.quantized:
         return dataclasses.replace(pool, k=pool.k.at[pages, offsets].set(k.astype(pool.k.dtype)),
                                    v=pool.v.at[pages, offsets].set(v.astype(pool.v.dtype)))
+    rotation = kv_rotation(k.shape[-1])
+    k, v = k.astype(jnp.float32) @ rotation, v.astype(jnp.float32) @ rotation
     (k, k_scale), (v, v_scale) = quantize_kv(k, pool.k.dtype), quantize_kv(v, pool.v.dtype)
     return KVCache(k=pool.k.at[pages, offsets].set(k), v=pool.v.at[pages, offsets].set(v),
                    k_scale=pool.k_scale.at[pages, offsets].set(k_scale), v_scale=pool.v_scale.at[pages, offsets].set(v_scale))
@@ -103,29 +101,13 @@ def kv_rotation(head_dim: int) -> np.ndarray:
     return random_orthogonal(head_dim, seed=0)
 
 
-def pad_to_pool(x: jax.Array, pool: jax.Array, cast: bool = True) -> jax.Array:
-    """[T, Hkv, D] -> [T, Hs, Ds] (in the pool's dtype unless cast=False): zero heads and zero
-    lanes appended where the pool stores more (TPU pools, kv_cache.pool_kv_heads / pool_head_dim)."""
-    T, H, D = x.shape
-    x = jnp.pad(x, ((0, 0), (0, pool.shape[2] - H), (0, pool.shape[3] - D)))
-    return x.astype(pool.dtype) if cast else x
-
-
-def model_part(pool: jax.Array, num_kv_heads: int, head_dim: int | None = None) -> jax.Array:
-    """The model's heads and lanes of a pool [P, page_size, Hs, Ds] (or of its scales
-    [P, page_size, Hs]: head_dim None); a copy when the pool is padded."""
-    if head_dim is None:
-        return pool if pool.shape[2] == num_kv_heads else pool[:, :, :num_kv_heads]
-    return pool if pool.shape[2:] == (num_kv_heads, head_dim) else pool[:, :, :num_kv_heads, :head_dim]
-
-
 def write_kv_and_attend(
     q: jax.Array,  # [T, Hq, D], before RoPE
     k: jax.Array,  # [T, Hkv, D], before RoPE
     v: jax.Array,  # [T, Hkv, D]
     cos: jax.Array,  # [T, D]: each token's rotation (layers.rope_cos_sin)
     sin: jax.Array,  # [T, D]
-    pool: KVCache,  # every layer's pages in one pool: [L * P, page_size, Hkv, D] (KVCache.fold_layers)
+    pool: KVCache,  # every layer's pages in one pool: [L * P, page_size, ...] (KVCache.fold_layers)
     layer_page_offset: jax.Array,  # scalar: layer * P, where this layer's pages start
     write_page: jax.Array,  # [T] from kv_write_locations
     write_offset: jax.Array,  # [T]
@@ -167,7 +149,7 @@ def paged_attention(q, k, v, pool: KVCache, layer_page_offset, batch: RaggedBatc
 
     def paged():
         if not pool.quantized:
-            return kernels.ragged_attention(q, pool.k, pool.v, page_table, batch, num_kv_heads=k.shape[1], sm_scale=sm_scale,
+            return kernels.ragged_attention(q, pool.pages, pool.v, page_table, batch, num_kv_heads=k.shape[1], sm_scale=sm_scale,
                                             sliding_window=sliding_window, query_block=query_block, spec_block=spec_block)
         rotation = kv_rotation(q.shape[-1])  # the pool holds K and V turned: turn q, and the output back
         out = kernels.ragged_attention((q.astype(jnp.float32) @ rotation).astype(q.dtype), pool.k, pool.v, page_table, batch,
@@ -254,12 +236,12 @@ def attend_sequence_parallel(q, k, v, cos, sin, pool: KVCache, layer_page_offset
     q_cached, scales = q, {}
     if pool.quantized:  # turned K / V in the pool (kv_rotation): q turned, the output turned back
         q_cached = (q.astype(jnp.float32) @ kv_rotation(D)).astype(q.dtype)
-        scales = dict(k_scale=model_part(pool.k_scale, Hkv), v_scale=model_part(pool.v_scale, Hkv))
-    cached_out, cached_lse = split_kv.ragged_paged_attention(  # earlier steps' K/V, from the pages
-        q_cached, model_part(pool.k, Hkv, D), model_part(pool.v, Hkv, D), view.kv_lens, view.page_table + layer_page_offset,
+        scales = dict(k_scale=pool.k_scale, v_scale=pool.v_scale)
+    cached_out, cached_lse = split_kv.ragged_paged_attention(  # earlier steps' K/V, from the pages (kv: combined)
+        q_cached, pool.pages, pool.v, view.kv_lens, view.page_table + layer_page_offset,
         view.cu_q_lens, view.num_seqs,
         kv_end=batch.kv_lens - q_lens, return_lse=True, num_queries_per_block=query_block,
-        num_kv_pages_per_block=max(1, PREFILL_KV_TOKENS_PER_ITEM // pool.k.shape[1]), **scales, **options,
+        num_kv_pages_per_block=max(1, PREFILL_KV_TOKENS_PER_ITEM // pool.page_size), **scales, **options,
     )
     if pool.quantized:
         cached_out = cached_out.astype(jnp.float32) @ kv_rotation(D).T

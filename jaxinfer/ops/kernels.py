@@ -16,23 +16,27 @@
 `resolve_kernels` turns the choice into a `Kernels` table of named functions, one signature per
 operation whatever the platform; the model and `jaxinfer.ops.attention` call each of them from
 one place. A kernel that cannot take a shape (the TPU SwiGLU kernel needs 128-column halves, the
-GPU RoPE kernel a power-of-two half head_dim, the TPU RoPE kernel K/V already in the pool's
-dtype) falls back to the XLA path inside its entry. The table is static: part of the model's
+GPU RoPE kernel a power-of-two half head_dim) falls back to the XLA path inside its entry. The table is static: part of the model's
 structure (tables compare equal by platform, interpret flag and `xla`), so one compiled step per
 choice.
 
 `Kernels(..., xla=("ragged_attention", ...))` runs those operations' XLA paths whatever the
 platform: the on-device check (`jaxinfer.runtime.kernel_selfcheck`) puts there every kernel that
 failed against its reference on the chip; it is part of the table's identity (its own compiled
-step). The XLA attention reads the model's own heads, so "ragged_attention" brings the XLA pool
-layout (`stored_kv_heads`, `stored_head_dim`) with it.
+step). The XLA attention reads separate K and V pools, so "ragged_attention" brings the separate
+pool layout with it (`combines_kv`).
+
+The KV pool layout is the table's too (`combines_kv(dtype)`, jaxinfer.ops.kv_cache): the TPU
+attention kernel reads combined pages (K and V of every head in one row per token, stored by a
+TPU with no padding), every other path separate K and V pools. On a TPU the KV write into
+combined pages is XLA's in-place scatter, RoPE fused in XLA: a token's row cannot be DMA'd alone
+into a page whose tokens share 32-bit words (bf16, 8-bit), which Mosaic refuses.
 
 Quantized KV pools (int8 / e4m3 entries with a scale per token and head, jaxinfer.ops.kv_cache)
-are read by the XLA split-KV attention on every platform: the Pallas attention kernels take one
-scale per pool, not a pool of scales (on a TPU, a scale array [pages, page_size, heads] is tiled
-on its two minor dims, so a kernel cannot fetch a page's scales without cutting a tile). Their
-pools hold exactly the model's heads (no TPU head padding: the XLA path groups query heads by
-the pool's head count).
+are separate pools read by the XLA split-KV attention on every platform: the Pallas attention
+kernels take one scale per pool, not a pool of scales (a scale per token and head is 4 bytes
+beside each head's row, and no TPU layout found so far lets a page DMA fetch them without
+padding them to whole 128-lane rows).
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ from pallas_kernels.quantized_matmul import tpu as qmm_tpu
 from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
 from pallas_kernels.ragged_paged_attention import split_kv
 from pallas_kernels.ragged_paged_attention import tpu as rpa_tpu
-from pallas_kernels.rope_kv_write import gpu_supports, rope_kv_write_gpu, rope_kv_write_reference, rope_kv_write_tpu
+from pallas_kernels.ragged_paged_attention.reference import QUANTIZED_KV_DTYPES
+from pallas_kernels.rope_kv_write import gpu_supports, rope_kv_write_gpu, rope_kv_write_reference
 from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu, swiglu_matmul_tpu
 
 KERNEL_IMPLS = ("auto", "reference", "pallas", "pallas-tpu", "pallas-gpu")
@@ -71,7 +76,6 @@ OPERATIONS = ("ragged_attention", "flash_attention", "rope_kv_write", "quantized
 DECODE_KV_TOKENS_PER_ITEM = 128
 SPEC_KV_TOKENS_PER_ITEM = 64  # verify chunks of speculative decoding: a few queries, long contexts
 PREFILL_KV_TOKENS_PER_ITEM = 128
-TPU_LANES = 128
 
 
 # ----------------------------------------------------------------------------- the XLA paths
@@ -117,12 +121,8 @@ def xla_swiglu_matmul(x, w_gate_up) -> jax.Array:
     return (jax.nn.silu(gate) * up).astype(x.dtype)
 
 
-def same_kv_heads(num_kv_heads: int, dtype) -> int:
-    return num_kv_heads
-
-
-def same_head_dim(head_dim: int) -> int:
-    return head_dim
+def separate_kv(dtype) -> bool:
+    return False
 
 
 def same_dtype(dtype):
@@ -133,19 +133,14 @@ def same_dtype(dtype):
 def _tpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale: float,
                           sliding_window: int | None, query_block: int, spec_block: int = 0, k_scale=None, v_scale=None,
                           interpret: bool) -> jax.Array:
-    """The TPU kernel reads the model's first num_kv_heads of a padded pool; q gets zero lanes up
-    to the pool's head_dim (scores unchanged), which come off the output. A quantized pool: the
-    XLA path (module docstring), over the same zero-padded lanes."""
-    D = q.shape[2]
-    q_lanes = jnp.pad(q, ((0, 0), (0, 0), (0, k_pages.shape[3] - D)))
-    if k_scale is not None:
-        return xla_ragged_attention(q_lanes, k_pages, v_pages, page_table, batch, num_kv_heads=num_kv_heads,
-                                    sm_scale=sm_scale, sliding_window=sliding_window, query_block=query_block,
-                                    spec_block=spec_block, k_scale=k_scale, v_scale=v_scale)[:, :, :D]
-    out = rpa_tpu.ragged_paged_attention(
-        q_lanes, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, num_kv_heads=num_kv_heads,
-        sm_scale=sm_scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, num_queries_per_block=query_block, interpret=interpret)
-    return out[:, :, :D]
+    """Combined pages (v_pages None): the TPU kernel. Separate pools (a quantized pool): the XLA path."""
+    if v_pages is not None:
+        return xla_ragged_attention(q, k_pages, v_pages, page_table, batch, num_kv_heads=num_kv_heads, sm_scale=sm_scale,
+                                    sliding_window=sliding_window, query_block=query_block, spec_block=spec_block,
+                                    k_scale=k_scale, v_scale=v_scale)
+    return rpa_tpu.ragged_paged_attention(
+        q, k_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, sm_scale=sm_scale,
+        sliding_window=sliding_window, num_queries_per_block=query_block, interpret=interpret)
 
 
 def _gpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale: float,
@@ -158,14 +153,6 @@ def _gpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *
     return rpa_gpu.ragged_paged_attention(
         q, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, sm_scale=sm_scale,
         sliding_window=sliding_window, num_queries_per_block=query_block, interpret=interpret)
-
-
-def _tpu_rope_kv_write(*args, interpret: bool):
-    """The TPU kernel copies rows as they are: K/V must be in the pools' dtype already."""
-    q, k, v, cos, sin, k_pages, v_pages, *_ = args
-    if k.dtype == k_pages.dtype and v.dtype == v_pages.dtype:
-        return rope_kv_write_tpu(*args, interpret=interpret)
-    return rope_kv_write_reference(*args)
 
 
 def _gpu_rope_kv_write(*args, interpret: bool):
@@ -186,17 +173,9 @@ def _tpu_scale_dtype(dtype):
     return jnp.dtype(jnp.float32) if jnp.dtype(dtype) == jnp.float16 else dtype
 
 
-def _tpu_kv_heads(num_kv_heads: int, dtype) -> int:
-    """The TPU kernel's padded heads (whole 32-bit words and tiles); a quantized pool, read by the
-    XLA path, keeps the model's."""
-    if jnp.dtype(dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)):
-        return num_kv_heads
-    return rpa_tpu.stored_kv_heads(num_kv_heads, dtype)
-
-
-def _tpu_head_dim(head_dim: int) -> int:
-    """head_dim in whole 128-lane rows (see jaxinfer.ops.kv_cache.pool_head_dim)."""
-    return -(-head_dim // TPU_LANES) * TPU_LANES
+def _tpu_combines_kv(dtype) -> bool:
+    """Float pools are combined (the TPU kernel's layout); quantized ones stay separate (XLA path)."""
+    return jnp.dtype(dtype) not in QUANTIZED_KV_DTYPES
 
 
 # ----------------------------------------------------------------------------- the table
@@ -206,7 +185,8 @@ class Kernels:
 
     ragged_attention(q [T,Hq,D], k_pages, v_pages, page_table [S,pages], batch, *, num_kv_heads,
         sm_scale, sliding_window, query_block, spec_block, k_scale, v_scale) -> [T,Hq,D]
-        (k_scale / v_scale: a quantized pool's scales [pages, page_size, heads], else None)
+        (k_scale / v_scale: a quantized pool's scales [pages, page_size, heads], else None; a
+        combined pool comes as k_pages with v_pages None)
     flash_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, sliding_window, causal) -> [T,Hq,D];
         None: no flash path (the XLA attention serves every step)
     rope_kv_write(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset) -> (q, k, k_pages, v_pages)
@@ -216,8 +196,8 @@ class Kernels:
     lora_delta(x [T,K], a [N,K,P R], bs (P x [N,R,O_p]), slot [T]) -> float32 [T, sum O_p]: the
         LoRA adapters' delta of P projections sharing an input (jaxinfer.models.lora); the
         kernels group tokens by slot (SGMV), the XLA path picks its form by shape
-    stored_kv_heads(heads per shard, dtype) / stored_head_dim(head_dim): the KV pool layout the
-        attention kernel reads (jaxinfer.ops.kv_cache)
+    combines_kv(dtype) -> bool: whether the KV pool of that dtype is combined (one row of K and V
+        per token, the TPU kernel's layout) or separate K and V pools (jaxinfer.ops.kv_cache)
     scale_dtype(dtype): the dtype a quantized weight's scales and offsets are placed in for the
         quantized matmul (the TPU kernel cannot load float16: float32 instead)
     """
@@ -233,8 +213,7 @@ class Kernels:
     add_rms_norm: Callable = dataclasses.field(default=None, compare=False, repr=False)
     swiglu_matmul: Callable = dataclasses.field(default=None, compare=False, repr=False)
     lora_delta: Callable = dataclasses.field(default=None, compare=False, repr=False)
-    stored_kv_heads: Callable = dataclasses.field(default=None, compare=False, repr=False)
-    stored_head_dim: Callable = dataclasses.field(default=None, compare=False, repr=False)
+    combines_kv: Callable = dataclasses.field(default=None, compare=False, repr=False)
     scale_dtype: Callable = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -246,7 +225,7 @@ class Kernels:
                              f"kernel table (expected some of {', '.join(map(repr, OPERATIONS))})")
         object.__setattr__(self, "xla", tuple(sorted(set(self.xla))))
         xla = _xla_table(self.interpret)
-        on_xla = set(self.xla) | ({"stored_kv_heads", "stored_head_dim"} if "ragged_attention" in self.xla else set())
+        on_xla = set(self.xla) | ({"combines_kv"} if "ragged_attention" in self.xla else set())
         for name, fn in _TABLES[self.platform](self.interpret).items():
             if name in on_xla:
                 object.__setattr__(self, name, xla[name])
@@ -262,15 +241,15 @@ def _xla_table(interpret: bool) -> dict[str, Callable | None]:
     return dict(ragged_attention=xla_ragged_attention, flash_attention=None, rope_kv_write=rope_kv_write_reference,
                 quantized_matmul=xla_quantized_matmul, add_rms_norm=add_rms_norm_reference, swiglu_matmul=xla_swiglu_matmul,
                 lora_delta=lora_delta_xla,
-                stored_kv_heads=same_kv_heads, stored_head_dim=same_head_dim, scale_dtype=same_dtype)
+                combines_kv=separate_kv, scale_dtype=same_dtype)
 
 
 def _tpu_table(interpret: bool) -> dict[str, Callable]:
     pallas = functools.partial(functools.partial, interpret=interpret)  # f -> f(..., interpret=interpret)
     return dict(ragged_attention=pallas(_tpu_ragged_attention), flash_attention=pallas(flash_attention_tpu),
-                rope_kv_write=pallas(_tpu_rope_kv_write), quantized_matmul=pallas(qmm_tpu.quantized_matmul),
+                rope_kv_write=rope_kv_write_reference, quantized_matmul=pallas(qmm_tpu.quantized_matmul),
                 add_rms_norm=pallas(add_rms_norm_tpu), swiglu_matmul=pallas(_tpu_swiglu_matmul), lora_delta=pallas(lora_delta_tpu),
-                stored_kv_heads=_tpu_kv_heads, stored_head_dim=_tpu_head_dim, scale_dtype=_tpu_scale_dtype)
+                combines_kv=_tpu_combines_kv, scale_dtype=_tpu_scale_dtype)
 
 
 def _gpu_table(interpret: bool) -> dict[str, Callable]:
@@ -278,7 +257,7 @@ def _gpu_table(interpret: bool) -> dict[str, Callable]:
     return dict(ragged_attention=pallas(_gpu_ragged_attention), flash_attention=pallas(flash_attention_gpu),
                 rope_kv_write=pallas(_gpu_rope_kv_write), quantized_matmul=pallas(qmm_gpu.quantized_matmul),
                 add_rms_norm=pallas(add_rms_norm_gpu), swiglu_matmul=pallas(swiglu_matmul_gpu), lora_delta=pallas(lora_delta_gpu),
-                stored_kv_heads=same_kv_heads, stored_head_dim=same_head_dim, scale_dtype=same_dtype)
+                combines_kv=separate_kv, scale_dtype=same_dtype)
 
 
 _TABLES = {"reference": _xla_table, "tpu": _tpu_table, "gpu": _gpu_table}

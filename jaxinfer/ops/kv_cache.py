@@ -1,29 +1,34 @@
 """The paged KV state: one pytree of page arrays, threaded through the jitted step and donated.
 
-Layout (chosen once; kernels read it as is):
+Two layouts (chosen once from the kernel table, `Kernels.combines_kv`; kernels read them as they are):
 
-    k, v   [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    separate   k, v  [num_layers, num_pages, page_size, num_kv_heads, head_dim]     CPU, GPU, XLA paths
+    combined   kv    [num_layers, num_pages, page_size, num_kv_heads * 2 * Ds]      TPU kernels
 
-Token-major pages: one token's row of every KV head is contiguous, so a write of a token and a
-fetch of a page each cut only the two leading (untiled) dimensions on a TPU. With the TPU
-kernels a pool may hold more KV heads than the model has (`pool_kv_heads`: whole 32-bit words
-and tiles for the kernel's strided head loads, e.g. SmolLM2's 3 -> 4 in bf16) and head_dim in
-whole 128-lane rows (`pool_head_dim`); the extra heads and lanes hold zeros and are never read.
-Every other back end stores exactly the model's heads.
+Token-major pages either way: one token's row of every KV head is contiguous. The combined row
+(`pallas_kernels.ragged_paged_attention.combined`) holds K_0 V_0 K_1 V_1 ... in Ds lanes each
+(Ds = head_dim for 64 and multiples of 128): a whole number of 128-lane rows, which a TPU stores
+with no padding at all, where separate pools padded head_dim 64 to 128 lanes and one KV head per
+chip to two (measured with libtpu in tests/test_kv_layout.py: bytes per token per chip are exactly
+the model's K/V bytes for head_dim 64 / 128 / 256, 1 / 2 / 8 KV heads per chip, bf16 / int8 /
+fp8). With tensor parallelism each shard of the row is a contiguous run of whole heads.
 
 A sequence owns a list of pages (its row of the page table); token at position p of that
 sequence lives in page `page_table[p // page_size]`, slot `p % page_size`. Page 0 is never
 handed to a sequence: padded token slots write their (garbage) K/V there, so padding can never
 touch a live page.
 
-Inside the step the layer axis is folded into the page axis (`[L * P, page_size, Hkv, D]`,
-a free reshape) and layer `l` addresses its pages as `l * P + page`: one page pool, one
-attention signature, no per-layer copy.
+Inside the step the layer axis is folded into the page axis (`[L * P, page_size, ...]`, a free
+reshape) and layer `l` addresses its pages as `l * P + page`: one page pool, one attention
+signature, no per-layer copy.
 
 Quantized pools (`kv_cache_dtype` int8 or float8_e4m3fn) hold each token's K and V per head as
 int8 / e4m3 entries and a float32 scale, `entry * scale` being the value:
 
     k_scale, v_scale   [num_layers, num_pages, page_size, num_kv_heads]   float32
+
+(separate pools only: a quantized pool keeps the separate layout and is read by the XLA
+attention on every platform, see jaxinfer.ops.kernels)
 
 Each (token, head) row is turned by a fixed orthogonal matrix (`attention.kv_rotation`: a
 Hadamard matrix, which spreads a key's few large channels over all of them) and quantized on
@@ -49,28 +54,16 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.ops.kernels import Kernels
+from pallas_kernels.ragged_paged_attention.combined import row_width
 from pallas_kernels.ragged_paged_attention.reference import QUANTIZED_KV_DTYPES, storage_dtype
 from sharding.mesh import kv_heads_per_shard
 
 
-def pool_kv_heads(config: ModelConfig, dtype, *, tp: int = 1, kernels: Kernels = Kernels()) -> int:
+def pool_kv_heads(config: ModelConfig, *, tp: int = 1) -> int:
     """KV heads the cache holds (all shards together): each tensor-parallel shard holds its
     model heads (`sharding.mesh.kv_heads_per_shard`: split, or replicated when there are fewer
-    than tp), padded with zero heads to what the TPU kernel tiles when the TPU kernels run
-    (`pallas_kernels.ragged_paged_attention.tpu.stored_kv_heads`)."""
-    return kernels.stored_kv_heads(kv_heads_per_shard(config.num_kv_heads, tp), dtype) * tp
-
-
-def pool_head_dim(config: ModelConfig, kernels: Kernels = Kernels()) -> int:
-    """head_dim of the pool: the model's, rounded up to whole 128-lane rows with the TPU kernels.
-
-    Measured (jaxinfer.aot): a TPU's default layout for a [.., heads, 64] bf16 array puts the
-    page axis in the lanes (major_to_minor (0, 2, 3, 4, 1)), which the kernels cannot take, so
-    every step copied the whole pool to the row-major layout and back (4 pool-sized copies). A
-    128-lane pool keeps the row-major layout; it costs head_dim 64 models (SmolLM2, Llama-3.2-1B)
-    twice the KV memory on a TPU.
-    """
-    return kernels.stored_head_dim(config.head_dim)
+    than tp)."""
+    return kv_heads_per_shard(config.num_kv_heads, tp) * tp
 
 
 def is_quantized(dtype) -> bool:
@@ -80,19 +73,22 @@ def is_quantized(dtype) -> bool:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    k: jax.Array  # [L, P, page_size, Hkv, D]
-    v: jax.Array  # [L, P, page_size, Hkv, D]
+    k: jax.Array | None = None  # [L, P, page_size, Hkv, D]: separate layout
+    v: jax.Array | None = None  # [L, P, page_size, Hkv, D]
     k_scale: jax.Array | None = None  # [L, P, page_size, Hkv] float32: quantized pools only
     v_scale: jax.Array | None = None
+    kv: jax.Array | None = None  # [L, P, page_size, Hkv * 2 * Ds]: combined layout (TPU kernels)
 
     @staticmethod
     def create(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, *, tp: int = 1,
                sharding=None, scale_sharding=None, kernels: Kernels = Kernels()) -> "KVCache":
-        """Zeroed pages of `pool_kv_heads` heads (and their scales when `dtype` is int8 / e4m3).
-        `sharding` (a jax Sharding for k and v; `scale_sharding` for the scales) places each
-        device's part directly, nothing whole anywhere."""
+        """Zeroed pages in the kernels' layout (and scales when `dtype` is int8 / e4m3).
+        `sharding` (a jax Sharding for the page arrays; `scale_sharding` for the scales) places
+        each device's part directly, nothing whole anywhere."""
         shape = KVCache.shape(config, num_pages, page_size, dtype, tp=tp, kernels=kernels)
         zeros = jax.jit(lambda: jnp.zeros(shape, storage_dtype(dtype)), out_shardings=sharding)
+        if kernels.combines_kv(dtype):
+            return KVCache(kv=zeros())
         if not is_quantized(dtype):
             return KVCache(k=zeros(), v=zeros())
         scales = jax.jit(lambda: jnp.zeros(shape[:-1], jnp.float32), out_shardings=scale_sharding)
@@ -102,12 +98,23 @@ class KVCache:
     def page_bytes(config: ModelConfig, page_size: int, dtype, *, tp: int = 1, kernels: Kernels = Kernels()) -> int:
         """Bytes of one page of every layer, K and V (with their scales)."""
         shape = KVCache.shape(config, 1, page_size, dtype, tp=tp, kernels=kernels)
-        entry = math.prod(shape) * jnp.dtype(dtype).itemsize
-        return 2 * (entry + (math.prod(shape[:-1]) * 4 if is_quantized(dtype) else 0))
+        entries = math.prod(shape) * jnp.dtype(dtype).itemsize
+        if kernels.combines_kv(dtype):
+            return entries
+        return 2 * (entries + (math.prod(shape[:-1]) * 4 if is_quantized(dtype) else 0))
 
     @property
     def quantized(self) -> bool:
         return self.k_scale is not None
+
+    @property
+    def combined(self) -> bool:
+        return self.kv is not None
+
+    @property
+    def pages(self) -> jax.Array:
+        """The (first) page array: kv, or k."""
+        return self.kv if self.combined else self.k
 
     def fold_layers(self) -> "KVCache":
         """Every array with its layer axis folded into the page axis: [L * P, ...] (a free reshape)."""
@@ -119,18 +126,24 @@ class KVCache:
     @staticmethod
     def shape(config: ModelConfig, num_pages: int, page_size: int, dtype, *, tp: int = 1,
               kernels: Kernels = Kernels()) -> tuple[int, ...]:
-        """Shape of k (and v): [L, num_pages, page_size, pool_kv_heads, head_dim]."""
-        return (config.num_layers, num_pages, page_size, pool_kv_heads(config, dtype, tp=tp, kernels=kernels),
-                pool_head_dim(config, kernels))
+        """Shape of each page array: kv [L, P, page_size, tp * row] (row = combined.row_width of a
+        shard's heads), or k and v [L, P, page_size, pool_kv_heads, head_dim]."""
+        if kernels.combines_kv(dtype):
+            row = row_width(kv_heads_per_shard(config.num_kv_heads, tp), config.head_dim)
+            return (config.num_layers, num_pages, page_size, tp * row)
+        return (config.num_layers, num_pages, page_size, pool_kv_heads(config, tp=tp), config.head_dim)
+
+    @property
+    def num_layers(self) -> int:
+        return self.pages.shape[0]
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[1]
+        return self.pages.shape[1]
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.pages.shape[2]
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in jax.tree.leaves(self))
-

@@ -60,7 +60,7 @@ import pallas_kernels
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.lora import A_BLOCKS, B_NAME
 from jaxinfer.ops import kernels as kernel_table
-from jaxinfer.ops.attention import FLASH_MIN_TOKENS, pad_to_pool
+from jaxinfer.ops.attention import FLASH_MIN_TOKENS
 from jaxinfer.ops.batch import Buckets, SequenceChunk, pack_batch
 from jaxinfer.ops.kernels import OPERATIONS, Kernels
 from jaxinfer.ops.kv_cache import is_quantized
@@ -68,6 +68,7 @@ from jaxinfer.ops.quantization import QuantizedWeight
 from jaxinfer.tree import nested_to_flat
 from pallas_kernels.flash_attention import flash_attention_reference
 from pallas_kernels.quantized_matmul.reference import stored_rows
+from pallas_kernels.ragged_paged_attention.combined import combine_kv
 from sharding.mesh import ParallelConfig, kv_heads_per_shard
 
 logger = logging.getLogger("jaxinfer")
@@ -249,7 +250,7 @@ def _attention_batches(page_size: int, spec_block: int):
 
 def _ragged_attention_cases(kernels: Kernels, xla: Kernels, s: StepShapes) -> Iterator[Case]:
     Hq, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
-    Hs, Ds = kernels.stored_kv_heads(Hkv, jnp.dtype(s.kv_dtype)), kernels.stored_head_dim(D)
+    combined = kernels.combines_kv(jnp.dtype(s.kv_dtype))
     for name, chunks, pages_per_seq, num_pages in _attention_batches(s.page_size, s.spec_block):
         real = sum(len(c.token_ids) for c in chunks)
         buckets = Buckets.default(1 << max(7, (real - 1).bit_length()), 8, pages_per_seq, spec_block=s.spec_block)
@@ -259,20 +260,21 @@ def _ragged_attention_cases(kernels: Kernels, xla: Kernels, s: StepShapes) -> It
 
         def inputs(rng, key=key, batch=batch, num_pages=num_pages):
             q_key, k_key, v_key = jax.random.split(rng, 3)
-            pool = lambda r: jnp.pad(_random(r, (num_pages, s.page_size, Hkv, D), s.kv_dtype),  # noqa: E731
-                                     ((0, 0), (0, 0), (0, Hs - Hkv), (0, Ds - D)))  # zero heads and lanes, as pools hold them
+            pool = lambda r: _random(r, (num_pages, s.page_size, Hkv, D), s.kv_dtype)  # noqa: E731
             batch = jax.tree.map(jnp.asarray, batch)
             return _random(q_key, (key.num_tokens, Hq, D), s.dtype), pool(k_key), pool(v_key), batch.page_table, batch
 
         def kernel(q, k_pages, v_pages, page_table, batch, real=real, options=options):
+            if combined:  # the pool as the step holds it: one row of K and V per token
+                return kernels.ragged_attention(q, combine_kv(k_pages, v_pages), None, page_table, batch, **options)[:real]
             return kernels.ragged_attention(q, k_pages, v_pages, page_table, batch, **options)[:real]
 
         def reference(q, k_pages, v_pages, page_table, batch, real=real, options=options):
-            model = lambda pages: pages[:, :, :Hkv, :D]  # noqa: E731  (the XLA path reads the model's heads)
-            return xla.ragged_attention(q, model(k_pages), model(v_pages), page_table, batch, **options)[:real]
+            return xla.ragged_attention(q, k_pages, v_pages, page_table, batch, **options)[:real]
 
+        layout = "combined" if combined else "separate"
         description = (f"{name} T={key.num_tokens} S={key.num_seqs} query_block={key.query_block} Hq={Hq} Hkv={Hkv} D={D} "
-                       f"pool {s.kv_dtype}[{s.page_size}, {Hs}, {Ds}] q {s.dtype} window={s.sliding_window}")
+                       f"{layout} pool {s.kv_dtype}[{s.page_size}, {Hkv}, {D}] q {s.dtype} window={s.sliding_window}")
         yield Case("ragged_attention", description, inputs, kernel, reference, _tolerance(s.dtype, s.kv_dtype))
 
 
@@ -294,18 +296,17 @@ def _flash_attention_case(kernels: Kernels, s: StepShapes) -> Case:
 
 def _rope_kv_write_case(kernels: Kernels, xla: Kernels, s: StepShapes) -> Case | None:
     Hq, Hkv, D, T, ps = s.num_heads, s.num_kv_heads, s.head_dim, TOKENS, s.page_size
-    Hs, Ds = kernels.stored_kv_heads(Hkv, jnp.dtype(s.kv_dtype)), kernels.stored_head_dim(D)
-    if Ds != D:
-        return None  # a pool with padded lanes: the step rotates and writes in XLA (ops.attention.rope_and_write_kv)
+    if kernels.combines_kv(jnp.dtype(s.kv_dtype)):
+        return None  # a combined pool: the step rotates and writes in XLA (ops.attention.rope_and_write_kv)
     num_pages = 2 + -(-3 * T // ps)
     slots = ps + 3 * np.arange(T)  # distinct slots from page 1 on (page 0: the scratch page)
     write_page, write_offset = jnp.asarray(slots // ps, jnp.int32), jnp.asarray(slots % ps, jnp.int32)
 
     def inputs(rng):
         keys = jax.random.split(rng, 6)
-        pool_shape = (num_pages, ps, Hs, D)
+        pool_shape = (num_pages, ps, Hkv, D)
         pools = [_random(k, pool_shape, s.kv_dtype) for k in keys[:2]]
-        k, v = (pad_to_pool(_random(r, (T, Hkv, D), s.dtype), pools[0]) for r in keys[2:4])  # as the step pads them
+        k, v = (_random(r, (T, Hkv, D), s.dtype) for r in keys[2:4])
         angles = jax.random.uniform(keys[4], (T, D // 2), jnp.float32, 0, 2 * np.pi)
         angles = jnp.concatenate([angles, angles], axis=-1)
         return (_random(keys[5], (T, Hq, D), s.dtype), k, v, jnp.cos(angles), jnp.sin(angles), *pools, write_page, write_offset)
@@ -313,10 +314,10 @@ def _rope_kv_write_case(kernels: Kernels, xla: Kernels, s: StepShapes) -> Case |
     def outputs(fn):
         def run(*args):
             q, k, k_pages, v_pages = fn(*args)
-            return q, k[:, :Hkv], k_pages[1:], v_pages[1:]
+            return q, k, k_pages[1:], v_pages[1:]
         return run
 
-    description = f"T={T} Hq={Hq} Hkv={Hkv} D={D} {s.dtype} pool {s.kv_dtype}[{ps}, {Hs}, {Ds}]"
+    description = f"T={T} Hq={Hq} Hkv={Hkv} D={D} {s.dtype} pool {s.kv_dtype}[{ps}, {Hkv}, {D}]"
     return Case("rope_kv_write", description, inputs, outputs(kernels.rope_kv_write), outputs(xla.rope_kv_write),
                 _tolerance(s.dtype, s.kv_dtype))
 

@@ -66,18 +66,21 @@ def param_shardings(config: ModelConfig, mesh: Mesh, tp: int | None = None, spec
     return out
 
 
-def kv_partition_spec(quantized: bool = False) -> KVCache:
+def kv_partition_spec(quantized: bool = False, combined: bool = False) -> KVCache:
     """The KV cache's spec: pages split over the replica axes, KV heads over "tensor" (a
-    quantized pool's scales, [L, P, page_size, Hkv], likewise)."""
+    quantized pool's scales, [L, P, page_size, Hkv], likewise; a combined pool's rows
+    [L, P, page_size, Hkv * 2 * Ds] split into runs of whole heads)."""
     spec = rules.logical_to_spec(rules.KV_CACHE_AXES)
+    if combined:
+        return KVCache(kv=rules.logical_to_spec(rules.KV_CACHE_AXES[:-1]))
     if not quantized:
         return KVCache(k=spec, v=spec)
     scale_spec = rules.logical_to_spec(rules.KV_CACHE_AXES[:-1])
     return KVCache(k=spec, v=spec, k_scale=scale_spec, v_scale=scale_spec)
 
 
-def kv_shardings(mesh: Mesh, quantized: bool = False) -> KVCache:
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_partition_spec(quantized),
+def kv_shardings(mesh: Mesh, quantized: bool = False, combined: bool = False) -> KVCache:
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_partition_spec(quantized, combined),
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 

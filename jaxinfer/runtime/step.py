@@ -104,7 +104,7 @@ class StepFunction:
         def model(params, kv, batch, prev_tokens, *, query_block: int, spec_block: int = 0):
             self.num_compiles += 1  # runs only while tracing, i.e. once per compiled variant
             self.num_model_compiles += 1
-            kv_specs = kv_partition_spec(kv.quantized)
+            kv_specs = kv_partition_spec(kv.quantized, kv.combined)
             return jax.shard_map(
                 lambda *a: per_device_model(*a, query_block, spec_block), mesh=self.mesh,
                 in_specs=(self._specs(params), kv_specs, per_replica_specs(batch), rules.per_replica(2)),
@@ -145,7 +145,7 @@ class StepFunction:
         def forward(params, kv, batch, *, query_block: int, spec_block: int = 0):
             """The raw logits [replicas, R, V] (for tests and scoring; with return_hidden also the
             rows' hidden states [replicas, R, H]); not the serving path."""
-            kv_specs = kv_partition_spec(kv.quantized)
+            kv_specs = kv_partition_spec(kv.quantized, kv.combined)
             return jax.shard_map(
                 lambda *a: per_device_forward(*a, query_block, spec_block), mesh=self.mesh,
                 in_specs=(self._specs(params), kv_specs, per_replica_specs(batch)),

@@ -34,6 +34,10 @@ Two options make the result a *partial* attention that can be merged with others
   which is what two partials over disjoint keys need to be merged exactly:
       lse = logaddexp(lse_a, lse_b),  out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b.
   A row that sees no key has output 0 and lse -inf.
+
+Combined pages (`combined.py`, the TPU layout: one row of K and V per token) are read when
+`v_pages` is None and `k_pages` is [P, page_size, Hkv * 2 * Ds]: each work item gathers its rows
+and splits them, so the pool is never copied whole.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention import combined as combined_layout
 from pallas_kernels.ragged_paged_attention.reference import check_kv_scales, dequantize_kv, is_pool
 
 DEFAULT_KV_TOKENS_PER_BLOCK = 128
@@ -68,8 +73,8 @@ def _cdiv(a, b):
 )
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [P, page_size, Hkv, D]
-    v_pages: jax.Array,  # [P, page_size, Hkv, D]
+    k_pages: jax.Array,  # [P, page_size, Hkv, D], or combined pages [P, page_size, Hkv * 2 * Ds]
+    v_pages: jax.Array | None,  # [P, page_size, Hkv, D]; None with combined pages
     kv_lens: jax.Array,  # [S]
     page_indices: jax.Array,  # [S, pages_per_seq]
     cu_q_lens: jax.Array,  # [S + 1]
@@ -89,11 +94,13 @@ def ragged_paged_attention(
     return_lse: bool = False,  # also return lse [T, Hq] float32 (log-sum-exp of the visible scores)
     contraction: str = "dot",  # "dot" | "reduce": see the module docstring
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    check_kv_scales(k_pages, v_pages, k_scale, v_scale)
+    combined = v_pages is None
+    check_kv_scales(k_pages, k_pages if combined else v_pages, k_scale, v_scale)
     if contraction not in ("dot", "reduce"):
         raise ValueError(f"contraction={contraction!r}: expected 'dot' or 'reduce'")
     T, Hq, D = q.shape
-    page_size, Hkv = k_pages.shape[1], k_pages.shape[2]
+    page_size = k_pages.shape[1]
+    Hkv = combined_layout.num_heads(k_pages, D) if combined else k_pages.shape[2]
     S, pages_per_seq = page_indices.shape
     G = Hq // Hkv
     Bq = num_queries_per_block
@@ -165,8 +172,12 @@ def ragged_paged_attention(
         item_block = jax.lax.dynamic_slice_in_dim(item_block_all, start, W)
         kv_blk = jax.lax.dynamic_slice_in_dim(kv_blk_all, start, W)
         pages = jax.lax.dynamic_slice_in_dim(item_pages_all, start, W)  # [W, C]
-        k = dequantize_kv(k_pages[pages], k_scale[pages] if is_pool(k_scale) else k_scale).reshape(W, kv_block, Hkv, D)
-        v = dequantize_kv(v_pages[pages], v_scale[pages] if is_pool(v_scale) else v_scale).reshape(W, kv_block, Hkv, D)
+        if combined:
+            k, v = combined_layout.split_kv(k_pages[pages], D)  # [W, C, page_size, Hkv, D] each
+        else:
+            k, v = k_pages[pages], v_pages[pages]
+        k = dequantize_kv(k, k_scale[pages] if is_pool(k_scale) else k_scale).reshape(W, kv_block, Hkv, D)
+        v = dequantize_kv(v, v_scale[pages] if is_pool(v_scale) else v_scale).reshape(W, kv_block, Hkv, D)
         s = _scores(qb[item_block], k, contraction) * sm_scale  # [W, Hkv, Bq*G, kv_block]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)

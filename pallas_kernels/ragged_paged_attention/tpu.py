@@ -84,7 +84,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.compat import patch_interpret_mode
 from pallas_kernels import cost
-from pallas_kernels.ragged_paged_attention.reference import QUANTIZED_KV_DTYPES, check_kv_scales
+from pallas_kernels.ragged_paged_attention.combined import combined_head_dim, lane_width
+from pallas_kernels.ragged_paged_attention.reference import E4M3_BYTES, QUANTIZED_KV_DTYPES, check_kv_scales
 from pallas_kernels.tpu_chip import smem_capacity_bytes
 from pallas_kernels.tpu_chip import vmem_limit_bytes as chip_vmem_limit_bytes
 
@@ -93,24 +94,6 @@ DEFAULT_KV_TOKENS_PER_BLOCK = 128
 
 def _cdiv(a, b):
     return (a + b - 1) // b
-
-
-def heads_per_word(dtype) -> int:
-    """KV heads of one token packed in a 32-bit word: 1 (f32), 2 (bf16), 4 (int8 / fp8)."""
-    return 4 // jnp.dtype(dtype).itemsize
-
-
-def stored_kv_heads(num_kv_heads: int, dtype) -> int:
-    """KV heads a page pool of `dtype` holds on a TPU for `num_kv_heads` real ones: the fewest
-    >= num_kv_heads whose rows are whole 32-bit words, and 1, 2, 4, 8 or a multiple of 8 words
-    (so a fetched block is whole tiles; see the module docstring). Padded heads hold zeros."""
-    packing = heads_per_word(dtype)
-    heads = max(num_kv_heads, packing)
-    while True:
-        words = heads // packing
-        if heads % packing == 0 and (words in (1, 2, 4, 8) or words % 8 == 0):
-            return heads
-        heads += 1
 
 
 # SMEM the compiler keeps beside a kernel's own scalars (measured: ~4 KiB at the limit on v6e)
@@ -131,15 +114,15 @@ def _tile_bytes(rows: int, cols: int, itemsize: int) -> int:
 
 
 def vmem_working_set_bytes(
-    *, rows: int, num_kv_heads: int, stored_heads: int, head_dim: int, kv_tokens: int, q_itemsize: int,
-    kv_itemsize: int,
+    *, rows: int, num_kv_heads: int, row_width: int, lanes: int, kv_tokens: int, q_itemsize: int, kv_itemsize: int,
 ) -> int:
-    """VMEM one program needs: rows = Bq*G query rows per KV head, kv_tokens = C*page_size."""
-    q_and_out = 2 * 2 * num_kv_heads * _tile_bytes(rows, head_dim, q_itemsize)
-    kv_slots = 2 * 2 * _tile_bytes(kv_tokens * stored_heads, head_dim, kv_itemsize)
+    """VMEM one program needs: rows = Bq*G query rows per KV head, kv_tokens = C*page_size tokens
+    of `row_width` combined lanes, `lanes` (combined.lane_width) multiplied per head for K and V."""
+    q_and_out = 2 * 2 * num_kv_heads * _tile_bytes(rows, lanes, q_itemsize)
+    kv_slots = 2 * _tile_bytes(kv_tokens, row_width, kv_itemsize)
     scores = 2 * _tile_bytes(rows, kv_tokens, 4)
-    one_head_kv = 2 * 2 * _tile_bytes(kv_tokens, head_dim, 4)  # loaded words and the dequantized K / V
-    softmax_state = num_kv_heads * (_tile_bytes(rows, head_dim, 4) + 2 * _tile_bytes(rows, 1, 4))
+    one_head_kv = 2 * 2 * _tile_bytes(kv_tokens, lanes, 4)  # K and V of one head, loaded and dequantized
+    softmax_state = num_kv_heads * (_tile_bytes(rows, lanes, 4) + 2 * _tile_bytes(rows, 1, 4))
     return q_and_out + kv_slots + scores + one_head_kv + softmax_state
 
 
@@ -171,28 +154,23 @@ def query_block(b, refs, *, Bq, kv_block, sliding_window) -> QueryBlock:
     return QueryBlock(seq, num_rows, first_pos, last_pos, lo_pos, kv_lo, kv_hi)
 
 
-def read_heads(block_ref, num_heads: int, scale: float | None):
-    """The first `num_heads` heads of a fetched KV block [C, page_size, Hs, D] as (head, [C*page_size, D]).
+def read_head(block_ref, h: int, stored_head_dim: int, k_scale: float | None, v_scale: float | None):
+    """K_h and V_h of a fetched block [tokens, Hkv * 2 * Ds] as float32 [tokens, lanes] each
+    (combined.lane_width lanes: with Ds = 64 both are the whole 128-lane row holding K_h and V_h;
+    the caller's zero q lanes and its choice of output lanes pick the half it needs). Quantized
+    entries come out multiplied by the pool's scale."""
+    Ds = stored_head_dim
+    lanes = lane_width(Ds)
+    k_start, v_start = 2 * Ds * h, 2 * Ds * h + 2 * Ds - lanes
 
-    Float pages come out in float32 (bf16 values exactly), quantized ones as float32 * scale.
-    The block is read as 32-bit words of `heads_per_word` heads each (module docstring)."""
-    C, page_size, Hs, D = block_ref.shape
-    tokens = C * page_size
-    dtype = block_ref.dtype
-    packing = heads_per_word(dtype)
-    if packing == 1:
-        for h in range(num_heads):
-            yield h, block_ref[:, :, h, :].reshape(tokens, D).astype(jnp.float32)
-        return
-    words = block_ref.bitcast(jnp.uint32)  # [C, page_size, Hs / packing, D]: word j holds heads packing*j ...
-    for j in range(_cdiv(num_heads, packing)):
-        w = words[:, :, j, :].reshape(tokens, D)
-        for i in range(min(packing, num_heads - j * packing)):
-            if packing == 2:  # bf16: the low half is the even head
-                x = pltpu.bitcast(w << 16 if i == 0 else w & jnp.uint32(0xFFFF0000), jnp.float32)
-            else:
-                x = pltpu.bitcast((w >> (8 * i)).astype(jnp.uint8), dtype).astype(jnp.float32)
-            yield j * packing + i, x if scale is None else x * scale
+    def load(start, scale):
+        x = block_ref[:, pl.ds(start, lanes)]
+        if x.dtype == E4M3_BYTES:  # e4m3 entries stored as their bytes (reference.storage_dtype)
+            x = pltpu.bitcast(x, jnp.float8_e4m3fn)
+        x = x.astype(jnp.float32)
+        return x if scale is None else x * scale
+
+    return load(k_start, k_scale), load(v_start, v_scale)
 
 
 def _kernel(
@@ -204,21 +182,18 @@ def _kernel(
     block_seq_ref,  # [NB] sequence of each query block
     block_q_start_ref,  # [NB] first query of each block, within its sequence
     # inputs
-    q_ref,  # [Hkv, R, D] VMEM: query block b, for each KV head the G query heads it serves
-    k_hbm,  # [P, page_size, Hs, D] HBM
-    v_hbm,  # [P, page_size, Hs, D] HBM
+    q_ref,  # [Hkv, R, lanes] VMEM: query block b, for each KV head the G query heads it serves (zero lanes past D)
+    kv_hbm,  # [P, page_size, Hkv * 2 * Ds] HBM: combined pages (combined.py)
     table_hbm,  # [S * pages_per_seq] HBM: the page table, read from here with fetch_rows
     # output
-    o_ref,  # [Hkv, R, D] VMEM
+    o_ref,  # [Hkv, R, lanes] VMEM
     # scratch
-    k_buf,  # [2, C, page_size, Hs, D] VMEM, two slots
-    v_buf,
-    k_sems,  # DMA semaphores [2], one per slot
-    v_sems,
+    kv_buf,  # [2, C * page_size, Hkv * 2 * Ds] VMEM, two slots
+    kv_sems,  # DMA semaphores [2], one per slot
     fetch_state,  # SMEM int32[2]: [slot of this program's first KV block, 1 if already fetching it]
     m_ref,  # [Hkv, R, 1] float32: running max
     l_ref,  # [Hkv, R, 1] float32: running sum
-    acc_ref,  # [Hkv, R, D] float32
+    acc_ref,  # [Hkv, R, lanes] float32
     rows_ref,  # SMEM int32 [2 * pages_per_seq] with fetch_rows: the page-table rows of this program and the next
     rows_sem,  # DMA semaphore [1]
     *,
@@ -230,13 +205,15 @@ def _kernel(
     Bq,
     G,
     pages_per_seq,
+    page_size,
+    stored_head_dim,
     fetch_rows,
 ):
     b = pl.program_id(0)
     num_blocks = pl.num_programs(0)
     num_kv_heads, rows, _ = q_ref.shape
-    pages_per_block, page_size = k_buf.shape[1:3]
-    kv_block = pages_per_block * page_size
+    kv_block = kv_buf.shape[1]
+    pages_per_block = kv_block // page_size
     geometry = functools.partial(
         query_block,
         refs=(kv_lens_ref, cu_q_lens_ref, num_seqs_ref, block_seq_ref, block_q_start_ref),
@@ -251,34 +228,26 @@ def _kernel(
         return (program % 2) * pages_per_seq if fetch_rows else blk.seq * pages_per_seq
 
     def page_copies(blk: QueryBlock, j, slot, row):
-        """(needed, K copy, V copy) for each page of KV block j of query block `blk`: whole pages.
-        `row`: where its page ids start (row_start)."""
+        """(needed, copy) for each page of KV block j of query block `blk`: whole pages, into
+        rows i * page_size of the slot. `row`: where its page ids start (row_start)."""
         table = rows_ref if fetch_rows else page_indices_ref
         copies = []
         for i in range(pages_per_block):
             page = j * pages_per_block + i  # page number within the sequence
             needed = (page * page_size <= blk.last_pos) & ((page + 1) * page_size > blk.lo_pos)
             page_id = table[row + jnp.minimum(page, pages_per_seq - 1)]
-            k_copy = pltpu.make_async_copy(k_hbm.at[page_id], k_buf.at[slot, i], k_sems.at[slot])
-            v_copy = pltpu.make_async_copy(v_hbm.at[page_id], v_buf.at[slot, i], v_sems.at[slot])
-            copies.append((needed, k_copy, v_copy))
+            copy = pltpu.make_async_copy(kv_hbm.at[page_id], kv_buf.at[slot, pl.ds(i * page_size, page_size)],
+                                         kv_sems.at[slot])
+            copies.append((needed, copy))
         return copies
 
     def start_fetch(blk, j, slot, row):
-        for needed, k_copy, v_copy in page_copies(blk, j, slot, row):
-
-            @pl.when(needed)
-            def _():
-                k_copy.start()
-                v_copy.start()
+        for needed, copy in page_copies(blk, j, slot, row):
+            pl.when(needed)(copy.start)
 
     def wait_fetch(blk, j, slot, row):
-        for needed, k_copy, v_copy in page_copies(blk, j, slot, row):
-
-            @pl.when(needed)
-            def _():
-                k_copy.wait()
-                v_copy.wait()
+        for needed, copy in page_copies(blk, j, slot, row):
+            pl.when(needed)(copy.wait)
 
     def row_copy(program):  # with fetch_rows: the page-table row of `program`'s sequence into its parity's slot
         seq = block_seq_ref[program]
@@ -344,8 +313,8 @@ def _kernel(
         if sliding_window is not None:
             visible &= kv_pos > q_pos - sliding_window
 
-        keys, values = read_heads(k_buf.at[slot], num_kv_heads, k_scale), read_heads(v_buf.at[slot], num_kv_heads, v_scale)
-        for (h, k), (_, v) in zip(keys, values):  # head by head: one head's K and V live at a time
+        for h in range(num_kv_heads):  # head by head: one head's K and V live at a time
+            k, v = read_head(kv_buf.at[slot], h, stored_head_dim, k_scale, v_scale)
             v = jnp.where(fetched, v, 0.0).astype(dtype)
             s = jax.lax.dot_general(q_ref[h], k.astype(dtype), (((1,), (1,)), ((), ())), precision=precision,
                                     preferred_element_type=jnp.float32)  # [R, K]
@@ -380,7 +349,6 @@ def _kernel(
         "soft_cap",
         "k_scale",
         "v_scale",
-        "num_kv_heads",
         "num_queries_per_block",
         "num_kv_pages_per_block",
         "vmem_limit_bytes",
@@ -390,8 +358,7 @@ def _kernel(
 )
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [P, page_size, Hs, D]: Hs = stored_kv_heads(Hkv) on a real TPU
-    v_pages: jax.Array,  # [P, page_size, Hs, D]
+    kv_pages: jax.Array,  # [P, page_size, Hkv * 2 * Ds]: combined pages (combined.py), Ds = combined_head_dim(D)
     kv_lens: jax.Array,  # [S]
     page_indices: jax.Array,  # [S, pages_per_seq]
     cu_q_lens: jax.Array,  # [S + 1]
@@ -402,29 +369,25 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     k_scale: float | None = None,  # int8 / fp8 pages: entry * scale is the value (see reference.py)
     v_scale: float | None = None,
-    num_kv_heads: int | None = None,  # real KV heads (the first ones of the pool); default: all Hs
     num_queries_per_block: int = 8,
     num_kv_pages_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,  # default: the target chip's (pallas_kernels.tpu_chip)
     fetch_rows: bool | None = None,  # page-table rows fetched per program (default: when the whole table overflows SMEM)
     interpret=False,  # passed to pallas_call: True (HLO interpreter) or pltpu.InterpretParams(...)
 ) -> jax.Array:
-    check_kv_scales(k_pages, v_pages, k_scale, v_scale)
+    check_kv_scales(kv_pages, kv_pages, k_scale, v_scale)
     T, Hq, D = q.shape
-    page_size, Hs = k_pages.shape[1], k_pages.shape[2]
-    Hkv = Hs if num_kv_heads is None else num_kv_heads
+    P, page_size, width = kv_pages.shape
+    Ds = combined_head_dim(D)
+    lanes = lane_width(Ds)
     S, pages_per_seq = page_indices.shape
-    if not 0 < Hkv <= Hs:
-        raise ValueError(f"num_kv_heads={Hkv}: the pools hold {Hs} KV heads")
+    if width % (2 * Ds):
+        raise ValueError(f"combined pages of {width} lanes do not hold whole heads of 2 x {Ds} lanes (head_dim {D})")
+    Hkv = width // (2 * Ds)
     if Hq % Hkv:
         raise ValueError(f"{Hq} query heads do not split evenly over {Hkv} KV heads")
-    if k_pages.dtype not in QUANTIZED_KV_DTYPES and k_pages.dtype != q.dtype:
-        raise ValueError(f"float pages must have q's dtype: k_pages {k_pages.dtype}, q {q.dtype}")
-    if Hs != stored_kv_heads(Hs, k_pages.dtype):
-        raise ValueError(
-            f"{k_pages.dtype} pools of {Hs} KV heads do not tile on a TPU: store {stored_kv_heads(Hs, k_pages.dtype)}"
-            f" (pallas_kernels.ragged_paged_attention.tpu.stored_kv_heads; the extra heads stay zero)"
-        )
+    if kv_pages.dtype not in QUANTIZED_KV_DTYPES and kv_pages.dtype != q.dtype:
+        raise ValueError(f"float pages must have q's dtype: kv_pages {kv_pages.dtype}, q {q.dtype}")
     G = Hq // Hkv
     Bq = num_queries_per_block
     C = num_kv_pages_per_block or max(1, DEFAULT_KV_TOKENS_PER_BLOCK // page_size)
@@ -433,8 +396,8 @@ def ragged_paged_attention(
     R = Bq * G  # rows of one query block per KV head: query r // G, head r % G of the head's group
 
     limit = vmem_limit_bytes or chip_vmem_limit_bytes()
-    need = vmem_working_set_bytes(rows=R, num_kv_heads=Hkv, stored_heads=Hs, head_dim=D, kv_tokens=kv_block,
-                                  q_itemsize=q.dtype.itemsize, kv_itemsize=k_pages.dtype.itemsize)
+    need = vmem_working_set_bytes(rows=R, num_kv_heads=Hkv, row_width=width, lanes=lanes, kv_tokens=kv_block,
+                                  q_itemsize=q.dtype.itemsize, kv_itemsize=kv_pages.dtype.itemsize)
     if need > limit:
         raise ValueError(
             f"blocks need ~{need} bytes of VMEM (Bq={Bq}, G={G}, {Hkv} KV heads, {C} pages of {page_size}, D={D}) but"
@@ -465,38 +428,38 @@ def ragged_paged_attention(
     row_real = row_in_seq < q_lens[block_seq][:, None]
     rows = jnp.where(row_real, cu_q_lens[block_seq][:, None] + row_in_seq, T)  # T: dropped on the way out
 
-    q_blocks = q[jnp.minimum(rows, T - 1)].reshape(NB, Bq, Hkv, G, D)
-    q_blocks = q_blocks.transpose(0, 2, 1, 3, 4).reshape(NB, Hkv, R, D)
+    q_lanes = jnp.pad(q, ((0, 0), (0, 0), (0, lanes - D)))  # zero lanes: K's padding and, with Ds = 64, V's half
+    q_blocks = q_lanes[jnp.minimum(rows, T - 1)].reshape(NB, Bq, Hkv, G, lanes)
+    q_blocks = q_blocks.transpose(0, 2, 1, 3, 4).reshape(NB, Hkv, R, lanes)
 
-    tile = pl.BlockSpec((None, Hkv, R, D), lambda b, *_: (b, 0, 0, 0))
+    tile = pl.BlockSpec((None, Hkv, R, lanes), lambda b, *_: (b, 0, 0, 0))
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
-        v_scale=v_scale, Bq=Bq, G=G, pages_per_seq=pages_per_seq, fetch_rows=fetch_rows,
+        v_scale=v_scale, Bq=Bq, G=G, pages_per_seq=pages_per_seq, page_size=page_size, stored_head_dim=Ds,
+        fetch_rows=fetch_rows,
     )
     cost_estimate = cost.ragged_paged_attention(
-        query_rows=NB * Bq, query_blocks=NB, Hq=Hq, Hkv_stored=Hs, D=D, kv_tokens_per_block=pages_per_seq * page_size,
-        q_itemsize=q.dtype.itemsize, kv_itemsize=k_pages.dtype.itemsize,
+        query_rows=NB * Bq, query_blocks=NB, Hq=Hq, Hkv_stored=Hkv, D=Ds, kv_tokens_per_block=pages_per_seq * page_size,
+        q_itemsize=q.dtype.itemsize, kv_itemsize=kv_pages.dtype.itemsize,
     )
     table = page_indices.astype(jnp.int32).reshape(-1)  # [S * pages_per_seq]
     if interpret:
         patch_interpret_mode()
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((NB, Hkv, R, D), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((NB, Hkv, R, lanes), q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(NB,),
-            in_specs=[tile] + [pl.BlockSpec(memory_space=pl.ANY)] * 3,
+            in_specs=[tile] + [pl.BlockSpec(memory_space=pl.ANY)] * 2,
             out_specs=tile,
             scratch_shapes=[
-                pltpu.VMEM((2, C, page_size, Hs, D), k_pages.dtype),
-                pltpu.VMEM((2, C, page_size, Hs, D), v_pages.dtype),
-                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.VMEM((2, kv_block, width), kv_pages.dtype),
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.SMEM((2,), jnp.int32),
                 pltpu.VMEM((Hkv, R, 1), jnp.float32),
                 pltpu.VMEM((Hkv, R, 1), jnp.float32),
-                pltpu.VMEM((Hkv, R, D), jnp.float32),
+                pltpu.VMEM((Hkv, R, lanes), jnp.float32),
                 pltpu.SMEM((2 * pages_per_seq if fetch_rows else 1,), jnp.int32),
                 pltpu.SemaphoreType.DMA((1,)),
             ],
@@ -514,11 +477,10 @@ def ragged_paged_attention(
         block_seq,
         block_q_start,
         q_blocks,
-        k_pages,
-        v_pages,
+        kv_pages,
         table,
-    )  # [NB, Hkv, R, D]
+    )  # [NB, Hkv, R, lanes]: V's lanes of the row; with Ds = 64, the row's second half
 
-    out = out.reshape(NB, Hkv, Bq, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * Bq, Hq, D)
+    out = out[..., lanes - Ds : lanes - Ds + D].reshape(NB, Hkv, Bq, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * Bq, Hq, D)
     result = jnp.zeros((T, Hq, D), q.dtype)
     return result.at[rows.reshape(-1)].set(out, mode="drop")

@@ -19,7 +19,7 @@ import jax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import cost
-from pallas_kernels.rope_kv_write.reference import check_inputs
+from pallas_kernels.rope_kv_write.reference import check_inputs, check_pools
 
 Q_ROT, K_ROT, K_POOL, V_POOL = range(4)  # output indices
 
@@ -33,7 +33,8 @@ class Sizes(NamedTuple):
 
 def check_and_size(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset) -> Sizes:
     """`reference.check_inputs`, then the sizes the kernels are built for."""
-    check_inputs(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset)
+    check_inputs(q, k, v, cos, sin, write_page, write_offset)
+    check_pools(k, k_pages, v_pages)
     T, Hq, D = q.shape
     return Sizes(T, Hq, k.shape[1], D)
 

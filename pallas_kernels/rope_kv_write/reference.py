@@ -26,9 +26,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.combined import combine_kv, row_width
 
-def check_inputs(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset) -> None:
-    """ValueError naming the first argument whose shape does not fit the others."""
+
+def check_inputs(q, k, v, cos, sin, write_page, write_offset) -> None:
+    """ValueError naming the first argument whose shape does not fit the others (pools aside)."""
     if q.ndim != 3 or k.ndim != 3:
         raise ValueError(f"q and k must be [T, heads, D]; got q {q.shape}, k {k.shape}")
     T, _, D = q.shape
@@ -39,13 +41,18 @@ def check_inputs(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset) 
         raise ValueError(f"k and v must be [T, Hkv, D] with q's T and D: q {q.shape}, k {k.shape}, v {v.shape}")
     if cos.shape != (T, D) or sin.shape != (T, D):
         raise ValueError(f"cos and sin must be [T, D] = {(T, D)}; got {cos.shape}, {sin.shape}")
+    if write_page.shape != (T,) or write_offset.shape != (T,):
+        raise ValueError(f"write_page and write_offset must be [T] = [{T}]; got {write_page.shape}, {write_offset.shape}")
+
+
+def check_pools(k, k_pages, v_pages) -> None:
+    """ValueError unless the separate pools are [pages, page_size, Hkv, D] like k's heads."""
+    Hkv, D = k.shape[1:]
     if k_pages.ndim != 4 or k_pages.shape[2:] != (Hkv, D) or v_pages.shape != k_pages.shape:
         raise ValueError(
             f"k_pages and v_pages must be [pages, page_size, Hkv, D] with Hkv={Hkv}, D={D}: "
             f"got {k_pages.shape}, {v_pages.shape}"
         )
-    if write_page.shape != (T,) or write_offset.shape != (T,):
-        raise ValueError(f"write_page and write_offset must be [T] = [{T}]; got {write_page.shape}, {write_offset.shape}")
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -59,8 +66,24 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 @jax.jit
 def rope_kv_write(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset):
-    check_inputs(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset)
+    check_inputs(q, k, v, cos, sin, write_page, write_offset)
+    check_pools(k, k_pages, v_pages)
     q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_pages = k_pages.at[write_page, write_offset].set(k_rot.astype(k_pages.dtype))
     v_pages = v_pages.at[write_page, write_offset].set(v.astype(v_pages.dtype))
     return q_rot, k_rot, k_pages, v_pages
+
+
+@jax.jit
+def rope_kv_write_combined(q, k, v, cos, sin, kv_pages, write_page, write_offset):
+    """`rope_kv_write` into a combined pool kv_pages [N, page_size, Hkv * 2 * Ds]
+    (pallas_kernels.ragged_paged_attention.combined): token t's row K_0 V_0 K_1 V_1 ... lands in
+    slot write_offset[t] of page write_page[t]. -> (q_rot, k_rot, kv_pages)."""
+    check_inputs(q, k, v, cos, sin, write_page, write_offset)
+    T, Hkv, D = k.shape
+    if kv_pages.ndim != 3 or kv_pages.shape[2] != row_width(Hkv, D):
+        raise ValueError(f"kv_pages must be [pages, page_size, {row_width(Hkv, D)}] (combined rows of {Hkv} heads of "
+                         f"head_dim {D}); got {kv_pages.shape}")
+    q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    rows = combine_kv(k_rot.astype(kv_pages.dtype), v.astype(kv_pages.dtype))
+    return q_rot, k_rot, kv_pages.at[write_page, write_offset].set(rows)
