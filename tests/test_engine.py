@@ -297,13 +297,14 @@ def test_step_n_plus_1_is_dispatched_before_step_n_is_read(model_dir):
 
 def test_tpu_kernels_and_a_tpu_pool_swap_and_share_pages_like_the_reference(model_dir, roomy):
     """attention_impl="pallas" on the CPU: the TPU kernels in interpret mode over a pool laid out
-    for a TPU (head_dim 16 stored in 128 lanes). Swapping pages out and back and copy-on-write of a
-    shared partial page move whole padded pages and change no token."""
+    for a TPU (combined: one row of K and V per token, head_dim 16 stored in 64 lanes each).
+    Swapping pages out and back and copy-on-write of a shared partial page move whole pages and
+    change no token."""
     prompts, params = workload(8, seed=5)
     reference = alone(roomy, prompts, params)
     tpu = LLM(model_dir, num_pages=24, max_num_batched_tokens=32, preemption_mode="swap", attention_impl="pallas", **BASE)
     assert tpu.engine_config.kernel_impl == "pallas" and tpu.kernels.platform == "tpu"  # the option's old name still works
-    assert tpu.runner.kv.k.shape[-1] == 128
+    assert tpu.runner.kv.combined and tpu.runner.kv.kv.shape[-1] == tpu.config.num_kv_heads * 2 * 64
     assert together(tpu, prompts, params) == reference
     assert tpu.engine.get_stats().num_preemptions > 0
     prompt = list(range(3, 21))  # 18 tokens: a shared partial page, copied on the first write

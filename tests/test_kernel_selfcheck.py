@@ -59,11 +59,11 @@ class Counting:
 def test_a_refused_kernel_and_a_wrong_one_take_their_xla_paths_and_the_verdicts_are_cached(tmp_path, caplog):
     """The TPU kernels in interpret mode, the attention refused by the compiler and the norm off
     by one: both fail, are named in the log and run their XLA paths. The attention's brings the
-    XLA pool layout, at which the RoPE + KV-write kernel (not run with the TPU layout) is then
-    checked, passes and stays. A second check reads every verdict from the cache and runs nothing;
+    separate pool layout, at which the RoPE + KV-write entry (not run with the TPU's combined
+    pool) is then checked, passes and stays. A second check reads every verdict from the cache and runs nothing;
     another function in an entry is checked anew."""
     tpu = Kernels("tpu", interpret=True)
-    assert run_checks(tpu, TINY, operations=["rope_kv_write"]) == []  # 128-lane pools: the step's XLA write
+    assert run_checks(tpu, TINY, operations=["rope_kv_write"]) == []  # combined pools: the step's XLA write
     calls = {"ragged_attention": Counting(refused), "add_rms_norm": Counting(plus_one(tpu.add_rms_norm)),
              "rope_kv_write": Counting(tpu.rope_kv_write)}
     broken = Kernels("tpu", interpret=True, **calls)
@@ -73,7 +73,7 @@ def test_a_refused_kernel_and_a_wrong_one_take_their_xla_paths_and_the_verdicts_
 
     assert checked.xla == ("add_rms_norm", "ragged_attention") and checked != tpu
     assert checked.ragged_attention is XLA.ragged_attention and checked.add_rms_norm is XLA.add_rms_norm
-    assert checked.stored_head_dim(64) == 64  # the XLA attention's pool: the model's lanes
+    assert not checked.combines_kv(jnp.float32)  # the XLA attention's pool: separate K and V
     assert checked.rope_kv_write is calls["rope_kv_write"]  # the healthy kernel stays
     log = caplog.text
     assert "kernel ragged_attention failed its on-device check (decode" in log and "RuntimeError: Mosaic failed" in log

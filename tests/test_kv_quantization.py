@@ -132,11 +132,14 @@ def test_sharded_quantized_pools_give_what_one_device_gives(model_dir, reference
 
 
 def test_the_tpu_kernel_table_reads_a_quantized_pool_through_the_xla_path(model_dir, reference):
-    """TPU pools pad head_dim to 128 lanes; a quantized pool keeps the model's heads and is read by
-    the XLA attention over the padded lanes (ops.kernels)."""
+    """TPU pools are combined (kv_cache): a quantized pool holds one row of int8 K and V entries per
+    token (head_dim 16 in 64 lanes each) and its scales in one pool, (head, K|V, token) within a
+    page; the XLA attention reads them (ops.kernels)."""
     prompts, params, want = reference
     tpu = LLM(model_dir, kv_cache_dtype="int8", num_pages=128, max_num_batched_tokens=32, kernel_impl="pallas", **BASE)
-    assert tpu.runner.kv.k.shape[-2:] == (4, 128)
+    kv, heads, page_size = tpu.runner.kv, tpu.config.num_kv_heads, tpu.engine_config.page_size
+    assert kv.combined and kv.kv.dtype == jnp.int8 and kv.kv.shape[-1] == heads * 2 * 64
+    assert kv.kv_scale.shape == kv.kv.shape[:2] + (heads * 2 * page_size,) and kv.k is None
     assert tokens(tpu, prompts[:4], params[:4]) == want[:4]
 
 

@@ -140,14 +140,14 @@ def test_kernel_impl_resolves_per_backend():
 
 def test_the_kernel_table_names_one_function_per_operation():
     """Every platform fills every entry; the XLA table has no flash path; the TPU table combines
-    float KV pools (quantized ones stay separate, for the XLA attention), and its XLA fallback for
+    KV pools (quantized ones too: their scales in one pool, read by the XLA attention), and its XLA fallback for
     attention brings the separate layout back. Tables compare by platform and interpret flag alone."""
     entries = ("ragged_attention", "rope_kv_write", "quantized_matmul", "add_rms_norm", "swiglu_matmul", "combines_kv")
     for table in (Kernels(), Kernels("tpu", interpret=True), Kernels("gpu", interpret=True)):
         assert all(callable(getattr(table, name)) for name in entries), table
     assert Kernels().flash_attention is None and callable(Kernels("gpu", interpret=True).flash_attention)
     tpu = Kernels("tpu", interpret=True)
-    assert tpu.combines_kv(jnp.bfloat16) and tpu.combines_kv(jnp.float32) and not tpu.combines_kv(jnp.int8)
+    assert tpu.combines_kv(jnp.bfloat16) and tpu.combines_kv(jnp.float32) and tpu.combines_kv(jnp.int8)
     assert not Kernels("tpu", interpret=True, xla=("ragged_attention",)).combines_kv(jnp.bfloat16)
     assert not Kernels().combines_kv(jnp.bfloat16) and not Kernels("gpu", interpret=True).combines_kv(jnp.bfloat16)
     assert Kernels("tpu", interpret=True) == resolve_kernels("pallas", "cpu") and len({Kernels(), Kernels()}) == 1

@@ -1,5 +1,6 @@
-"""RoPE + KV write: the reference against a float64 numpy formula, and the TPU (Mosaic) and GPU
-(Triton) Pallas kernels against the reference in interpret mode on the CPU.
+"""RoPE + KV write: the reference against a float64 numpy formula, the combined-pool write (what a
+TPU runs) against it, and the GPU (Triton) Pallas kernel against the reference in interpret mode
+on the CPU.
 
 What must hold for every kernel: q_rot and k_rot equal the reference's, each real token's rotated
 key and value sit at its (page, offset), and every other page slot keeps its old bits. Padding
@@ -17,14 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.rope_kv_write import gpu_supports, rope_kv_write_gpu, rope_kv_write_reference, rope_kv_write_tpu
+from pallas_kernels.ragged_paged_attention.combined import combine_kv, row_width, split_kv
+from pallas_kernels.rope_kv_write import gpu_supports, rope_kv_write_combined, rope_kv_write_gpu, rope_kv_write_reference
 
-KERNELS = {
-    "tpu": functools.partial(rope_kv_write_tpu, block_tokens=8, interpret=True),
-    "gpu": functools.partial(rope_kv_write_gpu, block_tokens=4, interpret=True),
-}
+KERNELS = {"gpu": functools.partial(rope_kv_write_gpu, block_tokens=4, interpret=True)}
 TOLERANCE = {"float32": 1e-6, "bfloat16": 1e-2}  # relative to max |expected|
 
 
@@ -90,7 +88,27 @@ def test_reference_leaves_every_other_slot_bit_identical():
         np.testing.assert_array_equal(np.asarray(new)[~written], np.asarray(old)[~written])
 
 
-# ----------------------------------------------------------------------------- the kernels
+@pytest.mark.parametrize("Hkv,D", [(1, 64), (3, 64), (2, 128), (1, 16)])
+def test_combined_write_puts_each_token_row_where_the_separate_write_puts_its_k_and_v(Hkv, D):
+    """The combined pool's row of a written slot is K_0 V_0 K_1 V_1 ... of the separate write (zero
+    lanes past D); every other slot keeps its bits."""
+    case = make_case(8, T=9, Hq=2 * Hkv, Hkv=Hkv, D=D, page_size=4, num_pages=5, dtype=jnp.bfloat16)
+    q, k, v, cos, sin, k_pages, v_pages, page, offset = case
+    kv_pages = combine_kv(k_pages, v_pages)
+    assert kv_pages.shape == (5, 4, row_width(Hkv, D))
+    q_rot, k_rot, kv_new = rope_kv_write_combined(q, k, v, cos, sin, kv_pages, page, offset)
+    want = rope_kv_write_reference(*case)
+    np.testing.assert_array_equal(np.asarray(q_rot, np.float32), np.asarray(want[0], np.float32))
+    np.testing.assert_array_equal(np.asarray(k_rot, np.float32), np.asarray(want[1], np.float32))
+    k_got, v_got = split_kv(kv_new, D)
+    np.testing.assert_array_equal(np.asarray(k_got, np.float32), np.asarray(want[2], np.float32))
+    np.testing.assert_array_equal(np.asarray(v_got, np.float32), np.asarray(want[3], np.float32))
+    np.testing.assert_array_equal(np.asarray(kv_new, np.float32), np.asarray(combine_kv(want[2], want[3]), np.float32))
+    with pytest.raises(ValueError, match="combined rows"):
+        rope_kv_write_combined(q, k, v, cos, sin, kv_pages[..., :-16], page, offset)
+
+
+# ----------------------------------------------------------------------------- the GPU kernel
 # (Hq, Hkv, D, page_size, dtype): GQA 1 / 4 / 8, head_dim 64 and 128, pages of 1, 4 and 16 slots
 CASES = [
     (4, 4, 64, 4, jnp.float32),
@@ -100,7 +118,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+@pytest.mark.parametrize("backend", ["gpu"])
 @pytest.mark.parametrize("Hq,Hkv,D,page_size,dtype", CASES, ids=[f"G{hq // hkv}-D{d}-page{p}-{jnp.dtype(dt).name}" for hq, hkv, d, p, dt in CASES])
 def test_kernel_matches_reference(backend, Hq, Hkv, D, page_size, dtype):
     # 13 tokens (not a multiple of either kernel's token block), the last 3 of them padding
@@ -110,7 +128,7 @@ def test_kernel_matches_reference(backend, Hq, Hkv, D, page_size, dtype):
     assert_matches(got, rope_kv_write_reference(*case), dtype)
 
 
-@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+@pytest.mark.parametrize("backend", ["gpu"])
 @hypothesis.settings(max_examples=6, deadline=None, database=None)
 @hypothesis.given(T=st.integers(1, 20), num_padding=st.integers(0, 4), page_size=st.sampled_from([1, 4]), seed=st.integers(0, 2**16))
 def test_kernel_matches_reference_for_random_slots(backend, T, num_padding, page_size, seed):
@@ -120,7 +138,7 @@ def test_kernel_matches_reference_for_random_slots(backend, T, num_padding, page
     assert_matches(KERNELS[backend](*case), rope_kv_write_reference(*case), jnp.float32)
 
 
-@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+@pytest.mark.parametrize("backend", ["gpu"])
 def test_unwritten_slots_keep_their_bits_and_odd_head_counts_work(backend):
     # SmolLM2's 9 query / 3 KV heads (not powers of two: the GPU kernel pads and masks them), bf16
     case = make_case(7, T=13, Hq=9, Hkv=3, D=64, page_size=4, num_pages=8, dtype=jnp.bfloat16, num_padding=3)
@@ -134,25 +152,7 @@ def test_unwritten_slots_keep_their_bits_and_odd_head_counts_work(backend):
         np.testing.assert_array_equal(new[~written], old[~written])
 
 
-def test_tpu_kernel_in_the_tpu_simulator_has_no_race(capfd):
-    """The TPU simulator runs each DMA as started ("eager"), checks every copy's bounds and reports
-    reads of a buffer a DMA is still writing, and a semaphore left non-zero at exit (a DMA never
-    waited for)."""
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # private: the race detector state
-
-    case = make_case(3, T=11, Hq=4, Hkv=2, D=64, page_size=4, num_pages=5, dtype=jnp.float32)
-    try:
-        got = rope_kv_write_tpu(*case, block_tokens=8, interpret=pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager"))
-        got = jax.block_until_ready(got)
-    finally:
-        races_found = interpret_pallas_call.races.races_found if interpret_pallas_call.races else None
-        pltpu.reset_tpu_interpret_mode_state()
-    assert races_found is False
-    assert "non-zero count" not in capfd.readouterr().out
-    assert_matches(got, rope_kv_write_reference(*case), jnp.float32, page_0_too=True)
-
-
-@pytest.mark.parametrize("kernel", [rope_kv_write_tpu, rope_kv_write_gpu], ids=["tpu", "gpu"])
+@pytest.mark.parametrize("kernel", [rope_kv_write_gpu], ids=["gpu"])
 def test_kernel_with_its_default_block_matches_reference_on_fewer_tokens_than_a_block(kernel):
     # 3 tokens, none of them padding (page 0 is compared too), head_dim 16
     case = make_case(4, T=3, Hq=2, Hkv=1, D=16, page_size=4, num_pages=3, dtype=jnp.float32)
@@ -171,7 +171,7 @@ def test_kernel_with_its_default_block_matches_reference_on_fewer_tokens_than_a_
     ],
     ids=["odd-or-mismatched-D", "v-heads", "cos", "pools", "write-locations"],
 )
-@pytest.mark.parametrize("fn", [rope_kv_write_reference, KERNELS["tpu"], KERNELS["gpu"]], ids=["reference", "tpu", "gpu"])
+@pytest.mark.parametrize("fn", [rope_kv_write_reference, KERNELS["gpu"]], ids=["reference", "gpu"])
 def test_inconsistent_inputs_are_rejected(fn, change, message):
     case = make_case(5, T=4, Hq=2, Hkv=2, D=16, page_size=4, num_pages=3, dtype=jnp.float32)
     with pytest.raises(ValueError, match=message):
@@ -191,21 +191,6 @@ def _abstract_args(D, dtype=jnp.bfloat16, T=64, Hq=8, Hkv=2, page_size=16, num_p
     pool = s((num_pages, page_size, Hkv, D), dtype)
     return (s((T, Hq, D), dtype), s((T, Hkv, D), dtype), s((T, Hkv, D), dtype), s((T, D), jnp.float32), s((T, D), jnp.float32),
             pool, pool, s((T,), jnp.int32), s((T,), jnp.int32))
-
-
-@pytest.mark.parametrize("D", [64, 128])
-def test_tpu_kernel_lowers_to_mosaic(D, monkeypatch):
-    """jax.export for "tpu" runs the Pallas -> Mosaic lowering here (a v5e stands in for the chip
-    info it asks for; see test_ragged_attention_tpu.py). D = 64 checks the half-row lane roll."""
-    from jax._src.pallas.mosaic import tpu_info
-
-    monkeypatch.setitem(tpu_info.registry, "cpu", lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1))
-    tpu_info.get_tpu_info.cache_clear()
-    try:
-        exported = jax.export.export(jax.jit(rope_kv_write_tpu), platforms=["tpu"])(*_abstract_args(D))
-    finally:
-        tpu_info.get_tpu_info.cache_clear()
-    assert "tpu_custom_call" in exported.mlir_module()
 
 
 def test_gpu_kernel_lowers_to_triton():

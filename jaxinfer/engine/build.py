@@ -171,7 +171,7 @@ def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights:
     specs = kv_partition_spec(quantized=is_quantized(config.kv_dtype), combined=config.kernels.combines_kv(config.kv_dtype))
     kv = KVCache.create(model_config, config.num_pages * parallel.num_replicas, config.page_size, config.kv_dtype,
                         tp=parallel.tp, sharding=jax.sharding.NamedSharding(mesh, specs.pages),
-                        scale_sharding=jax.sharding.NamedSharding(mesh, specs.k_scale) if specs.k_scale else None,
+                        scale_sharding=jax.sharding.NamedSharding(mesh, specs.scales) if specs.scales else None,
                         kernels=config.kernels)
     return ModelRunner(weights.graphdef, weights.params, kv, config.buckets(parallel), num_top_logprobs=num_top_logprobs,
                        mesh=mesh, param_specs=weights.param_specs, return_hidden=return_hidden)

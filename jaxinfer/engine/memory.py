@@ -107,12 +107,12 @@ def abstract_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, *,
     specs = kv_partition_spec(is_quantized(dtype), combined)
     struct = lambda shp, dt, spec: jax.ShapeDtypeStruct(shp, dt, sharding=NamedSharding(mesh, spec))  # noqa: E731
     stored = storage_dtype(dtype)  # e4m3 pools hold bytes
+    scale_shape = KVCache.scale_shape(config, num_pages, page_size, tp=tp, combined=combined)
+    scales = lambda spec: struct(scale_shape, jnp.float32, spec) if is_quantized(dtype) else None  # noqa: E731  (a float32 scale per token and head)
     if combined:
-        return KVCache(kv=struct(shape, stored, specs.kv))
-    kv = KVCache(k=struct(shape, stored, specs.k), v=struct(shape, stored, specs.v))
-    if specs.k_scale is not None:  # a quantized pool: a float32 scale per token and head
-        kv.k_scale, kv.v_scale = (struct(shape[:-1], jnp.float32, specs.k_scale) for _ in range(2))
-    return kv
+        return KVCache(kv=struct(shape, stored, specs.kv), kv_scale=scales(specs.kv_scale))
+    return KVCache(k=struct(shape, stored, specs.k), v=struct(shape, stored, specs.v), k_scale=scales(specs.k_scale),
+                   v_scale=scales(specs.v_scale))
 
 
 def abstract_inputs(step: StepFunction, key: BucketKey, pages_per_seq: int, with_lora: bool):

@@ -62,7 +62,7 @@ def rope_and_write_kv(q, k, v, cos, sin, pool: KVCache, write_page, write_offset
     each token's row, in XLA (`rope_kv_write_combined`). A quantized pool: rotate, then
     `write_rows`, which quantizes each row as it writes it.
     """
-    if pool.combined:
+    if pool.combined and not pool.quantized:
         q, k, kv = rope_kv_write_combined(q, k, v, cos, sin, pool.kv, write_page, write_offset)
         return q, k, dataclasses.replace(pool, kv=kv)
     if pool.quantized:
@@ -74,18 +74,27 @@ def rope_and_write_kv(q, k, v, cos, sin, pool: KVCache, write_page, write_offset
 
 def write_rows(pool: KVCache, pages, offsets, k, v) -> KVCache:
     """Rows k, v [n, Hkv, D] (after RoPE) into slots (pages [n], offsets [n]) of the pool: one
-    combined row per token, or in separate pools K and V, a quantized pool's turned by
+    combined row per token, or K and V in separate pools. A quantized pool's rows are turned by
     `kv_rotation` and stored as entries and a scale per head (kv_cache)."""
-    if pool.combined:
-        return dataclasses.replace(pool, kv=pool.kv.at[pages, offsets].set(combine_kv(k, v).astype(pool.kv.dtype)))
     if not pool.quantized:
+        if pool.combined:
+            return dataclasses.replace(pool, kv=pool.kv.at[pages, offsets].set(combine_kv(k, v).astype(pool.kv.dtype)))
         return dataclasses.replace(pool, k=pool.k.at[pages, offsets].set(k.astype(pool.k.dtype)),
                                    v=pool.v.at[pages, offsets].set(v.astype(pool.v.dtype)))
     rotation = kv_rotation(k.shape[-1])
     k, v = k.astype(jnp.float32) @ rotation, v.astype(jnp.float32) @ rotation
-    (k, k_scale), (v, v_scale) = quantize_kv(k, pool.k.dtype), quantize_kv(v, pool.v.dtype)
-    return KVCache(k=pool.k.at[pages, offsets].set(k), v=pool.v.at[pages, offsets].set(v),
-                   k_scale=pool.k_scale.at[pages, offsets].set(k_scale), v_scale=pool.v_scale.at[pages, offsets].set(v_scale))
+    dtype = pool.pages.dtype
+    (k, k_scale), (v, v_scale) = quantize_kv(k, dtype), quantize_kv(v, dtype)  # entries [n, Hkv, D], scales [n, Hkv]
+    if not pool.combined:
+        return KVCache(k=pool.k.at[pages, offsets].set(k), v=pool.v.at[pages, offsets].set(v),
+                       k_scale=pool.k_scale.at[pages, offsets].set(k_scale), v_scale=pool.v_scale.at[pages, offsets].set(v_scale))
+    n, Hkv = k_scale.shape
+    page_size = pool.kv.shape[1]  # a folded pool: [L * P, page_size, ...]
+    # scales run (head, K|V, token) within a page: token `offset`'s 2 Hkv of them are page_size apart
+    slot = offsets[:, None] + page_size * jnp.arange(2 * Hkv)[None, :]  # [n, 2 Hkv]
+    scales = jnp.stack([k_scale, v_scale], axis=-1).reshape(n, 2 * Hkv)  # (head, K|V) order
+    return KVCache(kv=pool.kv.at[pages, offsets].set(combine_kv(k, v)),
+                   kv_scale=pool.kv_scale.at[pages[:, None], slot].set(scales))
 
 
 @functools.cache
@@ -152,9 +161,9 @@ def paged_attention(q, k, v, pool: KVCache, layer_page_offset, batch: RaggedBatc
             return kernels.ragged_attention(q, pool.pages, pool.v, page_table, batch, num_kv_heads=k.shape[1], sm_scale=sm_scale,
                                             sliding_window=sliding_window, query_block=query_block, spec_block=spec_block)
         rotation = kv_rotation(q.shape[-1])  # the pool holds K and V turned: turn q, and the output back
-        out = kernels.ragged_attention((q.astype(jnp.float32) @ rotation).astype(q.dtype), pool.k, pool.v, page_table, batch,
-                                       num_kv_heads=k.shape[1], sm_scale=sm_scale, sliding_window=sliding_window,
-                                       query_block=query_block, spec_block=spec_block, k_scale=pool.k_scale,
+        out = kernels.ragged_attention((q.astype(jnp.float32) @ rotation).astype(q.dtype), pool.pages, pool.v, page_table,
+                                       batch, num_kv_heads=k.shape[1], sm_scale=sm_scale, sliding_window=sliding_window,
+                                       query_block=query_block, spec_block=spec_block, k_scale=pool.scales,
                                        v_scale=pool.v_scale)
         return (out.astype(jnp.float32) @ rotation.T).astype(q.dtype)
 
@@ -236,12 +245,12 @@ def attend_sequence_parallel(q, k, v, cos, sin, pool: KVCache, layer_page_offset
     q_cached, scales = q, {}
     if pool.quantized:  # turned K / V in the pool (kv_rotation): q turned, the output turned back
         q_cached = (q.astype(jnp.float32) @ kv_rotation(D)).astype(q.dtype)
-        scales = dict(k_scale=pool.k_scale, v_scale=pool.v_scale)
+        scales = dict(k_scale=pool.scales, v_scale=pool.v_scale)
     cached_out, cached_lse = split_kv.ragged_paged_attention(  # earlier steps' K/V, from the pages (kv: combined)
         q_cached, pool.pages, pool.v, view.kv_lens, view.page_table + layer_page_offset,
         view.cu_q_lens, view.num_seqs,
         kv_end=batch.kv_lens - q_lens, return_lse=True, num_queries_per_block=query_block,
-        num_kv_pages_per_block=max(1, PREFILL_KV_TOKENS_PER_ITEM // pool.page_size), **scales, **options,
+        num_kv_pages_per_block=max(1, PREFILL_KV_TOKENS_PER_ITEM // pool.pages.shape[1]), **scales, **options,
     )
     if pool.quantized:
         cached_out = cached_out.astype(jnp.float32) @ kv_rotation(D).T

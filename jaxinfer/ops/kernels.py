@@ -33,10 +33,10 @@ combined pages is XLA's in-place scatter, RoPE fused in XLA: a token's row canno
 into a page whose tokens share 32-bit words (bf16, 8-bit), which Mosaic refuses.
 
 Quantized KV pools (int8 / e4m3 entries with a scale per token and head, jaxinfer.ops.kv_cache)
-are separate pools read by the XLA split-KV attention on every platform: the Pallas attention
-kernels take one scale per pool, not a pool of scales (a scale per token and head is 4 bytes
-beside each head's row, and no TPU layout found so far lets a page DMA fetch them without
-padding them to whole 128-lane rows).
+are read by the XLA split-KV attention on every platform (combined on a TPU too, so that they
+are stored exactly): the Pallas attention kernels take one scale per pool, not a pool of scales
+(a TPU stores the scales exactly only with the page axis in the lanes, which a page DMA cannot
+fetch; a page-major layout pads them to whole 128-lane rows).
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ from pallas_kernels.quantized_matmul import tpu as qmm_tpu
 from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
 from pallas_kernels.ragged_paged_attention import split_kv
 from pallas_kernels.ragged_paged_attention import tpu as rpa_tpu
-from pallas_kernels.ragged_paged_attention.reference import QUANTIZED_KV_DTYPES
 from pallas_kernels.rope_kv_write import gpu_supports, rope_kv_write_gpu, rope_kv_write_reference
 from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu, swiglu_matmul_tpu
 
@@ -133,8 +132,9 @@ def same_dtype(dtype):
 def _tpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale: float,
                           sliding_window: int | None, query_block: int, spec_block: int = 0, k_scale=None, v_scale=None,
                           interpret: bool) -> jax.Array:
-    """Combined pages (v_pages None): the TPU kernel. Separate pools (a quantized pool): the XLA path."""
-    if v_pages is not None:
+    """Float combined pages (v_pages None): the TPU kernel. A quantized pool (or separate pools): the
+    XLA path (module docstring)."""
+    if v_pages is not None or k_scale is not None:
         return xla_ragged_attention(q, k_pages, v_pages, page_table, batch, num_kv_heads=num_kv_heads, sm_scale=sm_scale,
                                     sliding_window=sliding_window, query_block=query_block, spec_block=spec_block,
                                     k_scale=k_scale, v_scale=v_scale)
@@ -173,9 +173,8 @@ def _tpu_scale_dtype(dtype):
     return jnp.dtype(jnp.float32) if jnp.dtype(dtype) == jnp.float16 else dtype
 
 
-def _tpu_combines_kv(dtype) -> bool:
-    """Float pools are combined (the TPU kernel's layout); quantized ones stay separate (XLA path)."""
-    return jnp.dtype(dtype) not in QUANTIZED_KV_DTYPES
+def combined_kv(dtype) -> bool:
+    return True
 
 
 # ----------------------------------------------------------------------------- the table
@@ -249,7 +248,7 @@ def _tpu_table(interpret: bool) -> dict[str, Callable]:
     return dict(ragged_attention=pallas(_tpu_ragged_attention), flash_attention=pallas(flash_attention_tpu),
                 rope_kv_write=rope_kv_write_reference, quantized_matmul=pallas(qmm_tpu.quantized_matmul),
                 add_rms_norm=pallas(add_rms_norm_tpu), swiglu_matmul=pallas(_tpu_swiglu_matmul), lora_delta=pallas(lora_delta_tpu),
-                combines_kv=_tpu_combines_kv, scale_dtype=_tpu_scale_dtype)
+                combines_kv=combined_kv, scale_dtype=_tpu_scale_dtype)
 
 
 def _gpu_table(interpret: bool) -> dict[str, Callable]:

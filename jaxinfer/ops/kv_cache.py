@@ -25,10 +25,13 @@ signature, no per-layer copy.
 Quantized pools (`kv_cache_dtype` int8 or float8_e4m3fn) hold each token's K and V per head as
 int8 / e4m3 entries and a float32 scale, `entry * scale` being the value:
 
-    k_scale, v_scale   [num_layers, num_pages, page_size, num_kv_heads]   float32
+    k_scale, v_scale   [num_layers, num_pages, page_size, num_kv_heads]   float32   (separate)
+    kv_scale           [num_layers, num_pages, num_kv_heads * 2 * page_size]  float32   (combined)
 
-(separate pools only: a quantized pool keeps the separate layout and is read by the XLA
-attention on every platform, see jaxinfer.ops.kernels)
+A combined pool's scales run head-major within a page, (head, K|V, token), so a tensor-parallel
+shard of the last axis holds its own heads' scales; a TPU stores this array with the page axis
+in the lanes, exactly (measured: tests/test_kv_layout.py). Quantized pools are read by the XLA
+attention on every platform (jaxinfer.ops.kernels).
 
 Each (token, head) row is turned by a fixed orthogonal matrix (`attention.kv_rotation`: a
 Hadamard matrix, which spreads a key's few large channels over all of them) and quantized on
@@ -78,6 +81,7 @@ class KVCache:
     k_scale: jax.Array | None = None  # [L, P, page_size, Hkv] float32: quantized pools only
     v_scale: jax.Array | None = None
     kv: jax.Array | None = None  # [L, P, page_size, Hkv * 2 * Ds]: combined layout (TPU kernels)
+    kv_scale: jax.Array | None = None  # [L, P, Hkv * 2 * page_size] float32: a quantized combined pool's
 
     @staticmethod
     def create(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, *, tp: int = 1,
@@ -87,25 +91,35 @@ class KVCache:
         each device's part directly, nothing whole anywhere."""
         shape = KVCache.shape(config, num_pages, page_size, dtype, tp=tp, kernels=kernels)
         zeros = jax.jit(lambda: jnp.zeros(shape, storage_dtype(dtype)), out_shardings=sharding)
-        if kernels.combines_kv(dtype):
-            return KVCache(kv=zeros())
-        if not is_quantized(dtype):
-            return KVCache(k=zeros(), v=zeros())
-        scales = jax.jit(lambda: jnp.zeros(shape[:-1], jnp.float32), out_shardings=scale_sharding)
-        return KVCache(k=zeros(), v=zeros(), k_scale=scales(), v_scale=scales())
+        combined = kernels.combines_kv(dtype)
+        if is_quantized(dtype):
+            scale_shape = KVCache.scale_shape(config, num_pages, page_size, tp=tp, combined=combined)
+            scales = jax.jit(lambda: jnp.zeros(scale_shape, jnp.float32), out_shardings=scale_sharding)
+            if combined:
+                return KVCache(kv=zeros(), kv_scale=scales())
+            return KVCache(k=zeros(), v=zeros(), k_scale=scales(), v_scale=scales())
+        return KVCache(kv=zeros()) if combined else KVCache(k=zeros(), v=zeros())
 
     @staticmethod
     def page_bytes(config: ModelConfig, page_size: int, dtype, *, tp: int = 1, kernels: Kernels = Kernels()) -> int:
         """Bytes of one page of every layer, K and V (with their scales)."""
-        shape = KVCache.shape(config, 1, page_size, dtype, tp=tp, kernels=kernels)
-        entries = math.prod(shape) * jnp.dtype(dtype).itemsize
-        if kernels.combines_kv(dtype):
-            return entries
-        return 2 * (entries + (math.prod(shape[:-1]) * 4 if is_quantized(dtype) else 0))
+        combined = kernels.combines_kv(dtype)
+        entries = math.prod(KVCache.shape(config, 1, page_size, dtype, tp=tp, kernels=kernels)) * jnp.dtype(dtype).itemsize
+        scales = math.prod(KVCache.scale_shape(config, 1, page_size, tp=tp, combined=combined)) * 4 if is_quantized(dtype) else 0
+        return entries + scales if combined else 2 * (entries + scales)
+
+    @staticmethod
+    def scale_shape(config: ModelConfig, num_pages: int, page_size: int, *, tp: int = 1, combined: bool) -> tuple[int, ...]:
+        """Shape of a quantized pool's scales: kv_scale [L, P, Hkv * 2 * page_size] (combined), or
+        k_scale and v_scale [L, P, page_size, Hkv] each."""
+        heads = pool_kv_heads(config, tp=tp)
+        if combined:
+            return (config.num_layers, num_pages, heads * 2 * page_size)
+        return (config.num_layers, num_pages, page_size, heads)
 
     @property
     def quantized(self) -> bool:
-        return self.k_scale is not None
+        return self.k_scale is not None or self.kv_scale is not None
 
     @property
     def combined(self) -> bool:
@@ -115,6 +129,11 @@ class KVCache:
     def pages(self) -> jax.Array:
         """The (first) page array: kv, or k."""
         return self.kv if self.combined else self.k
+
+    @property
+    def scales(self) -> jax.Array | None:
+        """The (first) scale array of a quantized pool: kv_scale, or k_scale."""
+        return self.kv_scale if self.combined else self.k_scale
 
     def fold_layers(self) -> "KVCache":
         """Every array with its layer axis folded into the page axis: [L * P, ...] (a free reshape)."""

@@ -71,8 +71,9 @@ def kv_partition_spec(quantized: bool = False, combined: bool = False) -> KVCach
     quantized pool's scales, [L, P, page_size, Hkv], likewise; a combined pool's rows
     [L, P, page_size, Hkv * 2 * Ds] split into runs of whole heads)."""
     spec = rules.logical_to_spec(rules.KV_CACHE_AXES)
-    if combined:
-        return KVCache(kv=rules.logical_to_spec(rules.KV_CACHE_AXES[:-1]))
+    if combined:  # rows [L, P, page_size, Hkv * 2 * Ds] and scales [L, P, Hkv * 2 * page_size], head-major
+        rows = rules.logical_to_spec(rules.KV_CACHE_AXES[:-1])
+        return KVCache(kv=rows, kv_scale=rules.logical_to_spec(("layers", "pages", "kv_heads")) if quantized else None)
     if not quantized:
         return KVCache(k=spec, v=spec)
     scale_spec = rules.logical_to_spec(rules.KV_CACHE_AXES[:-1])

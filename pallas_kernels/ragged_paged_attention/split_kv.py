@@ -37,7 +37,9 @@ Two options make the result a *partial* attention that can be merged with others
 
 Combined pages (`combined.py`, the TPU layout: one row of K and V per token) are read when
 `v_pages` is None and `k_pages` is [P, page_size, Hkv * 2 * Ds]: each work item gathers its rows
-and splits them, so the pool is never copied whole.
+and splits them, so the pool is never copied whole. Quantized combined pages take their scales as
+one pool, `k_scale` [P, Hkv * 2 * page_size] in (head, K|V, token) order, and `v_scale` None
+(jaxinfer.ops.kv_cache).
 """
 
 from __future__ import annotations
@@ -95,7 +97,13 @@ def ragged_paged_attention(
     contraction: str = "dot",  # "dot" | "reduce": see the module docstring
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     combined = v_pages is None
-    check_kv_scales(k_pages, k_pages if combined else v_pages, k_scale, v_scale)
+    combined_scales = combined and is_pool(k_scale)  # [P, Hkv * 2 * page_size]: K's and V's scales in one pool
+    if combined_scales:
+        if v_scale is not None or k_scale.shape != (k_pages.shape[0], k_pages.shape[1] * 2 * combined_layout.num_heads(k_pages, q.shape[-1])):
+            raise ValueError(f"combined pages {k_pages.shape} take one scale pool [pages, Hkv * 2 * page_size] as k_scale and "
+                             f"no v_scale; got k_scale {getattr(k_scale, 'shape', k_scale)}, v_scale {getattr(v_scale, 'shape', v_scale)}")
+    else:
+        check_kv_scales(k_pages, k_pages if combined else v_pages, k_scale, v_scale)
     if contraction not in ("dot", "reduce"):
         raise ValueError(f"contraction={contraction!r}: expected 'dot' or 'reduce'")
     T, Hq, D = q.shape
@@ -176,8 +184,14 @@ def ragged_paged_attention(
             k, v = combined_layout.split_kv(k_pages[pages], D)  # [W, C, page_size, Hkv, D] each
         else:
             k, v = k_pages[pages], v_pages[pages]
-        k = dequantize_kv(k, k_scale[pages] if is_pool(k_scale) else k_scale).reshape(W, kv_block, Hkv, D)
-        v = dequantize_kv(v, v_scale[pages] if is_pool(v_scale) else v_scale).reshape(W, kv_block, Hkv, D)
+        if combined_scales:  # [W, C, Hkv * 2 * page_size] -> [W, C, page_size, Hkv] for K and for V
+            scales = k_scale[pages].reshape(W, C, Hkv, 2, page_size).transpose(3, 0, 1, 4, 2)
+            k_s, v_s = scales[0], scales[1]
+        else:
+            k_s = k_scale[pages] if is_pool(k_scale) else k_scale
+            v_s = v_scale[pages] if is_pool(v_scale) else v_scale
+        k = dequantize_kv(k, k_s).reshape(W, kv_block, Hkv, D)
+        v = dequantize_kv(v, v_s).reshape(W, kv_block, Hkv, D)
         s = _scores(qb[item_block], k, contraction) * sm_scale  # [W, Hkv, Bq*G, kv_block]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
