@@ -75,13 +75,13 @@ def refused(results):
 # ----------------------------------------------------------------------------- kernels
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
 def test_every_tpu_kernel_compiles_at_a_gqa_and_a_smollm2_shape(chip, request):
-    """Attention in decode, prefill and mixed buckets with bf16, int8 and fp8 pages, flash
-    attention, RoPE + KV write, add+RMSNorm, SwiGLU and int8 / fp8 / int4 matmuls, and the GGUF
+    """Attention in decode, prefill and mixed buckets with bf16, int8 and fp8 combined pages, flash
+    attention, add+RMSNorm, SwiGLU and int8 / fp8 / int4 matmuls, and the GGUF
     grids (int4 with float16 offsets, int8 groups of 32 with float16 scales, of 16 with offsets),
     and LoRA's SGMV shrink and expand at a decode and a prefill bucket (bf16, rank 16) and with a
     float32 rank-8 table into a KV width."""
     results = kernel_check.check_kernels(request.getfixturevalue(chip), families=["llama-3.1-8b", "smollm2-135m"])
-    assert len(results) == 2 * 27
+    assert len(results) == 2 * 26  # the GPU's 27 less the RoPE + KV write (XLA on a TPU: pallas_kernels.rope_kv_write)
     assert refused(results) == []
 
 
@@ -104,10 +104,8 @@ def test_a_mis_tiled_block_is_refused_by_the_tpu_compiler(v6e):
 
 
 def test_tpu_pools_keep_the_row_major_layout_the_kernels_read(v6e):
-    """A TPU lays out a [.., heads, 64] bf16 array with the page axis in the lanes; the pools are
-    sized (kv_cache.pool_kv_heads / pool_head_dim) so that every family's keeps the row-major
-    layout the kernels DMA from, at every tp. (Quantized pools are read by the XLA attention,
-    whatever their layout: ops.kernels; their step compiles without pool copies, below.)"""
+    """Every family's combined pool, as one chip holds it at every tp, keeps the row-major layout
+    the attention kernel DMAs whole pages from (tests/test_kv_layout.py measures the bytes)."""
     mesh = v6e.mesh(("x",), (1,))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     for family in ("llama-3.1-8b", "llama-3.2-1b", "qwen2.5-7b", "smollm2-135m"):
@@ -115,12 +113,11 @@ def test_tpu_pools_keep_the_row_major_layout_the_kernels_read(v6e):
         for tp in (1, 2, 8):
             if config.num_kv_heads % tp and tp % config.num_kv_heads:
                 continue
-            for dtype in (jnp.bfloat16,):
-                L, P, page, heads, D = KVCache.shape(config, 64, 16, dtype, tp=tp, kernels=Kernels("tpu"))
-                local = jax.ShapeDtypeStruct((L, P, page, heads // tp, D), dtype, sharding=sharding)
-                with jax.set_mesh(mesh):
-                    compiled = jax.jit(lambda a: a, donate_argnums=0).lower(local).compile()
-                assert compiled.input_formats[0][0].layout.major_to_minor == (0, 1, 2, 3, 4), (family, tp, dtype)
+            L, P, page, row = KVCache.shape(config, 64, 16, jnp.bfloat16, tp=tp, kernels=Kernels("tpu"))
+            local = jax.ShapeDtypeStruct((L, P, page, row // tp), jnp.bfloat16, sharding=sharding)
+            with jax.set_mesh(mesh):
+                compiled = jax.jit(lambda a: a, donate_argnums=0).lower(local).compile()
+            assert compiled.input_formats[0][0].layout.major_to_minor == (0, 1, 2, 3), (family, tp)
 
 
 # ----------------------------------------------------------------------------- the whole step
@@ -136,7 +133,7 @@ def assert_in_place_with_kernels(plan: AbstractStep, key: BucketKey, marker: str
 
 def test_whole_step_compiles_for_two_tpu_chips_with_tensor_parallelism(v6e):
     plan = AbstractStep.build(SMALL, v6e, ParallelConfig(tp=2), SHAPE)
-    assert plan.mesh.devices.size == 2 and plan.kv.k.sharding.shard_shape(plan.kv.k.shape)[3] == 2  # 1 KV head per chip + 1 of padding: a bf16 word holds 2
+    assert plan.mesh.devices.size == 2 and plan.kv.kv.sharding.shard_shape(plan.kv.kv.shape)[3] == 2 * 128  # 1 KV head per chip: its K and V
     keys = plan.buckets.all_keys()
     decode = next(k for k in keys if k.query_block == 1)
     mixed = max(keys, key=lambda k: (k.num_tokens, k.num_seqs))
@@ -145,10 +142,10 @@ def test_whole_step_compiles_for_two_tpu_chips_with_tensor_parallelism(v6e):
 
 
 def test_a_step_with_a_quantized_kv_pool_compiles_for_a_tpu_and_updates_it_in_place(v6e):
-    """int8 pages and their scales, tensor-parallel over two chips: quantized on write, read by the
-    XLA attention (ops.kernels), the donated pool and scales aliased, no pool-sized copy."""
+    """int8 combined pages and their scales, tensor-parallel over two chips: quantized on write, read
+    by the XLA attention (ops.kernels), the donated pool and scales aliased, no pool-sized copy."""
     plan = AbstractStep.build(SMALL, v6e, ParallelConfig(tp=2), dataclasses.replace(SHAPE, kv_cache_dtype="int8"))
-    assert plan.kv.quantized and plan.kv.k.dtype == jnp.int8 and plan.kv.k_scale.shape == plan.kv.k.shape[:-1]
+    assert plan.kv.quantized and plan.kv.kv.dtype == jnp.int8 and plan.kv.kv_scale.shape[:2] == plan.kv.kv.shape[:2]
     decode = next(k for k in plan.buckets.all_keys() if k.query_block == 1)
     assert_in_place_with_kernels(plan, decode, "tpu_custom_call")  # the other kernels (norm, SwiGLU) stay
 
@@ -197,10 +194,10 @@ def test_a_page_table_row_over_the_chips_smem_is_refused_naming_the_limit():
     """4M tokens in pages of 16: two rows of 262144 page ids are 2 MiB: an error before compiling."""
     with jax.set_mesh(AbstractStep.build(SMALL, compile_target("v6e:1"), ParallelConfig(), SHAPE).mesh):
         q = jax.ShapeDtypeStruct((8, 4, 128), jnp.bfloat16)
-        pages = jax.ShapeDtypeStruct((64, 16, 2, 128), jnp.bfloat16)
+        pages = jax.ShapeDtypeStruct((64, 16, 2 * 2 * 128), jnp.bfloat16)  # combined: 2 KV heads of 128
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         with pytest.raises(ValueError, match=r"SMEM: .* two page-table rows of 262144 pages .* the chip holds 1048576"):
-            jax.jit(tpu_attention).lower(q, pages, pages, i32(1), i32(1, 262144), i32(2), i32(1))
+            jax.jit(tpu_attention).lower(q, pages, i32(1), i32(1, 262144), i32(2), i32(1))
 
 
 @pytest.mark.parametrize("gpu", ["h100", "h200"])

@@ -1,0 +1,119 @@
+"""The TPU KV pool stores exactly the model's K/V bytes per token per chip, as the real compiler
+lays it out (libtpu, no TPU: jaxinfer.aot.targets), and the per-token write updates it in place.
+
+Each case compiles a donated update of one chip's pool (a few tenths of a second) and reads
+`memory_analysis()`: the bytes the chip holds for the argument, after the compiler's tiling, and
+the layout it chose. The page rows must also stay row-major (pages, then tokens, then lanes): the
+attention kernel DMAs whole pages, which a layout with the page axis in the tiles would scatter.
+Separate K and V pools, the layout every other back end uses, are measured beside it for
+head_dim 64: a TPU either pads each 64-lane row to 128 or moves the page axis into the tiles.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxinfer.aot.targets import compile_target
+from jaxinfer.config import ModelConfig
+from jaxinfer.ops.kernels import Kernels
+from jaxinfer.ops.kv_cache import KVCache
+from pallas_kernels.ragged_paged_attention.reference import storage_dtype
+from pallas_kernels.rope_kv_write import rope_kv_write_combined
+from sharding.hlo import pool_sized_copies
+
+LAYERS, PAGES, PAGE_SIZE = 2, 2048, 16
+KV_DTYPES = {"bf16": jnp.bfloat16, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_persistent_cache():
+    """Executables for a described chip cannot be loaded back here: keep them out of the cache."""
+    from jax._src import compilation_cache
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def v6e():
+    return compile_target("v6e:2x2")
+
+
+def one_chip_config(heads: int, head_dim: int) -> ModelConfig:
+    """A model whose every KV head lands on one chip (tp=1): `heads` KV heads of `head_dim`."""
+    return ModelConfig(model_type="llama", vocab_size=256, hidden_size=heads * head_dim, intermediate_size=256, num_layers=LAYERS,
+                       num_heads=heads, num_kv_heads=heads, head_dim=head_dim)
+
+
+def chip_layout(target, array) -> tuple[int, tuple[int, ...]]:
+    """(bytes the chip holds for one array, its dimensions from major to minor) as the compiler
+    lays it out."""
+    mesh = target.mesh(("x",), (1,))
+    arg = jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(lambda a: a.at[0, 0].set(jnp.zeros(a.shape[2:], a.dtype)), donate_argnums=0).lower(arg).compile()
+    return compiled.memory_analysis().argument_size_in_bytes, tuple(compiled.input_formats[0][0].layout.major_to_minor)
+
+
+def chip_bytes(target, pool: KVCache) -> int:
+    """Bytes the chip holds for the pool's arrays."""
+    return sum(chip_layout(target, array)[0] for array in jax.tree.leaves(pool))
+
+
+def abstract_pool(config: ModelConfig, dtype, kernels: Kernels) -> KVCache:
+    return jax.eval_shape(lambda: KVCache.create(config, PAGES, PAGE_SIZE, dtype, kernels=kernels))
+
+
+@pytest.mark.parametrize("dtype", list(KV_DTYPES))
+def test_combined_pages_hold_exactly_the_models_kv_bytes_per_token_per_chip(v6e, dtype):
+    """head_dim 64 / 128 / 256 x 1 / 2 / 8 KV heads per chip: entries 2 x heads x head_dim bytes of
+    the dtype per token, and a quantized pool's scales 2 x heads x 4 bytes, nothing more."""
+    kv_dtype = KV_DTYPES[dtype]
+    itemsize = jnp.dtype(kv_dtype).itemsize
+    quantized = dtype != "bf16"
+    for heads, head_dim in itertools.product((1, 2, 8), (64, 128, 256)):
+        pool = abstract_pool(one_chip_config(heads, head_dim), kv_dtype, Kernels("tpu"))
+        assert pool.combined and pool.kv.dtype == storage_dtype(kv_dtype) and pool.quantized == quantized
+        per_token = 2 * heads * head_dim * itemsize + (2 * heads * 4 if quantized else 0)
+        got = chip_bytes(v6e, pool) / (LAYERS * PAGES * PAGE_SIZE)
+        assert got == per_token, (dtype, heads, head_dim, got, per_token)
+        assert chip_layout(v6e, pool.kv)[1] == (0, 1, 2, 3), "whole pages, as the kernel DMAs them"
+        assert KVCache.page_bytes(one_chip_config(heads, head_dim), PAGE_SIZE, kv_dtype, kernels=Kernels("tpu")) \
+            == LAYERS * PAGE_SIZE * per_token
+
+
+@pytest.mark.parametrize("heads", [1, 2, 8])
+def test_separate_pools_of_head_dim_64_are_padded_or_not_row_major_on_a_tpu(v6e, heads):
+    """What the combined layout removes: a K pool [.., heads, 64] in bf16 either takes twice its
+    bytes or puts another axis than head_dim in the lanes, which a page DMA cannot take."""
+    k_pool = abstract_pool(one_chip_config(heads, 64), jnp.bfloat16, Kernels()).k
+    exact = k_pool.size * 2
+    size, layout = chip_layout(v6e, k_pool)
+    assert size == 2 * exact or layout[-1] != 4, (size, exact, layout)
+
+
+@pytest.mark.parametrize("heads,head_dim,dtype", [(1, 64, jnp.bfloat16), (8, 128, jnp.bfloat16), (2, 256, jnp.int8)])
+def test_the_combined_write_updates_the_pool_in_place(v6e, heads, head_dim, dtype):
+    """RoPE and the scatter of 256 tokens' rows into a donated pool: no pool-sized copy, the pool
+    aliased to the output, no scratch the size of the pool."""
+    mesh = v6e.mesh(("x",), (1,))
+    spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))  # noqa: E731
+    T = 256
+    kv = abstract_pool(one_chip_config(heads, head_dim), dtype, Kernels("tpu")).kv
+    pool = jax.ShapeDtypeStruct((kv.shape[0] * kv.shape[1],) + kv.shape[2:], kv.dtype)  # layers folded into pages, as the step holds it
+    args = (spec((T, 4 * heads, head_dim), jnp.bfloat16), spec((T, heads, head_dim), jnp.bfloat16), spec((T, heads, head_dim), jnp.bfloat16),
+            spec((T, head_dim), jnp.float32), spec((T, head_dim), jnp.float32), spec(pool.shape, pool.dtype),
+            spec((T,), jnp.int32), spec((T,), jnp.int32))
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(rope_kv_write_combined, donate_argnums=5).lower(*args).compile()
+    memory = compiled.memory_analysis()
+    pool_bytes = pool.size * pool.dtype.itemsize
+    assert pool_sized_copies(compiled.as_text(), pool.size) == 0
+    assert memory.alias_size_in_bytes >= pool_bytes and memory.temp_size_in_bytes < pool_bytes // 16
