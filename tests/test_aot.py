@@ -150,6 +150,16 @@ def test_a_step_with_a_quantized_kv_pool_compiles_for_a_tpu_and_updates_it_in_pl
     assert_in_place_with_kernels(plan, decode, "tpu_custom_call")  # the other kernels (norm, SwiGLU) stay
 
 
+def test_a_quantized_pool_in_pages_of_128_is_read_by_the_tpu_kernel(v6e):
+    """fp8 pages of 128 tokens: each head's scales of a page are whole 128-lane rows, so the
+    attention kernel fetches them with the page (ops.kernels); the pool and its scales stay in
+    place and are stored exactly."""
+    plan = AbstractStep.build(SMALL, v6e, ParallelConfig(), dataclasses.replace(SHAPE, kv_cache_dtype="float8_e4m3fn", page_size=128))
+    decode = next(k for k in plan.buckets.all_keys() if k.query_block == 1)
+    memory = assert_in_place_with_kernels(plan, decode, "ragged_paged_attention")
+    assert plan.kv.kv_scale.shape[-1] == SMALL.num_kv_heads * 2 * 128 and memory.alias_size_in_bytes >= plan.kv_bytes_per_chip()
+
+
 def test_a_w8a8_step_compiles_for_a_tpu_with_integer_matmuls(v6e):
     """quantization="w8a8", tensor-parallel over two chips: the projections are int8 x int8 dots
     accumulated in int32 on the chip, and the pool is still updated in place."""

@@ -4,6 +4,8 @@ in the table and in a served engine; verdicts are cached; what the check sees of
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
 import json
 import logging
@@ -27,8 +29,8 @@ from jaxinfer.tree import nested_to_flat
 from tiny_models import save_hf_model
 
 XLA = Kernels()
-# head_dim 64: a TPU pool stores 128 lanes, where the step rotates and writes K / V in XLA (no
-# RoPE + KV-write kernel); with the XLA attention's pool (64 lanes) the kernel runs.
+# A TPU pool is combined, where the step rotates and writes K / V in XLA (no RoPE + KV-write
+# kernel); with the XLA attention's separate pools the kernel entry runs.
 TINY = StepShapes(num_heads=2, num_kv_heads=1, head_dim=64, hidden=128, dtype="float32", norm_dtype="float32",
                   rms_norm_eps=1e-5, page_size=4, kv_dtype="float32")
 CHECKED = ("ragged_attention", "rope_kv_write", "add_rms_norm")
@@ -171,6 +173,16 @@ def test_the_check_sees_the_model_as_one_device_runs_it(model_dir):
         ((3, H, 16), [(3, 8, I), (3, 8, I)])]
     int8_pool = step_shapes(config, flat, dtype=jnp.float32, kv_dtype=jnp.int8, page_size=4, max_tokens=256)
     assert int8_pool.flash_attention and not int8_pool.paged_attention and not int8_pool.kv_write
+    int8_pages_of_128 = step_shapes(config, flat, dtype=jnp.float32, kv_dtype=jnp.int8, page_size=128, max_tokens=256)
+    assert int8_pages_of_128.paged_attention  # the TPU kernel reads the scales with the page
+
+
+def test_the_tpu_attention_over_a_quantized_pool_in_pages_of_128_passes_its_check():
+    """int8 entries and their scale pool, as quantizing normal values makes them, at a decode and a
+    mixed step: the kernel (interpret mode) against the XLA attention."""
+    shapes = dataclasses.replace(TINY, kv_dtype="int8", page_size=128)
+    verdicts = run_checks(Kernels("tpu", interpret=True), shapes, operations=["ragged_attention"])
+    assert len(verdicts) == 2 and all(v.verdict == "pass" for v in verdicts), verdicts
 
 
 def test_the_standalone_script_prints_a_table(capsys):

@@ -144,6 +144,28 @@ def test_quantized_kv_pages_are_dequantized_in_the_kernel(kv_dtype):
     assert_close(got, want, F32_TOL)
 
 
+@pytest.mark.parametrize("kv_dtype,pages_per_block", [(jnp.int8, 1), (jnp.float8_e4m3fn, 2)], ids=["int8", "fp8-2-pages"])
+def test_a_quantized_pool_with_a_scale_per_token_and_head_is_read_in_the_kernel(kv_dtype, pages_per_block):
+    """What a TPU serving a quantized cache stores (jaxinfer.ops.kv_cache): combined int8 / e4m3
+    entries (e4m3 as bytes) and one scale pool, (head, K|V, token) within a page, pages of 128
+    tokens. Scales multiply the scores' columns (K) and the softmax weights (V)."""
+    rng = np.random.default_rng(8)
+    q, k, v, *rest = map(jnp.asarray, make_case(rng, [130, 1, 3, 0], [130, 300, 140, 0], Hq=4, Hkv=2, D=64, page_size=128,
+                                                pad_tokens=2))
+    stored = reference.storage_dtype(kv_dtype)
+    (k_q, k_s), (v_q, v_s) = reference.quantize_kv(k, stored), reference.quantize_kv(v, stored)
+    got = tpu.ragged_paged_attention(q, combined.combine_kv(k_q, v_q), *rest, combined.combine_scales(k_s, v_s),
+                                     sm_scale=SM_SCALE, num_queries_per_block=8, num_kv_pages_per_block=pages_per_block,
+                                     interpret=True)
+    want = reference.ragged_paged_attention(q, k_q, v_q, *rest, sm_scale=SM_SCALE, k_scale=k_s, v_scale=v_s)
+    assert_close(np.asarray(got, np.float64), np.asarray(want, np.float64), F32_TOL)
+    with pytest.raises(ValueError, match="page_size 4: a scale pool"):
+        small = make_case(rng, [2], [2], Hq=2, Hkv=1, D=64, page_size=4)
+        (e, s_) = reference.quantize_kv(jnp.asarray(small[1]), jnp.int8)
+        tpu.ragged_paged_attention(jnp.asarray(small[0]), combined.combine_kv(e, e), *map(jnp.asarray, small[3:]),
+                                   combined.combine_scales(s_, s_), interpret=True)
+
+
 @pytest.mark.parametrize(
     "sliding_window,want_kv_blocks",
     [(None, [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3, 4], []]), (6, [[0], [0, 1], [1, 2], [3, 4], []])],

@@ -27,6 +27,7 @@ from pallas_kernels.quantized_matmul import tpu as qmm_tpu
 from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
 from pallas_kernels.ragged_paged_attention import tpu as rpa_tpu
 from pallas_kernels.ragged_paged_attention.combined import row_width
+from pallas_kernels.ragged_paged_attention.reference import storage_dtype
 from pallas_kernels.rope_kv_write import rope_kv_write_gpu
 from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu, swiglu_matmul_tpu
 
@@ -61,6 +62,7 @@ FAMILY_SHAPES = {
 }
 
 PAGE_SIZE = 16
+QUANTIZED_PAGE_SIZE = 128  # a TPU's kernel reads a quantized pool's scales in pages of 128 (jaxinfer.ops.kernels)
 NUM_PAGES = 2048
 PAGES_PER_SEQ = 256  # 4096 tokens of context
 # (bucket, tokens, sequences, query block): the engine's bucket kinds (jaxinfer.ops.batch.Buckets)
@@ -92,13 +94,20 @@ def kernel_cases(target: Target, shape: FamilyShape):
     kv_dtypes = (("bf16", bf16, {}), ("int8", jnp.int8, dict(k_scale=0.05, v_scale=0.05)),
                  ("fp8", jnp.float8_e4m3fn, dict(k_scale=0.05, v_scale=0.05)))
     for name, kv_dtype, scales in kv_dtypes:
-        # TPU: combined pages, one row of K and V per token (jaxinfer.ops.kv_cache); GPU: separate pools
-        pools = (spec((NUM_PAGES, PAGE_SIZE, row_width(Hkv, D)), kv_dtype),) if tpu else (spec((NUM_PAGES, PAGE_SIZE, Hkv, D), kv_dtype),) * 2
+        page_size, pages_per_seq, scale_pool = PAGE_SIZE, PAGES_PER_SEQ, ()
+        if tpu:  # combined pages, one row of K and V per token (jaxinfer.ops.kv_cache)
+            pools = (spec((NUM_PAGES, page_size, row_width(Hkv, D)), kv_dtype),)
+            if scales:  # a quantized pool as a TPU serves it: e4m3 as bytes, pages of 128 and a scale pool
+                page_size, pages_per_seq, scales = QUANTIZED_PAGE_SIZE, PAGES_PER_SEQ * PAGE_SIZE // QUANTIZED_PAGE_SIZE, {}
+                pools = (spec((NUM_PAGES, page_size, row_width(Hkv, D)), storage_dtype(kv_dtype)),)
+                scale_pool = (spec((NUM_PAGES, Hkv * 2 * page_size), jnp.float32),)
+        else:  # separate pools, one scale each for K and V
+            pools = (spec((NUM_PAGES, page_size, Hkv, D), kv_dtype),) * 2
         for bucket, T, S, Bq in ATTENTION_BUCKETS:
             fn = functools.partial(ragged_paged_attention, sm_scale=sm_scale, num_queries_per_block=Bq, **scales)
-            args = (spec((T, Hq, D), bf16), *pools, spec((S,), i32), spec((S, PAGES_PER_SEQ), i32),
-                    spec((S + 1,), i32), spec((1,), i32))
-            layout = f"combined[{pools[0].shape[-1]}]" if tpu else f"[{Hkv}, {D}]"
+            args = (spec((T, Hq, D), bf16), *pools, spec((S,), i32), spec((S, pages_per_seq), i32),
+                    spec((S + 1,), i32), spec((1,), i32), *scale_pool)
+            layout = f"combined[{page_size}, {pools[0].shape[-1]}]" + (" + scale pool" if scale_pool else "") if tpu else f"[{Hkv}, {D}]"
             yield "ragged_paged_attention", f"{bucket} T={T} S={S} kv={name} {layout}", fn, args
 
     T = 512

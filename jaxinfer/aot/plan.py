@@ -231,8 +231,7 @@ def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfi
     rows = sorted({k.num_logits for k in keys} - {sizing.sampling.rows})
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
         buckets = pool.map(lambda k: _compile_bucket(step, k), rest)
-        # meanwhile the sampling programs, in this thread, one after the other: libtpu's SparseCore
-        # code generator (the penalties' scatter) overflowed its stack in a worker thread
+        # meanwhile the sampling programs, in this thread, one after the other
         sampling = sorted([sizing.sampling, *(_compile_sampling(step, r) for r in rows)], key=lambda c: c.rows)
         for key, result in zip(rest, buckets):
             results[key] = result

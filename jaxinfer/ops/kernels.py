@@ -33,10 +33,12 @@ combined pages is XLA's in-place scatter, RoPE fused in XLA: a token's row canno
 into a page whose tokens share 32-bit words (bf16, 8-bit), which Mosaic refuses.
 
 Quantized KV pools (int8 / e4m3 entries with a scale per token and head, jaxinfer.ops.kv_cache)
-are read by the XLA split-KV attention on every platform (combined on a TPU too, so that they
-are stored exactly): the Pallas attention kernels take one scale per pool, not a pool of scales
-(a TPU stores the scales exactly only with the page axis in the lanes, which a page DMA cannot
-fetch; a page-major layout pads them to whole 128-lane rows).
+are combined on a TPU too, their scales in one pool [pages, Hkv * 2 * page_size]. The TPU kernel
+reads them when page_size is a multiple of 128: a page's scales of one head are then whole
+128-lane rows, fetched with the page, and the pool is stored row-major and exactly. With smaller
+pages a TPU stores the scale pool exactly only with the page axis in the lanes, which a page DMA
+cannot fetch, so the XLA split-KV attention reads it; so it does on the CPU and the GPU (the
+Triton kernel takes one scale per pool).
 """
 
 from __future__ import annotations
@@ -132,14 +134,15 @@ def same_dtype(dtype):
 def _tpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale: float,
                           sliding_window: int | None, query_block: int, spec_block: int = 0, k_scale=None, v_scale=None,
                           interpret: bool) -> jax.Array:
-    """Float combined pages (v_pages None): the TPU kernel. A quantized pool (or separate pools): the
-    XLA path (module docstring)."""
-    if v_pages is not None or k_scale is not None:
+    """Combined pages (v_pages None): the TPU kernel, a quantized pool's scales (k_scale: the combined
+    scale pool) included when its pages are whole 128-lane rows of scales (page_size a multiple of
+    128). Otherwise (separate pools, smaller pages of a quantized pool) the XLA path."""
+    if v_pages is not None or (k_scale is not None and k_pages.shape[1] % 128):
         return xla_ragged_attention(q, k_pages, v_pages, page_table, batch, num_kv_heads=num_kv_heads, sm_scale=sm_scale,
                                     sliding_window=sliding_window, query_block=query_block, spec_block=spec_block,
                                     k_scale=k_scale, v_scale=v_scale)
     return rpa_tpu.ragged_paged_attention(
-        q, k_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, sm_scale=sm_scale,
+        q, k_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, k_scale, sm_scale=sm_scale,
         sliding_window=sliding_window, num_queries_per_block=query_block, interpret=interpret)
 
 

@@ -68,7 +68,8 @@ from jaxinfer.ops.quantization import QuantizedWeight
 from jaxinfer.tree import nested_to_flat
 from pallas_kernels.flash_attention import flash_attention_reference
 from pallas_kernels.quantized_matmul.reference import stored_rows
-from pallas_kernels.ragged_paged_attention.combined import combine_kv
+from pallas_kernels.ragged_paged_attention.combined import combine_kv, combine_scales
+from pallas_kernels.ragged_paged_attention.reference import quantize_kv, storage_dtype
 from sharding.mesh import ParallelConfig, kv_heads_per_shard
 
 logger = logging.getLogger("jaxinfer")
@@ -146,7 +147,8 @@ class StepShapes:
     kv_dtype: str
     sliding_window: int | None = None
     spec_block: int = 0  # speculative verification chunks' query block (0: none)
-    paged_attention: bool = True  # the ragged paged attention kernel runs (not with a quantized pool or ring attention)
+    paged_attention: bool = True  # the ragged paged attention kernel runs (not with ring attention, nor with a
+    # quantized pool in pages smaller than 128, which the XLA attention reads: jaxinfer.ops.kernels)
     flash_attention: bool = True  # steps are long enough for flash attention (FLASH_MIN_TOKENS)
     kv_write: bool = True  # the RoPE + KV-write kernel runs (one device's rows: no sequence parallelism)
     swiglu: tuple[Tensor, ...] = ()  # float gate | up weights [K, 2I] without bias
@@ -194,7 +196,7 @@ def step_shapes(config: ModelConfig, params, *, parallel: ParallelConfig = Paral
         num_heads=config.num_heads // parallel.tp, num_kv_heads=kv_heads_per_shard(config.num_kv_heads, parallel.tp),
         head_dim=config.head_dim, hidden=config.hidden_size, dtype=jnp.dtype(dtype).name, norm_dtype=jnp.dtype(norm.dtype).name,
         rms_norm_eps=config.rms_norm_eps, page_size=page_size, kv_dtype=jnp.dtype(kv_dtype).name,
-        sliding_window=config.sliding_window, spec_block=spec_block, paged_attention=not (ring or quantized_pool),
+        sliding_window=config.sliding_window, spec_block=spec_block, paged_attention=not (ring or (quantized_pool and page_size % 128)),
         flash_attention=not ring and max_tokens // parallel.sp >= FLASH_MIN_TOKENS,
         kv_write=parallel.sp == 1 and not quantized_pool, swiglu=tuple(swiglu), quantized=tuple(quantized), lora=tuple(lora),
     )
@@ -259,18 +261,28 @@ def _ragged_attention_cases(kernels: Kernels, xla: Kernels, s: StepShapes) -> It
                        spec_block=key.spec_block)
 
         def inputs(rng, key=key, batch=batch, num_pages=num_pages):
+            """(q, k pages, v pages, page table, batch, k scales, v scales): a quantized pool's
+            entries and scales from quantizing normal values (random e4m3 bytes hold NaNs)."""
             q_key, k_key, v_key = jax.random.split(rng, 3)
-            pool = lambda r: _random(r, (num_pages, s.page_size, Hkv, D), s.kv_dtype)  # noqa: E731
+            shape = (num_pages, s.page_size, Hkv, D)
             batch = jax.tree.map(jnp.asarray, batch)
-            return _random(q_key, (key.num_tokens, Hq, D), s.dtype), pool(k_key), pool(v_key), batch.page_table, batch
+            q = _random(q_key, (key.num_tokens, Hq, D), s.dtype)
+            if not is_quantized(s.kv_dtype):
+                return q, _random(k_key, shape, s.kv_dtype), _random(v_key, shape, s.kv_dtype), batch.page_table, batch, None, None
+            (k, k_scale), (v, v_scale) = (quantize_kv(_random(r, shape, jnp.float32), storage_dtype(s.kv_dtype)) for r in (k_key, v_key))
+            return q, k, v, batch.page_table, batch, k_scale, v_scale
 
-        def kernel(q, k_pages, v_pages, page_table, batch, real=real, options=options):
-            if combined:  # the pool as the step holds it: one row of K and V per token
-                return kernels.ragged_attention(q, combine_kv(k_pages, v_pages), None, page_table, batch, **options)[:real]
-            return kernels.ragged_attention(q, k_pages, v_pages, page_table, batch, **options)[:real]
+        def kernel(q, k_pages, v_pages, page_table, batch, k_scale, v_scale, real=real, options=options):
+            if combined:  # the pool as the step holds it: one row of K and V per token, one scale pool
+                kv_scale = None if k_scale is None else combine_scales(k_scale, v_scale)
+                return kernels.ragged_attention(q, combine_kv(k_pages, v_pages), None, page_table, batch, k_scale=kv_scale,
+                                                **options)[:real]
+            return kernels.ragged_attention(q, k_pages, v_pages, page_table, batch, k_scale=k_scale, v_scale=v_scale,
+                                            **options)[:real]
 
-        def reference(q, k_pages, v_pages, page_table, batch, real=real, options=options):
-            return xla.ragged_attention(q, k_pages, v_pages, page_table, batch, **options)[:real]
+        def reference(q, k_pages, v_pages, page_table, batch, k_scale, v_scale, real=real, options=options):
+            return xla.ragged_attention(q, k_pages, v_pages, page_table, batch, k_scale=k_scale, v_scale=v_scale,
+                                        **options)[:real]
 
         layout = "combined" if combined else "separate"
         description = (f"{name} T={key.num_tokens} S={key.num_seqs} query_block={key.query_block} Hq={Hq} Hkv={Hkv} D={D} "

@@ -68,7 +68,18 @@ def compiler_options(platform: str) -> dict[str, str] | None:
     """
     if platform == "cpu":
         return {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+    if platform == "tpu":
+        return TPU_COMPILER_OPTIONS
     return None
+
+
+# On a TPU with SparseCores (v6e), XLA offloads scatters to them (the penalties' token counts),
+# and libtpu's SparseCore code generator overflowed its stack while other programs compiled
+# beside it (measured: `jaxinfer aot` of Llama-3.1-8B and -3.2-1B on a v6e died with SIGSEGV in
+# `sparse_core::TranslateModuleToTpuLlvmIr`, in some runs, with and without this change's KV
+# layout; alone it compiled). Warm-up and `jaxinfer aot` compile in threads, so every program of
+# the step keeps its scatters on the TensorCore (small: a step's KV rows, a [R, V] count table).
+TPU_COMPILER_OPTIONS = {"xla_tpu_enable_offloading_scatter_to_sparsecore": "false"}
 
 
 class StepFunction:
@@ -88,7 +99,9 @@ class StepFunction:
         self.num_replicas = rules.num_replicas(self.mesh)
         replicas = rules.REPLICA_AXES
         rows_spec = rules.per_replica(3)  # logits [replicas, R, V] and hidden states [replicas, R, H]
-        options = compiler_options(self.mesh.devices.flat[0].platform)
+        platform = self.mesh.devices.flat[0].platform
+        options = compiler_options(platform)
+        sampling_options = TPU_COMPILER_OPTIONS if platform == "tpu" else None  # (the CPU's option is the layer loop's)
 
         def gather_replicas(x):  # [1, ...] per device -> [replicas, ...] on every device
             return jax.lax.all_gather(x[0], replicas, axis=0, tiled=False) if self.num_replicas > 1 else x
@@ -118,7 +131,7 @@ class StepFunction:
                     lambda lg, *f: processor(lg[0], *(a[0] for a in f))[None], mesh=self.mesh,
                     in_specs=(rows_spec, *per_replica_specs(fields)), out_specs=rows_spec, check_vma=False,
                 )(logits, *fields)
-            return jax.jit(program)
+            return jax.jit(program, compiler_options=sampling_options)
 
         def per_device_sample(raw, processed, sampling, *hidden):
             raw, processed, sampling = jax.tree.map(lambda a: a[0], (raw, processed, sampling))
@@ -155,7 +168,7 @@ class StepFunction:
         self._model = jax.jit(model, donate_argnums=(1,), static_argnames=("query_block", "spec_block"),
                               compiler_options=options)
         self._processors = [(fields, processor_program(processor)) for fields, processor in LOGITS_PROCESSORS]
-        self._sampler = jax.jit(sampler)
+        self._sampler = jax.jit(sampler, compiler_options=sampling_options)
         # forward is also traced inside other programs (tests read its jaxpr), where JAX refuses
         # compiler options: it keeps XLA's defaults (scoring, not serving)
         self._forward = jax.jit(forward, donate_argnums=(1,), static_argnames=("query_block", "spec_block"))

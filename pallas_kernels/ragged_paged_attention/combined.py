@@ -65,3 +65,20 @@ def split_kv(rows: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array]:
 def num_heads(rows: jax.Array, head_dim: int) -> int:
     """KV heads a combined pool (or row block) holds."""
     return rows.shape[-1] // (2 * combined_head_dim(head_dim))
+
+
+def combine_scales(k_scale: jax.Array, v_scale: jax.Array) -> jax.Array:
+    """A quantized pool's scales k_scale, v_scale [P, page_size, Hkv] -> one scale pool
+    [P, Hkv * 2 * page_size] in (head, K|V, token) order: a page's scales of one head and of K or V
+    are page_size consecutive entries, and a tensor-parallel shard of the last axis holds its heads'."""
+    pair = jnp.stack([k_scale, v_scale], axis=-1)  # [P, page_size, Hkv, 2]
+    P, page_size, Hkv, _ = pair.shape
+    return pair.transpose(0, 2, 3, 1).reshape(P, Hkv * 2 * page_size)
+
+
+def split_scales(kv_scale: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
+    """The inverse of combine_scales: [..., Hkv * 2 * page_size] -> k_scale, v_scale [..., page_size, Hkv]."""
+    lead = kv_scale.shape[:-1]
+    pair = kv_scale.reshape(lead + (kv_scale.shape[-1] // (2 * page_size), 2, page_size))
+    pair = jnp.moveaxis(pair, -1, -3)  # [..., page_size, Hkv, 2]
+    return pair[..., 0], pair[..., 1]

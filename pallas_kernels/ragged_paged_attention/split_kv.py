@@ -185,8 +185,7 @@ def ragged_paged_attention(
         else:
             k, v = k_pages[pages], v_pages[pages]
         if combined_scales:  # [W, C, Hkv * 2 * page_size] -> [W, C, page_size, Hkv] for K and for V
-            scales = k_scale[pages].reshape(W, C, Hkv, 2, page_size).transpose(3, 0, 1, 4, 2)
-            k_s, v_s = scales[0], scales[1]
+            k_s, v_s = combined_layout.split_scales(k_scale[pages], page_size)
         else:
             k_s = k_scale[pages] if is_pool(k_scale) else k_scale
             v_s = v_scale[pages] if is_pool(v_scale) else v_scale

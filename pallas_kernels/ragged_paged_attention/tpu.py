@@ -1,31 +1,30 @@
 """Ragged paged attention as a Pallas TPU (Mosaic) kernel: one call for a mixed batch.
 
-Same inputs and result as `reference.ragged_paged_attention` (read its docstring for the layout);
-prefill chunks and decodes are served together, keys and values read straight from the page pool
-through the page table. Runs on TPU, and on the CPU with `interpret=True` (or
-`interpret=pltpu.InterpretParams(...)`, the TPU simulator), which is how the tests check it.
-`jaxinfer.aot` compiles it with the real TPU compiler (libtpu, no TPU needed), which is how the
-tests check that Mosaic takes it.
+The reference's result from the reference's inputs, but for the pool: the kernel reads combined
+pages, `kv_pages [P, page_size, Hkv * 2 * Ds]`, one row per token holding K_0 V_0 K_1 V_1 ... in
+Ds lanes each (`combined.py`: Ds = head_dim for 64 and multiples of 128). Prefill chunks and
+decodes are served together, keys and values read straight from the pages through the page
+table. Runs on TPU, and on the CPU with `interpret=True` (or `interpret=pltpu.InterpretParams(...)`,
+the TPU simulator), which is how the tests check it. `jaxinfer.aot` compiles it with the real TPU
+compiler (libtpu, no TPU needed), which is how the tests check that Mosaic takes it.
 
 The page layout on a TPU
 ------------------------
-The pools are token-major, `[P, page_size, Hs, D]`, the layout every back end uses. On a TPU the
-last two dimensions of an array are tiled ((8, 128) 32-bit words; bf16 packs two rows in a word,
-8-bit data four). So:
+On a TPU the last two dimensions of an array are tiled ((8, 128) 32-bit words; bf16 packs two
+rows in a word, 8-bit data four). A combined page [page_size, W] is tokens in the sublanes and a
+whole number of 128-lane rows per token, so the pool is stored with no padding and row-major
+(tests/test_kv_layout.py), and:
 
-* A DMA may only cut the untiled leading dimensions: the kernel fetches whole pages, every KV
-  head at once (`k_pages.at[page]`, [page_size, Hs, D]); the RoPE+KV write stores a token's row
-  of all heads (`pages.at[page, slot]`). Neither cuts a tile.
-* Head h of a fetched block is every Hs-th row of the block seen as [tokens * Hs, D]: a strided
-  load. Mosaic strides over 32-bit rows only, so the block is read as uint32 words, each holding
-  `packing` consecutive heads of one token (2 for bf16, 4 for int8 / fp8), and the heads are
-  taken out with shifts: a bf16 in the low half is `word << 16` read as float32 (exact), the high
-  half `word & 0xFFFF0000`.
-* That needs Hs a multiple of `packing` and a whole number of tiles: `stored_kv_heads` says how
-  many heads a pool holds for a model's Hkv (Hkv itself for 2, 4, 8, 16...; 3 -> 4; 1 -> 2 in
-  bf16, 4 in int8). The padded heads hold zeros and are never read: `num_kv_heads` tells the
-  kernel the real count. head_dim 64 needs no padding (measured: the strided loads and dots
-  compile at D = 64 on v5e, v6e and v5p).
+* The kernel fetches whole pages, one DMA each (`kv_pages.at[page]` into rows i * page_size of a
+  VMEM slot [C * page_size, W]); the copy cuts only the untiled page axis of the pool.
+* K_h of a fetched block is the lane slice [2 Ds h, 2 Ds h + Ds), V_h the next Ds lanes: aligned
+  to 128-lane rows for Ds a multiple of 128. With Ds = 64 (SmolLM2, Llama-3.2-1B, GPT-OSS) K_h and
+  V_h share one 128-lane row, and the kernel never splits it (`read_head`, `combined.lane_width`):
+  q is padded with zeros to 128 lanes, so q . row = q . K_h, and of p @ row it keeps lanes 64..127,
+  p @ V_h. The MXU works on 128 lanes anyway; the HBM traffic is exactly the model's K/V.
+* The write of a token's row is XLA's in-place scatter, not a DMA: a token's bf16 or 8-bit row
+  shares 32-bit words with its neighbour tokens, and Mosaic refuses a DMA at such a row
+  (`pallas_kernels.rope_kv_write`).
 
 How the work is cut
 -------------------
@@ -33,7 +32,8 @@ How the work is cut
   rows of ONE sequence. The wrapper finds each block's sequence and first query (`block_seq`,
   `block_q_start`, a search over `cu_q_lens` done once in XLA) and gathers its queries into the
   layout the kernel multiplies with: for every KV head h, the G = Hq // Hkv query heads that share
-  it, rows r = query * G + head  ->  q_blocks [NB, Hkv, R = Bq*G, D]. NB = min(T, cdiv(T, Bq) + S)
+  it, rows r = query * G + head  ->  q_blocks [NB, Hkv, R = Bq*G, lanes] (zero lanes past D).
+  NB = min(T, cdiv(T, Bq) + S)
   is a static bound on the number of blocks; blocks past the real ones are padding.
 * Scalar prefetch (SMEM, readable before the grid starts): kv_lens, page_indices (flattened),
   cu_q_lens, num_seqs, block_seq, block_q_start. The kernel derives everything else from them.
@@ -43,14 +43,14 @@ How the work is cut
   (by program parity), waiting for it while its own first KV block is on its way; a sequence of
   up to ~2M tokens then fits whatever S.
 * Grid (NB,): program b computes query block b for every KV head. Its q and output tiles
-  [Hkv, R, D] come through ordinary BlockSpecs (the Pallas pipeline double-buffers them); the
+  [Hkv, R, lanes] come through ordinary BlockSpecs (the Pallas pipeline double-buffers them); the
   wrapper scatters the output rows back to [T, Hq, D].
 * KV loop inside the program. Keys and values stay in HBM (`memory_space=pl.ANY`). A loop walks the
   KV blocks (`num_kv_pages_per_block` (C) pages, C * page_size tokens) the block can see: from the
   one holding the first query's window start to the one holding its last query's position. Blocks
   outside, and pages of a block that hold no visible token, are never fetched; padding query
   blocks fetch nothing.
-* Double buffering. Two VMEM slots per K and V. While block j is computed from one slot, block j+1
+* Double buffering. Two VMEM slots of combined rows. While block j is computed from one slot, block j+1
   is on its way into the other; the last block of a program starts the FIRST block of program
   b + 1, so a decode (often one KV block per program) does not wait for its own fetch. The slot
   and whether that fetch is in flight are carried across programs in a 2-int SMEM scratch; this
@@ -173,6 +173,16 @@ def read_head(block_ref, h: int, stored_head_dim: int, k_scale: float | None, v_
     return load(k_start, k_scale), load(v_start, v_scale)
 
 
+def token_scales(scale_ref, segment: int, page_size: int) -> jax.Array:
+    """The scales of segment (2 h + K|V) of every token of a fetched block, [1, C * page_size]:
+    row i of `scale_ref` [C, Hkv * 2 * page_size] holds page i's, (head, K|V, token) order, so the
+    segment is lanes [segment * page_size, + page_size) of each row (whole 128-lane rows: page_size
+    is a multiple of 128 with a scale pool)."""
+    pages = scale_ref.shape[0]
+    parts = [scale_ref[pl.ds(i, 1), pl.ds(segment * page_size, page_size)] for i in range(pages)]
+    return parts[0] if pages == 1 else jnp.concatenate(parts, axis=1)
+
+
 def _kernel(
     # scalar prefetch (SMEM)
     kv_lens_ref,  # [S]
@@ -184,12 +194,15 @@ def _kernel(
     # inputs
     q_ref,  # [Hkv, R, lanes] VMEM: query block b, for each KV head the G query heads it serves (zero lanes past D)
     kv_hbm,  # [P, page_size, Hkv * 2 * Ds] HBM: combined pages (combined.py)
+    scale_hbm,  # [P, Hkv * 2 * page_size] HBM: a quantized pool's scales, (head, K|V, token) order ([1, 1] without)
     table_hbm,  # [S * pages_per_seq] HBM: the page table, read from here with fetch_rows
     # output
     o_ref,  # [Hkv, R, lanes] VMEM
     # scratch
     kv_buf,  # [2, C * page_size, Hkv * 2 * Ds] VMEM, two slots
     kv_sems,  # DMA semaphores [2], one per slot
+    scale_buf,  # [2, C, Hkv * 2 * page_size] float32 VMEM with a scale pool ([2, 1, 128] without)
+    scale_sems,  # DMA semaphores [2]
     fetch_state,  # SMEM int32[2]: [slot of this program's first KV block, 1 if already fetching it]
     m_ref,  # [Hkv, R, 1] float32: running max
     l_ref,  # [Hkv, R, 1] float32: running sum
@@ -208,6 +221,7 @@ def _kernel(
     page_size,
     stored_head_dim,
     fetch_rows,
+    scale_pool,
 ):
     b = pl.program_id(0)
     num_blocks = pl.num_programs(0)
@@ -228,26 +242,31 @@ def _kernel(
         return (program % 2) * pages_per_seq if fetch_rows else blk.seq * pages_per_seq
 
     def page_copies(blk: QueryBlock, j, slot, row):
-        """(needed, copy) for each page of KV block j of query block `blk`: whole pages, into
-        rows i * page_size of the slot. `row`: where its page ids start (row_start)."""
+        """(needed, copies) for each page of KV block j of query block `blk`: whole pages, into
+        rows i * page_size of the slot (and with a scale pool, the page's scales into row i of
+        the scale slot). `row`: where its page ids start (row_start)."""
         table = rows_ref if fetch_rows else page_indices_ref
         copies = []
         for i in range(pages_per_block):
             page = j * pages_per_block + i  # page number within the sequence
             needed = (page * page_size <= blk.last_pos) & ((page + 1) * page_size > blk.lo_pos)
             page_id = table[row + jnp.minimum(page, pages_per_seq - 1)]
-            copy = pltpu.make_async_copy(kv_hbm.at[page_id], kv_buf.at[slot, pl.ds(i * page_size, page_size)],
-                                         kv_sems.at[slot])
-            copies.append((needed, copy))
+            page_copies = [pltpu.make_async_copy(kv_hbm.at[page_id], kv_buf.at[slot, pl.ds(i * page_size, page_size)],
+                                                 kv_sems.at[slot])]
+            if scale_pool:
+                page_copies.append(pltpu.make_async_copy(scale_hbm.at[page_id], scale_buf.at[slot, i], scale_sems.at[slot]))
+            copies.append((needed, page_copies))
         return copies
 
     def start_fetch(blk, j, slot, row):
-        for needed, copy in page_copies(blk, j, slot, row):
-            pl.when(needed)(copy.start)
+        for needed, copies in page_copies(blk, j, slot, row):
+            for copy in copies:
+                pl.when(needed)(copy.start)
 
     def wait_fetch(blk, j, slot, row):
-        for needed, copy in page_copies(blk, j, slot, row):
-            pl.when(needed)(copy.wait)
+        for needed, copies in page_copies(blk, j, slot, row):
+            for copy in copies:
+                pl.when(needed)(copy.wait)
 
     def row_copy(program):  # with fetch_rows: the page-table row of `program`'s sequence into its parity's slot
         seq = block_seq_ref[program]
@@ -309,16 +328,21 @@ def _kernel(
         # 0 * garbage cannot leak into the sum
         fetched = (kv_pos_col >= blk.lo_pos) & (kv_pos_col <= blk.last_pos)
         kv_pos = j * kv_block + jax.lax.broadcasted_iota(jnp.int32, (1, kv_block), 1)  # [1, K]
+        fetched_row = (kv_pos >= blk.lo_pos) & (kv_pos <= blk.last_pos)  # the same, along the lanes
         visible = (kv_pos <= q_pos) & row_real  # [R, K]
         if sliding_window is not None:
             visible &= kv_pos > q_pos - sliding_window
 
         for h in range(num_kv_heads):  # head by head: one head's K and V live at a time
             k, v = read_head(kv_buf.at[slot], h, stored_head_dim, k_scale, v_scale)
+            if scale_pool:  # entry * its token's scale: K's scales multiply the scores' columns, V's the weights'
+                k_scales, v_scales = (token_scales(scale_buf.at[slot], 2 * h + i, page_size) for i in (0, 1))  # [1, K]
+                k_scales = jnp.where(fetched_row, k_scales, 0.0)
+                v_scales = jnp.where(fetched_row, v_scales, 0.0)
             v = jnp.where(fetched, v, 0.0).astype(dtype)
             s = jax.lax.dot_general(q_ref[h], k.astype(dtype), (((1,), (1,)), ((), ())), precision=precision,
                                     preferred_element_type=jnp.float32)  # [R, K]
-            s = s * sm_scale
+            s = s * (sm_scale if not scale_pool else k_scales * sm_scale)
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             s = jnp.where(visible, s, -jnp.inf)
@@ -328,7 +352,8 @@ def _kernel(
             p = jnp.exp(s - m_safe)
             alpha = jnp.exp(m - m_safe)
             l_ref[h] = alpha * l_ref[h] + p.sum(axis=1, keepdims=True)
-            pv = jax.lax.dot_general(p.astype(dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+            weights = p if not scale_pool else p * v_scales
+            pv = jax.lax.dot_general(weights.astype(dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32)
             acc_ref[h] = alpha * acc_ref[h] + pv
             m_ref[h] = m_new
@@ -363,11 +388,12 @@ def ragged_paged_attention(
     page_indices: jax.Array,  # [S, pages_per_seq]
     cu_q_lens: jax.Array,  # [S + 1]
     num_seqs: jax.Array,  # [] or [1]
+    kv_scale: jax.Array | None = None,  # [P, Hkv * 2 * page_size] float32: int8 / fp8 pages' scale per token and head
     *,
     sm_scale: float = 1.0,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    k_scale: float | None = None,  # int8 / fp8 pages: entry * scale is the value (see reference.py)
+    k_scale: float | None = None,  # int8 / fp8 pages with one scale each for K and V: entry * scale is the value
     v_scale: float | None = None,
     num_queries_per_block: int = 8,
     num_kv_pages_per_block: int | None = None,
@@ -375,7 +401,13 @@ def ragged_paged_attention(
     fetch_rows: bool | None = None,  # page-table rows fetched per program (default: when the whole table overflows SMEM)
     interpret=False,  # passed to pallas_call: True (HLO interpreter) or pltpu.InterpretParams(...)
 ) -> jax.Array:
-    check_kv_scales(kv_pages, kv_pages, k_scale, v_scale)
+    scale_pool = kv_scale is not None
+    if scale_pool:
+        check_kv_scales(kv_pages, kv_pages, 1.0, 1.0)
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("pass either a scale pool (kv_scale) or one scale each for K and V (k_scale, v_scale), not both")
+    else:
+        check_kv_scales(kv_pages, kv_pages, k_scale, v_scale)
     T, Hq, D = q.shape
     P, page_size, width = kv_pages.shape
     Ds = combined_head_dim(D)
@@ -388,6 +420,12 @@ def ragged_paged_attention(
         raise ValueError(f"{Hq} query heads do not split evenly over {Hkv} KV heads")
     if kv_pages.dtype not in QUANTIZED_KV_DTYPES and kv_pages.dtype != q.dtype:
         raise ValueError(f"float pages must have q's dtype: kv_pages {kv_pages.dtype}, q {q.dtype}")
+    if scale_pool:
+        if kv_scale.shape != (P, Hkv * 2 * page_size):
+            raise ValueError(f"kv_scale must be [pages, Hkv * 2 * page_size] = {(P, Hkv * 2 * page_size)}; got {kv_scale.shape}")
+        if page_size % 128:
+            raise ValueError(f"page_size {page_size}: a scale pool is read by the TPU kernel with page_size a multiple of 128 "
+                             f"(each head's scales of a page then fill whole 128-lane rows); use the XLA attention otherwise")
     G = Hq // Hkv
     Bq = num_queries_per_block
     C = num_kv_pages_per_block or max(1, DEFAULT_KV_TOKENS_PER_BLOCK // page_size)
@@ -436,7 +474,7 @@ def ragged_paged_attention(
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
         v_scale=v_scale, Bq=Bq, G=G, pages_per_seq=pages_per_seq, page_size=page_size, stored_head_dim=Ds,
-        fetch_rows=fetch_rows,
+        fetch_rows=fetch_rows, scale_pool=scale_pool,
     )
     cost_estimate = cost.ragged_paged_attention(
         query_rows=NB * Bq, query_blocks=NB, Hq=Hq, Hkv_stored=Hkv, D=Ds, kv_tokens_per_block=pages_per_seq * page_size,
@@ -451,10 +489,12 @@ def ragged_paged_attention(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(NB,),
-            in_specs=[tile] + [pl.BlockSpec(memory_space=pl.ANY)] * 2,
+            in_specs=[tile] + [pl.BlockSpec(memory_space=pl.ANY)] * 3,
             out_specs=tile,
             scratch_shapes=[
                 pltpu.VMEM((2, kv_block, width), kv_pages.dtype),
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.VMEM((2, C, Hkv * 2 * page_size) if scale_pool else (2, 1, 128), jnp.float32),
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.SMEM((2,), jnp.int32),
                 pltpu.VMEM((Hkv, R, 1), jnp.float32),
@@ -478,6 +518,7 @@ def ragged_paged_attention(
         block_q_start,
         q_blocks,
         kv_pages,
+        kv_scale.astype(jnp.float32) if scale_pool else jnp.zeros((1, 1), jnp.float32),
         table,
     )  # [NB, Hkv, R, lanes]: V's lanes of the row; with Ds = 64, the row's second half
 

@@ -36,7 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.compat import patch_interpret_mode
-from pallas_kernels.rope_kv_write import common
+from pallas_kernels import cost
+from pallas_kernels.rope_kv_write.reference import check_inputs, check_pools
 
 
 def _next_power_of_two(n: int) -> int:
@@ -117,20 +118,24 @@ def rope_kv_write(
     num_warps: int = 4,
     interpret: bool = False,
 ):
-    T, _, _, D = common.check_and_size(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset)
+    check_inputs(q, k, v, cos, sin, write_page, write_offset)
+    check_pools(k, k_pages, v_pages)
+    T, Hq, D = q.shape
     if not supports(D):
         raise ValueError(f"head_dim {D}: the GPU kernel needs head_dim / 2 to be a power of two")
-    common.check_block_tokens(block_tokens)
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be positive; got {block_tokens}")
     if interpret:
         patch_interpret_mode()
     q_rot, k_rot, k_pages, v_pages = pl.pallas_call(
         functools.partial(_kernel, num_tokens=T, block_tokens=block_tokens, half=D // 2),
-        out_shape=common.out_shape(T, q, k, k_pages, v_pages),
+        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                   jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
         grid=(pl.cdiv(T, block_tokens),),
-        input_output_aliases=common.pool_aliases(5),  # k_pages, v_pages
+        input_output_aliases={5: 2, 6: 3},  # k_pages, v_pages: updated in place when the caller donates them
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        cost_estimate=common.cost_estimate(T, q, k, k_pages),
+        cost_estimate=cost.rope_kv_write(T, Hq, k.shape[1], D, itemsize=q.dtype.itemsize, pool_itemsize=k_pages.dtype.itemsize),
         name="rope_kv_write",
     )(q, k, v, cos, sin, k_pages, v_pages, write_page.astype(jnp.int32), write_offset.astype(jnp.int32))
     return q_rot, k_rot, k_pages, v_pages
