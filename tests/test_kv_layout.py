@@ -89,6 +89,18 @@ def test_combined_pages_hold_exactly_the_models_kv_bytes_per_token_per_chip(v6e,
             == LAYERS * PAGE_SIZE * per_token
 
 
+def test_a_quantized_pool_in_pages_of_128_keeps_its_scales_row_major_for_the_kernel(v6e):
+    """Pages of 128 tokens: each head's scales of a page are whole 128-lane rows, stored exactly
+    and page-major, so the attention kernel DMAs them with the page (smaller pages: the compiler
+    puts the page axis in the lanes, and the XLA attention reads them)."""
+    config = one_chip_config(1, 128)
+    pool = jax.eval_shape(lambda: KVCache.create(config, PAGES, 128, jnp.int8, kernels=Kernels("tpu")))
+    size, layout = chip_layout(v6e, pool.kv_scale)
+    assert layout == (0, 1, 2) and size == pool.kv_scale.size * 4
+    small = abstract_pool(config, jnp.int8, Kernels("tpu"))  # pages of 16: 32 scales a page
+    assert chip_layout(v6e, small.kv_scale)[1] != (0, 1, 2)
+
+
 @pytest.mark.parametrize("heads", [1, 2, 8])
 def test_separate_pools_of_head_dim_64_are_padded_or_not_row_major_on_a_tpu(v6e, heads):
     """What the combined layout removes: a K pool [.., heads, 64] in bf16 either takes twice its

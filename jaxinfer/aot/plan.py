@@ -178,9 +178,12 @@ def size_pool(step: AbstractStep) -> PoolSizing:
         sized_by = f"kv_cache_memory_bytes={shape.kv_cache_memory_bytes}"
     roomy = given is not None and weights + given * page_bytes < PROBE_BELOW * target.chip.hbm_bytes
     probe_pages = given if roomy else shape.pages_per_seq + 1
-    probe = _compile_bucket(step.with_num_pages(probe_pages), largest_bucket(step.buckets.all_keys()))
-    # the model's scratch, or the sampling programs' over the most logits rows (they run after it)
-    sampling = _compile_sampling(step, max(k.num_logits for k in step.buckets.all_keys()))
+    # the model's scratch, or the sampling programs' over the most logits rows (they run after it):
+    # the two compiles side by side
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        sampling_compile = pool.submit(_compile_sampling, step, max(k.num_logits for k in step.buckets.all_keys()))
+        probe = _compile_bucket(step.with_num_pages(probe_pages), largest_bucket(step.buckets.all_keys()))
+        sampling = sampling_compile.result()
     scratch = max(probe.scratch_bytes, sampling.peak_bytes)
     fit = dict(capacity_bytes=target.chip.hbm_bytes, weight_bytes=weights, scratch_bytes=scratch,
                page_bytes=page_bytes)
@@ -224,19 +227,28 @@ def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfi
     keys = step.buckets.all_keys()
     largest = sizing.probe.key
     step = step.with_num_pages(min(sizing.pages, sizing.largest_pages))
-    results = {largest: sizing.probe if step.num_pages == sizing.probe_pages else _compile_bucket(step, largest)}
-    if on_bucket:
-        on_bucket(results[largest])
-    rest = [k for k in keys if k not in results]
+    results = {}
+    if step.num_pages == sizing.probe_pages:
+        results[largest] = sizing.probe
+        if on_bucket:
+            on_bucket(sizing.probe)
+    rest = [k for k in keys if k not in results]  # the largest again when the pool grew: with the rest
     rows = sorted({k.num_logits for k in keys} - {sizing.sampling.rows})
+    # One pool for the buckets and the sampling programs, the longest first (the most tokens, then
+    # a sampling set of ~10 s on 2 cores) so that the last to finish are short.
+    tasks = sorted([("bucket", k) for k in rest] + [("sampling", r) for r in rows],
+                   key=lambda t: -(t[1].num_tokens if t[0] == "bucket" else 128))
+    compile_one = lambda t: _compile_bucket(step, t[1]) if t[0] == "bucket" else _compile_sampling(step, t[1])  # noqa: E731
+    sampling = [sizing.sampling]
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
-        buckets = pool.map(lambda k: _compile_bucket(step, k), rest)
-        # meanwhile the sampling programs, in this thread, one after the other
-        sampling = sorted([sizing.sampling, *(_compile_sampling(step, r) for r in rows)], key=lambda c: c.rows)
-        for key, result in zip(rest, buckets):
-            results[key] = result
+        for (kind, what), result in zip(tasks, pool.map(compile_one, tasks)):
+            if kind == "sampling":
+                sampling.append(result)
+                continue
+            results[what] = result
             if on_bucket:
                 on_bucket(result)
+    sampling.sort(key=lambda c: c.rows)
     return Plan(step, [results[k] for k in keys], sizing, sampling, time.perf_counter() - start)
 
 
