@@ -143,6 +143,17 @@ def test_the_tpu_kernel_table_reads_a_quantized_pool_through_the_xla_path(model_
     assert tokens(tpu, prompts[:4], params[:4]) == want[:4]
 
 
+def test_the_tpu_kernel_reads_a_quantized_pool_in_pages_of_128(model_dir, reference):
+    """Pages of 128 tokens: the TPU attention kernel (interpret mode) reads the int8 entries and
+    their scale pool itself (ops.kernels), and the 8-bit rows are written one by one
+    (attention.write_8bit_rows): the tokens of the XLA path over pages of 16."""
+    prompts, params, want = reference
+    tpu = LLM(model_dir, kv_cache_dtype="int8", num_pages=16, max_num_batched_tokens=32, kernel_impl="pallas",
+              **{**BASE, "page_size": 128})
+    assert tpu.runner.kv.kv.shape[2] == 128 and tpu.runner.kv.kv_scale is not None
+    assert tokens(tpu, prompts[:4], params[:4]) == want[:4]
+
+
 # ----------------------------------------------------------------------------- memory
 def test_the_pool_holds_about_twice_the_sequences_of_bfloat16_in_the_same_bytes(model_dir):
     config = read_config(resolve_model(model_dir))

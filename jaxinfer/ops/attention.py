@@ -93,8 +93,25 @@ def write_rows(pool: KVCache, pages, offsets, k, v) -> KVCache:
     # scales run (head, K|V, token) within a page: token `offset`'s 2 Hkv of them are page_size apart
     slot = offsets[:, None] + page_size * jnp.arange(2 * Hkv)[None, :]  # [n, 2 Hkv]
     scales = jnp.stack([k_scale, v_scale], axis=-1).reshape(n, 2 * Hkv)  # (head, K|V) order
-    return KVCache(kv=pool.kv.at[pages, offsets].set(combine_kv(k, v)),
+    return KVCache(kv=write_8bit_rows(pool.kv, pages, offsets, combine_kv(k, v)),
                    kv_scale=pool.kv_scale.at[pages[:, None], slot].set(scales))
+
+
+def write_8bit_rows(pages_array: jax.Array, pages, offsets, rows) -> jax.Array:
+    """rows [n, W] of 8-bit entries into pages_array [N, page_size, W] at (pages, offsets), in place.
+
+    A TPU tiles 8-bit pages of 32 tokens or more in (32, 128) tiles, and XLA's scatter wants
+    (8, 128) ones: the scatter made the step copy the whole pool to that layout and back
+    (measured with libtpu: 2 pool-sized copies per step from page_size 32 on). A loop of
+    dynamic_update_slice, one token's row each, updates the pool in its own layout (0 copies).
+    Smaller pages keep the scatter (one op for every row)."""
+    if pages_array.shape[1] < 32:
+        return pages_array.at[pages, offsets].set(rows)
+
+    def write(i, array):
+        return jax.lax.dynamic_update_slice(array, rows[i][None, None], (pages[i], offsets[i], 0))
+
+    return jax.lax.fori_loop(0, rows.shape[0], write, pages_array)
 
 
 @functools.cache
