@@ -145,8 +145,8 @@ def test_kernel_table_xla_entries_are_checked_names():
     table = Kernels("gpu", interpret=True, xla=("swiglu_matmul", "ragged_attention", "swiglu_matmul"))
     assert table.xla == ("ragged_attention", "swiglu_matmul") and table != Kernels("gpu", interpret=True)
     assert table.swiglu_matmul is XLA.swiglu_matmul and table.add_rms_norm is not XLA.add_rms_norm
-    with pytest.raises(ValueError, match="'stored_head_dim' is no operation"):
-        Kernels("tpu", xla=("stored_head_dim",))
+    with pytest.raises(ValueError, match="'combines_kv' is no operation"):
+        Kernels("tpu", xla=("combines_kv",))
     with pytest.raises(ValueError, match="xla_kernels=.*'attention'"):
         EngineConfig(xla_kernels=["attention"])
     assert EngineConfig(kernel_impl="pallas", xla_kernels="flash_attention").kernels.flash_attention is None

@@ -73,11 +73,12 @@ def test_moe_model_on_a_mesh_matches_one_device(moe_dir, moe_truth, parallel):
 ], ids=lambda x: x if isinstance(x, str) else mesh_id(x))
 def test_pallas_kernels_run_per_device_on_a_mesh(dense_dir, dense_truth, platform, parallel):
     """The kernels (interpret mode here) see one device's heads and one replica's pages; with the
-    TPU kernels each device's pool is laid out for a TPU (head_dim in 128 lanes), which the
-    sequence-parallel ring writes into and reads its cached prefix from."""
+    TPU kernels the pool is combined (one row of K and V per token, head_dim 8 stored in 64 lanes
+    each), split into whole heads per device, which the sequence-parallel ring writes into and
+    reads its cached prefix from."""
     model = MeshModel(dense_dir, parallel, Kernels(platform, interpret=True))
     if platform == "tpu":
-        assert model.kv.k.shape[-1] == 128
+        assert model.kv.combined and model.kv.kv.shape[-1] == model.config.num_kv_heads * 2 * 64
     assert_same_logits(run_scenario(model), dense_truth)
 
 
