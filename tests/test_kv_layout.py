@@ -111,11 +111,12 @@ def test_separate_pools_of_head_dim_64_are_padded_or_not_row_major_on_a_tpu(v6e,
     assert size == 2 * exact or layout[-1] != 4, (size, exact, layout)
 
 
+@pytest.mark.parametrize("chip", ["v5e:2x2", "v6e:2x2", "v5p:2x2x1"])
 @pytest.mark.parametrize("heads,head_dim,dtype", [(1, 64, jnp.bfloat16), (8, 128, jnp.bfloat16), (2, 256, jnp.int8)])
-def test_the_combined_write_updates_the_pool_in_place(v6e, heads, head_dim, dtype):
-    """RoPE and the scatter of 256 tokens' rows into a donated pool: no pool-sized copy, the pool
-    aliased to the output, no scratch the size of the pool."""
-    mesh = v6e.mesh(("x",), (1,))
+def test_the_combined_write_updates_the_pool_in_place(chip, heads, head_dim, dtype):
+    """RoPE and the scatter of 256 tokens' rows into a donated pool, for each chip: no pool-sized
+    copy, the pool aliased to the output, no scratch the size of the pool."""
+    mesh = compile_target(chip).mesh(("x",), (1,))
     spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))  # noqa: E731
     T = 256
     kv = abstract_pool(one_chip_config(heads, head_dim), dtype, Kernels("tpu")).kv
@@ -129,3 +130,18 @@ def test_the_combined_write_updates_the_pool_in_place(v6e, heads, head_dim, dtyp
     pool_bytes = pool.size * pool.dtype.itemsize
     assert pool_sized_copies(compiled.as_text(), pool.size) == 0
     assert memory.alias_size_in_bytes >= pool_bytes and memory.temp_size_in_bytes < pool_bytes // 16
+
+
+@pytest.mark.parametrize("chip", ["v5e:2x2", "v6e:2x2", "v5p:2x2x1"])
+def test_8bit_rows_in_pages_of_32_or_more_are_written_in_place(chip):
+    """A TPU tiles 8-bit pages of 32+ tokens in (32, 128) tiles, which XLA's scatter would copy to
+    (8, 128) ones and back: the rows go in one dynamic_update_slice each (ops.attention)."""
+    from jaxinfer.ops.attention import write_8bit_rows
+
+    mesh = compile_target(chip).mesh(("x",), (1,))
+    spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))  # noqa: E731
+    N, T, W = 20000, 256, 512
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(write_8bit_rows, donate_argnums=0).lower(
+            spec((N, 128, W), jnp.int8), spec((T,), jnp.int32), spec((T,), jnp.int32), spec((T, W), jnp.int8)).compile()
+    assert pool_sized_copies(compiled.as_text(), N * 128 * W) == 0
