@@ -58,8 +58,11 @@ How the work is cut
 * Online softmax per KV head: running max m, sum l and accumulator acc (float32, VMEM scratch
   [Hkv, R, ...]); scores masked (causal, sliding window, rows past the sequence) with -inf,
   soft-capped first when asked. Rows that see nothing end with l = 0 and output 0.
-* Quantized pages (int8 / float8_e4m3fn) are DMA'd as stored (1 byte per entry), then dequantized
-  in VMEM: float32(entry) * scale, cast to q's dtype for the matmuls.
+* Quantized pages (int8 / float8_e4m3fn, or e4m3 as bytes) are DMA'd as stored (1 byte per entry),
+  then dequantized in VMEM: float32(entry), times one scale for K and one for V, or with a scale
+  pool (`kv_scale` [P, Hkv * 2 * page_size], a scale per token and head in (head, K|V, token)
+  order; page_size a multiple of 128) each page's scales DMA'd beside it: K's multiply the
+  scores' columns, V's the softmax weights (`token_scales`: lane rows over the block's tokens).
 
 VMEM: `vmem_working_set_bytes` adds up the buffers (every tile padded to (8, 128)); the limit is
 the chip's (`pallas_kernels.tpu_chip.vmem_limit_bytes`: half its VMEM) unless given, and the
