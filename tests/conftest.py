@@ -46,3 +46,18 @@ def _release_compiled_code():
     yield
     gc.collect()
     jax.clear_caches()
+
+
+@pytest.fixture(scope="module")
+def no_persistent_compilation_cache():
+    """For a module that compiles for described chips (tests/test_aot.py): such executables
+    cannot be loaded back here (no client to load them into), so they stay out of the session's
+    compilation cache. The flag alone is read when the cache starts, so the (private) cache is
+    reset after each change."""
+    from jax._src import compilation_cache
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()

@@ -41,7 +41,7 @@ class MeshModel:
                                             mesh=self.mesh, progress=False)
         self.step = StepFunction(graphdef, 0, mesh=self.mesh, param_specs=param_partition_specs(self.params, config))
         self.replicas = parallel.num_replicas
-        sharding = jax.sharding.NamedSharding(self.mesh, kv_partition_spec(combined=kernels.combines_kv(jnp.float32)).pages)
+        sharding = jax.sharding.NamedSharding(self.mesh, kv_partition_spec(combined=kernels.combines_kv).pages)
         self.kv = KVCache.create(config, PAGES_PER_REPLICA * self.replicas, PAGE_SIZE, tp=parallel.tp, sharding=sharding,
                                  kernels=kernels)
         self.next_page = [1] * self.replicas  # page 0 of every replica is its scratch page

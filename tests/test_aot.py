@@ -39,18 +39,7 @@ SMALL = ModelConfig.from_hf_dict(
 SHAPE = ServingShape(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=8)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _no_persistent_cache():
-    """Executables compiled for a described chip cannot be loaded back here (no client to load
-    them into): keep them out of the test session's compilation cache. The flag alone is read when
-    the cache starts, so the (private) cache is reset after each change."""
-    from jax._src import compilation_cache
-
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    yield
-    jax.config.update("jax_enable_compilation_cache", True)
-    compilation_cache.reset_cache()
+pytestmark = pytest.mark.usefixtures("no_persistent_compilation_cache")  # executables for described chips: conftest
 
 
 @pytest.fixture(scope="module")

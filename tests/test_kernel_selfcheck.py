@@ -75,7 +75,7 @@ def test_a_refused_kernel_and_a_wrong_one_take_their_xla_paths_and_the_verdicts_
 
     assert checked.xla == ("add_rms_norm", "ragged_attention") and checked != tpu
     assert checked.ragged_attention is XLA.ragged_attention and checked.add_rms_norm is XLA.add_rms_norm
-    assert not checked.combines_kv(jnp.float32)  # the XLA attention's pool: separate K and V
+    assert not checked.combines_kv  # the XLA attention's pool: separate K and V
     assert checked.rope_kv_write is calls["rope_kv_write"]  # the healthy kernel stays
     log = caplog.text
     assert "kernel ragged_attention failed its on-device check (decode" in log and "RuntimeError: Mosaic failed" in log

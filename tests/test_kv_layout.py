@@ -15,30 +15,25 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxinfer.aot.targets import compile_target
 from jaxinfer.config import ModelConfig
+from jaxinfer.ops.attention import rope_and_write_kv, write_page_rows
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.kv_cache import KVCache
+from pallas_kernels.ragged_paged_attention.combined import combine_kv, row_width, split_kv
 from pallas_kernels.ragged_paged_attention.reference import storage_dtype
-from pallas_kernels.rope_kv_write import rope_kv_write_combined
+from pallas_kernels.rope_kv_write import rope_kv_write_reference
 from sharding.hlo import pool_sized_copies
+from test_rope_kv_write import make_case
 
 LAYERS, PAGES, PAGE_SIZE = 2, 2048, 16
 KV_DTYPES = {"bf16": jnp.bfloat16, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _no_persistent_cache():
-    """Executables for a described chip cannot be loaded back here: keep them out of the cache."""
-    from jax._src import compilation_cache
-
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    yield
-    jax.config.update("jax_enable_compilation_cache", True)
-    compilation_cache.reset_cache()
+pytestmark = pytest.mark.usefixtures("no_persistent_compilation_cache")  # executables for described chips: conftest
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +106,30 @@ def test_separate_pools_of_head_dim_64_are_padded_or_not_row_major_on_a_tpu(v6e,
     assert size == 2 * exact or layout[-1] != 4, (size, exact, layout)
 
 
+def rope_and_write_combined(q, k, v, cos, sin, kv_pages, write_page, write_offset):
+    """(q_rot, k_rot, kv_pages) of the step's RoPE and KV write into a combined pool."""
+    q, k, pool = rope_and_write_kv(q, k, v, cos, sin, KVCache(kv=kv_pages), write_page, write_offset, Kernels("tpu"))
+    return q, k, pool.kv
+
+
+@pytest.mark.parametrize("Hkv,D", [(1, 64), (3, 64), (2, 128), (1, 16)])
+def test_combined_write_puts_each_token_row_where_the_separate_write_puts_its_k_and_v(Hkv, D):
+    """The combined pool's row of a written slot is K_0 V_0 K_1 V_1 ... of the separate write (zero
+    lanes past D); every other slot keeps its bits."""
+    case = make_case(8, T=9, Hq=2 * Hkv, Hkv=Hkv, D=D, page_size=4, num_pages=5, dtype=jnp.bfloat16)
+    q, k, v, cos, sin, k_pages, v_pages, page, offset = case
+    kv_pages = combine_kv(k_pages, v_pages)
+    assert kv_pages.shape == (5, 4, row_width(Hkv, D))
+    q_rot, k_rot, kv_new = rope_and_write_combined(q, k, v, cos, sin, kv_pages, page, offset)
+    want = rope_kv_write_reference(*case)
+    np.testing.assert_array_equal(np.asarray(q_rot, np.float32), np.asarray(want[0], np.float32))
+    np.testing.assert_array_equal(np.asarray(k_rot, np.float32), np.asarray(want[1], np.float32))
+    k_got, v_got = split_kv(kv_new, D)
+    np.testing.assert_array_equal(np.asarray(k_got, np.float32), np.asarray(want[2], np.float32))
+    np.testing.assert_array_equal(np.asarray(v_got, np.float32), np.asarray(want[3], np.float32))
+    np.testing.assert_array_equal(np.asarray(kv_new, np.float32), np.asarray(combine_kv(want[2], want[3]), np.float32))
+
+
 @pytest.mark.parametrize("chip", ["v5e:2x2", "v6e:2x2", "v5p:2x2x1"])
 @pytest.mark.parametrize("heads,head_dim,dtype", [(1, 64, jnp.bfloat16), (8, 128, jnp.bfloat16), (2, 256, jnp.int8)])
 def test_the_combined_write_updates_the_pool_in_place(chip, heads, head_dim, dtype):
@@ -125,7 +144,7 @@ def test_the_combined_write_updates_the_pool_in_place(chip, heads, head_dim, dty
             spec((T, head_dim), jnp.float32), spec((T, head_dim), jnp.float32), spec(pool.shape, pool.dtype),
             spec((T,), jnp.int32), spec((T,), jnp.int32))
     with jax.set_mesh(mesh):
-        compiled = jax.jit(rope_kv_write_combined, donate_argnums=5).lower(*args).compile()
+        compiled = jax.jit(rope_and_write_combined, donate_argnums=5).lower(*args).compile()
     memory = compiled.memory_analysis()
     pool_bytes = pool.size * pool.dtype.itemsize
     assert pool_sized_copies(compiled.as_text(), pool.size) == 0
@@ -136,12 +155,10 @@ def test_the_combined_write_updates_the_pool_in_place(chip, heads, head_dim, dty
 def test_8bit_rows_in_pages_of_32_or_more_are_written_in_place(chip):
     """A TPU tiles 8-bit pages of 32+ tokens in (32, 128) tiles, which XLA's scatter would copy to
     (8, 128) ones and back: the rows go in one dynamic_update_slice each (ops.attention)."""
-    from jaxinfer.ops.attention import write_8bit_rows
-
     mesh = compile_target(chip).mesh(("x",), (1,))
     spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))  # noqa: E731
     N, T, W = 20000, 256, 512
     with jax.set_mesh(mesh):
-        compiled = jax.jit(write_8bit_rows, donate_argnums=0).lower(
+        compiled = jax.jit(write_page_rows, donate_argnums=0).lower(
             spec((N, 128, W), jnp.int8), spec((T,), jnp.int32), spec((T,), jnp.int32), spec((T, W), jnp.int8)).compile()
     assert pool_sized_copies(compiled.as_text(), N * 128 * W) == 0

@@ -146,7 +146,7 @@ def test_the_tpu_kernel_table_reads_a_quantized_pool_through_the_xla_path(model_
 def test_the_tpu_kernel_reads_a_quantized_pool_in_pages_of_128(model_dir, reference):
     """Pages of 128 tokens: the TPU attention kernel (interpret mode) reads the int8 entries and
     their scale pool itself (ops.kernels), and the 8-bit rows are written one by one
-    (attention.write_8bit_rows): the tokens of the XLA path over pages of 16."""
+    (attention.write_page_rows): the tokens of the XLA path over pages of 16."""
     prompts, params, want = reference
     tpu = LLM(model_dir, kv_cache_dtype="int8", num_pages=16, max_num_batched_tokens=32, kernel_impl="pallas",
               **{**BASE, "page_size": 128})

@@ -1,6 +1,6 @@
-"""RoPE + KV write: the reference against a float64 numpy formula, the combined-pool write (what a
-TPU runs) against it, and the GPU (Triton) Pallas kernel against the reference in interpret mode
-on the CPU.
+"""RoPE + KV write: the reference against a float64 numpy formula, and the GPU (Triton) Pallas
+kernel against the reference in interpret mode on the CPU (a TPU's combined pool is written by
+jaxinfer.ops.attention: tests/test_kv_layout.py).
 
 What must hold for every kernel: q_rot and k_rot equal the reference's, each real token's rotated
 key and value sit at its (page, offset), and every other page slot keeps its old bits. Padding
@@ -19,8 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_paged_attention.combined import combine_kv, row_width, split_kv
-from pallas_kernels.rope_kv_write import gpu_supports, rope_kv_write_combined, rope_kv_write_gpu, rope_kv_write_reference
+from pallas_kernels.rope_kv_write import gpu_supports, rope_kv_write_gpu, rope_kv_write_reference
 
 KERNELS = {"gpu": functools.partial(rope_kv_write_gpu, block_tokens=4, interpret=True)}
 TOLERANCE = {"float32": 1e-6, "bfloat16": 1e-2}  # relative to max |expected|
@@ -86,26 +85,6 @@ def test_reference_leaves_every_other_slot_bit_identical():
     written[np.asarray(case[7]), np.asarray(case[8])] = True
     for new, old in ((k_pages, case[5]), (v_pages, case[6])):
         np.testing.assert_array_equal(np.asarray(new)[~written], np.asarray(old)[~written])
-
-
-@pytest.mark.parametrize("Hkv,D", [(1, 64), (3, 64), (2, 128), (1, 16)])
-def test_combined_write_puts_each_token_row_where_the_separate_write_puts_its_k_and_v(Hkv, D):
-    """The combined pool's row of a written slot is K_0 V_0 K_1 V_1 ... of the separate write (zero
-    lanes past D); every other slot keeps its bits."""
-    case = make_case(8, T=9, Hq=2 * Hkv, Hkv=Hkv, D=D, page_size=4, num_pages=5, dtype=jnp.bfloat16)
-    q, k, v, cos, sin, k_pages, v_pages, page, offset = case
-    kv_pages = combine_kv(k_pages, v_pages)
-    assert kv_pages.shape == (5, 4, row_width(Hkv, D))
-    q_rot, k_rot, kv_new = rope_kv_write_combined(q, k, v, cos, sin, kv_pages, page, offset)
-    want = rope_kv_write_reference(*case)
-    np.testing.assert_array_equal(np.asarray(q_rot, np.float32), np.asarray(want[0], np.float32))
-    np.testing.assert_array_equal(np.asarray(k_rot, np.float32), np.asarray(want[1], np.float32))
-    k_got, v_got = split_kv(kv_new, D)
-    np.testing.assert_array_equal(np.asarray(k_got, np.float32), np.asarray(want[2], np.float32))
-    np.testing.assert_array_equal(np.asarray(v_got, np.float32), np.asarray(want[3], np.float32))
-    np.testing.assert_array_equal(np.asarray(kv_new, np.float32), np.asarray(combine_kv(want[2], want[3]), np.float32))
-    with pytest.raises(ValueError, match="combined rows"):
-        rope_kv_write_combined(q, k, v, cos, sin, kv_pages[..., :-16], page, offset)
 
 
 # ----------------------------------------------------------------------------- the GPU kernel

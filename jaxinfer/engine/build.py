@@ -168,7 +168,7 @@ def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights:
                  return_hidden: bool = False) -> ModelRunner:
     """A model's runner on `mesh`: its placed weights and a KV pool of the (resolved) config's page geometry."""
     parallel = config.parallel(model_config)
-    specs = kv_partition_spec(quantized=is_quantized(config.kv_dtype), combined=config.kernels.combines_kv(config.kv_dtype))
+    specs = kv_partition_spec(quantized=is_quantized(config.kv_dtype), combined=config.kernels.combines_kv)
     kv = KVCache.create(model_config, config.num_pages * parallel.num_replicas, config.page_size, config.kv_dtype,
                         tp=parallel.tp, sharding=jax.sharding.NamedSharding(mesh, specs.pages),
                         scale_sharding=jax.sharding.NamedSharding(mesh, specs.scales) if specs.scales else None,

@@ -103,7 +103,7 @@ def abstract_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, *,
     """The KV pool `KVCache.create` would place (`num_pages` over every replica), as
     ShapeDtypeStructs with their shardings on `mesh`: nothing allocated."""
     shape = KVCache.shape(config, num_pages, page_size, dtype, tp=tp, kernels=kernels)
-    combined = kernels.combines_kv(dtype)
+    combined = kernels.combines_kv
     specs = kv_partition_spec(is_quantized(dtype), combined)
     struct = lambda shp, dt, spec: jax.ShapeDtypeStruct(shp, dt, sharding=NamedSharding(mesh, spec))  # noqa: E731
     stored = storage_dtype(dtype)  # e4m3 pools hold bytes

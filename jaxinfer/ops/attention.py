@@ -29,7 +29,7 @@ from jaxinfer.ops.quantization import hadamard, random_orthogonal
 from pallas_kernels.ragged_paged_attention import split_kv
 from pallas_kernels.ragged_paged_attention.reference import quantize_kv
 from pallas_kernels.ragged_paged_attention.combined import combine_kv
-from pallas_kernels.rope_kv_write import apply_rope, rope_kv_write_combined
+from pallas_kernels.rope_kv_write import apply_rope
 from sharding.mesh import ParallelConfig
 from sharding.ring_attention import merge_partials, ring_attention
 
@@ -58,14 +58,11 @@ def rope_and_write_kv(q, k, v, cos, sin, pool: KVCache, write_page, write_offset
     q [T, Hq, D], k / v [T, Hkv, D], cos / sin [T, D], `pool` the folded page pools (kv_cache),
     write_page / write_offset [T] (pool page, slot). Returns (q_rot, k_rot [T, Hkv, D], pool).
     Separate float pools: the kernel table's `rope_kv_write` (one kernel on a GPU that writes each
-    token's rows into its page in place). A combined pool (TPU): RoPE and an in-place scatter of
-    each token's row, in XLA (`rope_kv_write_combined`). A quantized pool: rotate, then
-    `write_rows`, which quantizes each row as it writes it.
+    token's rows into its page in place). A combined pool (TPU: a token's row cannot be DMA'd
+    alone, pallas_kernels.rope_kv_write) or a quantized one: RoPE in XLA, then `write_rows`, which
+    writes each token's row in place (and quantizes it for a quantized pool).
     """
-    if pool.combined and not pool.quantized:
-        q, k, kv = rope_kv_write_combined(q, k, v, cos, sin, pool.kv, write_page, write_offset)
-        return q, k, dataclasses.replace(pool, kv=kv)
-    if pool.quantized:
+    if pool.combined or pool.quantized:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, write_rows(pool, write_page, write_offset, k, v)
     q, k, k_pages, v_pages = kernels.rope_kv_write(q, k, v, cos, sin, pool.k, pool.v, write_page, write_offset)
@@ -78,7 +75,7 @@ def write_rows(pool: KVCache, pages, offsets, k, v) -> KVCache:
     `kv_rotation` and stored as entries and a scale per head (kv_cache)."""
     if not pool.quantized:
         if pool.combined:
-            return dataclasses.replace(pool, kv=pool.kv.at[pages, offsets].set(combine_kv(k, v).astype(pool.kv.dtype)))
+            return dataclasses.replace(pool, kv=write_page_rows(pool.kv, pages, offsets, combine_kv(k, v).astype(pool.kv.dtype)))
         return dataclasses.replace(pool, k=pool.k.at[pages, offsets].set(k.astype(pool.k.dtype)),
                                    v=pool.v.at[pages, offsets].set(v.astype(pool.v.dtype)))
     rotation = kv_rotation(k.shape[-1])
@@ -93,19 +90,18 @@ def write_rows(pool: KVCache, pages, offsets, k, v) -> KVCache:
     # scales run (head, K|V, token) within a page: token `offset`'s 2 Hkv of them are page_size apart
     slot = offsets[:, None] + page_size * jnp.arange(2 * Hkv)[None, :]  # [n, 2 Hkv]
     scales = jnp.stack([k_scale, v_scale], axis=-1).reshape(n, 2 * Hkv)  # (head, K|V) order
-    return KVCache(kv=write_8bit_rows(pool.kv, pages, offsets, combine_kv(k, v)),
+    return KVCache(kv=write_page_rows(pool.kv, pages, offsets, combine_kv(k, v)),
                    kv_scale=pool.kv_scale.at[pages[:, None], slot].set(scales))
 
 
-def write_8bit_rows(pages_array: jax.Array, pages, offsets, rows) -> jax.Array:
-    """rows [n, W] of 8-bit entries into pages_array [N, page_size, W] at (pages, offsets), in place.
+def write_page_rows(pages_array: jax.Array, pages, offsets, rows) -> jax.Array:
+    """rows [n, W] into a combined pool pages_array [N, page_size, W] at (pages, offsets), in place.
 
-    A TPU tiles 8-bit pages of 32 tokens or more in (32, 128) tiles, and XLA's scatter wants
-    (8, 128) ones: the scatter made the step copy the whole pool to that layout and back
-    (measured with libtpu: 2 pool-sized copies per step from page_size 32 on). A loop of
-    dynamic_update_slice, one token's row each, updates the pool in its own layout (0 copies).
-    Smaller pages keep the scatter (one op for every row)."""
-    if pages_array.shape[1] < 32:
+    One scatter, except for 8-bit pages of 32 tokens or more: a TPU tiles those in (32, 128)
+    tiles, and XLA's scatter wants (8, 128) ones, so it made the step copy the whole pool to that
+    layout and back (measured with libtpu: 2 pool-sized copies per step). A loop of
+    dynamic_update_slice, one token's row each, updates the pool in its own layout (0 copies)."""
+    if pages_array.dtype.itemsize > 1 or pages_array.shape[1] < 32:
         return pages_array.at[pages, offsets].set(rows)
 
     def write(i, array):

@@ -26,7 +26,7 @@ failed against its reference on the chip; it is part of the table's identity (it
 step). The XLA attention reads separate K and V pools, so "ragged_attention" brings the separate
 pool layout with it (`combines_kv`).
 
-The KV pool layout is the table's too (`combines_kv(dtype)`, jaxinfer.ops.kv_cache): the TPU
+The KV pool layout is the table's too (`combines_kv`, jaxinfer.ops.kv_cache): the TPU
 attention kernel reads combined pages (K and V of every head in one row per token, stored by a
 TPU with no padding), every other path separate K and V pools. On a TPU the KV write into
 combined pages is XLA's in-place scatter, RoPE fused in XLA: a token's row cannot be DMA'd alone
@@ -122,10 +122,6 @@ def xla_swiglu_matmul(x, w_gate_up) -> jax.Array:
     return (jax.nn.silu(gate) * up).astype(x.dtype)
 
 
-def separate_kv(dtype) -> bool:
-    return False
-
-
 def same_dtype(dtype):
     return dtype
 
@@ -176,10 +172,6 @@ def _tpu_scale_dtype(dtype):
     return jnp.dtype(jnp.float32) if jnp.dtype(dtype) == jnp.float16 else dtype
 
 
-def combined_kv(dtype) -> bool:
-    return True
-
-
 # ----------------------------------------------------------------------------- the table
 @dataclasses.dataclass(frozen=True)
 class Kernels:
@@ -198,8 +190,6 @@ class Kernels:
     lora_delta(x [T,K], a [N,K,P R], bs (P x [N,R,O_p]), slot [T]) -> float32 [T, sum O_p]: the
         LoRA adapters' delta of P projections sharing an input (jaxinfer.models.lora); the
         kernels group tokens by slot (SGMV), the XLA path picks its form by shape
-    combines_kv(dtype) -> bool: whether the KV pool of that dtype is combined (one row of K and V
-        per token, the TPU kernel's layout) or separate K and V pools (jaxinfer.ops.kv_cache)
     scale_dtype(dtype): the dtype a quantized weight's scales and offsets are placed in for the
         quantized matmul (the TPU kernel cannot load float16: float32 instead)
     """
@@ -215,7 +205,6 @@ class Kernels:
     add_rms_norm: Callable = dataclasses.field(default=None, compare=False, repr=False)
     swiglu_matmul: Callable = dataclasses.field(default=None, compare=False, repr=False)
     lora_delta: Callable = dataclasses.field(default=None, compare=False, repr=False)
-    combines_kv: Callable = dataclasses.field(default=None, compare=False, repr=False)
     scale_dtype: Callable = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -227,9 +216,8 @@ class Kernels:
                              f"kernel table (expected some of {', '.join(map(repr, OPERATIONS))})")
         object.__setattr__(self, "xla", tuple(sorted(set(self.xla))))
         xla = _xla_table(self.interpret)
-        on_xla = set(self.xla) | ({"combines_kv"} if "ragged_attention" in self.xla else set())
         for name, fn in _TABLES[self.platform](self.interpret).items():
-            if name in on_xla:
+            if name in self.xla:
                 object.__setattr__(self, name, xla[name])
             elif getattr(self, name) is None:
                 object.__setattr__(self, name, fn)
@@ -238,12 +226,18 @@ class Kernels:
     def pallas(self) -> bool:
         return self.platform != "reference"
 
+    @property
+    def combines_kv(self) -> bool:
+        """Whether the KV pool is combined (one row of K and V per token: what the TPU attention
+        kernel reads) or separate K and V pools (every other attention, the XLA fallback
+        included), for every dtype (jaxinfer.ops.kv_cache)."""
+        return self.platform == "tpu" and "ragged_attention" not in self.xla
+
 
 def _xla_table(interpret: bool) -> dict[str, Callable | None]:
     return dict(ragged_attention=xla_ragged_attention, flash_attention=None, rope_kv_write=rope_kv_write_reference,
                 quantized_matmul=xla_quantized_matmul, add_rms_norm=add_rms_norm_reference, swiglu_matmul=xla_swiglu_matmul,
-                lora_delta=lora_delta_xla,
-                combines_kv=separate_kv, scale_dtype=same_dtype)
+                lora_delta=lora_delta_xla, scale_dtype=same_dtype)
 
 
 def _tpu_table(interpret: bool) -> dict[str, Callable]:
@@ -251,7 +245,7 @@ def _tpu_table(interpret: bool) -> dict[str, Callable]:
     return dict(ragged_attention=pallas(_tpu_ragged_attention), flash_attention=pallas(flash_attention_tpu),
                 rope_kv_write=rope_kv_write_reference, quantized_matmul=pallas(qmm_tpu.quantized_matmul),
                 add_rms_norm=pallas(add_rms_norm_tpu), swiglu_matmul=pallas(_tpu_swiglu_matmul), lora_delta=pallas(lora_delta_tpu),
-                combines_kv=combined_kv, scale_dtype=_tpu_scale_dtype)
+                scale_dtype=_tpu_scale_dtype)
 
 
 def _gpu_table(interpret: bool) -> dict[str, Callable]:
@@ -259,7 +253,7 @@ def _gpu_table(interpret: bool) -> dict[str, Callable]:
     return dict(ragged_attention=pallas(_gpu_ragged_attention), flash_attention=pallas(flash_attention_gpu),
                 rope_kv_write=pallas(_gpu_rope_kv_write), quantized_matmul=pallas(qmm_gpu.quantized_matmul),
                 add_rms_norm=pallas(add_rms_norm_gpu), swiglu_matmul=pallas(swiglu_matmul_gpu), lora_delta=pallas(lora_delta_gpu),
-                combines_kv=separate_kv, scale_dtype=same_dtype)
+                scale_dtype=same_dtype)
 
 
 _TABLES = {"reference": _xla_table, "tpu": _tpu_table, "gpu": _gpu_table}

@@ -91,7 +91,7 @@ class KVCache:
         each device's part directly, nothing whole anywhere."""
         shape = KVCache.shape(config, num_pages, page_size, dtype, tp=tp, kernels=kernels)
         zeros = jax.jit(lambda: jnp.zeros(shape, storage_dtype(dtype)), out_shardings=sharding)
-        combined = kernels.combines_kv(dtype)
+        combined = kernels.combines_kv
         if is_quantized(dtype):
             scale_shape = KVCache.scale_shape(config, num_pages, page_size, tp=tp, combined=combined)
             scales = jax.jit(lambda: jnp.zeros(scale_shape, jnp.float32), out_shardings=scale_sharding)
@@ -103,7 +103,7 @@ class KVCache:
     @staticmethod
     def page_bytes(config: ModelConfig, page_size: int, dtype, *, tp: int = 1, kernels: Kernels = Kernels()) -> int:
         """Bytes of one page of every layer, K and V (with their scales)."""
-        combined = kernels.combines_kv(dtype)
+        combined = kernels.combines_kv
         entries = math.prod(KVCache.shape(config, 1, page_size, dtype, tp=tp, kernels=kernels)) * jnp.dtype(dtype).itemsize
         scales = math.prod(KVCache.scale_shape(config, 1, page_size, tp=tp, combined=combined)) * 4 if is_quantized(dtype) else 0
         return entries + scales if combined else 2 * (entries + scales)
@@ -147,7 +147,7 @@ class KVCache:
               kernels: Kernels = Kernels()) -> tuple[int, ...]:
         """Shape of each page array: kv [L, P, page_size, tp * row] (row = combined.row_width of a
         shard's heads), or k and v [L, P, page_size, pool_kv_heads, head_dim]."""
-        if kernels.combines_kv(dtype):
+        if kernels.combines_kv:
             row = row_width(kv_heads_per_shard(config.num_kv_heads, tp), config.head_dim)
             return (config.num_layers, num_pages, page_size, tp * row)
         return (config.num_layers, num_pages, page_size, pool_kv_heads(config, tp=tp), config.head_dim)

@@ -252,7 +252,7 @@ def _attention_batches(page_size: int, spec_block: int):
 
 def _ragged_attention_cases(kernels: Kernels, xla: Kernels, s: StepShapes) -> Iterator[Case]:
     Hq, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
-    combined = kernels.combines_kv(jnp.dtype(s.kv_dtype))
+    combined = kernels.combines_kv
     for name, chunks, pages_per_seq, num_pages in _attention_batches(s.page_size, s.spec_block):
         real = sum(len(c.token_ids) for c in chunks)
         buckets = Buckets.default(1 << max(7, (real - 1).bit_length()), 8, pages_per_seq, spec_block=s.spec_block)
@@ -308,7 +308,7 @@ def _flash_attention_case(kernels: Kernels, s: StepShapes) -> Case:
 
 def _rope_kv_write_case(kernels: Kernels, xla: Kernels, s: StepShapes) -> Case | None:
     Hq, Hkv, D, T, ps = s.num_heads, s.num_kv_heads, s.head_dim, TOKENS, s.page_size
-    if kernels.combines_kv(jnp.dtype(s.kv_dtype)):
+    if kernels.combines_kv:
         return None  # a combined pool: the step rotates and writes in XLA (ops.attention.rope_and_write_kv)
     num_pages = 2 + -(-3 * T // ps)
     slots = ps + 3 * np.arange(T)  # distinct slots from page 1 on (page 0: the scratch page)

@@ -101,7 +101,7 @@ class StepFunction:
         rows_spec = rules.per_replica(3)  # logits [replicas, R, V] and hidden states [replicas, R, H]
         platform = self.mesh.devices.flat[0].platform
         options = compiler_options(platform)
-        sampling_options = TPU_COMPILER_OPTIONS if platform == "tpu" else None  # (the CPU's option is the layer loop's)
+        sampling_options = None if platform == "cpu" else options  # (the CPU's option is the layer loop's)
 
         def gather_replicas(x):  # [1, ...] per device -> [replicas, ...] on every device
             return jax.lax.all_gather(x[0], replicas, axis=0, tiled=False) if self.num_replicas > 1 else x

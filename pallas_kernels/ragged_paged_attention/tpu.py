@@ -406,7 +406,8 @@ def ragged_paged_attention(
 ) -> jax.Array:
     scale_pool = kv_scale is not None
     if scale_pool:
-        check_kv_scales(kv_pages, kv_pages, 1.0, 1.0)
+        if kv_pages.dtype not in QUANTIZED_KV_DTYPES:
+            raise ValueError(f"kv_scale is given but kv_pages are {kv_pages.dtype}, not int8 / float8_e4m3fn")
         if k_scale is not None or v_scale is not None:
             raise ValueError("pass either a scale pool (kv_scale) or one scale each for K and V (k_scale, v_scale), not both")
     else:

@@ -26,8 +26,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention.combined import combine_kv, row_width
-
 
 def check_inputs(q, k, v, cos, sin, write_page, write_offset) -> None:
     """ValueError naming the first argument whose shape does not fit the others (pools aside)."""
@@ -73,17 +71,3 @@ def rope_kv_write(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset)
     v_pages = v_pages.at[write_page, write_offset].set(v.astype(v_pages.dtype))
     return q_rot, k_rot, k_pages, v_pages
 
-
-@jax.jit
-def rope_kv_write_combined(q, k, v, cos, sin, kv_pages, write_page, write_offset):
-    """`rope_kv_write` into a combined pool kv_pages [N, page_size, Hkv * 2 * Ds]
-    (pallas_kernels.ragged_paged_attention.combined): token t's row K_0 V_0 K_1 V_1 ... lands in
-    slot write_offset[t] of page write_page[t]. -> (q_rot, k_rot, kv_pages)."""
-    check_inputs(q, k, v, cos, sin, write_page, write_offset)
-    T, Hkv, D = k.shape
-    if kv_pages.ndim != 3 or kv_pages.shape[2] != row_width(Hkv, D):
-        raise ValueError(f"kv_pages must be [pages, page_size, {row_width(Hkv, D)}] (combined rows of {Hkv} heads of "
-                         f"head_dim {D}); got {kv_pages.shape}")
-    q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    rows = combine_kv(k_rot.astype(kv_pages.dtype), v.astype(kv_pages.dtype))
-    return q_rot, k_rot, kv_pages.at[write_page, write_offset].set(rows)
