@@ -169,6 +169,28 @@ MIXTRAL_NAMES = _moe_names("block_sparse_moe.gate", "block_sparse_moe.experts.",
 QWEN2_MOE_NAMES = _moe_names("mlp.gate", "mlp.experts.", "gate_proj", "up_proj", "down_proj", shared=True)
 QWEN3_MOE_NAMES = _moe_names("mlp.gate", "mlp.experts.", "gate_proj", "up_proj", "down_proj")
 
+# Gemma 2 / 3: a norm before and after each branch (Llama's post_attention_layernorm is the norm
+# *after* attention here, and pre_feedforward_layernorm the one before the MLP); Gemma 3's q/k norms.
+GEMMA_NAMES = ArchNames(
+    globals=LLAMA_NAMES.globals,
+    per_layer={
+        **{k: v for k, v in LLAMA_NAMES.per_layer.items() if k != "post_attention_layernorm.weight"},
+        "post_attention_layernorm.weight": Dest("layers.post_attn_norm", False),
+        "pre_feedforward_layernorm.weight": Dest("layers.mlp_norm", False),
+        "post_feedforward_layernorm.weight": Dest("layers.post_mlp_norm", False),
+    },
+)
+
+# OLMo 2 / 3: norms after each branch only; q/k norms over the whole projection.
+OLMO_NAMES = ArchNames(
+    globals=LLAMA_NAMES.globals,
+    per_layer={
+        **{k: v for k, v in LLAMA_NAMES.per_layer.items() if k not in ("input_layernorm.weight", "post_attention_layernorm.weight")},
+        "post_attention_layernorm.weight": Dest("layers.post_attn_norm", False),
+        "post_feedforward_layernorm.weight": Dest("layers.post_mlp_norm", False),
+    },
+)
+
 # HF model_type -> its names. Which of the params exist (e.g. biases) is up to the caller's spec.
 HF_NAME_MAPS: dict[str, ArchNames] = {
     "llama": LLAMA_NAMES,
@@ -178,6 +200,11 @@ HF_NAME_MAPS: dict[str, ArchNames] = {
     "mixtral": MIXTRAL_NAMES,
     "qwen2_moe": QWEN2_MOE_NAMES,
     "qwen3_moe": QWEN3_MOE_NAMES,
+    "smollm3": LLAMA_NAMES,
+    "gemma2": GEMMA_NAMES,
+    "gemma3_text": GEMMA_NAMES,
+    "olmo2": OLMO_NAMES,
+    "olmo3": OLMO_NAMES,
 }
 
 

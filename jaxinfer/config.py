@@ -29,9 +29,13 @@ import json
 import os
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+# The families of issue 35, each with its own model file (jaxinfer.models.registry).
+NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "smollm3", "olmo2", "olmo3")
+SUPPORTED_MODEL_TYPES = LLAMA_MODEL_TYPES + NEW_FAMILY_MODEL_TYPES
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 _ARCHITECTURE_TO_MODEL_TYPE = {
     "LlamaForCausalLM": "llama",
@@ -41,6 +45,11 @@ _ARCHITECTURE_TO_MODEL_TYPE = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "SmolLM3ForCausalLM": "smollm3",
+    "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",
 }
 
 
@@ -52,12 +61,34 @@ class ConfigError(ValueError):
 class RopeScaling:
     """RoPE frequency scaling, as HF's `rope_parameters` / `rope_scaling` describe it."""
 
-    rope_type: str = "default"  # default | linear | dynamic | llama3
+    rope_type: str = "default"  # default | linear | dynamic | llama3 | yarn | longrope
     factor: float = 1.0
     # llama3 only:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn: the ramp between interpolated and extrapolated frequencies, and cos / sin's scale
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None  # yarn / longrope: None = from factor (and mscale)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    # longrope (Phi-3): one factor per frequency, short below original_max_position_embeddings
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """What one decoder layer's attention is: the keys it sees and its RoPE table.
+
+    window: a query at position p sees keys p - window + 1 .. p (None: every earlier key).
+    rope: "global" (the model's RoPE), "local" (the sliding layers' own base, Gemma 3) or None
+    (no position embedding at all: a NoPE layer)."""
+
+    window: int | None = None
+    rope: str | None = "global"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +119,47 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # each expert's width
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
     norm_topk_prob: bool = False  # renormalise the k routing weights to sum to 1
+    # ---- per-layer attention kinds and the switches of the newer families (defaults: Llama's)
+    layer_types: tuple[str, ...] = ()  # per layer, LAYER_TYPES; () = every layer alike (sliding_window or not)
+    nope_layers: tuple[int, ...] = ()  # layers without RoPE (SmolLM3)
+    local_rope_theta: float | None = None  # sliding layers' own RoPE base (Gemma 3); None: the global one
+    local_rope_scaling: RopeScaling = RopeScaling()  # sliding layers' own scaling when local_rope_theta is set
+    rotary_dim: int = 0  # RoPE turns the first rotary_dim dims of a head (partial_rotary_factor); 0 = all
+    attention_scale: float | None = None  # the score scale (Gemma: query_pre_attn_scalar ** -0.5); None: D ** -0.5
+    attn_logit_softcap: float | None = None  # scores become cap * tanh(s / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # logits likewise
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size), rounded to the weights' dtype (Gemma)
+    norm_weight_offset: float = 0.0  # RMSNorm multiplies by (offset + w): Gemma stores w - 1
+    norm_layout: str = "pre"  # "pre": norm before each branch (Llama); "sandwich": before and after (Gemma); "post": after (OLMo 2)
+    qk_norm_scope: str = "head"  # q/k RMSNorm over each head ("head", Qwen3 / Gemma 3) or the whole projection (OLMo 2)
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """How many leading dims of each head RoPE turns (head_dim unless partial)."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def sm_scale(self) -> float:
+        """The attention score scale."""
+        return self.attention_scale if self.attention_scale is not None else float(self.head_dim) ** -0.5
+
+    def layer_kind(self, layer: int) -> LayerKind:
+        """Layer `layer`'s attention kind (its window and RoPE table)."""
+        sliding = self.layer_types[layer] == "sliding_attention" if self.layer_types else self.sliding_window is not None
+        window = self.sliding_window if sliding else None
+        if layer in self.nope_layers:
+            rope = None
+        else:
+            rope = "local" if sliding and self.local_rope_theta is not None else "global"
+        return LayerKind(window=window, rope=rope)
+
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        return tuple(self.layer_kind(i) for i in range(self.num_layers))
 
     @property
     def q_per_kv(self) -> int:
@@ -118,10 +186,6 @@ class ModelConfig:
                 raise ConfigError(f"{source} is missing required field {key!r} (model_type={model_type})")
             return d[key]
 
-        hidden_act = d.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ConfigError(f"{source}: hidden_act={hidden_act!r} is not supported (only 'silu')")
-
         num_heads = int(need("num_attention_heads"))
         num_kv_heads = int(d.get("num_key_value_heads") or num_heads)
         hidden_size = int(need("hidden_size"))
@@ -130,37 +194,47 @@ class ModelConfig:
             raise ConfigError(
                 f"{source}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
             )
+        _refuse_unsupported_switches(d, model_type, source)
+        num_layers = int(need("num_hidden_layers"))
 
-        rope_theta, rope_scaling = _parse_rope(d, source)
+        rope_theta, rope_scaling, rotary_factor, local_rope = _parse_rope(d, source)
         attention_bias = bool(d.get("attention_bias", False))
-        qkv_bias = {"qwen2": True, "mistral": False, "mixtral": False, "qwen2_moe": bool(d.get("qkv_bias", True))}.get(
-            model_type, attention_bias
-        )
-        o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_moe") else False
+        qkv_bias = {"qwen2": True, "mistral": False, "mixtral": False, "qwen2_moe": bool(d.get("qkv_bias", True)),
+                    "gemma2": False, "gemma3_text": False, "phi3": False}.get(model_type, attention_bias)
+        o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", "olmo2", "olmo3") else False
         moe = _parse_moe(d, model_type, source) if model_type in MOE_MODEL_TYPES else {}
+        family = _FAMILY_FIELDS.get(model_type, lambda d: {})(d)
+        hidden_act = _parse_activation(d, model_type, source)
 
         sliding_window = d.get("sliding_window")
-        if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-            layer_types = d.get("layer_types")
-            if layer_types is not None:
-                kinds = set(layer_types)
-                if kinds == {"full_attention"}:
-                    sliding_window = None
-                elif kinds != {"sliding_attention"}:
-                    raise ConfigError(
-                        f"{source}: layer_types mixes {sorted(kinds)}; per-layer attention kinds are not supported"
-                    )
-            elif not d.get("use_sliding_window", False):
-                sliding_window = None
+        layer_types = tuple(d.get("layer_types") or family.pop("default_layer_types", lambda n: ())(num_layers))
+        family.pop("default_layer_types", None)
+        if layer_types:
+            if len(layer_types) != num_layers or not set(layer_types) <= set(LAYER_TYPES):
+                raise ConfigError(f"{source}: layer_types={list(layer_types)} must name one of {LAYER_TYPES} for each of the "
+                                  f"{num_layers} layers")
+            if "sliding_attention" in layer_types and not sliding_window:
+                raise ConfigError(f"{source}: layer_types has sliding_attention layers but sliding_window={sliding_window!r}")
+            if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral") and len(set(layer_types)) > 1:
+                raise ConfigError(f"{source}: layer_types mixes {sorted(set(layer_types))}; a {model_type} model with "
+                                  "per-layer attention kinds is not supported")
+            if set(layer_types) == {"full_attention"}:
+                sliding_window, layer_types = None, ()
+            elif set(layer_types) == {"sliding_attention"}:
+                layer_types = ()
+        elif model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3") and not d.get("use_sliding_window", False):
+            sliding_window = None
 
+        if local_rope is not None and not any(t == "sliding_attention" for t in layer_types):
+            local_rope = None  # no sliding layer reads it
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        return cls(
+        config = cls(
             model_type=model_type,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden_size,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -168,16 +242,32 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in ("gemma2", "gemma3_text"))),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3"),
             sliding_window=int(sliding_window) if sliding_window else None,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            layer_types=layer_types,
+            local_rope_theta=local_rope[0] if local_rope else None,
+            local_rope_scaling=local_rope[1] if local_rope else RopeScaling(),
+            rotary_dim=int(head_dim * rotary_factor) if rotary_factor != 1.0 else 0,
+            hidden_act=hidden_act,
             **moe,
+            **family,
         )
+        if JAXINFER_FIELDS in d:  # written by to_hf_dict (a converted folder)
+            config = dataclasses.replace(config, **{name: _from_json(name, v) for name, v in d[JAXINFER_FIELDS].items()})
+        if config.rotary_dim % 2:
+            raise ConfigError(f"{source}: partial_rotary_factor={rotary_factor} turns an odd number of dims ({config.rotary_dim})")
+        for name, rs in (("rope", config.rope_scaling), ("local rope", config.local_rope_scaling)):
+            for factors in (rs.short_factor, rs.long_factor):
+                if factors and len(factors) != config.rope_dim // 2:
+                    raise ConfigError(f"{source}: {name} longrope factors have {len(factors)} entries; "
+                                      f"the rotary dims need {config.rope_dim // 2}")
+        return config
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
@@ -194,12 +284,8 @@ class ModelConfig:
         rope = {"rope_type": rs.rope_type, "rope_theta": self.rope_theta}
         if rs.rope_type != "default":
             rope["factor"] = rs.factor
-        if rs.rope_type == "llama3":
-            rope.update(
-                low_freq_factor=rs.low_freq_factor,
-                high_freq_factor=rs.high_freq_factor,
-                original_max_position_embeddings=rs.original_max_position_embeddings,
-            )
+        if rs.rope_type != "default":
+            rope.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(rs).items()})
         d = {
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
@@ -224,6 +310,8 @@ class ModelConfig:
             d["use_sliding_window"] = True
         if self.model_type == "qwen2_moe":
             d["qkv_bias"] = self.qkv_bias
+        if self.model_type in NEW_FAMILY_MODEL_TYPES:  # the newer switches, read back exactly by from_hf_dict
+            d[JAXINFER_FIELDS] = {name: _to_json(getattr(self, name)) for name in _NEWER_FIELDS}
         if self.is_moe:
             d.update(
                 num_experts=self.num_experts,
@@ -266,24 +354,145 @@ def _parse_moe(d: dict[str, Any], model_type: str, source: str) -> dict[str, Any
     )
 
 
-def _parse_rope(d: dict[str, Any], source: str) -> tuple[float, RopeScaling]:
-    """Reads both the transformers>=5 `rope_parameters` and the older `rope_theta` + `rope_scaling`."""
+JAXINFER_FIELDS = "jaxinfer_fields"
+_NEWER_FIELDS = ("layer_types", "nope_layers", "local_rope_theta", "local_rope_scaling", "rotary_dim", "attention_scale",
+                 "attn_logit_softcap", "final_logit_softcap", "scale_embeddings", "norm_weight_offset", "norm_layout",
+                 "qk_norm", "qk_norm_scope", "hidden_act", "sliding_window", "qkv_bias", "o_bias")
+
+
+def _to_json(value):
+    if isinstance(value, RopeScaling):
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(value).items()}
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _from_json(name: str, value):
+    if name == "local_rope_scaling":
+        return RopeScaling(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in value.items()})
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _gemma_fields(d: dict[str, Any], pattern: int) -> dict[str, Any]:
+    """Gemma 2 / 3: (1 + w) norms before and after each branch, scaled embeddings and scores;
+    a sliding layer and then a global one every `pattern` layers when layer_types is absent."""
+    scalar = d.get("query_pre_attn_scalar", 256)
+    return dict(
+        attention_scale=float(scalar) ** -0.5,
+        attn_logit_softcap=_optional_float(d.get("attn_logit_softcapping")),
+        final_logit_softcap=_optional_float(d.get("final_logit_softcapping")),
+        scale_embeddings=True,
+        norm_weight_offset=1.0,
+        norm_layout="sandwich",
+        default_layer_types=lambda n: ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)],
+    )
+
+
+def _smollm3_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM3: every `no_rope_layer_interval`-th layer has no RoPE (no_rope_layers[i] == 0)."""
+    flags = d.get("no_rope_layers")
+    if flags is None:
+        interval = int(d.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(int(d["num_hidden_layers"]))]
+    return dict(nope_layers=tuple(i for i, has_rope in enumerate(flags) if not has_rope))
+
+
+def _olmo_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 2 / 3: norms after each branch only; q/k RMSNorm over the whole projection."""
+    return dict(norm_layout="post", qk_norm_scope="projection")
+
+
+_FAMILY_FIELDS = {
+    "gemma2": lambda d: _gemma_fields(d, 2),
+    "gemma3_text": lambda d: _gemma_fields(d, int(d.get("sliding_window_pattern", 6))),
+    "smollm3": _smollm3_fields,
+    "olmo2": _olmo_fields,
+    "olmo3": lambda d: dict(_olmo_fields(d), default_layer_types=lambda n: [
+        "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]),
+}
+
+# Config switches a family's file does not implement: key -> the values it accepts.
+_REFUSED_SWITCHES = {
+    "gemma2": {"use_bidirectional_attention": (None, False)},
+    "gemma3_text": {"use_bidirectional_attention": (None, False)},
+    "smollm3": {"mlp_bias": (None, False)},
+    "olmo2": {"mlp_bias": (None, False)},
+    "olmo3": {"mlp_bias": (None, False)},
+}
+
+
+def _refuse_unsupported_switches(d: dict[str, Any], model_type: str, source: str) -> None:
+    for key, accepted in _REFUSED_SWITCHES.get(model_type, {}).items():
+        if accepted is not None and d.get(key) not in accepted:
+            raise ConfigError(f"{source}: {key}={d.get(key)!r} is not supported for {model_type} (supported: {accepted})")
+
+
+def _parse_activation(d: dict[str, Any], model_type: str, source: str) -> str:
+    """The MLP gate's activation: Gemma names it hidden_activation, the others hidden_act."""
+    name = d.get("hidden_activation") if model_type in ("gemma2", "gemma3_text") else None
+    name = name or d.get("hidden_act", "silu")
+    act = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(name)
+    if act is None:
+        raise ConfigError(f"{source}: hidden_act={name!r} is not supported (supported: silu, gelu_pytorch_tanh)")
+    return act
+
+
+def _optional_float(x) -> float | None:
+    return None if x is None else float(x)
+
+
+def _parse_rope(d: dict[str, Any], source: str):
+    """(theta, scaling, partial_rotary_factor, local) from the transformers>=5 `rope_parameters`
+    (one dict, or one per layer type) or the older `rope_theta` + `rope_scaling`. `local` is
+    (theta, scaling) of the sliding layers when they have their own RoPE (Gemma 3), else None."""
     params = d.get("rope_parameters") or {}
-    scaling = d.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
-    spec = dict(scaling)
+    if "full_attention" in params or "sliding_attention" in params:  # one dict per layer type
+        full = dict(params.get("full_attention") or {})
+        sliding = params.get("sliding_attention")
+        theta, scaling, factor = _parse_rope_spec(full, d, source)
+        local = None
+        if sliding is not None:
+            local_theta, local_scaling, local_factor = _parse_rope_spec(dict(sliding), d, source)
+            if local_factor != factor:
+                raise ConfigError(f"{source}: the layer types' partial_rotary_factor differ ({factor}, {local_factor})")
+            if (local_theta, local_scaling) != (theta, scaling):
+                local = (local_theta, local_scaling)
+        return theta, scaling, factor, local
+    spec = dict(d.get("rope_scaling") or {})
     spec.update(params)
+    theta, scaling, factor = _parse_rope_spec(spec, d, source)
+    local = None
+    if d.get("rope_local_base_freq") is not None and float(d["rope_local_base_freq"]) != theta:  # Gemma 3, older configs
+        local = (float(d["rope_local_base_freq"]), RopeScaling())
+    return theta, scaling, factor, local
+
+
+def _parse_rope_spec(spec: dict[str, Any], d: dict[str, Any], source: str) -> tuple[float, RopeScaling, float]:
+    theta = float(spec.get("rope_theta", d.get("rope_theta", 10000.0)))
+    factor = float(spec.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0)
     rope_type = spec.get("rope_type", spec.get("type", "default"))
+    if rope_type in ("su",):  # Phi-3's old name
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"{source}: rope scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
     if rope_type == "default":
-        return theta, RopeScaling()
+        return theta, RopeScaling(), factor
+    max_pos = d.get("max_position_embeddings", 8192)
+    original = int(spec.get("original_max_position_embeddings") or d.get("original_max_position_embeddings") or max_pos)
+    scale = spec.get("factor")
+    if scale is None and rope_type in ("yarn", "longrope"):
+        scale = max_pos / original  # Phi-3 gives the two lengths, not the factor
     return theta, RopeScaling(
         rope_type=rope_type,
-        factor=float(spec.get("factor", 1.0)),
+        factor=float(scale if scale is not None else 1.0),
         low_freq_factor=float(spec.get("low_freq_factor", 1.0)),
         high_freq_factor=float(spec.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            spec.get("original_max_position_embeddings", d.get("max_position_embeddings", 8192))
-        ),
-    )
+        original_max_position_embeddings=original,
+        beta_fast=float(spec.get("beta_fast") or 32.0),
+        beta_slow=float(spec.get("beta_slow") or 1.0),
+        truncate=bool(spec.get("truncate", True)),
+        attention_factor=_optional_float(spec.get("attention_factor")),
+        mscale=_optional_float(spec.get("mscale")),
+        mscale_all_dim=_optional_float(spec.get("mscale_all_dim")),
+        short_factor=tuple(float(x) for x in spec.get("short_factor") or ()),
+        long_factor=tuple(float(x) for x in spec.get("long_factor") or ()),
+    ), factor

@@ -6,7 +6,9 @@ bandwidth and against XLA's own path. Writes a markdown report.
     python scripts/gpu_check.py --interpret --small            # anywhere: the script's own smoke test
 
 Correctness: each kernel at Llama-3.1-8B and SmolLM2 shapes (bf16, int8 / fp8 KV pages, every
-quantized-matmul mode) against its reference, error relative to the largest reference entry.
+quantized-matmul mode) against its reference, error relative to the largest reference entry; the
+attention kernels with the newer families' options at their head shapes (windows, soft-capping,
+sinks, head_dim 256 / 512). Speed also: decode attention with and without a sliding window.
 Speed: the kernel's time (median of --iters after a warm-up) and the bytes it must move, as a
 share of the GPU's peak bandwidth (`--peak-gbps`, default from the device name), beside XLA's
 path for the same function (split-KV attention in jnp; dequantize-then-dot).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import statistics
 import sys
 import time
@@ -120,6 +123,64 @@ def correctness_rows(interpret: bool, small: bool):
         yield "rope_kv_write", f"{family} T={T}", max(_relative_error(g, w_) for g, w_ in zip(got, want)), 3e-2
 
 
+# The attention options of the newer families at their real head shapes (Hq, Hkv, D, options):
+# windows shorter than the context, soft-capped scores, attention sinks, head_dim 256 and 512.
+ATTENTION_OPTION_CASES = {
+    "gemma-2-9b (D=256, window, soft-cap 50)": (16, 8, 256, dict(sliding_window=256, soft_cap=50.0)),
+    "gemma-3-27b (D=128, window)": (32, 16, 128, dict(sliding_window=256)),
+    "gpt-oss-120b (D=64, window 128, sinks)": (64, 8, 64, dict(sliding_window=128, sinks=True)),
+    "head_dim 512 (global layers of Gemma 4)": (8, 2, 512, {}),
+}
+
+
+def attention_option_rows(interpret: bool, small: bool):
+    """(kernel, case, relative error, tolerance): the ragged and flash kernels with each option."""
+    from pallas_kernels.flash_attention import flash_attention_gpu, flash_attention_reference
+    from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
+    from pallas_kernels.ragged_paged_attention import reference as rpa_ref
+
+    rng = np.random.default_rng(1)
+    seqs, context, T = (2, 40, 16) if small else (8, 1000, 256)
+    for name, (Hq, Hkv, D, options) in ATTENTION_OPTION_CASES.items():
+        options = dict(options)
+        if small and options.get("sliding_window"):
+            options["sliding_window"] = 9
+        if options.pop("sinks", False):
+            options["sinks"] = jnp.asarray(rng.normal(0, 2, Hq), jnp.float32)
+        for bucket, q_len, Bq in (("decode", 1, 1), ("prefill chunk", 8, 8)):
+            args, kw, _ = _attention_case(rng, seqs=seqs, context=context, q_len=q_len, Hq=Hq, Hkv=Hkv, D=D,
+                                          page_size=16, kv_dtype=jnp.bfloat16)
+            got = rpa_gpu.ragged_paged_attention(*args, num_queries_per_block=Bq, interpret=interpret, **kw, **options)
+            want = rpa_ref.ragged_paged_attention(*args, **kw, **options)
+            yield "ragged_paged_attention", f"{name} {bucket}", _relative_error(got, want), 3e-2
+        if "sinks" in options:
+            continue  # the flash kernels have no sinks (a model with sinks never takes the flash path)
+        q = _rng_normal(rng, (T, Hq, D), jnp.bfloat16)
+        k, v = _rng_normal(rng, (T, Hkv, D), jnp.bfloat16), _rng_normal(rng, (T, Hkv, D), jnp.bfloat16)
+        cu, n = jnp.asarray([0, T // 2, T], jnp.int32), jnp.asarray([2], jnp.int32)
+        got = flash_attention_gpu(q, k, v, cu, n, sm_scale=D**-0.5, causal=True, interpret=interpret, **options)
+        want = flash_attention_reference(q, k, v, cu, n, sm_scale=D**-0.5, causal=True, **options)
+        yield "flash_attention", f"{name} T={T}", _relative_error(got, want), 3e-2
+
+
+def window_speed_rows(interpret: bool, small: bool, iters: int, peak_gbps: float):
+    """Decode attention over a long context with and without a sliding window: the windowed call
+    should read (and take) about window / context of the full one's time."""
+    from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
+
+    rng = np.random.default_rng(2)
+    seqs, context, window = (2, 64, 16) if small else (64, 8192, 1024)
+    args, kw, full_bytes = _attention_case(rng, seqs=seqs, context=context, q_len=1, Hq=32, Hkv=16, D=128, page_size=16,
+                                           kv_dtype=jnp.bfloat16)
+    for label, options, nbytes in (("full", {}, full_bytes), (f"window {window}", dict(sliding_window=window),
+                                                             full_bytes * window // context)):
+        fn = jax.jit(functools.partial(rpa_gpu.ragged_paged_attention, num_queries_per_block=1, interpret=interpret,
+                                       **kw, **options))
+        seconds = _time(fn, *args, iters=iters)
+        yield (f"decode attention, {seqs} seqs x {context} tokens, Gemma-3-27B heads (D=128), {label}",
+               seconds * 1e3, nbytes / seconds / 1e9, 100 * nbytes / seconds / 1e9 / peak_gbps)
+
+
 def speed_rows(interpret: bool, small: bool, iters: int, peak_gbps: float):
     """(what, kernel ms, kernel GB/s, % of peak, XLA ms, kernel speed-up over XLA)."""
     from pallas_kernels.quantized_matmul import gpu as qmm_gpu
@@ -174,7 +235,8 @@ def main(argv=None) -> int:
              "## Kernels on the hardware against their references", "",
              "| kernel | case | max error (relative) | tolerance | |", "|---|---|---:|---:|---|"]
     failures = 0
-    for kernel, case, error, tol in correctness_rows(args.interpret, args.small):
+    for kernel, case, error, tol in itertools.chain(correctness_rows(args.interpret, args.small),
+                                                    attention_option_rows(args.interpret, args.small)):
         ok = error <= tol
         failures += not ok
         lines.append(f"| {kernel} | {case} | {error:.2e} | {tol:.0e} | {'ok' if ok else 'FAIL'} |")
@@ -183,6 +245,11 @@ def main(argv=None) -> int:
               "| what | kernel ms | kernel GB/s | % of peak | XLA path ms | kernel speed-up |", "|---|---:|---:|---:|---:|---:|"]
     for what, ms, gbps, share, xla_ms, speedup in speed_rows(args.interpret, args.small, args.iters, peak):
         lines.append(f"| {what} | {ms:.3f} | {gbps:.0f} | {share:.0f}% | {xla_ms:.3f} | {speedup:.2f}x |")
+        print(lines[-1], flush=True)
+    lines += ["", "## Bytes read follow the window (median of %d runs)" % args.iters, "",
+              "| what | kernel ms | GB/s of the bytes it must read | % of peak |", "|---|---:|---:|---:|"]
+    for what, ms, gbps, share in window_speed_rows(args.interpret, args.small, args.iters, peak):
+        lines.append(f"| {what} | {ms:.3f} | {gbps:.0f} | {share:.0f}% |")
         print(lines[-1], flush=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"{failures} kernel checks failed; report: {args.out}")

@@ -24,7 +24,7 @@ def kernel(case, **kw):
     return gpu.ragged_paged_attention(*map(jnp.asarray, case), interpret=True, **kw)
 
 
-def truth(case, *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None):
+def truth(case, *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None, sinks=None):
     """The per-sequence numpy loop in float64, on exactly the values the inputs stand for
     (bfloat16 upcast, quantized pages times their scale). The reference's own tests hold
     reference.py to this same loop; it costs no compile, which is what this file's time goes on."""
@@ -33,7 +33,8 @@ def truth(case, *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v
     k = as_f32(k) * (1.0 if k_scale is None else k_scale)
     v = as_f32(v) * (1.0 if v_scale is None else v_scale)
     return numpy_attention(as_f32(q), k, v, kv_lens, page_indices, cu, int(num_seqs[0]), sm_scale,
-                           sliding_window=sliding_window, soft_cap=soft_cap)
+                           sliding_window=sliding_window, soft_cap=soft_cap,
+                           sinks=None if sinks is None else np.asarray(sinks))
 
 
 def assert_close(got, want, tol):
@@ -91,6 +92,13 @@ def test_soft_cap():
     c = dict(WINDOW_CASE)
     case = make_case(np.random.default_rng(4), c.pop("q_lens"), c.pop("kv_lens"), **c)
     check(case, soft_cap=5.0, sm_scale=1.0)  # large scores, so the cap matters
+
+
+def test_attention_sinks_are_added_when_the_splits_merge():
+    c = dict(WINDOW_CASE)
+    case = make_case(np.random.default_rng(6), c.pop("q_lens"), c.pop("kv_lens"), **c)
+    Hq = case[0].shape[1]
+    check(case, sinks=jnp.linspace(-1.0, 4.0, Hq, dtype=jnp.float32), sliding_window=7)
 
 
 def test_bfloat16_inputs():
@@ -159,7 +167,7 @@ def test_random_ragged_batches_match_reference(seqs, heads, dtype, sliding_windo
 @pytest.mark.parametrize(
     "dtype,kv_dtype,D,opts",
     [
-        (jnp.float32, jnp.float32, 64, dict(sliding_window=8, soft_cap=30.0)),
+        (jnp.float32, jnp.float32, 64, dict(sliding_window=8, soft_cap=30.0, sinks=jnp.zeros(8, jnp.float32))),
         (jnp.bfloat16, jnp.bfloat16, 128, {}),
         (jnp.float32, jnp.int8, 48, dict(k_scale=0.1, v_scale=0.1)),
         (jnp.bfloat16, jnp.float8_e4m3fn, 128, dict(k_scale=0.1, v_scale=0.1)),

@@ -20,8 +20,10 @@ IMPLS = {"reference": reference.ragged_paged_attention, "split_kv": split_kv.rag
 pytestmark = pytest.mark.parametrize("ragged_paged_attention", list(IMPLS.values()), ids=list(IMPLS))
 
 
-def numpy_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, sliding_window=None, soft_cap=None):
-    """The obvious per-sequence loop: gather each sequence's keys, causal softmax, weighted sum."""
+def numpy_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, sliding_window=None, soft_cap=None,
+                    sinks=None):
+    """The obvious per-sequence loop: gather each sequence's keys, causal softmax, weighted sum
+    (with sinks: the softmax over the scores and head h's sink logit, the sink's weight dropped)."""
     T, Hq, D = q.shape
     Hkv = k_pages.shape[2]
     G = Hq // Hkv
@@ -43,8 +45,10 @@ def numpy_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
                 if soft_cap is not None:
                     scores = soft_cap * np.tanh(scores / soft_cap)
                 scores = np.where(visible, scores, -np.inf)
-                p = np.exp(scores - scores.max())
-                out[q0 + i, h] = (p / p.sum()) @ v[:, h // G]
+                sink = -np.inf if sinks is None else float(sinks[h])
+                top = max(scores.max(), sink)
+                p = np.exp(scores - top)
+                out[q0 + i, h] = (p / (p.sum() + np.exp(sink - top))) @ v[:, h // G]
     return out
 
 
@@ -75,13 +79,16 @@ def check(ragged_paged_attention, case, *, sm_scale=0.125, tol=2e-5, **kw):
     got = np.asarray(
         ragged_paged_attention(
             jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(kv_lens),
-            jnp.asarray(page_indices), jnp.asarray(cu), jnp.asarray(num_seqs), sm_scale=sm_scale, **kw,
+            jnp.asarray(page_indices), jnp.asarray(cu), jnp.asarray(num_seqs), sm_scale=sm_scale,
+            **{k: jnp.asarray(v) if k == "sinks" else v for k, v in kw.items()},
         ),
         np.float64,
     )
     kw.pop("num_queries_per_block", None)
     kw.pop("num_kv_pages_per_block", None)
     kw.pop("items_per_step", None)
+    if "sinks" in kw:
+        kw["sinks"] = np.asarray(kw["sinks"])
     want = numpy_attention(q, k_pages, v_pages, kv_lens, page_indices, cu, int(num_seqs[0]), sm_scale, **kw)
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
 
@@ -107,6 +114,13 @@ def test_sliding_window_and_soft_cap(ragged_paged_attention):
     case = make_case(rng, [30, 1, 5], [30, 40, 25], Hq=4, Hkv=2, D=32, page_size=4)
     check(ragged_paged_attention, case, sliding_window=7, num_queries_per_block=8)
     check(ragged_paged_attention, case, soft_cap=5.0, sm_scale=1.0, num_queries_per_block=2)
+
+
+def test_attention_sinks_take_their_share_of_the_softmax(ragged_paged_attention):
+    rng = np.random.default_rng(5)
+    case = make_case(rng, [12, 1, 3], [12, 30, 20], Hq=4, Hkv=2, D=32, page_size=4)
+    sinks = np.array([-1.0, 0.5, 2.0, 4.0], np.float32)  # from a small share to most of it
+    check(ragged_paged_attention, case, sinks=sinks, sliding_window=6, num_queries_per_block=4)
 
 
 def test_padding_rows_are_zero(ragged_paged_attention):

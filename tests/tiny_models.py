@@ -54,10 +54,35 @@ FAMILIES = {
                                                        shared_expert_intermediate_size=48, norm_topk_prob=False)),
     "qwen3_moe": (transformers.Qwen3MoeConfig, _common(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                                        norm_topk_prob=True, head_dim=24)),
+    # ---- per-layer attention kinds (windows of 6 tokens, shorter than the test prompts)
+    # Gemma 2: sliding / global alternating (3 layers: a whole period and one more), soft-capped
+    # scores and logits, query_pre_attn_scalar, GeGLU, (1 + w) norms on both sides of each branch
+    "gemma2": (transformers.Gemma2Config, _common(num_hidden_layers=3, head_dim=16, sliding_window=6, query_pre_attn_scalar=24,
+                                                  attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    # Gemma 3: two sliding layers per global one, the sliding layers on their own RoPE base, the
+    # global ones with linear scaling; q/k norms per head
+    "gemma3": (transformers.Gemma3TextConfig, _common(
+        num_hidden_layers=4, head_dim=16, sliding_window=6, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}})),
+    # SmolLM3: every fourth layer without RoPE (NoPE)
+    "smollm3": (transformers.SmolLM3Config, _common(num_hidden_layers=4, tie_word_embeddings=True)),
+    # OLMo 2: norms after each branch, q/k norms over the whole projection
+    "olmo2": (transformers.Olmo2Config, _common(num_key_value_heads=4)),
+    # OLMo 3: three sliding layers, then a global one with YaRN
+    "olmo3": (transformers.Olmo3Config, _common(
+        num_hidden_layers=4, num_key_value_heads=4, sliding_window=6,
+        rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                            "rope_theta": 500000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}})),
 }
 
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# The families with their own model file (jaxinfer.models.registry): one-token pages are the
+# Llama families' test, the attention kinds these add are tested on pages of 16.
+LAYER_KIND_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "olmo3")
 
 
 def build_hf_model(family: str, seed: int = 0, **overrides):

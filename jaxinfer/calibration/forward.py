@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import embed_lookup, linear, matmul, rms_norm, rope_cos_sin, swiglu, tied_logits
+from jaxinfer.models.layers import embed_lookup, linear, matmul, rms_norm, swiglu, tied_logits
+from jaxinfer.models.rope import rope_cos_sin
 from jaxinfer.models.llama import split_qkv
 from pallas_kernels.flash_attention.reference import flash_attention
 from pallas_kernels.rope_kv_write.reference import apply_rope

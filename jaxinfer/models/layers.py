@@ -7,13 +7,9 @@ stream, RoPE, softmax) runs in the compute dtype of the activations passed in.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxinfer.config import ModelConfig
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.quantization import QuantizedWeight, int8_activation_matmul, rotate_rows
 
@@ -96,48 +92,18 @@ def gate_up_swiglu(x, w_gate_up, b_gate_up=None, kernels: Kernels = Kernels()):
     return swiglu(linear(x, w_gate_up, b_gate_up, kernels))
 
 
-# ----------------------------------------------------------------------------- rotary embeddings
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim // 2] (float64, host side) with static scaling applied.
-
-    Dynamic NTK scaling depends on the sequence length, so it is applied per token in
-    `rope_cos_sin`; here it returns the unscaled frequencies for it.
-    """
-    D = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
-    rs = config.rope_scaling
-    if rs.rope_type == "linear":
-        inv = inv / rs.factor
-    elif rs.rope_type == "llama3":
-        old_len = rs.original_max_position_embeddings
-        low_wavelen = old_len / rs.low_freq_factor
-        high_wavelen = old_len / rs.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
-        smooth = (old_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv = np.where(medium, smoothed, scaled)
-    return inv
+def rms_norm_weight(weight: jax.Array, offset: float) -> jax.Array:
+    """The factor an RMSNorm multiplies by: weight, or (offset + weight) in float32 (Gemma stores
+    w - 1 and HF adds the 1 in float32, so a bfloat16 weight near -1 keeps its precision)."""
+    return weight if not offset else weight.astype(jnp.float32) + offset
 
 
-def rope_cos_sin(config: ModelConfig, positions: jax.Array, seq_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [T, head_dim] (float32) for token positions [T].
+def gelu_tanh_glu(gate_up: jax.Array) -> jax.Array:
+    """[..., 2I] = [gate | up] -> gelu_tanh(gate) * up [..., I] (GeGLU, Gemma), in float32."""
+    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    return (jax.nn.gelu(gate, approximate=True) * up).astype(gate_up.dtype)
 
-    seq_lens [T] is the length of each token's sequence after this step; only dynamic NTK scaling
-    reads it (the base grows once a sequence passes max_position_embeddings, as in HF).
-    """
-    D = config.head_dim
-    rs = config.rope_scaling
-    if rs.rope_type == "dynamic":
-        max_pos = rs.original_max_position_embeddings
-        seq = jnp.maximum(seq_lens, max_pos).astype(jnp.float32)
-        base = config.rope_theta * ((rs.factor * seq / max_pos) - (rs.factor - 1)) ** (D / (D - 2))  # [T]
-        exponents = jnp.arange(0, D, 2, dtype=jnp.float32) / D
-        inv = 1.0 / (base[:, None] ** exponents[None, :])  # [T, D/2]
-    else:
-        inv = jnp.asarray(rope_inv_freq(config), jnp.float32)[None, :]
-    freqs = positions.astype(jnp.float32)[:, None] * inv  # [T, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
 
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma 2's logit soft-capping); x unchanged when cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)

@@ -5,7 +5,9 @@ Flat names; linear weights are [in, out]; per-layer weights stack on a leading [
 weights on [L, E]:
 
     embed [V, H]   final_norm [H]   lm_head [H, V] (absent with tied embeddings)
-    layers.attn_norm [L, H]   layers.mlp_norm [L, H]
+    layers.attn_norm [L, H]   layers.mlp_norm [L, H]      (norm_layout "pre": before each branch)
+    "sandwich" (Gemma) adds layers.post_attn_norm [L, H], layers.post_mlp_norm [L, H] (after each
+    branch); "post" (OLMo 2) has only those two
     layers.qkv_proj [L, H, (Hq + 2*Hkv')*D]                    layers.o_proj [L, Hq*D, H]
     dense MLP:  layers.gate_up_proj [L, H, 2*I]                 layers.down_proj [L, I, H]
     MoE:        layers.router [L, H, E]
@@ -14,6 +16,7 @@ weights on [L, E]:
                            layers.shared_expert_gate [L, H, 1]
     optional: layers.qkv_bias [L, (Hq + 2*Hkv')*D], layers.o_bias [L, H],
               layers.gate_up_bias [L, 2*I], layers.down_bias [L, H], layers.{q,k}_norm [L, D]
+              (over the whole projection, OLMo 2: layers.q_norm [L, Hq*D], layers.k_norm [L, Hkv'*D])
 
 **Fused columns, shard-major.** Tensor parallelism splits the last axis of a fused parameter into
 `tp` equal, contiguous shards, and each shard must hold whole heads and matching gate/up
@@ -57,13 +60,14 @@ def param_shapes(config: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]
     L, H, V, D = c.num_layers, c.hidden_size, c.vocab_size, c.head_dim
     q_dim, kv_dim = c.num_heads * D, num_kv_heads_stored(c, tp) * D
     qkv_dim = q_dim + 2 * kv_dim
+    norms = {"pre": ("attn_norm", "mlp_norm"), "sandwich": ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm"),
+             "post": ("post_attn_norm", "post_mlp_norm")}[c.norm_layout]
     shapes = {
         "embed": (V, H),
         "final_norm": (H,),
-        "layers.attn_norm": (L, H),
         "layers.qkv_proj": (L, H, qkv_dim),
         "layers.o_proj": (L, q_dim, H),
-        "layers.mlp_norm": (L, H),
+        **{f"layers.{name}": (L, H) for name in norms},
     }
     if c.is_moe:
         E, Ie, Is = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
@@ -85,8 +89,10 @@ def param_shapes(config: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]
         shapes["layers.o_bias"] = (L, H)
     if c.mlp_bias and not c.is_moe:
         shapes.update({"layers.gate_up_bias": (L, 2 * c.intermediate_size), "layers.down_bias": (L, H)})
-    if c.qk_norm:
+    if c.qk_norm and c.qk_norm_scope == "head":
         shapes.update({"layers.q_norm": (L, D), "layers.k_norm": (L, D)})
+    elif c.qk_norm:  # over the whole projection (OLMo 2): sharded with the heads
+        shapes.update({"layers.q_norm": (L, q_dim), "layers.k_norm": (L, kv_dim)})
     return shapes
 
 
@@ -97,6 +103,8 @@ _AXES = {
     "final_norm": ("embed",),
     "layers.attn_norm": ("layers", "embed"),
     "layers.mlp_norm": ("layers", "embed"),
+    "layers.post_attn_norm": ("layers", "embed"),
+    "layers.post_mlp_norm": ("layers", "embed"),
     "layers.qkv_proj": ("layers", "embed", "qkv"),
     "layers.qkv_bias": ("layers", "qkv"),
     "layers.o_proj": ("layers", "heads", "embed"),
@@ -118,7 +126,10 @@ _AXES = {
 
 def param_axes(config: ModelConfig) -> dict[str, tuple[str | None, ...]]:
     """Flat parameter name -> logical axis name of each of its dimensions."""
-    return {name: _AXES[name] for name in param_shapes(config)}
+    axes = {name: _AXES[name] for name in param_shapes(config)}
+    if config.qk_norm and config.qk_norm_scope == "projection":  # [L, heads * D]: split with the heads
+        axes.update({"layers.q_norm": ("layers", "heads"), "layers.k_norm": ("layers", "heads")})
+    return axes
 
 
 QUANTIZED_EMBED_AXES = ("embed_tp", "vocab")  # a quantized embedding: [H, V], the LM head's orientation

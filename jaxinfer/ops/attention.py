@@ -62,7 +62,7 @@ def rope_and_write_kv(q, k, v, cos, sin, pool: KVCache, write_page, write_offset
     alone, pallas_kernels.rope_kv_write) or a quantized one: RoPE in XLA, then `write_rows`, which
     writes each token's row in place (and quantizes it for a quantized pool).
     """
-    if pool.combined or pool.quantized:
+    if pool.combined or pool.quantized or cos.shape[-1] != q.shape[-1]:  # (partial RoPE: the XLA path too)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, write_rows(pool, write_page, write_offset, k, v)
     q, k, k_pages, v_pages = kernels.rope_kv_write(q, k, v, cos, sin, pool.k, pool.v, write_page, write_offset)
@@ -139,6 +139,8 @@ def write_kv_and_attend(
     sliding_window: int | None,
     query_block: int,
     spec_block: int = 0,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # [Hq_local] float32: attention sinks (GPT-OSS)
     kernels: Kernels = Kernels(),
     parallel: ParallelConfig = ParallelConfig(),
 ) -> tuple[jax.Array, KVCache]:
@@ -150,8 +152,8 @@ def write_kv_and_attend(
     The caches keep one shape from the write to the read (and through the layer loop), so XLA
     updates them in place; mixing shapes of one buffer makes it copy the whole pool.
     """
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, query_block=query_block, spec_block=spec_block,
-                   kernels=kernels)
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, query_block=query_block,
+                   spec_block=spec_block, kernels=kernels)
     if parallel.sp > 1:
         return attend_sequence_parallel(q, k, v, cos, sin, pool, layer_page_offset, write_page, write_offset,
                                         batch, mode=parallel.sp_attention, **options)
@@ -160,7 +162,8 @@ def write_kv_and_attend(
 
 
 def paged_attention(q, k, v, pool: KVCache, layer_page_offset, batch: RaggedBatch, *, sm_scale, sliding_window,
-                    query_block: int, spec_block: int = 0, kernels: Kernels = Kernels()) -> jax.Array:
+                    query_block: int, spec_block: int = 0, soft_cap: float | None = None, sinks=None,
+                    kernels: Kernels = Kernels()) -> jax.Array:
     """Attention of this step's queries q [T, Hq, D] (rotated; K/V already in the pages) over one
     layer's pages; k, v [T, Hkv, D] are this step's own rotated keys and values (flash attention
     of a fresh prefill reads them instead of the pages). [T, Hq, D].
@@ -172,22 +175,23 @@ def paged_attention(q, k, v, pool: KVCache, layer_page_offset, batch: RaggedBatc
     def paged():
         if not pool.quantized:
             return kernels.ragged_attention(q, pool.pages, pool.v, page_table, batch, num_kv_heads=k.shape[1], sm_scale=sm_scale,
-                                            sliding_window=sliding_window, query_block=query_block, spec_block=spec_block)
+                                            sliding_window=sliding_window, query_block=query_block, spec_block=spec_block,
+                                            soft_cap=soft_cap, sinks=sinks)
         rotation = kv_rotation(q.shape[-1])  # the pool holds K and V turned: turn q, and the output back
         out = kernels.ragged_attention((q.astype(jnp.float32) @ rotation).astype(q.dtype), pool.pages, pool.v, page_table,
                                        batch, num_kv_heads=k.shape[1], sm_scale=sm_scale, sliding_window=sliding_window,
-                                       query_block=query_block, spec_block=spec_block, k_scale=pool.scales,
+                                       query_block=query_block, spec_block=spec_block, soft_cap=soft_cap, sinks=sinks, k_scale=pool.scales,
                                        v_scale=pool.v_scale)
         return (out.astype(jnp.float32) @ rotation.T).astype(q.dtype)
 
     T, S = q.shape[0], batch.kv_lens.shape[0]
-    if kernels.flash_attention is None or query_block == 1 or T < FLASH_MIN_TOKENS:
-        return paged()
+    if kernels.flash_attention is None or query_block == 1 or T < FLASH_MIN_TOKENS or sinks is not None:
+        return paged()  # (the flash kernels have no attention sinks)
     q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
     in_use = jnp.arange(S) < batch.num_seqs[0]
     fresh_prefill = jnp.all(jnp.where(in_use, batch.kv_lens == q_lens, True))  # no sequence has a cached prefix
     flash = lambda: kernels.flash_attention(q, k, v, batch.cu_q_lens, batch.num_seqs, causal=True, sm_scale=sm_scale,  # noqa: E731
-                                            sliding_window=sliding_window)
+                                            sliding_window=sliding_window, soft_cap=soft_cap)
     return jax.lax.cond(fresh_prefill, flash, paged)
 
 
@@ -215,7 +219,7 @@ def local_view(batch: RaggedBatch, first_row, num_rows: int) -> RaggedBatch:
 
 def attend_sequence_parallel(q, k, v, cos, sin, pool: KVCache, layer_page_offset, write_page, write_offset,
                              batch: RaggedBatch, *, mode: str, sm_scale, sliding_window, query_block: int,
-                             spec_block: int = 0, kernels: Kernels = Kernels()):
+                             spec_block: int = 0, soft_cap: float | None = None, sinks=None, kernels: Kernels = Kernels()):
     """Attention with the step's rows split over the mesh axis "sequence" (sp devices).
 
     q [Tl, Hq, D], k / v [Tl, Hkv, D]: this device's block of rows (before RoPE); cos / sin /
@@ -239,9 +243,10 @@ def attend_sequence_parallel(q, k, v, cos, sin, pool: KVCache, layer_page_offset
     q, k = apply_rope(q, mine(cos), mine(sin)), apply_rope(k, mine(cos), mine(sin))
     pages = layer_page_offset + write_page
     view = local_view(batch, first_row, Tl)
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window)
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
     if mode == "allgather":
+        options["sinks"] = sinks
         k_all = jax.lax.all_gather(k, "sequence", axis=0, tiled=True)  # [T, Hkv, D]
         v_all = jax.lax.all_gather(v, "sequence", axis=0, tiled=True)
         pool = write_rows(pool, pages, write_offset, k_all, v_all)
@@ -249,6 +254,8 @@ def attend_sequence_parallel(q, k, v, cos, sin, pool: KVCache, layer_page_offset
                               spec_block=spec_block, kernels=kernels, **options)
         return out, pool
 
+    if sinks is not None:
+        raise NotImplementedError("attention sinks with ring attention (sequence parallelism): use sp_attention='allgather'")
     T = Tl * sp
     S = batch.kv_lens.shape[0]
     q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]

@@ -37,7 +37,7 @@ from flax import nnx
 import checkpoints_conv
 from jaxinfer.config import ModelConfig
 from jaxinfer.ops.kernels import Kernels
-from jaxinfer.models.llama import LlamaForCausalLM
+from jaxinfer.models.registry import model_class
 from jaxinfer.models.param_layout import param_shapes, quantized_in_out, quantized_loader_spec, relayout_indices
 from jaxinfer.ops.quantization import MATMUL_WEIGHT_NAMES, QuantizedWeight, replace_weights
 from jaxinfer.runtime.hub import hub_snapshot, is_hub_id
@@ -125,7 +125,7 @@ def abstract_model(
     """The model's structure and a State of ShapeDtypeStructs (no memory allocated); `lora`: a
     models.lora.LoraTable to give it a LoRA slot table."""
     model = nnx.eval_shape(
-        lambda: LlamaForCausalLM(config, param_dtype=param_dtype, compute_dtype=compute_dtype, kernels=kernels,
+        lambda: model_class(config)(config, param_dtype=param_dtype, compute_dtype=compute_dtype, kernels=kernels,
                                  parallel=parallel, lora=lora, rngs=nnx.Rngs(0))
     )
     return nnx.split(model)

@@ -89,6 +89,10 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _power_of_two_floor(n: int) -> int:
+    return 1 << max(0, int(n).bit_length() - 1)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -106,20 +110,26 @@ def flash_attention(
     causal: bool = True,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    block_q: int = 64,
-    block_k: int = 64,
+    block_q: int | None = None,
+    block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D], q.dtype
     check_options(q, k, v, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap)
     T, Hq, D = q.shape
+    # default blocks: 64 x 64, smaller where a program's q rows (G heads x block_q) and its
+    # double-buffered K/V tiles would outgrow ~192 KiB of shared memory (an H100 has 227; head_dim
+    # 512 with G = 4 at 64 x 64 asked for 512 KiB: measured)
+    G = Hq // k.shape[1]
+    budget = 192 * 1024 // q.dtype.itemsize  # entries
+    block_k = block_k or max(16, min(64, 64 * 256 // D))
+    block_q = block_q or max(16, min(64, _power_of_two_floor((budget - 2 * num_stages * block_k * D) // (G * D))))
     if not all(map(_is_power_of_two, (block_q, block_k, D))):
         raise ValueError(f"block_q, block_k and head_dim must be powers of two; got {block_q}, {block_k}, {D}")
     if interpret:
         patch_interpret_mode()
     Hkv = k.shape[1]
-    G = Hq // Hkv
     x = common.prepare_inputs(
         q, k, v, cu_seq_lens, num_seqs, block_q=block_q, block_k=block_k, causal=causal, sliding_window=sliding_window
     )

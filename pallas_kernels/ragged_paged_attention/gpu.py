@@ -54,9 +54,12 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.compat import patch_interpret_mode
 from pallas_kernels import cost
-from pallas_kernels.ragged_paged_attention.reference import check_kv_scales
+from pallas_kernels.ragged_paged_attention.reference import check_kv_scales, sink_weight
 
 DEFAULT_KV_TOKENS_PER_BLOCK = 64  # KV tokens per tile when num_kv_pages_per_block is not given
+# ... and at most this many K (or V) entries per tile: a tile of 64 tokens x head_dim 512 in
+# bfloat16, double-buffered, asked an H100 for 272 KiB of shared memory (it has 227): measured
+MAX_KV_TILE_ENTRIES = 64 * 256
 DEFAULT_NUM_KV_SPLITS = 4
 MIN_BLOCK_DIM = 16  # Triton dots need every dimension >= 16
 
@@ -188,12 +191,14 @@ def _kernel(
     l_ref[...] = l
 
 
-def _merge_splits(o, m, l):
-    """Partials of each split -> normalised output. o [J, NB, Hkv, R, Dp], m and l [J, NB, Hkv, R]."""
+def _merge_splits(o, m, l, sinks=None, G=1):
+    """Partials of each split -> normalised output. o [J, NB, Hkv, R, Dp], m and l [J, NB, Hkv, R];
+    sinks [Hq] (attention sinks) add to each row's denominator."""
     m_max = m.max(axis=0)
+    l_sink = sink_weight(sinks, m_max, G)
     m_max = jnp.where(m_max == -jnp.inf, 0.0, m_max)  # rows no split saw anything for
     w = jnp.exp(m - m_max[None])  # [J, NB, Hkv, R]; 0 for empty splits
-    l_sum = (w * l).sum(axis=0)
+    l_sum = (w * l).sum(axis=0) + l_sink
     o_sum = (w[..., None] * o).sum(axis=0)
     return o_sum / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]  # [NB, Hkv, R, Dp]
 
@@ -225,6 +230,7 @@ def ragged_paged_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    sinks: jax.Array | None = None,  # [Hq] float32: attention sinks (reference.py), added when the splits merge
 ) -> jax.Array:
     """Attention of a ragged batch over paged K/V; [T, Hq, D] in q's dtype (see the module docstring).
 
@@ -243,7 +249,8 @@ def ragged_paged_attention(
         raise ValueError("num_queries_per_block, num_kv_pages_per_block and num_kv_splits must be >= 1")
     G = Hq // Hkv
     Bq = num_queries_per_block
-    C = min(num_kv_pages_per_block or max(1, DEFAULT_KV_TOKENS_PER_BLOCK // page_size), pages_per_seq)
+    default_tokens = min(DEFAULT_KV_TOKENS_PER_BLOCK, MAX_KV_TILE_ENTRIES // _triton_dim(D))
+    C = min(num_kv_pages_per_block or max(1, default_tokens // page_size), pages_per_seq)
     tile_tokens = C * page_size  # KV tokens per tile
     R, N, Dp = _triton_dim(Bq * G), _triton_dim(tile_tokens), _triton_dim(D)  # rows, tile width, head_dim
 
@@ -291,7 +298,7 @@ def ragged_paged_attention(
         page_indices.astype(jnp.int32), qb, k_pages, v_pages,
     )
 
-    out = _merge_splits(o, m, l)[:, :, : Bq * G, :D]  # [NB, Hkv, Bq*G, D]
+    out = _merge_splits(o, m, l, sinks, G)[:, :, : Bq * G, :D]  # [NB, Hkv, Bq*G, D]
     out = out.reshape(NB, Hkv, Bq, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * Bq, Hq, D)
     result = jnp.zeros((T, Hq, D), q.dtype)
     return result.at[blocks.rows.reshape(-1)].set(out.astype(q.dtype), mode="drop")

@@ -19,6 +19,10 @@ The i-th query of sequence s sits at position kv_lens[s] - q_len[s] + i and atte
 cache positions <= its own (and > position - sliding_window when a window is given). Query rows
 past cu_q_lens[num_seqs] are padding and come out as zeros.
 
+Attention sinks (GPT-OSS): `sinks` [Hq] gives each query head one more logit that every query
+scores but that carries no value: softmax over (scores, sink), the sink's column dropped, i.e. the
+output is sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)).
+
 Options: `sliding_window` (a query sees the last `sliding_window` positions, its own included),
 `soft_cap` (scores become soft_cap * tanh(score / soft_cap) before the softmax), and int8 or
 float8_e4m3fn pages with scales `k_scale` / `v_scale`: entry * scale is the value, the scale
@@ -110,6 +114,17 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
+def sink_weight(sinks: jax.Array | None, m: jax.Array, G: int) -> jax.Array | float:
+    """exp(sink - m) for each row of the softmax statistics m [..., Hkv, R] (row r: query head
+    h * G + r % G; m the row's running max, -inf where it saw nothing): what a sink adds to the
+    softmax's denominator (0 without sinks). sinks [Hq]."""
+    if sinks is None:
+        return 0.0
+    Hkv, R = m.shape[-2:]
+    sink_rows = sinks.astype(jnp.float32).reshape(Hkv, G)[:, jnp.arange(R) % G]  # [Hkv, R]
+    return jnp.exp(sink_rows - jnp.where(m == -jnp.inf, 0.0, m))
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "soft_cap", "num_queries_per_block", "num_kv_pages_per_block"),
@@ -130,6 +145,7 @@ def ragged_paged_attention(
     v_scale: float | jax.Array | None = None,
     num_queries_per_block: int = 8,
     num_kv_pages_per_block: int | None = None,
+    sinks: jax.Array | None = None,  # [Hq] float32: each head's sink logit (GPT-OSS; module docstring)
 ) -> jax.Array:
     check_kv_scales(k_pages, v_pages, k_scale, v_scale)
     T, Hq, D = q.shape
@@ -196,7 +212,8 @@ def ragged_paged_attention(
         jnp.zeros((NB, Hkv, Bq * G), jnp.float32),
         jnp.zeros((NB, Hkv, Bq * G, D), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(0, num_kv_blocks, kv_step, init)
+    m, l, acc = jax.lax.fori_loop(0, num_kv_blocks, kv_step, init)
+    l = l + sink_weight(sinks, m, G)
     out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # [NB, Hkv, Bq*G, D]
     out = out.reshape(NB, Hkv, Bq, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * Bq, Hq, D)
     result = jnp.zeros((T, Hq, D), q.dtype)

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention import combined as combined_layout
-from pallas_kernels.ragged_paged_attention.reference import check_kv_scales, dequantize_kv, is_pool
+from pallas_kernels.ragged_paged_attention.reference import check_kv_scales, dequantize_kv, is_pool, sink_weight
 
 DEFAULT_KV_TOKENS_PER_BLOCK = 128
 
@@ -95,7 +95,10 @@ def ragged_paged_attention(
     kv_end: jax.Array | None = None,  # [S] int32: sequence s sees only cache positions < kv_end[s]
     return_lse: bool = False,  # also return lse [T, Hq] float32 (log-sum-exp of the visible scores)
     contraction: str = "dot",  # "dot" | "reduce": see the module docstring
+    sinks: jax.Array | None = None,  # [Hq] float32: attention sinks (reference.py)
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    if sinks is not None and return_lse:
+        raise ValueError("attention sinks with return_lse: a partial attention has no sink (add it once, after merging)")
     combined = v_pages is None
     combined_scales = combined and is_pool(k_scale)  # [P, Hkv * 2 * page_size]: K's and V's scales in one pool
     if combined_scales:
@@ -225,6 +228,7 @@ def ragged_paged_attention(
         jnp.zeros((NB, Hkv, Bq * G, D), jnp.float32),
     )
     m_blk, l_blk, o_blk = jax.lax.fori_loop(0, _cdiv(num_items, W), work, blocks)
+    l_blk = l_blk + sink_weight(sinks, m_blk, G)
     m_blk = jnp.where(m_blk == -jnp.inf, 0.0, m_blk)
     out = o_blk / jnp.where(l_blk == 0.0, 1.0, l_blk)[..., None]  # [NB, Hkv, Bq*G, D]
     out = out.reshape(NB, Hkv, Bq, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * Bq, Hq, D)

@@ -54,7 +54,12 @@ def check_pools(k, k_pages, v_pages) -> None:
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF layout) in float32. x [T, heads, D]; cos, sin [T, D] -> x's dtype."""
+    """Rotate-half RoPE (HF layout) in float32. x [T, heads, D]; cos, sin [T, R] -> x's dtype.
+
+    R < D (partial rotary embeddings, Phi-3): the first R dims of each head turn, the rest pass."""
+    R = cos.shape[-1]
+    if R < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :R], cos, sin), x[..., R:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     xf = x.astype(jnp.float32)

@@ -1,0 +1,325 @@
+"""What every decoder-only model shares: its weights, the step around its layers, and the
+attention and MLP sublayers the family files compose into their blocks.
+
+A family file (llama.py, gemma.py, olmo.py) subclasses `Decoder` and writes one method, `block`:
+one decoder layer, reading top to bottom like the architecture. Everything else is here:
+
+- the weights: `embed [V, H]`, one `DecoderLayers` module whose weights carry a leading
+  [num_layers] axis (the layout is `jaxinfer.models.param_layout`'s), `final_norm`, `lm_head`;
+- `__call__`: embed this step's tokens, run the layers, the final norm and the LM head;
+- the layer loop (`run_layers`): a `lax.fori_loop` over the layers' *period*, the shortest run of
+  attention kinds that repeats (1 for Llama; 2 for Gemma 2, a sliding layer then a global one; 6
+  for Gemma 3): the period's layers are unrolled, so each sees its kind (window, RoPE table) as
+  a static fact and the kernels specialise on it, while the compiled program holds one period
+  rather than every layer. Layers past the last whole period are unrolled after the loop;
+- `attention(...)`: QKV projection, q/k norms, RoPE, the paged KV write, attention and o_proj;
+- `mlp(...)`: a gated MLP (SwiGLU or GeGLU) or a mixture of experts (`jaxinfer.models.moe`).
+
+The residual stream travels as (hidden, residual), stream = hidden + residual: each norm takes
+in the add that precedes it (`add_rms_norm`), so on accelerators the add and the norm are one pass.
+
+**Parallel.** The step runs the model inside `jax.shard_map` over the device mesh (see
+jaxinfer.runtime.step), so `__call__` sees this device's shards and does its own collectives, each
+only when its axis has more than one device (on one device the program is the plain one):
+
+- tensor (Megatron): the fused QKV and gate/up columns, o and down rows, and the hidden dim of the
+  embedding / LM head are split; one `psum` after o_proj and one after down_proj per layer, an
+  all-gather of the embedded tokens and a `psum` of the logits per step;
+- sequence: this replica's T tokens are split in `sp` contiguous blocks for everything but
+  attention, which sees all of this step's K/V (all-gathered, or passed around a ring), see
+  `jaxinfer.ops.attention.attend_sequence_parallel`; the logits rows are summed over the axis;
+- expert (MoE): experts are split, tokens dispatched with all_to_all (`jaxinfer.models.moe`);
+- data and expert also index replicas: each device sees only its replica's batch and KV pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer.config import ConfigError, LayerKind, ModelConfig
+from jaxinfer.models import moe
+from jaxinfer.models.layers import (add_rms_norm, embed_lookup, gate_up_swiglu, gelu_tanh_glu, linear, matmul, rms_norm,
+                                   rms_norm_weight, soft_cap, swiglu, tied_logits)
+from jaxinfer.models.lora import LoraSlots, LoraTable, lora_shapes
+from jaxinfer.models.param_layout import param_shapes
+from jaxinfer.models.rope import rope_tables
+from jaxinfer.ops.attention import kv_write_locations, write_kv_and_attend
+from jaxinfer.ops.batch import SCRATCH_PAGE, RaggedBatch
+from jaxinfer.ops.kernels import Kernels
+from jaxinfer.ops.kv_cache import KVCache
+from sharding.mesh import ParallelConfig, kv_heads_per_shard
+
+
+def split_qkv(qkv: jax.Array, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """[T, (Hq + 2*Hkv)*D] = [q | k | v] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (this
+    device's heads: the shard-major layout puts each shard's q, k and v side by side)."""
+    T = qkv.shape[0]
+    q_end = num_heads * head_dim
+    k_end = q_end + num_kv_heads * head_dim
+    q = qkv[:, :q_end].reshape(T, num_heads, head_dim)
+    k = qkv[:, q_end:k_end].reshape(T, num_kv_heads, head_dim)
+    v = qkv[:, k_end:].reshape(T, num_kv_heads, head_dim)
+    return q, k, v
+
+
+def layer_period(kinds: tuple[LayerKind, ...]) -> int:
+    """The shortest p with kinds[i] == kinds[i % p] for every layer (the layers' repeating pattern)."""
+    n = len(kinds)
+    return next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p] for i in range(n)))
+
+
+def _init(name: str, shape, dtype, key) -> jax.Array:
+    if name.endswith("norm"):
+        return jnp.ones(shape, dtype)
+    if name.endswith("bias"):
+        return jnp.zeros(shape, dtype)
+    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+class DecoderLayers(nnx.Module):
+    """The weights of all decoder layers, each stacked on a leading [num_layers] axis."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype, rngs: nnx.Rngs):
+        for name, shape in shapes.items():
+            setattr(self, name, nnx.Param(_init(name, shape, dtype, rngs.params())))
+
+    def stacked(self) -> dict[str, jax.Array]:
+        """name -> [L, ...] array (or a QuantizedWeight standing for a [L, K, N] one)."""
+        return {name: var.get_value() for name, var in vars(self).items() if isinstance(var, nnx.Param)}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """What every layer of one step reads besides its weights (built once per step in __call__)."""
+
+    batch: RaggedBatch
+    write_page: jax.Array  # [T]: each token's KV slot (kv_write_locations)
+    write_offset: jax.Array  # [T]
+    rope: dict  # LayerKind.rope -> (cos, sin) [T, rotary_dim] each (jaxinfer.models.rope)
+    lora_slot: jax.Array | None  # [Tl]: each of this device's tokens' adapter slot (None: no LoRA)
+    query_block: int
+    spec_block: int
+    num_pages: int  # pages per layer: layer i's pages start at i * num_pages in the folded pool
+
+
+class Decoder(nnx.Module):
+    """A decoder-only language model; a family file supplies `block` (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        param_dtype=jnp.float32,
+        compute_dtype=jnp.float32,
+        kernels: Kernels = Kernels(),
+        parallel: ParallelConfig = ParallelConfig(),
+        lora: LoraTable | None = None,
+        rngs: nnx.Rngs,
+    ):
+        if config.qk_norm and config.qk_norm_scope == "projection" and parallel.tp > config.num_kv_heads:
+            raise ConfigError(f"{config.model_type}: q/k norms over the whole projection with tensor parallelism {parallel.tp} "
+                              f"> {config.num_kv_heads} KV heads (replicated KV heads) are not supported")
+        self.config = config
+        self.compute_dtype = compute_dtype
+        self.kernels = kernels  # static: XLA paths or Pallas kernels (jaxinfer.ops.kernels)
+        self.parallel = parallel  # static: the mesh's axis sizes (sharding.mesh.ParallelConfig)
+        shapes = param_shapes(config, parallel.tp)  # global shapes; __call__ sees this device's shards
+        layer_shapes = {k.split(".", 1)[1]: v for k, v in shapes.items() if k.startswith("layers.")}
+        self.embed = nnx.Param(_init("embed", shapes["embed"], param_dtype, rngs.params()))
+        self.layers = DecoderLayers(layer_shapes, param_dtype, rngs)
+        self.final_norm = nnx.Param(_init("final_norm", shapes["final_norm"], param_dtype, None))
+        if "lm_head" in shapes:
+            self.lm_head = nnx.Param(_init("lm_head", shapes["lm_head"], param_dtype, rngs.params()))
+        if lora is not None:
+            self.lora = LoraSlots(lora_shapes(config, lora, parallel.tp), param_dtype)  # the adapter slot table (jaxinfer.models.lora)
+
+    # ------------------------------------------------------------------ the step
+    def __call__(self, kv: KVCache, batch: RaggedBatch, *, query_block: int, spec_block: int = 0,
+                 return_hidden: bool = False):
+        """One device's part of a step (see the module docstring).
+
+        kv: this device's pages, [L, P, page_size, Hkv_local, D]; batch: its replica's batch (T
+        tokens, S sequence slots). Returns (logits [R, V] float32 for the rows
+        batch.logits_indices, the same on every device of the replica; the updated cache), and
+        with return_hidden the rows' final-normed hidden states [R, H] too (draft heads read them).
+        """
+        c, par = self.config, self.parallel
+        T = batch.token_ids.shape[0]
+        S = batch.kv_lens.shape[0]
+        Tl = T // par.sp  # this device's tokens: rows first_row : first_row + Tl of the step
+        first_row = jax.lax.axis_index("sequence") * Tl if par.sp > 1 else 0
+
+        x = self._embed(jax.lax.dynamic_slice_in_dim(batch.token_ids, first_row, Tl))  # [Tl, H]
+        write_page, write_offset = kv_write_locations(batch, kv.page_size, SCRATCH_PAGE)  # [T] each: every token's slot
+        seq_of_token = jnp.minimum(jnp.searchsorted(batch.cu_q_lens[1:], jnp.arange(T), side="right"), S - 1)
+        rope = rope_tables(c, batch.positions, batch.kv_lens[seq_of_token])  # kind -> [T, rotary_dim] each
+        slot = None  # LoRA: each of this device's tokens' adapter slot
+        if getattr(self, "lora", None) is not None and batch.lora_slots is not None:
+            slot_of_token = jnp.where(jnp.arange(T) < batch.cu_q_lens[-1], batch.lora_slots[seq_of_token], 0)  # padding: none
+            slot = jax.lax.dynamic_slice_in_dim(slot_of_token, first_row, Tl)  # [Tl]
+        step = StepInputs(batch, write_page, write_offset, rope, slot, query_block, spec_block, kv.num_pages)
+
+        L = kv.num_layers
+        # Fold the layer axis into the page axis: layer i's page p is page i * P + p of one pool.
+        hidden, residual, pool = self.run_layers(step, (x, jnp.zeros_like(x), kv.fold_layers()))
+        hidden, residual = self._logits_rows(hidden, residual, batch.logits_indices, first_row)  # [R, H] each
+        h, _ = add_rms_norm(hidden, residual, self.norm_weight(self.final_norm[...]), c.rms_norm_eps, self.kernels)
+        kv = pool.unfold_layers(L)
+        if return_hidden:  # the final-normed hidden state of each logits row [R, H] (what the LM head reads)
+            return self._lm_head(h), kv, h
+        return self._lm_head(h), kv
+
+    def run_layers(self, step: StepInputs, carry):
+        """carry = (hidden, residual, pool) through every layer (the period loop of the module docstring)."""
+        kinds = self.config.layer_kinds()
+        period = layer_period(kinds)
+        stacked = self.layers.stacked()
+        lora = self.lora.stacked() if step.lora_slot is not None else None
+
+        def layer(i, kind, carry):
+            w = {name: jax.tree.map(lambda a: a[i], p) for name, p in stacked.items()}  # layer i's weights
+            lw = {name: a[i] for name, a in lora.items()} if lora is not None else None  # [N, ...] each
+            return self.block(step, i, kind, w, lw, *carry)
+
+        def one_period(p, carry):
+            for j in range(period):
+                carry = layer(p * period + j, kinds[j], carry)
+            return carry
+
+        whole = len(kinds) // period
+        if whole:
+            carry = jax.lax.fori_loop(0, whole, one_period, carry)
+        for i in range(whole * period, len(kinds)):  # the layers past the last whole period
+            carry = layer(i, kinds[i], carry)
+        return carry
+
+    def block(self, step: StepInputs, i, kind: LayerKind, w: dict, lw: dict | None, hidden, residual, pool):
+        """Decoder layer i (traced index, static `kind`): (hidden, residual, pool) -> the same."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ sublayers the blocks compose
+    def norm_weight(self, weight):
+        return rms_norm_weight(weight, self.config.norm_weight_offset)
+
+    def add_norm(self, x, residual, weight):
+        """(rms_norm(x + residual) * weight, x + residual)."""
+        return add_rms_norm(x, residual, self.norm_weight(weight), self.config.rms_norm_eps, self.kernels)
+
+    def norm(self, x, weight):
+        return rms_norm(x, self.norm_weight(weight), self.config.rms_norm_eps)
+
+    def attention(self, step: StepInputs, i, kind: LayerKind, w: dict, lw: dict | None, h, pool):
+        """Self-attention of h [Tl, H] through layer i's paged cache: (out [Tl, H], pool)."""
+        c, par, kernels = self.config, self.parallel, self.kernels
+        Tl = h.shape[0]
+        num_heads = c.num_heads // par.tp  # this device's query heads
+        num_kv_heads = kv_heads_per_shard(c.num_kv_heads, par.tp)
+        qkv = linear(h, w["qkv_proj"], w.get("qkv_bias"), kernels)  # one matmul: [Tl, (Hq + 2*Hkv)*D] local
+        if lw is not None:
+            delta = kernels.lora_delta(h, lw["qkv_a"], [lw["q_b"], lw["k_b"], lw["v_b"]], step.lora_slot)  # [Tl, q | k | v] local
+            qkv = (qkv.astype(jnp.float32) + delta).astype(qkv.dtype)
+        q, k, v = split_qkv(qkv, num_heads, num_kv_heads, c.head_dim)
+        if c.qk_norm and c.qk_norm_scope == "head":  # RMSNorm over each head's D dims (Qwen3, Gemma 3)
+            q, k = self.norm(q, w["q_norm"]), self.norm(k, w["k_norm"])
+        elif c.qk_norm:  # over the whole projection (OLMo 2): the sum of squares spans the tensor shards
+            q, k = self._projection_norm(q, w["q_norm"]), self._projection_norm(k, w["k_norm"])
+        cos, sin = step.rope[kind.rope]
+        attn, pool = write_kv_and_attend(  # RoPE, KV write, attention
+            q, k, v, cos, sin, pool, i * step.num_pages, step.write_page, step.write_offset, step.batch,
+            sm_scale=c.sm_scale, sliding_window=kind.window, soft_cap=c.attn_logit_softcap,
+            query_block=step.query_block, spec_block=step.spec_block, kernels=kernels, parallel=par,
+        )
+        attn = attn.reshape(Tl, num_heads * c.head_dim)
+        delta = kernels.lora_delta(attn, lw["o_a"], [lw["o_b"]], step.lora_slot) if lw is not None else None
+        return self._row_parallel(attn, w["o_proj"], w.get("o_bias"), delta), pool
+
+    def _projection_norm(self, x, weight):
+        """RMSNorm of x [T, heads, D] over all heads' dims together (weight [heads * D], this
+        shard's part); with tensor parallelism the mean of squares is summed over the shards."""
+        T, heads, D = x.shape
+        xf = x.astype(jnp.float32).reshape(T, heads * D)
+        sq = jnp.sum(xf * xf, axis=-1, keepdims=True)
+        if self.parallel.tp > 1:
+            sq = jax.lax.psum(sq, "tensor")
+        xf = xf * jax.lax.rsqrt(sq / (heads * D * self.parallel.tp) + self.config.rms_norm_eps)
+        return (self.norm_weight(weight).astype(jnp.float32) * xf).astype(x.dtype).reshape(T, heads, D)
+
+    def mlp(self, step: StepInputs, w: dict, lw: dict | None, h):
+        """The MLP of h [Tl, H]: gated (SwiGLU / GeGLU) or a mixture of experts. [Tl, H]."""
+        c, kernels = self.config, self.kernels
+        if c.is_moe:
+            return self._tensor_sum(moe.moe_mlp(h, w, c, self.parallel, kernels))
+        act = gelu_tanh_glu if c.hidden_act == "gelu_tanh" else swiglu
+        if lw is not None:
+            gate_up = linear(h, w["gate_up_proj"], w.get("gate_up_bias"), kernels).astype(jnp.float32)
+            a = act((gate_up + kernels.lora_delta(h, lw["gate_up_a"], [lw["gate_b"], lw["up_b"]], step.lora_slot)).astype(h.dtype))
+            return self._row_parallel(a, w["down_proj"], w.get("down_bias"),
+                                      kernels.lora_delta(a, lw["down_a"], [lw["down_b"]], step.lora_slot))
+        if c.hidden_act == "silu":
+            a = gate_up_swiglu(h, w["gate_up_proj"], w.get("gate_up_bias"), kernels)
+        else:
+            a = act(linear(h, w["gate_up_proj"], w.get("gate_up_bias"), kernels))
+        return self._row_parallel(a, w["down_proj"], w.get("down_bias"))
+
+    # ------------------------------------------------------------------ the parallel pieces
+    def _tensor_sum(self, partial: jax.Array, dtype=None) -> jax.Array:
+        """Adds the tensor-parallel shards' partial sums (the Megatron all-reduce) in `dtype`, by
+        default the compute dtype: bfloat16 on accelerators halves the bytes on the links, as vLLM
+        and Megatron do."""
+        partial = partial.astype(dtype or self.compute_dtype)
+        return jax.lax.psum(partial, "tensor") if self.parallel.tp > 1 else partial
+
+    def _row_parallel(self, x, w, b=None, delta=None):
+        """x [T, K_local] @ w [K_local, H] (+ a LoRA `delta` [T, H] from the same K_local rows),
+        summed over the tensor shards, + b; in x's dtype."""
+        y = matmul(x, w, self.kernels)
+        if delta is not None:
+            y = y.astype(jnp.float32) + delta
+        y = self._tensor_sum(y)
+        if b is not None:
+            y = y.astype(jnp.float32) + b.astype(jnp.float32)
+        return y.astype(x.dtype)
+
+    def _hidden_shard(self, h: jax.Array) -> jax.Array:
+        """This tensor shard's columns of h [R, H] (the embedding's hidden dim is split)."""
+        tp = self.parallel.tp
+        if tp == 1:
+            return h
+        width = h.shape[-1] // tp
+        return jax.lax.dynamic_slice_in_dim(h, jax.lax.axis_index("tensor") * width, width, axis=-1)
+
+    def _embed(self, token_ids: jax.Array) -> jax.Array:
+        """token_ids [T] -> [T, H] in the compute dtype; the table's hidden dim is split over tensor.
+        A quantized table is stored [H / tp, V] (the tied LM head's orientation): a token's
+        embedding is its column, dequantized. Gemma scales it by sqrt(H), rounded to the compute
+        dtype first as HF does."""
+        x = embed_lookup(self.embed.get_value(), token_ids).astype(self.compute_dtype)  # [T, H / tp]
+        if self.parallel.tp > 1:
+            x = jax.lax.all_gather(x, "tensor", axis=1, tiled=True)
+        if self.config.scale_embeddings:
+            x = x * jnp.asarray(self.config.hidden_size**0.5, self.compute_dtype)
+        return x
+
+    def _logits_rows(self, hidden, residual, rows, first_row):
+        """The rows [R] of this replica's step that need logits, from the devices holding them."""
+        if self.parallel.sp == 1:
+            return hidden[rows], residual[rows]
+        local = rows - first_row
+        mine = ((local >= 0) & (local < hidden.shape[0]))[:, None]
+        local = jnp.clip(local, 0, hidden.shape[0] - 1)
+        pick = lambda a: jax.lax.psum(jnp.where(mine, a[local], 0).astype(jnp.float32), "sequence").astype(a.dtype)  # noqa: E731
+        return pick(hidden), pick(residual)
+
+    def _lm_head(self, h: jax.Array) -> jax.Array:
+        """h [R, H] -> logits [R, V] float32 (the LM head, or the tied embedding; soft-capped for Gemma 2)."""
+        h = self._hidden_shard(h)
+        if self.config.tie_word_embeddings:
+            logits = tied_logits(h, self.embed.get_value(), self.kernels)
+        else:
+            logits = matmul(h, self.lm_head.get_value(), self.kernels)
+        return soft_cap(self._tensor_sum(logits, jnp.float32), self.config.final_logit_softcap)  # logits stay float32
+

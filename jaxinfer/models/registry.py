@@ -1,0 +1,30 @@
+"""Which model file runs which architecture: HF `model_type` -> the family's Decoder subclass.
+
+`ModelConfig.from_hf_dict` maps `architectures` names to a model_type first, so a config read from
+a checkpoint always lands on one of these keys (or is refused there, by name).
+"""
+
+from __future__ import annotations
+
+from jaxinfer.config import ConfigError, ModelConfig
+from jaxinfer.models.decoder import Decoder
+from jaxinfer.models.gemma import GemmaForCausalLM
+from jaxinfer.models.llama import LlamaForCausalLM
+from jaxinfer.models.olmo import OlmoForCausalLM
+
+MODEL_CLASSES: dict[str, type[Decoder]] = {
+    **{t: LlamaForCausalLM for t in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3")},
+    "gemma2": GemmaForCausalLM,
+    "gemma3_text": GemmaForCausalLM,
+    "olmo2": OlmoForCausalLM,
+    "olmo3": OlmoForCausalLM,
+}
+
+
+def model_class(config: ModelConfig) -> type[Decoder]:
+    """The Decoder subclass that runs `config`'s family."""
+    try:
+        return MODEL_CLASSES[config.model_type]
+    except KeyError:
+        raise ConfigError(f"no model file runs model_type={config.model_type!r} "
+                          f"(known: {', '.join(sorted(MODEL_CLASSES))})") from None

@@ -1,0 +1,137 @@
+"""Rotary position embeddings: each layer kind's cos / sin tables for a step's tokens.
+
+A model has up to two tables: "global" (the model's `rope_theta` and scaling) and "local" (Gemma
+3's sliding layers, with their own base). A NoPE layer (SmolLM3) rotates nothing: it gets the
+identity table (cos 1, sin 0), so every layer runs the same RoPE + KV-write path.
+
+Scalings, as transformers computes them (frequencies in float64 on the host, then float32):
+
+- linear: frequencies / factor;
+- llama3: the three wavelength bands of Llama 3.1;
+- dynamic (NTK): the base grows once a sequence passes max_position_embeddings, per token from
+  its sequence's length after the step (`seq_lens`), as HF does for the one sequence it runs;
+- yarn: a ramp between interpolated and extrapolated frequencies, and cos / sin scaled by the
+  attention factor (0.1 ln(factor) + 1 unless given);
+- longrope (Phi-3): one factor per frequency, the short ones while the sequence is within
+  original_max_position_embeddings and the long ones past it (per sequence, from `seq_lens`),
+  cos / sin scaled by sqrt(1 + ln(factor) / ln(original)).
+
+Partial rotary embeddings (`ModelConfig.rotary_dim` < head_dim) give tables of rotary_dim
+columns; `pallas_kernels.rope_kv_write.apply_rope` turns the first rotary_dim dims of each head
+and passes the rest through.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig, RopeScaling
+
+
+def inv_freq(theta: float, rs: RopeScaling, dim: int) -> tuple[np.ndarray, float]:
+    """(inverse frequencies [dim // 2] float64, cos / sin scale) with static scaling applied.
+
+    Dynamic NTK and longrope's long factors depend on the sequence length and are applied in
+    `cos_sin`; here they return the unscaled (short) frequencies."""
+    inv = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if rs.rope_type == "linear":
+        return inv / rs.factor, 1.0
+    if rs.rope_type == "llama3":
+        old_len = rs.original_max_position_embeddings
+        low_wavelen = old_len / rs.low_freq_factor
+        high_wavelen = old_len / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        smooth = (old_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled), 1.0
+    if rs.rope_type == "yarn":
+        return _yarn(theta, rs, dim)
+    if rs.rope_type == "longrope":
+        return inv / np.asarray(rs.short_factor, np.float64), _longrope_scale(rs)
+    return inv, 1.0
+
+
+def _yarn(theta: float, rs: RopeScaling, dim: int) -> tuple[np.ndarray, float]:
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = rs.factor
+    attention_factor = rs.attention_factor
+    if attention_factor is None:
+        if rs.mscale and rs.mscale_all_dim:
+            attention_factor = mscale(factor, rs.mscale) / mscale(factor, rs.mscale_all_dim)
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(rotations):  # the dim whose wavelength makes `rotations` turns over the original length
+        return dim * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    # HF computes these two in float32 (torch); so does this, then widens
+    pos_freqs = (theta ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))).astype(np.float32)
+    extrapolation = (1.0 / pos_freqs).astype(np.float32)
+    interpolation = (1.0 / (np.float32(factor) * pos_freqs)).astype(np.float32)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    keep = (1 - ramp).astype(np.float32)  # 1: extrapolate (high frequencies), 0: interpolate
+    inv = (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
+    return inv.astype(np.float64), float(attention_factor)
+
+
+def _longrope_scale(rs: RopeScaling) -> float:
+    if rs.attention_factor is not None:
+        return rs.attention_factor
+    if rs.factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(rs.factor) / math.log(rs.original_max_position_embeddings))
+
+
+def cos_sin(theta: float, rs: RopeScaling, dim: int, positions: jax.Array, seq_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [T, dim] (float32) for token positions [T]; seq_lens [T] is each token's sequence
+    length after this step (read by dynamic NTK and longrope)."""
+    inv, scale = inv_freq(theta, rs, dim)
+    if rs.rope_type == "dynamic":
+        max_pos = rs.original_max_position_embeddings
+        seq = jnp.maximum(seq_lens, max_pos).astype(jnp.float32)
+        base = theta * ((rs.factor * seq / max_pos) - (rs.factor - 1)) ** (dim / (dim - 2))  # [T]
+        exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+        inv_t = 1.0 / (base[:, None] ** exponents[None, :])  # [T, dim/2]
+    elif rs.rope_type == "longrope":
+        long_inv = inv * np.asarray(rs.short_factor, np.float64) / np.asarray(rs.long_factor, np.float64)
+        is_long = (seq_lens > rs.original_max_position_embeddings)[:, None]
+        inv_t = jnp.where(is_long, jnp.asarray(long_inv, jnp.float32)[None], jnp.asarray(inv, jnp.float32)[None])
+    else:
+        inv_t = jnp.asarray(inv, jnp.float32)[None, :]
+    freqs = positions.astype(jnp.float32)[:, None] * inv_t  # [T, dim/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+
+
+def rope_tables(config: ModelConfig, positions: jax.Array, seq_lens: jax.Array) -> dict[str | None, tuple[jax.Array, jax.Array]]:
+    """Every table this model's layers use: LayerKind.rope -> (cos, sin) [T, rotary_dim] each."""
+    c = config
+    kinds = {kind.rope for kind in c.layer_kinds()}
+    tables = {}
+    if "global" in kinds:
+        tables["global"] = cos_sin(c.rope_theta, c.rope_scaling, c.rope_dim, positions, seq_lens)
+    if "local" in kinds:
+        tables["local"] = cos_sin(c.local_rope_theta, c.local_rope_scaling, c.rope_dim, positions, seq_lens)
+    if None in kinds:  # NoPE: the identity rotation
+        T = positions.shape[0]
+        tables[None] = (jnp.ones((T, c.rope_dim), jnp.float32), jnp.zeros((T, c.rope_dim), jnp.float32))
+    return tables
+
+
+def rope_cos_sin(config: ModelConfig, positions: jax.Array, seq_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The global table cos, sin [T, rotary_dim] (float32)."""
+    return cos_sin(config.rope_theta, config.rope_scaling, config.rope_dim, positions, seq_lens)
