@@ -191,6 +191,24 @@ OLMO_NAMES = ArchNames(
     },
 )
 
+# GPT-OSS: Llama attention with biases and sinks; a router with a bias; each expert as
+# checkpoints_conv.views shows it (per-expert gate / up / down linears with biases).
+GPT_OSS_NAMES = ArchNames(
+    globals=LLAMA_NAMES.globals,
+    per_layer={
+        **_ATTENTION,
+        "self_attn.sinks": Dest("layers.sinks", False),
+        "post_attention_layernorm.weight": Dest("layers.mlp_norm", False),
+        "mlp.router.weight": Dest("layers.router", True),
+        "mlp.router.bias": Dest("layers.router_bias", False),
+    },
+    per_expert={
+        **_linear("gate_proj", "layers.experts_gate_up", "layers.experts_gate_up_bias", part="gate"),
+        **_linear("up_proj", "layers.experts_gate_up", "layers.experts_gate_up_bias", part="up"),
+        **_linear("down_proj", "layers.experts_down", "layers.experts_down_bias"),
+    },
+)
+
 # HF model_type -> its names. Which of the params exist (e.g. biases) is up to the caller's spec.
 HF_NAME_MAPS: dict[str, ArchNames] = {
     "llama": LLAMA_NAMES,
@@ -205,6 +223,7 @@ HF_NAME_MAPS: dict[str, ArchNames] = {
     "gemma3_text": GEMMA_NAMES,
     "olmo2": OLMO_NAMES,
     "olmo3": OLMO_NAMES,
+    "gpt_oss": GPT_OSS_NAMES,
 }
 
 

@@ -12,6 +12,7 @@ from checkpoints_conv.gguf_io import GgufSource, iter_gguf_tensors, read_gguf_co
 from checkpoints_conv.hf import SafetensorsSource, iter_safetensors, read_hf_config
 from checkpoints_conv.hf_quantized import QuantizedHFSource, read_quantization_config
 from checkpoints_conv.tensor_source import TensorSource
+from checkpoints_conv.views import with_views
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -36,9 +37,14 @@ def iter_checkpoint_tensors(path: str | Path, config: dict) -> Iterator[tuple[st
 
 def open_checkpoint(path: str | Path, config: dict) -> TensorSource:
     """Random access to the tensors of a GGUF file or an HF model directory (see tensor_source);
-    a directory quantized by GPTQ, AWQ or compressed-tensors through `QuantizedHFSource`."""
+    a directory quantized by GPTQ, AWQ or compressed-tensors through `QuantizedHFSource`; the
+    stacked or fused tensors of some architectures through their views (checkpoints_conv.views:
+    GPT-OSS's experts, MXFP4 ones dequantized as they are read)."""
     if is_gguf(path):
         return GgufSource(path, config)
+    qc = config.get("quantization_config") or {}
+    if qc.get("quant_method") == "mxfp4" and config.get("model_type") == "gpt_oss":
+        config = {k: v for k, v in config.items() if k != "quantization_config"}  # GPT-OSS's experts: views.py reads them
     fmt = read_quantization_config(config, str(Path(path) / "config.json"))
-    source = SafetensorsSource(path)
+    source = with_views(SafetensorsSource(path), config.get("model_type"))
     return source if fmt is None else QuantizedHFSource(source, fmt, str(path))

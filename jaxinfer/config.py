@@ -30,9 +30,9 @@ import os
 from typing import Any
 
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 # The families of issue 35, each with its own model file (jaxinfer.models.registry).
-NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "smollm3", "olmo2", "olmo3")
+NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "smollm3", "olmo2", "olmo3", "gpt_oss")
 SUPPORTED_MODEL_TYPES = LLAMA_MODEL_TYPES + NEW_FAMILY_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -50,6 +50,7 @@ _ARCHITECTURE_TO_MODEL_TYPE = {
     "SmolLM3ForCausalLM": "smollm3",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 
@@ -133,6 +134,11 @@ class ModelConfig:
     norm_layout: str = "pre"  # "pre": norm before each branch (Llama); "sandwich": before and after (Gemma); "post": after (OLMo 2)
     qk_norm_scope: str = "head"  # q/k RMSNorm over each head ("head", Qwen3 / Gemma 3) or the whole projection (OLMo 2)
     hidden_act: str = "silu"  # the MLP's gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    attention_sinks: bool = False  # one learned sink logit per query head (GPT-OSS)
+    router_bias: bool = False  # the MoE router has a bias (GPT-OSS)
+    expert_bias: bool = False  # each expert's gate/up and down projections have biases (GPT-OSS)
+    swiglu_limit: float | None = None  # GPT-OSS's clamped SwiGLU: (clip(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
+    swiglu_alpha: float = 1.702
 
     @property
     def is_moe(self) -> bool:
@@ -200,8 +206,8 @@ class ModelConfig:
         rope_theta, rope_scaling, rotary_factor, local_rope = _parse_rope(d, source)
         attention_bias = bool(d.get("attention_bias", False))
         qkv_bias = {"qwen2": True, "mistral": False, "mixtral": False, "qwen2_moe": bool(d.get("qkv_bias", True)),
-                    "gemma2": False, "gemma3_text": False, "phi3": False}.get(model_type, attention_bias)
-        o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", "olmo2", "olmo3") else False
+                    "gemma2": False, "gemma3_text": False}.get(model_type, attention_bias)
+        o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", "olmo2", "olmo3", "gpt_oss") else False
         moe = _parse_moe(d, model_type, source) if model_type in MOE_MODEL_TYPES else {}
         family = _FAMILY_FIELDS.get(model_type, lambda d: {})(d)
         hidden_act = _parse_activation(d, model_type, source)
@@ -321,14 +327,14 @@ class ModelConfig:
                 shared_expert_intermediate_size=self.shared_expert_intermediate_size,
                 norm_topk_prob=self.norm_topk_prob,
             )
-            if self.model_type == "mixtral":
+            if self.model_type in ("mixtral", "gpt_oss"):
                 d["intermediate_size"] = self.moe_intermediate_size
         return d
 
 
 def _parse_moe(d: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
     """The mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json."""
-    num_experts = d.get("num_local_experts") if model_type == "mixtral" else d.get("num_experts", d.get("num_local_experts"))
+    num_experts = d.get("num_local_experts") if model_type in ("mixtral", "gpt_oss") else d.get("num_experts", d.get("num_local_experts"))
     top_k = d.get("num_experts_per_tok")
     if not num_experts or not top_k:
         raise ConfigError(f"{source}: a {model_type} model needs num_experts (num_local_experts) and num_experts_per_tok")
@@ -339,7 +345,8 @@ def _parse_moe(d: dict[str, Any], model_type: str, source: str) -> dict[str, Any
             f"{source}: decoder_sparse_step={d.get('decoder_sparse_step')} / mlp_only_layers={d.get('mlp_only_layers')}: "
             "models mixing dense and mixture-of-experts layers are not supported (every layer must be sparse)"
         )
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "gpt_oss"):  # each expert as wide as intermediate_size; the top k renormalised
+        # (GPT-OSS takes a softmax over the k largest logits: the same as renormalising their probabilities)
         return dict(num_experts=int(num_experts), num_experts_per_tok=int(top_k),
                     moe_intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True)
     width = d.get("moe_intermediate_size")
@@ -357,7 +364,8 @@ def _parse_moe(d: dict[str, Any], model_type: str, source: str) -> dict[str, Any
 JAXINFER_FIELDS = "jaxinfer_fields"
 _NEWER_FIELDS = ("layer_types", "nope_layers", "local_rope_theta", "local_rope_scaling", "rotary_dim", "attention_scale",
                  "attn_logit_softcap", "final_logit_softcap", "scale_embeddings", "norm_weight_offset", "norm_layout",
-                 "qk_norm", "qk_norm_scope", "hidden_act", "sliding_window", "qkv_bias", "o_bias")
+                 "qk_norm", "qk_norm_scope", "hidden_act", "sliding_window", "qkv_bias", "o_bias", "attention_sinks",
+                 "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha")
 
 
 def _to_json(value):
@@ -408,6 +416,10 @@ _FAMILY_FIELDS = {
     "olmo2": _olmo_fields,
     "olmo3": lambda d: dict(_olmo_fields(d), default_layer_types=lambda n: [
         "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]),
+    "gpt_oss": lambda d: dict(attention_sinks=True, router_bias=True, expert_bias=True,
+                              swiglu_limit=float(d.get("swiglu_limit", 7.0)), swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
+                              default_layer_types=lambda n: ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                                             for i in range(n)]),
 }
 
 # Config switches a family's file does not implement: key -> the values it accepts.

@@ -68,16 +68,26 @@ def reference_moe(x, expert_ids, expert_weights, w_gate_up, w_down):
     return out
 
 
-def grouped_expert_mlp(x_sorted, group_sizes, w_gate_up, w_down):
+def swiglu(gate, up):
+    return jax.nn.silu(gate) * up
+
+
+def grouped_expert_mlp(x_sorted, group_sizes, w_gate_up, w_down, b_gate_up=None, activation=swiglu):
     """x_sorted [N, H]: rows grouped by expert (group_sizes [E_loc] rows for each local expert, in order;
     rows past sum(group_sizes) are padding and come out 0). One jax.lax.ragged_dot for gate/up and one for
     down (a grouped matmul; no per-expert Python loop). Inputs go in the weights' dtype, products
-    accumulate in float32 (as the dense matmuls do). Returns [N, H] float32."""
+    accumulate in float32 (as the dense matmuls do). b_gate_up [E_loc, 2I]: the experts' gate/up
+    biases (GPT-OSS); activation(gate, up) -> hidden (default SwiGLU). Returns [N, H] float32."""
     group_sizes = group_sizes.astype(jnp.int32)
     gate_up = jax.lax.ragged_dot(x_sorted.astype(w_gate_up.dtype), w_gate_up, group_sizes,
                                  preferred_element_type=jnp.float32)  # [N, 2I]
+    row = jnp.arange(x_sorted.shape[0])
+    real = row < group_sizes.sum()  # [N]: padding rows past the groups stay 0
+    if b_gate_up is not None:
+        expert_of_row = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), row, side="right"), group_sizes.shape[0] - 1)
+        gate_up = gate_up + jnp.where(real[:, None], b_gate_up[expert_of_row].astype(jnp.float32), 0.0)
     gate, up = jnp.split(gate_up, 2, axis=-1)  # [N, I] each
-    hidden = jax.nn.silu(gate) * up  # [N, I]; padding rows: silu(0) * 0 = 0
+    hidden = jnp.where(real[:, None], activation(gate, up), 0.0)  # [N, I]
     # ragged_dot leaves rows past sum(group_sizes) at 0, so padding rows come out 0.
     return jax.lax.ragged_dot(hidden.astype(w_down.dtype), w_down, group_sizes, preferred_element_type=jnp.float32)  # [N, H]
 
@@ -93,11 +103,11 @@ def _sort_by_group(group_of_row, num_groups):
     return order, one_hot.sum(axis=0)  # [N], [G]
 
 
-def _grouped_mlp_unsorted(rows, group_of_row, w_gate_up, w_down):
+def _grouped_mlp_unsorted(rows, group_of_row, w_gate_up, w_down, **mlp):
     """grouped_expert_mlp on rows [N, H] in any order, group_of_row [N] (E_loc = empty row).
     Returns [N, H] in the input order; empty rows give 0."""
     order, group_sizes = _sort_by_group(group_of_row, w_gate_up.shape[0])
-    out_sorted = grouped_expert_mlp(rows[order], group_sizes, w_gate_up, w_down)  # [N, H]
+    out_sorted = grouped_expert_mlp(rows[order], group_sizes, w_gate_up, w_down, **mlp)  # [N, H]
     return jnp.zeros_like(out_sorted).at[order].set(out_sorted)  # undo the sort
 
 
@@ -108,11 +118,11 @@ def _combine_slots(pair_out, expert_weights):
     return jnp.einsum("tk,tkh->th", expert_weights.astype(jnp.float32), pair_out)
 
 
-def _local_moe(x, expert_ids, expert_weights, w_gate_up, w_down):
+def _local_moe(x, expert_ids, expert_weights, w_gate_up, w_down, **mlp):
     """All experts on this device: group the T*k pairs by expert, one grouped matmul, combine. [T, H]."""
     k = expert_ids.shape[1]
     pair_rows = jnp.repeat(x, k, axis=0)  # [T*k, H]; pair t*k + j is token t, slot j
-    pair_out = _grouped_mlp_unsorted(pair_rows, expert_ids.reshape(-1), w_gate_up, w_down)  # [T*k, H]
+    pair_out = _grouped_mlp_unsorted(pair_rows, expert_ids.reshape(-1), w_gate_up, w_down, **mlp)  # [T*k, H]
     return _combine_slots(pair_out, expert_weights)
 
 
@@ -124,7 +134,7 @@ def _dispatch_slots(destination, ep):
     return jnp.take_along_axis(count_so_far, destination[:, None], axis=1)[:, 0]  # [P]
 
 
-def _expert_parallel_moe(x, expert_ids, expert_weights, w_gate_up, w_down, expert_axis, num_experts):
+def _expert_parallel_moe(x, expert_ids, expert_weights, w_gate_up, w_down, expert_axis, num_experts, **mlp):
     """Expert-parallel MoE on this device's tokens (see the module docstring for the layout). [T, H]."""
     ep = jax.lax.axis_size(expert_axis)
     experts_per_device = w_gate_up.shape[0]  # E_loc
@@ -151,7 +161,7 @@ def _expert_parallel_moe(x, expert_ids, expert_weights, w_gate_up, w_down, exper
 
     # 4. This device's experts on every received row (empty rows give 0).
     recv_out = _grouped_mlp_unsorted(recv_x.reshape(ep * num_pairs, -1), recv_ids.reshape(-1),
-                                     w_gate_up, w_down).reshape(ep, num_pairs, -1).astype(x.dtype)  # [ep, P, H]
+                                     w_gate_up, w_down, **mlp).reshape(ep, num_pairs, -1).astype(x.dtype)  # [ep, P, H]
 
     # 5. Send the results back: back[d, r] answers the pair this device put at send_x[d, r].
     back = jax.lax.all_to_all(recv_out, expert_axis, split_axis=0, concat_axis=0)  # [ep, P, H]
@@ -159,7 +169,8 @@ def _expert_parallel_moe(x, expert_ids, expert_weights, w_gate_up, w_down, exper
     return _combine_slots(pair_out, expert_weights)
 
 
-def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, expert_axis=None, num_experts):
+def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, expert_axis=None, num_experts, b_gate_up=None,
+                activation=swiglu):
     """The routed experts' contribution [T, H] float32.
     expert_axis=None: every expert is local (w_gate_up [E, H, 2I]): sort the (token, slot) pairs by expert,
     grouped_expert_mlp, unsort, weighted sum over the k slots.
@@ -168,9 +179,12 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, expert_axis
     expert axis has DIFFERENT tokens). Dispatch every (token, slot) pair to the device owning its expert with
     jax.lax.all_to_all, compute there with grouped_expert_mlp, send the results back with all_to_all, combine
     with the weights. NO token may be dropped: the per-destination buffer holds all T*k pairs (worst case: all
-    to one device). Empty buffer slots must not disturb the grouped matmul (give them zero group)."""
+    to one device). Empty buffer slots must not disturb the grouped matmul (give them zero group).
+    b_gate_up [E(_loc), 2I] and activation(gate, up): see grouped_expert_mlp (GPT-OSS)."""
     if expert_axis is None:
         if w_gate_up.shape[0] != num_experts:
             raise ValueError(f"num_experts={num_experts} but w_gate_up stacks {w_gate_up.shape[0]} experts")
-        return _local_moe(x, expert_ids.astype(jnp.int32), expert_weights, w_gate_up, w_down)
-    return _expert_parallel_moe(x, expert_ids, expert_weights, w_gate_up, w_down, expert_axis, num_experts)
+        return _local_moe(x, expert_ids.astype(jnp.int32), expert_weights, w_gate_up, w_down, b_gate_up=b_gate_up,
+                          activation=activation)
+    return _expert_parallel_moe(x, expert_ids, expert_weights, w_gate_up, w_down, expert_axis, num_experts,
+                                b_gate_up=b_gate_up, activation=activation)

@@ -28,6 +28,7 @@ RULES: dict[str, str | tuple[str, ...]] = {
     "embed_tp": "tensor",  # hidden dim of the embedding table and LM head
     "qkv": "tensor",  # fused q/k/v columns (shard-major: param_layout)
     "heads": "tensor",  # o_proj rows (query heads x head_dim)
+    "q_heads": "tensor",  # one entry per query head (attention sinks)
     "mlp": "tensor",  # gate/up columns, down rows (dense, expert and shared MLPs)
     "kv_heads": "tensor",
     "experts": "expert",

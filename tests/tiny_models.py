@@ -76,13 +76,19 @@ FAMILIES = {
         rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                                             "rope_theta": 500000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}})),
+    # GPT-OSS: sliding / global alternating, attention sinks, q/k/v/o biases, YaRN; experts stored
+    # stacked with gate and up interleaved, biases, a clamped SwiGLU; a router with a bias
+    "gpt_oss": (transformers.GptOssConfig, _common(
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=6, swiglu_limit=1.5,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 16, "rope_theta": 150000.0})),
 }
 
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # The families with their own model file (jaxinfer.models.registry): one-token pages are the
 # Llama families' test, the attention kinds these add are tested on pages of 16.
-LAYER_KIND_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "olmo3")
+LAYER_KIND_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss")
 
 
 def build_hf_model(family: str, seed: int = 0, **overrides):

@@ -230,7 +230,7 @@ class Decoder(nnx.Module):
         cos, sin = step.rope[kind.rope]
         attn, pool = write_kv_and_attend(  # RoPE, KV write, attention
             q, k, v, cos, sin, pool, i * step.num_pages, step.write_page, step.write_offset, step.batch,
-            sm_scale=c.sm_scale, sliding_window=kind.window, soft_cap=c.attn_logit_softcap,
+            sm_scale=c.sm_scale, sliding_window=kind.window, soft_cap=c.attn_logit_softcap, sinks=w.get("sinks"),
             query_block=step.query_block, spec_block=step.spec_block, kernels=kernels, parallel=par,
         )
         attn = attn.reshape(Tl, num_heads * c.head_dim)

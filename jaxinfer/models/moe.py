@@ -6,6 +6,10 @@
     out           = sum_j weights[:, j] * expert_{ids[:, j]}(x)   # SwiGLU experts
                   + sigmoid(x @ W_shared_gate) * shared_expert(x) # Qwen2-MoE only
 
+GPT-OSS adds biases to the router and to every expert's gate/up and down projections, and its
+experts clamp their SwiGLU (`clamped_swiglu`). The down projections' biases are added after the
+grouped matmul, as sum_j weights[:, j] * b_down[ids[:, j]] (the same on every device: once).
+
 The experts run as a grouped matmul over the tokens sorted by expert
 (`sharding.expert_parallel.moe_experts`); with expert parallelism each device holds E / ep experts
 and the (token, expert) pairs travel to their expert's device and back with all_to_all, dropping
@@ -14,6 +18,8 @@ this returns a partial sum the decoder adds over the tensor axis with its other 
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +41,13 @@ def route(router_logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Ar
     return weights, ids.astype(jnp.int32)
 
 
+def clamped_swiglu(gate: jax.Array, up: jax.Array, *, limit: float, alpha: float) -> jax.Array:
+    """GPT-OSS's expert activation: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(gate * alpha)
+
+
 def moe_mlp(x: jax.Array, w: dict, config: ModelConfig, parallel: ParallelConfig, kernels: Kernels = Kernels()) -> jax.Array:
     """x [T, H] -> this tensor shard's partial MLP output [T, H] float32.
 
@@ -42,12 +55,22 @@ def moe_mlp(x: jax.Array, w: dict, config: ModelConfig, parallel: ParallelConfig
     experts_down [E_local, Ie_local, H] and, for Qwen2-MoE, shared_gate_up [H, 2*Is_local],
     shared_down [Is_local, H], shared_expert_gate [H, 1].
     """
-    weights, ids = route(matmul(x, w["router"], kernels), config.num_experts_per_tok, config.norm_topk_prob)
+    router_logits = matmul(x, w["router"], kernels)  # [T, E]
+    if "router_bias" in w:
+        router_logits = router_logits + w["router_bias"].astype(jnp.float32)
+    weights, ids = route(router_logits, config.num_experts_per_tok, config.norm_topk_prob)
     w_gate_up, w_down = w["experts_gate_up"], w["experts_down"]
+    activation = {}
+    if config.swiglu_limit is not None:
+        activation = dict(activation=functools.partial(clamped_swiglu, limit=config.swiglu_limit, alpha=config.swiglu_alpha))
     out = moe_experts(
         x.astype(w_gate_up.dtype), ids, weights, w_gate_up, w_down,
         expert_axis="expert" if parallel.ep > 1 else None, num_experts=config.num_experts,
+        b_gate_up=w.get("experts_gate_up_bias"), **activation,
     )
+    if "experts_down_bias" in w:  # [E, H] on every device: added by tensor shard 0 only (the caller sums the shards)
+        bias = jnp.einsum("tk,tkh->th", weights, w["experts_down_bias"][ids].astype(jnp.float32))
+        out = out + (bias if parallel.tp == 1 else jnp.where(jax.lax.axis_index("tensor") == 0, bias, 0.0))
     if "shared_gate_up" in w:
         shared = matmul(gate_up_swiglu(x, w["shared_gate_up"], None, kernels), w["shared_down"], kernels)  # [T, H] partial
         gate = jax.nn.sigmoid(matmul(x, w["shared_expert_gate"], kernels))  # [T, 1]: the same on every shard

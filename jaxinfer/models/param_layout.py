@@ -17,6 +17,8 @@ weights on [L, E]:
     optional: layers.qkv_bias [L, (Hq + 2*Hkv')*D], layers.o_bias [L, H],
               layers.gate_up_bias [L, 2*I], layers.down_bias [L, H], layers.{q,k}_norm [L, D]
               (over the whole projection, OLMo 2: layers.q_norm [L, Hq*D], layers.k_norm [L, Hkv'*D])
+    GPT-OSS:    layers.sinks [L, Hq], layers.router_bias [L, E],
+                layers.experts_gate_up_bias [L, E, 2*Ie], layers.experts_down_bias [L, E, H]
 
 **Fused columns, shard-major.** Tensor parallelism splits the last axis of a fused parameter into
 `tp` equal, contiguous shards, and each shard must hold whole heads and matching gate/up
@@ -81,6 +83,13 @@ def param_shapes(config: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]
                            "layers.shared_expert_gate": (L, H, 1)})
     else:
         shapes.update({"layers.gate_up_proj": (L, H, 2 * c.intermediate_size), "layers.down_proj": (L, c.intermediate_size, H)})
+    if c.attention_sinks:
+        shapes["layers.sinks"] = (L, c.num_heads)
+    if c.router_bias:
+        shapes["layers.router_bias"] = (L, c.num_experts)
+    if c.expert_bias:
+        shapes.update({"layers.experts_gate_up_bias": (L, c.num_experts, 2 * c.moe_intermediate_size),
+                       "layers.experts_down_bias": (L, c.num_experts, H)})
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (H, V)
     if c.qkv_bias:
@@ -121,6 +130,10 @@ _AXES = {
     "layers.shared_gate_up": ("layers", "embed", "mlp"),
     "layers.shared_down": ("layers", "mlp", "embed"),
     "layers.shared_expert_gate": ("layers", "embed", None),
+    "layers.sinks": ("layers", "q_heads"),
+    "layers.router_bias": ("layers", "num_experts"),
+    "layers.experts_gate_up_bias": ("layers", "experts", "mlp"),
+    "layers.experts_down_bias": ("layers", "num_experts", "embed"),  # every device: added once, after the experts
 }
 
 
@@ -164,7 +177,7 @@ def param_columns(config: ModelConfig, tp: int = 1) -> dict[str, tuple[Segment, 
 
     columns = {"layers.qkv_proj": tuple(qkv), "layers.qkv_bias": tuple(qkv)}
     if c.is_moe:
-        columns["layers.experts_gate_up"] = tuple(gate_up(c.moe_intermediate_size))
+        columns["layers.experts_gate_up"] = columns["layers.experts_gate_up_bias"] = tuple(gate_up(c.moe_intermediate_size))
         if c.shared_expert_intermediate_size:
             columns["layers.shared_gate_up"] = tuple(gate_up(c.shared_expert_intermediate_size))
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.models.gemma import GemmaForCausalLM
+from jaxinfer.models.gpt_oss import GptOssForCausalLM
 from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.models.olmo import OlmoForCausalLM
 
@@ -18,6 +19,7 @@ MODEL_CLASSES: dict[str, type[Decoder]] = {
     "gemma3_text": GemmaForCausalLM,
     "olmo2": OlmoForCausalLM,
     "olmo3": OlmoForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 

@@ -1,0 +1,131 @@
+"""Views of a checkpoint's tensors: the fused or stacked tensors some architectures store, shown
+as the per-part tensors the name maps know, read slice by slice.
+
+GPT-OSS stores each layer's experts as one tensor, gate and up *interleaved* on the last axis:
+
+    mlp.experts.gate_up_proj       [E, H, 2I]  (columns 0, 2, 4, ... gate; 1, 3, 5, ... up)
+    mlp.experts.gate_up_proj_bias  [E, 2I]
+    mlp.experts.down_proj          [E, I, H]   ([in, out], unlike a linear layer's weight)
+    mlp.experts.down_proj_bias     [E, H]
+
+or, as released, in MXFP4: `<name>_blocks` [E, out, in / 32, 16] uint8 (two 4-bit E2M1 values a
+byte, low nibble first) and `<name>_scales` [E, out, in / 32] uint8 (a power of two per 32 values,
+E8M0 with bias 127). Here each expert `e` reads as `mlp.experts.{e}.gate_proj.weight` [I, H],
+`up_proj`, `down_proj` [H, I] and their biases: the HF [out, in] layout of a per-expert linear,
+like Mixtral's. An MXFP4 weight is dequantized when read, exactly as transformers'
+`convert_moe_packed_tensors` does (the values are E2M1 times a power of two: exact in float32
+and bfloat16), so the loaded experts equal the reference's bit for bit.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import numpy as np
+
+from checkpoints_conv.tensor_source import TensorSource
+
+# The 16 values of an E2M1 (FP4) nibble.
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """blocks [..., G, 16] uint8, scales [..., G] uint8 -> float32 [..., G * 32]."""
+    values = np.empty((*blocks.shape[:-1], 32), np.float32)
+    values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
+    values[..., 1::2] = FP4_VALUES[blocks >> 4]
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return values.reshape(*blocks.shape[:-2], -1)
+
+
+View = tuple[tuple[int, ...], Callable[[], np.ndarray]]  # (shape, read the whole view)
+
+
+class ViewSource(TensorSource):
+    """`inner`'s tensors, with each stored tensor that `views` replaces shown as its views."""
+
+    def __init__(self, inner: TensorSource, views: dict[str, View], replaced: set[str]):
+        self.inner, self.views, self.replaced = inner, views, replaced
+
+    def listing(self):
+        kept = [(name, shape) for name, shape in self.inner.listing() if name not in self.replaced]
+        return kept + [(name, shape) for name, (shape, _) in self.views.items()]
+
+    def read(self, name, index=None):
+        if name not in self.views:
+            return self.inner.read(name, index)
+        array = self.views[name][1]()
+        return array if index is None else array[tuple(index)]
+
+    def quantized(self):
+        return self.inner.quantized()
+
+    def read_grid(self, name):
+        return self.inner.read_grid(name)
+
+    def input_order(self, name):
+        return self.inner.input_order(name)
+
+    def close(self):
+        self.inner.close()
+
+
+_GPT_OSS_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?")
+
+
+def gpt_oss_views(source: TensorSource) -> TensorSource:
+    """GPT-OSS's stacked (maybe MXFP4) expert tensors as per-expert ones (module docstring)."""
+    shapes = dict(source.listing())
+    views: dict[str, View] = {}
+    replaced = set()
+    for name, shape in shapes.items():
+        m = _GPT_OSS_EXPERTS.fullmatch(name)
+        if m is None or m.group(3) == "_scales":
+            continue
+        prefix, proj, suffix = m.group(1), m.group(2), m.group(3) or ""
+        replaced.add(name)
+        if suffix == "_blocks":
+            replaced.add(f"{prefix}.{proj}_scales")
+        num_experts = shape[0]
+        for e in range(num_experts):
+            views.update(_expert_views(source, name, prefix, proj, suffix, e, shape))
+    return source if not views else ViewSource(source, views, replaced)
+
+
+def _expert_views(source, name, prefix, proj, suffix, e, shape) -> dict[str, View]:
+    """The views of expert e of one stored tensor `name` (shape `shape`)."""
+    one = (slice(e, e + 1),)
+
+    def weight():  # expert e's matrix in HF [out, in] layout: [2I, H] for gate_up, [H, I] for down
+        if suffix == "_blocks":
+            blocks = source.read(name, one)[0]
+            scales = source.read(f"{prefix}.{proj}_scales", one)[0]
+            return dequantize_mxfp4(blocks, scales)
+        return source.read(name, one)[0].T  # stored [in, out]
+
+    out = f"{prefix}.{e}"
+    if proj == "down_proj":
+        if suffix == "_bias":
+            return {f"{out}.down_proj.bias": ((shape[1],), lambda: source.read(name, one)[0])}
+        rows = shape[2] if suffix != "_blocks" else shape[1]  # H
+        cols = shape[1] if suffix != "_blocks" else shape[2] * shape[3] * 2  # I
+        return {f"{out}.down_proj.weight": ((rows, cols), weight)}
+    if suffix == "_bias":
+        width = shape[1] // 2
+        return {f"{out}.gate_proj.bias": ((width,), lambda: source.read(name, one)[0][0::2]),
+                f"{out}.up_proj.bias": ((width,), lambda: source.read(name, one)[0][1::2])}
+    two_i = shape[2] if suffix != "_blocks" else shape[1]
+    hidden = shape[1] if suffix != "_blocks" else shape[2] * shape[3] * 2
+    return {f"{out}.gate_proj.weight": ((two_i // 2, hidden), lambda: weight()[0::2]),
+            f"{out}.up_proj.weight": ((two_i // 2, hidden), lambda: weight()[1::2])}
+
+
+# HF model_type -> the views its checkpoints need
+VIEWS = {"gpt_oss": gpt_oss_views}
+
+
+def with_views(source: TensorSource, model_type: str | None) -> TensorSource:
+    """`source` as the name maps of `model_type` expect to read it."""
+    make = VIEWS.get(model_type)
+    return source if make is None else make(source)
