@@ -224,6 +224,7 @@ HF_NAME_MAPS: dict[str, ArchNames] = {
     "olmo2": OLMO_NAMES,
     "olmo3": OLMO_NAMES,
     "gpt_oss": GPT_OSS_NAMES,
+    "phi3": LLAMA_NAMES,  # its fused qkv_proj / gate_up_proj read as Llama's parts (checkpoints_conv.views)
 }
 
 

@@ -46,5 +46,5 @@ def open_checkpoint(path: str | Path, config: dict) -> TensorSource:
     if qc.get("quant_method") == "mxfp4" and config.get("model_type") == "gpt_oss":
         config = {k: v for k, v in config.items() if k != "quantization_config"}  # GPT-OSS's experts: views.py reads them
     fmt = read_quantization_config(config, str(Path(path) / "config.json"))
-    source = with_views(SafetensorsSource(path), config.get("model_type"))
+    source = with_views(SafetensorsSource(path), config)
     return source if fmt is None else QuantizedHFSource(source, fmt, str(path))

@@ -1,6 +1,9 @@
 """Views of a checkpoint's tensors: the fused or stacked tensors some architectures store, shown
 as the per-part tensors the name maps know, read slice by slice.
 
+Phi-3 fuses q, k and v into `self_attn.qkv_proj` and gate and up into `mlp.gate_up_proj`: each
+reads as its Llama parts (row ranges).
+
 GPT-OSS stores each layer's experts as one tensor, gate and up *interleaved* on the last axis:
 
     mlp.experts.gate_up_proj       [E, H, 2I]  (columns 0, 2, 4, ... gate; 1, 3, 5, ... up)
@@ -121,11 +124,37 @@ def _expert_views(source, name, prefix, proj, suffix, e, shape) -> dict[str, Vie
             f"{out}.up_proj.weight": ((two_i // 2, hidden), lambda: weight()[1::2])}
 
 
+_PHI3_FUSED = re.compile(r"(model\.layers\.\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight")
+
+
+def phi3_views(source: TensorSource, config: dict) -> TensorSource:
+    """Phi-3's fused qkv_proj [(Hq + 2 Hkv) D, H] and gate_up_proj [2I, H] as the q/k/v and
+    gate/up linears of a Llama layer (row ranges of the stored tensor, read as slices)."""
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    parts = {"self_attn.qkv_proj": (("self_attn.q_proj", heads * head_dim), ("self_attn.k_proj", kv_heads * head_dim),
+                                    ("self_attn.v_proj", kv_heads * head_dim)),
+             "mlp.gate_up_proj": (("mlp.gate_proj", config["intermediate_size"]), ("mlp.up_proj", config["intermediate_size"]))}
+    views: dict[str, View] = {}
+    replaced = set()
+    for name, shape in source.listing():
+        m = _PHI3_FUSED.fullmatch(name)
+        if m is None:
+            continue
+        replaced.add(name)
+        start = 0
+        for part, rows in parts[m.group(2)]:
+            one = slice(start, start + rows)
+            views[f"{m.group(1)}.{part}.weight"] = ((rows, shape[1]), lambda name=name, one=one: source.read(name, (one,)))
+            start += rows
+    return source if not views else ViewSource(source, views, replaced)
+
+
 # HF model_type -> the views its checkpoints need
-VIEWS = {"gpt_oss": gpt_oss_views}
+VIEWS = {"gpt_oss": lambda source, config: gpt_oss_views(source), "phi3": phi3_views}
 
 
-def with_views(source: TensorSource, model_type: str | None) -> TensorSource:
-    """`source` as the name maps of `model_type` expect to read it."""
-    make = VIEWS.get(model_type)
-    return source if make is None else make(source)
+def with_views(source: TensorSource, config: dict) -> TensorSource:
+    """`source` as the name maps of `config`'s model_type expect to read it."""
+    make = VIEWS.get(config.get("model_type"))
+    return source if make is None else make(source, config)

@@ -32,7 +32,7 @@ from typing import Any
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 # The families of issue 35, each with its own model file (jaxinfer.models.registry).
-NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "smollm3", "olmo2", "olmo3", "gpt_oss")
+NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3")
 SUPPORTED_MODEL_TYPES = LLAMA_MODEL_TYPES + NEW_FAMILY_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -51,6 +51,7 @@ _ARCHITECTURE_TO_MODEL_TYPE = {
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
     "GptOssForCausalLM": "gpt_oss",
+    "Phi3ForCausalLM": "phi3",
 }
 
 
@@ -206,7 +207,7 @@ class ModelConfig:
         rope_theta, rope_scaling, rotary_factor, local_rope = _parse_rope(d, source)
         attention_bias = bool(d.get("attention_bias", False))
         qkv_bias = {"qwen2": True, "mistral": False, "mixtral": False, "qwen2_moe": bool(d.get("qkv_bias", True)),
-                    "gemma2": False, "gemma3_text": False}.get(model_type, attention_bias)
+                    "gemma2": False, "gemma3_text": False, "phi3": False}.get(model_type, attention_bias)
         o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", "olmo2", "olmo3", "gpt_oss") else False
         moe = _parse_moe(d, model_type, source) if model_type in MOE_MODEL_TYPES else {}
         family = _FAMILY_FIELDS.get(model_type, lambda d: {})(d)

@@ -82,13 +82,19 @@ FAMILIES = {
         head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=6, swiglu_limit=1.5,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 16, "rope_theta": 150000.0})),
+    # Phi-3 / Phi-4-mini: fused qkv and gate/up tensors, half the head rotated, LongRoPE (prompts
+    # run past original_max_position_embeddings, so the long factors are exercised), a window on every layer
+    "phi3": (transformers.Phi3Config, _common(
+        head_dim=16, sliding_window=10, original_max_position_embeddings=20, pad_token_id=0,
+        rope_parameters={"rope_type": "longrope", "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
+                         "short_factor": [1.0, 1.2, 1.5, 2.0], "long_factor": [1.5, 2.5, 4.0, 8.0]})),
 }
 
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # The families with their own model file (jaxinfer.models.registry): one-token pages are the
 # Llama families' test, the attention kinds these add are tested on pages of 16.
-LAYER_KIND_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss")
+LAYER_KIND_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3")
 
 
 def build_hf_model(family: str, seed: int = 0, **overrides):

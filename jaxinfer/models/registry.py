@@ -14,7 +14,8 @@ from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.models.olmo import OlmoForCausalLM
 
 MODEL_CLASSES: dict[str, type[Decoder]] = {
-    **{t: LlamaForCausalLM for t in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3")},
+    **{t: LlamaForCausalLM for t in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3",
+                                               "phi3")},
     "gemma2": GemmaForCausalLM,
     "gemma3_text": GemmaForCausalLM,
     "olmo2": OlmoForCausalLM,
