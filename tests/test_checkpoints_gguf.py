@@ -578,3 +578,14 @@ def test_olmo2_file_with_a_sliding_window_is_olmo3(tmp_path):
     assert config["layer_types"] == ["sliding_attention"] * 3 + ["full_attention"]
     assert config["rope_parameters"]["sliding_attention"] == {"rope_type": "default", "rope_theta": 5e5}
 
+
+def test_gemma3_under_six_layers_slides_on_its_local_rope(tmp_path):
+    """llama.cpp's pattern makes every layer of a Gemma 3 of fewer than six layers a sliding one;
+    each then turns on the sliding layers' RoPE (as in transformers), not the global layers'."""
+    from jaxinfer.config import LayerKind, ModelConfig
+
+    path = write_metadata_gguf(tmp_path / "s.gguf", "gemma3", key_length=16, sliding_window=8, rope_freq_base=1e6,
+                               rope_scaling_type=RopeScalingType.LINEAR, rope_scaling_factor=8.0)
+    config = ModelConfig.from_hf_dict(read_gguf_config(path))
+    assert config.layer_kinds() == (LayerKind(window=8, rope="local"),) * L
+    assert (config.rope_theta, config.rope_scaling.factor, config.local_rope_theta) == (1e6, 8.0, 1e4)
