@@ -73,7 +73,10 @@ def read_gguf_config(path: str | Path) -> dict:
     Keys: model_type, hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
     head_dim, intermediate_size, vocab_size, rms_norm_eps, rope_parameters {rope_type, rope_theta,
     ...}, max_position_embeddings, tie_word_embeddings, bos_token_id, eos_token_id (the last two
-    only when the file has them). Unknown general.architecture -> CheckpointError naming it.
+    only when the file has them); for gemma2 / gemma3 / olmo2 files also what their HF config says
+    of the attention kinds (layer_types, sliding_window, rope_parameters per layer type,
+    query_pre_attn_scalar, soft caps, hidden_activation: `_FAMILY_CONFIG`). Unknown
+    general.architecture -> CheckpointError naming it.
     """
     header = read_gguf_header(path)
     meta = header.metadata
@@ -102,6 +105,12 @@ def read_gguf_config(path: str | Path) -> dict:
         "max_position_embeddings": int(need("context_length")),
         "tie_word_embeddings": "output.weight" not in tensor_names,
     }
+    family = _FAMILY_CONFIG.get(arch_name)
+    if family is not None:
+        try:
+            config.update(family(meta, arch_name, config))
+        except CheckpointError as e:
+            raise CheckpointError(f"{header.path}: {e}") from None
     for key in ("bos_token_id", "eos_token_id"):
         value = meta.get(f"tokenizer.ggml.{key}")
         if value is not None:
@@ -113,6 +122,108 @@ def read_gguf_config(path: str | Path) -> dict:
             stacklevel=2,
         )
     return config
+
+
+# ---- the families with per-layer attention kinds ---------------------------------------------
+#
+# What llama.cpp's converter (convert_hf_to_gguf.py) writes for them, and what llama.cpp
+# (src/llama-model.cpp, src/models/*.cpp) assumes when a key is absent; the HF keys below are the
+# ones ModelConfig.from_hf_dict reads. Neither side stores Gemma's query_pre_attn_scalar or
+# activation: llama.cpp derives the first from the shapes (see _gemma_scalar) and hard-codes GeGLU
+# with the tanh GELU for Gemma, SwiGLU for OLMo.
+
+
+def _layer_types(meta: dict, arch_name: str, n_layers: int, period: int) -> list[str]:
+    """Per-layer HF layer_types from `{arch}.attention.sliding_window_pattern`: one flag per layer
+    (True: sliding), or a period p, of which each p-th layer is global (llama.cpp's
+    `set_swa_pattern`: layer i slides when i % p < p - 1; p = 0: every layer slides). Absent:
+    `period`, the arch's own default in llama.cpp."""
+    pattern = meta.get(f"{arch_name}.attention.sliding_window_pattern", period)
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise CheckpointError(f"GGUF metadata {arch_name}.attention.sliding_window_pattern has {len(pattern)} "
+                                  f"flags for {n_layers} layers")
+        sliding = [bool(flag) for flag in pattern]
+    else:
+        p = int(pattern)
+        sliding = [p == 0 or i % p < p - 1 for i in range(n_layers)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
+def _rope_per_layer_type(meta: dict, arch_name: str, local_theta: float) -> dict:
+    """HF rope_parameters per layer type: the global layers' from `{arch}.rope.*`, the sliding
+    layers' plain RoPE at `{arch}.rope.freq_base_swa` (else `local_theta`). llama.cpp runs the
+    sliding layers of gemma3 and olmo2 (OLMo 3) without the global layers' scaling."""
+    theta = meta.get(f"{arch_name}.rope.freq_base_swa", local_theta)
+    return {"full_attention": _rope_parameters(meta, arch_name),
+            "sliding_attention": {"rope_type": "default", "rope_theta": _f32(theta)}}
+
+
+def _gemma_scalar(config: dict, n_layers_27b: int) -> int:
+    """query_pre_attn_scalar as llama.cpp computes it (it is not in the file): hidden_size /
+    num_attention_heads for the 27B model (told by its layer count), else head_dim, which is what
+    every released Gemma 2 / 3 config.json says."""
+    if config["num_hidden_layers"] == n_layers_27b:
+        return config["hidden_size"] // config["num_attention_heads"]
+    return config["head_dim"]
+
+
+def _gemma2_config(meta: dict, arch_name: str, config: dict) -> dict:
+    """Gemma 2: sliding and global layers alternating (llama.cpp's default period 2), the window
+    4096 and the soft caps 50 / 30 unless the file says otherwise (llama.cpp's defaults, which are
+    Gemma 2's own); one RoPE for every layer (the converter writes no rope.freq_base: 10000)."""
+    n = config["num_hidden_layers"]
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": _gemma_scalar(config, n_layers_27b=46),
+        "sliding_window": int(meta.get(f"{arch_name}.attention.sliding_window", 4096)),
+        "layer_types": _layer_types(meta, arch_name, n, period=2),
+        "attn_logit_softcapping": _f32(meta.get(f"{arch_name}.attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": _f32(meta.get(f"{arch_name}.final_logit_softcapping", 30.0)),
+    }
+
+
+def _gemma3_config(meta: dict, arch_name: str, config: dict) -> dict:
+    """Gemma 3 (text): five sliding layers per global one (llama.cpp's default period 6; the
+    converter writes no pattern), the sliding layers on their own RoPE base (10000 unless
+    `rope.freq_base_swa` says otherwise, as in llama.cpp) without the global layers' scaling; no
+    sliding window in the file: every layer global. No attention soft cap."""
+    n = config["num_hidden_layers"]
+    window = meta.get(f"{arch_name}.attention.sliding_window")
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": _gemma_scalar(config, n_layers_27b=62),
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": _optional_f32(meta.get(f"{arch_name}.final_logit_softcapping")),
+    }
+    if window:
+        out.update(sliding_window=int(window), layer_types=_layer_types(meta, arch_name, n, period=6),
+                   rope_parameters=_rope_per_layer_type(meta, arch_name, 10000.0))
+    else:
+        out.update(sliding_window=None, layer_types=["full_attention"] * n)
+    return out
+
+
+def _olmo2_config(meta: dict, arch_name: str, config: dict) -> dict:
+    """OLMo 2, or OLMo 3 when the file has a sliding window (llama.cpp writes both as "olmo2"):
+    then three sliding layers per global one unless the pattern says otherwise, the sliding layers
+    on plain RoPE (the global ones may have YaRN)."""
+    window = meta.get(f"{arch_name}.attention.sliding_window")
+    if not window:
+        return {}
+    return {
+        "model_type": "olmo3",
+        "sliding_window": int(window),
+        "layer_types": _layer_types(meta, arch_name, config["num_hidden_layers"], period=4),
+        "rope_parameters": _rope_per_layer_type(meta, arch_name, config["rope_parameters"]["rope_theta"]),
+    }
+
+
+_FAMILY_CONFIG = {"gemma2": _gemma2_config, "gemma3": _gemma3_config, "olmo2": _olmo2_config}
+
+
+def _optional_f32(value) -> float | None:
+    return None if value is None else _f32(value)
 
 
 def _vocab_size(header: GgufHeader, arch_name: str) -> int:
@@ -195,7 +306,10 @@ class GgufSource(TensorSource):
 
     def _load(self, name: str) -> np.ndarray:
         info = self._info[name]
-        return self._unpermute(name, info, _dequantize(self.header.path, info))
+        array = self._unpermute(name, info, _dequantize(self.header.path, info))
+        if self.arch.norm_shift and name != info.name and name.endswith("norm.weight"):
+            array = array - np.float32(self.arch.norm_shift)  # Gemma: the file holds 1 + w (GgufArch.norm_shift)
+        return array
 
     def _unpermute(self, name: str, info: GgufTensorInfo, rows: np.ndarray) -> np.ndarray:
         """The rows of a q / k projection (weights, or their per-row scales) back in HF's order."""

@@ -249,13 +249,24 @@ def map_hf_name(model_type: str, hf_name: str) -> Target | None:
 @dataclass(frozen=True)
 class GgufArch:
     """One GGUF `general.architecture`: the HF model_type it becomes, its tensor names (GGUF base
-    name -> HF module name; the `.weight`/`.bias` suffix carries over), and whether llama.cpp's
-    converter permuted the rows of attn_q / attn_k (which the reader must undo)."""
+    name -> HF module name; the `.weight`/`.bias` suffix carries over), whether llama.cpp's
+    converter permuted the rows of attn_q / attn_k (which the reader must undo), and `norm_shift`:
+    what the converter added to every tensor whose HF name ends in `norm.weight`.
+
+    Gemma's RMSNorms multiply by (1 + w) and HF stores w; llama.cpp's converter
+    (convert_hf_to_gguf.py, GemmaModel / Gemma2Model / Gemma3Model.modify_tensors) writes 1 + w
+    instead, so that llama.cpp multiplies by the stored tensor. The reader subtracts the shift
+    again (`GgufSource`) rather than telling the model to use offset 0: the config and the params
+    then equal those of the HF checkpoint (one `ModelConfig`, one converted folder, whichever file
+    the model came from). The +1 rounded away the bits of w below the float32 ulp of 1 + w, which
+    no reader gets back; but for a stored y = 1 + w >= 0.5, y - 1 is exact (Sterbenz), so the
+    model's 1 + (y - 1) is y again, bit for bit: the very scale llama.cpp and HF multiply by."""
 
     model_type: str
     globals: Mapping[str, str]
     per_layer: Mapping[str, str]
     permuted_qk: bool = False
+    norm_shift: float = 0.0
     _layer_re: re.Pattern = field(init=False, repr=False, compare=False, default=re.compile(r"blk\.(\d+)\.(\w+)"))
 
     def hf_name(self, gguf_name: str) -> str | None:
@@ -286,11 +297,34 @@ _LLAMA_GGUF_PER_LAYER = {
     "ffn_down": "mlp.down_proj",
 }
 
-# GGUF general.architecture -> how to read it. Mistral GGUFs say "llama".
+# Gemma 2 / 3 (gguf.constants MODEL_TENSORS[GEMMA2 / GEMMA3]): a norm on both sides of each
+# branch. llama.cpp's ffn_norm is the norm before the MLP, which Gemma calls
+# pre_feedforward_layernorm (Llama's post_attention_layernorm); Gemma's post_attention_layernorm
+# is the norm after attention, post_attention_norm. Gemma 3 adds attn_q_norm / attn_k_norm.
+_GEMMA_GGUF_PER_LAYER = {
+    **_LLAMA_GGUF_PER_LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# OLMo 2 (and OLMo 3, which llama.cpp writes as "olmo2"): norms after each branch only.
+_OLMO2_GGUF_PER_LAYER = {
+    **{k: v for k, v in _LLAMA_GGUF_PER_LAYER.items() if k not in ("attn_norm", "ffn_norm")},
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+# GGUF general.architecture -> how to read it. Mistral GGUFs say "llama". llama.cpp permutes the
+# q/k rows of llama-style (interleaved-pair RoPE) archs only; gemma2 / gemma3 / olmo2 run NeoX-style
+# RoPE (HF's half-split order) and are stored as HF has them. An "olmo2" file with a sliding window
+# is an OLMo 3 (gguf_io.read_gguf_config gives it model_type olmo3).
 GGUF_ARCHS: dict[str, GgufArch] = {
     "llama": GgufArch("llama", _LLAMA_GGUF_GLOBALS, _LLAMA_GGUF_PER_LAYER, permuted_qk=True),
     "qwen2": GgufArch("qwen2", _LLAMA_GGUF_GLOBALS, _LLAMA_GGUF_PER_LAYER),
     "qwen3": GgufArch("qwen3", _LLAMA_GGUF_GLOBALS, _LLAMA_GGUF_PER_LAYER),
+    "gemma2": GgufArch("gemma2", _LLAMA_GGUF_GLOBALS, _GEMMA_GGUF_PER_LAYER, norm_shift=1.0),
+    "gemma3": GgufArch("gemma3_text", _LLAMA_GGUF_GLOBALS, _GEMMA_GGUF_PER_LAYER, norm_shift=1.0),
+    "olmo2": GgufArch("olmo2", _LLAMA_GGUF_GLOBALS, _OLMO2_GGUF_PER_LAYER),
 }
 
 

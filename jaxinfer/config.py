@@ -216,6 +216,7 @@ class ModelConfig:
         sliding_window = d.get("sliding_window")
         layer_types = tuple(d.get("layer_types") or family.pop("default_layer_types", lambda n: ())(num_layers))
         family.pop("default_layer_types", None)
+        has_sliding_layers = "sliding_attention" in layer_types  # before an all-sliding list collapses to ()
         if layer_types:
             if len(layer_types) != num_layers or not set(layer_types) <= set(LAYER_TYPES):
                 raise ConfigError(f"{source}: layer_types={list(layer_types)} must name one of {LAYER_TYPES} for each of the "
@@ -232,7 +233,7 @@ class ModelConfig:
         elif model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3") and not d.get("use_sliding_window", False):
             sliding_window = None
 
-        if local_rope is not None and not any(t == "sliding_attention" for t in layer_types):
+        if local_rope is not None and not has_sliding_layers:
             local_rope = None  # no sliding layer reads it
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))

@@ -9,6 +9,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -18,7 +19,7 @@ from gguf.quants import dequantize, quantize
 from checkpoints_conv import CheckpointError, GgufSource, iter_gguf_tensors, load_params, read_gguf_config
 from checkpoints_conv.gguf_grid import TYPE_LAYOUTS
 from checkpoints_conv.quantized import QuantLayout
-
+from jaxinfer.runtime.loading import read_config, resolve_model
 
 
 def _installed_smollm2() -> Path:
@@ -368,3 +369,223 @@ def test_smollm2_every_tensor_matches_transformers_load_gguf_checkpoint():
     assert set(ours) == set(theirs)
     for name, array in ours.items():
         np.testing.assert_array_equal(array, theirs[name].numpy(), err_msg=name)
+
+
+# ---- Gemma 2, Gemma 3, OLMo 2 / 3: files written as llama.cpp's converter writes them ----------
+
+def llama_cpp_gguf(path, hf_dir, arch):
+    """The GGUF that llama.cpp's convert_hf_to_gguf.py (--outtype f32) makes of the HF folder
+    `hf_dir`: its tensors renamed by the gguf package's own tensor map (not ours), every
+    `*norm.weight` stored as 1 + w for Gemma, gemma2's lm_head dropped, and the metadata
+    TextModel.set_gguf_parameters and Gemma2Model / Gemma3Model / Olmo2Model write (no
+    query_pre_attn_scalar, activation or gemma3 layer pattern: llama.cpp has none)."""
+    import json
+
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+    from safetensors.numpy import load_file
+
+    hp = json.loads((hf_dir / "config.json").read_text())
+    w = GGUFWriter(path, arch)
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_block_count(hp["num_hidden_layers"])
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_head_count(hp["num_attention_heads"])
+    w.add_head_count_kv(hp["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    if "head_dim" in hp:
+        w.add_key_length(hp["head_dim"])
+        w.add_value_length(hp["head_dim"])
+    rope = hp["rope_parameters"]
+    full = rope.get("full_attention", rope)
+    if arch == "gemma2":  # Gemma2Model writes no rope keys
+        w.add_attn_logit_softcapping(hp["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(hp["final_logit_softcapping"])
+        w.add_sliding_window(hp["sliding_window"])
+    else:
+        if full["rope_type"] == "linear":
+            w.add_rope_scaling_type(RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(full["factor"])
+        elif full["rope_type"] == "yarn":
+            w.add_rope_scaling_type(RopeScalingType.YARN)
+            w.add_rope_scaling_factor(full["factor"])
+            w.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+        w.add_rope_freq_base(full["rope_theta"])
+        if "sliding_attention" in rope:
+            w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    if arch == "gemma3":
+        if hp.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(hp["final_logit_softcapping"])
+        w.add_sliding_window(hp["sliding_window"])
+    if arch == "olmo2" and "sliding_window" in hp:  # OLMo 3
+        w.add_sliding_window(hp["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in hp["layer_types"]])
+    w.add_token_list([f"<{i}>" for i in range(hp["vocab_size"])])
+    w.add_bos_token_id(hp["bos_token_id"])
+    w.add_eos_token_id(hp["eos_token_id"])
+    names = get_tensor_name_map({v: k for k, v in MODEL_ARCH_NAMES.items()}[arch], hp["num_hidden_layers"])
+    for name, array in load_file(hf_dir / "model.safetensors").items():
+        if arch == "gemma2" and name == "lm_head.weight":
+            continue
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            array = array + np.float32(1)
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        w.add_tensor(gguf_name, np.ascontiguousarray(array, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# tests/tiny_models.py family -> (GGUF architecture, changes to the tiny model). What the tiny
+# models set beyond what a GGUF can say is set the way llama.cpp assumes it: Gemma 2's
+# query_pre_attn_scalar to head_dim (llama.cpp's value for all but the 27B; the tiny model's 24 is
+# in no file), Gemma 3's layers to llama.cpp's fixed pattern of five sliding layers and a global one.
+LLAMA_CPP_FAMILIES = {
+    "gemma2": ("gemma2", {"query_pre_attn_scalar": 16}),
+    "gemma3": ("gemma3", {"num_hidden_layers": 6, "layer_types": None}),
+    "olmo2": ("olmo2", {}),
+    "olmo3": ("olmo2", {}),  # llama.cpp writes OLMo 3 as "olmo2", with its sliding window
+}
+
+
+@pytest.fixture(scope="module", params=sorted(LLAMA_CPP_FAMILIES))
+def hf_and_gguf(request, tmp_path_factory):
+    """(family, HF folder, GGUF file, HF model) of one tiny model. The converter's 1 + w rounds
+    away the bits of a Gemma norm weight below the ulp of 1 + w (test_gemma_norms_keep_their_scale
+    covers those); the norms here are multiples of 2**-12, which it keeps."""
+    import torch
+    from tiny_models import build_hf_model
+
+    family = request.param
+    arch, overrides = LLAMA_CPP_FAMILIES[family]
+    directory = tmp_path_factory.mktemp(family)
+    model = build_hf_model(family, **overrides)
+    if arch.startswith("gemma"):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(torch.round(p * 2**12) / 2**12)
+    model.save_pretrained(directory / "hf")
+    return family, directory / "hf", llama_cpp_gguf(directory / "model.gguf", directory / "hf", arch), model
+
+
+def test_llama_cpp_gguf_config_equals_the_hf_folders(hf_and_gguf):
+    family, hf_dir, gguf_path, _ = hf_and_gguf
+    ours, theirs = read_config(resolve_model(gguf_path)), read_config(resolve_model(hf_dir))
+    assert ours == theirs
+    assert ours.layer_types or ours.qk_norm  # the families' own switches came through, not defaults alike
+
+
+def test_llama_cpp_gguf_params_equal_the_hf_folders(hf_and_gguf):
+    """Every parameter, exactly: no permuted q/k rows, the Gemma norms shifted back, ffn_norm /
+    post_attention_norm / post_ffw_norm / attn_q_norm / attn_k_norm in the right places."""
+    from flax import nnx
+
+    from jaxinfer.runtime.loading import load_params as load_model_params
+    from jaxinfer.tree import nested_to_flat
+
+    family, hf_dir, gguf_path, _ = hf_and_gguf
+    flat = {}
+    for which, path in (("gguf", gguf_path), ("hf", hf_dir)):
+        source = resolve_model(path)
+        _, state = load_model_params(source, read_config(source), jnp.float32, jnp.float32, progress=False)
+        flat[which] = nested_to_flat(nnx.to_pure_dict(state))
+    assert set(flat["gguf"]) == set(flat["hf"])
+    for name, array in flat["hf"].items():
+        np.testing.assert_array_equal(np.asarray(flat["gguf"][name]), np.asarray(array), err_msg=f"{family}: {name}")
+
+
+@pytest.mark.parametrize("hf_and_gguf", ["gemma2"], indirect=True)  # one family runs (the params are equal for all)
+def test_llama_cpp_gemma2_gguf_logprobs_match_transformers(hf_and_gguf):
+    _, _, gguf_path, hf = hf_and_gguf
+    from test_model_parity import TOL, PagedModel, hf_logprobs
+    from jaxinfer.ops.batch import SequenceChunk
+
+    model = PagedModel(gguf_path, page_size=16)
+    tokens = list(map(int, np.random.default_rng(3).integers(3, 259, 20)))  # past the window of 6
+    [out] = model.run([SequenceChunk(tokens, 0, model.allocate(len(tokens)), list(range(len(tokens))))])
+    np.testing.assert_array_less(np.abs(out - hf_logprobs(hf, tokens, [len(tokens)])).max(), TOL)
+
+
+def test_gemma_norms_keep_their_scale(tmp_path):
+    """A norm weight of any bits: the file holds y = 1 + w (rounded); we load y - 1, whose 1 + (y - 1)
+    is y again, bit for bit (exact for y >= 0.5): the scale llama.cpp and HF multiply by."""
+    w = RNG.normal(0.0, 0.3, 4096).astype(np.float32)
+    y = w + np.float32(1)
+    assert not np.array_equal(y - np.float32(1), w)  # the +1 dropped bits: w itself is not in the file
+    path = write_gguf(tmp_path / "n.gguf", [("blk.0.attn_norm.weight", y, None), ("blk.0.post_ffw_norm.weight", y, None),
+                                            ("blk.0.attn_v.weight", y.reshape(64, 64), None)], arch="gemma2")
+    read = dict(iter_gguf_tensors(path, read_gguf_config(path)))
+    for name in ("model.layers.0.input_layernorm.weight", "model.layers.0.post_feedforward_layernorm.weight"):
+        np.testing.assert_array_equal(read[name] + np.float32(1), y)
+        assert np.abs(read[name] - w).max() <= np.spacing(np.float32(2))
+    np.testing.assert_array_equal(read["model.layers.0.self_attn.v_proj.weight"], y.reshape(64, 64))  # not a norm
+
+
+def write_metadata_gguf(path, arch, **keys):
+    """A GGUF with no tensors: the shapes of `write_gguf` and the `GGUFWriter.add_<key>(value)` calls in `keys`."""
+    w = GGUFWriter(path, arch)
+    shapes = dict(block_count=L, embedding_length=H, feed_forward_length=I, head_count=HQ, head_count_kv=HKV,
+                  context_length=4096, layer_norm_rms_eps=1e-6, vocab_size=V)
+    for key, value in {**shapes, **keys}.items():
+        getattr(w, f"add_{key}")(value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gemma2_config_defaults_are_llama_cpps(tmp_path):
+    """No window, caps or pattern in the file: llama.cpp's (Gemma 2's) 4096, 50, 30 and alternating
+    layers; query_pre_attn_scalar is head_dim, but hidden / heads for the 46-layer 27B."""
+    config = read_gguf_config(write_metadata_gguf(tmp_path / "g.gguf", "gemma2", key_length=32, value_length=32))
+    assert config["model_type"] == "gemma2" and config["head_dim"] == 32
+    assert config["query_pre_attn_scalar"] == 32 and config["hidden_activation"] == "gelu_pytorch_tanh"
+    assert (config["sliding_window"], config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (4096, 50.0, 30.0)
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    big = read_gguf_config(write_metadata_gguf(tmp_path / "27b.gguf", "gemma2", key_length=32, block_count=46))
+    assert big["query_pre_attn_scalar"] == H // HQ
+    assert big["layer_types"][:4] == ["sliding_attention", "full_attention"] * 2
+
+
+def test_sliding_window_pattern_from_the_file(tmp_path):
+    flags = read_gguf_config(write_metadata_gguf(tmp_path / "a.gguf", "gemma3", block_count=3, sliding_window=8,
+                                                 sliding_window_pattern=[False, True, True]))
+    assert flags["layer_types"] == ["full_attention", "sliding_attention", "sliding_attention"]
+    period = read_gguf_config(write_metadata_gguf(tmp_path / "p.gguf", "gemma3", block_count=7, sliding_window=8,
+                                                  sliding_window_pattern=3))
+    assert period["layer_types"] == ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + [
+        "full_attention", "sliding_attention"]
+    default = read_gguf_config(write_metadata_gguf(tmp_path / "d.gguf", "gemma3", block_count=7, sliding_window=8))
+    assert default["layer_types"] == ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
+    assert default["rope_parameters"]["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+    no_window = read_gguf_config(write_metadata_gguf(tmp_path / "n.gguf", "gemma3"))
+    assert no_window["layer_types"] == ["full_attention"] * L and no_window["sliding_window"] is None
+    with pytest.raises(CheckpointError, match=r"w\.gguf: GGUF metadata gemma3\.attention\.sliding_window_pattern has 2 flags for 3 layers"):
+        read_gguf_config(write_metadata_gguf(tmp_path / "w.gguf", "gemma3", block_count=3, sliding_window=8,
+                                             sliding_window_pattern=[True, False]))
+
+
+def test_olmo2_file_with_a_sliding_window_is_olmo3(tmp_path):
+    assert read_gguf_config(write_metadata_gguf(tmp_path / "o2.gguf", "olmo2"))["model_type"] == "olmo2"
+    config = read_gguf_config(write_metadata_gguf(tmp_path / "o3.gguf", "olmo2", block_count=4, sliding_window=16,
+                                                  rope_freq_base=5e5))
+    assert config["model_type"] == "olmo3" and config["sliding_window"] == 16
+    assert config["layer_types"] == ["sliding_attention"] * 3 + ["full_attention"]
+    assert config["rope_parameters"]["sliding_attention"] == {"rope_type": "default", "rope_theta": 5e5}
+
+
+def test_gemma3_under_six_layers_slides_on_its_local_rope(tmp_path):
+    """llama.cpp's pattern makes every layer of a Gemma 3 of fewer than six layers a sliding one;
+    each then turns on the sliding layers' RoPE (as in transformers), not the global layers'."""
+    from jaxinfer.config import LayerKind, ModelConfig
+
+    path = write_metadata_gguf(tmp_path / "s.gguf", "gemma3", key_length=16, sliding_window=8, rope_freq_base=1e6,
+                               rope_scaling_type=RopeScalingType.LINEAR, rope_scaling_factor=8.0)
+    config = ModelConfig.from_hf_dict(read_gguf_config(path))
+    assert config.layer_kinds() == (LayerKind(window=8, rope="local"),) * L
+    assert (config.rope_theta, config.rope_scaling.factor, config.local_rope_theta) == (1e6, 8.0, 1e4)
