@@ -80,6 +80,23 @@ def test_every_triton_kernel_compiles_for_an_h100(h100):
     assert refused(results) == []
 
 
+@pytest.mark.parametrize("chip,family", [("v6e", "gemma-2-9b"), ("h100", "gpt-oss-120b"), ("h100", "phi-3-mini")])
+def test_attention_kernels_compile_with_each_newer_family_option(chip, family, request):
+    """Ragged attention in a decode bucket (bf16 pages) and flash attention with a sliding window
+    and soft-capping at head_dim 256 (Gemma 2, Mosaic), a window of 128 with sinks at head_dim 64
+    (GPT-OSS, Triton: sinks are the GPU kernel's), a window at head_dim 96 (Phi-3: Triton's blocks
+    are powers of two, so the kernels pad it to 128)."""
+    target = request.getfixturevalue(chip)
+    compiled = []
+    for kernel, case, fn, args in kernel_check.kernel_cases(target, kernel_check.FAMILY_SHAPES[family]):
+        if kernel == "flash_attention" or (kernel == "ragged_paged_attention" and case.startswith("decode") and "kv=bf16" in case):
+            assert "window=" in case and ("sinks" in case) == (family == "gpt-oss-120b" and kernel == "ragged_paged_attention")
+            assert ("soft_cap" in case) == (family == "gemma-2-9b")
+            kernel_check.compile_for(target, fn, args)
+            compiled.append(kernel)
+    assert compiled == ["ragged_paged_attention", "flash_attention"]
+
+
 def test_a_mis_tiled_block_is_refused_by_the_tpu_compiler(v6e):
     """The check can fail: a (3, 5) block of a bf16 array is not whole (16, 128) tiles."""
 

@@ -176,6 +176,13 @@ def test_kernel_matches_reference_with_option(kernel, option):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+def test_a_head_dim_of_96_with_a_window(kernel):
+    """Phi-3's heads: the GPU kernel pads them to 128 (Triton's blocks are powers of two)."""
+    q, k, v, cu, ns = make_batch(5, SEGMENT_LENS, num_heads=4, num_kv_heads=2, head_dim=96)
+    check_kernel(kernel, q, k, v, cu, ns, sm_scale=96**-0.5, sliding_window=9)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_kernel_bfloat16_within_bf16_tolerance(kernel):
     q, k, v, cu, ns = make_batch(4, SEGMENT_LENS, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
     check_kernel(kernel, q, k, v, cu, ns, sm_scale=64**-0.5)

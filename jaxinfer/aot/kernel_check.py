@@ -49,6 +49,9 @@ class FamilyShape:
     head_dim: int
     hidden: int
     intermediate: int
+    window: int | None = None  # the sliding layers' window (their attention cases use it)
+    soft_cap: float | None = None  # attention logit soft-capping (Gemma 2)
+    sinks: bool = False  # attention sinks (GPT-OSS; the TPU kernel leaves them to the XLA path)
 
 
 FAMILY_SHAPES = {
@@ -59,6 +62,13 @@ FAMILY_SHAPES = {
     "qwen3-8b": FamilyShape(32, 8, 128, 4096, 12288),
     "mixtral-8x7b": FamilyShape(32, 8, 128, 4096, 14336),
     "smollm2-135m": FamilyShape(9, 3, 64, 576, 1536),
+    # the newer families: attention at their sliding layers' options (a global layer is the plain case)
+    "gemma-2-9b": FamilyShape(16, 8, 256, 3584, 14336, window=4096, soft_cap=50.0),
+    "gemma-3-27b": FamilyShape(32, 16, 128, 5376, 21504, window=1024),
+    "gpt-oss-120b": FamilyShape(64, 8, 64, 2880, 2880, window=128, sinks=True),
+    "phi-3-mini": FamilyShape(32, 32, 96, 3072, 8192, window=2047),  # head_dim 96: padded to 128 lanes
+    "olmo-2-7b": FamilyShape(32, 32, 128, 4096, 11008),
+    "smollm3-3b": FamilyShape(16, 4, 128, 2048, 11008),
 }
 
 PAGE_SIZE = 16
@@ -91,6 +101,10 @@ def kernel_cases(target: Target, shape: FamilyShape):
     ragged_paged_attention, swiglu = k["ragged_paged_attention"], k["swiglu_matmul"]
 
     sm_scale = D**-0.5
+    options = dict(sliding_window=shape.window, soft_cap=shape.soft_cap)
+    sinks = shape.sinks and not tpu  # (a TPU attends with sinks through the XLA path)
+    named = "".join([f" window={shape.window}" if shape.window else "", f" soft_cap={shape.soft_cap:g}" if shape.soft_cap else "",
+                     " sinks" if sinks else ""])
     kv_dtypes = (("bf16", bf16, {}), ("int8", jnp.int8, dict(k_scale=0.05, v_scale=0.05)),
                  ("fp8", jnp.float8_e4m3fn, dict(k_scale=0.05, v_scale=0.05)))
     for name, kv_dtype, scales in kv_dtypes:
@@ -104,14 +118,18 @@ def kernel_cases(target: Target, shape: FamilyShape):
         else:  # separate pools, one scale each for K and V
             pools = (spec((NUM_PAGES, page_size, Hkv, D), kv_dtype),) * 2
         for bucket, T, S, Bq in ATTENTION_BUCKETS:
-            fn = functools.partial(ragged_paged_attention, sm_scale=sm_scale, num_queries_per_block=Bq, **scales)
+            fn = functools.partial(ragged_paged_attention, sm_scale=sm_scale, num_queries_per_block=Bq, **scales, **options)
             args = (spec((T, Hq, D), bf16), *pools, spec((S,), i32), spec((S, pages_per_seq), i32),
                     spec((S + 1,), i32), spec((1,), i32), *scale_pool)
+            if sinks:
+                fn = _with_sinks(fn, len(args))
+                args += (spec((Hq,), jnp.float32),)
             layout = f"combined[{page_size}, {pools[0].shape[-1]}]" + (" + scale pool" if scale_pool else "") if tpu else f"[{Hkv}, {D}]"
-            yield "ragged_paged_attention", f"{bucket} T={T} S={S} kv={name} {layout}", fn, args
+            yield "ragged_paged_attention", f"{bucket} T={T} S={S} kv={name} {layout}{named}", fn, args
 
     T = 512
-    yield ("flash_attention", f"prefill T={T}", functools.partial(flash, sm_scale=sm_scale, causal=True),
+    flash_named = named.replace(" sinks", "")  # (a model with sinks never takes the flash path)
+    yield ("flash_attention", f"prefill T={T}{flash_named}", functools.partial(flash, sm_scale=sm_scale, causal=True, **options),
            (spec((T, Hq, D), bf16), spec((T, Hkv, D), bf16), spec((T, Hkv, D), bf16), spec((5,), i32), spec((1,), i32)))
 
     T = MATMUL_TOKENS
@@ -165,6 +183,13 @@ def kernel_cases(target: Target, shape: FamilyShape):
     fn = functools.partial(k["lora_sgmv_expand"], **(dict(block=8) if tpu else {}))
     yield ("lora_sgmv_expand", f"f32 T=64 {rank}->{Hkv * D}", fn,
            (spec((rows, rank), f32), spec((LORA_SLOTS, rank, Hkv * D), f32), slots))
+
+
+def _with_sinks(fn, num_args: int):
+    """fn taking the sinks [Hq] as one more positional argument (after its `num_args`)."""
+    def call(*args):
+        return fn(*args[:num_args], sinks=args[num_args])
+    return call
 
 
 def compile_for(target: Target, fn, args):

@@ -118,6 +118,13 @@ def flash_attention(
 ) -> jax.Array:  # [T, Hq, D], q.dtype
     check_options(q, k, v, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap)
     T, Hq, D = q.shape
+    if not _is_power_of_two(D):  # Triton's blocks are powers of two: zero dims change no score (Phi-3's 96 -> 128)
+        Dp = 1 << (D - 1).bit_length()
+        pad = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, Dp - D)))  # noqa: E731
+        out = flash_attention(pad(q), pad(k), pad(v), cu_seq_lens, num_seqs, sm_scale=sm_scale, causal=causal,
+                              sliding_window=sliding_window, soft_cap=soft_cap, block_q=block_q, block_k=block_k,
+                              num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+        return out[..., :D]
     # default blocks: 64 x 64, smaller where a program's q rows (G heads x block_q) and its
     # double-buffered K/V tiles would outgrow ~192 KiB of shared memory (an H100 has 227; head_dim
     # 512 with G = 4 at 64 x 64 asked for 512 KiB: measured)
@@ -126,7 +133,7 @@ def flash_attention(
     block_k = block_k or max(16, min(64, 64 * 256 // D))
     block_q = block_q or max(16, min(64, _power_of_two_floor((budget - 2 * num_stages * block_k * D) // (G * D))))
     if not all(map(_is_power_of_two, (block_q, block_k, D))):
-        raise ValueError(f"block_q, block_k and head_dim must be powers of two; got {block_q}, {block_k}, {D}")
+        raise ValueError(f"block_q and block_k must be powers of two; got {block_q}, {block_k}")
     if interpret:
         patch_interpret_mode()
     Hkv = k.shape[1]
