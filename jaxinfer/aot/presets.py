@@ -17,6 +17,13 @@ _LLAMA3 = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, rope_th
                rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                  original_max_position_embeddings=8192))
 
+_GPT_OSS = dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
+                head_dim=64, vocab_size=201088, rms_norm_eps=1e-5, max_position_embeddings=131072, sliding_window=128,
+                num_experts_per_tok=4, attention_bias=True, swiglu_limit=7.0, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                 "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+                bos_token_id=199998, eos_token_id=[200002, 199999, 200012])
+
 PRESETS: dict[str, dict] = {
     "llama-3.1-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8),
@@ -45,6 +52,16 @@ PRESETS: dict[str, dict] = {
                          num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, rms_norm_eps=1e-5,
                          rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True, hidden_act="silu",
                          bos_token_id=1, eos_token_id=2),
+    # the newer families (issue 35): Gemma 3's text decoder, GPT-OSS
+    "gemma-3-27b": dict(model_type="gemma3_text", hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+                        num_attention_heads=32, num_key_value_heads=16, head_dim=128, vocab_size=262208,
+                        rms_norm_eps=1e-6, max_position_embeddings=131072, query_pre_attn_scalar=168, sliding_window=1024,
+                        sliding_window_pattern=6, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                        bos_token_id=2, eos_token_id=[1, 106]),
+    "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128),
+    "gpt-oss-20b": dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32),
 }
 
 
