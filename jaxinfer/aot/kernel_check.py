@@ -28,7 +28,7 @@ from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
 from pallas_kernels.ragged_paged_attention import tpu as rpa_tpu
 from pallas_kernels.ragged_paged_attention.combined import row_width
 from pallas_kernels.ragged_paged_attention.reference import storage_dtype
-from pallas_kernels.rope_kv_write import rope_kv_write_gpu
+from pallas_kernels.rope_kv_write import gpu_supports, rope_kv_write_gpu
 from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu, swiglu_matmul_tpu
 
 # Each platform's kernels, called directly (not through jaxinfer.ops.kernels: no XLA fallbacks here).
@@ -133,7 +133,8 @@ def kernel_cases(target: Target, shape: FamilyShape):
            (spec((T, Hq, D), bf16), spec((T, Hkv, D), bf16), spec((T, Hkv, D), bf16), spec((5,), i32), spec((1,), i32)))
 
     T = MATMUL_TOKENS
-    if not tpu:  # a TPU writes its combined pages with XLA's scatter (pallas_kernels.rope_kv_write)
+    if not tpu and gpu_supports(D):  # a TPU writes its combined pages with XLA's scatter (pallas_kernels.rope_kv_write);
+        # a GPU with a head_dim the kernel does not take, with the XLA path (jaxinfer.ops.kernels)
         pool = spec((NUM_PAGES, PAGE_SIZE, Hkv, D), bf16)
         yield ("rope_kv_write", f"T={T} Hkv={Hkv}", k["rope_kv_write"],
                (spec((T, Hq, D), bf16), spec((T, Hkv, D), bf16), spec((T, Hkv, D), bf16), spec((T, D), jnp.float32),
