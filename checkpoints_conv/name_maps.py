@@ -67,6 +67,7 @@ class ArchNames:
     expert_prefix: str = "mlp.experts."
     layer_prefix: str = "model.layers."
     ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    ignored_prefixes: tuple[str, ...] = ()  # whole towers not run here (Gemma 3's vision encoder)
     _layer_re: re.Pattern = field(init=False, repr=False, compare=False)
     _expert_re: re.Pattern = field(init=False, repr=False, compare=False)
 
@@ -94,7 +95,7 @@ class ArchNames:
 
     def is_ignored(self, hf_name: str) -> bool:
         """True for non-parameter buffers that checkpoints sometimes carry."""
-        return hf_name.endswith(self.ignored_suffixes)
+        return hf_name.endswith(self.ignored_suffixes) or hf_name.startswith(self.ignored_prefixes)
 
     def num_slot_axes(self, param: str) -> int:
         """How many leading stacked axes `param` has: 0 (global), 1 (per layer), 2 (per layer and expert)."""
@@ -181,6 +182,20 @@ GEMMA_NAMES = ArchNames(
     },
 )
 
+# Gemma 3's multimodal folders (Gemma3ForConditionalGeneration): the text decoder under
+# model.language_model (older exports' language_model.model.* read so through checkpoints_conv.views);
+# the vision tower and its projector are skipped.
+GEMMA3_MULTIMODAL_NAMES = ArchNames(
+    globals={
+        "model.language_model.embed_tokens.weight": Dest("embed", False),
+        "model.language_model.norm.weight": Dest("final_norm", False),
+        "lm_head.weight": Dest("lm_head", True),
+    },
+    per_layer=GEMMA_NAMES.per_layer,
+    layer_prefix="model.language_model.layers.",
+    ignored_prefixes=("model.vision_tower.", "model.multi_modal_projector."),
+)
+
 # OLMo 2 / 3: norms after each branch only; q/k norms over the whole projection.
 OLMO_NAMES = ArchNames(
     globals=LLAMA_NAMES.globals,
@@ -221,6 +236,7 @@ HF_NAME_MAPS: dict[str, ArchNames] = {
     "smollm3": LLAMA_NAMES,
     "gemma2": GEMMA_NAMES,
     "gemma3_text": GEMMA_NAMES,
+    "gemma3": GEMMA3_MULTIMODAL_NAMES,
     "olmo2": OLMO_NAMES,
     "olmo3": OLMO_NAMES,
     "gpt_oss": GPT_OSS_NAMES,

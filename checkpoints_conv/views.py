@@ -48,14 +48,19 @@ View = tuple[tuple[int, ...], Callable[[], np.ndarray]]  # (shape, read the whol
 class ViewSource(TensorSource):
     """`inner`'s tensors, with each stored tensor that `views` replaces shown as its views."""
 
-    def __init__(self, inner: TensorSource, views: dict[str, View], replaced: set[str]):
+    def __init__(self, inner: TensorSource, views: dict[str, View], replaced: set[str], renamed: dict[str, str] | None = None):
         self.inner, self.views, self.replaced = inner, views, replaced
+        self.renamed = renamed or {}  # view name -> stored name: the same tensor, read slice by slice
 
     def listing(self):
+        shapes = dict(self.inner.listing())
         kept = [(name, shape) for name, shape in self.inner.listing() if name not in self.replaced]
-        return kept + [(name, shape) for name, (shape, _) in self.views.items()]
+        return (kept + [(name, shape) for name, (shape, _) in self.views.items()]
+                + [(name, shapes[stored]) for name, stored in self.renamed.items()])
 
     def read(self, name, index=None):
+        if name in self.renamed:
+            return self.inner.read(self.renamed[name], index)
         if name not in self.views:
             return self.inner.read(name, index)
         array = self.views[name][1]()
@@ -150,8 +155,24 @@ def phi3_views(source: TensorSource, config: dict) -> TensorSource:
     return source if not views else ViewSource(source, views, replaced)
 
 
+_GEMMA3_OLD_NAMES = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                     ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector."))
+
+
+def gemma3_views(source: TensorSource, config: dict) -> TensorSource:
+    """Gemma 3 multimodal exports that name the text decoder language_model.model.* (the released
+    checkpoints) read under transformers 5's names (model.language_model.*)."""
+    renamed = {}
+    for name, _ in source.listing():
+        for old, new in _GEMMA3_OLD_NAMES:
+            if name.startswith(old):
+                renamed[new + name[len(old):]] = name
+                break
+    return source if not renamed else ViewSource(source, {}, set(renamed.values()), renamed)
+
+
 # HF model_type -> the views its checkpoints need
-VIEWS = {"gpt_oss": lambda source, config: gpt_oss_views(source), "phi3": phi3_views}
+VIEWS = {"gpt_oss": lambda source, config: gpt_oss_views(source), "phi3": phi3_views, "gemma3": gemma3_views}
 
 
 def with_views(source: TensorSource, config: dict) -> TensorSource:

@@ -32,7 +32,7 @@ from typing import Any
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 # The families of issue 35, each with its own model file (jaxinfer.models.registry).
-NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3")
+NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3")
 SUPPORTED_MODEL_TYPES = LLAMA_MODEL_TYPES + NEW_FAMILY_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -47,6 +47,7 @@ _ARCHITECTURE_TO_MODEL_TYPE = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3ForConditionalGeneration": "gemma3",
     "SmolLM3ForCausalLM": "smollm3",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
@@ -188,6 +189,12 @@ class ModelConfig:
                     f"architectures={archs!r}; jaxinfer supports model_type in {SUPPORTED_MODEL_TYPES}"
                 )
 
+        if model_type == "gemma3" and isinstance(d.get("text_config"), dict):
+            # Gemma 3's multimodal folders: the text decoder's config nests in text_config (its
+            # vision tower is not run here; the checkpoint's vision tensors are skipped)
+            top = {k: d[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in d}
+            d = {**d["text_config"], **top, "model_type": "gemma3"}
+
         def need(key: str):
             if key not in d or d[key] is None:
                 raise ConfigError(f"{source} is missing required field {key!r} (model_type={model_type})")
@@ -207,7 +214,7 @@ class ModelConfig:
         rope_theta, rope_scaling, rotary_factor, local_rope = _parse_rope(d, source)
         attention_bias = bool(d.get("attention_bias", False))
         qkv_bias = {"qwen2": True, "mistral": False, "mixtral": False, "qwen2_moe": bool(d.get("qkv_bias", True)),
-                    "gemma2": False, "gemma3_text": False, "phi3": False}.get(model_type, attention_bias)
+                    "gemma2": False, "gemma3_text": False, "gemma3": False, "phi3": False}.get(model_type, attention_bias)
         o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", "olmo2", "olmo3", "gpt_oss") else False
         moe = _parse_moe(d, model_type, source) if model_type in MOE_MODEL_TYPES else {}
         family = _FAMILY_FIELDS.get(model_type, lambda d: {})(d)
@@ -250,11 +257,11 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in ("gemma2", "gemma3_text"))),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in ("gemma2", "gemma3_text", "gemma3"))),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "olmo2", "olmo3"),
             sliding_window=int(sliding_window) if sliding_window else None,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
@@ -414,6 +421,7 @@ def _olmo_fields(d: dict[str, Any]) -> dict[str, Any]:
 _FAMILY_FIELDS = {
     "gemma2": lambda d: _gemma_fields(d, 2),
     "gemma3_text": lambda d: _gemma_fields(d, int(d.get("sliding_window_pattern", 6))),
+    "gemma3": lambda d: _gemma_fields(d, int(d.get("sliding_window_pattern", 6))),
     "smollm3": _smollm3_fields,
     "olmo2": _olmo_fields,
     "olmo3": lambda d: dict(_olmo_fields(d), default_layer_types=lambda n: [
@@ -428,6 +436,7 @@ _FAMILY_FIELDS = {
 _REFUSED_SWITCHES = {
     "gemma2": {"use_bidirectional_attention": (None, False)},
     "gemma3_text": {"use_bidirectional_attention": (None, False)},
+    "gemma3": {"use_bidirectional_attention": (None, False)},
     "smollm3": {"mlp_bias": (None, False)},
     "olmo2": {"mlp_bias": (None, False)},
     "olmo3": {"mlp_bias": (None, False)},
@@ -442,7 +451,7 @@ def _refuse_unsupported_switches(d: dict[str, Any], model_type: str, source: str
 
 def _parse_activation(d: dict[str, Any], model_type: str, source: str) -> str:
     """The MLP gate's activation: Gemma names it hidden_activation, the others hidden_act."""
-    name = d.get("hidden_activation") if model_type in ("gemma2", "gemma3_text") else None
+    name = d.get("hidden_activation") if model_type in ("gemma2", "gemma3_text", "gemma3") else None
     name = name or d.get("hidden_act", "silu")
     act = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(name)
     if act is None:

@@ -58,3 +58,54 @@ def test_cli_generate_runs_a_gemma3_folder(family_dir, capsys):
     with torch.no_grad():  # greedy, stopping at EOS as the CLI does
         want = hf.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)[0, len(ids):].tolist()
     assert capsys.readouterr().out == tokenizer.decode(want, skip_special_tokens=True) + "\n"
+
+
+
+def test_a_multimodal_gemma3_folder_runs_its_text_decoder(tmp_path):
+    """Gemma 3's released folders are Gemma3ForConditionalGeneration: the text decoder's config in
+    text_config, its tensors under model.language_model (language_model.model in the older
+    exports), a vision tower beside it. The text decoder loads (the tower is skipped) and gives
+    transformers' text-only logits, under either naming."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from test_model_parity import TOL, PagedModel, hf_logprobs
+    from tiny_models import FAMILIES, byte_tokenizer
+
+    _, text_kw = FAMILIES["gemma3"]
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text_kw, vision_config=vision, mm_tokens_per_image=4)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "language_model" in name and "norm" in name:
+                p.copy_(0.2 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    ids = [int(t) for t in np.random.default_rng(3).integers(3, 250, 20)]
+    truth = hf_logprobs(hf, ids, [len(ids)])
+
+    def logprobs(directory):
+        from jaxinfer.ops.batch import SequenceChunk
+
+        model = PagedModel(directory, page_size=4)
+        assert model.config.model_type == "gemma3" and model.config.layer_kind(0).rope == "local"
+        return model.run([SequenceChunk(ids, 0, model.allocate(len(ids)), list(range(len(ids))))])[0]
+
+    np.testing.assert_array_less(np.abs(logprobs(tmp_path) - truth).max(), TOL)
+    # the older naming: language_model.model.*, vision_tower.*, multi_modal_projector.*
+    old = tmp_path / "old"
+    old.mkdir()
+    renames = (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+               ("model.multi_modal_projector.", "multi_modal_projector."))
+    tensors = {}
+    for f in tmp_path.glob("*.safetensors"):
+        for name, array in load_file(f).items():
+            tensors[next((o + name[len(n):] for n, o in renames if name.startswith(n)), name)] = array
+    save_file(tensors, old / "model.safetensors")
+    (old / "config.json").write_text(json.dumps(json.loads((tmp_path / "config.json").read_text())))
+    byte_tokenizer().save_pretrained(old)
+    np.testing.assert_array_less(np.abs(logprobs(old) - truth).max(), TOL)

@@ -18,6 +18,7 @@ MODEL_CLASSES: dict[str, type[Decoder]] = {
                                                "phi3")},
     "gemma2": GemmaForCausalLM,
     "gemma3_text": GemmaForCausalLM,
+    "gemma3": GemmaForCausalLM,  # a multimodal folder's text decoder
     "olmo2": OlmoForCausalLM,
     "olmo3": OlmoForCausalLM,
     "gpt_oss": GptOssForCausalLM,
