@@ -213,7 +213,6 @@ GPT_OSS_NAMES = ArchNames(
     per_layer={
         **_ATTENTION,
         "self_attn.sinks": Dest("layers.sinks", False),
-        "post_attention_layernorm.weight": Dest("layers.mlp_norm", False),
         "mlp.router.weight": Dest("layers.router", True),
         "mlp.router.bias": Dest("layers.router_bias", False),
     },

@@ -87,6 +87,7 @@ def gpt_oss_views(source: TensorSource) -> TensorSource:
     shapes = dict(source.listing())
     views: dict[str, View] = {}
     replaced = set()
+    last = {}  # the last expert matrix read: its gate and up views share one read (and one dequantization)
     for name, shape in shapes.items():
         m = _GPT_OSS_EXPERTS.fullmatch(name)
         if m is None or m.group(3) == "_scales":
@@ -97,20 +98,26 @@ def gpt_oss_views(source: TensorSource) -> TensorSource:
             replaced.add(f"{prefix}.{proj}_scales")
         num_experts = shape[0]
         for e in range(num_experts):
-            views.update(_expert_views(source, name, prefix, proj, suffix, e, shape))
+            views.update(_expert_views(source, name, prefix, proj, suffix, e, shape, last))
     return source if not views else ViewSource(source, views, replaced)
 
 
-def _expert_views(source, name, prefix, proj, suffix, e, shape) -> dict[str, View]:
-    """The views of expert e of one stored tensor `name` (shape `shape`)."""
+def _expert_views(source, name, prefix, proj, suffix, e, shape, last: dict) -> dict[str, View]:
+    """The views of expert e of one stored tensor `name` (shape `shape`); `last` keeps the one
+    expert matrix read most recently."""
     one = (slice(e, e + 1),)
 
-    def weight():  # expert e's matrix in HF [out, in] layout: [2I, H] for gate_up, [H, I] for down
+    def read():  # expert e's matrix in HF [out, in] layout: [2I, H] for gate_up, [H, I] for down
         if suffix == "_blocks":
             blocks = source.read(name, one)[0]
             scales = source.read(f"{prefix}.{proj}_scales", one)[0]
             return dequantize_mxfp4(blocks, scales)
         return source.read(name, one)[0].T  # stored [in, out]
+
+    def weight():
+        if last.get("key") != (name, e):
+            last.update(key=(name, e), array=read())
+        return last["array"]
 
     out = f"{prefix}.{e}"
     if proj == "down_proj":

@@ -221,8 +221,8 @@ class ModelConfig:
         hidden_act = _parse_activation(d, model_type, source)
 
         sliding_window = d.get("sliding_window")
-        layer_types = tuple(d.get("layer_types") or family.pop("default_layer_types", lambda n: ())(num_layers))
-        family.pop("default_layer_types", None)
+        default_layer_types = family.pop("default_layer_types", None)  # the family's pattern when the config gives none
+        layer_types = tuple(d.get("layer_types") or (default_layer_types(num_layers) if default_layer_types else ()))
         has_sliding_layers = "sliding_attention" in layer_types  # before an all-sliding list collapses to ()
         if layer_types:
             if len(layer_types) != num_layers or not set(layer_types) <= set(LAYER_TYPES):
@@ -297,8 +297,6 @@ class ModelConfig:
         """An HF-style config dict that `from_hf_dict` reads back to an equal config."""
         rs = self.rope_scaling
         rope = {"rope_type": rs.rope_type, "rope_theta": self.rope_theta}
-        if rs.rope_type != "default":
-            rope["factor"] = rs.factor
         if rs.rope_type != "default":
             rope.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(rs).items()})
         d = {
@@ -404,6 +402,10 @@ def _gemma_fields(d: dict[str, Any], pattern: int) -> dict[str, Any]:
     )
 
 
+def _gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
+    return _gemma_fields(d, int(d.get("sliding_window_pattern", 6)))
+
+
 def _smollm3_fields(d: dict[str, Any]) -> dict[str, Any]:
     """SmolLM3: every `no_rope_layer_interval`-th layer has no RoPE (no_rope_layers[i] == 0)."""
     flags = d.get("no_rope_layers")
@@ -420,8 +422,8 @@ def _olmo_fields(d: dict[str, Any]) -> dict[str, Any]:
 
 _FAMILY_FIELDS = {
     "gemma2": lambda d: _gemma_fields(d, 2),
-    "gemma3_text": lambda d: _gemma_fields(d, int(d.get("sliding_window_pattern", 6))),
-    "gemma3": lambda d: _gemma_fields(d, int(d.get("sliding_window_pattern", 6))),
+    "gemma3_text": _gemma3_fields,
+    "gemma3": _gemma3_fields,
     "smollm3": _smollm3_fields,
     "olmo2": _olmo_fields,
     "olmo3": lambda d: dict(_olmo_fields(d), default_layer_types=lambda n: [
@@ -437,15 +439,12 @@ _REFUSED_SWITCHES = {
     "gemma2": {"use_bidirectional_attention": (None, False)},
     "gemma3_text": {"use_bidirectional_attention": (None, False)},
     "gemma3": {"use_bidirectional_attention": (None, False)},
-    "smollm3": {"mlp_bias": (None, False)},
-    "olmo2": {"mlp_bias": (None, False)},
-    "olmo3": {"mlp_bias": (None, False)},
 }
 
 
 def _refuse_unsupported_switches(d: dict[str, Any], model_type: str, source: str) -> None:
     for key, accepted in _REFUSED_SWITCHES.get(model_type, {}).items():
-        if accepted is not None and d.get(key) not in accepted:
+        if d.get(key) not in accepted:
             raise ConfigError(f"{source}: {key}={d.get(key)!r} is not supported for {model_type} (supported: {accepted})")
 
 

@@ -87,7 +87,7 @@ def grouped_expert_mlp(x_sorted, group_sizes, w_gate_up, w_down, b_gate_up=None,
         expert_of_row = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), row, side="right"), group_sizes.shape[0] - 1)
         gate_up = gate_up + jnp.where(real[:, None], b_gate_up[expert_of_row].astype(jnp.float32), 0.0)
     gate, up = jnp.split(gate_up, 2, axis=-1)  # [N, I] each
-    hidden = jnp.where(real[:, None], activation(gate, up), 0.0)  # [N, I]
+    hidden = activation(gate, up)  # [N, I]; padding rows (gate = up = 0): 0 for SwiGLU and the clamped one
     # ragged_dot leaves rows past sum(group_sizes) at 0, so padding rows come out 0.
     return jax.lax.ragged_dot(hidden.astype(w_down.dtype), w_down, group_sizes, preferred_element_type=jnp.float32)  # [N, H]
 

@@ -6,6 +6,7 @@ tokens (the recomputed prefill crosses the windows again)."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -109,3 +110,14 @@ def test_a_multimodal_gemma3_folder_runs_its_text_decoder(tmp_path):
     (old / "config.json").write_text(json.dumps(json.loads((tmp_path / "config.json").read_text())))
     byte_tokenizer().save_pretrained(old)
     np.testing.assert_array_less(np.abs(logprobs(old) - truth).max(), TOL)
+
+
+def test_attention_sinks_with_ring_attention_are_refused_by_name():
+    from jaxinfer.aot.presets import read_model_config
+    from jaxinfer.config import ConfigError
+    from jaxinfer.runtime.loading import abstract_model
+    from sharding.mesh import ParallelConfig
+
+    config = read_model_config("gpt-oss-20b")
+    with pytest.raises(ConfigError, match="attention sinks with ring attention"):
+        abstract_model(config, jnp.bfloat16, jnp.bfloat16, parallel=ParallelConfig(sp=2, sp_attention="ring"))

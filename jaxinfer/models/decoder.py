@@ -123,6 +123,9 @@ class Decoder(nnx.Module):
         if config.qk_norm and config.qk_norm_scope == "projection" and parallel.tp > config.num_kv_heads:
             raise ConfigError(f"{config.model_type}: q/k norms over the whole projection with tensor parallelism {parallel.tp} "
                               f"> {config.num_kv_heads} KV heads (replicated KV heads) are not supported")
+        if config.attention_sinks and parallel.sp > 1 and parallel.sp_attention == "ring":
+            raise ConfigError(f"{config.model_type}: attention sinks with ring attention are not supported "
+                              "(sequence parallelism with sp_attention='allgather' is)")
         self.config = config
         self.compute_dtype = compute_dtype
         self.kernels = kernels  # static: XLA paths or Pallas kernels (jaxinfer.ops.kernels)
