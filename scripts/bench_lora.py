@@ -199,14 +199,14 @@ def step_costs(args) -> None:
     pages = [list(range(1 + s * pps, 1 + (s + 1) * pps)) for s in range(B)]
 
     def decode(i, adapters):
-        return [SequenceChunk([5], ctx + i, pages[s][: -(-(ctx + i + 1) // ps)], [0], lora_slot=s % 4 + 1 if adapters else 0)
+        return [SequenceChunk([5], ctx + i, [pages[s][: -(-(ctx + i + 1) // ps)]], [0], lora_slot=s % 4 + 1 if adapters else 0)
                 for s in range(B)]
 
     def decode_one(i, adapters):
         return decode(i, adapters)[:1]
 
     def prefill(i, adapters):
-        return [SequenceChunk(list(range(100, 228)), 0, pages[s][:8], [127], lora_slot=s % 4 + 1 if adapters else 0)
+        return [SequenceChunk(list(range(100, 228)), 0, [pages[s][:8]], [127], lora_slot=s % 4 + 1 if adapters else 0)
                 for s in range(4)]
 
     def timed(chunks):

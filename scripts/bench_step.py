@@ -258,7 +258,7 @@ def run_jaxinfer(args, dtype: str) -> dict:
     # ---- 1. prefill: one prompt of prefill_len tokens in one step
     P = args.prefill_len
     prompt = rng.integers(0, vocab, P).tolist()
-    chunk = SequenceChunk(prompt, 0, seq_pages[0][: -(-P // page_size)], [P - 1])
+    chunk = SequenceChunk(prompt, 0, [seq_pages[0][: -(-P // page_size)]], [P - 1])
     times, compiles = [], []
     for i in range(1 + args.prefill_runs):
         dt, _, nc = step([chunk])
@@ -295,7 +295,7 @@ def run_jaxinfer(args, dtype: str) -> dict:
                 break
             toks = rng.integers(0, vocab, n).tolist()
             last = start + n == ctx
-            batch.append(SequenceChunk(toks, start, seq_pages[s][: -(-(start + n) // page_size)], [n - 1] if last else []))
+            batch.append(SequenceChunk(toks, start, [seq_pages[s][: -(-(start + n) // page_size)]], [n - 1] if last else []))
             used += n
         res["fill"] = {
             "sequences": n_seqs,
@@ -317,7 +317,7 @@ def run_jaxinfer(args, dtype: str) -> dict:
         tokens = rng.integers(0, vocab, B).tolist()
         times, compiles = [], []
         for i in range(warm + steps):
-            chunks = [SequenceChunk([tokens[s]], ctx + i, seq_pages[s][: -(-(ctx + i + 1) // page_size)], [0]) for s in range(B)]
+            chunks = [SequenceChunk([tokens[s]], ctx + i, [seq_pages[s][: -(-(ctx + i + 1) // page_size)]], [0]) for s in range(B)]
             dt, out, nc = step(chunks)
             tokens = [rows[0].token for rows in out]  # greedy: feed back what the step sampled
             times.append(dt)
@@ -336,7 +336,7 @@ def run_jaxinfer(args, dtype: str) -> dict:
     from jaxinfer.ops.batch import pack_batch
 
     for B in args.batches:
-        chunks = [SequenceChunk([1], ctx, seq_pages[s][: -(-(ctx + 1) // page_size)], [0]) for s in range(B)]
+        chunks = [SequenceChunk([1], ctx, [seq_pages[s][: -(-(ctx + 1) // page_size)]], [0]) for s in range(B)]
         t0 = time.perf_counter()
         for _ in range(20):
             key, batch, rows = pack_batch(chunks, runner.buckets, page_size)

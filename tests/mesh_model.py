@@ -9,10 +9,13 @@ row. No torch here: multi-process workers import it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.kv_groups import kv_groups
 from jaxinfer.ops.batch import BucketKey, Buckets, SequenceChunk, pack_batch, stack_replicas
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.kv_cache import KVCache
@@ -45,18 +48,24 @@ class MeshModel:
         self.kv = KVCache.create(config, PAGES_PER_REPLICA * self.replicas, PAGE_SIZE, tp=parallel.tp, sharding=sharding,
                                  kernels=kernels)
         self.next_page = [1] * self.replicas  # page 0 of every replica is its scratch page
+        self.num_groups = kv_groups(config).num_groups
+        self.buckets = dataclasses.replace(BUCKETS, num_groups=self.num_groups)
 
-    def allocate(self, replica: int, num_tokens: int) -> list[int]:
+    def allocate(self, replica: int, num_tokens: int) -> list[list[int]]:
+        """Fresh pages for num_tokens in every KV layer group (a page-table row each)."""
         n = -(-num_tokens // PAGE_SIZE)
-        first = self.next_page[replica]
-        self.next_page[replica] += n
+        rows = []
+        for _ in range(self.num_groups):
+            first = self.next_page[replica]
+            self.next_page[replica] += n
+            rows.append(list(range(first, first + n)))
         assert self.next_page[replica] <= PAGES_PER_REPLICA
-        return list(range(first, first + n))
+        return rows
 
     def run(self, chunks: list[tuple[int, SequenceChunk]]) -> list[np.ndarray]:
         """One step of (replica, chunk) pairs; the logits [rows, V] of each chunk's requested rows."""
         per_replica = [[c for r, c in chunks if r == replica] for replica in range(self.replicas)]
-        packed = [pack_batch(cs, BUCKETS, PAGE_SIZE, KEY) for cs in per_replica]
+        packed = [pack_batch(cs, self.buckets, PAGE_SIZE, KEY) for cs in per_replica]
         batch = self.step.place_inputs(stack_replicas([b for _, b, _ in packed]))
         logits, self.kv = self.step.forward(self.params, self.kv, batch, query_block=KEY.query_block)
         logits = np.asarray(logits, np.float64)  # [replicas, R, V]

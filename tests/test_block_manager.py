@@ -31,7 +31,7 @@ def test_allocate_and_free_basics():
     bm = BlockManager(num_pages=8, page_size=PS)
     assert bm.num_free_pages == 7 and bm.usage == 0.0
     assert bm.allocate("a", list(range(10))) == 0  # 3 pages
-    pages = bm.page_table("a")
+    pages = bm.page_table("a")[0]
     assert len(pages) == 3 and 0 not in pages and len(set(pages)) == 3
     assert bm.num_free_pages == 4 and bm.usage == pytest.approx(3 / 7)
     assert all(bm.ref_counts[p] == 1 for p in pages)
@@ -49,7 +49,7 @@ def test_allocate_and_free_basics():
 def test_scratch_page_never_handed_out():
     bm = BlockManager(num_pages=5, page_size=1, enable_prefix_caching=False)
     bm.allocate("a", [1, 2, 3, 4])
-    assert sorted(bm.page_table("a")) == [1, 2, 3, 4]
+    assert sorted(bm.page_table("a")[0]) == [1, 2, 3, 4]
     assert not bm.can_allocate(1)
     with pytest.raises(OutOfPagesError):
         bm.allocate("b", [1])
@@ -79,9 +79,9 @@ def test_shared_prefix_reuses_pages():
     assert bm.num_cached_pages == 3
     cached = bm.allocate("b", prefix + [5, 6, 7])
     assert cached == 12
-    assert bm.page_table("b")[:3] == bm.page_table("a")[:3]
-    assert bm.page_table("b")[3] != bm.page_table("a")[3]
-    assert all(bm.ref_counts[p] == 2 for p in bm.page_table("a")[:3])
+    assert bm.page_table("b")[0][:3] == bm.page_table("a")[0][:3]
+    assert bm.page_table("b")[0][3] != bm.page_table("a")[0][3]
+    assert all(bm.ref_counts[p] == 2 for p in bm.page_table("a")[0][:3])
     assert (bm.stats.queries, bm.stats.hits) == (3 + 3, 3)  # in pages
     bm.check_invariants()
     # a different first page breaks the chain even if later pages match
@@ -96,8 +96,8 @@ def test_fully_cached_prompt_leaves_last_token_to_compute():
     prefill(bm, "a", prompt)
     cached = bm.allocate("b", prompt)
     assert cached == 8 < len(prompt)  # back off one page: the last page is recomputed privately
-    assert bm.page_table("b")[:2] == bm.page_table("a")[:2]
-    assert bm.page_table("b")[2] != bm.page_table("a")[2]
+    assert bm.page_table("b")[0][:2] == bm.page_table("a")[0][:2]
+    assert bm.page_table("b")[0][2] != bm.page_table("a")[0][2]
     bm.check_invariants()
     # the recomputed page holds content that is cached already: not registered twice
     bm.mark_computed("b", 12, prompt)
@@ -118,7 +118,7 @@ def test_max_cached_tokens_caps_the_lookup_but_not_the_registration():
     queries = bm.stats.queries
     assert bm.num_cached_prefix_pages(prompt, max_cached_tokens=0) == 0
     assert bm.allocate("b", prompt, max_cached_tokens=0) == 0  # no look-up at all, as vLLM
-    assert bm.stats.queries == queries and not set(bm.page_table("b")) & set(bm.page_table("a"))
+    assert bm.stats.queries == queries and not set(bm.page_table("b")[0]) & set(bm.page_table("a")[0])
     assert bm.num_cached_prefix_pages(prompt, max_cached_tokens=11) == 2
     assert bm.allocate("c", prompt, max_cached_tokens=11) == 8  # whole pages within the cap
     assert bm.allocate("d", prompt, max_cached_tokens=100) == 16  # the back-off rule still holds
@@ -156,7 +156,7 @@ def test_lru_eviction_order_and_reuse_after_free():
     a, b = [1] * 8 + [0], [2] * 8 + [0]
     prefill(bm, "a", a)  # 3 pages, 2 cached
     prefill(bm, "b", b)
-    pa, pb = bm.page_table("a"), bm.page_table("b")
+    pa, pb = bm.page_table("a")[0], bm.page_table("b")[0]
     bm.free("a")
     bm.free("b")
     bm.check_invariants()
@@ -164,12 +164,12 @@ def test_lru_eviction_order_and_reuse_after_free():
     assert list(bm._evictable) == [pa[1], pa[0], pb[1], pb[0]]
     assert bm.num_cached_pages == 4 and bm.num_free_pages == 6
     # a freed-but-cached prefix is reused by a later identical prompt
-    assert bm.allocate("b2", b) == 8 and bm.page_table("b2")[:2] == pb[:2]
+    assert bm.allocate("b2", b) == 8 and bm.page_table("b2")[0][:2] == pb[:2]
     bm.check_invariants()
     # 1 free page + 2 evictable (a's); a new 3-page prompt evicts them
     bm.allocate("c", [3] * 12)
     assert bm.stats.evictions == 2
-    assert set(bm.page_table("c")) >= {pa[0], pa[1]}
+    assert set(bm.page_table("c")[0]) >= {pa[0], pa[1]}
     bm.check_invariants()
     bm.free("c")
     bm.free("b2")
@@ -181,14 +181,14 @@ def test_lru_touch_on_hit_moves_to_back():
     bm = BlockManager(num_pages=5, page_size=PS)  # 4 usable
     prefill(bm, "a", [1] * 4 + [0])
     prefill(bm, "b", [2] * 4 + [0])
-    pa, pb = bm.page_table("a")[0], bm.page_table("b")[0]
+    pa, pb = bm.page_table("a")[0][0], bm.page_table("b")[0][0]
     bm.free("a")
     bm.free("b")
     assert bm.allocate("a2", [1] * 4 + [5]) == 4  # touch a's cached page
     bm.free("a2")
     bm.allocate("big", [9] * 12)  # 3 pages: 2 free + evicts b's page, not a's (touched later)
     assert bm.stats.evictions == 1
-    assert pb in bm.page_table("big") and pa not in bm.page_table("big")
+    assert pb in bm.page_table("big")[0] and pa not in bm.page_table("big")[0]
     bm.check_invariants()
     bm.free("big")
     assert bm.allocate("a3", [1] * 4 + [6]) == 4
@@ -205,18 +205,18 @@ def test_fork_mid_page_copy_on_write():
     prefill(bm, "p", tokens)
     bm.fork("p", "c")
     bm.check_invariants()
-    shared = bm.page_table("p")
-    assert bm.page_table("c") == shared and all(bm.ref_counts[p] == 2 for p in shared)
+    shared = bm.page_table("p")[0]
+    assert bm.page_table("c")[0] == shared and all(bm.ref_counts[p] == 2 for p in shared)
 
     copies_c = bm.prepare_append("c", 1)
     assert len(copies_c) == 1 and copies_c[0][0] == shared[2]
     new_c = copies_c[0][1]
-    assert bm.page_table("c") == shared[:2] + [new_c] and new_c not in shared
+    assert bm.page_table("c")[0] == shared[:2] + [new_c] and new_c not in shared
     assert bm.ref_counts[shared[2]] == 1 and bm.ref_counts[new_c] == 1
     bm.check_invariants()
 
     assert bm.prepare_append("p", 1) == []  # the parent's last page is private now
-    assert bm.page_table("p") == shared
+    assert bm.page_table("p")[0] == shared
     assert all(bm.ref_counts[p] == 2 for p in shared[:2])  # full pages stay shared
     bm.check_invariants()
 
@@ -225,7 +225,7 @@ def test_fork_mid_page_copy_on_write():
     bm.fork("c", "d")
     copies = bm.prepare_append("d", 3)  # positions 11..13: finishes page 2, opens page 3
     assert len(copies) == 1 and copies[0][0] == new_c
-    assert len(bm.page_table("d")) == 4 and bm.page_table("d")[:2] == shared[:2]
+    assert len(bm.page_table("d")[0]) == 4 and bm.page_table("d")[0][:2] == shared[:2]
     bm.check_invariants()
     # page-aligned fork: nothing to copy
     bm.mark_computed("p", 11, tokens + [8])
@@ -233,7 +233,7 @@ def test_fork_mid_page_copy_on_write():
     bm.mark_computed("p", 12, tokens + [8, 9])
     bm.fork("p", "q")
     assert bm.prepare_append("q", 1) == [] and bm.prepare_append("p", 1) == []
-    assert bm.page_table("q")[:3] == bm.page_table("p")[:3]
+    assert bm.page_table("q")[0][:3] == bm.page_table("p")[0][:3]
     bm.check_invariants()
     for s in ["p", "c", "d", "q"]:
         bm.free(s)
@@ -254,7 +254,7 @@ def test_prefix_caching_disabled():
     prompt = list(range(13))
     assert prefill(bm, "a", prompt) == 0
     assert prefill(bm, "b", prompt) == 0
-    assert not set(bm.page_table("a")) & set(bm.page_table("b"))
+    assert not set(bm.page_table("a")[0]) & set(bm.page_table("b")[0])
     assert bm.num_cached_pages == 0 and bm.stats.hits == 0 and bm.stats.queries == 0
     bm.free("a")
     assert bm.num_free_pages == 16 - 1 - 4 and not bm._evictable
@@ -270,9 +270,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     """Drives the manager against a simulated device: every page holds token ids in its slots.
     Hits must return pages whose content is the prompt's; writes must only touch private pages."""
 
-    @initialize(num_pages=st.integers(2, 14), page_size=st.integers(1, 4), caching=st.booleans())
-    def setup(self, num_pages, page_size, caching):
-        self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=caching)
+    @initialize(num_pages=st.integers(2, 14), page_size=st.integers(1, 4), caching=st.booleans(),
+                windows=st.sampled_from([(None,), (None,), (3,), (None, 2), (5, None, 5), (None, 1)]))
+    def setup(self, num_pages, page_size, caching, windows):
+        self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=caching, windows=windows)
         self.ps = page_size
         self.device = {p: [None] * page_size for p in range(num_pages)}
         self.tokens = {}  # seq id -> its tokens (prompt + appended)
@@ -280,11 +281,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _write(self, sid, start, end):
         seq = self.bm.seqs[sid]
-        for pos in range(start, end):
-            page = seq.pages[pos // self.ps]
-            assert self.bm.ref_counts[page] == 1, f"write into shared page {page}"
-            self.device[page][pos % self.ps] = self.tokens[sid][pos]
+        for row in seq.pages:
+            for pos in range(start, end):
+                page = row[pos // self.ps]
+                assert page != 0, f"write into the scratch page at position {pos}"
+                assert self.bm.ref_counts[page] == 1, f"write into shared page {page}"
+                self.device[page][pos % self.ps] = self.tokens[sid][pos]
         self.bm.mark_computed(sid, end, self.tokens[sid])
+
+    def _held_positions(self, g, seq):
+        """Positions whose K/V group g still holds for seq (a sliding group: its window's)."""
+        return range(self.bm._first_kept(g, seq.num_computed) * self.ps, seq.num_computed)
 
     def _try(self, fn):
         before = snapshot(self.bm)
@@ -300,15 +307,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         prompt = BASES[base][:cut] + tail
         sid = self.next_id
         self.next_id += 1
-        fits = self.bm.can_allocate(len(prompt))
-        cached = self._try(lambda: self.bm.allocate(sid, prompt))
+        fits = self.bm.can_allocate(len(prompt), lookahead=chunk)
+        cached = self._try(lambda: self.bm.allocate(sid, prompt, lookahead=chunk))
         if cached is None:
             assert not fits
             return
         assert cached % self.ps == 0 and cached < len(prompt)
-        pages = self.bm.seqs[sid].pages
-        for pos in range(cached):  # a hit really holds this prompt's K/V
-            assert self.device[pages[pos // self.ps]][pos % self.ps] == prompt[pos]
+        seq = self.bm.seqs[sid]
+        for g, row in enumerate(seq.pages):  # a hit really holds this prompt's K/V
+            for pos in self._held_positions(g, seq):
+                assert self.device[row[pos // self.ps]][pos % self.ps] == prompt[pos]
         self.tokens[sid] = list(prompt)
         self._write(sid, cached, min(len(prompt), cached + chunk))  # maybe a partial prefill
 
@@ -317,7 +325,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def continue_prefill(self, data, chunk):
         sid = data.draw(st.sampled_from(sorted(k for k, s in self.bm.seqs.items() if s.num_computed < s.num_tokens)))
         seq = self.bm.seqs[sid]
-        self._write(sid, seq.num_computed, min(seq.num_tokens, seq.num_computed + chunk))
+        end = min(seq.num_tokens, seq.num_computed + chunk)
+        fits = self.bm.can_reserve(sid, end)
+        copies = self._try(lambda: self.bm.reserve(sid, end))  # a sliding group's pages for this chunk
+        if copies is None:
+            assert not fits
+            return
+        assert copies == []  # nothing shared is written mid-prompt
+        self._write(sid, seq.num_computed, end)
 
     def _done(self):
         return sorted(k for k, s in self.bm.seqs.items() if s.num_computed == s.num_tokens)
@@ -333,7 +348,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         assert fits
         for src, dst in copies:
-            assert self.bm.ref_counts[dst] == 1 and dst in self.bm.seqs[sid].pages
+            assert self.bm.ref_counts[dst] == 1 and any(dst in row for row in self.bm.seqs[sid].pages)
             self.device[dst] = list(self.device[src])
         start = len(self.tokens[sid])
         self.tokens[sid] += new
@@ -360,9 +375,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "bm"):
             return
         self.bm.check_invariants()
-        for sid, seq in self.bm.seqs.items():  # every computed slot holds the sequence's token
-            for pos in range(seq.num_computed):
-                assert self.device[seq.pages[pos // self.ps]][pos % self.ps] == self.tokens[sid][pos]
+        for sid, seq in self.bm.seqs.items():  # every computed slot a group holds has the sequence's token
+            for g, row in enumerate(seq.pages):
+                for pos in self._held_positions(g, seq):
+                    assert self.device[row[pos // self.ps]][pos % self.ps] == self.tokens[sid][pos]
 
     def teardown(self):
         if not hasattr(self, "bm"):
@@ -386,3 +402,48 @@ def test_page_key_chains():
     assert page_key(b"", [1, 2]) == a and page_key(b"", [2, 1]) != a
     assert page_key(a, [3, 4]) != page_key(page_key(b"", [9, 9]), [3, 4])
     assert page_key(b"lora1", [1, 2]) != a
+
+
+# ---------------------------------------------------------------------- layer groups (sliding windows)
+def test_a_sliding_group_holds_only_what_its_window_still_sees():
+    """Windows (None, 6), pages of 4: a 40-token prompt prefilled in chunks of 8. The full group
+    keeps every page; the sliding one gives back each page once the next query's window (its
+    position - 5 on) has passed it, and takes pages only for the chunk being computed."""
+    bm = BlockManager(num_pages=64, page_size=PS, windows=(None, 6))
+    tokens = list(range(100, 140))
+    assert bm.allocate("a", tokens, lookahead=8) == 0
+    assert bm.pages_held("a") == [10, 2]  # the whole prompt; the first chunk
+    for end in range(8, 41, 8):
+        assert bm.reserve("a", end) == []
+        bm.mark_computed("a", end, tokens)
+        bm.check_invariants()
+        full, sliding = bm.page_table("a")
+        first_kept = (end - 6 + 1) // PS  # position end sees keys end-5..end
+        assert all(p != 0 for p in full) and len(full) == 10
+        assert all(p == 0 for p in sliding[:first_kept]) and all(p != 0 for p in sliding[first_kept:])
+        assert bm.pages_held("a")[1] <= (6 + 8 - 2) // PS + 2  # a window and a chunk, whatever the length
+    assert bm.pages_in_use == [10, 2]
+
+
+def test_a_sliding_groups_prefix_hit_needs_only_its_windows_pages_and_backs_off_without_them():
+    bm = BlockManager(num_pages=40, page_size=PS, windows=(None, 6))
+    tokens = list(range(100, 140))
+    bm.allocate("a", tokens, lookahead=8)
+    for end in range(8, 41, 8):
+        bm.reserve("a", end)
+        bm.mark_computed("a", end, tokens)
+    bm.free("a")
+    # a prompt sharing 32 tokens: the full group's 8 pages and the sliding group's last two are cached
+    assert bm.num_cached_prefix_pages(tokens[:32] + [7]) == 8
+    assert bm.allocate("b", tokens[:32] + [7], lookahead=8) == 32
+    full, sliding = bm.page_table("b")
+    assert sliding[:6] == [0] * 6 and 0 not in sliding[6:8]  # window of position 32: keys 27.. (pages 6, 7)
+    bm.check_invariants()
+    bm.free("b")
+    # evict the sliding group's first pages (released first, so least recently used): a 12-token
+    # prefix still has its full pages, but not the window's, so nothing is reused
+    assert bm.num_cached_prefix_pages(tokens[:12] + [7]) == 3
+    bm.allocate("c", list(range(1000, 1000 + PS * (len(bm._free) + 3))), lookahead=0)
+    assert bm.num_cached_prefix_pages(tokens[:12] + [7]) == 0
+    assert bm.num_cached_prefix_pages(tokens[:32] + [7]) == 8  # later pages are still all there
+    bm.check_invariants()

@@ -63,7 +63,7 @@ def jax_log_softmax(llm, ids, lora: LoRARequest | None):
         slot = llm.engine.lora.slot(lora.lora_int_id, {lora.lora_int_id})
     runner, n = llm.runner, len(ids)
     pages = list(range(1, -(-n // runner.page_size) + 1))
-    key, batch, rows = pack_batch([SequenceChunk(ids, 0, pages, list(range(n)), lora_slot=slot)],
+    key, batch, rows = pack_batch([SequenceChunk(ids, 0, [pages], list(range(n)), lora_slot=slot)],
                                   Buckets((16,), max_num_seqs=1, pages_per_seq=runner.buckets.pages_per_seq),
                                   runner.page_size, with_lora=True)
     logits, runner.kv = runner.step_fn.forward(runner.params, runner.kv, runner.step_fn.place_inputs(stack_replicas([batch])),
@@ -200,7 +200,7 @@ def test_the_models_delta_through_the_sgmv_kernels_gives_the_same_logits(llm, ad
     chunks, first_page = [], 1
     for ids, slot in zip(prompts, [slots[0], 0, slots[1]]):
         pages = list(range(first_page, first_page + -(-len(ids) // runner.page_size)))
-        chunks.append(SequenceChunk(ids, 0, pages, list(range(len(ids))), lora_slot=slot))
+        chunks.append(SequenceChunk(ids, 0, [pages], list(range(len(ids))), lora_slot=slot))
         first_page += len(pages)
     key, batch, _ = pack_batch(chunks, Buckets((32,), max_num_seqs=4, pages_per_seq=runner.buckets.pages_per_seq),
                                runner.page_size, with_lora=True)

@@ -38,15 +38,56 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
 
 def test_greedy_generation_equals_transformers_batched_alone_and_preempted(family_dir):
     directory, hf = family_dir
-    # chunks of 8 tokens: prefills cross the windows in pieces; 12 pages of 4 tokens hold two of
-    # the three sequences at their full length, so the third is preempted and recomputed
-    llm = LLM(str(directory), max_model_len=48, page_size=4, num_pages=13, max_num_batched_tokens=8, max_num_seqs=4,
+    # chunks of 8 tokens: prefills cross the windows in pieces. Layers S S F S make three KV layer
+    # groups (the pattern's period is 3: S S F, then S), two sliding (window 6) and one full: at
+    # their full length (13, 21, 29 tokens) the sequences hold 4 + 2 * 3, 6 + 2 * 3 and 8 + 2 * 3
+    # pages of 4 tokens; 26 pages hold two of them, so the third is preempted and recomputed
+    llm = LLM(str(directory), max_model_len=48, page_size=4, num_pages=27, max_num_batched_tokens=8, max_num_seqs=4,
               progress=False)
+    assert llm.runner.kv_windows == (6, 6, None)
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
     assert llm.engine.get_stats().num_preemptions > 0
     assert batched == [hf_greedy(hf, ids, GREEDY.max_tokens) for ids in prompts()]
     alone = [llm.generate([ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for ids in prompts()]
     assert alone == batched
+
+
+def test_a_long_sequence_holds_a_window_of_pages_in_each_sliding_group(family_dir):
+    """80 tokens through pages of 4: the full group's row grows to 20 pages while each sliding
+    group (window 6) holds at most a window and a chunk of 8, its pages recycled as it goes; the
+    tokens are still transformers'."""
+    directory, hf = family_dir
+    llm = LLM(str(directory), max_model_len=96, page_size=4, max_num_batched_tokens=8, max_num_seqs=2, progress=False)
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, 250, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine, bm = llm.engine, llm.engine.block_manager
+    engine.add_request("long", prompt, params)
+    held, out = [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+        held += [bm.pages_held(sid) for sid in bm.seqs]
+    full = [h[2] for h in held]  # groups (6, 6, None)
+    sliding = [h[g] for h in held for g in (0, 1)]
+    assert max(full) == 20 and max(sliding) <= (6 + 8 - 2) // 4 + 2
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 40)
+    assert engine.get_stats().kv_pages_in_use_by_group == (0, 0, 0)
+
+
+def test_prefix_caching_on_a_windowed_model_gives_the_same_tokens(family_dir):
+    """Prompts sharing a 28-token prefix, one after another: later ones reuse its full pages and
+    the sliding groups' pages in the window of the hit (the rest of theirs were given back), and
+    decode exactly what transformers does from the whole prompt."""
+    directory, hf = family_dir
+    llm = LLM(str(directory), max_model_len=64, page_size=4, max_num_batched_tokens=16, max_num_seqs=2, progress=False,
+              enable_prefix_caching=True)
+    rng = np.random.default_rng(5)
+    shared = [int(t) for t in rng.integers(3, 250, 28)]
+    tails = [[int(t) for t in rng.integers(3, 250, n)] for n in (3, 7, 1)]
+    got = [llm.generate([shared + tail], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for tail in tails]
+    stats = llm.engine.get_stats()
+    assert stats.prefix_cache_hit_rate > 0.5  # every later prompt found its 7 shared pages
+    assert got == [hf_greedy(hf, shared + tail, GREEDY.max_tokens) for tail in tails]
 
 
 def test_cli_generate_runs_a_gemma3_folder(family_dir, capsys):

@@ -52,7 +52,7 @@ def run_steps(model_dir, kernels: Kernels, quantization: str | None) -> list[np.
     buckets = Buckets((16, FLASH_MIN_TOKENS), max_num_seqs=4, pages_per_seq=32)
     rng = np.random.default_rng(0)
     a, b, c = (list(rng.integers(3, 250, size=n)) for n in (150, 90, 30))
-    pages = {name: list(range(1 + 24 * i, 25 + 24 * i)) for i, name in enumerate("abc")}
+    pages = {name: [list(range(1 + 24 * i, 25 + 24 * i))] for i, name in enumerate("abc")}  # one KV layer group
 
     steps = [
         # a long step of fresh prefills only (every sequence starts at 0): flash attention
@@ -118,7 +118,7 @@ def test_every_kernel_is_in_the_step(model_dir, platform):
     step = StepFunction(graphdef, num_top_logprobs=0)
     kv = KVCache.create(config, 80, PAGE_SIZE, kernels=Kernels(platform, True))
     buckets = Buckets((16, FLASH_MIN_TOKENS), max_num_seqs=4, pages_per_seq=32)
-    key, batch, _ = pack_batch([SequenceChunk(list(range(3, 203)), 0, list(range(1, 26)), [0])], buckets, PAGE_SIZE)
+    key, batch, _ = pack_batch([SequenceChunk(list(range(3, 203)), 0, [list(range(1, 26))], [0])], buckets, PAGE_SIZE)
     forward = lambda params, kv, batch: step.forward(params, kv, batch, query_block=key.query_block)  # noqa: E731
     calls = pallas_calls(jax.make_jaxpr(forward)(params, kv, step.place_inputs(stack_replicas([batch]))))
     kernels = ("add_rms_norm", "swiglu_matmul", "ragged_paged_attention", "flash_attention", "quantized_matmul")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from jaxinfer.kv_groups import kv_groups
 from jaxinfer.ops.batch import Buckets, SequenceChunk, pack_batch, stack_replicas
 from jaxinfer.ops.kv_cache import KVCache
 from jaxinfer.runtime.loading import load_params, read_config, resolve_model
@@ -32,16 +33,21 @@ class PagedModel:
         self.kv = KVCache.create(self.config, num_pages, page_size)
         self.step = StepFunction(graphdef, num_top_logprobs=0)
         self.page_size = page_size
-        self.buckets = Buckets((4, 64), max_num_seqs=8, pages_per_seq=-(-max_len // page_size))
+        self.num_groups = kv_groups(self.config).num_groups
+        self.buckets = Buckets((4, 64), max_num_seqs=8, pages_per_seq=-(-max_len // page_size), num_groups=self.num_groups)
         self.free_pages = list(np.random.default_rng(0).permutation(np.arange(1, num_pages)))
         self.owned: set[int] = set()
 
-    def allocate(self, num_tokens: int) -> list[int]:
+    def allocate(self, num_tokens: int) -> list[list[int]]:
+        """Fresh pages for num_tokens in every KV layer group (a page-table row each)."""
         n = -(-num_tokens // self.page_size)
-        assert n <= len(self.free_pages), "test page pool too small"
-        pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
-        self.owned.update(int(p) for p in pages)
-        return [int(p) for p in pages]
+        rows = []
+        for _ in range(self.num_groups):
+            assert n <= len(self.free_pages), "test page pool too small"
+            pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
+            self.owned.update(int(p) for p in pages)
+            rows.append([int(p) for p in pages])
+        return rows
 
     def run(self, chunks: list[SequenceChunk]) -> list[np.ndarray]:
         """One step; returns per chunk the log-softmax [rows, V] of its requested rows."""
@@ -124,7 +130,7 @@ def test_parity(family_model, page_size):
     start = 0
     for n, num_riders in zip((5, 3, 11, 14), (1, 4, 1, 4)):
         piece = long_seq[start : start + n]
-        riders = [SequenceChunk([seqs[i][0]], 0, pages[i][:1], [0]) for i in range(num_riders)]
+        riders = [SequenceChunk([seqs[i][0]], 0, [row[:1] for row in pages[i]], [0]) for i in range(num_riders)]
         out, *rider_outs = model.run([SequenceChunk(piece, start, chunk_pages, list(range(n)))] + riders)
         np.testing.assert_array_less(np.abs(out - chunk_truth[start : start + n]).max(), TOL)
         for i, rider_out in enumerate(rider_outs):

@@ -96,7 +96,7 @@ def test_pallas_kernels_run_per_device_on_a_mesh(dense_dir, dense_truth, platfor
 def compiled_collectives(model_dir, parallel: ParallelConfig) -> tuple[Counter, Counter, list]:
     """(collectives in the layer loop's body, those outside it, all of them) of the compiled forward."""
     model = MeshModel(model_dir, parallel)
-    per_replica = [pack_batch([SequenceChunk([5, 6, 7], 0, [1], [2])], BUCKETS, PAGE_SIZE, KEY)[1]] * model.replicas
+    per_replica = [pack_batch([SequenceChunk([5, 6, 7], 0, [[1]], [2])], BUCKETS, PAGE_SIZE, KEY)[1]] * model.replicas
     batch = model.step.place_inputs(stack_replicas(per_replica))
     hlo = model.step._forward.lower(model.params, model.kv, batch, query_block=KEY.query_block).compile().as_text()
     in_loop, outside = split_by_layer_loop(hlo)

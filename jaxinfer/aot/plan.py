@@ -23,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import time
 
+from jaxinfer.kv_groups import window_pages
 from jaxinfer.aot.step_compile import AbstractStep, ServingShape
 from jaxinfer.aot.targets import Target
 from jaxinfer.engine.memory import kv_pool_pages, largest_bucket, pages_for_bytes, step_scratch_bytes
@@ -134,9 +135,11 @@ class Plan:
         bandwidth. An estimate."""
         s = self.step
         decode = [b.key.num_seqs for b in self.buckets if b.kind == "decode"] or [s.shape.max_num_seqs]
-        seqs = min(max(decode), (s.num_pages - 1) * s.shape.page_size // context)
-        kv_per_token = s.kv_bytes_per_page_per_chip() / s.shape.page_size
-        step_bytes = s.weight_bytes_per_chip() + seqs * context * kv_per_token
+        held = sum(window_pages(w, context, s.shape.page_size) for w in s.windows)  # a sequence's pages, all groups
+        seqs = min(max(decode), (s.num_pages - 1) // held)
+        kv_per_token = s.kv_bytes_per_page_per_chip() / s.shape.page_size  # one token of one group: its layers
+        read = sum(context if w is None else min(w, context) for w in s.windows)  # a sliding group reads its window
+        step_bytes = s.weight_bytes_per_chip() + seqs * read * kv_per_token
         seconds = step_bytes / self.target.chip.hbm_bytes_per_second
         return seqs, seconds, seqs * s.parallel.num_replicas / seconds
 
@@ -174,10 +177,10 @@ def size_pool(step: AbstractStep) -> PoolSizing:
         kernels = Kernels(platform=target.platform, interpret=False)
         replica_page = KVCache.page_bytes(step.config, shape.page_size, shape.kv_cache_dtype or shape.dtype,
                                           tp=step.parallel.tp, kernels=kernels)
-        given = pages_for_bytes(shape.kv_cache_memory_bytes, replica_page, shape.pages_needed())
+        given = pages_for_bytes(shape.kv_cache_memory_bytes, replica_page, shape.pages_needed(step.windows))
         sized_by = f"kv_cache_memory_bytes={shape.kv_cache_memory_bytes}"
     roomy = given is not None and weights + given * page_bytes < PROBE_BELOW * target.chip.hbm_bytes
-    probe_pages = given if roomy else shape.pages_per_seq + 1
+    probe_pages = given if roomy else shape.sequence_pages(step.windows) + 1
     # the model's scratch, or the sampling programs' over the most logits rows (they run after it):
     # the two compiles side by side
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -212,17 +215,18 @@ def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfi
             f"Use more chips (-tp) or smaller weights (--quantization int8 / int4)"
         )
     sizing = size_pool(step)
-    if sizing.largest_pages < 1 + shape.pages_per_seq:
+    one_sequence = shape.sequence_pages(step.windows) + 1
+    if sizing.largest_pages < one_sequence:
         raise DoesNotFit(
             f"after {weights / GiB:.1f} GiB of weights and {sizing.scratch_bytes / GiB:.1f} GiB of step scratch per chip, "
             f"{sizing.largest_pages} KV pages fit; one sequence of max_model_len={shape.max_model_len} needs "
-            f"{shape.pages_per_seq + 1}. Use more chips, smaller weights, a smaller --max-model-len or an int8 KV cache"
+            f"{one_sequence}. Use more chips, smaller weights, a smaller --max-model-len or an int8 KV cache"
         )
-    if sizing.pages < 1 + shape.pages_per_seq and shape.num_pages is None and shape.kv_cache_memory_bytes is None:
+    if sizing.pages < one_sequence and shape.num_pages is None and shape.kv_cache_memory_bytes is None:
         raise DoesNotFit(  # as the engine refuses it
             f"{sizing.sized_by} leaves {sizing.pages} KV pages per replica after {weights / GiB:.1f} GiB of weights and "
             f"{sizing.scratch_bytes / GiB:.1f} GiB of step scratch per chip; one sequence of max_model_len="
-            f"{shape.max_model_len} needs {shape.pages_per_seq + 1} (up to {sizing.largest_pages} would fit)"
+            f"{shape.max_model_len} needs {one_sequence} (up to {sizing.largest_pages} would fit)"
         )
     keys = step.buckets.all_keys()
     largest = sizing.probe.key
@@ -257,6 +261,19 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.2f}"
 
 
+def _group_lines(s: AbstractStep, held: int, whole: int, largest_pages: int) -> list[str]:
+    """The KV layer groups' line (jaxinfer.kv_groups), for a model with sliding-window layers: what
+    a sequence of max_model_len holds against a cache that kept every layer's whole sequence."""
+    if s.windows == (None,):
+        return []
+    kinds = ", ".join(f"{s.windows.count(w)} {'full' if w is None else f'window {w}'}" for w in dict.fromkeys(s.windows))
+    bytes_per_token = s.kv_bytes_per_page_per_chip() * len(s.windows) / s.shape.page_size
+    return [f"KV layer groups: {len(s.windows)} ({kinds}), {s.kv.num_slots} layers each: a sequence of max_model_len "
+            f"holds {held} pages, {whole} with every layer keeping it whole ({bytes_per_token / 1024:.1f} KiB per "
+            f"token per chip); the largest pool holds {(largest_pages - 1) // held} such sequences, a full-attention "
+            f"cache {(largest_pages - 1) // whole}"]
+
+
 def format_plan(plan: Plan) -> str:
     s, t = plan.step, plan.target
     shape = s.shape
@@ -286,6 +303,8 @@ def format_plan(plan: Plan) -> str:
     replicas = s.parallel.num_replicas
     tokens_fit = (plan.largest_pool_pages - 1) * shape.page_size
     tokens_asked = (plan.pages_requested - 1) * shape.page_size
+    held = sum(window_pages(w, shape.max_model_len, shape.page_size) for w in s.windows)  # a decoding sequence's pages
+    whole = len(s.windows) * -(-shape.max_model_len // shape.page_size)  # ... were every layer to keep it all
     lines += [
         "",
         "| per chip | GiB |",
@@ -296,13 +315,14 @@ def format_plan(plan: Plan) -> str:
         f"| peak of the largest bucket | {_gib(peak)} ({100 * peak / t.chip.hbm_bytes:.0f}% of HBM) |",
         "",
         f"KV pool ({plan.sizing.sized_by}, as the engine sizes it): {plan.pages_requested} pages per replica = "
-        f"{tokens_asked} tokens = {tokens_asked // shape.max_model_len} sequences at max_model_len "
-        f"(max_num_seqs {shape.max_num_seqs}: {shape.pages_needed()} pages); weights + pool + scratch "
+        f"{tokens_asked} tokens = {(plan.pages_requested - 1) // held} sequences at max_model_len "
+        f"(max_num_seqs {shape.max_num_seqs}: {shape.pages_needed(s.windows)} pages); weights + pool + scratch "
         f"{100 * plan.sizing.chip_bytes(plan.pages_requested) / t.chip.hbm_bytes:.1f}% of HBM",
         f"largest that fits: {plan.largest_pool_pages} pages = {tokens_fit} tokens per replica "
-        f"= {tokens_fit // shape.max_model_len} sequences at max_model_len"
+        f"= {(plan.largest_pool_pages - 1) // held} sequences at max_model_len"
         + ("" if plan.largest_pool_pages >= plan.pages_requested else
            f" (the requested pool does NOT fit: compiled with {s.num_pages} pages)"),
+        *_group_lines(s, held, whole, plan.largest_pool_pages),
         "",
         "Decode estimate (HBM roofline: weights + KV read once per step at the chip's bandwidth; an estimate, not a measurement):",
         "",

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxinfer.kv_groups import kv_groups, window_pages
 from jaxinfer.aot.targets import Target
 from jaxinfer.ops.batch import BucketKey, Buckets
 from jaxinfer.config import ModelConfig
@@ -65,8 +66,13 @@ class ServingShape:
     def pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
 
-    def pages_needed(self) -> int:
-        return self.max_num_seqs * self.pages_per_seq + 1
+    def sequence_pages(self, windows: tuple = (None,)) -> int:
+        """Pages (every KV layer group, `jaxinfer.kv_groups`) one sequence of max_model_len holds at
+        most: a full group all of it, a sliding group its window and a prefill chunk."""
+        return sum(window_pages(w, self.max_model_len, self.page_size, self.max_num_batched_tokens) for w in windows)
+
+    def pages_needed(self, windows: tuple = (None,)) -> int:
+        return self.max_num_seqs * self.sequence_pages(windows) + 1
 
 
 @dataclasses.dataclass
@@ -105,11 +111,12 @@ class AbstractStep:
         specs = param_partition_specs(params, config)
         params = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
                               params, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-        num_pages = shape.num_pages or shape.pages_needed()  # plan.size_pool resizes it
+        groups = kv_groups(config)
+        num_pages = shape.num_pages or shape.pages_needed(groups.windows)  # plan.size_pool resizes it
         kv = abstract_pool(config, num_pages * parallel.num_replicas, shape.page_size, kv_dtype, tp=parallel.tp,
                            kernels=kernels, mesh=mesh)
         buckets = Buckets.default(shape.max_num_batched_tokens, min(shape.max_num_seqs, shape.max_num_batched_tokens),
-                                  shape.pages_per_seq, token_multiple=parallel.sp)
+                                  shape.pages_per_seq, token_multiple=parallel.sp, num_groups=groups.num_groups)
         step = StepFunction(graphdef, NUM_TOP_LOGPROBS, max_rows=buckets.max_tokens, mesh=mesh, param_specs=specs)
         return cls(config, target, parallel, shape, mesh, step, params, kv, buckets, num_pages)
 
@@ -127,6 +134,11 @@ class AbstractStep:
     def kv_bytes_per_chip(self) -> int:
         return bytes_per_device(self.kv)  # K, V and a quantized pool's scales
 
+    @property
+    def windows(self) -> tuple:
+        """Each KV layer group's sliding window (None: full attention)."""
+        return kv_groups(self.config).windows
+
     def kv_bytes_per_page_per_chip(self) -> int:
         return self.kv_bytes_per_chip() // self.num_pages  # a chip holds its replica's num_pages pages
 
@@ -136,7 +148,7 @@ class AbstractStep:
     # ------------------------------------------------------------------ compiling
     def inputs(self, key: BucketKey):
         """(batch, prev_tokens) of bucket `key`, abstract and sharded as the model program takes them."""
-        return abstract_inputs(self.step, key, self.buckets.pages_per_seq, with_lora=self.shape.max_loras > 0)
+        return abstract_inputs(self.step, key, self.buckets, with_lora=self.shape.max_loras > 0)
 
     def lower(self, key: BucketKey) -> jax.stages.Lowered:
         with jax.set_mesh(self.mesh):  # Pallas asks the mesh's chip for its facts (VMEM, generation)

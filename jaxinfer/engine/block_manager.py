@@ -1,25 +1,41 @@
 """Host-side page (block) manager: ref-counted KV pages, a prefix cache over full pages, LRU
-eviction and copy-on-write for forked sequences. No device code: it hands out page ids and
-tells the caller which page copies to perform.
+eviction, copy-on-write for forked sequences, and layer groups that give back what their window
+no longer sees. No device code: it hands out page ids and tells the caller which page copies to
+perform.
 
-Vocabulary. A sequence (identified by any hashable id) owns a list of pages (its page-table
-row). `num_tokens` is how many token slots it has reserved (positions 0..num_tokens-1 have a
-page); `num_computed` is how many of those hold K/V already (the caller reports progress with
-`mark_computed`). Every page id 1..num_pages-1 is in exactly one state:
+Vocabulary. A sequence (identified by any hashable id) owns one page list per layer group (its
+page-table rows; `jaxinfer.kv_groups`: layers keeping the same span share a row). `num_tokens`
+is how many token slots it has reserved; `num_computed` is how many of those hold K/V already
+(the caller reports progress with `mark_computed`). Every page id 1..num_pages-1 is in exactly
+one state, whichever group uses it:
 
   * free       ref count 0, no cached content, on the free list;
-  * in use     ref count = number of sequences holding it (>= 1);
+  * in use     ref count = number of sequences holding it (>= 1), all in one group;
   * evictable  ref count 0 but its content is registered in the prefix cache; it can be
                reused by a later prefix hit, or evicted (least recently released first) when
                the free list is empty.
 
-Page 0 is the scratch page (jaxinfer.ops.batch.SCRATCH_PAGE) and is never handed out.
+Page 0 is the scratch page (jaxinfer.ops.batch.SCRATCH_PAGE) and is never handed out; a
+sliding group's row holds it in place of the pages it gave back.
+
+Groups. `windows` gives each group's sliding window (None: full attention, the default one
+group). A full group holds pages for every reserved slot, 0..num_tokens-1. A group with window W
+holds only what its layers will still read: once num_computed = n, the next query (position n)
+sees keys n - W + 1 .. n, so pages wholly before n - W + 1 go back to the pool (`mark_computed`)
+and the row holds the scratch page there. It also takes pages only for the slots about to be
+computed: a new sequence's prompt reserves a full group's pages at once (`allocate`: admission
+checks the whole prompt fits) but a sliding group's only for the chunk a step computes
+(`allocate`'s `lookahead`, then `reserve`), so a long prompt prefilled in chunks holds about a
+window of pages in each sliding group, never the prompt.
 
 Prefix cache. Page i of a sequence, once full and computed, is keyed by
 `blake2b(key of page i-1 || page_size token ids as little-endian int32)` (16-byte digest; the
-first page chains from `salt`, e.g. a LoRA id). The key commits to the whole prefix, so a hit
-on page i means pages 0..i match too; a 128-bit cryptographic digest makes accidental
-collisions negligible, so hits do not compare tokens (and the table need not keep them).
+first page chains from `salt`, e.g. a LoRA id), per group: group g's page is registered under
+(g, key). The key commits to the whole prefix, so a hit on page i means pages 0..i match too; a
+128-bit cryptographic digest makes accidental collisions negligible, so hits do not compare
+tokens (and the table need not keep them). A prefix of n pages is a hit when every full group
+holds all n pages and every sliding group the pages its window sees from position n * page_size
+(the ones before may long be gone): the look-up takes the longest n all groups agree on.
 
 Back-off rule. `allocate` only looks up full pages that lie entirely before the last prompt
 token, i.e. the first (len(prompt) - 1) // page_size pages. The last prompt token is therefore
@@ -31,13 +47,13 @@ caps the look-up with `max_cached_tokens`; the sequence's pages are still regist
 are computed, for later sequences to reuse.
 
 Copy-on-write. `fork` shares every page of the parent, including a partial last page. Writes
-only go to positions >= num_tokens, and the only existing page such a write can touch is the
-partial page holding position num_tokens. `prepare_append(seq, n)` reserves n more slots; if
-that partial page is shared (ref count > 1) the sequence gets a fresh private page and the
-call returns [(src_page, dst_page)], which the caller must copy on the device before the step
-that writes into it. Full shared pages are never written.
+only go to positions >= num_computed, and the only existing page such a write can find shared
+is the partial page holding position num_computed. `reserve` (and `prepare_append`) give the
+sequence a fresh private page there and return [(src_page, dst_page)] (one per group), which
+the caller must copy on the device before the step that writes into it. Full shared pages are
+never written.
 
-Stats count prefix-cache queries and hits in pages (tokens = pages * page_size).
+Stats count prefix-cache queries and hits in prompt pages (tokens = pages * page_size).
 """
 
 from __future__ import annotations
@@ -49,7 +65,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-SCRATCH_PAGE = 0  # same as jaxinfer.ops.jaxinfer.ops.batch.SCRATCH_PAGE (not imported: keep this module free of JAX)
+SCRATCH_PAGE = 0  # same as jaxinfer.ops.batch.SCRATCH_PAGE (not imported: keep this module free of JAX)
 
 
 class OutOfPagesError(RuntimeError):
@@ -58,11 +74,12 @@ class OutOfPagesError(RuntimeError):
 
 @dataclasses.dataclass
 class SeqPages:
-    pages: list[int] = dataclasses.field(default_factory=list)
+    pages: list[list[int]]  # per group: page of each page index (a sliding group: SCRATCH_PAGE where given back)
     num_tokens: int = 0  # token slots reserved
     num_computed: int = 0  # slots whose K/V are written
     hashes: list[bytes] = dataclasses.field(default_factory=list)  # chain keys of its first full pages
     salt: bytes = b""
+    first_held: list[int] = dataclasses.field(default_factory=list)  # per group: pages before it were given back
 
 
 @dataclasses.dataclass
@@ -84,21 +101,31 @@ def page_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True,
+                 windows: Sequence[int | None] = (None,)):
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"need num_pages >= 2 (page 0 is scratch) and page_size >= 1, got {num_pages}, {page_size}")
+        if not windows or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"windows={tuple(windows)}: one entry per layer group, None or a window >= 1")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.windows = tuple(windows)
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_pages
         self._free: collections.deque[int] = collections.deque(range(1, num_pages))
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
-        self._key_of_page: dict[int, bytes] = {}
-        self._page_of_key: dict[bytes, int] = {}
+        self._key_of_page: dict[int, tuple[int, bytes]] = {}  # page -> (group, chain key)
+        self._page_of_key: dict[tuple[int, bytes], int] = {}
+        self._group_of_page = [0] * num_pages  # the group a page in use belongs to
+        self.pages_in_use = [0] * len(self.windows)  # per group: pages held by some sequence
         self.seqs: dict[Hashable, SeqPages] = {}
         self.stats = PrefixCacheStats()
 
     # ------------------------------------------------------------------ queries
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
     @property
     def num_usable_pages(self) -> int:
         return self.num_pages - 1
@@ -118,18 +145,33 @@ class BlockManager:
         """Fraction of usable pages held by at least one sequence."""
         return 1.0 - self.num_free_pages / self.num_usable_pages
 
-    def num_cached_prefix_pages(self, token_ids: Sequence[int], *, salt: bytes = b"",
-                                max_cached_tokens: int | None = None) -> int:
-        """How many leading pages of a prompt `allocate` would find in the prefix cache now (a
-        read-only look-up: no stats, no state change)."""
-        num_lookup = self._num_lookup(len(token_ids), max_cached_tokens)
-        ps, parent = self.page_size, salt
-        for i in range(num_lookup):
-            parent = page_key(parent, token_ids[i * ps : (i + 1) * ps])
-            if parent not in self._page_of_key:
-                return i
-        return num_lookup
+    def pages_held(self, seq_id: Hashable) -> list[int]:
+        """Per group, how many pages the sequence holds now (the scratch page not counted)."""
+        return [sum(p != SCRATCH_PAGE for p in row) for row in self.seqs[seq_id].pages]
 
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def can_allocate(self, num_tokens: int, lookahead: int | None = None) -> bool:
+        """Whether a new sequence of num_tokens surely fits (`allocate`'s pages, whatever its prefix hits:
+        a sliding group holds at most its window and the lookahead's pages)."""
+        need = 0
+        for w in self.windows:
+            need += self.pages_needed(num_tokens)
+            if w is not None and lookahead is not None:
+                need -= max(0, self.pages_needed(num_tokens) - ((w + max(lookahead, 1) - 2) // self.page_size + 2))
+        return need <= self.num_free_pages
+
+    def _first_kept(self, group: int, num_computed: int) -> int:
+        """The first page index group `group` still needs once num_computed tokens are done."""
+        w = self.windows[group]
+        return 0 if w is None else max(0, num_computed - w + 1) // self.page_size
+
+    def page_table(self, seq_id: Hashable) -> list[list[int]]:
+        """The sequence's page-table rows, one per group."""
+        return [list(row) for row in self.seqs[seq_id].pages]
+
+    # ------------------------------------------------------------------ prefix look-up
     def _num_lookup(self, num_tokens: int, max_cached_tokens: int | None) -> int:
         """Leading pages of a num_tokens prompt to look up: the full ones before its last token,
         and at most max_cached_tokens tokens' worth (None: no cap)."""
@@ -140,31 +182,57 @@ class BlockManager:
             num_lookup = min(num_lookup, max_cached_tokens // self.page_size)
         return num_lookup
 
-    def pages_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+    def _lookup(self, token_ids: Sequence[int], salt: bytes, max_cached_tokens: int | None) -> tuple[int, list[bytes]]:
+        """(n, keys): the longest cached prefix of n pages every group agrees on (module
+        docstring), and the chain keys of the pages looked up."""
+        ps, parent, keys = self.page_size, salt, []
+        for i in range(self._num_lookup(len(token_ids), max_cached_tokens)):
+            parent = page_key(parent, token_ids[i * ps : (i + 1) * ps])
+            keys.append(parent)
+        cached = [[(g, k) in self._page_of_key for k in keys] for g in range(self.num_groups)]
+        n = len(keys)
+        for g, w in enumerate(self.windows):
+            if w is None:  # a full group: every page from the first
+                n = next((i for i, hit in enumerate(cached[g]) if not hit), n)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        """Whether a new sequence of num_tokens fits, ignoring prefix hits (conservative)."""
-        return self.pages_needed(num_tokens) <= self.num_free_pages
+        def windows_agree(n: int) -> bool:
+            return all(all(cached[g][self._first_kept(g, n * ps) : n]) for g, w in enumerate(self.windows) if w is not None)
 
-    def can_append(self, seq_id: Hashable, num_new_tokens: int) -> bool:
-        return self._append_cost(self.seqs[seq_id], num_new_tokens) <= self.num_free_pages
+        while n and not windows_agree(n):
+            n -= 1
+        return n, keys
 
-    def page_table(self, seq_id: Hashable) -> list[int]:
-        return list(self.seqs[seq_id].pages)
+    def num_cached_prefix_pages(self, token_ids: Sequence[int], *, salt: bytes = b"",
+                                max_cached_tokens: int | None = None) -> int:
+        """How many leading pages of a prompt `allocate` would find in the prefix cache now (a
+        read-only look-up: no stats, no state change)."""
+        return self._lookup(token_ids, salt, max_cached_tokens)[0]
 
     # ------------------------------------------------------------------ page pool
-    def _take_page(self) -> int:
+    def _take_page(self, group: int) -> int:
         if self._free:
-            return self._free.popleft()
-        page, _ = self._evictable.popitem(last=False)  # least recently released
-        del self._page_of_key[self._key_of_page.pop(page)]
-        self.stats.evictions += 1
+            page = self._free.popleft()
+        else:
+            page, _ = self._evictable.popitem(last=False)  # least recently released
+            del self._page_of_key[self._key_of_page.pop(page)]
+            self.stats.evictions += 1
+        self.ref_counts[page] = 1
+        self._group_of_page[page] = group
+        self.pages_in_use[group] += 1
         return page
+
+    def _hold(self, page: int, group: int) -> None:
+        """One more reference to a page (a prefix hit, a fork)."""
+        if self.ref_counts[page] == 0:
+            self._evictable.pop(page)
+            self._group_of_page[page] = group
+            self.pages_in_use[group] += 1
+        self.ref_counts[page] += 1
 
     def _release(self, page: int) -> None:
         self.ref_counts[page] -= 1
         if self.ref_counts[page] == 0:
+            self.pages_in_use[self._group_of_page[page]] -= 1
             if page in self._key_of_page:
                 self._evictable[page] = None  # most recently used end
             else:
@@ -172,9 +240,11 @@ class BlockManager:
 
     # ------------------------------------------------------------------ sequences
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], *, salt: bytes = b"",
-                 max_cached_tokens: int | None = None) -> int:
+                 max_cached_tokens: int | None = None, lookahead: int | None = None) -> int:
         """Reserve pages for a new sequence's prompt, reusing cached prefix pages (at most
-        max_cached_tokens tokens' worth; None: as many as the back-off rule allows).
+        max_cached_tokens tokens' worth; None: as many as the back-off rule allows). Full groups
+        get pages for the whole prompt; sliding groups for the `lookahead` tokens after the cached
+        prefix (None: the whole prompt), the first chunk a step will compute (`reserve` the rest).
 
         Returns num_cached_tokens: the prompt tokens whose K/V are already in the cache (a
         multiple of page_size, always < len(token_ids)); prefill starts there.
@@ -183,71 +253,87 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} already has pages")
         if len(token_ids) == 0:
             raise ValueError(f"sequence {seq_id!r}: empty prompt")
-        ps = self.page_size
-        hit_pages: list[int] = []
-        keys: list[bytes] = []
-        num_lookup = self._num_lookup(len(token_ids), max_cached_tokens)
-        parent = salt
-        for i in range(num_lookup):
-            parent = page_key(parent, token_ids[i * ps : (i + 1) * ps])
-            page = self._page_of_key.get(parent)
-            if page is None:
-                break
-            hit_pages.append(page)
-            keys.append(parent)
-        num_new = self.pages_needed(len(token_ids)) - len(hit_pages)
-        available = self.num_free_pages - sum(1 for p in hit_pages if p in self._evictable)
+        num_hit, keys = self._lookup(token_ids, salt, max_cached_tokens)
+        cached = num_hit * self.page_size
+        end = len(token_ids) if lookahead is None else min(len(token_ids), cached + lookahead)
+        hits: list[list[tuple[int, int]]] = []  # per group: (page index, page) reused
+        num_new = 0
+        for g, w in enumerate(self.windows):
+            first = self._first_kept(g, cached)
+            hits.append([(i, self._page_of_key[(g, keys[i])]) for i in range(first, num_hit)])
+            num_new += self.pages_needed(len(token_ids) if w is None else end) - num_hit
+        available = self.num_free_pages - sum(1 for row in hits for _, p in row if p in self._evictable)
         if num_new > available:
             raise OutOfPagesError(
                 f"sequence {seq_id!r}: needs {num_new} new pages for {len(token_ids)} tokens "
-                f"({len(hit_pages)} cached), only {available} available"
+                f"({num_hit} pages cached), only {available} available"
             )
         # commit (nothing below can fail)
-        self.stats.queries += num_lookup
-        self.stats.hits += len(hit_pages)
-        for page in hit_pages:
-            self._evictable.pop(page, None)
-            self.ref_counts[page] += 1
-        new_pages = [self._take_page() for _ in range(num_new)]
-        for page in new_pages:
-            self.ref_counts[page] = 1
-        cached = len(hit_pages) * ps
-        self.seqs[seq_id] = SeqPages(hit_pages + new_pages, len(token_ids), cached, keys, salt)
+        self.stats.queries += self._num_lookup(len(token_ids), max_cached_tokens)
+        self.stats.hits += num_hit
+        rows = [[SCRATCH_PAGE] * num_hit for _ in self.windows]
+        for g, row in enumerate(rows):  # every hit held before any new page is taken (which may evict)
+            for i, page in hits[g]:
+                self._hold(page, g)
+                row[i] = page
+        for g, w in enumerate(self.windows):
+            rows[g] += [self._take_page(g) for _ in range(self.pages_needed(len(token_ids) if w is None else end) - num_hit)]
+        first_held = [self._first_kept(g, cached) for g in range(self.num_groups)]
+        self.seqs[seq_id] = SeqPages(rows, len(token_ids), cached, keys[:num_hit], salt, first_held)
         return cached
 
-    def _append_cost(self, seq: SeqPages, n: int) -> int:
-        cost = self.pages_needed(seq.num_tokens + n) - len(seq.pages)
-        if n > 0 and seq.num_tokens % self.page_size and self.ref_counts[seq.pages[-1]] > 1:
-            cost += 1  # copy-on-write of the shared partial page
+    def _written_shared(self, seq: SeqPages, end: int) -> list[tuple[int, int]]:
+        """(group, page index) of the shared pages a computation of slots num_computed..end-1 writes."""
+        if end <= seq.num_computed:
+            return []
+        first, last = seq.num_computed // self.page_size, self.pages_needed(end)
+        return [(g, i) for g, row in enumerate(seq.pages) for i in range(first, min(last, len(row)))
+                if row[i] != SCRATCH_PAGE and self.ref_counts[row[i]] > 1]
+
+    def _reserve_cost(self, seq: SeqPages, end: int) -> int:
+        """New pages the sequence needs to compute up to slot end (exclusive)."""
+        cost = len(self._written_shared(seq, end))
+        for g, row in enumerate(seq.pages):
+            cost += max(0, self.pages_needed(max(end, seq.num_tokens if self.windows[g] is None else 0)) - len(row))
         return cost
 
-    def prepare_append(self, seq_id: Hashable, num_new_tokens: int) -> list[tuple[int, int]]:
-        """Reserve num_new_tokens more slots (positions num_tokens..) before a step writes them.
+    def can_reserve(self, seq_id: Hashable, end: int) -> bool:
+        return self._reserve_cost(self.seqs[seq_id], end) <= self.num_free_pages
 
-        Returns the (src_page, dst_page) copies the caller must do on the device first: at most
-        one, when the partial last page is shared with a fork.
+    def reserve(self, seq_id: Hashable, end: int) -> list[tuple[int, int]]:
+        """Make slots num_computed..end-1 writable before a step computes them (reserving more
+        slots when end > num_tokens): every group gets its pages up to there.
+
+        Returns the (src_page, dst_page) copies the caller must do on the device first: a shared
+        partial page about to be written gets a private copy (one per group at most).
         """
         seq = self.seqs[seq_id]
-        if num_new_tokens < 0:
-            raise ValueError(f"sequence {seq_id!r}: num_new_tokens must be >= 0, got {num_new_tokens}")
-        cost = self._append_cost(seq, num_new_tokens)
+        cost = self._reserve_cost(seq, end)
         if cost > self.num_free_pages:
             raise OutOfPagesError(
-                f"sequence {seq_id!r}: needs {cost} pages to append {num_new_tokens} tokens, only {self.num_free_pages} free"
+                f"sequence {seq_id!r}: needs {cost} pages to compute up to slot {end}, only {self.num_free_pages} free"
             )
         copies = []
-        if num_new_tokens > 0 and seq.num_tokens % self.page_size and self.ref_counts[seq.pages[-1]] > 1:
-            src, dst = seq.pages[-1], self._take_page()
-            self.ref_counts[dst] = 1
+        for g, i in self._written_shared(seq, end):
+            src, dst = seq.pages[g][i], self._take_page(g)
             self._release(src)  # still held by someone else: ref count stays >= 1
-            seq.pages[-1] = dst
+            seq.pages[g][i] = dst
             copies.append((src, dst))
-        while len(seq.pages) < self.pages_needed(seq.num_tokens + num_new_tokens):
-            page = self._take_page()
-            self.ref_counts[page] = 1
-            seq.pages.append(page)
-        seq.num_tokens += num_new_tokens
+        seq.num_tokens = max(seq.num_tokens, end)
+        for g, row in enumerate(seq.pages):
+            while len(row) < self.pages_needed(seq.num_tokens if self.windows[g] is None else end):
+                row.append(self._take_page(g))
         return copies
+
+    def can_append(self, seq_id: Hashable, num_new_tokens: int) -> bool:
+        return self.can_reserve(seq_id, self.seqs[seq_id].num_tokens + num_new_tokens)
+
+    def prepare_append(self, seq_id: Hashable, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Reserve num_new_tokens more slots (positions num_tokens..) before a step writes them:
+        `reserve` up to num_tokens + num_new_tokens."""
+        if num_new_tokens < 0:
+            raise ValueError(f"sequence {seq_id!r}: num_new_tokens must be >= 0, got {num_new_tokens}")
+        return self.reserve(seq_id, self.seqs[seq_id].num_tokens + num_new_tokens)
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
         """Give back the slots from position num_tokens on (speculative decoding's rollback: the
@@ -261,15 +347,16 @@ class BlockManager:
                 f"({seq.num_computed} computed, {seq.num_tokens} reserved)"
             )
         keep = self.pages_needed(num_tokens)
-        for page in reversed(seq.pages[keep:]):
-            self._release(page)
-        del seq.pages[keep:]
+        for row in seq.pages:
+            for page in reversed(row[keep:]):
+                self._release(page)
+            del row[keep:]
         seq.num_tokens = num_tokens
 
     def mark_computed(self, seq_id: Hashable, num_computed_tokens: int, token_ids: Sequence[int]) -> None:
         """Record that the first num_computed_tokens of the sequence hold K/V; pages that became
-        full are registered in the prefix cache. token_ids: the sequence's tokens (at least
-        num_computed_tokens of them)."""
+        full are registered in the prefix cache, then the sliding groups give back the pages their
+        window has left behind. token_ids: the sequence's tokens (at least num_computed_tokens)."""
         seq = self.seqs[seq_id]
         if not seq.num_computed <= num_computed_tokens <= min(seq.num_tokens, len(token_ids)):
             raise ValueError(
@@ -277,17 +364,23 @@ class BlockManager:
                 f"[{seq.num_computed}, {min(seq.num_tokens, len(token_ids))}]"
             )
         seq.num_computed = num_computed_tokens
-        if not self.enable_prefix_caching:
-            return
         ps = self.page_size
-        for i in range(len(seq.hashes), num_computed_tokens // ps):
-            key = page_key(seq.hashes[-1] if seq.hashes else seq.salt, token_ids[i * ps : (i + 1) * ps])
-            seq.hashes.append(key)
-            page = seq.pages[i]
-            # another page may hold the same content already (computed concurrently): keep that one
-            if key not in self._page_of_key and page not in self._key_of_page:
-                self._page_of_key[key] = page
-                self._key_of_page[page] = key
+        if self.enable_prefix_caching:
+            for i in range(len(seq.hashes), num_computed_tokens // ps):
+                key = page_key(seq.hashes[-1] if seq.hashes else seq.salt, token_ids[i * ps : (i + 1) * ps])
+                seq.hashes.append(key)
+                for g, row in enumerate(seq.pages):
+                    page = row[i]
+                    # another page may hold the same content already (computed concurrently): keep that one
+                    if page != SCRATCH_PAGE and (g, key) not in self._page_of_key and page not in self._key_of_page:
+                        self._page_of_key[(g, key)] = page
+                        self._key_of_page[page] = (g, key)
+        for g, row in enumerate(seq.pages):  # (a full group keeps everything: first_kept is 0)
+            first_kept = min(self._first_kept(g, num_computed_tokens), len(row))
+            for i in range(seq.first_held[g], first_kept):
+                self._release(row[i])
+                row[i] = SCRATCH_PAGE
+            seq.first_held[g] = max(seq.first_held[g], first_kept)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Give child_id all of parent_id's pages (shared; copy-on-write on the next append)."""
@@ -299,16 +392,21 @@ class BlockManager:
                 f"sequence {parent_id!r}: cannot fork with reserved but uncomputed slots "
                 f"({parent.num_computed} of {parent.num_tokens} computed)"
             )
-        for page in parent.pages:
-            self.ref_counts[page] += 1
-        self.seqs[child_id] = dataclasses.replace(parent, pages=list(parent.pages), hashes=list(parent.hashes))
+        for g, row in enumerate(parent.pages):
+            for page in row:
+                if page != SCRATCH_PAGE:
+                    self._hold(page, g)
+        self.seqs[child_id] = dataclasses.replace(parent, pages=[list(row) for row in parent.pages], hashes=list(parent.hashes),
+                                                  first_held=list(parent.first_held))
 
     def free(self, seq_id: Hashable) -> None:
         """Drop a sequence's references (finished or aborted). Its pages are released tail
         first, so a prefix's later pages are evicted before its earlier ones."""
         seq = self.seqs.pop(seq_id)
-        for page in reversed(seq.pages):
-            self._release(page)
+        for row in seq.pages:
+            for page in reversed(row):
+                if page != SCRATCH_PAGE:
+                    self._release(page)
 
     def reset_prefix_cache(self) -> None:
         """Forget every evictable cached page (pages in use keep their entries)."""
@@ -320,21 +418,35 @@ class BlockManager:
     # ------------------------------------------------------------------ checking
     def check_invariants(self) -> None:
         held = collections.Counter()
+        group_of = {}
+        ps = self.page_size
         for sid, seq in self.seqs.items():
-            assert len(set(seq.pages)) == len(seq.pages), f"{sid!r} holds a page twice: {seq.pages}"
-            assert SCRATCH_PAGE not in seq.pages, f"{sid!r} holds the scratch page"
-            assert len(seq.pages) == self.pages_needed(seq.num_tokens), f"{sid!r}: {len(seq.pages)} pages for {seq.num_tokens} tokens"
+            assert len(seq.pages) == self.num_groups, f"{sid!r}: {len(seq.pages)} page rows for {self.num_groups} groups"
             assert 0 <= seq.num_computed <= seq.num_tokens
-            assert len(seq.hashes) <= seq.num_computed // self.page_size
-            for i, key in enumerate(seq.hashes):
-                page_key_now = self._key_of_page.get(seq.pages[i])
-                assert page_key_now in (None, key), f"{sid!r}: page {seq.pages[i]} cached under another key"
-            for page in seq.pages[len(seq.hashes) :]:
-                assert page not in self._key_of_page, f"{sid!r}: page {page} cached before it was computed"
-            if seq.num_computed < seq.num_tokens:  # pages still to be written must be private
-                for page in seq.pages[seq.num_computed // self.page_size :]:
-                    assert self.ref_counts[page] == 1, f"{sid!r}: page {page} is shared but will be written"
-            held.update(seq.pages)
+            assert len(seq.hashes) <= seq.num_computed // ps
+            for g, row in enumerate(seq.pages):
+                live = [p for p in row if p != SCRATCH_PAGE]
+                assert len(set(live)) == len(live), f"{sid!r} holds a page twice in group {g}: {row}"
+                first = self._first_kept(g, seq.num_computed)
+                assert all(p == SCRATCH_PAGE for p in row[:first]), f"{sid!r} group {g} keeps pages its window left: {row}"
+                assert all(p != SCRATCH_PAGE for p in row[first:]), f"{sid!r} group {g} lacks a page: {row}"
+                assert seq.first_held[g] == min(first, len(row)), f"{sid!r} group {g}: first_held {seq.first_held[g]}"
+                if self.windows[g] is None:
+                    assert len(row) == self.pages_needed(seq.num_tokens), f"{sid!r}: {len(row)} pages for {seq.num_tokens} tokens"
+                else:
+                    assert len(row) <= self.pages_needed(seq.num_tokens), f"{sid!r}: group {g} holds pages past its slots"
+                for i, key in enumerate(seq.hashes[: len(row)]):
+                    page_key_now = self._key_of_page.get(row[i])
+                    assert row[i] == SCRATCH_PAGE or page_key_now in (None, (g, key)), \
+                        f"{sid!r}: page {row[i]} cached under another key"
+                for page in row[len(seq.hashes) :]:
+                    assert page not in self._key_of_page, f"{sid!r}: page {page} cached before it was computed"
+                if seq.num_computed < seq.num_tokens:  # pages still to be written must be private
+                    for page in row[seq.num_computed // ps :]:
+                        assert self.ref_counts[page] == 1, f"{sid!r}: page {page} is shared but will be written"
+                for page in live:
+                    assert group_of.setdefault(page, g) == g, f"page {page} is used by groups {group_of[page]} and {g}"
+                held.update(live)
         free = set(self._free)
         assert len(free) == len(self._free), "free list holds a page twice"
         assert self.ref_counts[SCRATCH_PAGE] == 0 and SCRATCH_PAGE not in free and SCRATCH_PAGE not in self._evictable
@@ -346,6 +458,10 @@ class BlockManager:
                 assert page not in self._key_of_page, f"free page {page} has cached content"
             if page in self._evictable:
                 assert page in self._key_of_page, f"evictable page {page} has no cached content"
+            if page in self._key_of_page and held[page]:
+                assert self._key_of_page[page][0] == group_of[page], f"page {page} cached for another group"
+        for g in range(self.num_groups):
+            assert self.pages_in_use[g] == sum(1 for p, grp in group_of.items() if grp == g), f"group {g}: pages_in_use"
         assert len(self._key_of_page) == len(self._page_of_key)
         for page, key in self._key_of_page.items():
             assert self._page_of_key[key] == page, f"hash table and page {page} disagree"

@@ -33,6 +33,7 @@ from jaxinfer.models.lora import LoraSlots, LoraTable, lora_shapes
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.spec_decode import NgramProposer, SpeculativeConfig
+from jaxinfer.kv_groups import kv_groups
 from jaxinfer.models.draft_heads import load_heads
 from jaxinfer.ops.kv_cache import KVCache, is_quantized
 from jaxinfer.ops.quantization import cast_scales, default_group_size, quantize_model
@@ -88,12 +89,14 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
         config = dataclasses.replace(config, num_pages=least_over_processes(pages))
         sized_by += f" of {capacity / 2**30:.1f} GiB per device"
         clock.mark("KV cache size (the largest bucket compiled once)")
-    summary = PoolSummary(config.num_pages, config.page_size, config.max_model_len, parallel.num_replicas, sized_by)
+    summary = PoolSummary(config.num_pages, config.page_size, config.max_model_len, parallel.num_replicas, sized_by,
+                          kv_groups(model_config).windows)
     logger.info("%s", summary)
     runner = build_runner(model_config, config, mesh, placed, num_top_logprobs=config.max_logprobs,
                           return_hidden=return_hidden)
     if draft is not None:
         draft_config, draft_weights = draft
+        check_draft_groups(model_config, draft_config)
         proposer = DraftModelProposer(build_runner(draft_config, config, mesh, draft_weights, num_top_logprobs=1))
     else:
         proposer = make_proposer(spec, model_config, config, runner) if spec is not None else None
@@ -173,8 +176,10 @@ def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights:
                         tp=parallel.tp, sharding=jax.sharding.NamedSharding(mesh, specs.pages),
                         scale_sharding=jax.sharding.NamedSharding(mesh, specs.scales) if specs.scales else None,
                         kernels=config.kernels)
-    return ModelRunner(weights.graphdef, weights.params, kv, config.buckets(parallel), num_top_logprobs=num_top_logprobs,
-                       mesh=mesh, param_specs=weights.param_specs, return_hidden=return_hidden)
+    groups = kv_groups(model_config)
+    return ModelRunner(weights.graphdef, weights.params, kv, config.buckets(parallel, groups.num_groups),
+                       num_top_logprobs=num_top_logprobs, mesh=mesh, param_specs=weights.param_specs,
+                       return_hidden=return_hidden, kv_windows=groups.windows)
 
 
 def make_proposer(spec: SpeculativeConfig | dict, model_config: ModelConfig, config: EngineConfig, runner: ModelRunner):
@@ -205,7 +210,18 @@ def build_draft_runner(spec: SpeculativeConfig, model_config: ModelConfig, confi
     and / or quantized."""
     mesh = target.step_fn.mesh
     draft_config, placed = load_draft_weights(spec, model_config, config, mesh, PlacedWeights(target.graphdef, target.params, None))
+    check_draft_groups(model_config, draft_config)
     return build_runner(draft_config, config, mesh, placed, num_top_logprobs=1)
+
+
+def check_draft_groups(model_config: ModelConfig, draft_config: ModelConfig) -> None:
+    """A draft model reads its K/V at the target's page ids (draft_model.py): both must keep every
+    position in one page-table row, i.e. full attention in every layer."""
+    for role, c in (("target", model_config), ("draft", draft_config)):
+        if kv_groups(c).windows != (None,):
+            raise ValueError(f"speculative_config method 'draft_model': the {role} model ({c.model_type}) has sliding-window "
+                             f"layers, whose pages are given back as the window moves; a draft model needs both models "
+                             f"with full attention in every layer (ngram, eagle and medusa speculation work here)")
 
 
 def load_draft_weights(spec: SpeculativeConfig, model_config: ModelConfig, config: EngineConfig, mesh,
@@ -255,8 +271,9 @@ def pages_from_device_memory(config: EngineConfig, model_config: ModelConfig, me
 
     weight_bytes = bytes_per_device([w.params for _, w in models])
     page_bytes = sum(bytes_per_device(pool(m, 1)) for m, _ in models)
-    buckets = config.buckets(parallel)
-    one_sequence = buckets.pages_per_seq + 1
+    groups = kv_groups(model_config)
+    buckets = config.buckets(parallel, groups.num_groups)
+    one_sequence = groups.pages_held(config.max_model_len, config.page_size, buckets.max_tokens) + 1
     step = StepFunction(weights.graphdef, config.max_logprobs, max_rows=buckets.max_tokens, mesh=mesh,
                         param_specs=weights.param_specs, return_hidden=return_hidden)
     scratch = measure_step_scratch(step, weights.params, pool(model_config, one_sequence), buckets,

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.memory import CPU_KV_CACHE_MEMORY_BYTES, GPU_MEMORY_UTILIZATION, pages_for_bytes
 from jaxinfer.engine.spec_decode import SpeculativeConfig
+from jaxinfer.kv_groups import kv_groups
 from jaxinfer.ops.batch import Buckets
 from jaxinfer.ops.kernels import KERNEL_IMPLS, OPERATIONS, Kernels, resolve_kernels
 from jaxinfer.ops.kv_cache import KVCache
@@ -223,7 +224,12 @@ class EngineConfig:
         if not 0 < max_model_len <= model_config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} must be in [1, {model_config.max_position_embeddings}] "
                              f"(the model's max_position_embeddings)")
-        pages_per_seq = -(-max_model_len // self.page_size)
+        groups = kv_groups(model_config)
+        if self.preemption_mode == "swap" and groups.windows != (None,):
+            raise ValueError(f"preemption_mode='swap' with {model_config.model_type}'s sliding-window layers: their pages "
+                             f"are given back as the window moves, and swapping keeps one full page-table row; use "
+                             f"preemption_mode='recompute'")
+        pages_per_seq = groups.pages_held(max_model_len, self.page_size, self.max_num_batched_tokens)
         num_pages = self.num_pages
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and jax.default_backend() == "cpu":
@@ -234,8 +240,10 @@ class EngineConfig:
             num_pages = pages_for_bytes(kv_bytes, page_bytes, self.max_num_seqs * pages_per_seq + 1)
         return dataclasses.replace(self, max_model_len=max_model_len, num_pages=num_pages)
 
-    def buckets(self, parallel: ParallelConfig) -> Buckets:
-        """The shape buckets every step is padded to (a resolved config)."""
+    def buckets(self, parallel: ParallelConfig, num_groups: int = 1) -> Buckets:
+        """The shape buckets every step is padded to (a resolved config), with a page-table row for
+        each of the model's `num_groups` KV layer groups (jaxinfer.kv_groups)."""
         spec = self.speculative_config
         return Buckets.default(self.max_num_batched_tokens, self.max_num_seqs, -(-self.max_model_len // self.page_size),
-                               token_multiple=parallel.sp, spec_block=spec.spec_block if spec else 0)
+                               token_multiple=parallel.sp, spec_block=spec.spec_block if spec else 0,
+                               num_groups=num_groups)

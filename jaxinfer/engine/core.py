@@ -98,7 +98,8 @@ class EngineCore:
             raise ValueError(f"max_loras={config.max_loras} is below the {runner.num_replicas} data-parallel replicas, "
                              f"which share its slots (at least one each)")
         for _ in range(runner.num_replicas):
-            bm = BlockManager(runner.pages_per_replica, runner.page_size, enable_prefix_caching=config.enable_prefix_caching)
+            bm = BlockManager(runner.pages_per_replica, runner.page_size, enable_prefix_caching=config.enable_prefix_caching,
+                              windows=runner.kv_windows)
             self.replicas.append(Replica(bm, Scheduler(bm, max_num_batched_tokens=config.max_num_batched_tokens,
                                                        max_num_seqs=config.max_num_seqs, preemption_mode=config.preemption_mode,
                                                        max_loras=lora_share)))
@@ -510,7 +511,7 @@ class CoreDraftContext:
         self.num_processed = core.num_processed
         self.last_hidden = core.last_hidden
 
-    def page_table(self, seq: Sequence) -> list[int]:
+    def page_table(self, seq: Sequence) -> list[list[int]]:
         return self._core.replicas[seq.request.replica].block_manager.page_table(seq.seq_id)
 
     def reserve(self, seq: Sequence, num_tokens: int) -> list[tuple[int, tuple[int, int]]] | None:

@@ -52,6 +52,8 @@ class EngineStats:
     num_spec_verifications: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # per KV layer group (jaxinfer.kv_groups), pages held by sequences, all replicas together
+    kv_pages_in_use_by_group: tuple[int, ...] = ()
 
     @property
     def acceptance_rate(self) -> float:
@@ -78,7 +80,8 @@ class LLMEngine:
         self.grammar = GrammarBackend(tokenizer, vocab_size, eos_token_ids)  # structured outputs
         self.lora = lora
         self.input = InputProcessor(config, tokenizer, vocab_size=vocab_size, pages_per_replica=runner.pages_per_replica,
-                                    grammar=self.grammar, lora=lora, eos_token_ids=eos_token_ids)
+                                    grammar=self.grammar, lora=lora, eos_token_ids=eos_token_ids,
+                                    kv_windows=runner.kv_windows)
         self.output = OutputProcessor(tokenizer, eos_token_ids=eos_token_ids, max_model_len=config.max_model_len)
         self.core = EngineCore(config, runner, self.output, proposer, grammar=self.grammar, lora=lora)
         self._last_log = time.time()
@@ -169,6 +172,7 @@ class LLMEngine:
             num_spec_verifications=core.num_spec_verifications,
             num_draft_tokens=core.num_draft_tokens,
             num_accepted_tokens=core.num_accepted_tokens,
+            kv_pages_in_use_by_group=tuple(map(sum, zip(*(bm.pages_in_use for bm in bms)))),
         )
 
     def _maybe_log(self) -> None:

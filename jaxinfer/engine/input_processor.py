@@ -24,6 +24,7 @@ from jaxinfer.engine.grammar import GrammarBackend, GrammarError
 from jaxinfer.engine.lora import LoraManager
 from jaxinfer.engine.request import Request, RequestMetrics, Sequence, SpecState
 from jaxinfer.engine.seeds import sampler_seed
+from jaxinfer.kv_groups import window_pages
 from jaxinfer.lora_request import LoRARequest
 from jaxinfer.ops.sampling import MAX_BANNED_IDS
 from jaxinfer.sampling_params import SamplingParams, is_integer
@@ -31,7 +32,8 @@ from jaxinfer.sampling_params import SamplingParams, is_integer
 
 class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer, *, vocab_size: int, pages_per_replica: int,
-                 grammar: GrammarBackend | None = None, lora: LoraManager | None = None, eos_token_ids=()):
+                 grammar: GrammarBackend | None = None, lora: LoraManager | None = None, eos_token_ids=(),
+                 kv_windows: tuple = (None,)):
         self.config = config
         self.eos_token_ids = set(eos_token_ids)  # held back with the stop ids until min_tokens
         self.grammar = grammar  # compiles structured_outputs constraints (None: refused)
@@ -39,6 +41,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.num_usable_pages = pages_per_replica - 1  # page 0 is the scratch page
+        self.kv_windows = kv_windows  # each KV layer group's window (jaxinfer.kv_groups)
         self._seed_rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self._lock = threading.Lock()  # requests may come from several threads
@@ -161,7 +164,10 @@ class InputProcessor:
             except ValueError as e:
                 raise ValueError(f"{label}: {e}") from None
         total = min(c.max_model_len, len(ids) + (p.max_tokens or c.max_model_len))
-        need = -(-total // c.page_size) + (p.n - 1)  # its pages, and a partial page per extra completion
+        # its pages in every layer group (a sliding group's: its window and a chunk), and a partial
+        # page per group for each extra completion
+        need = sum(window_pages(w, total, c.page_size, c.max_num_batched_tokens) for w in self.kv_windows)
+        need += (p.n - 1) * len(self.kv_windows)
         if need > self.num_usable_pages:
             raise ValueError(
                 f"{label}: needs {need} KV pages but the cache has {self.num_usable_pages} (per replica); "

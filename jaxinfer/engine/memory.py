@@ -36,6 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.kv_groups import window_pages
 from jaxinfer.engine.model_runner import empty_inputs, every_processor_sampling
 from jaxinfer.ops.batch import BucketKey, Buckets
 from jaxinfer.ops.kernels import Kernels
@@ -115,9 +116,10 @@ def abstract_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, *,
                    v_scale=scales(specs.v_scale))
 
 
-def abstract_inputs(step: StepFunction, key: BucketKey, pages_per_seq: int, with_lora: bool):
-    """(batch, prev_tokens) of bucket `key`, abstract and sharded as the model program takes them."""
-    batch = _abstract(step, empty_inputs(key, pages_per_seq, step.num_replicas, with_lora=with_lora))
+def abstract_inputs(step: StepFunction, key: BucketKey, buckets: Buckets, with_lora: bool):
+    """(batch, prev_tokens) of bucket `key` (one of `buckets`), abstract and sharded as the model program takes them."""
+    batch = _abstract(step, empty_inputs(key, buckets.pages_per_seq, step.num_replicas, with_lora=with_lora,
+                                         num_groups=buckets.num_groups))
     prev_tokens = jax.ShapeDtypeStruct((step.num_replicas, step.max_rows), np.int32,
                                        sharding=NamedSharding(step.mesh, rules.per_replica(2)))
     return batch, prev_tokens
@@ -149,7 +151,7 @@ def measure_step_scratch(step: StepFunction, params, pool: KVCache, buckets: Buc
     program's and of its sampling programs' with every logits processor on (they run one after
     the other; the model's logits are the latter's arguments)."""
     key = largest_bucket(buckets.all_keys())
-    lowered = step.lower(params, pool, *abstract_inputs(step, key, buckets.pages_per_seq, with_lora), key)
+    lowered = step.lower(params, pool, *abstract_inputs(step, key, buckets, with_lora), key)
     model = step_scratch_bytes(lowered.compile().memory_analysis(), bytes_per_device(params), bytes_per_device(pool))
     logits, _, *hidden = lowered.out_info
     sampling = lower_sampling(step, key.num_logits, logits.shape[-1], buckets.pages_per_seq * pool.page_size,
@@ -170,18 +172,30 @@ def lower_sampling(step: StepFunction, num_rows: int, vocab: int, max_history: i
 
 @dataclasses.dataclass(frozen=True)
 class PoolSummary:
-    """The pool as vLLM reports it at start-up."""
+    """The pool as vLLM reports it at start-up, and its layer groups (jaxinfer.kv_groups)."""
 
     num_pages: int  # per replica, the scratch page 0 included
     page_size: int
     max_model_len: int
     num_replicas: int
     sized_by: str  # "num_gpu_blocks_override", "kv_cache_memory_bytes=...", "gpu_memory_utilization=0.9 of ..."
+    windows: tuple = (None,)  # each KV layer group's sliding window (None: full attention)
+
+    def pages_per_sequence(self) -> int:
+        """Pages (all groups) one sequence of max_model_len holds as it decodes its last token."""
+        return sum(window_pages(w, self.max_model_len, self.page_size) for w in self.windows)
 
     def __str__(self) -> str:
         pages = self.num_pages - 1  # page 0 takes padding's writes
-        tokens = pages * self.page_size
-        sequences = pages // -(-self.max_model_len // self.page_size)
+        sequences = pages // self.pages_per_sequence()
         per_replica = f" per replica ({self.num_replicas} replicas)" if self.num_replicas > 1 else ""
-        return (f"KV cache: {pages} pages x {self.page_size} tokens = {tokens} tokens{per_replica}; max concurrency "
-                f"at max_model_len {self.max_model_len}: {sequences} sequences ({self.sized_by})")
+        if self.windows == (None,):
+            size = f"{pages} pages x {self.page_size} tokens = {pages * self.page_size} tokens{per_replica}"
+        else:
+            kinds = ", ".join(f"{self.windows.count(w)} {'full' if w is None else f'window {w}'}"
+                              for w in dict.fromkeys(self.windows))
+            size = (f"{pages} pages x {self.page_size} tokens{per_replica} shared by {len(self.windows)} layer groups "
+                    f"({kinds}); a sequence of max_model_len holds {self.pages_per_sequence()} pages, "
+                    f"{len(self.windows) * -(-self.max_model_len // self.page_size)} if every layer kept it whole")
+        return (f"KV cache: {size}; max concurrency at max_model_len {self.max_model_len}: {sequences} sequences "
+                f"({self.sized_by})")

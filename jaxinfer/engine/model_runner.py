@@ -117,9 +117,13 @@ class InFlightStep:
 
 class ModelRunner:
     def __init__(self, graphdef, params, kv: KVCache, buckets: Buckets, *, num_top_logprobs: int = 20,
-                 mesh=None, param_specs=None, return_hidden: bool = False):
-        """kv: the whole cache, [L, replicas * pages_per_replica, ...], placed on `mesh` (default:
-        one device) with the step's KV sharding."""
+                 mesh=None, param_specs=None, return_hidden: bool = False, kv_windows: tuple = (None,)):
+        """kv: the whole cache, [slots, replicas * pages_per_replica, ...], placed on `mesh` (default:
+        one device) with the step's KV sharding; kv_windows: each KV layer group's window
+        (`jaxinfer.kv_groups`; one entry per page-table row of `buckets`)."""
+        if len(kv_windows) != buckets.num_groups:
+            raise ValueError(f"{len(kv_windows)} KV layer groups but buckets with {buckets.num_groups} page-table rows")
+        self.kv_windows = tuple(kv_windows)
         self.graphdef = graphdef
         self.params = params
         self.kv = kv
@@ -287,7 +291,7 @@ class ModelRunner:
         """`empty_inputs` as `dispatch` passes a batch (host arrays, or placed on the mesh): the
         jitted model keys its compiled variants on that too."""
         with_lora = self.lora_enabled if with_lora is None else with_lora
-        batch = empty_inputs(key, self.buckets.pages_per_seq, self.num_replicas, with_lora)
+        batch = empty_inputs(key, self.buckets.pages_per_seq, self.num_replicas, with_lora, self.buckets.num_groups)
         return batch if self.pass_host_inputs else self._put(batch)
 
     def warmup(self, keys: Sequence[BucketKey] | None = None, *, drafts: bool = False) -> None:
@@ -356,7 +360,7 @@ class ModelRunner:
 
     def read_pages(self, replica: int, pages: Sequence[int]) -> KVCache:
         """A replica's pages, all layers, on the host: a KVCache of numpy arrays, k and v
-        [L, len(pages), page_size, Hkv, D] (and a quantized pool's scales) (all KV heads,
+        [slots, len(pages), page_size, Hkv, D] (and a quantized pool's scales) (all KV heads,
         gathered from their tensor shards; every process gets them). The page list is padded to
         a power of two with the scratch page, as `copy_pages` does."""
         padded = np.zeros(_power_of_two(len(pages)), np.int32)
@@ -462,7 +466,8 @@ def sampling_tensors(num_rows: int, scheduled, rows_of_chunk, max_history: int, 
     return st
 
 
-def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int, with_lora: bool = False) -> RaggedBatch:
+def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int, with_lora: bool = False,
+                 num_groups: int = 1) -> RaggedBatch:
     """A host batch of the key's shapes with no sequences in it (every token writes to scratch),
     stacked over the replicas: what warm-up compiles the model for and what ahead-of-time
     compiles take the shapes of."""
@@ -472,7 +477,7 @@ def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int, with_lor
         positions=np.zeros(T, np.int32),
         cu_q_lens=np.zeros(S + 1, np.int32),
         kv_lens=np.zeros(S, np.int32),
-        page_table=np.zeros((S, pages_per_seq), np.int32),
+        page_table=np.zeros((num_groups, S, pages_per_seq), np.int32),
         num_seqs=np.zeros(1, np.int32),
         logits_indices=np.zeros(R, np.int32),
         token_src=np.full(T, -1, np.int32),

@@ -9,7 +9,9 @@ Each call to `schedule()` decides what one step computes, within two budgets:
    attention's prefill pass is sized for that many; see batch.py).
 3. Then waiting sequences are admitted in order (priority, arrival) while pages and budgets
    allow; their prompt's cached prefix pages are reused and only the rest is prefilled (a
-   request collecting prompt logprobs reuses none: each prompt token needs its row). A
+   request collecting prompt logprobs reuses none: each prompt token needs its row). Admission
+   takes a full-attention group's pages for the whole prompt, a sliding group's for the first
+   chunk (later chunks reserve theirs as decodes do: `BlockManager.reserve`). A
    sequence that does not fit blocks those behind it (FCFS), and nothing is admitted in a step
    that had to preempt. With LoRA, a sequence whose adapter would make more than `max_loras`
    distinct adapters run at once waits, and those behind it may go first.
@@ -143,11 +145,11 @@ class Scheduler:
             if seq.is_prefill and n > 1 and num_chunks >= self.max_prefill_chunks:
                 continue  # waits for a later step
             num_chunks += seq.is_prefill and n > 1
-            new_slots = max(0, seq.num_computed + n - bm.seqs[seq.seq_id].num_tokens)
-            while not bm.can_append(seq.seq_id, new_slots):
+            end = seq.num_computed + n  # slots the step computes up to (the block manager reserves them)
+            while not bm.can_reserve(seq.seq_id, end):
                 victim = max(queue + [seq], key=priority_order)
-                if self.preemption_mode == "swap" and victim.num_computed > 0:
-                    pages = bm.page_table(victim.seq_id)[: bm.pages_needed(victim.num_computed)]
+                if self.preemption_mode == "swap" and victim.num_computed > 0:  # one full-attention group (EngineConfig)
+                    pages = bm.page_table(victim.seq_id)[0][: bm.pages_needed(victim.num_computed)]
                     swap_out.append((victim, pages, victim.num_computed))
                 self._preempt(victim)
                 preempted.append(victim)
@@ -156,7 +158,7 @@ class Scheduler:
                 queue.remove(victim)
             if seq in preempted:
                 continue
-            copies += bm.prepare_append(seq.seq_id, new_slots)
+            copies += bm.reserve(seq.seq_id, end)
             scheduled.append(ScheduledSeq(seq, n, num_draft))
             budget -= n
             rows_left -= rows
@@ -174,7 +176,7 @@ class Scheduler:
                     break
                 try:
                     seq.num_computed = bm.allocate(seq.seq_id, seq.token_ids, salt=seq.prefix_salt,
-                                                   max_cached_tokens=seq.max_cached_tokens)
+                                                   max_cached_tokens=seq.max_cached_tokens, lookahead=budget)
                 except OutOfPagesError:
                     break
                 adapters |= {seq.lora_id} - {0}
@@ -184,7 +186,7 @@ class Scheduler:
                     # read-only pages) keep their content, only the pages after them are written
                     first = seq.num_computed // bm.page_size
                     last = bm.pages_needed(restored)
-                    swap_in.append((seq, first, bm.page_table(seq.seq_id)[first:last]))
+                    swap_in.append((seq, first, bm.page_table(seq.seq_id)[0][first:last]))
                     seq.num_computed = restored
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING

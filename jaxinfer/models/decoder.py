@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ConfigError, LayerKind, ModelConfig
+from jaxinfer.kv_groups import kv_groups, layer_period
 from jaxinfer.models import moe
 from jaxinfer.models.layers import (add_rms_norm, embed_lookup, gate_up_swiglu, gelu_tanh_glu, linear, matmul, rms_norm,
                                    rms_norm_weight, soft_cap, swiglu, tied_logits)
@@ -64,12 +65,6 @@ def split_qkv(qkv: jax.Array, num_heads: int, num_kv_heads: int, head_dim: int) 
     k = qkv[:, q_end:k_end].reshape(T, num_kv_heads, head_dim)
     v = qkv[:, k_end:].reshape(T, num_kv_heads, head_dim)
     return q, k, v
-
-
-def layer_period(kinds: tuple[LayerKind, ...]) -> int:
-    """The shortest p with kinds[i] == kinds[i % p] for every layer (the layers' repeating pattern)."""
-    n = len(kinds)
-    return next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p] for i in range(n)))
 
 
 def _init(name: str, shape, dtype, key) -> jax.Array:
@@ -96,14 +91,28 @@ class DecoderLayers(nnx.Module):
 class StepInputs:
     """What every layer of one step reads besides its weights (built once per step in __call__)."""
 
-    batch: RaggedBatch
-    write_page: jax.Array  # [T]: each token's KV slot (kv_write_locations)
-    write_offset: jax.Array  # [T]
+    batch: RaggedBatch  # its page_table [G, S, pages_per_seq]: a row per sequence and KV layer group
+    write_page: jax.Array  # [G, T]: each token's page in each group (kv_write_locations)
+    write_offset: jax.Array  # [T]: its offset in that page
     rope: dict  # LayerKind.rope -> (cos, sin) [T, rotary_dim] each (jaxinfer.models.rope)
     lora_slot: jax.Array | None  # [Tl]: each of this device's tokens' adapter slot (None: no LoRA)
     query_block: int
     spec_block: int
-    num_pages: int  # pages per layer: layer i's pages start at i * num_pages in the folded pool
+    num_pages: int  # pages per slot: slot s's pages start at s * num_pages in the folded pool
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRef:
+    """Where a layer's K/V live (jaxinfer.kv_groups): its group's page-table row (static) and its
+    slot in the pool (traced inside the layer loop)."""
+
+    index: jax.Array | int  # the layer (its weights)
+    group: int
+    slot: jax.Array | int
+
+    def batch_view(self, batch: RaggedBatch) -> RaggedBatch:
+        """The batch as this layer's attention sees it: its group's page table [S, pages_per_seq]."""
+        return dataclasses.replace(batch, page_table=batch.page_table[self.group])
 
 
 class Decoder(nnx.Module):
@@ -127,6 +136,7 @@ class Decoder(nnx.Module):
             raise ConfigError(f"{config.model_type}: attention sinks with ring attention are not supported "
                               "(sequence parallelism with sp_attention='allgather' is)")
         self.config = config
+        self.kv_groups = kv_groups(config)  # static: which page-table row and pool slot each layer uses
         self.compute_dtype = compute_dtype
         self.kernels = kernels  # static: XLA paths or Pallas kernels (jaxinfer.ops.kernels)
         self.parallel = parallel  # static: the mesh's axis sizes (sharding.mesh.ParallelConfig)
@@ -145,7 +155,7 @@ class Decoder(nnx.Module):
                  return_hidden: bool = False):
         """One device's part of a step (see the module docstring).
 
-        kv: this device's pages, [L, P, page_size, Hkv_local, D]; batch: its replica's batch (T
+        kv: this device's pages, [slots, P, page_size, Hkv_local, D]; batch: its replica's batch (T
         tokens, S sequence slots). Returns (logits [R, V] float32 for the rows
         batch.logits_indices, the same on every device of the replica; the updated cache), and
         with return_hidden the rows' final-normed hidden states [R, H] too (draft heads read them).
@@ -157,7 +167,9 @@ class Decoder(nnx.Module):
         first_row = jax.lax.axis_index("sequence") * Tl if par.sp > 1 else 0
 
         x = self._embed(jax.lax.dynamic_slice_in_dim(batch.token_ids, first_row, Tl))  # [Tl, H]
-        write_page, write_offset = kv_write_locations(batch, kv.page_size, SCRATCH_PAGE)  # [T] each: every token's slot
+        groups = [LayerRef(0, g, 0).batch_view(batch) for g in range(batch.page_table.shape[0])]
+        locations = [kv_write_locations(view, kv.page_size, SCRATCH_PAGE) for view in groups]  # [T] each: every token's slot
+        write_page, write_offset = jnp.stack([page for page, _ in locations]), locations[0][1]  # [G, T], [T]
         seq_of_token = jnp.minimum(jnp.searchsorted(batch.cu_q_lens[1:], jnp.arange(T), side="right"), S - 1)
         rope = rope_tables(c, batch.positions, batch.kv_lens[seq_of_token])  # kind -> [T, rotary_dim] each
         slot = None  # LoRA: each of this device's tokens' adapter slot
@@ -166,12 +178,12 @@ class Decoder(nnx.Module):
             slot = jax.lax.dynamic_slice_in_dim(slot_of_token, first_row, Tl)  # [Tl]
         step = StepInputs(batch, write_page, write_offset, rope, slot, query_block, spec_block, kv.num_pages)
 
-        L = kv.num_layers
-        # Fold the layer axis into the page axis: layer i's page p is page i * P + p of one pool.
-        hidden, residual, pool = self.run_layers(step, (x, jnp.zeros_like(x), kv.fold_layers()))
+        num_slots = kv.num_slots
+        # Fold the slot axis into the page axis: slot s's page p is page s * P + p of one pool.
+        hidden, residual, pool = self.run_layers(step, (x, jnp.zeros_like(x), kv.fold_slots()))
         hidden, residual = self._logits_rows(hidden, residual, batch.logits_indices, first_row)  # [R, H] each
         h, _ = add_rms_norm(hidden, residual, self.norm_weight(self.final_norm[...]), c.rms_norm_eps, self.kernels)
-        kv = pool.unfold_layers(L)
+        kv = pool.unfold_slots(num_slots)
         if return_hidden:  # the final-normed hidden state of each logits row [R, H] (what the LM head reads)
             return self._lm_head(h), kv, h
         return self._lm_head(h), kv
@@ -180,28 +192,31 @@ class Decoder(nnx.Module):
         """carry = (hidden, residual, pool) through every layer (the period loop of the module docstring)."""
         kinds = self.config.layer_kinds()
         period = layer_period(kinds)
+        groups = self.kv_groups
+        slot_of_layer = jnp.asarray(groups.slot_of_layer, jnp.int32)
         stacked = self.layers.stacked()
         lora = self.lora.stacked() if step.lora_slot is not None else None
 
-        def layer(i, kind, carry):
+        def layer(i, j, carry):  # layer i (traced in the loop) at position j of its period (static)
             w = {name: jax.tree.map(lambda a: a[i], p) for name, p in stacked.items()}  # layer i's weights
             lw = {name: a[i] for name, a in lora.items()} if lora is not None else None  # [N, ...] each
-            return self.block(step, i, kind, w, lw, *carry)
+            ref = LayerRef(i, groups.group_of_layer[j], slot_of_layer[i])  # (a layer's group repeats with the period)
+            return self.block(step, ref, kinds[j], w, lw, *carry)
 
         def one_period(p, carry):
             for j in range(period):
-                carry = layer(p * period + j, kinds[j], carry)
+                carry = layer(p * period + j, j, carry)
             return carry
 
         whole = len(kinds) // period
         if whole:
             carry = jax.lax.fori_loop(0, whole, one_period, carry)
         for i in range(whole * period, len(kinds)):  # the layers past the last whole period
-            carry = layer(i, kinds[i], carry)
+            carry = layer(i, i - whole * period, carry)
         return carry
 
-    def block(self, step: StepInputs, i, kind: LayerKind, w: dict, lw: dict | None, hidden, residual, pool):
-        """Decoder layer i (traced index, static `kind`): (hidden, residual, pool) -> the same."""
+    def block(self, step: StepInputs, layer: LayerRef, kind: LayerKind, w: dict, lw: dict | None, hidden, residual, pool):
+        """One decoder layer (its K/V's place `layer`, static `kind`): (hidden, residual, pool) -> the same."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ sublayers the blocks compose
@@ -215,8 +230,8 @@ class Decoder(nnx.Module):
     def norm(self, x, weight):
         return rms_norm(x, self.norm_weight(weight), self.config.rms_norm_eps)
 
-    def attention(self, step: StepInputs, i, kind: LayerKind, w: dict, lw: dict | None, h, pool):
-        """Self-attention of h [Tl, H] through layer i's paged cache: (out [Tl, H], pool)."""
+    def attention(self, step: StepInputs, layer: LayerRef, kind: LayerKind, w: dict, lw: dict | None, h, pool):
+        """Self-attention of h [Tl, H] through the layer's paged cache: (out [Tl, H], pool)."""
         c, par, kernels = self.config, self.parallel, self.kernels
         Tl = h.shape[0]
         num_heads = c.num_heads // par.tp  # this device's query heads
@@ -232,7 +247,8 @@ class Decoder(nnx.Module):
             q, k = self._projection_norm(q, w["q_norm"]), self._projection_norm(k, w["k_norm"])
         cos, sin = step.rope[kind.rope]
         attn, pool = write_kv_and_attend(  # RoPE, KV write, attention
-            q, k, v, cos, sin, pool, i * step.num_pages, step.write_page, step.write_offset, step.batch,
+            q, k, v, cos, sin, pool, layer.slot * step.num_pages, step.write_page[layer.group], step.write_offset,
+            layer.batch_view(step.batch),
             sm_scale=c.sm_scale, sliding_window=kind.window, soft_cap=c.attn_logit_softcap, sinks=w.get("sinks"),
             query_block=step.query_block, spec_block=step.spec_block, kernels=kernels, parallel=par,
         )

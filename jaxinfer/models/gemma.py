@@ -14,12 +14,12 @@ Every norm multiplies by (1 + w): Gemma stores w - 1 (`ModelConfig.norm_weight_o
 from __future__ import annotations
 
 from jaxinfer.config import LayerKind
-from jaxinfer.models.decoder import Decoder, StepInputs
+from jaxinfer.models.decoder import Decoder, LayerRef, StepInputs
 
 
 class GemmaForCausalLM(Decoder):
-    def block(self, step: StepInputs, i, kind: LayerKind, w: dict, lw: dict | None, hidden, residual, pool):
+    def block(self, step: StepInputs, layer: LayerRef, kind: LayerKind, w: dict, lw: dict | None, hidden, residual, pool):
         h, residual = self.add_norm(hidden, residual, w["attn_norm"])
-        attn, pool = self.attention(step, i, kind, w, lw, h, pool)
+        attn, pool = self.attention(step, layer, kind, w, lw, h, pool)
         h, residual = self.add_norm(self.norm(attn, w["post_attn_norm"]), residual, w["mlp_norm"])
         return self.norm(self.mlp(step, w, lw, h), w["post_mlp_norm"]), residual, pool

@@ -11,12 +11,12 @@ One pre-norm block per layer (the shared pieces are `jaxinfer.models.decoder`'s)
 from __future__ import annotations
 
 from jaxinfer.config import LayerKind
-from jaxinfer.models.decoder import Decoder, StepInputs, split_qkv  # noqa: F401  (split_qkv: calibration reads it here)
+from jaxinfer.models.decoder import Decoder, LayerRef, StepInputs, split_qkv  # noqa: F401  (split_qkv: calibration reads it here)
 
 
 class LlamaForCausalLM(Decoder):
-    def block(self, step: StepInputs, i, kind: LayerKind, w: dict, lw: dict | None, hidden, residual, pool):
+    def block(self, step: StepInputs, layer: LayerRef, kind: LayerKind, w: dict, lw: dict | None, hidden, residual, pool):
         h, residual = self.add_norm(hidden, residual, w["attn_norm"])
-        attn, pool = self.attention(step, i, kind, w, lw, h, pool)
+        attn, pool = self.attention(step, layer, kind, w, lw, h, pool)
         h, residual = self.add_norm(attn, residual, w["mlp_norm"])
         return self.mlp(step, w, lw, h), residual, pool

@@ -9,13 +9,13 @@
 from __future__ import annotations
 
 from jaxinfer.config import LayerKind
-from jaxinfer.models.decoder import Decoder, StepInputs
+from jaxinfer.models.decoder import Decoder, LayerRef, StepInputs
 
 
 class OlmoForCausalLM(Decoder):
-    def block(self, step: StepInputs, i, kind: LayerKind, w: dict, lw: dict | None, hidden, residual, pool):
+    def block(self, step: StepInputs, layer: LayerRef, kind: LayerKind, w: dict, lw: dict | None, hidden, residual, pool):
         x = hidden + residual  # the stream: each branch reads it unnormalised
-        attn, pool = self.attention(step, i, kind, w, lw, x, pool)
+        attn, pool = self.attention(step, layer, kind, w, lw, x, pool)
         hidden, residual = self.norm(attn, w["post_attn_norm"]), x
         x = hidden + residual
         return self.norm(self.mlp(step, w, lw, x), w["post_mlp_norm"]), x, pool

@@ -86,7 +86,7 @@ def write_rows(pool: KVCache, pages, offsets, k, v) -> KVCache:
         return KVCache(k=pool.k.at[pages, offsets].set(k), v=pool.v.at[pages, offsets].set(v),
                        k_scale=pool.k_scale.at[pages, offsets].set(k_scale), v_scale=pool.v_scale.at[pages, offsets].set(v_scale))
     n, Hkv = k_scale.shape
-    page_size = pool.kv.shape[1]  # a folded pool: [L * P, page_size, ...]
+    page_size = pool.kv.shape[1]  # a folded pool: [slots * P, page_size, ...]
     # scales run (head, K|V, token) within a page: token `offset`'s 2 Hkv of them are page_size apart
     slot = offsets[:, None] + page_size * jnp.arange(2 * Hkv)[None, :]  # [n, 2 Hkv]
     scales = jnp.stack([k_scale, v_scale], axis=-1).reshape(n, 2 * Hkv)  # (head, K|V) order
@@ -129,8 +129,8 @@ def write_kv_and_attend(
     v: jax.Array,  # [T, Hkv, D]
     cos: jax.Array,  # [T, D]: each token's rotation (layers.rope_cos_sin)
     sin: jax.Array,  # [T, D]
-    pool: KVCache,  # every layer's pages in one pool: [L * P, page_size, ...] (KVCache.fold_layers)
-    layer_page_offset: jax.Array,  # scalar: layer * P, where this layer's pages start
+    pool: KVCache,  # every slot's pages in one pool: [slots * P, page_size, ...] (KVCache.fold_slots)
+    layer_page_offset: jax.Array,  # scalar: slot * P, where this layer's pages start
     write_page: jax.Array,  # [T] from kv_write_locations
     write_offset: jax.Array,  # [T]
     batch: RaggedBatch,

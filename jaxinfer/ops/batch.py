@@ -10,7 +10,8 @@ buckets, so the step compiles once per bucket.
     positions       [T]              position of each token in its sequence
     cu_q_lens       [S + 1]          sequence s owns tokens cu_q_lens[s] : cu_q_lens[s+1]
     kv_lens         [S]              cache length of sequence s after this step
-    page_table      [S, pages_per_seq]  page ids of sequence s (unused entries: 0, the scratch page)
+    page_table      [G, S, pages_per_seq]  page ids of sequence s in KV layer group g (unused
+                                     entries: 0, the scratch page; jaxinfer.kv_groups)
     num_seqs        [1]              sequences in use; slots past it are padding with length 0
     logits_indices  [R]              token rows whose logits the step computes (padding: 0)
     token_src       [T]              -1, or the row of the previous step's sampled tokens that is
@@ -50,7 +51,7 @@ class SequenceChunk:
 
     token_ids: Sequence[int]  # the new tokens
     start_pos: int  # tokens of this sequence already in the cache
-    pages: Sequence[int]  # the sequence's pages, in order; must cover start_pos + len(token_ids)
+    pages: Sequence[Sequence[int]]  # per KV layer group, its page-table row; must cover start_pos + len(token_ids)
     logits_rows: Sequence[int] = ()  # offsets into token_ids whose logits are needed
     # {offset: row}: tokens not known on the host yet, taken on the device from row `row` of the
     # previous step's sampled tokens (their entry in token_ids is ignored)
@@ -108,10 +109,11 @@ class Buckets:
     spec_block: int = 0
     # prefill and mixed batches pad to at least this many tokens (decode batches do not)
     min_chunk_tokens: int = 1
+    num_groups: int = 1  # KV layer groups: page-table rows per sequence (jaxinfer.kv_groups)
 
     @staticmethod
     def default(max_num_batched_tokens: int, max_num_seqs: int, pages_per_seq: int, token_multiple: int = 1,
-                spec_block: int = 0) -> "Buckets":
+                spec_block: int = 0, num_groups: int = 1) -> "Buckets":
         """Token buckets 2, 4, 8, ... up to max_num_batched_tokens, each rounded up to a multiple of
         `token_multiple` (sequence parallelism splits a step's tokens evenly over that many devices).
 
@@ -135,7 +137,7 @@ class Buckets:
             t *= 2
         sizes.append(max_num_batched_tokens)
         return Buckets(tuple(sorted(set(sizes))), max_num_seqs, pages_per_seq, spec_block=spec_block,
-                       min_chunk_tokens=1 if spec_block else 8)
+                       min_chunk_tokens=1 if spec_block else 8, num_groups=num_groups)
 
     @property
     def max_tokens(self) -> int:
@@ -196,6 +198,12 @@ class Buckets:
         return keys
 
 
+def fresh_pages(num_groups: int, num_pages: int) -> list[list[int]]:
+    """Page-table rows of one sequence alone in a pool: num_pages pages for each of num_groups KV
+    layer groups, all distinct, from page 1 on (a pool of num_groups * num_pages + 1 pages)."""
+    return [list(range(1 + g * num_pages, 1 + (g + 1) * num_pages)) for g in range(num_groups)]
+
+
 def shared_key(replica_chunks: Sequence[Sequence[SequenceChunk]], buckets: Buckets) -> BucketKey:
     """The one bucket that holds every replica's chunks (each replica's batch is padded to it)."""
     sizes = [(sum(len(c.token_ids) for c in chunks), len(chunks), sum(len(c.logits_rows) for c in chunks))
@@ -233,7 +241,8 @@ def pack_batch(
     positions = np.zeros(T, np.int32)
     cu_q_lens = np.zeros(S + 1, np.int32)
     kv_lens = np.zeros(S, np.int32)
-    page_table = np.full((S, buckets.pages_per_seq), SCRATCH_PAGE, np.int32)
+    G = buckets.num_groups
+    page_table = np.full((G, S, buckets.pages_per_seq), SCRATCH_PAGE, np.int32)
     logits_indices = np.zeros(R, np.int32)
     token_src = np.full(T, -1, np.int32)
     rows_of_chunk: list[list[int]] = []
@@ -242,17 +251,20 @@ def pack_batch(
     for s, c in enumerate(chunks):
         n = len(c.token_ids)
         end = c.start_pos + n
-        if len(c.pages) * page_size < end:
-            raise ValueError(f"sequence slot {s}: {len(c.pages)} pages cannot hold {end} tokens")
-        if len(c.pages) > buckets.pages_per_seq:
-            raise ValueError(f"sequence slot {s}: {len(c.pages)} pages exceed pages_per_seq={buckets.pages_per_seq}")
+        if len(c.pages) != G:
+            raise ValueError(f"sequence slot {s}: {len(c.pages)} page-table rows for {G} KV layer groups")
+        for g, row in enumerate(c.pages):
+            if len(row) * page_size < end:
+                raise ValueError(f"sequence slot {s}: {len(row)} pages of group {g} cannot hold {end} tokens")
+            if len(row) > buckets.pages_per_seq:
+                raise ValueError(f"sequence slot {s}: {len(row)} pages exceed pages_per_seq={buckets.pages_per_seq}")
+            page_table[g, s, : len(row)] = row
         token_ids[t : t + n] = [max(tok, 0) for tok in c.token_ids]
         for off, row in c.device_tokens.items():
             token_src[t + off] = row
         positions[t : t + n] = np.arange(c.start_pos, end)
         cu_q_lens[s + 1] = t + n
         kv_lens[s] = end
-        page_table[s, : len(c.pages)] = c.pages
         rows = []
         for off in c.logits_rows:
             logits_indices[r] = t + off

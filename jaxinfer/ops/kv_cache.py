@@ -2,8 +2,12 @@
 
 Two layouts (chosen once from the kernel table, `Kernels.combines_kv`; kernels read them as they are):
 
-    separate   k, v  [num_layers, num_pages, page_size, num_kv_heads, head_dim]     CPU, GPU, XLA paths
-    combined   kv    [num_layers, num_pages, page_size, num_kv_heads * 2 * Ds]      TPU kernels
+    separate   k, v  [num_slots, num_pages, page_size, num_kv_heads, head_dim]     CPU, GPU, XLA paths
+    combined   kv    [num_slots, num_pages, page_size, num_kv_heads * 2 * Ds]      TPU kernels
+
+num_slots is the number of layers in each KV layer group (`jaxinfer.kv_groups`): one per layer
+when every layer attends alike (Llama), fewer when sliding and full layers share the pool
+(Gemma 3: a page owned by one of its six groups holds that group's layers, one per slot).
 
 Token-major pages either way: one token's row of every KV head is contiguous. The combined row
 (`pallas_kernels.ragged_paged_attention.combined`) holds K_0 V_0 K_1 V_1 ... in Ds lanes each
@@ -13,20 +17,21 @@ chip to two (measured with libtpu in tests/test_kv_layout.py: bytes per token pe
 the model's K/V bytes for head_dim 64 / 128 / 256, 1 / 2 / 8 KV heads per chip, bf16 / int8 /
 fp8). With tensor parallelism each shard of the row is a contiguous run of whole heads.
 
-A sequence owns a list of pages (its row of the page table); token at position p of that
-sequence lives in page `page_table[p // page_size]`, slot `p % page_size`. Page 0 is never
+A sequence owns a list of pages per layer group (its rows of the page table); token at position
+p of that sequence lives, for a layer of group g, in page `page_table[g][p // page_size]`, offset
+`p % page_size`, of the layer's slot. Page 0 is never
 handed to a sequence: padded token slots write their (garbage) K/V there, so padding can never
 touch a live page.
 
-Inside the step the layer axis is folded into the page axis (`[L * P, page_size, ...]`, a free
-reshape) and layer `l` addresses its pages as `l * P + page`: one page pool, one attention
-signature, no per-layer copy.
+Inside the step the slot axis is folded into the page axis (`[num_slots * P, page_size, ...]`, a
+free reshape) and a layer in slot `s` addresses its pages as `s * P + page`: one page pool, one
+attention signature, no per-layer copy.
 
 Quantized pools (`kv_cache_dtype` int8 or float8_e4m3fn) hold each token's K and V per head as
 int8 / e4m3 entries and a float32 scale, `entry * scale` being the value:
 
-    k_scale, v_scale   [num_layers, num_pages, page_size, num_kv_heads]   float32   (separate)
-    kv_scale           [num_layers, num_pages, num_kv_heads * 2 * page_size]  float32   (combined)
+    k_scale, v_scale   [num_slots, num_pages, page_size, num_kv_heads]   float32   (separate)
+    kv_scale           [num_slots, num_pages, num_kv_heads * 2 * page_size]  float32   (combined)
 
 A combined pool's scales run head-major within a page, (head, K|V, token), so a tensor-parallel
 shard of the last axis holds its own heads' scales; a TPU stores this array with the page axis
@@ -56,6 +61,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.kv_groups import kv_groups
 from jaxinfer.ops.kernels import Kernels
 from pallas_kernels.ragged_paged_attention.combined import row_width
 from pallas_kernels.ragged_paged_attention.reference import QUANTIZED_KV_DTYPES, storage_dtype
@@ -76,12 +82,12 @@ def is_quantized(dtype) -> bool:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    k: jax.Array | None = None  # [L, P, page_size, Hkv, D]: separate layout
-    v: jax.Array | None = None  # [L, P, page_size, Hkv, D]
-    k_scale: jax.Array | None = None  # [L, P, page_size, Hkv] float32: quantized pools only
+    k: jax.Array | None = None  # [slots, P, page_size, Hkv, D]: separate layout
+    v: jax.Array | None = None  # [slots, P, page_size, Hkv, D]
+    k_scale: jax.Array | None = None  # [slots, P, page_size, Hkv] float32: quantized pools only
     v_scale: jax.Array | None = None
-    kv: jax.Array | None = None  # [L, P, page_size, Hkv * 2 * Ds]: combined layout (TPU kernels)
-    kv_scale: jax.Array | None = None  # [L, P, Hkv * 2 * page_size] float32: a quantized combined pool's
+    kv: jax.Array | None = None  # [slots, P, page_size, Hkv * 2 * Ds]: combined layout (TPU kernels)
+    kv_scale: jax.Array | None = None  # [slots, P, Hkv * 2 * page_size] float32: a quantized combined pool's
 
     @staticmethod
     def create(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, *, tp: int = 1,
@@ -102,7 +108,7 @@ class KVCache:
 
     @staticmethod
     def page_bytes(config: ModelConfig, page_size: int, dtype, *, tp: int = 1, kernels: Kernels = Kernels()) -> int:
-        """Bytes of one page of every layer, K and V (with their scales)."""
+        """Bytes of one page id: every slot, K and V (with their scales)."""
         combined = kernels.combines_kv
         entries = math.prod(KVCache.shape(config, 1, page_size, dtype, tp=tp, kernels=kernels)) * jnp.dtype(dtype).itemsize
         scales = math.prod(KVCache.scale_shape(config, 1, page_size, tp=tp, combined=combined)) * 4 if is_quantized(dtype) else 0
@@ -110,12 +116,13 @@ class KVCache:
 
     @staticmethod
     def scale_shape(config: ModelConfig, num_pages: int, page_size: int, *, tp: int = 1, combined: bool) -> tuple[int, ...]:
-        """Shape of a quantized pool's scales: kv_scale [L, P, Hkv * 2 * page_size] (combined), or
-        k_scale and v_scale [L, P, page_size, Hkv] each."""
+        """Shape of a quantized pool's scales: kv_scale [slots, P, Hkv * 2 * page_size] (combined), or
+        k_scale and v_scale [slots, P, page_size, Hkv] each."""
         heads = pool_kv_heads(config, tp=tp)
+        slots = kv_groups(config).num_slots
         if combined:
-            return (config.num_layers, num_pages, heads * 2 * page_size)
-        return (config.num_layers, num_pages, page_size, heads)
+            return (slots, num_pages, heads * 2 * page_size)
+        return (slots, num_pages, page_size, heads)
 
     @property
     def quantized(self) -> bool:
@@ -135,25 +142,26 @@ class KVCache:
         """The (first) scale array of a quantized pool: kv_scale, or k_scale."""
         return self.kv_scale if self.combined else self.k_scale
 
-    def fold_layers(self) -> "KVCache":
-        """Every array with its layer axis folded into the page axis: [L * P, ...] (a free reshape)."""
+    def fold_slots(self) -> "KVCache":
+        """Every array with its slot axis folded into the page axis: [slots * P, ...] (a free reshape)."""
         return jax.tree.map(lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), self)
 
-    def unfold_layers(self, num_layers: int) -> "KVCache":
-        return jax.tree.map(lambda a: a.reshape((num_layers, a.shape[0] // num_layers) + a.shape[1:]), self)
+    def unfold_slots(self, num_slots: int) -> "KVCache":
+        return jax.tree.map(lambda a: a.reshape((num_slots, a.shape[0] // num_slots) + a.shape[1:]), self)
 
     @staticmethod
     def shape(config: ModelConfig, num_pages: int, page_size: int, dtype, *, tp: int = 1,
               kernels: Kernels = Kernels()) -> tuple[int, ...]:
-        """Shape of each page array: kv [L, P, page_size, tp * row] (row = combined.row_width of a
-        shard's heads), or k and v [L, P, page_size, pool_kv_heads, head_dim]."""
+        """Shape of each page array: kv [slots, P, page_size, tp * row] (row = combined.row_width of
+        a shard's heads), or k and v [slots, P, page_size, pool_kv_heads, head_dim]."""
+        slots = kv_groups(config).num_slots
         if kernels.combines_kv:
             row = row_width(kv_heads_per_shard(config.num_kv_heads, tp), config.head_dim)
-            return (config.num_layers, num_pages, page_size, tp * row)
-        return (config.num_layers, num_pages, page_size, pool_kv_heads(config, tp=tp), config.head_dim)
+            return (slots, num_pages, page_size, tp * row)
+        return (slots, num_pages, page_size, pool_kv_heads(config, tp=tp), config.head_dim)
 
     @property
-    def num_layers(self) -> int:
+    def num_slots(self) -> int:
         return self.pages.shape[0]
 
     @property

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.ops.batch import Buckets, SequenceChunk, pack_batch, stack_replicas
+from jaxinfer.kv_groups import kv_groups
+from jaxinfer.ops.batch import Buckets, SequenceChunk, fresh_pages, pack_batch, stack_replicas
 from jaxinfer.config import ModelConfig
 from jaxinfer.ops.kv_cache import KVCache
 from jaxinfer.runtime.step import StepFunction
@@ -30,12 +31,13 @@ def prompt_log_softmax(
         raise ValueError(f"token_ids has {n} tokens; need 1..{config.max_position_embeddings} (max_position_embeddings)")
     num_pages = -(-n // page_size)
     bucket = 1 << max(4, (n - 1).bit_length())  # one power-of-two token bucket that holds the text
+    G = kv_groups(config).num_groups
     key, batch, rows = pack_batch(
-        [SequenceChunk(list(token_ids), 0, list(range(1, num_pages + 1)), list(range(n)))],
-        Buckets((bucket,), max_num_seqs=1, pages_per_seq=num_pages),
+        [SequenceChunk(list(token_ids), 0, fresh_pages(G, num_pages), list(range(n)))],
+        Buckets((bucket,), max_num_seqs=1, pages_per_seq=num_pages, num_groups=G),
         page_size,
     )
-    kv = KVCache.create(config, num_pages + 1, page_size, kv_dtype)  # page 0 is the scratch page
+    kv = KVCache.create(config, G * num_pages + 1, page_size, kv_dtype)  # page 0 is the scratch page
     step = StepFunction(graphdef, num_top_logprobs=0)
     logits, _ = step.forward(params, kv, step.place_inputs(stack_replicas([batch])), query_block=key.query_block)
     return np.asarray(jax.nn.log_softmax(logits[0], axis=-1), np.float64)[rows[0]]
@@ -51,13 +53,14 @@ def hidden_states(config: ModelConfig, graphdef: nnx.GraphDef, params: nnx.State
         raise ValueError(f"token_ids has {n} tokens; need 1..{config.max_position_embeddings} (max_position_embeddings)")
     pages_per_seq = -(-config.max_position_embeddings // page_size)
     bucket = 1 << max(4, (n - 1).bit_length())
+    G = kv_groups(config).num_groups
     key, batch, rows = pack_batch(
-        [SequenceChunk(list(token_ids), 0, list(range(1, -(-n // page_size) + 1)), list(range(n)))],
-        Buckets((bucket,), max_num_seqs=1, pages_per_seq=pages_per_seq),
+        [SequenceChunk(list(token_ids), 0, fresh_pages(G, pages_per_seq), list(range(n)))],
+        Buckets((bucket,), max_num_seqs=1, pages_per_seq=pages_per_seq, num_groups=G),
         page_size,
     )
     step = _hidden_step(graphdef)
-    kv = KVCache.create(config, pages_per_seq + 1, page_size)
+    kv = KVCache.create(config, G * pages_per_seq + 1, page_size)
     _, _, hidden = step.forward(params, kv, step.place_inputs(stack_replicas([batch])), query_block=key.query_block)
     return np.asarray(hidden[0], np.float32)[rows[0]]
 

@@ -246,7 +246,7 @@ def _attention_batches(page_size: int, spec_block: int):
         for length, new in seqs:
             pages = list(range(next_page, next_page + -(-length // ps)))
             next_page += len(pages)
-            chunks.append(SequenceChunk(list(rng.integers(3, 100, new)), length - new, pages, [new - 1]))
+            chunks.append(SequenceChunk(list(rng.integers(3, 100, new)), length - new, [pages], [new - 1]))
         yield name, chunks, pages_per_seq, next_page
 
 
@@ -268,9 +268,9 @@ def _ragged_attention_cases(kernels: Kernels, xla: Kernels, s: StepShapes) -> It
             batch = jax.tree.map(jnp.asarray, batch)
             q = _random(q_key, (key.num_tokens, Hq, D), s.dtype)
             if not is_quantized(s.kv_dtype):
-                return q, _random(k_key, shape, s.kv_dtype), _random(v_key, shape, s.kv_dtype), batch.page_table, batch, None, None
+                return q, _random(k_key, shape, s.kv_dtype), _random(v_key, shape, s.kv_dtype), batch.page_table[0], batch, None, None
             (k, k_scale), (v, v_scale) = (quantize_kv(_random(r, shape, jnp.float32), storage_dtype(s.kv_dtype)) for r in (k_key, v_key))
-            return q, k, v, batch.page_table, batch, k_scale, v_scale
+            return q, k, v, batch.page_table[0], batch, k_scale, v_scale
 
         def kernel(q, k_pages, v_pages, page_table, batch, k_scale, v_scale, real=real, options=options):
             if combined:  # the pool as the step holds it: one row of K and V per token, one scale pool

@@ -65,6 +65,11 @@ class _EngineCollector:
             ("spec_decode_acceptance_rate", "Accepted / drafted speculative tokens", s.acceptance_rate),
         ):
             yield GaugeMetricFamily(f"jaxinfer:{name}", doc, value=value)
+        by_group = GaugeMetricFamily("jaxinfer:kv_cache_pages_in_use", "KV pages held by sequences, per KV layer group "
+                                     "(the window its layers keep, 'full' for full attention)", labels=["group", "window"])
+        for g, (pages, window) in enumerate(zip(s.kv_pages_in_use_by_group, self.engine.runner.kv_windows)):
+            by_group.add_metric([str(g), "full" if window is None else str(window)], pages)
+        yield by_group
         for name, doc, value in (
             ("num_preemptions", "Sequences preempted", s.num_preemptions),
             ("num_compiles", "Step programs compiled (model buckets and sampling variants)", s.num_compiles),

@@ -1,0 +1,91 @@
+"""The KV cache's layer groups: which layers share a page table, and where each layer's pages live.
+
+A sliding-window layer only ever reads the last `window` positions, so it need not keep the
+rest: its pages can go back to the pool as the sequence moves on. Layers that keep pages for
+different spans cannot share one page table, so the layers are grouped by what they keep (their
+*cache spec*: the window, or None for full attention), and each group gets a page-table row per
+sequence. A sliding group's row holds the scratch page (0) where its pages were given back.
+
+All groups draw their pages from one pool, so memory moves to whichever group needs it (a long
+prompt's full-attention pages, many short sequences' sliding pages) with no split to tune. That
+works because every group has the same number of layers: the pool's arrays have one *slot* per
+layer of a group, `[num_slots, P, page_size, ...]`, and a page id owned by group g holds, in slot s,
+the K/V of group g's s-th layer. No storage is idle whichever group owns a page.
+
+Equal groups come from the layers' repeating pattern (`layer_period`). In one period, spec w
+covers c_w positions; with m = gcd of the c_w, each spec's positions are dealt (in order) into
+c_w / m groups of m positions. Layer l = p * period + j (period p, position j) is in the group of
+position j, slot p * m + (the index of j among its group's positions). Examples:
+
+    Llama (every layer full)         1 group;  slot = layer
+    Gemma 2, GPT-OSS (sliding, full) 2 groups; layers 2p and 2p + 1 share slot p
+    Gemma 3 (5 sliding, 1 full)      6 groups; the six layers of period p share slot p
+    SmolLM3 (NoPE every 4th layer)   1 group:  RoPE does not change what a layer keeps
+
+Layers past the last whole period take the next slot, so a group with one layer fewer than
+the others leaves that slot unused (Gemma-3-27B: 62 layers, 11 slots, four groups use 10).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxinfer.config import LayerKind, ModelConfig
+
+
+def layer_period(kinds: tuple[LayerKind, ...]) -> int:
+    """The shortest p with kinds[i] == kinds[i % p] for every layer (the layers' repeating pattern)."""
+    n = len(kinds)
+    return next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p] for i in range(n)))
+
+
+@dataclasses.dataclass(frozen=True)
+class KVGroups:
+    windows: tuple[int | None, ...]  # per group: its layers' sliding window (None: full attention)
+    group_of_layer: tuple[int, ...]  # per layer
+    slot_of_layer: tuple[int, ...]  # per layer: its slot in the pool's arrays
+    num_slots: int
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    def pages_held(self, num_tokens: int, page_size: int, chunk: int = 1) -> int:
+        """The most pages (all groups together) one sequence holds while computing `chunk` tokens
+        that end at num_tokens: a full group every page up to there, a sliding group the pages its
+        window can still see from the chunk's first token (`window_pages`)."""
+        return sum(window_pages(w, num_tokens, page_size, chunk) for w in self.windows)
+
+
+def window_pages(window: int | None, num_tokens: int, page_size: int, chunk: int = 1) -> int:
+    """Pages of one group a sequence holds while computing a chunk of `chunk` tokens ending at
+    num_tokens: keys from (first query - window + 1) on, through the chunk's last token."""
+    full = -(-num_tokens // page_size)
+    if window is None:
+        return full
+    return min(full, (window + chunk - 2) // page_size + 2)
+
+
+def kv_groups(config: ModelConfig) -> KVGroups:
+    """The layer groups of a model (see the module docstring)."""
+    kinds = config.layer_kinds()
+    period = layer_period(kinds)
+    specs = [kinds[j].window for j in range(period)]  # each period position's cache spec
+    counts = {w: specs.count(w) for w in dict.fromkeys(specs)}  # in order of first appearance
+    m = math.gcd(*counts.values())
+    windows: list[int | None] = []
+    group_of_position, offset_of_position = [0] * period, [0] * period
+    for w in counts:
+        positions = [j for j in range(period) if specs[j] == w]
+        for start in range(0, len(positions), m):
+            windows.append(w)
+            for offset, j in enumerate(positions[start : start + m]):
+                group_of_position[j], offset_of_position[j] = len(windows) - 1, offset
+    layers = range(config.num_layers)
+    return KVGroups(
+        windows=tuple(windows),
+        group_of_layer=tuple(group_of_position[l % period] for l in layers),
+        slot_of_layer=tuple((l // period) * m + offset_of_position[l % period] for l in layers),
+        num_slots=-(-config.num_layers // period) * m,
+    )
