@@ -17,7 +17,7 @@ Adding an architecture is adding an entry: an `ArchNames` to `HF_NAME_MAPS` (key
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, NamedTuple
 
 from checkpoints_conv.errors import CheckpointError
@@ -167,6 +167,11 @@ def _moe_names(router: str, expert_prefix: str, gate: str, up: str, down: str, s
 
 
 MIXTRAL_NAMES = _moe_names("block_sparse_moe.gate", "block_sparse_moe.experts.", "w1", "w3", "w2")
+# MiniMax-M2: Mixtral's names, q/k norms over the projection, the router's correction bias
+MINIMAX_M2_NAMES = replace(MIXTRAL_NAMES, per_layer={
+    **MIXTRAL_NAMES.per_layer,
+    "block_sparse_moe.e_score_correction_bias": Dest("layers.router_correction_bias", False),
+})
 QWEN2_MOE_NAMES = _moe_names("mlp.gate", "mlp.experts.", "gate_proj", "up_proj", "down_proj", shared=True)
 QWEN3_MOE_NAMES = _moe_names("mlp.gate", "mlp.experts.", "gate_proj", "up_proj", "down_proj")
 
@@ -230,6 +235,7 @@ HF_NAME_MAPS: dict[str, ArchNames] = {
     "qwen2": LLAMA_NAMES,
     "qwen3": LLAMA_NAMES,
     "mixtral": MIXTRAL_NAMES,
+    "minimax_m2": MINIMAX_M2_NAMES,
     "qwen2_moe": QWEN2_MOE_NAMES,
     "qwen3_moe": QWEN3_MOE_NAMES,
     "smollm3": LLAMA_NAMES,

@@ -30,9 +30,9 @@ import os
 from typing import Any
 
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "minimax_m2")
 # The families of issue 35, each with its own model file (jaxinfer.models.registry).
-NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3")
+NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2")
 SUPPORTED_MODEL_TYPES = LLAMA_MODEL_TYPES + NEW_FAMILY_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -53,6 +53,7 @@ _ARCHITECTURE_TO_MODEL_TYPE = {
     "Olmo3ForCausalLM": "olmo3",
     "GptOssForCausalLM": "gpt_oss",
     "Phi3ForCausalLM": "phi3",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
 }
 
 
@@ -138,6 +139,8 @@ class ModelConfig:
     hidden_act: str = "silu"  # the MLP's gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     attention_sinks: bool = False  # one learned sink logit per query head (GPT-OSS)
     router_bias: bool = False  # the MoE router has a bias (GPT-OSS)
+    router_scoring: str = "softmax"  # expert scores: "softmax" over all experts, or "sigmoid" per expert (MiniMax-M2)
+    router_correction_bias: bool = False  # a learned bias added to the scores to pick experts only (MiniMax-M2)
     expert_bias: bool = False  # each expert's gate/up and down projections have biases (GPT-OSS)
     swiglu_limit: float | None = None  # GPT-OSS's clamped SwiGLU: (clip(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
     swiglu_alpha: float = 1.702
@@ -261,7 +264,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "olmo2", "olmo3"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "olmo2", "olmo3", "minimax_m2"),
             sliding_window=int(sliding_window) if sliding_window else None,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
@@ -334,14 +337,15 @@ class ModelConfig:
                 shared_expert_intermediate_size=self.shared_expert_intermediate_size,
                 norm_topk_prob=self.norm_topk_prob,
             )
-            if self.model_type in ("mixtral", "gpt_oss"):
+            if self.model_type in ("mixtral", "gpt_oss", "minimax_m2"):
                 d["intermediate_size"] = self.moe_intermediate_size
         return d
 
 
 def _parse_moe(d: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
     """The mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json."""
-    num_experts = d.get("num_local_experts") if model_type in ("mixtral", "gpt_oss") else d.get("num_experts", d.get("num_local_experts"))
+    num_experts = (d.get("num_local_experts") if model_type in ("mixtral", "gpt_oss", "minimax_m2")
+                   else d.get("num_experts", d.get("num_local_experts")))
     top_k = d.get("num_experts_per_tok")
     if not num_experts or not top_k:
         raise ConfigError(f"{source}: a {model_type} model needs num_experts (num_local_experts) and num_experts_per_tok")
@@ -352,7 +356,7 @@ def _parse_moe(d: dict[str, Any], model_type: str, source: str) -> dict[str, Any
             f"{source}: decoder_sparse_step={d.get('decoder_sparse_step')} / mlp_only_layers={d.get('mlp_only_layers')}: "
             "models mixing dense and mixture-of-experts layers are not supported (every layer must be sparse)"
         )
-    if model_type in ("mixtral", "gpt_oss"):  # each expert as wide as intermediate_size; the top k renormalised
+    if model_type in ("mixtral", "gpt_oss", "minimax_m2"):  # each expert as wide as intermediate_size; the top k renormalised
         # (GPT-OSS takes a softmax over the k largest logits: the same as renormalising their probabilities)
         return dict(num_experts=int(num_experts), num_experts_per_tok=int(top_k),
                     moe_intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True)
@@ -372,7 +376,7 @@ JAXINFER_FIELDS = "jaxinfer_fields"
 _NEWER_FIELDS = ("layer_types", "nope_layers", "local_rope_theta", "local_rope_scaling", "rotary_dim", "attention_scale",
                  "attn_logit_softcap", "final_logit_softcap", "scale_embeddings", "norm_weight_offset", "norm_layout",
                  "qk_norm", "qk_norm_scope", "hidden_act", "sliding_window", "qkv_bias", "o_bias", "attention_sinks",
-                 "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha")
+                 "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha", "router_scoring", "router_correction_bias")
 
 
 def _to_json(value):
@@ -415,6 +419,14 @@ def _smollm3_fields(d: dict[str, Any]) -> dict[str, Any]:
     return dict(nope_layers=tuple(i for i, has_rope in enumerate(flags) if not has_rope))
 
 
+def _minimax_m2_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """MiniMax-M2: q/k RMSNorm over the whole projection, sigmoid routing with a correction bias;
+    every layer full attention (its configs' attn_type_list, 1 = full, says so)."""
+    if any(int(t) != 1 for t in d.get("attn_type_list") or ()):
+        raise ConfigError(f"attn_type_list={d['attn_type_list']}: only full-attention layers (1) are supported for minimax_m2")
+    return dict(qk_norm_scope="projection", router_scoring="sigmoid", router_correction_bias=True)
+
+
 def _olmo_fields(d: dict[str, Any]) -> dict[str, Any]:
     """OLMo 2 / 3: norms after each branch only; q/k RMSNorm over the whole projection."""
     return dict(norm_layout="post", qk_norm_scope="projection")
@@ -428,6 +440,8 @@ _FAMILY_FIELDS = {
     "olmo2": _olmo_fields,
     "olmo3": lambda d: dict(_olmo_fields(d), default_layer_types=lambda n: [
         "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]),
+    # MiniMax-M2: q/k RMSNorm over the whole projection, sigmoid routing with a correction bias
+    "minimax_m2": lambda d: _minimax_m2_fields(d),
     "gpt_oss": lambda d: dict(attention_sinks=True, router_bias=True, expert_bias=True,
                               swiglu_limit=float(d.get("swiglu_limit", 7.0)), swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
                               default_layer_types=lambda n: ["sliding_attention" if (i + 1) % 2 else "full_attention"
@@ -439,6 +453,9 @@ _REFUSED_SWITCHES = {
     "gemma2": {"use_bidirectional_attention": (None, False)},
     "gemma3_text": {"use_bidirectional_attention": (None, False)},
     "gemma3": {"use_bidirectional_attention": (None, False)},
+    # the released configs name the q/k norm "per_layer" (over the whole projection, as implemented)
+    "minimax_m2": {"use_qk_norm": (None, True), "qk_norm_type": (None, "per_layer"), "use_routing_bias": (None, True),
+                   "scoring_func": (None, "sigmoid"), "shared_intermediate_size": (None, 0)},
 }
 
 
@@ -490,7 +507,10 @@ def _parse_rope(d: dict[str, Any], source: str):
 
 def _parse_rope_spec(spec: dict[str, Any], d: dict[str, Any], source: str) -> tuple[float, RopeScaling, float]:
     theta = float(spec.get("rope_theta", d.get("rope_theta", 10000.0)))
-    factor = float(spec.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0)
+    default = d.get("partial_rotary_factor")
+    if default is None and d.get("rotary_dim"):  # MiniMax-M2's released configs name the rotary dims
+        default = int(d["rotary_dim"]) / int(d.get("head_dim") or int(d["hidden_size"]) // int(d["num_attention_heads"]))
+    factor = float(spec.get("partial_rotary_factor", default if default is not None else 1.0) or 1.0)
     rope_type = spec.get("rope_type", spec.get("type", "default"))
     if rope_type in ("su",):  # Phi-3's old name
         rope_type = "longrope"

@@ -162,3 +162,32 @@ def test_attention_sinks_with_ring_attention_are_refused_by_name():
     config = read_model_config("gpt-oss-20b")
     with pytest.raises(ConfigError, match="attention sinks with ring attention"):
         abstract_model(config, jnp.bfloat16, jnp.bfloat16, parallel=ParallelConfig(sp=2, sp_attention="ring"))
+
+
+def test_what_needs_one_full_page_table_row_is_refused_by_name_with_sliding_layers(family_dir):
+    """Swapping a sequence out keeps its one page-table row, and a draft model reads its K/V at the
+    target's page ids: neither holds with a sliding group's given-back pages."""
+    directory, _ = family_dir
+    with pytest.raises(ValueError, match="preemption_mode='swap' with gemma3_text's sliding-window layers"):
+        LLM(str(directory), max_model_len=32, preemption_mode="swap", progress=False)
+    with pytest.raises(ValueError, match="'draft_model': the target model .gemma3_text. has sliding-window layers"):
+        LLM(str(directory), max_model_len=32, progress=False,
+            speculative_config={"method": "draft_model", "num_layers": 1, "num_speculative_tokens": 2})
+
+
+def test_minimax_m2s_released_config_fields_are_read_or_refused_by_name():
+    """The released config.json names the rotary dims (`rotary_dim`, no partial_rotary_factor) and
+    each layer's attention type (1 = full); a linear-attention layer (0) is not implemented."""
+    from jaxinfer.config import ConfigError, ModelConfig
+
+    d = dict(model_type="minimax_m2", vocab_size=8, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rotary_dim=8, rope_theta=5e6,
+             num_local_experts=4, num_experts_per_tok=2, attn_type_list=[1, 1], use_qk_norm=True, qk_norm_type="per_layer",
+             scoring_func="sigmoid", use_routing_bias=True)
+    c = ModelConfig.from_hf_dict(d)
+    assert (c.rotary_dim, c.router_scoring, c.router_correction_bias, c.qk_norm_scope) == (8, "sigmoid", True, "projection")
+    assert ModelConfig.from_hf_dict(c.to_hf_dict()) == c
+    with pytest.raises(ConfigError, match="attn_type_list"):
+        ModelConfig.from_hf_dict({**d, "attn_type_list": [0, 1]})
+    with pytest.raises(ConfigError, match="qk_norm_type='per_head' is not supported for minimax_m2"):
+        ModelConfig.from_hf_dict({**d, "qk_norm_type": "per_head"})

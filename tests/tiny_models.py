@@ -88,13 +88,17 @@ FAMILIES = {
         head_dim=16, sliding_window=10, original_max_position_embeddings=20, pad_token_id=0,
         rope_parameters={"rope_type": "longrope", "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
                          "short_factor": [1.0, 1.2, 1.5, 2.0], "long_factor": [1.5, 2.5, 4.0, 8.0]})),
+    # MiniMax-M2: experts picked by sigmoid scores plus a correction bias (randomised below), q/k
+    # norms over the whole projection, half the head rotated (the released configs' rotary_dim)
+    "minimax_m2": (transformers.MiniMaxM2Config, _common(
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, rotary_dim=8)),
 }
 
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # The families with their own model file (jaxinfer.models.registry): one-token pages are the
 # Llama families' test, the attention kinds these add are tested on pages of 16.
-LAYER_KIND_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3")
+LAYER_KIND_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2")
 
 
 def build_hf_model(family: str, seed: int = 0, **overrides):
@@ -112,6 +116,9 @@ def build_hf_model(family: str, seed: int = 0, **overrides):
                 p.copy_(0.2 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 * (2.0 if "embed" in name or "lm_head" in name else 1.0))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a buffer, zero unless set: make it change the picks
+                b.copy_(0.3 * torch.randn_like(b))
     return model
 
 

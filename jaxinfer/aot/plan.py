@@ -267,11 +267,11 @@ def _group_lines(s: AbstractStep, held: int, whole: int, largest_pages: int) -> 
     if s.windows == (None,):
         return []
     kinds = ", ".join(f"{s.windows.count(w)} {'full' if w is None else f'window {w}'}" for w in dict.fromkeys(s.windows))
-    bytes_per_token = s.kv_bytes_per_page_per_chip() * len(s.windows) / s.shape.page_size
-    return [f"KV layer groups: {len(s.windows)} ({kinds}), {s.kv.num_slots} layers each: a sequence of max_model_len "
-            f"holds {held} pages, {whole} with every layer keeping it whole ({bytes_per_token / 1024:.1f} KiB per "
-            f"token per chip); the largest pool holds {(largest_pages - 1) // held} such sequences, a full-attention "
-            f"cache {(largest_pages - 1) // whole}"]
+    layer_token = s.kv_bytes_per_page_per_chip() / (s.kv.num_slots * s.shape.page_size)  # one token of one layer
+    return [f"KV layer groups: {len(s.windows)} ({kinds}), {s.kv.num_slots} slots each: a sequence of max_model_len "
+            f"holds {held} pages, {whole} with every layer keeping it whole ({layer_token * s.config.num_layers / 1024:.1f} "
+            f"KiB per token per chip); the largest pool holds {(largest_pages - 1) // held} such sequences, a "
+            f"full-attention cache {(largest_pages - 1) // whole}"]
 
 
 def format_plan(plan: Plan) -> str:

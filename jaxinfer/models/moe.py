@@ -6,6 +6,9 @@
     out           = sum_j weights[:, j] * expert_{ids[:, j]}(x)   # SwiGLU experts
                   + sigmoid(x @ W_shared_gate) * shared_expert(x) # Qwen2-MoE only
 
+MiniMax-M2 scores each expert with a sigmoid and picks the k largest after adding a learned
+correction bias (the weights are the sigmoid scores, renormalised).
+
 GPT-OSS adds biases to the router and to every expert's gate/up and down projections, and its
 experts clamp their SwiGLU (`clamped_swiglu`). The down projections' biases are added after the
 grouped matmul, as sum_j weights[:, j] * b_down[ids[:, j]] (the same on every device: once).
@@ -31,11 +34,19 @@ from sharding.expert_parallel import moe_experts
 from sharding.mesh import ParallelConfig
 
 
-def route(router_logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+def route(router_logits: jax.Array, top_k: int, normalize: bool, scoring: str = "softmax",
+          correction_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """router_logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32), as HF routes:
-    softmax over all experts in float32, the k largest, optionally renormalised over those k."""
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    weights, ids = jax.lax.top_k(probs, top_k)
+    scores = softmax over all experts (or an independent sigmoid per expert: MiniMax-M2) in
+    float32; the k largest (after adding a correction bias [E], which picks experts but does not
+    weigh them), their scores optionally renormalised over those k."""
+    logits = router_logits.astype(jnp.float32)
+    probs = jax.nn.sigmoid(logits) if scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+    if correction_bias is None:
+        weights, ids = jax.lax.top_k(probs, top_k)
+    else:
+        _, ids = jax.lax.top_k(probs + correction_bias.astype(jnp.float32), top_k)
+        weights = jnp.take_along_axis(probs, ids, axis=-1)
     if normalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     return weights, ids.astype(jnp.int32)
@@ -58,7 +69,8 @@ def moe_mlp(x: jax.Array, w: dict, config: ModelConfig, parallel: ParallelConfig
     router_logits = matmul(x, w["router"], kernels)  # [T, E]
     if "router_bias" in w:
         router_logits = router_logits + w["router_bias"].astype(jnp.float32)
-    weights, ids = route(router_logits, config.num_experts_per_tok, config.norm_topk_prob)
+    weights, ids = route(router_logits, config.num_experts_per_tok, config.norm_topk_prob, config.router_scoring,
+                         w.get("router_correction_bias"))
     w_gate_up, w_down = w["experts_gate_up"], w["experts_down"]
     activation = {}
     if config.swiglu_limit is not None:

@@ -17,6 +17,7 @@ weights on [L, E]:
     optional: layers.qkv_bias [L, (Hq + 2*Hkv')*D], layers.o_bias [L, H],
               layers.gate_up_bias [L, 2*I], layers.down_bias [L, H], layers.{q,k}_norm [L, D]
               (over the whole projection, OLMo 2: layers.q_norm [L, Hq*D], layers.k_norm [L, Hkv'*D])
+    MiniMax-M2: layers.router_correction_bias [L, E] (picks the experts, does not weigh them)
     GPT-OSS:    layers.sinks [L, Hq], layers.router_bias [L, E],
                 layers.experts_gate_up_bias [L, E, 2*Ie], layers.experts_down_bias [L, E, H]
 
@@ -87,6 +88,8 @@ def param_shapes(config: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]
         shapes["layers.sinks"] = (L, c.num_heads)
     if c.router_bias:
         shapes["layers.router_bias"] = (L, c.num_experts)
+    if c.router_correction_bias:
+        shapes["layers.router_correction_bias"] = (L, c.num_experts)
     if c.expert_bias:
         shapes.update({"layers.experts_gate_up_bias": (L, c.num_experts, 2 * c.moe_intermediate_size),
                        "layers.experts_down_bias": (L, c.num_experts, H)})
@@ -132,6 +135,7 @@ _AXES = {
     "layers.shared_expert_gate": ("layers", "embed", None),
     "layers.sinks": ("layers", "q_heads"),
     "layers.router_bias": ("layers", "num_experts"),
+    "layers.router_correction_bias": ("layers", "num_experts"),
     "layers.experts_gate_up_bias": ("layers", "experts", "mlp"),
     "layers.experts_down_bias": ("layers", "num_experts", "embed"),  # every device: added once, after the experts
 }

@@ -1,0 +1,47 @@
+"""KV layer groups: which layers share a page-table row, and each layer's slot in the pool."""
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv_groups import kv_groups, window_pages
+
+
+def config(num_layers: int, layer_types=(), **kw) -> ModelConfig:
+    return ModelConfig(model_type="test", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=num_layers,
+                       num_heads=2, num_kv_heads=1, head_dim=4, layer_types=tuple(layer_types), **kw)
+
+
+S, F = "sliding_attention", "full_attention"
+
+
+def test_every_layer_alike_is_one_group_with_a_slot_per_layer():
+    g = kv_groups(config(5))
+    assert g.windows == (None,) and g.group_of_layer == (0,) * 5 and g.slot_of_layer == (0, 1, 2, 3, 4) and g.num_slots == 5
+    assert kv_groups(config(3, sliding_window=8)).windows == (8,)  # Mistral: one sliding group
+    # SmolLM3's NoPE layers change the RoPE table, not what a layer keeps: still one group
+    assert kv_groups(config(8, nope_layers=(3, 7))).windows == (None,)
+
+
+def test_alternating_layers_make_two_groups_sharing_each_slot():
+    g = kv_groups(config(6, [S, F] * 3, sliding_window=128))  # Gemma 2, GPT-OSS
+    assert g.windows == (128, None)
+    assert g.group_of_layer == (0, 1) * 3 and g.slot_of_layer == (0, 0, 1, 1, 2, 2) and g.num_slots == 3
+
+
+def test_gemma3s_pattern_makes_six_equal_groups_and_a_short_tail():
+    g = kv_groups(config(62, ([S] * 5 + [F]) * 10 + [S, S], sliding_window=1024))
+    assert g.windows == (1024,) * 5 + (None,)
+    assert g.num_slots == 11  # ten whole periods and the two layers after them
+    assert g.slot_of_layer[:12] == (0,) * 6 + (1,) * 6 and g.slot_of_layer[60:] == (10, 10)
+    assert g.group_of_layer[60:] == (0, 1)
+    # no two layers share a (group, slot): every layer has its own storage
+    assert len(set(zip(g.group_of_layer, g.slot_of_layer))) == 62
+
+
+def test_a_sequence_holds_its_window_in_a_sliding_group():
+    # keys from position n - 1024 + 1 on, in pages of 16: at most 65 pages, or fewer when shorter
+    assert window_pages(1024, 32768, 16) == 65 and window_pages(1024, 100, 16) == 7
+    assert window_pages(None, 32768, 16) == 2048
+    # Gemma 3 at 32k tokens: each page id holds 11 layers (slots); a full-attention cache holds 62
+    # layers of every page: 21 % of it
+    g = kv_groups(config(62, ([S] * 5 + [F]) * 10 + [S, S], sliding_window=1024))
+    assert g.pages_held(32768, 16) == 2048 + 5 * 65
+    assert round(g.pages_held(32768, 16) * g.num_slots / (62 * 2048), 2) == 0.21
