@@ -80,11 +80,12 @@ def test_every_triton_kernel_compiles_for_an_h100(h100):
     assert refused(results) == []
 
 
-@pytest.mark.parametrize("chip,family", [("v6e", "gemma-2-9b"), ("h100", "gpt-oss-120b"), ("h100", "phi-3-mini")])
+@pytest.mark.parametrize("chip,family", [("v6e", "gemma-2-9b"), ("v6e", "gpt-oss-120b"), ("h100", "gpt-oss-120b"),
+                                         ("h100", "phi-3-mini")])
 def test_attention_kernels_compile_with_each_newer_family_option(chip, family, request):
     """Ragged attention in a decode bucket (bf16 pages) and flash attention with a sliding window
     and soft-capping at head_dim 256 (Gemma 2, Mosaic), a window of 128 with sinks at head_dim 64
-    (GPT-OSS, Triton: sinks are the GPU kernel's), a window at head_dim 96 (Phi-3: Triton's blocks
+    (GPT-OSS, Mosaic and Triton), a window at head_dim 96 (Phi-3: Triton's blocks
     are powers of two, so the kernels pad it to 128)."""
     target = request.getfixturevalue(chip)
     compiled = []

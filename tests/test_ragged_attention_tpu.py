@@ -127,6 +127,19 @@ def test_sliding_window_and_soft_cap(option):
     assert_close(got, want, F32_TOL)
 
 
+def test_attention_sinks_with_a_window():
+    """GPT-OSS: one sink logit per query head (4 query heads per KV head here, so each row of a
+    program's block finds its own head's sink), a sliding window; rows that see nothing stay 0."""
+    rng = np.random.default_rng(4)
+    case = make_case(rng, [30, 1, 5, 1], [30, 40, 25, 3], Hq=8, Hkv=2, D=64, page_size=4, pad_seqs=1)
+    sinks = jnp.asarray(rng.normal(0, 2, 8), jnp.float32)
+    got, want = run_kernel_and_reference(case, num_queries_per_block=8, num_kv_pages_per_block=2, sliding_window=7,
+                                         sinks=sinks)
+    assert_close(got, want, F32_TOL)
+    got_without, _ = run_kernel_and_reference(case, num_queries_per_block=8, num_kv_pages_per_block=2, sliding_window=7)
+    assert np.abs(got - got_without).max() > 1e-2  # the sinks took their share of the weights
+
+
 @pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
 def test_quantized_kv_pages_are_dequantized_in_the_kernel(kv_dtype):
     rng = np.random.default_rng(4)

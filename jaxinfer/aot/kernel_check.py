@@ -51,7 +51,7 @@ class FamilyShape:
     intermediate: int
     window: int | None = None  # the sliding layers' window (their attention cases use it)
     soft_cap: float | None = None  # attention logit soft-capping (Gemma 2)
-    sinks: bool = False  # attention sinks (GPT-OSS; the TPU kernel leaves them to the XLA path)
+    sinks: bool = False  # attention sinks (GPT-OSS)
 
 
 FAMILY_SHAPES = {
@@ -102,7 +102,7 @@ def kernel_cases(target: Target, shape: FamilyShape):
 
     sm_scale = D**-0.5
     options = dict(sliding_window=shape.window, soft_cap=shape.soft_cap)
-    sinks = shape.sinks and not tpu  # (a TPU attends with sinks through the XLA path)
+    sinks = shape.sinks
     named = "".join([f" window={shape.window}" if shape.window else "", f" soft_cap={shape.soft_cap:g}" if shape.soft_cap else "",
                      " sinks" if sinks else ""])
     kv_dtypes = (("bf16", bf16, {}), ("int8", jnp.int8, dict(k_scale=0.05, v_scale=0.05)),

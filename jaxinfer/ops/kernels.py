@@ -133,13 +133,13 @@ def _tpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *
                           interpret: bool) -> jax.Array:
     """Combined pages (v_pages None): the TPU kernel, a quantized pool's scales (k_scale: the combined
     scale pool) included when its pages are whole 128-lane rows of scales (page_size a multiple of
-    128). Otherwise (separate pools, smaller pages of a quantized pool, attention sinks) the XLA path."""
-    if v_pages is not None or (k_scale is not None and k_pages.shape[1] % 128) or sinks is not None:
+    128), attention sinks included. Otherwise (separate pools, smaller pages of a quantized pool) the XLA path."""
+    if v_pages is not None or (k_scale is not None and k_pages.shape[1] % 128):
         return xla_ragged_attention(q, k_pages, v_pages, page_table, batch, num_kv_heads=num_kv_heads, sm_scale=sm_scale,
                                     sliding_window=sliding_window, query_block=query_block, spec_block=spec_block,
                                     soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     return rpa_tpu.ragged_paged_attention(
-        q, k_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, k_scale, sm_scale=sm_scale,
+        q, k_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, k_scale, sinks, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, num_queries_per_block=query_block, interpret=interpret)
 
 

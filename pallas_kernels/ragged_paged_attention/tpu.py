@@ -57,7 +57,8 @@ How the work is cut
   needs the grid to run in order ("arbitrary": no megacore split).
 * Online softmax per KV head: running max m, sum l and accumulator acc (float32, VMEM scratch
   [Hkv, R, ...]); scores masked (causal, sliding window, rows past the sequence) with -inf,
-  soft-capped first when asked. Rows that see nothing end with l = 0 and output 0.
+  soft-capped first when asked. Rows that see nothing end with l = 0 and output 0. Attention
+  sinks (`sinks` [Hq], in SMEM) add exp(sink - m) to each row's l at the end: a logit with no value.
 * Quantized pages (int8 / float8_e4m3fn, or e4m3 as bytes) are DMA'd as stored (1 byte per entry),
   then dequantized in VMEM: float32(entry), times one scale for K and one for V, or with a scale
   pool (`kv_scale` [P, Hkv * 2 * page_size], a scale per token and head in (head, K|V, token)
@@ -199,6 +200,7 @@ def _kernel(
     kv_hbm,  # [P, page_size, Hkv * 2 * Ds] HBM: combined pages (combined.py)
     scale_hbm,  # [P, Hkv * 2 * page_size] HBM: a quantized pool's scales, (head, K|V, token) order ([1, 1] without)
     table_hbm,  # [S * pages_per_seq] HBM: the page table, read from here with fetch_rows
+    sinks_smem,  # [Hq] float32 SMEM: each query head's sink logit ([1] unused without sinks)
     # output
     o_ref,  # [Hkv, R, lanes] VMEM
     # scratch
@@ -216,6 +218,7 @@ def _kernel(
     sm_scale,
     sliding_window,
     soft_cap,
+    has_sinks,
     k_scale,
     v_scale,
     Bq,
@@ -365,7 +368,14 @@ def _kernel(
     slot_after = jax.lax.fori_loop(blk.kv_lo, blk.kv_hi, kv_step, first_slot)
     fetch_state[0] = slot_after
     fetch_state[1] = (has_kv & next_has_kv).astype(jnp.int32)
-    l = l_ref[...]
+    l = l_ref[...]  # [Hkv, R, 1]
+    if has_sinks:  # a sink adds exp(sink - m) to the denominator and nothing to the sum (reference.sink_weight)
+        head_of_row = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) % G  # row r: query head h * G + r % G
+        sink_rows = jnp.stack([
+            sum(jnp.where(head_of_row == g, sinks_smem[h * G + g], 0.0) for g in range(G)) for h in range(num_kv_heads)
+        ])  # [Hkv, R, 1]
+        m = m_ref[...]
+        l = l + jnp.exp(sink_rows - jnp.where(m == -jnp.inf, 0.0, m))
     o_ref[...] = (acc_ref[...] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
 
 
@@ -392,6 +402,7 @@ def ragged_paged_attention(
     cu_q_lens: jax.Array,  # [S + 1]
     num_seqs: jax.Array,  # [] or [1]
     kv_scale: jax.Array | None = None,  # [P, Hkv * 2 * page_size] float32: int8 / fp8 pages' scale per token and head
+    sinks: jax.Array | None = None,  # [Hq] float32: one sink logit per query head (GPT-OSS)
     *,
     sm_scale: float = 1.0,
     sliding_window: int | None = None,
@@ -476,7 +487,8 @@ def ragged_paged_attention(
 
     tile = pl.BlockSpec((None, Hkv, R, lanes), lambda b, *_: (b, 0, 0, 0))
     kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
+        _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, has_sinks=sinks is not None,
+        k_scale=k_scale,
         v_scale=v_scale, Bq=Bq, G=G, pages_per_seq=pages_per_seq, page_size=page_size, stored_head_dim=Ds,
         fetch_rows=fetch_rows, scale_pool=scale_pool,
     )
@@ -493,7 +505,7 @@ def ragged_paged_attention(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(NB,),
-            in_specs=[tile] + [pl.BlockSpec(memory_space=pl.ANY)] * 3,
+            in_specs=[tile] + [pl.BlockSpec(memory_space=pl.ANY)] * 3 + [pl.BlockSpec(memory_space=pltpu.SMEM)],
             out_specs=tile,
             scratch_shapes=[
                 pltpu.VMEM((2, kv_block, width), kv_pages.dtype),
@@ -524,6 +536,7 @@ def ragged_paged_attention(
         kv_pages,
         kv_scale.astype(jnp.float32) if scale_pool else jnp.zeros((1, 1), jnp.float32),
         table,
+        jnp.zeros(1, jnp.float32) if sinks is None else sinks.astype(jnp.float32),
     )  # [NB, Hkv, R, lanes]: V's lanes of the row; with Ds = 64, the row's second half
 
     out = out[..., lanes - Ds : lanes - Ds + D].reshape(NB, Hkv, Bq, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * Bq, Hq, D)
