@@ -175,6 +175,22 @@ MINIMAX_M2_NAMES = replace(MIXTRAL_NAMES, per_layer={
 QWEN2_MOE_NAMES = _moe_names("mlp.gate", "mlp.experts.", "gate_proj", "up_proj", "down_proj", shared=True)
 QWEN3_MOE_NAMES = _moe_names("mlp.gate", "mlp.experts.", "gate_proj", "up_proj", "down_proj")
 
+# GLM-4.5: Llama's layer (q/k/v biases, optional q/k norms) with a dense MLP in its first layers and
+# routed plus shared experts in the others. The MoE layers' tensors fill stacks that start at layer
+# first_k_dense_replace: checkpoints_conv.views shows layer i's as layer i - first_k_dense_replace's.
+GLM4_MOE_NAMES = ArchNames(
+    globals=LLAMA_NAMES.globals,
+    per_layer={
+        **LLAMA_NAMES.per_layer,
+        "mlp.gate.weight": Dest("layers.router", True),
+        "mlp.gate.e_score_correction_bias": Dest("layers.router_correction_bias", False),
+        "mlp.shared_experts.gate_proj.weight": Dest("layers.shared_gate_up", True, "gate"),
+        "mlp.shared_experts.up_proj.weight": Dest("layers.shared_gate_up", True, "up"),
+        "mlp.shared_experts.down_proj.weight": Dest("layers.shared_down", True),
+    },
+    per_expert=QWEN3_MOE_NAMES.per_expert,
+)
+
 # Gemma 2 / 3: a norm before and after each branch (Llama's post_attention_layernorm is the norm
 # *after* attention here, and pre_feedforward_layernorm the one before the MLP); Gemma 3's q/k norms.
 GEMMA_NAMES = ArchNames(
@@ -236,6 +252,7 @@ HF_NAME_MAPS: dict[str, ArchNames] = {
     "qwen3": LLAMA_NAMES,
     "mixtral": MIXTRAL_NAMES,
     "minimax_m2": MINIMAX_M2_NAMES,
+    "glm4_moe": GLM4_MOE_NAMES,
     "qwen2_moe": QWEN2_MOE_NAMES,
     "qwen3_moe": QWEN3_MOE_NAMES,
     "smollm3": LLAMA_NAMES,

@@ -178,8 +178,31 @@ def gemma3_views(source: TensorSource, config: dict) -> TensorSource:
     return source if not renamed else ViewSource(source, {}, set(renamed.values()), renamed)
 
 
+_GLM4_MOE_MLP = re.compile(r"model\.layers\.(\d+)\.(mlp\.(?:gate|experts|shared_experts)\..+)")
+_LAYER = re.compile(r"model\.layers\.(\d+)\..+")
+
+
+def glm4_moe_views(source: TensorSource, config: dict) -> TensorSource:
+    """GLM-4.5's MoE layers begin at layer k = first_k_dense_replace, and their stacks at slot 0:
+    layer i's router and experts read as layer i - k's (the name map's slots). The layers past
+    num_hidden_layers (the multi-token-prediction module, not run here) are left out."""
+    k, num_layers = int(config.get("first_k_dense_replace", 0)), int(config["num_hidden_layers"])
+    renamed, hidden = {}, set()
+    for name, _ in source.listing():
+        layer = _LAYER.fullmatch(name)
+        if layer and int(layer.group(1)) >= num_layers:
+            hidden.add(name)
+            continue
+        m = _GLM4_MOE_MLP.fullmatch(name)
+        if m and k:
+            renamed[f"model.layers.{int(m.group(1)) - k}.{m.group(2)}"] = name
+            hidden.add(name)
+    return source if not hidden else ViewSource(source, {}, hidden, renamed)
+
+
 # HF model_type -> the views its checkpoints need
-VIEWS = {"gpt_oss": lambda source, config: gpt_oss_views(source), "phi3": phi3_views, "gemma3": gemma3_views}
+VIEWS = {"gpt_oss": lambda source, config: gpt_oss_views(source), "phi3": phi3_views, "gemma3": gemma3_views,
+         "glm4_moe": glm4_moe_views}
 
 
 def with_views(source: TensorSource, config: dict) -> TensorSource:

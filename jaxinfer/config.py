@@ -30,9 +30,10 @@ import os
 from typing import Any
 
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "minimax_m2")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "minimax_m2", "glm4_moe")
 # The families of issue 35, each with its own model file (jaxinfer.models.registry).
-NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2")
+NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2",
+                          "glm4_moe")
 SUPPORTED_MODEL_TYPES = LLAMA_MODEL_TYPES + NEW_FAMILY_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -54,6 +55,7 @@ _ARCHITECTURE_TO_MODEL_TYPE = {
     "GptOssForCausalLM": "gpt_oss",
     "Phi3ForCausalLM": "phi3",
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 
 
@@ -140,7 +142,12 @@ class ModelConfig:
     attention_sinks: bool = False  # one learned sink logit per query head (GPT-OSS)
     router_bias: bool = False  # the MoE router has a bias (GPT-OSS)
     router_scoring: str = "softmax"  # expert scores: "softmax" over all experts, or "sigmoid" per expert (MiniMax-M2)
-    router_correction_bias: bool = False  # a learned bias added to the scores to pick experts only (MiniMax-M2)
+    router_correction_bias: bool = False  # a learned bias added to the scores to pick experts only (MiniMax-M2, GLM-4.5)
+    router_groups: int = 1  # experts in this many groups; the k picked from the router_top_groups best (GLM-4.5)
+    router_top_groups: int = 1
+    routed_scaling_factor: float = 1.0  # the picked experts' weights times this
+    shared_expert_gated: bool = True  # Qwen2-MoE's shared expert sits behind a sigmoid gate; GLM-4.5's does not
+    first_dense_layers: int = 0  # a MoE model's first layers with a dense MLP of intermediate_size (GLM-4.5)
     expert_bias: bool = False  # each expert's gate/up and down projections have biases (GPT-OSS)
     swiglu_limit: float | None = None  # GPT-OSS's clamped SwiGLU: (clip(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
     swiglu_alpha: float = 1.702
@@ -212,6 +219,8 @@ class ModelConfig:
                 f"{source}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
             )
         _refuse_unsupported_switches(d, model_type, source)
+        if model_type == "glm4_moe":  # transformers' default for GLM-4.5: half of each head rotated
+            d = {"partial_rotary_factor": 0.5, **d}
         num_layers = int(need("num_hidden_layers"))
 
         rope_theta, rope_scaling, rotary_factor, local_rope = _parse_rope(d, source)
@@ -264,7 +273,8 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "olmo2", "olmo3", "minimax_m2"),
+            qk_norm=(model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "olmo2", "olmo3", "minimax_m2")
+                     or (model_type == "glm4_moe" and bool(d.get("use_qk_norm", False)))),
             sliding_window=int(sliding_window) if sliding_window else None,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
@@ -345,6 +355,7 @@ class ModelConfig:
 def _parse_moe(d: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
     """The mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json."""
     num_experts = (d.get("num_local_experts") if model_type in ("mixtral", "gpt_oss", "minimax_m2")
+                   else d.get("n_routed_experts", d.get("num_local_experts")) if model_type == "glm4_moe"
                    else d.get("num_experts", d.get("num_local_experts")))
     top_k = d.get("num_experts_per_tok")
     if not num_experts or not top_k:
@@ -363,12 +374,17 @@ def _parse_moe(d: dict[str, Any], model_type: str, source: str) -> dict[str, Any
     width = d.get("moe_intermediate_size")
     if not width:
         raise ConfigError(f"{source} is missing required field 'moe_intermediate_size' (model_type={model_type})")
+    shared = 0
+    if model_type == "qwen2_moe":
+        shared = int(d.get("shared_expert_intermediate_size") or 0)
+    elif model_type == "glm4_moe":  # n_shared_experts experts' worth of width, always on
+        shared = int(width) * int(d.get("n_shared_experts", 1))
     return dict(
         num_experts=int(num_experts),
         num_experts_per_tok=int(top_k),
         moe_intermediate_size=int(width),
-        shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0,
-        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=shared,
+        norm_topk_prob=bool(d.get("norm_topk_prob", model_type == "glm4_moe")),
     )
 
 
@@ -376,7 +392,8 @@ JAXINFER_FIELDS = "jaxinfer_fields"
 _NEWER_FIELDS = ("layer_types", "nope_layers", "local_rope_theta", "local_rope_scaling", "rotary_dim", "attention_scale",
                  "attn_logit_softcap", "final_logit_softcap", "scale_embeddings", "norm_weight_offset", "norm_layout",
                  "qk_norm", "qk_norm_scope", "hidden_act", "sliding_window", "qkv_bias", "o_bias", "attention_sinks",
-                 "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha", "router_scoring", "router_correction_bias")
+                 "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha", "router_scoring", "router_correction_bias",
+                 "router_groups", "router_top_groups", "routed_scaling_factor", "shared_expert_gated", "first_dense_layers")
 
 
 def _to_json(value):
@@ -427,6 +444,26 @@ def _minimax_m2_fields(d: dict[str, Any]) -> dict[str, Any]:
     return dict(qk_norm_scope="projection", router_scoring="sigmoid", router_correction_bias=True)
 
 
+def _glm4_moe_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5: its first `first_k_dense_replace` layers dense; the others route by sigmoid scores
+    plus a correction bias, the k experts from the `topk_group` best of `n_group` groups (a group
+    scored by its two best experts), their weights renormalised and scaled, beside ungated shared
+    experts."""
+    experts, groups, top_groups = int(d.get("n_routed_experts", d.get("num_local_experts", 0))), int(d.get("n_group", 1)), int(d.get("topk_group", 1))
+    if groups < 1 or experts % groups or not 1 <= top_groups <= groups:
+        raise ConfigError(f"n_group={groups}, topk_group={top_groups}: n_group must divide n_routed_experts={experts} "
+                          f"and topk_group lie in [1, n_group]")
+    if int(d.get("num_experts_per_tok", 1)) > top_groups * (experts // groups):
+        raise ConfigError(f"num_experts_per_tok={d.get('num_experts_per_tok')} exceeds the {top_groups * (experts // groups)} "
+                          f"experts of topk_group={top_groups} groups")
+    first_dense = int(d.get("first_k_dense_replace", 0))
+    if not 0 <= first_dense < int(d["num_hidden_layers"]):
+        raise ConfigError(f"first_k_dense_replace={first_dense}: must be in [0, num_hidden_layers)")
+    return dict(router_scoring="sigmoid", router_correction_bias=True, router_groups=groups, router_top_groups=top_groups,
+                routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)), shared_expert_gated=False,
+                first_dense_layers=first_dense)
+
+
 def _olmo_fields(d: dict[str, Any]) -> dict[str, Any]:
     """OLMo 2 / 3: norms after each branch only; q/k RMSNorm over the whole projection."""
     return dict(norm_layout="post", qk_norm_scope="projection")
@@ -442,6 +479,7 @@ _FAMILY_FIELDS = {
         "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]),
     # MiniMax-M2: q/k RMSNorm over the whole projection, sigmoid routing with a correction bias
     "minimax_m2": lambda d: _minimax_m2_fields(d),
+    "glm4_moe": lambda d: _glm4_moe_fields(d),
     "gpt_oss": lambda d: dict(attention_sinks=True, router_bias=True, expert_bias=True,
                               swiglu_limit=float(d.get("swiglu_limit", 7.0)), swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
                               default_layer_types=lambda n: ["sliding_attention" if (i + 1) % 2 else "full_attention"

@@ -6,6 +6,8 @@ tokens (the recomputed prefill crosses the windows again)."""
 
 from __future__ import annotations
 
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -108,8 +110,6 @@ def test_a_multimodal_gemma3_folder_runs_its_text_decoder(tmp_path):
     text_config, its tensors under model.language_model (language_model.model in the older
     exports), a vision tower beside it. The text decoder loads (the tower is skipped) and gives
     transformers' text-only logits, under either naming."""
-    import json
-
     from safetensors.numpy import load_file, save_file
 
     from test_model_parity import TOL, PagedModel, hf_logprobs
@@ -191,3 +191,29 @@ def test_minimax_m2s_released_config_fields_are_read_or_refused_by_name():
         ModelConfig.from_hf_dict({**d, "attn_type_list": [0, 1]})
     with pytest.raises(ConfigError, match="qk_norm_type='per_head' is not supported for minimax_m2"):
         ModelConfig.from_hf_dict({**d, "qk_norm_type": "per_head"})
+
+
+def test_glm45s_multi_token_prediction_layer_is_skipped_and_bad_groups_are_refused(tmp_path):
+    """GLM-4.5's checkpoints carry a multi-token-prediction module as one layer past
+    num_hidden_layers (not run here): its tensors are left out and the logits stay transformers'.
+    A config whose expert groups do not divide the experts is refused by name."""
+    from safetensors.numpy import load_file, save_file
+
+    from jaxinfer.config import ConfigError, ModelConfig
+    from jaxinfer.ops.batch import SequenceChunk
+    from test_model_parity import TOL, PagedModel, hf_logprobs
+
+    hf = save_hf_model("glm4_moe", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    for name in ("model.layers.1.mlp.gate.weight", "model.layers.1.self_attn.q_proj.weight"):  # the MTP layer's own
+        tensors[name.replace("layers.1.", "layers.3.")] = tensors[name]
+    tensors["model.layers.3.eh_proj.weight"] = np.zeros((64, 128), np.float32)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ids = [int(t) for t in np.random.default_rng(2).integers(3, 250, 20)]
+    model = PagedModel(tmp_path, 16)
+    [out] = model.run([SequenceChunk(ids, 0, model.allocate(len(ids)), list(range(len(ids))))])
+    np.testing.assert_array_less(np.abs(out - hf_logprobs(hf, ids, [len(ids)])).max(), TOL)
+
+    d = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(ConfigError, match="n_group=3"):
+        ModelConfig.from_hf_dict({**d, "n_group": 3})

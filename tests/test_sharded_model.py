@@ -72,6 +72,7 @@ def test_moe_model_on_a_mesh_matches_one_device(moe_dir, moe_truth, parallel):
     ("gpt_oss", ParallelConfig(tp=2, ep=2)),  # sinks split with the heads; expert biases; the down bias added once
     ("gpt_oss", ParallelConfig(sp=2)),  # sinks with the step's rows split (all-gathered K/V)
     ("olmo2", ParallelConfig(tp=2)),  # q/k norms over the whole projection: the sum of squares spans the shards
+    ("glm4_moe", ParallelConfig(tp=2, ep=2)),  # a dense first layer, then grouped routing and an ungated shared expert
 ], ids=lambda x: x if isinstance(x, str) else mesh_id(x))
 def test_newer_families_on_a_mesh_match_one_device(tmp_path, family, parallel):
     extra = dict(num_key_value_heads=4) if family == "olmo2" else {}

@@ -92,13 +92,20 @@ FAMILIES = {
     # norms over the whole projection, half the head rotated (the released configs' rotary_dim)
     "minimax_m2": (transformers.MiniMaxM2Config, _common(
         head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, rotary_dim=8)),
+    # GLM-4.5: a dense first layer, then experts picked by sigmoid scores plus a correction bias from
+    # the better of two groups, renormalised and scaled, beside an ungated shared expert; q/k/v
+    # biases, q/k norms per head, half the head rotated
+    "glm4_moe": (transformers.Glm4MoeConfig, _common(
+        num_hidden_layers=3, head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        attention_bias=True, use_qk_norm=True)),
 }
 
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # The families with their own model file (jaxinfer.models.registry): one-token pages are the
 # Llama families' test, the attention kinds these add are tested on pages of 16.
-LAYER_KIND_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2")
+LAYER_KIND_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2", "glm4_moe")
 
 
 def build_hf_model(family: str, seed: int = 0, **overrides):

@@ -11,7 +11,9 @@ one decoder layer, reading top to bottom like the architecture. Everything else 
   attention kinds that repeats (1 for Llama; 2 for Gemma 2, a sliding layer then a global one; 6
   for Gemma 3): the period's layers are unrolled, so each sees its kind (window, RoPE table) as
   a static fact and the kernels specialise on it, while the compiled program holds one period
-  rather than every layer. Layers past the last whole period are unrolled after the loop;
+  rather than every layer. Layers past the last whole period are unrolled after the loop, and a
+  MoE model's first dense layers (GLM-4.5) before it; the period counts a layer's KV group and
+  whether its MLP has experts beside its attention kind;
 - `attention(...)`: QKV projection, q/k norms, RoPE, the paged KV write, attention and o_proj;
 - `mlp(...)`: a gated MLP (SwiGLU or GeGLU) or a mixture of experts (`jaxinfer.models.moe`).
 
@@ -46,7 +48,7 @@ from jaxinfer.models import moe
 from jaxinfer.models.layers import (add_rms_norm, embed_lookup, gate_up_swiglu, gelu_tanh_glu, linear, matmul, rms_norm,
                                    rms_norm_weight, soft_cap, swiglu, tied_logits)
 from jaxinfer.models.lora import LoraSlots, LoraTable, lora_shapes
-from jaxinfer.models.param_layout import param_shapes
+from jaxinfer.models.param_layout import DENSE_MLP_PARAMS, MOE_PARAMS, first_layer, param_shapes
 from jaxinfer.models.rope import rope_tables
 from jaxinfer.ops.attention import kv_write_locations, write_kv_and_attend
 from jaxinfer.ops.batch import SCRATCH_PAGE, RaggedBatch
@@ -190,29 +192,41 @@ class Decoder(nnx.Module):
 
     def run_layers(self, step: StepInputs, carry):
         """carry = (hidden, residual, pool) through every layer (the period loop of the module docstring)."""
-        kinds = self.config.layer_kinds()
-        period = layer_period(kinds)
-        groups = self.kv_groups
+        c, groups = self.config, self.kv_groups
+        # what a layer's code specialises on: its attention kind, its KV group, whether its MLP has experts
+        statics = [(kind, group, c.is_moe and i >= c.first_dense_layers)
+                   for i, (kind, group) in enumerate(zip(c.layer_kinds(), groups.group_of_layer))]
         slot_of_layer = jnp.asarray(groups.slot_of_layer, jnp.int32)
         stacked = self.layers.stacked()
         lora = self.lora.stacked() if step.lora_slot is not None else None
 
-        def layer(i, j, carry):  # layer i (traced in the loop) at position j of its period (static)
-            w = {name: jax.tree.map(lambda a: a[i], p) for name, p in stacked.items()}  # layer i's weights
+        def layer(i, static, carry):  # layer i (traced in the loop), its static facts
+            kind, group, moe = static
+            w = {}  # layer i's weights: a MoE MLP's stacks start at layer first_dense_layers, a dense one's at 0
+            for name, p in stacked.items():
+                if f"layers.{name}" in (DENSE_MLP_PARAMS if moe else MOE_PARAMS):
+                    continue
+                slot = i - first_layer(c, f"layers.{name}")
+                w[name] = jax.tree.map(lambda a: a[slot], p)
             lw = {name: a[i] for name, a in lora.items()} if lora is not None else None  # [N, ...] each
-            ref = LayerRef(i, groups.group_of_layer[j], slot_of_layer[i])  # (a layer's group repeats with the period)
-            return self.block(step, ref, kinds[j], w, lw, *carry)
+            return self.block(step, LayerRef(i, group, slot_of_layer[i]), kind, w, lw, *carry)
+
+        first = c.first_dense_layers if c.is_moe else 0
+        for i in range(first):  # GLM-4.5's dense layers before the MoE ones
+            carry = layer(i, statics[i], carry)
+        rest = statics[first:]
+        period = layer_period(tuple(rest))
 
         def one_period(p, carry):
             for j in range(period):
-                carry = layer(p * period + j, j, carry)
+                carry = layer(first + p * period + j, rest[j], carry)
             return carry
 
-        whole = len(kinds) // period
+        whole = len(rest) // period
         if whole:
             carry = jax.lax.fori_loop(0, whole, one_period, carry)
-        for i in range(whole * period, len(kinds)):  # the layers past the last whole period
-            carry = layer(i, i - whole * period, carry)
+        for i in range(first + whole * period, c.num_layers):  # the layers past the last whole period
+            carry = layer(i, statics[i], carry)
         return carry
 
     def block(self, step: StepInputs, layer: LayerRef, kind: LayerKind, w: dict, lw: dict | None, hidden, residual, pool):
@@ -270,7 +284,7 @@ class Decoder(nnx.Module):
     def mlp(self, step: StepInputs, w: dict, lw: dict | None, h):
         """The MLP of h [Tl, H]: gated (SwiGLU / GeGLU) or a mixture of experts. [Tl, H]."""
         c, kernels = self.config, self.kernels
-        if c.is_moe:
+        if "router" in w:  # a MoE layer (GLM-4.5's first layers are dense)
             return self._tensor_sum(moe.moe_mlp(h, w, c, self.parallel, kernels))
         act = gelu_tanh_glu if c.hidden_act == "gelu_tanh" else swiglu
         if lw is not None:

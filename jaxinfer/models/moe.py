@@ -6,8 +6,10 @@
     out           = sum_j weights[:, j] * expert_{ids[:, j]}(x)   # SwiGLU experts
                   + sigmoid(x @ W_shared_gate) * shared_expert(x) # Qwen2-MoE only
 
-MiniMax-M2 scores each expert with a sigmoid and picks the k largest after adding a learned
-correction bias (the weights are the sigmoid scores, renormalised).
+MiniMax-M2 and GLM-4.5 score each expert with a sigmoid and pick the k largest after adding a
+learned correction bias (the weights are the sigmoid scores, renormalised); GLM-4.5 picks them
+from the best groups of experts only, scales their weights, and adds ungated shared experts.
+Its first layers are dense (`config.first_dense_layers`).
 
 GPT-OSS adds biases to the router and to every expert's gate/up and down projections, and its
 experts clamp their SwiGLU (`clamped_swiglu`). The down projections' biases are added after the
@@ -35,21 +37,28 @@ from sharding.mesh import ParallelConfig
 
 
 def route(router_logits: jax.Array, top_k: int, normalize: bool, scoring: str = "softmax",
-          correction_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+          correction_bias: jax.Array | None = None, groups: int = 1, top_groups: int = 1,
+          scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """router_logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32), as HF routes:
-    scores = softmax over all experts (or an independent sigmoid per expert: MiniMax-M2) in
-    float32; the k largest (after adding a correction bias [E], which picks experts but does not
-    weigh them), their scores optionally renormalised over those k."""
+    scores = softmax over all experts (or an independent sigmoid per expert: MiniMax-M2, GLM-4.5)
+    in float32; the k largest (after adding a correction bias [E], which picks experts but does not
+    weigh them; with `groups` > 1 only from the `top_groups` groups of E / groups experts whose
+    two best choices sum highest), their scores optionally renormalised over those k, times `scale`."""
     logits = router_logits.astype(jnp.float32)
     probs = jax.nn.sigmoid(logits) if scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)
-    if correction_bias is None:
-        weights, ids = jax.lax.top_k(probs, top_k)
-    else:
-        _, ids = jax.lax.top_k(probs + correction_bias.astype(jnp.float32), top_k)
-        weights = jnp.take_along_axis(probs, ids, axis=-1)
+    choice = probs if correction_bias is None else probs + correction_bias.astype(jnp.float32)
+    if groups > 1:
+        T, E = choice.shape
+        by_group = choice.reshape(T, groups, E // groups)
+        group_scores = jax.lax.top_k(by_group, 2)[0].sum(axis=-1)  # [T, groups]
+        _, best = jax.lax.top_k(group_scores, top_groups)  # [T, top_groups]
+        keep = jnp.zeros((T, groups), bool).at[jnp.arange(T)[:, None], best].set(True)
+        choice = jnp.where(keep[:, :, None], by_group, -jnp.inf).reshape(T, E)
+    _, ids = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(probs, ids, axis=-1)
     if normalize:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
-    return weights, ids.astype(jnp.int32)
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + (1e-20 if scoring == "sigmoid" else 0.0))
+    return weights * scale, ids.astype(jnp.int32)
 
 
 def clamped_swiglu(gate: jax.Array, up: jax.Array, *, limit: float, alpha: float) -> jax.Array:
@@ -70,7 +79,8 @@ def moe_mlp(x: jax.Array, w: dict, config: ModelConfig, parallel: ParallelConfig
     if "router_bias" in w:
         router_logits = router_logits + w["router_bias"].astype(jnp.float32)
     weights, ids = route(router_logits, config.num_experts_per_tok, config.norm_topk_prob, config.router_scoring,
-                         w.get("router_correction_bias"))
+                         w.get("router_correction_bias"), config.router_groups, config.router_top_groups,
+                         config.routed_scaling_factor)
     w_gate_up, w_down = w["experts_gate_up"], w["experts_down"]
     activation = {}
     if config.swiglu_limit is not None:
@@ -85,6 +95,7 @@ def moe_mlp(x: jax.Array, w: dict, config: ModelConfig, parallel: ParallelConfig
         out = out + (bias if parallel.tp == 1 else jnp.where(jax.lax.axis_index("tensor") == 0, bias, 0.0))
     if "shared_gate_up" in w:
         shared = matmul(gate_up_swiglu(x, w["shared_gate_up"], None, kernels), w["shared_down"], kernels)  # [T, H] partial
-        gate = jax.nn.sigmoid(matmul(x, w["shared_expert_gate"], kernels))  # [T, 1]: the same on every shard
-        out = out + gate * shared
+        if "shared_expert_gate" in w:  # Qwen2-MoE; GLM-4.5's shared experts are always fully on
+            shared = jax.nn.sigmoid(matmul(x, w["shared_expert_gate"], kernels)) * shared  # gate [T, 1]: the same on every shard
+        out = out + shared
     return out

@@ -12,8 +12,10 @@ weights on [L, E]:
     dense MLP:  layers.gate_up_proj [L, H, 2*I]                 layers.down_proj [L, I, H]
     MoE:        layers.router [L, H, E]
                 layers.experts_gate_up [L, E, H, 2*Ie]          layers.experts_down [L, E, Ie, H]
-                Qwen2-MoE: layers.shared_gate_up [L, H, 2*Is], layers.shared_down [L, Is, H],
-                           layers.shared_expert_gate [L, H, 1]
+                shared experts: layers.shared_gate_up [L, H, 2*Is], layers.shared_down [L, Is, H],
+                           behind a gate (Qwen2-MoE): layers.shared_expert_gate [L, H, 1]
+    GLM-4.5's first `first_dense_layers` (k) layers are dense: their MLP stacks over [k], the MoE
+    layers' over [L - k] (slot i - k for layer i: `first_layer`), attention over all [L].
     optional: layers.qkv_bias [L, (Hq + 2*Hkv')*D], layers.o_bias [L, H],
               layers.gate_up_bias [L, 2*I], layers.down_bias [L, H], layers.{q,k}_norm [L, D]
               (over the whole projection, OLMo 2: layers.q_norm [L, Hq*D], layers.k_norm [L, Hkv'*D])
@@ -57,6 +59,24 @@ def num_kv_heads_stored(config: ModelConfig, tp: int = 1) -> int:
     return kv_heads_per_shard(config.num_kv_heads, tp) * tp
 
 
+# The parameters of a MoE layer's MLP: stacked over the MoE layers only, the first at layer
+# config.first_dense_layers (`first_layer`); a dense MLP's over the dense layers, from layer 0.
+MOE_PARAMS = frozenset(f"layers.{n}" for n in (
+    "router", "router_bias", "router_correction_bias", "experts_gate_up", "experts_down", "experts_gate_up_bias",
+    "experts_down_bias", "shared_gate_up", "shared_down", "shared_expert_gate"))
+DENSE_MLP_PARAMS = frozenset(f"layers.{n}" for n in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"))
+
+
+def num_moe_layers(config: ModelConfig) -> int:
+    """Layers whose MLP is a mixture of experts: all but the first first_dense_layers of a MoE model."""
+    return config.num_layers - config.first_dense_layers if config.is_moe else 0
+
+
+def first_layer(config: ModelConfig, name: str) -> int:
+    """The layer that slot 0 of stacked parameter `name` belongs to (layer i is slot i - this)."""
+    return config.first_dense_layers if name in MOE_PARAMS else 0
+
+
 def param_shapes(config: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]:
     """Flat parameter name -> global shape, for exactly the parameters this config has."""
     c = config
@@ -72,35 +92,38 @@ def param_shapes(config: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]
         "layers.o_proj": (L, q_dim, H),
         **{f"layers.{name}": (L, H) for name in norms},
     }
+    M = num_moe_layers(c)  # the layers with experts (GLM-4.5's first few are dense)
     if c.is_moe:
         E, Ie, Is = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
         shapes.update({
-            "layers.router": (L, H, E),
-            "layers.experts_gate_up": (L, E, H, 2 * Ie),
-            "layers.experts_down": (L, E, Ie, H),
+            "layers.router": (M, H, E),
+            "layers.experts_gate_up": (M, E, H, 2 * Ie),
+            "layers.experts_down": (M, E, Ie, H),
         })
         if Is:
-            shapes.update({"layers.shared_gate_up": (L, H, 2 * Is), "layers.shared_down": (L, Is, H),
-                           "layers.shared_expert_gate": (L, H, 1)})
-    else:
-        shapes.update({"layers.gate_up_proj": (L, H, 2 * c.intermediate_size), "layers.down_proj": (L, c.intermediate_size, H)})
+            shapes.update({"layers.shared_gate_up": (M, H, 2 * Is), "layers.shared_down": (M, Is, H)})
+            if c.shared_expert_gated:
+                shapes["layers.shared_expert_gate"] = (M, H, 1)
+    if L - M:  # the dense layers: every layer of a dense model, the first few of GLM-4.5
+        shapes.update({"layers.gate_up_proj": (L - M, H, 2 * c.intermediate_size),
+                       "layers.down_proj": (L - M, c.intermediate_size, H)})
     if c.attention_sinks:
         shapes["layers.sinks"] = (L, c.num_heads)
     if c.router_bias:
-        shapes["layers.router_bias"] = (L, c.num_experts)
+        shapes["layers.router_bias"] = (M, c.num_experts)
     if c.router_correction_bias:
-        shapes["layers.router_correction_bias"] = (L, c.num_experts)
+        shapes["layers.router_correction_bias"] = (M, c.num_experts)
     if c.expert_bias:
-        shapes.update({"layers.experts_gate_up_bias": (L, c.num_experts, 2 * c.moe_intermediate_size),
-                       "layers.experts_down_bias": (L, c.num_experts, H)})
+        shapes.update({"layers.experts_gate_up_bias": (M, c.num_experts, 2 * c.moe_intermediate_size),
+                       "layers.experts_down_bias": (M, c.num_experts, H)})
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (H, V)
     if c.qkv_bias:
         shapes["layers.qkv_bias"] = (L, qkv_dim)
     if c.o_bias:
         shapes["layers.o_bias"] = (L, H)
-    if c.mlp_bias and not c.is_moe:
-        shapes.update({"layers.gate_up_bias": (L, 2 * c.intermediate_size), "layers.down_bias": (L, H)})
+    if c.mlp_bias and L - M:
+        shapes.update({"layers.gate_up_bias": (L - M, 2 * c.intermediate_size), "layers.down_bias": (L - M, H)})
     if c.qk_norm and c.qk_norm_scope == "head":
         shapes.update({"layers.q_norm": (L, D), "layers.k_norm": (L, D)})
     elif c.qk_norm:  # over the whole projection (OLMo 2): sharded with the heads
@@ -184,8 +207,7 @@ def param_columns(config: ModelConfig, tp: int = 1) -> dict[str, tuple[Segment, 
         columns["layers.experts_gate_up"] = columns["layers.experts_gate_up_bias"] = tuple(gate_up(c.moe_intermediate_size))
         if c.shared_expert_intermediate_size:
             columns["layers.shared_gate_up"] = tuple(gate_up(c.shared_expert_intermediate_size))
-    else:
-        columns["layers.gate_up_proj"] = columns["layers.gate_up_bias"] = tuple(gate_up(c.intermediate_size))
+    columns["layers.gate_up_proj"] = columns["layers.gate_up_bias"] = tuple(gate_up(c.intermediate_size))
     shapes = param_shapes(c, tp)
     return {name: segs for name, segs in columns.items() if name in shapes}
 

@@ -15,7 +15,7 @@ from jaxinfer.models.olmo import OlmoForCausalLM
 
 MODEL_CLASSES: dict[str, type[Decoder]] = {
     **{t: LlamaForCausalLM for t in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3",
-                                               "phi3", "minimax_m2")},
+                                               "phi3", "minimax_m2", "glm4_moe")},
     "gemma2": GemmaForCausalLM,
     "gemma3_text": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,  # a multimodal folder's text decoder
