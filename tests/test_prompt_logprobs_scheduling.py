@@ -44,7 +44,7 @@ def admit(prompt_logprobs: int | None, *, entries: int = 1, swapped: int | None 
 
 def scored_tokens(s: ScheduledSeq, scheduler: Scheduler) -> list[int]:
     """The prompt tokens whose logprobs the planned chunk's rows report, in order."""
-    chunk = plan_chunk(s, scheduler.block_manager.page_table(s.seq.seq_id), EOS)
+    chunk = plan_chunk(s, *scheduler.block_manager.held_rows(s.seq.seq_id), EOS)
     return [t for t in chunk.sampling.target_ids if t >= 0]
 
 

@@ -171,6 +171,13 @@ class BlockManager:
         """The sequence's page-table rows, one per group."""
         return [list(row) for row in self.seqs[seq_id].pages]
 
+    def held_rows(self, seq_id: Hashable) -> tuple[list[int], list[list[int]]]:
+        """(offsets, rows): each group's row from its first held page on (a long sequence's
+        sliding rows are mostly scratch, which the step's page table holds already), and where
+        in the full row it starts."""
+        seq = self.seqs[seq_id]
+        return list(seq.first_held), [row[first:] for first, row in zip(seq.first_held, seq.pages)]
+
     # ------------------------------------------------------------------ prefix look-up
     def _num_lookup(self, num_tokens: int, max_cached_tokens: int | None) -> int:
         """Leading pages of a num_tokens prompt to look up: the full ones before its last token,

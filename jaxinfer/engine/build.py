@@ -30,6 +30,7 @@ from jaxinfer.engine.lora import LoraManager
 from jaxinfer.engine.memory import (PoolSummary, abstract_pool, bytes_per_device, device_capacity_bytes, kv_pool_pages,
                                     least_over_processes, measure_step_scratch)
 from jaxinfer.models.lora import LoraSlots, LoraTable, lora_shapes
+from jaxinfer.models.param_layout import first_layer
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.spec_decode import NgramProposer, SpeculativeConfig
@@ -295,9 +296,14 @@ def pages_from_device_memory(config: EngineConfig, model_config: ModelConfig, me
 def first_layers(model_config: ModelConfig, weights, num_layers: int, config: EngineConfig, parallel: ParallelConfig):
     """(config, (graphdef, params)) of a model made of the first num_layers layers of another
     (the same embedding, final norm and LM head): self-speculation's draft."""
-    truncated = dataclasses.replace(model_config, num_layers=num_layers)
+    truncated = dataclasses.replace(model_config, num_layers=num_layers,
+                                    first_dense_layers=min(model_config.first_dense_layers, num_layers))
     flat = nested_to_flat(nnx.to_pure_dict(weights[1]))
-    flat = {name: jax.tree.map(lambda a: a[:num_layers], value) if name.startswith("layers.") else value
+
+    def keep(name, a):  # a stack's slots of layers 0 .. num_layers - 1 (a MoE stack starts at first_dense_layers)
+        return a[: max(0, num_layers - first_layer(model_config, name))]
+
+    flat = {name: jax.tree.map(lambda a, name=name: keep(name, a), value) if name.startswith("layers.") else value
             for name, value in flat.items() if not name.startswith("lora.")}  # the draft drafts with the base model
     graphdef, state = abstract_model(truncated, config.param_dtype, config.activation_dtype, config.kernels, parallel)
     nnx.replace_by_pure_dict(state, flat_to_nested(flat))

@@ -265,7 +265,7 @@ class EngineCore:
             copies += [(r, copy) for copy in plan.page_copies]
             for s in plan.scheduled:
                 try:
-                    s.chunk = plan_chunk(s, replica.block_manager.page_table(s.seq.seq_id), self.output.eos_token_ids)
+                    s.chunk = plan_chunk(s, *replica.block_manager.held_rows(s.seq.seq_id), self.output.eos_token_ids)
                 except Exception as error:  # noqa: BLE001 - this request's own failure
                     self._fail(s.seq.request, error, advanced)
         if copies:

@@ -25,8 +25,9 @@ from jaxinfer.engine.seeds import child_seed
 from jaxinfer.ops.batch import SequenceChunk
 
 
-def plan_chunk(s: ScheduledSeq, pages: list[int], eos_token_ids: set[int]) -> ScheduledChunk:
-    """The chunk of a scheduled sequence whose pages (its page-table row) are `pages`."""
+def plan_chunk(s: ScheduledSeq, page_offsets: list[int], pages: list[list[int]], eos_token_ids: set[int]) -> ScheduledChunk:
+    """The chunk of a scheduled sequence whose page-table rows, per KV layer group, are `pages`
+    from index `page_offsets` on (BlockManager.held_rows)."""
     seq, request = s.seq, s.seq.request
     p = request.params
     start = s.start
@@ -67,4 +68,4 @@ def plan_chunk(s: ScheduledSeq, pages: list[int], eos_token_ids: set[int]) -> Sc
         request.metrics.first_scheduled_time = time.time()
     tokens = seq.token_ids[start : start + s.num_tokens - s.num_draft] + seq.draft[: s.num_draft]
     device_tokens = {i: seq.pending[start + i] for i in range(s.num_tokens) if start + i in seq.pending}
-    return ScheduledChunk(SequenceChunk(tokens, start, pages, rows, device_tokens), sampling)
+    return ScheduledChunk(SequenceChunk(tokens, start, pages, rows, device_tokens, page_offsets=page_offsets), sampling)

@@ -57,6 +57,9 @@ class SequenceChunk:
     # previous step's sampled tokens (their entry in token_ids is ignored)
     device_tokens: dict[int, int] = dataclasses.field(default_factory=dict)
     lora_slot: int = 0  # the LoRA adapter slot its tokens use (0 = none)
+    # per group, the index in the full row where `pages` starts (the entries before are the scratch
+    # page: a sliding group's pages behind its window, given back); () = every row from 0
+    page_offsets: Sequence[int] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,11 +257,12 @@ def pack_batch(
         if len(c.pages) != G:
             raise ValueError(f"sequence slot {s}: {len(c.pages)} page-table rows for {G} KV layer groups")
         for g, row in enumerate(c.pages):
-            if len(row) * page_size < end:
-                raise ValueError(f"sequence slot {s}: {len(row)} pages of group {g} cannot hold {end} tokens")
-            if len(row) > buckets.pages_per_seq:
-                raise ValueError(f"sequence slot {s}: {len(row)} pages exceed pages_per_seq={buckets.pages_per_seq}")
-            page_table[g, s, : len(row)] = row
+            first = c.page_offsets[g] if c.page_offsets else 0
+            if (first + len(row)) * page_size < end:
+                raise ValueError(f"sequence slot {s}: {first + len(row)} pages of group {g} cannot hold {end} tokens")
+            if first + len(row) > buckets.pages_per_seq:
+                raise ValueError(f"sequence slot {s}: {first + len(row)} pages exceed pages_per_seq={buckets.pages_per_seq}")
+            page_table[g, s, first : first + len(row)] = row
         token_ids[t : t + n] = [max(tok, 0) for tok in c.token_ids]
         for off, row in c.device_tokens.items():
             token_src[t + off] = row
