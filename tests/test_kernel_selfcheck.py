@@ -185,6 +185,16 @@ def test_the_tpu_attention_over_a_quantized_pool_in_pages_of_128_passes_its_chec
     assert len(verdicts) == 2 and all(v.verdict == "pass" for v in verdicts), verdicts
 
 
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_attention_with_sinks_a_soft_cap_and_a_window_passes_its_check(platform):
+    """GPT-OSS's sinks with Gemma 2's soft-cap and a window: what a model with them checks at
+    start-up, each kernel (interpret mode) against the XLA attention."""
+    shapes = dataclasses.replace(TINY, sinks=True, soft_cap=5.0, sliding_window=6)
+    verdicts = run_checks(Kernels(platform, interpret=True), shapes, operations=["ragged_attention"])
+    assert len(verdicts) == 2 and all(v.verdict == "pass" for v in verdicts), verdicts
+    assert all("soft_cap=5 sinks" in v.case for v in verdicts)
+
+
 def test_the_standalone_script_prints_a_table(capsys):
     path = Path(__file__).resolve().parent.parent / "scripts" / "kernel_selfcheck.py"
     spec = importlib.util.spec_from_file_location("kernel_selfcheck_script", path)

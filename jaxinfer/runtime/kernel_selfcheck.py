@@ -146,6 +146,8 @@ class StepShapes:
     page_size: int
     kv_dtype: str
     sliding_window: int | None = None
+    soft_cap: float | None = None  # attention logit soft-capping (Gemma 2)
+    sinks: bool = False  # attention sinks (GPT-OSS)
     spec_block: int = 0  # speculative verification chunks' query block (0: none)
     paged_attention: bool = True  # the ragged paged attention kernel runs (not with ring attention, nor with a
     # quantized pool in pages smaller than 128, which the XLA attention reads: jaxinfer.ops.kernels)
@@ -196,7 +198,8 @@ def step_shapes(config: ModelConfig, params, *, parallel: ParallelConfig = Paral
         num_heads=config.num_heads // parallel.tp, num_kv_heads=kv_heads_per_shard(config.num_kv_heads, parallel.tp),
         head_dim=config.head_dim, hidden=config.hidden_size, dtype=jnp.dtype(dtype).name, norm_dtype=jnp.dtype(norm.dtype).name,
         rms_norm_eps=config.rms_norm_eps, page_size=page_size, kv_dtype=jnp.dtype(kv_dtype).name,
-        sliding_window=config.sliding_window, spec_block=spec_block, paged_attention=not (ring or (quantized_pool and page_size % 128)),
+        sliding_window=config.sliding_window, soft_cap=config.attn_logit_softcap, sinks=config.attention_sinks,
+        spec_block=spec_block, paged_attention=not (ring or (quantized_pool and page_size % 128)),
         flash_attention=not ring and max_tokens // parallel.sp >= FLASH_MIN_TOKENS,
         kv_write=parallel.sp == 1 and not quantized_pool, swiglu=tuple(swiglu), quantized=tuple(quantized), lora=tuple(lora),
     )
@@ -258,7 +261,8 @@ def _ragged_attention_cases(kernels: Kernels, xla: Kernels, s: StepShapes) -> It
         buckets = Buckets.default(1 << max(7, (real - 1).bit_length()), 8, pages_per_seq, spec_block=s.spec_block)
         key, batch, _ = pack_batch(chunks, buckets, s.page_size)
         options = dict(num_kv_heads=Hkv, sm_scale=D**-0.5, sliding_window=s.sliding_window, query_block=key.query_block,
-                       spec_block=key.spec_block)
+                       spec_block=key.spec_block, soft_cap=s.soft_cap,
+                       sinks=jnp.linspace(-2.0, 2.0, Hq, dtype=jnp.float32) if s.sinks else None)
 
         def inputs(rng, key=key, batch=batch, num_pages=num_pages):
             """(q, k pages, v pages, page table, batch, k scales, v scales): a quantized pool's
@@ -286,14 +290,15 @@ def _ragged_attention_cases(kernels: Kernels, xla: Kernels, s: StepShapes) -> It
 
         layout = "combined" if combined else "separate"
         description = (f"{name} T={key.num_tokens} S={key.num_seqs} query_block={key.query_block} Hq={Hq} Hkv={Hkv} D={D} "
-                       f"{layout} pool {s.kv_dtype}[{s.page_size}, {Hkv}, {D}] q {s.dtype} window={s.sliding_window}")
+                       f"{layout} pool {s.kv_dtype}[{s.page_size}, {Hkv}, {D}] q {s.dtype} window={s.sliding_window}"
+                       + (f" soft_cap={s.soft_cap:g}" if s.soft_cap else "") + (" sinks" if s.sinks else ""))
         yield Case("ragged_attention", description, inputs, kernel, reference, _tolerance(s.dtype, s.kv_dtype))
 
 
 def _flash_attention_case(kernels: Kernels, s: StepShapes) -> Case:
     Hq, Hkv, D, T = s.num_heads, s.num_kv_heads, s.head_dim, FLASH_MIN_TOKENS
     cu_q_lens, num_seqs, real = np.array([0, 100, T - 20, T - 20, T - 20], np.int32), np.array([2], np.int32), T - 20
-    options = dict(sm_scale=D**-0.5, sliding_window=s.sliding_window, causal=True)
+    options = dict(sm_scale=D**-0.5, sliding_window=s.sliding_window, soft_cap=s.soft_cap, causal=True)
 
     def inputs(rng):
         q_key, k_key, v_key = jax.random.split(rng, 3)
