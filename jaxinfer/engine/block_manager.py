@@ -65,6 +65,8 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+from jaxinfer.kv_groups import window_pages
+
 SCRATCH_PAGE = 0  # same as jaxinfer.ops.batch.SCRATCH_PAGE (not imported: keep this module free of JAX)
 
 
@@ -155,11 +157,9 @@ class BlockManager:
     def can_allocate(self, num_tokens: int, lookahead: int | None = None) -> bool:
         """Whether a new sequence of num_tokens surely fits (`allocate`'s pages, whatever its prefix hits:
         a sliding group holds at most its window and the lookahead's pages)."""
-        need = 0
-        for w in self.windows:
-            need += self.pages_needed(num_tokens)
-            if w is not None and lookahead is not None:
-                need -= max(0, self.pages_needed(num_tokens) - ((w + max(lookahead, 1) - 2) // self.page_size + 2))
+        if lookahead is None:
+            return self.num_groups * self.pages_needed(num_tokens) <= self.num_free_pages
+        need = sum(window_pages(w, num_tokens, self.page_size, max(lookahead, 1)) for w in self.windows)
         return need <= self.num_free_pages
 
     def _first_kept(self, group: int, num_computed: int) -> int:
