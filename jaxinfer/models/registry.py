@@ -9,19 +9,23 @@ from __future__ import annotations
 from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.models.gemma import GemmaForCausalLM
+from jaxinfer.models.glm4_moe import Glm4MoeForCausalLM
 from jaxinfer.models.gpt_oss import GptOssForCausalLM
 from jaxinfer.models.llama import LlamaForCausalLM
+from jaxinfer.models.minimax_m2 import MiniMaxM2ForCausalLM
 from jaxinfer.models.olmo import OlmoForCausalLM
 
 MODEL_CLASSES: dict[str, type[Decoder]] = {
     **{t: LlamaForCausalLM for t in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3",
-                                               "phi3", "minimax_m2", "glm4_moe")},
+                                               "phi3")},
     "gemma2": GemmaForCausalLM,
     "gemma3_text": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,  # a multimodal folder's text decoder
     "olmo2": OlmoForCausalLM,
     "olmo3": OlmoForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "minimax_m2": MiniMaxM2ForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
 }
 
 
