@@ -5,7 +5,7 @@ padding rows at the end) are cut into `n` contiguous blocks of Tl = T / n rows, 
 i of the mesh axis (e.g. "sequence"). Every device holds the queries, keys and values of its own
 block; the per-row metadata (sequence id, position in the sequence, real token or padding) of all
 T rows is replicated. A query at position p sees the keys of its own sequence at positions <= p
-(and > p - sliding_window when a window is given).
+(and from the start of its window or chunk, `pallas_kernels.visible_span`, when the layer has one).
 
 Each device must see every block of keys, so the K/V blocks travel around a ring: at hop j device
 i holds the block that started on device (i - j) mod n, attends its own queries to it, and passes
@@ -34,19 +34,22 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.visible_span import limits_span, span_start
 
-def visibility_mask(q_seq, q_pos, q_valid, k_seq, k_pos, k_valid, sliding_window=None):
-    """[Tq, Tk] bool: which keys each query may attend to (same sequence, causal, in the window,
-    both real tokens). Metadata arrays are [Tq] for queries and [Tk] for keys."""
+
+def visibility_mask(q_seq, q_pos, q_valid, k_seq, k_pos, k_valid, sliding_window=None, attention_chunk=None):
+    """[Tq, Tk] bool: which keys each query may attend to (same sequence, causal, in the window or
+    chunk, both real tokens). Metadata arrays are [Tq] for queries and [Tk] for keys."""
     same_seq = q_seq[:, None] == k_seq[None, :]
     causal = k_pos[None, :] <= q_pos[:, None]
     mask = same_seq & causal & q_valid[:, None] & k_valid[None, :]
-    if sliding_window is not None:
-        mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    if limits_span(sliding_window, attention_chunk):
+        mask &= k_pos[None, :] >= span_start(q_pos, sliding_window=sliding_window, attention_chunk=attention_chunk)[:, None]
     return mask
 
 
-def attention_partial(q, k, v, q_seq, q_pos, q_valid, k_seq, k_pos, k_valid, *, sm_scale, sliding_window=None, soft_cap=None):
+def attention_partial(q, k, v, q_seq, q_pos, q_valid, k_seq, k_pos, k_valid, *, sm_scale, sliding_window=None,
+                      attention_chunk=None, soft_cap=None):
     """Dense masked attention of queries against one block of keys.
 
     q [Tq, Hq, D], k / v [Tk, Hkv, D] (GQA: Hq = G * Hkv, query head h uses KV head h // G);
@@ -61,7 +64,7 @@ def attention_partial(q, k, v, q_seq, q_pos, q_valid, k_seq, k_pos, k_valid, *, 
     s = jnp.einsum("qhgd,khd->hgqk", qg, k, preferred_element_type=jnp.float32) * sm_scale  # [Hkv, G, Tq, Tk]
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
-    mask = visibility_mask(q_seq, q_pos, q_valid, k_seq, k_pos, k_valid, sliding_window)  # [Tq, Tk]
+    mask = visibility_mask(q_seq, q_pos, q_valid, k_seq, k_pos, k_valid, sliding_window, attention_chunk)  # [Tq, Tk]
     s = jnp.where(mask, s, -jnp.inf)
 
     m = s.max(axis=-1)  # [Hkv, G, Tq]; -inf where nothing is visible
@@ -110,6 +113,7 @@ def ring_attention(
     axis_size: int,
     sm_scale: float,
     sliding_window: int | None = None,
+    attention_chunk: int | None = None,
     soft_cap: float | None = None,
     carry: Any = None,
     on_block: Callable[[Any, jax.Array, jax.Array, jax.Array], Any] | None = None,
@@ -145,7 +149,7 @@ def ring_attention(
         k_seq, k_pos, k_valid = (_block_rows(x, origin, block_rows) for x in (seq_all, pos_all, valid_all))
         part = attention_partial(
             q, k_blk, v_blk, q_seq, q_pos, q_valid, k_seq, k_pos, k_valid,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            sm_scale=sm_scale, sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap,
         )
         out, lse = part if hop == 0 else merge_partials(out, lse, *part)
         if hop + 1 < axis_size:

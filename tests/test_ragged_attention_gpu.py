@@ -24,7 +24,7 @@ def kernel(case, **kw):
     return gpu.ragged_paged_attention(*map(jnp.asarray, case), interpret=True, **kw)
 
 
-def truth(case, *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None, sinks=None):
+def truth(case, *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None, sinks=None, attention_chunk=None):
     """The per-sequence numpy loop in float64, on exactly the values the inputs stand for
     (bfloat16 upcast, quantized pages times their scale). The reference's own tests hold
     reference.py to this same loop; it costs no compile, which is what this file's time goes on."""
@@ -33,7 +33,7 @@ def truth(case, *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v
     k = as_f32(k) * (1.0 if k_scale is None else k_scale)
     v = as_f32(v) * (1.0 if v_scale is None else v_scale)
     return numpy_attention(as_f32(q), k, v, kv_lens, page_indices, cu, int(num_seqs[0]), sm_scale,
-                           sliding_window=sliding_window, soft_cap=soft_cap,
+                           sliding_window=sliding_window, soft_cap=soft_cap, attention_chunk=attention_chunk,
                            sinks=None if sinks is None else np.asarray(sinks))
 
 
@@ -86,6 +86,7 @@ def test_sliding_window():
     c = dict(WINDOW_CASE)
     case = make_case(np.random.default_rng(3), c.pop("q_lens"), c.pop("kv_lens"), **c)
     check(case, sliding_window=7)
+    check(case, attention_chunk=8)  # Llama 4's chunks: a query sees only its own chunk of 8
 
 
 def test_soft_cap():

@@ -21,9 +21,10 @@ pytestmark = pytest.mark.parametrize("ragged_paged_attention", list(IMPLS.values
 
 
 def numpy_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, sliding_window=None, soft_cap=None,
-                    sinks=None):
+                    sinks=None, attention_chunk=None):
     """The obvious per-sequence loop: gather each sequence's keys, causal softmax, weighted sum
-    (with sinks: the softmax over the scores and head h's sink logit, the sink's weight dropped)."""
+    (with sinks: the softmax over the scores and head h's sink logit, the sink's weight dropped;
+    with attention_chunk C: only the keys of the query's own chunk of C positions)."""
     T, Hq, D = q.shape
     Hkv = k_pages.shape[2]
     G = Hq // Hkv
@@ -40,6 +41,8 @@ def numpy_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
             visible = np.arange(kv_len) <= pos
             if sliding_window is not None:
                 visible &= np.arange(kv_len) > pos - sliding_window
+            if attention_chunk is not None:
+                visible &= np.arange(kv_len) // attention_chunk == pos // attention_chunk
             for h in range(Hq):
                 scores = k[:, h // G] @ q[q0 + i, h].astype(np.float64) * sm_scale
                 if soft_cap is not None:
@@ -114,6 +117,15 @@ def test_sliding_window_and_soft_cap(ragged_paged_attention):
     case = make_case(rng, [30, 1, 5], [30, 40, 25], Hq=4, Hkv=2, D=32, page_size=4)
     check(ragged_paged_attention, case, sliding_window=7, num_queries_per_block=8)
     check(ragged_paged_attention, case, soft_cap=5.0, sm_scale=1.0, num_queries_per_block=2)
+
+
+def test_chunked_local_attention(ragged_paged_attention):
+    # Llama 4: a query sees only its own chunk; chunks of 8 (a power of two: a bit mask) and 6 (a
+    # division), the prefill's query blocks straddling chunk starts, with and without a window
+    rng = np.random.default_rng(12)
+    case = make_case(rng, [30, 1, 5], [30, 40, 25], Hq=4, Hkv=2, D=32, page_size=4)
+    check(ragged_paged_attention, case, attention_chunk=8, num_queries_per_block=8)
+    check(ragged_paged_attention, case, attention_chunk=6, sliding_window=4, num_queries_per_block=4)
 
 
 def test_attention_sinks_take_their_share_of_the_softmax(ragged_paged_attention):

@@ -118,9 +118,10 @@ def test_bfloat16_queries_and_pages():
 
 
 @pytest.mark.parametrize(
-    "option", [{"sliding_window": 7}, {"soft_cap": 5.0, "sm_scale": 1.0}], ids=["sliding_window", "soft_cap"]
+    "option", [{"sliding_window": 7}, {"soft_cap": 5.0, "sm_scale": 1.0}, {"attention_chunk": 8}],
+    ids=["sliding_window", "soft_cap", "attention_chunk"],
 )
-def test_sliding_window_and_soft_cap(option):
+def test_sliding_window_soft_cap_and_chunks(option):
     rng = np.random.default_rng(3)
     case = make_case(rng, [30, 1, 5, 1], [30, 40, 25, 3], Hq=4, Hkv=2, D=64, page_size=4, pad_seqs=1)
     got, want = run_kernel_and_reference(case, num_queries_per_block=8, num_kv_pages_per_block=2, **option)
@@ -180,10 +181,11 @@ def test_a_quantized_pool_with_a_scale_per_token_and_head_is_read_in_the_kernel(
 
 
 @pytest.mark.parametrize(
-    "sliding_window,want_kv_blocks",
-    [(None, [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3, 4], []]), (6, [[0], [0, 1], [1, 2], [3, 4], []])],
+    "span,want_kv_blocks",
+    [({}, [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3, 4], []]), ({"sliding_window": 6}, [[0], [0, 1], [1, 2], [3, 4], []]),
+     ({"attention_chunk": 16}, [[0], [0, 1], [2], [4], []])],
 )
-def test_query_blocks_visit_only_the_kv_blocks_they_can_see(sliding_window, want_kv_blocks):
+def test_query_blocks_visit_only_the_kv_blocks_they_can_see(span, want_kv_blocks):
     # a 20-token prefill (3 query blocks of 8: positions 0-7, 8-15, 16-19) and a decode at position
     # 36, KV blocks of 8 tokens; the last query block is padding and must visit none
     kv_lens, cu_q_lens, num_seqs = np.array([20, 37]), np.array([0, 20, 21]), np.array([2])
@@ -191,7 +193,8 @@ def test_query_blocks_visit_only_the_kv_blocks_they_can_see(sliding_window, want
     refs = (kv_lens, cu_q_lens, num_seqs, block_seq, block_q_start)
     got = []
     for b in range(5):
-        blk = tpu.query_block(b, refs, Bq=8, kv_block=8, sliding_window=sliding_window)
+        blk = tpu.query_block(b, refs, Bq=8, kv_block=8, sliding_window=span.get("sliding_window"),
+                              attention_chunk=span.get("attention_chunk"))
         got.append(list(range(int(blk.kv_lo), int(blk.kv_hi))))
     assert got == want_kv_blocks
 

@@ -52,6 +52,7 @@ class FamilyShape:
     window: int | None = None  # the sliding layers' window (their attention cases use it)
     soft_cap: float | None = None  # attention logit soft-capping (Gemma 2)
     sinks: bool = False  # attention sinks (GPT-OSS)
+    chunk: int | None = None  # chunked local attention (Llama 4's RoPE layers)
 
 
 FAMILY_SHAPES = {
@@ -69,6 +70,7 @@ FAMILY_SHAPES = {
     "phi-3-mini": FamilyShape(32, 32, 96, 3072, 8192, window=2047),  # head_dim 96: padded to 128 lanes
     "olmo-2-7b": FamilyShape(32, 32, 128, 4096, 11008),
     "smollm3-3b": FamilyShape(16, 4, 128, 2048, 11008),
+    "llama-4-scout": FamilyShape(40, 8, 128, 5120, 8192, chunk=8192),
 }
 
 PAGE_SIZE = 16
@@ -103,8 +105,8 @@ def kernel_cases(target: Target, shape: FamilyShape):
     sm_scale = D**-0.5
     options = dict(sliding_window=shape.window, soft_cap=shape.soft_cap)
     sinks = shape.sinks
-    named = "".join([f" window={shape.window}" if shape.window else "", f" soft_cap={shape.soft_cap:g}" if shape.soft_cap else "",
-                     " sinks" if sinks else ""])
+    named = "".join([f" window={shape.window}" if shape.window else "", f" soft_cap={shape.soft_cap:g}" if shape.soft_cap else ""])
+    paged_named = named + (" sinks" if sinks else "") + (f" chunk={shape.chunk}" if shape.chunk else "")
     kv_dtypes = (("bf16", bf16, {}), ("int8", jnp.int8, dict(k_scale=0.05, v_scale=0.05)),
                  ("fp8", jnp.float8_e4m3fn, dict(k_scale=0.05, v_scale=0.05)))
     for name, kv_dtype, scales in kv_dtypes:
@@ -118,18 +120,19 @@ def kernel_cases(target: Target, shape: FamilyShape):
         else:  # separate pools, one scale each for K and V
             pools = (spec((NUM_PAGES, page_size, Hkv, D), kv_dtype),) * 2
         for bucket, T, S, Bq in ATTENTION_BUCKETS:
-            fn = functools.partial(ragged_paged_attention, sm_scale=sm_scale, num_queries_per_block=Bq, **scales, **options)
+            fn = functools.partial(ragged_paged_attention, sm_scale=sm_scale, num_queries_per_block=Bq, **scales, **options,
+                                   **(dict(attention_chunk=shape.chunk) if shape.chunk else {}))
             args = (spec((T, Hq, D), bf16), *pools, spec((S,), i32), spec((S, pages_per_seq), i32),
                     spec((S + 1,), i32), spec((1,), i32), *scale_pool)
             if sinks:
                 fn = _with_sinks(fn, len(args))
                 args += (spec((Hq,), jnp.float32),)
             layout = f"combined[{page_size}, {pools[0].shape[-1]}]" + (" + scale pool" if scale_pool else "") if tpu else f"[{Hkv}, {D}]"
-            yield "ragged_paged_attention", f"{bucket} T={T} S={S} kv={name} {layout}{named}", fn, args
+            yield "ragged_paged_attention", f"{bucket} T={T} S={S} kv={name} {layout}{paged_named}", fn, args
 
     T = 512
-    flash_named = named.replace(" sinks", "")  # (a model with sinks never takes the flash path)
-    yield ("flash_attention", f"prefill T={T}{flash_named}", functools.partial(flash, sm_scale=sm_scale, causal=True, **options),
+    # (a layer with sinks or chunks never takes the flash path: jaxinfer.ops.attention.paged_attention)
+    yield ("flash_attention", f"prefill T={T}{named}", functools.partial(flash, sm_scale=sm_scale, causal=True, **options),
            (spec((T, Hq, D), bf16), spec((T, Hkv, D), bf16), spec((T, Hkv, D), bf16), spec((5,), i32), spec((1,), i32)))
 
     T = MATMUL_TOKENS

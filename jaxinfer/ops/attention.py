@@ -138,6 +138,7 @@ def write_kv_and_attend(
     sm_scale: float,
     sliding_window: int | None,
     query_block: int,
+    attention_chunk: int | None = None,  # Llama 4's chunked local attention (pallas_kernels.visible_span)
     spec_block: int = 0,
     soft_cap: float | None = None,
     sinks: jax.Array | None = None,  # [Hq_local] float32: attention sinks (GPT-OSS)
@@ -152,8 +153,8 @@ def write_kv_and_attend(
     The caches keep one shape from the write to the read (and through the layer loop), so XLA
     updates them in place; mixing shapes of one buffer makes it copy the whole pool.
     """
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, query_block=query_block,
-                   spec_block=spec_block, kernels=kernels)
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap,
+                   sinks=sinks, query_block=query_block, spec_block=spec_block, kernels=kernels)
     if parallel.sp > 1:
         return attend_sequence_parallel(q, k, v, cos, sin, pool, layer_page_offset, write_page, write_offset,
                                         batch, mode=parallel.sp_attention, **options)
@@ -162,7 +163,7 @@ def write_kv_and_attend(
 
 
 def paged_attention(q, k, v, pool: KVCache, layer_page_offset, batch: RaggedBatch, *, sm_scale, sliding_window,
-                    query_block: int, spec_block: int = 0, soft_cap: float | None = None, sinks=None,
+                    query_block: int, attention_chunk: int | None = None, spec_block: int = 0, soft_cap: float | None = None, sinks=None,
                     kernels: Kernels = Kernels()) -> jax.Array:
     """Attention of this step's queries q [T, Hq, D] (rotated; K/V already in the pages) over one
     layer's pages; k, v [T, Hkv, D] are this step's own rotated keys and values (flash attention
@@ -175,18 +176,19 @@ def paged_attention(q, k, v, pool: KVCache, layer_page_offset, batch: RaggedBatc
     def paged():
         if not pool.quantized:
             return kernels.ragged_attention(q, pool.pages, pool.v, page_table, batch, num_kv_heads=k.shape[1], sm_scale=sm_scale,
-                                            sliding_window=sliding_window, query_block=query_block, spec_block=spec_block,
-                                            soft_cap=soft_cap, sinks=sinks)
+                                            sliding_window=sliding_window, attention_chunk=attention_chunk, query_block=query_block,
+                                            spec_block=spec_block, soft_cap=soft_cap, sinks=sinks)
         rotation = kv_rotation(q.shape[-1])  # the pool holds K and V turned: turn q, and the output back
         out = kernels.ragged_attention((q.astype(jnp.float32) @ rotation).astype(q.dtype), pool.pages, pool.v, page_table,
                                        batch, num_kv_heads=k.shape[1], sm_scale=sm_scale, sliding_window=sliding_window,
-                                       query_block=query_block, spec_block=spec_block, soft_cap=soft_cap, sinks=sinks, k_scale=pool.scales,
+                                       attention_chunk=attention_chunk, query_block=query_block, spec_block=spec_block, soft_cap=soft_cap, sinks=sinks, k_scale=pool.scales,
                                        v_scale=pool.v_scale)
         return (out.astype(jnp.float32) @ rotation.T).astype(q.dtype)
 
     T, S = q.shape[0], batch.kv_lens.shape[0]
-    if kernels.flash_attention is None or query_block == 1 or T < FLASH_MIN_TOKENS or sinks is not None:
-        return paged()  # (the flash kernels have no attention sinks)
+    if (kernels.flash_attention is None or query_block == 1 or T < FLASH_MIN_TOKENS or sinks is not None
+            or attention_chunk is not None):
+        return paged()  # (the flash kernels have no attention sinks, and no chunks: they see rows, not positions)
     q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
     in_use = jnp.arange(S) < batch.num_seqs[0]
     fresh_prefill = jnp.all(jnp.where(in_use, batch.kv_lens == q_lens, True))  # no sequence has a cached prefix
@@ -219,6 +221,7 @@ def local_view(batch: RaggedBatch, first_row, num_rows: int) -> RaggedBatch:
 
 def attend_sequence_parallel(q, k, v, cos, sin, pool: KVCache, layer_page_offset, write_page, write_offset,
                              batch: RaggedBatch, *, mode: str, sm_scale, sliding_window, query_block: int,
+                             attention_chunk: int | None = None,
                              spec_block: int = 0, soft_cap: float | None = None, sinks=None, kernels: Kernels = Kernels()):
     """Attention with the step's rows split over the mesh axis "sequence" (sp devices).
 
@@ -243,7 +246,7 @@ def attend_sequence_parallel(q, k, v, cos, sin, pool: KVCache, layer_page_offset
     q, k = apply_rope(q, mine(cos), mine(sin)), apply_rope(k, mine(cos), mine(sin))
     pages = layer_page_offset + write_page
     view = local_view(batch, first_row, Tl)
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap)
 
     if mode == "allgather":
         options["sinks"] = sinks

@@ -81,7 +81,7 @@ PREFILL_KV_TOKENS_PER_ITEM = 128
 
 # ----------------------------------------------------------------------------- the XLA paths
 def xla_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale: float,
-                         sliding_window: int | None, query_block: int, spec_block: int = 0, soft_cap: float | None = None, sinks=None, k_scale=None,
+                         sliding_window: int | None, query_block: int, attention_chunk: int | None = None, spec_block: int = 0, soft_cap: float | None = None, sinks=None, k_scale=None,
                          v_scale=None) -> jax.Array:
     """Split-KV ragged paged attention (`pallas_kernels.ragged_paged_attention.split_kv`), in
     passes over disjoint sequences: one-token ones with query blocks of 1, with spec_block the
@@ -93,8 +93,8 @@ def xla_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *,
     T, S = q.shape[0], batch.kv_lens.shape[0]
     attend = lambda query_block, kv_tokens, items, **kw: split_kv.ragged_paged_attention(  # noqa: E731
         q, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-        num_queries_per_block=query_block,
+        sm_scale=sm_scale, sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap, sinks=sinks,
+        k_scale=k_scale, v_scale=v_scale, num_queries_per_block=query_block,
         num_kv_pages_per_block=max(1, kv_tokens // page_size), items_per_step=items, **kw,
     )
     decode_items = min(max(S, 2), 16)
@@ -129,31 +129,32 @@ def same_dtype(dtype):
 
 # ----------------------------------------------------------------------------- Pallas adapters
 def _tpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale: float,
-                          sliding_window: int | None, query_block: int, spec_block: int = 0, soft_cap: float | None = None, sinks=None, k_scale=None, v_scale=None,
+                          sliding_window: int | None, query_block: int, attention_chunk: int | None = None, spec_block: int = 0, soft_cap: float | None = None, sinks=None, k_scale=None, v_scale=None,
                           interpret: bool) -> jax.Array:
     """Combined pages (v_pages None): the TPU kernel, a quantized pool's scales (k_scale: the combined
     scale pool) included when its pages are whole 128-lane rows of scales (page_size a multiple of
     128), attention sinks included. Otherwise (separate pools, smaller pages of a quantized pool) the XLA path."""
     if v_pages is not None or (k_scale is not None and k_pages.shape[1] % 128):
         return xla_ragged_attention(q, k_pages, v_pages, page_table, batch, num_kv_heads=num_kv_heads, sm_scale=sm_scale,
-                                    sliding_window=sliding_window, query_block=query_block, spec_block=spec_block,
-                                    soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+                                    sliding_window=sliding_window, attention_chunk=attention_chunk, query_block=query_block,
+                                    spec_block=spec_block, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     return rpa_tpu.ragged_paged_attention(
         q, k_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, k_scale, sinks, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, num_queries_per_block=query_block, interpret=interpret)
+        sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap, num_queries_per_block=query_block,
+        interpret=interpret)
 
 
 def _gpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale: float,
-                          sliding_window: int | None, query_block: int, spec_block: int = 0, soft_cap: float | None = None, sinks=None, k_scale=None, v_scale=None,
+                          sliding_window: int | None, query_block: int, attention_chunk: int | None = None, spec_block: int = 0, soft_cap: float | None = None, sinks=None, k_scale=None, v_scale=None,
                           interpret: bool) -> jax.Array:
     if k_scale is not None:  # a quantized pool: the XLA path (module docstring)
         return xla_ragged_attention(q, k_pages, v_pages, page_table, batch, num_kv_heads=num_kv_heads, sm_scale=sm_scale,
-                                    sliding_window=sliding_window, query_block=query_block, spec_block=spec_block,
-                                    soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+                                    sliding_window=sliding_window, attention_chunk=attention_chunk, query_block=query_block,
+                                    spec_block=spec_block, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     return rpa_gpu.ragged_paged_attention(
         q, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, num_queries_per_block=query_block, interpret=interpret,
-        sinks=sinks)
+        sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap, num_queries_per_block=query_block,
+        interpret=interpret, sinks=sinks)
 
 
 def _gpu_rope_kv_write(*args, interpret: bool):
@@ -180,7 +181,8 @@ class Kernels:
     """One implementation per operation (see the module docstring for each signature's source).
 
     ragged_attention(q [T,Hq,D], k_pages, v_pages, page_table [S,pages], batch, *, num_kv_heads,
-        sm_scale, sliding_window, query_block, spec_block, soft_cap, sinks, k_scale, v_scale) -> [T,Hq,D]
+        sm_scale, sliding_window, query_block, attention_chunk, spec_block, soft_cap, sinks, k_scale, v_scale) -> [T,Hq,D]
+        (attention_chunk: Llama 4's chunked local attention, pallas_kernels.visible_span)
         (sinks [Hq]: attention sinks, GPT-OSS; the TPU kernel leaves them to the XLA path)
         (k_scale / v_scale: a quantized pool's scales [pages, page_size, heads], else None; a
         combined pool comes as k_pages with v_pages None)

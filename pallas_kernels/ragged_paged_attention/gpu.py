@@ -55,6 +55,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels.compat import patch_interpret_mode
 from pallas_kernels import cost
 from pallas_kernels.ragged_paged_attention.reference import check_kv_scales, sink_weight
+from pallas_kernels.visible_span import limits_span, span_start
 
 DEFAULT_KV_TOKENS_PER_BLOCK = 64  # KV tokens per tile when num_kv_pages_per_block is not given
 # ... and at most this many K (or V) entries per tile: a tile of 64 tokens x head_dim 512 in
@@ -86,7 +87,7 @@ class QueryBlocks(NamedTuple):
     num_tiles: jax.Array  # KV tiles from first_tile to its last query's tile (0 for padding blocks)
 
 
-def _query_blocks(kv_lens, cu_q_lens, num_seqs, *, T, Bq, tile_tokens, sliding_window) -> QueryBlocks:
+def _query_blocks(kv_lens, cu_q_lens, num_seqs, *, T, Bq, tile_tokens, sliding_window, attention_chunk) -> QueryBlocks:
     S = kv_lens.shape[0]
     seq_in_use = jnp.arange(S) < jnp.reshape(num_seqs, ())
     q_lens = jnp.where(seq_in_use, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
@@ -103,7 +104,7 @@ def _query_blocks(kv_lens, cu_q_lens, num_seqs, *, T, Bq, tile_tokens, sliding_w
     kv_len = jnp.where(block_valid, kv_lens[seq], 0)
     first_pos = kv_len - q_lens[seq] + q_offset
     last_pos = first_pos + num_queries - 1
-    lo = jnp.zeros_like(first_pos) if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+    lo = span_start(first_pos, sliding_window=sliding_window, attention_chunk=attention_chunk)
     first_tile = lo // tile_tokens
     num_tiles = jnp.where(num_queries > 0, jnp.maximum(last_pos // tile_tokens + 1 - first_tile, 0), 0)
     as_i32 = lambda x: x.astype(jnp.int32)
@@ -122,7 +123,7 @@ def _kernel(
     l_ref,  # [R] float32, sum of exp(score - max)
     *,
     G, page_size, tile_tokens, tile_width, head_dim, num_kv_splits,
-    sm_scale, sliding_window, soft_cap, k_scale, v_scale,
+    sm_scale, sliding_window, attention_chunk, soft_cap, k_scale, v_scale,
 ):
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     R, Dp = q_ref.shape
@@ -161,8 +162,8 @@ def _kernel(
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         visible = row_valid[:, None] & in_seq[None, :] & (kv_pos[None, :] <= q_pos[:, None])
-        if sliding_window is not None:
-            visible &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+        if limits_span(sliding_window, attention_chunk):
+            visible &= kv_pos[None, :] >= span_start(q_pos, sliding_window=sliding_window, attention_chunk=attention_chunk)[:, None]
         s = jnp.where(visible, s, -jnp.inf)
 
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -206,7 +207,7 @@ def _merge_splits(o, m, l, sinks=None, G=1):
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale", "num_queries_per_block",
+        "sm_scale", "sliding_window", "attention_chunk", "soft_cap", "k_scale", "v_scale", "num_queries_per_block",
         "num_kv_pages_per_block", "num_kv_splits", "num_warps", "num_stages", "interpret",
     ),
 )
@@ -221,6 +222,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float = 1.0,
     sliding_window: int | None = None,
+    attention_chunk: int | None = None,
     soft_cap: float | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
@@ -254,7 +256,8 @@ def ragged_paged_attention(
     tile_tokens = C * page_size  # KV tokens per tile
     R, N, Dp = _triton_dim(Bq * G), _triton_dim(tile_tokens), _triton_dim(D)  # rows, tile width, head_dim
 
-    blocks = _query_blocks(kv_lens, cu_q_lens, num_seqs, T=T, Bq=Bq, tile_tokens=tile_tokens, sliding_window=sliding_window)
+    blocks = _query_blocks(kv_lens, cu_q_lens, num_seqs, T=T, Bq=Bq, tile_tokens=tile_tokens, sliding_window=sliding_window,
+                          attention_chunk=attention_chunk)
     NB = blocks.rows.shape[0]
 
     # [NB, Bq, Hq, D] -> [NB, Hkv, Bq*G, D] -> padded [NB, Hkv, R, Dp]; row r = query r // G, head r % G
@@ -264,7 +267,8 @@ def ragged_paged_attention(
 
     kernel = functools.partial(
         _kernel, G=G, page_size=page_size, tile_tokens=tile_tokens, tile_width=N, head_dim=D,
-        num_kv_splits=num_kv_splits, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        num_kv_splits=num_kv_splits, sm_scale=sm_scale, sliding_window=sliding_window, attention_chunk=attention_chunk,
+        soft_cap=soft_cap,
         k_scale=k_scale, v_scale=v_scale,
     )
     whole = pl.no_block_spec  # the array stays in global memory; the kernel indexes it

@@ -44,6 +44,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from pallas_kernels.visible_span import limits_span, span_start
 
 DEFAULT_KV_TOKENS_PER_BLOCK = 128
 
@@ -127,7 +128,7 @@ def sink_weight(sinks: jax.Array | None, m: jax.Array, G: int) -> jax.Array | fl
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "soft_cap", "num_queries_per_block", "num_kv_pages_per_block"),
+    static_argnames=("sm_scale", "sliding_window", "attention_chunk", "soft_cap", "num_queries_per_block", "num_kv_pages_per_block"),
 )
 def ragged_paged_attention(
     q: jax.Array,
@@ -140,6 +141,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float = 1.0,
     sliding_window: int | None = None,
+    attention_chunk: int | None = None,
     soft_cap: float | None = None,
     k_scale: float | jax.Array | None = None,  # a float, or [P, page_size, Hkv] (module docstring)
     v_scale: float | jax.Array | None = None,
@@ -195,8 +197,9 @@ def ragged_paged_attention(
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = j * kv_block + jnp.arange(kv_block)  # [kv_block]
         mask = (kv_pos[None, None, :] <= q_pos_rows[:, :, None]) & (kv_pos[None, None, :] < block_kv_len[:, None, None])
-        if sliding_window is not None:
-            mask &= kv_pos[None, None, :] > q_pos_rows[:, :, None] - sliding_window
+        if limits_span(sliding_window, attention_chunk):
+            first = span_start(q_pos_rows, sliding_window=sliding_window, attention_chunk=attention_chunk)
+            mask &= kv_pos[None, None, :] >= first[:, :, None]
         mask &= row_valid_rows[:, :, None]
         s = jnp.where(mask[:, None], s, -jnp.inf)  # [NB, Hkv, Bq*G, kv_block]
         m_new = jnp.maximum(m, s.max(axis=-1))

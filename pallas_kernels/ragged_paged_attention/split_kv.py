@@ -51,6 +51,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention import combined as combined_layout
 from pallas_kernels.ragged_paged_attention.reference import check_kv_scales, dequantize_kv, is_pool, sink_weight
+from pallas_kernels.visible_span import limits_span, span_start
 
 DEFAULT_KV_TOKENS_PER_BLOCK = 128
 
@@ -64,6 +65,7 @@ def _cdiv(a, b):
     static_argnames=(
         "sm_scale",
         "sliding_window",
+        "attention_chunk",
         "soft_cap",
         "num_queries_per_block",
         "num_kv_pages_per_block",
@@ -84,6 +86,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float = 1.0,
     sliding_window: int | None = None,
+    attention_chunk: int | None = None,  # Llama 4's chunked local attention (pallas_kernels.visible_span)
     soft_cap: float | None = None,
     k_scale: float | jax.Array | None = None,  # int8 / fp8 pages: entry * scale is the value (see reference.py)
     v_scale: float | jax.Array | None = None,
@@ -150,7 +153,7 @@ def ragged_paged_attention(
     # ---- the KV blocks each query block needs: [first_kv_block, last_kv_block]
     last_pos = jnp.minimum(q_offset + Bq, block_q_len) - 1 + block_kv_len - block_q_len  # last query's position
     first_pos = block_kv_len - block_q_len + q_offset
-    lo = jnp.zeros_like(first_pos) if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+    lo = span_start(first_pos, sliding_window=sliding_window, attention_chunk=attention_chunk)
     first_kv_block = lo // kv_block
     hi = last_pos  # last position any query of the block may see
     sees_keys = block_valid
@@ -200,8 +203,8 @@ def ragged_paged_attention(
         kv_pos = kv_blk[:, None] * kv_block + jnp.arange(kv_block)[None, :]  # [W, kv_block]
         qp = q_pos_rows[item_block]  # [W, Bq*G]
         mask = (kv_pos[:, None, :] <= qp[:, :, None]) & (kv_pos[:, None, :] < kv_visible_end[item_block][:, None, None])
-        if sliding_window is not None:
-            mask &= kv_pos[:, None, :] > qp[:, :, None] - sliding_window
+        if limits_span(sliding_window, attention_chunk):
+            mask &= kv_pos[:, None, :] >= span_start(qp, sliding_window=sliding_window, attention_chunk=attention_chunk)[:, :, None]
         mask &= row_valid_rows[item_block][:, :, None] & item_valid[:, None, None]
         s = jnp.where(mask[:, None], s, -jnp.inf)  # [W, Hkv, Bq*G, kv_block]
         m = s.max(axis=-1)  # [W, Hkv, Bq*G]; -inf where an item row sees nothing

@@ -92,6 +92,7 @@ from pallas_kernels.ragged_paged_attention.combined import combined_head_dim, la
 from pallas_kernels.ragged_paged_attention.reference import E4M3_BYTES, QUANTIZED_KV_DTYPES, check_kv_scales
 from pallas_kernels.tpu_chip import smem_capacity_bytes
 from pallas_kernels.tpu_chip import vmem_limit_bytes as chip_vmem_limit_bytes
+from pallas_kernels.visible_span import limits_span, span_start
 
 DEFAULT_KV_TOKENS_PER_BLOCK = 128
 
@@ -137,12 +138,12 @@ class QueryBlock(NamedTuple):
     num_rows: jax.Array  # real queries in the block, 0 for a padding block
     first_pos: jax.Array  # cache position of its first query
     last_pos: jax.Array  # cache position of its last real query
-    lo_pos: jax.Array  # first cache position any of its queries may see (sliding window)
+    lo_pos: jax.Array  # first cache position any of its queries may see (sliding window, chunk)
     kv_lo: jax.Array  # KV blocks it needs: kv_lo <= j < kv_hi (empty for padding)
     kv_hi: jax.Array
 
 
-def query_block(b, refs, *, Bq, kv_block, sliding_window) -> QueryBlock:
+def query_block(b, refs, *, Bq, kv_block, sliding_window, attention_chunk=None) -> QueryBlock:
     """Geometry of query block b. refs = (kv_lens, cu_q_lens, num_seqs, block_seq, block_q_start)."""
     kv_lens_ref, cu_q_lens_ref, num_seqs_ref, block_seq_ref, block_q_start_ref = refs
     seq = block_seq_ref[b]
@@ -152,7 +153,7 @@ def query_block(b, refs, *, Bq, kv_block, sliding_window) -> QueryBlock:
     num_rows = jnp.clip(q_len - q_start, 0, Bq)
     first_pos = kv_len - q_len + q_start
     last_pos = first_pos + num_rows - 1
-    lo_pos = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+    lo_pos = span_start(first_pos, sliding_window=sliding_window, attention_chunk=attention_chunk) if limits_span(sliding_window, attention_chunk) else 0
     kv_lo = lo_pos // kv_block
     kv_hi = jnp.where(num_rows > 0, last_pos // kv_block + 1, kv_lo)
     return QueryBlock(seq, num_rows, first_pos, last_pos, lo_pos, kv_lo, kv_hi)
@@ -217,6 +218,7 @@ def _kernel(
     *,
     sm_scale,
     sliding_window,
+    attention_chunk,
     soft_cap,
     has_sinks,
     k_scale,
@@ -240,6 +242,7 @@ def _kernel(
         Bq=Bq,
         kv_block=kv_block,
         sliding_window=sliding_window,
+        attention_chunk=attention_chunk,
     )
 
     def row_start(program, blk: QueryBlock):
@@ -336,8 +339,8 @@ def _kernel(
         kv_pos = j * kv_block + jax.lax.broadcasted_iota(jnp.int32, (1, kv_block), 1)  # [1, K]
         fetched_row = (kv_pos >= blk.lo_pos) & (kv_pos <= blk.last_pos)  # the same, along the lanes
         visible = (kv_pos <= q_pos) & row_real  # [R, K]
-        if sliding_window is not None:
-            visible &= kv_pos > q_pos - sliding_window
+        if limits_span(sliding_window, attention_chunk):
+            visible &= kv_pos >= span_start(q_pos, sliding_window=sliding_window, attention_chunk=attention_chunk)
 
         for h in range(num_kv_heads):  # head by head: one head's K and V live at a time
             k, v = read_head(kv_buf.at[slot], h, stored_head_dim, k_scale, v_scale)
@@ -384,6 +387,7 @@ def _kernel(
     static_argnames=(
         "sm_scale",
         "sliding_window",
+        "attention_chunk",
         "soft_cap",
         "k_scale",
         "v_scale",
@@ -406,6 +410,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float = 1.0,
     sliding_window: int | None = None,
+    attention_chunk: int | None = None,  # Llama 4's chunked local attention (pallas_kernels.visible_span)
     soft_cap: float | None = None,
     k_scale: float | None = None,  # int8 / fp8 pages with one scale each for K and V: entry * scale is the value
     v_scale: float | None = None,
@@ -487,7 +492,8 @@ def ragged_paged_attention(
 
     tile = pl.BlockSpec((None, Hkv, R, lanes), lambda b, *_: (b, 0, 0, 0))
     kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, has_sinks=sinks is not None,
+        _kernel, sm_scale=sm_scale, sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap,
+        has_sinks=sinks is not None,
         k_scale=k_scale,
         v_scale=v_scale, Bq=Bq, G=G, pages_per_seq=pages_per_seq, page_size=page_size, stored_head_dim=Ds,
         fetch_rows=fetch_rows, scale_pool=scale_pool,
