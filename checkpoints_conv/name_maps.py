@@ -244,6 +244,26 @@ GPT_OSS_NAMES = ArchNames(
     },
 )
 
+# Llama 4 (checkpoints_conv.views shows its tensors so): Llama attention and norms; a dense MLP or a
+# router, per-expert SwiGLU weights and a shared expert, under feed_forward (each MLP kind numbered
+# on its own); a multimodal folder's vision tower skipped.
+LLAMA4_NAMES = ArchNames(
+    globals=LLAMA_NAMES.globals,
+    per_layer={
+        **_ATTENTION,
+        "feed_forward.gate_proj.weight": Dest("layers.gate_up_proj", True, "gate"),
+        "feed_forward.up_proj.weight": Dest("layers.gate_up_proj", True, "up"),
+        "feed_forward.down_proj.weight": Dest("layers.down_proj", True),
+        "feed_forward.router.weight": Dest("layers.router", True),
+        "feed_forward.shared_expert.gate_proj.weight": Dest("layers.shared_gate_up", True, "gate"),
+        "feed_forward.shared_expert.up_proj.weight": Dest("layers.shared_gate_up", True, "up"),
+        "feed_forward.shared_expert.down_proj.weight": Dest("layers.shared_down", True),
+    },
+    per_expert=QWEN3_MOE_NAMES.per_expert,
+    expert_prefix="feed_forward.experts.",
+    ignored_prefixes=("vision_model.", "multi_modal_projector."),
+)
+
 # HF model_type -> its names. Which of the params exist (e.g. biases) is up to the caller's spec.
 HF_NAME_MAPS: dict[str, ArchNames] = {
     "llama": LLAMA_NAMES,
@@ -253,6 +273,8 @@ HF_NAME_MAPS: dict[str, ArchNames] = {
     "mixtral": MIXTRAL_NAMES,
     "minimax_m2": MINIMAX_M2_NAMES,
     "glm4_moe": GLM4_MOE_NAMES,
+    "llama4_text": LLAMA4_NAMES,
+    "llama4": LLAMA4_NAMES,
     "qwen2_moe": QWEN2_MOE_NAMES,
     "qwen3_moe": QWEN3_MOE_NAMES,
     "smollm3": LLAMA_NAMES,

@@ -200,9 +200,75 @@ def glm4_moe_views(source: TensorSource, config: dict) -> TensorSource:
     return source if not hidden else ViewSource(source, {}, hidden, renamed)
 
 
+_LLAMA4_OLD_NAMES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
+_LLAMA4_QK = re.compile(r"model\.layers\.\d+\.self_attn\.[qk]_proj\.weight")
+_LLAMA4_MLP = re.compile(r"model\.layers\.(\d+)\.feed_forward\.(.+)")
+_LLAMA4_EXPERTS = re.compile(r"experts\.(gate_up_proj|down_proj)")
+
+
+def llama4_views(source: TensorSource, config: dict) -> TensorSource:
+    """Llama 4's tensors as the name map reads them:
+
+    - a multimodal folder's text decoder (language_model.model.*, language_model.lm_head.*) under
+      the text model's names (model.*, lm_head.*); its vision tower is skipped by the name map;
+    - each head's rows of q_proj and k_proj reordered from RoPE pairs (0, 1), (2, 3), ... to
+      halves (0, D/2), (1, D/2 + 1), ...: Llama 4 turns adjacent dims, the kernels turn halves,
+      and reordering q's and k's dims alike changes no score;
+    - the experts, stored [E, H, 2I] (gate | up) and [E, I, H] as [in, out], as per-expert
+      linears `feed_forward.experts.{e}.{gate,up,down}_proj.weight` in HF's [out, in];
+    - a MoE layer's MLP tensors under the MoE layers' own numbering, a dense layer's under the dense
+      ones' (the stacks hold their kind of layer only: param_layout.stack_slots)."""
+    text = config.get("text_config") or config
+    num_layers, step = int(text["num_hidden_layers"]), int(text.get("interleave_moe_layer_step", 1))
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    halves = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+    moe_slot = {layer: slot for slot, layer in enumerate(range(step - 1, num_layers, step))}
+    dense_slot = {layer: slot for slot, layer in enumerate(i for i in range(num_layers) if i not in moe_slot)}
+    stored = {}  # the text model's name -> the stored name
+    for name, _ in source.listing():
+        new = next((new + name[len(old):] for old, new in _LLAMA4_OLD_NAMES if name.startswith(old)), name)
+        stored[new] = name
+    shapes = dict(source.listing())
+    views: dict[str, View] = {}
+    renamed = {}
+    for name, inner in stored.items():
+        shape = shapes[inner]
+        if _LLAMA4_QK.fullmatch(name):
+            def read(inner=inner, shape=shape):
+                rows = source.read(inner)
+                return rows.reshape(-1, head_dim, shape[1])[:, halves].reshape(shape)
+            views[name] = (tuple(shape), read)
+            continue
+        m = _LLAMA4_MLP.fullmatch(name)
+        if m is None:
+            if name != inner:
+                renamed[name] = inner
+            continue
+        layer, rest = int(m.group(1)), m.group(2)
+        slot = moe_slot[layer] if layer in moe_slot else dense_slot[layer]
+        prefix = f"model.layers.{slot}.feed_forward"
+        e = _LLAMA4_EXPERTS.fullmatch(rest)
+        if e is None:
+            renamed[f"{prefix}.{rest}"] = inner
+            continue
+        for expert in range(shape[0]):
+            one = (slice(expert, expert + 1),)
+            if e.group(1) == "down_proj":  # [E, I, H]: expert's [H, I]
+                views[f"{prefix}.experts.{expert}.down_proj.weight"] = (
+                    (shape[2], shape[1]), lambda inner=inner, one=one: source.read(inner, one)[0].T)
+            else:  # [E, H, 2I]: gate the first half of the columns, up the second
+                width = shape[2] // 2
+                for part, cols in (("gate_proj", slice(0, width)), ("up_proj", slice(width, 2 * width))):
+                    views[f"{prefix}.experts.{expert}.{part}.weight"] = (
+                        (width, shape[1]), lambda inner=inner, one=one, cols=cols: source.read(inner, one)[0][:, cols].T)
+    hidden = set(renamed.values()) | {stored[name] for name in views if name in stored} | {
+        inner for name, inner in stored.items() if _LLAMA4_MLP.fullmatch(name)}
+    return ViewSource(source, views, hidden, renamed)
+
+
 # HF model_type -> the views its checkpoints need
 VIEWS = {"gpt_oss": lambda source, config: gpt_oss_views(source), "phi3": phi3_views, "gemma3": gemma3_views,
-         "glm4_moe": glm4_moe_views}
+         "glm4_moe": glm4_moe_views, "llama4_text": llama4_views, "llama4": llama4_views}
 
 
 def with_views(source: TensorSource, config: dict) -> TensorSource:

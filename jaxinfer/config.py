@@ -30,13 +30,13 @@ import os
 from typing import Any
 
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "minimax_m2", "glm4_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "minimax_m2", "glm4_moe", "llama4_text", "llama4")
 # The families of issue 35, each with its own model file (jaxinfer.models.registry).
 NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2",
-                          "glm4_moe")
+                          "glm4_moe", "llama4_text", "llama4")
 SUPPORTED_MODEL_TYPES = LLAMA_MODEL_TYPES + NEW_FAMILY_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 _ARCHITECTURE_TO_MODEL_TYPE = {
     "LlamaForCausalLM": "llama",
@@ -56,6 +56,8 @@ _ARCHITECTURE_TO_MODEL_TYPE = {
     "Phi3ForCausalLM": "phi3",
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "Llama4ForCausalLM": "llama4_text",
+    "Llama4ForConditionalGeneration": "llama4",
 }
 
 
@@ -90,11 +92,13 @@ class LayerKind:
     """What one decoder layer's attention is: the keys it sees and its RoPE table.
 
     window: a query at position p sees keys p - window + 1 .. p (None: every earlier key).
+    chunk: a query sees only the keys of its own chunk, floor(p / chunk) * chunk .. p (Llama 4).
     rope: "global" (the model's RoPE), "local" (the sliding layers' own base, Gemma 3) or None
     (no position embedding at all: a NoPE layer)."""
 
     window: int | None = None
     rope: str | None = "global"
+    chunk: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +152,12 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0  # the picked experts' weights times this
     shared_expert_gated: bool = True  # Qwen2-MoE's shared expert sits behind a sigmoid gate; GLM-4.5's does not
     first_dense_layers: int = 0  # a MoE model's first layers with a dense MLP of intermediate_size (GLM-4.5)
+    moe_layer_step: int = 1  # past those, every moe_layer_step-th layer has experts, the others a dense MLP (Llama 4)
+    router_scales_inputs: bool = False  # an expert runs on its token times the routing weight, summed unweighted (Llama 4)
+    attention_chunk_size: int | None = None  # "chunked_attention" layers see only their query's chunk (Llama 4)
+    qk_l2_norm: bool = False  # q and k RMS-normalised per head, without a weight, on RoPE layers (Llama 4)
+    attn_temperature_scale: float | None = None  # NoPE layers scale q by 1 + this * log1p(floor((pos + 1) / floor)) (Llama 4)
+    attn_temperature_floor: int = 8192
     expert_bias: bool = False  # each expert's gate/up and down projections have biases (GPT-OSS)
     swiglu_limit: float | None = None  # GPT-OSS's clamped SwiGLU: (clip(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
     swiglu_alpha: float = 1.702
@@ -168,13 +178,15 @@ class ModelConfig:
 
     def layer_kind(self, layer: int) -> LayerKind:
         """Layer `layer`'s attention kind (its window and RoPE table)."""
-        sliding = self.layer_types[layer] == "sliding_attention" if self.layer_types else self.sliding_window is not None
+        layer_type = self.layer_types[layer] if self.layer_types else None
+        sliding = layer_type == "sliding_attention" if layer_type else self.sliding_window is not None
         window = self.sliding_window if sliding else None
+        chunk = self.attention_chunk_size if layer_type == "chunked_attention" else None
         if layer in self.nope_layers:
             rope = None
         else:
             rope = "local" if sliding and self.local_rope_theta is not None else "global"
-        return LayerKind(window=window, rope=rope)
+        return LayerKind(window=window, rope=rope, chunk=chunk)
 
     def layer_kinds(self) -> tuple[LayerKind, ...]:
         return tuple(self.layer_kind(i) for i in range(self.num_layers))
@@ -199,11 +211,14 @@ class ModelConfig:
                     f"architectures={archs!r}; jaxinfer supports model_type in {SUPPORTED_MODEL_TYPES}"
                 )
 
-        if model_type == "gemma3" and isinstance(d.get("text_config"), dict):
-            # Gemma 3's multimodal folders: the text decoder's config nests in text_config (its
-            # vision tower is not run here; the checkpoint's vision tensors are skipped)
+        if model_type in ("gemma3", "llama4") and isinstance(d.get("text_config"), dict):
+            # Gemma 3's and Llama 4's multimodal folders: the text decoder's config nests in text_config
+            # (the vision tower is not run here; the checkpoint's vision tensors are skipped)
             top = {k: d[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in d}
-            d = {**d["text_config"], **top, "model_type": "gemma3"}
+            d = {**d["text_config"], **top, "model_type": model_type}
+        if model_type in ("llama4_text", "llama4") and "intermediate_size_mlp" in d:
+            # Llama 4 names the experts' width intermediate_size and the dense layers' intermediate_size_mlp
+            d = {**d, "intermediate_size": d["intermediate_size_mlp"], "moe_intermediate_size": d["intermediate_size"]}
 
         def need(key: str):
             if key not in d or d[key] is None:
@@ -227,7 +242,8 @@ class ModelConfig:
         attention_bias = bool(d.get("attention_bias", False))
         qkv_bias = {"qwen2": True, "mistral": False, "mixtral": False, "qwen2_moe": bool(d.get("qkv_bias", True)),
                     "gemma2": False, "gemma3_text": False, "gemma3": False, "phi3": False}.get(model_type, attention_bias)
-        o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", "olmo2", "olmo3", "gpt_oss") else False
+        o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", "olmo2", "olmo3", "gpt_oss", "llama4_text",
+                                                  "llama4") else False
         moe = _parse_moe(d, model_type, source) if model_type in MOE_MODEL_TYPES else {}
         family = _FAMILY_FIELDS.get(model_type, lambda d: {})(d)
         hidden_act = _parse_activation(d, model_type, source)
@@ -240,6 +256,9 @@ class ModelConfig:
             if len(layer_types) != num_layers or not set(layer_types) <= set(LAYER_TYPES):
                 raise ConfigError(f"{source}: layer_types={list(layer_types)} must name one of {LAYER_TYPES} for each of the "
                                   f"{num_layers} layers")
+            if "chunked_attention" in layer_types and not d.get("attention_chunk_size"):
+                raise ConfigError(f"{source}: layer_types has chunked_attention layers but attention_chunk_size="
+                                  f"{d.get('attention_chunk_size')!r}")
             if "sliding_attention" in layer_types and not sliding_window:
                 raise ConfigError(f"{source}: layer_types has sliding_attention layers but sliding_window={sliding_window!r}")
             if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral") and len(set(layer_types)) > 1:
@@ -379,6 +398,8 @@ def _parse_moe(d: dict[str, Any], model_type: str, source: str) -> dict[str, Any
         shared = int(d.get("shared_expert_intermediate_size") or 0)
     elif model_type == "glm4_moe":  # n_shared_experts experts' worth of width, always on
         shared = int(width) * int(d.get("n_shared_experts", 1))
+    elif model_type in ("llama4_text", "llama4"):  # one shared expert as wide as a routed one
+        shared = int(width)
     return dict(
         num_experts=int(num_experts),
         num_experts_per_tok=int(top_k),
@@ -393,7 +414,9 @@ _NEWER_FIELDS = ("layer_types", "nope_layers", "local_rope_theta", "local_rope_s
                  "attn_logit_softcap", "final_logit_softcap", "scale_embeddings", "norm_weight_offset", "norm_layout",
                  "qk_norm", "qk_norm_scope", "hidden_act", "sliding_window", "qkv_bias", "o_bias", "attention_sinks",
                  "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha", "router_scoring", "router_correction_bias",
-                 "router_groups", "router_top_groups", "routed_scaling_factor", "shared_expert_gated", "first_dense_layers")
+                 "router_groups", "router_top_groups", "routed_scaling_factor", "shared_expert_gated", "first_dense_layers",
+                 "moe_layer_step", "router_scales_inputs", "attention_chunk_size", "qk_l2_norm", "attn_temperature_scale",
+                 "attn_temperature_floor")
 
 
 def _to_json(value):
@@ -464,6 +487,27 @@ def _glm4_moe_fields(d: dict[str, Any]) -> dict[str, Any]:
                 first_dense_layers=first_dense)
 
 
+def _llama4_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """Llama 4 (text): NoPE every `no_rope_layer_interval`-th layer (no_rope_layers[i] == 0), whose
+    queries are scaled up with the position (attention temperature tuning); chunked local attention
+    and L2 q/k norms on the RoPE layers; sigmoid routing whose weights scale the experts' inputs,
+    beside an ungated shared expert; experts in every `interleave_moe_layer_step`-th layer."""
+    num_layers = int(d["num_hidden_layers"])
+    flags = d.get("no_rope_layers") or [int((i + 1) % int(d.get("no_rope_layer_interval", 4)) != 0) for i in range(num_layers)]
+    step = int(d.get("interleave_moe_layer_step", 1))
+    if d.get("moe_layers") is not None and list(d["moe_layers"]) != list(range(step - 1, num_layers, step)):
+        raise ConfigError(f"moe_layers={list(d['moe_layers'])}: only every interleave_moe_layer_step-th layer "
+                          f"({list(range(step - 1, num_layers, step))}) with experts is supported for llama4")
+    chunk = d.get("attention_chunk_size")
+    tuning = bool(d.get("attn_temperature_tuning", True))
+    return dict(nope_layers=tuple(i for i, has_rope in enumerate(flags) if not has_rope), moe_layer_step=step,
+                attention_chunk_size=int(chunk) if chunk else None, router_scoring="sigmoid", router_scales_inputs=True,
+                shared_expert_gated=False, qk_l2_norm=bool(d.get("use_qk_norm", True)),
+                attn_temperature_scale=float(d.get("attn_scale", 0.1)) if tuning else None,
+                attn_temperature_floor=int(d.get("floor_scale", 8192)),
+                default_layer_types=lambda n: ["chunked_attention" if flags[i] and chunk else "full_attention" for i in range(n)])
+
+
 def _olmo_fields(d: dict[str, Any]) -> dict[str, Any]:
     """OLMo 2 / 3: norms after each branch only; q/k RMSNorm over the whole projection."""
     return dict(norm_layout="post", qk_norm_scope="projection")
@@ -480,6 +524,8 @@ _FAMILY_FIELDS = {
     # MiniMax-M2: q/k RMSNorm over the whole projection, sigmoid routing with a correction bias
     "minimax_m2": lambda d: _minimax_m2_fields(d),
     "glm4_moe": lambda d: _glm4_moe_fields(d),
+    "llama4_text": lambda d: _llama4_fields(d),
+    "llama4": lambda d: _llama4_fields(d),
     "gpt_oss": lambda d: dict(attention_sinks=True, router_bias=True, expert_bias=True,
                               swiglu_limit=float(d.get("swiglu_limit", 7.0)), swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
                               default_layer_types=lambda n: ["sliding_attention" if (i + 1) % 2 else "full_attention"

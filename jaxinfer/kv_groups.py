@@ -1,10 +1,11 @@
 """The KV cache's layer groups: which layers share a page table, and where each layer's pages live.
 
-A sliding-window layer only ever reads the last `window` positions, so it need not keep the
-rest: its pages can go back to the pool as the sequence moves on. Layers that keep pages for
-different spans cannot share one page table, so the layers are grouped by what they keep (their
-*cache spec*: the window, or None for full attention), and each group gets a page-table row per
-sequence. A sliding group's row holds the scratch page (0) where its pages were given back.
+A sliding-window layer only ever reads the last `window` positions, and a chunked layer (Llama 4)
+only its query's own chunk, so neither need keep the rest: their pages can go back to the pool as
+the sequence moves on. Layers that keep pages for different spans cannot share one page table, so
+the layers are grouped by what they keep (their *cache spec*: a window W, a `Chunk(C)`, or None
+for full attention), and each group gets a page-table row per sequence. A sliding or chunked
+group's row holds the scratch page (0) where its pages were given back.
 
 All groups draw their pages from one pool, so memory moves to whichever group needs it (a long
 prompt's full-attention pages, many short sequences' sliding pages) with no split to tune. That
@@ -21,6 +22,7 @@ position j, slot p * m + (the index of j among its group's positions). Examples:
     Gemma 2, GPT-OSS (sliding, full) 2 groups; layers 2p and 2p + 1 share slot p
     Gemma 3 (5 sliding, 1 full)      6 groups; the six layers of period p share slot p
     SmolLM3 (NoPE every 4th layer)   1 group:  RoPE does not change what a layer keeps
+    Llama 4 (3 chunked, 1 full)      4 groups; the four layers of period p share slot p
 
 Layers past the last whole period take the next slot, so a group with one layer fewer than
 the others leaves that slot unused (Gemma-3-27B: 62 layers, 11 slots, four groups use 10).
@@ -32,6 +34,40 @@ import dataclasses
 import math
 
 from jaxinfer.config import LayerKind, ModelConfig
+from pallas_kernels.visible_span import span_start
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """The cache spec of chunked local attention (Llama 4): a query sees only the keys of its own
+    chunk of `size` positions, so keys before the chunk of the next query are never read again."""
+
+    size: int
+
+
+# What a group keeps: a sliding window of W positions (int), its chunk (Chunk), or everything (None).
+KVSpec = int | Chunk | None
+
+
+def kv_spec(kind: LayerKind) -> KVSpec:
+    """What a layer of this kind keeps."""
+    return Chunk(kind.chunk) if kind.chunk is not None else kind.window
+
+
+def first_kept(spec: KVSpec, position: int) -> int:
+    """The first position a query at `position` (or any later one) may still read."""
+    if isinstance(spec, Chunk):
+        return span_start(position, attention_chunk=spec.size)
+    return span_start(position, sliding_window=spec)
+
+
+def span_tokens(spec: KVSpec) -> int | None:
+    """The most keys a query of the group reads (None: all of them)."""
+    return spec.size if isinstance(spec, Chunk) else spec
+
+
+def describe(spec: KVSpec) -> str:
+    return "full" if spec is None else f"chunk {spec.size}" if isinstance(spec, Chunk) else f"window {spec}"
 
 
 def layer_period(kinds: tuple[LayerKind, ...]) -> int:
@@ -42,7 +78,7 @@ def layer_period(kinds: tuple[LayerKind, ...]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class KVGroups:
-    windows: tuple[int | None, ...]  # per group: its layers' sliding window (None: full attention)
+    windows: tuple[KVSpec, ...]  # per group: what its layers keep (a window, a Chunk, None: everything)
     group_of_layer: tuple[int, ...]  # per layer
     slot_of_layer: tuple[int, ...]  # per layer: its slot in the pool's arrays
     num_slots: int
@@ -58,12 +94,14 @@ class KVGroups:
         return sum(window_pages(w, num_tokens, page_size, chunk) for w in self.windows)
 
 
-def window_pages(window: int | None, num_tokens: int, page_size: int, chunk: int = 1) -> int:
+def window_pages(spec: KVSpec, num_tokens: int, page_size: int, chunk: int = 1) -> int:
     """Pages of one group a sequence holds while computing a chunk of `chunk` tokens ending at
-    num_tokens: keys from (first query - window + 1) on, through the chunk's last token."""
+    num_tokens: keys from (first query - window + 1) on, through the chunk's last token (a
+    Chunk(C) group at most as many as a window of C: its first kept key is within C of the query)."""
     full = -(-num_tokens // page_size)
-    if window is None:
+    if spec is None:
         return full
+    window = span_tokens(spec)
     return min(full, (window + chunk - 2) // page_size + 2)
 
 
@@ -71,10 +109,10 @@ def kv_groups(config: ModelConfig) -> KVGroups:
     """The layer groups of a model (see the module docstring)."""
     kinds = config.layer_kinds()
     period = layer_period(kinds)
-    specs = [kinds[j].window for j in range(period)]  # each period position's cache spec
+    specs = [kv_spec(kinds[j]) for j in range(period)]  # each period position's cache spec
     counts = {w: specs.count(w) for w in dict.fromkeys(specs)}  # in order of first appearance
     m = math.gcd(*counts.values())
-    windows: list[int | None] = []
+    windows: list[KVSpec] = []
     group_of_position, offset_of_position = [0] * period, [0] * period
     for w in counts:
         positions = [j for j in range(period) if specs[j] == w]

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jaxinfer.engine.block_manager import BlockManager, OutOfPagesError, page_key
+from jaxinfer.kv_groups import Chunk
 
 PS = 4
 
@@ -271,7 +272,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     Hits must return pages whose content is the prompt's; writes must only touch private pages."""
 
     @initialize(num_pages=st.integers(2, 14), page_size=st.integers(1, 4), caching=st.booleans(),
-                windows=st.sampled_from([(None,), (None,), (3,), (None, 2), (5, None, 5), (None, 1)]))
+                windows=st.sampled_from([(None,), (None,), (3,), (None, 2), (5, None, 5), (None, 1), (Chunk(3), None),
+                                         (Chunk(4), Chunk(4), None)]))
     def setup(self, num_pages, page_size, caching, windows):
         self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=caching, windows=windows)
         self.ps = page_size
@@ -447,3 +449,20 @@ def test_a_sliding_groups_prefix_hit_needs_only_its_windows_pages_and_backs_off_
     assert bm.num_cached_prefix_pages(tokens[:12] + [7]) == 0
     assert bm.num_cached_prefix_pages(tokens[:32] + [7]) == 8  # later pages are still all there
     bm.check_invariants()
+
+
+def test_a_chunked_group_gives_back_each_chunk_once_the_next_query_leaves_it():
+    """Llama 4's chunks of 8 in pages of 4: once the next query is at position n, the group keeps
+    only pages from n's chunk start (n // 8 * 8) on, whatever the sequence's length."""
+    bm = BlockManager(num_pages=64, page_size=PS, windows=(Chunk(8), None))
+    tokens = list(range(100, 140))
+    bm.allocate("a", tokens[:5], lookahead=5)
+    bm.mark_computed("a", 5, tokens)
+    for end in range(6, 41):  # decoding one token at a time
+        bm.reserve("a", end)
+        bm.mark_computed("a", end, tokens)
+        bm.check_invariants()
+        chunked, full = bm.page_table("a")
+        first_kept = (end // 8 * 8) // PS
+        assert all(p == 0 for p in chunked[:first_kept]) and all(p != 0 for p in chunked[first_kept:])
+        assert bm.pages_held("a")[0] <= 8 // PS + 1 and len(full) == -(-end // PS)

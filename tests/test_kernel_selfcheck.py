@@ -186,13 +186,13 @@ def test_the_tpu_attention_over_a_quantized_pool_in_pages_of_128_passes_its_chec
 
 
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
-def test_attention_with_sinks_a_soft_cap_and_a_window_passes_its_check(platform):
-    """GPT-OSS's sinks with Gemma 2's soft-cap and a window: what a model with them checks at
-    start-up, each kernel (interpret mode) against the XLA attention."""
-    shapes = dataclasses.replace(TINY, sinks=True, soft_cap=5.0, sliding_window=6)
+def test_attention_with_sinks_a_soft_cap_a_window_and_chunks_passes_its_check(platform):
+    """GPT-OSS's sinks with Gemma 2's soft-cap, a window and Llama 4's chunks: what a model with them
+    checks at start-up, each kernel (interpret mode) against the XLA attention."""
+    shapes = dataclasses.replace(TINY, sinks=True, soft_cap=5.0, sliding_window=6, attention_chunk=8)
     verdicts = run_checks(Kernels(platform, interpret=True), shapes, operations=["ragged_attention"])
     assert len(verdicts) == 2 and all(v.verdict == "pass" for v in verdicts), verdicts
-    assert all("soft_cap=5 sinks" in v.case for v in verdicts)
+    assert all("soft_cap=5 sinks chunk=8" in v.case for v in verdicts)
 
 
 def test_the_standalone_script_prints_a_table(capsys):

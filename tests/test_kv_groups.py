@@ -1,7 +1,7 @@
 """KV layer groups: which layers share a page-table row, and each layer's slot in the pool."""
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_groups import kv_groups, window_pages
+from jaxinfer.kv_groups import Chunk, first_kept, kv_groups, window_pages
 
 
 def config(num_layers: int, layer_types=(), **kw) -> ModelConfig:
@@ -9,7 +9,7 @@ def config(num_layers: int, layer_types=(), **kw) -> ModelConfig:
                        num_heads=2, num_kv_heads=1, head_dim=4, layer_types=tuple(layer_types), **kw)
 
 
-S, F = "sliding_attention", "full_attention"
+S, F, C = "sliding_attention", "full_attention", "chunked_attention"
 
 
 def test_every_layer_alike_is_one_group_with_a_slot_per_layer():
@@ -45,3 +45,14 @@ def test_a_sequence_holds_its_window_in_a_sliding_group():
     g = kv_groups(config(62, ([S] * 5 + [F]) * 10 + [S, S], sliding_window=1024))
     assert g.pages_held(32768, 16) == 2048 + 5 * 65
     assert round(g.pages_held(32768, 16) * g.num_slots / (62 * 2048), 2) == 0.21
+
+
+def test_llama4s_chunked_layers_make_a_group_each_beside_the_full_one():
+    """Llama 4: three chunked RoPE layers, then a full NoPE one; a chunked group holds at most a
+    chunk and the step's tokens, like a window of the chunk's size."""
+    g = kv_groups(config(48, [C, C, C, F] * 12, attention_chunk_size=8192, nope_layers=tuple(range(3, 48, 4))))
+    assert g.windows == (Chunk(8192),) * 3 + (None,) and g.num_slots == 12
+    assert g.pages_held(32768, 16) == 2048 + 3 * window_pages(8192, 32768, 16)
+    # the next query's chunk starts at a multiple of 8192: nothing before it is read again
+    assert [first_kept(Chunk(8192), n) for n in (0, 8191, 8192, 20000)] == [0, 0, 8192, 16384]
+    assert [first_kept(6, n) for n in (3, 10)] == [0, 5] and first_kept(None, 10) == 0

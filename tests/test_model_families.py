@@ -217,3 +217,55 @@ def test_glm45s_multi_token_prediction_layer_is_skipped_and_bad_groups_are_refus
     d = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(ConfigError, match="n_group=3"):
         ModelConfig.from_hf_dict({**d, "n_group": 3})
+
+
+def test_a_multimodal_llama4_folder_generates_transformers_tokens_holding_a_chunk_of_pages(tmp_path):
+    """Llama 4's released folders are Llama4ForConditionalGeneration (text_config, the decoder under
+    language_model.*, a vision tower beside it). Its text decoder runs: greedy tokens equal
+    transformers' for prompts within and past a chunk of 8 (prefill chunks of 6 straddle the chunk
+    starts), batched as alone, and a 40-token prompt decoding 24 tokens holds at most a chunk and a
+    step's tokens of pages in each chunked group while the full group grows."""
+    from jaxinfer.kv_groups import Chunk, window_pages
+    from tiny_models import FAMILIES, build_hf_model, byte_tokenizer
+
+    text = build_hf_model("llama4")
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    multimodal = transformers.Llama4ForConditionalGeneration(
+        transformers.Llama4Config(text_config=FAMILIES["llama4"][1], vision_config=vision)).eval()
+    multimodal.language_model.load_state_dict(text.state_dict())
+    multimodal.save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+
+    llm = LLM(str(tmp_path), max_model_len=96, page_size=4, max_num_batched_tokens=6, max_num_seqs=4, progress=False)
+    assert llm.runner.kv_windows == (Chunk(8),) * 3 + (None,)
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+    assert batched == [hf_greedy(text, ids, GREEDY.max_tokens) for ids in prompts()]
+    assert llm.generate([prompts()[1]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == batched[1]
+
+    engine, bm = llm.engine, llm.engine.block_manager
+    prompt = [int(t) for t in np.random.default_rng(4).integers(3, 250, 40)]
+    engine.add_request("long", prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    held, out = [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+        held += [bm.pages_held(sid) for sid in bm.seqs]
+    assert max(h[3] for h in held) == 16  # the full group: every page of 64 tokens
+    assert max(h[g] for h in held for g in range(3)) <= window_pages(Chunk(8), 64, 4, 6)
+    assert out.outputs[0].token_ids == hf_greedy(text, prompt, 24)
+
+
+def test_llama4_config_switches_it_does_not_implement_are_refused_by_name():
+    from jaxinfer.config import ConfigError, ModelConfig
+
+    d = dict(model_type="llama4_text", vocab_size=8, hidden_size=64, intermediate_size=32, intermediate_size_mlp=96,
+             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+             num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=8)
+    c = ModelConfig.from_hf_dict(d)
+    assert (c.intermediate_size, c.moe_intermediate_size, c.moe_layer_step, c.nope_layers) == (96, 32, 2, (3,))
+    assert ModelConfig.from_hf_dict(c.to_hf_dict()) == c
+    with pytest.raises(ConfigError, match=r"moe_layers=\[0, 3\]: only every interleave_moe_layer_step-th layer"):
+        ModelConfig.from_hf_dict({**d, "moe_layers": [0, 3]})
+    with pytest.raises(ConfigError, match="chunked_attention layers but attention_chunk_size=None"):
+        ModelConfig.from_hf_dict({**d, "attention_chunk_size": None, "layer_types": ["chunked_attention"] * 4})

@@ -99,13 +99,23 @@ FAMILIES = {
         num_hidden_layers=3, head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
         attention_bias=True, use_qk_norm=True)),
+    # Llama 4 (Maverick's layout): chunks of 8 on three RoPE layers (L2 q/k norms), a NoPE layer
+    # with attention temperature tuning (floor_scale 4: the prompts reach its steps), experts in
+    # every other layer (top 2 of 4, weighing their inputs, beside a shared expert), dense layers
+    # of intermediate_size_mlp between, llama3 RoPE scaling; RoPE turns adjacent dims
+    "llama4": (transformers.Llama4TextConfig, _common(
+        num_hidden_layers=4, head_dim=16, intermediate_size=32, intermediate_size_mlp=96, num_local_experts=4,
+        num_experts_per_tok=2, interleave_moe_layer_step=2, attention_chunk_size=8, floor_scale=4,
+        rope_parameters={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 16, "rope_theta": 500000.0})),
 }
 
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # The families with their own model file (jaxinfer.models.registry): one-token pages are the
 # Llama families' test, the attention kinds these add are tested on pages of 16.
-LAYER_KIND_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2", "glm4_moe")
+LAYER_KIND_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2", "glm4_moe",
+                       "llama4")
 
 
 def build_hf_model(family: str, seed: int = 0, **overrides):

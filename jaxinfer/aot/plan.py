@@ -23,7 +23,7 @@ import concurrent.futures
 import dataclasses
 import time
 
-from jaxinfer.kv_groups import window_pages
+from jaxinfer.kv_groups import describe, span_tokens, window_pages
 from jaxinfer.aot.step_compile import AbstractStep, ServingShape
 from jaxinfer.aot.targets import Target
 from jaxinfer.engine.memory import kv_pool_pages, largest_bucket, pages_for_bytes, step_scratch_bytes
@@ -138,7 +138,7 @@ class Plan:
         held = sum(window_pages(w, context, s.shape.page_size) for w in s.windows)  # a sequence's pages, all groups
         seqs = min(max(decode), (s.num_pages - 1) // held)
         kv_per_token = s.kv_bytes_per_page_per_chip() / s.shape.page_size  # one token of one group: its layers
-        read = sum(context if w is None else min(w, context) for w in s.windows)  # a sliding group reads its window
+        read = sum(min(span_tokens(w) or context, context) for w in s.windows)  # a sliding group reads its window (a chunked one at most its chunk)
         step_bytes = s.weight_bytes_per_chip() + seqs * read * kv_per_token
         seconds = step_bytes / self.target.chip.hbm_bytes_per_second
         return seqs, seconds, seqs * s.parallel.num_replicas / seconds
@@ -266,7 +266,7 @@ def _group_lines(s: AbstractStep, held: int, whole: int, largest_pages: int) -> 
     a sequence of max_model_len holds against a cache that kept every layer's whole sequence."""
     if s.windows == (None,):
         return []
-    kinds = ", ".join(f"{s.windows.count(w)} {'full' if w is None else f'window {w}'}" for w in dict.fromkeys(s.windows))
+    kinds = ", ".join(f"{s.windows.count(w)} {describe(w)}" for w in dict.fromkeys(s.windows))
     layer_token = s.kv_bytes_per_page_per_chip() / (s.kv.num_slots * s.shape.page_size)  # one token of one layer
     return [f"KV layer groups: {len(s.windows)} ({kinds}), {s.kv.num_slots} slots each: a sequence of max_model_len "
             f"holds {held} pages, {whole} with every layer keeping it whole ({layer_token * s.config.num_layers / 1024:.1f} "

@@ -62,6 +62,15 @@ PRESETS: dict[str, dict] = {
                         bos_token_id=2, eos_token_id=[1, 106]),
     "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128),
     "gpt-oss-20b": dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32),
+    # Llama-4-Scout-17B-16E's text decoder: 16 experts in every layer, chunks of 8192 on the RoPE layers
+    "llama-4-scout": dict(model_type="llama4_text", hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+                          num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                          vocab_size=202048, num_local_experts=16, num_experts_per_tok=1, interleave_moe_layer_step=1,
+                          attention_chunk_size=8192, use_qk_norm=True, attn_temperature_tuning=True, floor_scale=8192,
+                          attn_scale=0.1, rms_norm_eps=1e-5, max_position_embeddings=10485760, tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                                           "original_max_position_embeddings": 8192, "rope_theta": 500000.0},
+                          bos_token_id=200000, eos_token_id=[200001, 200007, 200008]),
 }
 
 

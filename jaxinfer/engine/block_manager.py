@@ -18,11 +18,12 @@ one state, whichever group uses it:
 Page 0 is the scratch page (jaxinfer.ops.batch.SCRATCH_PAGE) and is never handed out; a
 sliding group's row holds it in place of the pages it gave back.
 
-Groups. `windows` gives each group's sliding window (None: full attention, the default one
-group). A full group holds pages for every reserved slot, 0..num_tokens-1. A group with window W
+Groups. `windows` gives each group's cache spec (jaxinfer.kv_groups: a sliding window W, a
+Chunk(C) of chunked local attention, None for full attention, the default one group). A full group holds pages for every reserved slot, 0..num_tokens-1. A group with window W
 holds only what its layers will still read: once num_computed = n, the next query (position n)
 sees keys n - W + 1 .. n, so pages wholly before n - W + 1 go back to the pool (`mark_computed`)
-and the row holds the scratch page there. It also takes pages only for the slots about to be
+and the row holds the scratch page there (a Chunk(C) group likewise from the start of the next
+query's chunk, `kv_groups.first_kept`). It also takes pages only for the slots about to be
 computed: a new sequence's prompt reserves a full group's pages at once (`allocate`: admission
 checks the whole prompt fits) but a sliding group's only for the chunk a step computes
 (`allocate`'s `lookahead`, then `reserve`), so a long prompt prefilled in chunks holds about a
@@ -65,7 +66,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from jaxinfer.kv_groups import window_pages
+from jaxinfer.kv_groups import Chunk, first_kept, window_pages
 
 SCRATCH_PAGE = 0  # same as jaxinfer.ops.batch.SCRATCH_PAGE (not imported: keep this module free of JAX)
 
@@ -107,8 +108,8 @@ class BlockManager:
                  windows: Sequence[int | None] = (None,)):
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"need num_pages >= 2 (page 0 is scratch) and page_size >= 1, got {num_pages}, {page_size}")
-        if not windows or any(w is not None and w < 1 for w in windows):
-            raise ValueError(f"windows={tuple(windows)}: one entry per layer group, None or a window >= 1")
+        if not windows or any(w is not None and (w.size if isinstance(w, Chunk) else w) < 1 for w in windows):
+            raise ValueError(f"windows={tuple(windows)}: one entry per layer group, None, a window >= 1 or a Chunk")
         self.num_pages = num_pages
         self.page_size = page_size
         self.windows = tuple(windows)
@@ -164,8 +165,7 @@ class BlockManager:
 
     def _first_kept(self, group: int, num_computed: int) -> int:
         """The first page index group `group` still needs once num_computed tokens are done."""
-        w = self.windows[group]
-        return 0 if w is None else max(0, num_computed - w + 1) // self.page_size
+        return first_kept(self.windows[group], num_computed) // self.page_size
 
     def page_table(self, seq_id: Hashable) -> list[list[int]]:
         """The sequence's page-table rows, one per group."""

@@ -30,7 +30,7 @@ from jaxinfer.engine.lora import LoraManager
 from jaxinfer.engine.memory import (PoolSummary, abstract_pool, bytes_per_device, device_capacity_bytes, kv_pool_pages,
                                     least_over_processes, measure_step_scratch)
 from jaxinfer.models.lora import LoraSlots, LoraTable, lora_shapes
-from jaxinfer.models.param_layout import first_layer
+from jaxinfer.models.param_layout import stack_slots
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.spec_decode import NgramProposer, SpeculativeConfig
@@ -300,8 +300,8 @@ def first_layers(model_config: ModelConfig, weights, num_layers: int, config: En
                                     first_dense_layers=min(model_config.first_dense_layers, num_layers))
     flat = nested_to_flat(nnx.to_pure_dict(weights[1]))
 
-    def keep(name, a):  # a stack's slots of layers 0 .. num_layers - 1 (a MoE stack starts at first_dense_layers)
-        return a[: max(0, num_layers - first_layer(model_config, name))]
+    def keep(name, a):  # a stack's slots of layers 0 .. num_layers - 1 (a MoE stack holds only the MoE layers)
+        return a[: sum(slot >= 0 for slot in stack_slots(model_config, name)[:num_layers])]
 
     flat = {name: jax.tree.map(lambda a, name=name: keep(name, a), value) if name.startswith("layers.") else value
             for name, value in flat.items() if not name.startswith("lora.")}  # the draft drafts with the base model

@@ -36,7 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_groups import window_pages
+from jaxinfer.kv_groups import describe, window_pages
 from jaxinfer.engine.model_runner import empty_inputs, every_processor_sampling
 from jaxinfer.ops.batch import BucketKey, Buckets
 from jaxinfer.ops.kernels import Kernels
@@ -192,8 +192,7 @@ class PoolSummary:
         if self.windows == (None,):
             size = f"{pages} pages x {self.page_size} tokens = {pages * self.page_size} tokens{per_replica}"
         else:
-            kinds = ", ".join(f"{self.windows.count(w)} {'full' if w is None else f'window {w}'}"
-                              for w in dict.fromkeys(self.windows))
+            kinds = ", ".join(f"{self.windows.count(w)} {describe(w)}" for w in dict.fromkeys(self.windows))
             size = (f"{pages} pages x {self.page_size} tokens{per_replica} shared by {len(self.windows)} layer groups "
                     f"({kinds}); a sequence of max_model_len holds {self.pages_per_sequence()} pages, "
                     f"{len(self.windows) * -(-self.max_model_len // self.page_size)} if every layer kept it whole")

@@ -48,7 +48,7 @@ from jaxinfer.models import moe
 from jaxinfer.models.layers import (add_rms_norm, embed_lookup, gate_up_swiglu, gelu_tanh_glu, linear, matmul, rms_norm,
                                    rms_norm_weight, soft_cap, swiglu, tied_logits)
 from jaxinfer.models.lora import LoraSlots, LoraTable, lora_shapes
-from jaxinfer.models.param_layout import DENSE_MLP_PARAMS, MOE_PARAMS, first_layer, param_shapes
+from jaxinfer.models.param_layout import DENSE_MLP_PARAMS, MOE_PARAMS, has_experts, param_shapes, stack_slots
 from jaxinfer.models.rope import rope_tables
 from jaxinfer.ops.attention import kv_write_locations, write_kv_and_attend
 from jaxinfer.ops.batch import SCRATCH_PAGE, RaggedBatch
@@ -101,6 +101,7 @@ class StepInputs:
     query_block: int
     spec_block: int
     num_pages: int  # pages per slot: slot s's pages start at s * num_pages in the folded pool
+    nope_query_scale: jax.Array | None = None  # [Tl]: NoPE layers' query scale per token (Llama 4), else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +179,11 @@ class Decoder(nnx.Module):
         if getattr(self, "lora", None) is not None and batch.lora_slots is not None:
             slot_of_token = jnp.where(jnp.arange(T) < batch.cu_q_lens[-1], batch.lora_slots[seq_of_token], 0)  # padding: none
             slot = jax.lax.dynamic_slice_in_dim(slot_of_token, first_row, Tl)  # [Tl]
-        step = StepInputs(batch, write_page, write_offset, rope, slot, query_block, spec_block, kv.num_pages)
+        query_scale = None
+        if c.attn_temperature_scale is not None:  # Llama 4's attention temperature tuning, by each token's position
+            positions = jax.lax.dynamic_slice_in_dim(batch.positions, first_row, Tl).astype(jnp.float32)
+            query_scale = jnp.log1p(jnp.floor((positions + 1.0) / c.attn_temperature_floor)) * c.attn_temperature_scale + 1.0
+        step = StepInputs(batch, write_page, write_offset, rope, slot, query_block, spec_block, kv.num_pages, query_scale)
 
         num_slots = kv.num_slots
         # Fold the slot axis into the page axis: slot s's page p is page s * P + p of one pool.
@@ -194,20 +199,20 @@ class Decoder(nnx.Module):
         """carry = (hidden, residual, pool) through every layer (the period loop of the module docstring)."""
         c, groups = self.config, self.kv_groups
         # what a layer's code specialises on: its attention kind, its KV group, whether its MLP has experts
-        statics = [(kind, group, c.is_moe and i >= c.first_dense_layers)
+        statics = [(kind, group, has_experts(c, i))
                    for i, (kind, group) in enumerate(zip(c.layer_kinds(), groups.group_of_layer))]
         slot_of_layer = jnp.asarray(groups.slot_of_layer, jnp.int32)
         stacked = self.layers.stacked()
+        slots = {name: jnp.asarray(stack_slots(c, f"layers.{name}"), jnp.int32) for name in stacked}  # [L] each
         lora = self.lora.stacked() if step.lora_slot is not None else None
 
         def layer(i, static, carry):  # layer i (traced in the loop), its static facts
             kind, group, moe = static
-            w = {}  # layer i's weights: a MoE MLP's stacks start at layer first_dense_layers, a dense one's at 0
+            w = {}  # layer i's weights: a MoE MLP's stack holds the MoE layers only, a dense MLP's the dense ones
             for name, p in stacked.items():
                 if f"layers.{name}" in (DENSE_MLP_PARAMS if moe else MOE_PARAMS):
                     continue
-                slot = i - first_layer(c, f"layers.{name}")
-                w[name] = jax.tree.map(lambda a: a[slot], p)
+                w[name] = jax.tree.map(lambda a: a[slots[name][i]], p)
             lw = {name: a[i] for name, a in lora.items()} if lora is not None else None  # [N, ...] each
             return self.block(step, LayerRef(i, group, slot_of_layer[i]), kind, w, lw, *carry)
 
@@ -259,16 +264,26 @@ class Decoder(nnx.Module):
             q, k = self.norm(q, w["q_norm"]), self.norm(k, w["k_norm"])
         elif c.qk_norm:  # over the whole projection (OLMo 2): the sum of squares spans the tensor shards
             q, k = self._projection_norm(q, w["q_norm"]), self._projection_norm(k, w["k_norm"])
+        if c.qk_l2_norm and kind.rope is not None:  # Llama 4: after RoPE there, the same before (a rotation keeps the norm)
+            q, k = self._l2_norm(q), self._l2_norm(k)
+        if step.nope_query_scale is not None and kind.rope is None:
+            q = (q * step.nope_query_scale[:, None, None]).astype(q.dtype)
         cos, sin = step.rope[kind.rope]
         attn, pool = write_kv_and_attend(  # RoPE, KV write, attention
             q, k, v, cos, sin, pool, layer.slot * step.num_pages, step.write_page[layer.group], step.write_offset,
             layer.batch_view(step.batch),
-            sm_scale=c.sm_scale, sliding_window=kind.window, soft_cap=c.attn_logit_softcap, sinks=w.get("sinks"),
+            sm_scale=c.sm_scale, sliding_window=kind.window, attention_chunk=kind.chunk, soft_cap=c.attn_logit_softcap,
+            sinks=w.get("sinks"),
             query_block=step.query_block, spec_block=step.spec_block, kernels=kernels, parallel=par,
         )
         attn = attn.reshape(Tl, num_heads * c.head_dim)
         delta = kernels.lora_delta(attn, lw["o_a"], [lw["o_b"]], step.lora_slot) if lw is not None else None
         return self._row_parallel(attn, w["o_proj"], w.get("o_bias"), delta), pool
+
+    def _l2_norm(self, x):
+        """x [T, heads, D] RMS-normalised over each head's D dims, without a weight (Llama 4's q/k norm)."""
+        xf = x.astype(jnp.float32)
+        return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.config.rms_norm_eps)).astype(x.dtype)
 
     def _projection_norm(self, x, weight):
         """RMSNorm of x [T, heads, D] over all heads' dims together (weight [heads * D], this

@@ -11,6 +11,12 @@ learned correction bias (the weights are the sigmoid scores, renormalised); GLM-
 from the best groups of experts only, scales their weights, and adds ungated shared experts.
 Its first layers are dense (`config.first_dense_layers`).
 
+Llama 4 weighs an expert's *input* instead of its output (`config.router_scales_inputs`):
+
+    out = sum_j expert_{ids[:, j]}(weights[:, j] * x) + shared_expert(x)   # sigmoid weights, not renormalised
+
+so each (token, choice) pair runs as a row of its own with weight 1.
+
 GPT-OSS adds biases to the router and to every expert's gate/up and down projections, and its
 experts clamp their SwiGLU (`clamped_swiglu`). The down projections' biases are added after the
 grouped matmul, as sum_j weights[:, j] * b_down[ids[:, j]] (the same on every device: once).
@@ -82,14 +88,21 @@ def moe_mlp(x: jax.Array, w: dict, config: ModelConfig, parallel: ParallelConfig
                          w.get("router_correction_bias"), config.router_groups, config.router_top_groups,
                          config.routed_scaling_factor)
     w_gate_up, w_down = w["experts_gate_up"], w["experts_down"]
+    T, k = ids.shape
+    routed_x, routed_ids, routed_weights = x, ids, weights
+    if config.router_scales_inputs:  # one row per (token, choice): its input scaled, its output summed as is
+        routed_x = (x[:, None, :].astype(jnp.float32) * weights[:, :, None]).astype(x.dtype).reshape(T * k, -1)  # [T*k, H]
+        routed_ids, routed_weights = ids.reshape(T * k, 1), jnp.ones((T * k, 1), jnp.float32)
     activation = {}
     if config.swiglu_limit is not None:
         activation = dict(activation=functools.partial(clamped_swiglu, limit=config.swiglu_limit, alpha=config.swiglu_alpha))
     out = moe_experts(
-        x.astype(w_gate_up.dtype), ids, weights, w_gate_up, w_down,
+        routed_x.astype(w_gate_up.dtype), routed_ids, routed_weights, w_gate_up, w_down,
         expert_axis="expert" if parallel.ep > 1 else None, num_experts=config.num_experts,
         b_gate_up=w.get("experts_gate_up_bias"), **activation,
     )
+    if config.router_scales_inputs:
+        out = out.reshape(T, k, -1).sum(axis=1)  # [T, H]
     if "experts_down_bias" in w:  # [E, H] on every device: added by tensor shard 0 only (the caller sums the shards)
         bias = jnp.einsum("tk,tkh->th", weights, w["experts_down_bias"][ids].astype(jnp.float32))
         out = out + (bias if parallel.tp == 1 else jnp.where(jax.lax.axis_index("tensor") == 0, bias, 0.0))

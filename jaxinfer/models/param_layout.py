@@ -14,8 +14,9 @@ weights on [L, E]:
                 layers.experts_gate_up [L, E, H, 2*Ie]          layers.experts_down [L, E, Ie, H]
                 shared experts: layers.shared_gate_up [L, H, 2*Is], layers.shared_down [L, Is, H],
                            behind a gate (Qwen2-MoE): layers.shared_expert_gate [L, H, 1]
-    GLM-4.5's first `first_dense_layers` (k) layers are dense: their MLP stacks over [k], the MoE
-    layers' over [L - k] (slot i - k for layer i: `first_layer`), attention over all [L].
+    GLM-4.5's first `first_dense_layers` (k) layers are dense, and Llama 4 Maverick gives experts to
+    every `moe_layer_step`-th layer only (`has_experts`): the MoE parameters stack over the MoE
+    layers, the dense MLP's over the dense ones, attention's over all [L] (`stack_slots`).
     optional: layers.qkv_bias [L, (Hq + 2*Hkv')*D], layers.o_bias [L, H],
               layers.gate_up_bias [L, 2*I], layers.down_bias [L, H], layers.{q,k}_norm [L, D]
               (over the whole projection, OLMo 2: layers.q_norm [L, Hq*D], layers.k_norm [L, Hkv'*D])
@@ -59,22 +60,34 @@ def num_kv_heads_stored(config: ModelConfig, tp: int = 1) -> int:
     return kv_heads_per_shard(config.num_kv_heads, tp) * tp
 
 
-# The parameters of a MoE layer's MLP: stacked over the MoE layers only, the first at layer
-# config.first_dense_layers (`first_layer`); a dense MLP's over the dense layers, from layer 0.
+# The parameters of a MoE layer's MLP: stacked over the MoE layers only; a dense MLP's over the
+# dense layers (`stack_slots`).
 MOE_PARAMS = frozenset(f"layers.{n}" for n in (
     "router", "router_bias", "router_correction_bias", "experts_gate_up", "experts_down", "experts_gate_up_bias",
     "experts_down_bias", "shared_gate_up", "shared_down", "shared_expert_gate"))
 DENSE_MLP_PARAMS = frozenset(f"layers.{n}" for n in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"))
 
 
+def has_experts(config: ModelConfig, layer: int) -> bool:
+    """Whether the layer's MLP is a mixture of experts: in a MoE model, every moe_layer_step-th layer
+    from first_dense_layers on (GLM-4.5's first layers and Llama 4 Maverick's odd ones are dense)."""
+    start = config.first_dense_layers
+    return config.is_moe and layer >= start and (layer - start + 1) % config.moe_layer_step == 0
+
+
 def num_moe_layers(config: ModelConfig) -> int:
-    """Layers whose MLP is a mixture of experts: all but the first first_dense_layers of a MoE model."""
-    return config.num_layers - config.first_dense_layers if config.is_moe else 0
+    """Layers whose MLP is a mixture of experts."""
+    return sum(has_experts(config, i) for i in range(config.num_layers))
 
 
-def first_layer(config: ModelConfig, name: str) -> int:
-    """The layer that slot 0 of stacked parameter `name` belongs to (layer i is slot i - this)."""
-    return config.first_dense_layers if name in MOE_PARAMS else 0
+def stack_slots(config: ModelConfig, name: str) -> tuple[int, ...]:
+    """Per layer: its slot on the stacked axis of parameter `name` (-1: the layer has no such
+    weight). A MoE parameter stacks over the MoE layers, a dense MLP's over the dense ones, every
+    other one over all layers."""
+    if name not in MOE_PARAMS and name not in DENSE_MLP_PARAMS:
+        return tuple(range(config.num_layers))
+    mine = [has_experts(config, i) == (name in MOE_PARAMS) for i in range(config.num_layers)]
+    return tuple(sum(mine[:i]) if m else -1 for i, m in enumerate(mine))
 
 
 def param_shapes(config: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]:
@@ -92,7 +105,7 @@ def param_shapes(config: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]
         "layers.o_proj": (L, q_dim, H),
         **{f"layers.{name}": (L, H) for name in norms},
     }
-    M = num_moe_layers(c)  # the layers with experts (GLM-4.5's first few are dense)
+    M = num_moe_layers(c)  # the layers with experts (GLM-4.5's first few and Llama 4 Maverick's odd ones are dense)
     if c.is_moe:
         E, Ie, Is = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
         shapes.update({
@@ -104,7 +117,7 @@ def param_shapes(config: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]
             shapes.update({"layers.shared_gate_up": (M, H, 2 * Is), "layers.shared_down": (M, Is, H)})
             if c.shared_expert_gated:
                 shapes["layers.shared_expert_gate"] = (M, H, 1)
-    if L - M:  # the dense layers: every layer of a dense model, the first few of GLM-4.5
+    if L - M:  # the dense layers: every layer of a dense model, the first few of GLM-4.5, ...
         shapes.update({"layers.gate_up_proj": (L - M, H, 2 * c.intermediate_size),
                        "layers.down_proj": (L - M, c.intermediate_size, H)})
     if c.attention_sinks:

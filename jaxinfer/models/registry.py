@@ -12,6 +12,7 @@ from jaxinfer.models.gemma import GemmaForCausalLM
 from jaxinfer.models.glm4_moe import Glm4MoeForCausalLM
 from jaxinfer.models.gpt_oss import GptOssForCausalLM
 from jaxinfer.models.llama import LlamaForCausalLM
+from jaxinfer.models.llama4 import Llama4ForCausalLM
 from jaxinfer.models.minimax_m2 import MiniMaxM2ForCausalLM
 from jaxinfer.models.olmo import OlmoForCausalLM
 
@@ -26,6 +27,8 @@ MODEL_CLASSES: dict[str, type[Decoder]] = {
     "gpt_oss": GptOssForCausalLM,
     "minimax_m2": MiniMaxM2ForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
+    "llama4_text": Llama4ForCausalLM,
+    "llama4": Llama4ForCausalLM,  # a multimodal folder's text decoder
 }
 
 

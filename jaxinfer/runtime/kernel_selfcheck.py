@@ -148,6 +148,7 @@ class StepShapes:
     sliding_window: int | None = None
     soft_cap: float | None = None  # attention logit soft-capping (Gemma 2)
     sinks: bool = False  # attention sinks (GPT-OSS)
+    attention_chunk: int | None = None  # chunked local attention (Llama 4)
     spec_block: int = 0  # speculative verification chunks' query block (0: none)
     paged_attention: bool = True  # the ragged paged attention kernel runs (not with ring attention, nor with a
     # quantized pool in pages smaller than 128, which the XLA attention reads: jaxinfer.ops.kernels)
@@ -199,6 +200,7 @@ def step_shapes(config: ModelConfig, params, *, parallel: ParallelConfig = Paral
         head_dim=config.head_dim, hidden=config.hidden_size, dtype=jnp.dtype(dtype).name, norm_dtype=jnp.dtype(norm.dtype).name,
         rms_norm_eps=config.rms_norm_eps, page_size=page_size, kv_dtype=jnp.dtype(kv_dtype).name,
         sliding_window=config.sliding_window, soft_cap=config.attn_logit_softcap, sinks=config.attention_sinks,
+        attention_chunk=config.attention_chunk_size,
         spec_block=spec_block, paged_attention=not (ring or (quantized_pool and page_size % 128)),
         flash_attention=not ring and max_tokens // parallel.sp >= FLASH_MIN_TOKENS,
         kv_write=parallel.sp == 1 and not quantized_pool, swiglu=tuple(swiglu), quantized=tuple(quantized), lora=tuple(lora),
@@ -261,7 +263,7 @@ def _ragged_attention_cases(kernels: Kernels, xla: Kernels, s: StepShapes) -> It
         buckets = Buckets.default(1 << max(7, (real - 1).bit_length()), 8, pages_per_seq, spec_block=s.spec_block)
         key, batch, _ = pack_batch(chunks, buckets, s.page_size)
         options = dict(num_kv_heads=Hkv, sm_scale=D**-0.5, sliding_window=s.sliding_window, query_block=key.query_block,
-                       spec_block=key.spec_block, soft_cap=s.soft_cap,
+                       spec_block=key.spec_block, soft_cap=s.soft_cap, attention_chunk=s.attention_chunk,
                        sinks=jnp.linspace(-2.0, 2.0, Hq, dtype=jnp.float32) if s.sinks else None)
 
         def inputs(rng, key=key, batch=batch, num_pages=num_pages):
@@ -291,7 +293,8 @@ def _ragged_attention_cases(kernels: Kernels, xla: Kernels, s: StepShapes) -> It
         layout = "combined" if combined else "separate"
         description = (f"{name} T={key.num_tokens} S={key.num_seqs} query_block={key.query_block} Hq={Hq} Hkv={Hkv} D={D} "
                        f"{layout} pool {s.kv_dtype}[{s.page_size}, {Hkv}, {D}] q {s.dtype} window={s.sliding_window}"
-                       + (f" soft_cap={s.soft_cap:g}" if s.soft_cap else "") + (" sinks" if s.sinks else ""))
+                       + (f" soft_cap={s.soft_cap:g}" if s.soft_cap else "") + (" sinks" if s.sinks else "")
+                       + (f" chunk={s.attention_chunk}" if s.attention_chunk else ""))
         yield Case("ragged_attention", description, inputs, kernel, reference, _tolerance(s.dtype, s.kv_dtype))
 
 

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxinfer.engine.engine import LLMEngine
+from jaxinfer.kv_groups import describe
 from jaxinfer.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
@@ -66,9 +67,10 @@ class _EngineCollector:
         ):
             yield GaugeMetricFamily(f"jaxinfer:{name}", doc, value=value)
         by_group = GaugeMetricFamily("jaxinfer:kv_cache_pages_in_use", "KV pages held by sequences, per KV layer group "
-                                     "(the window its layers keep, 'full' for full attention)", labels=["group", "window"])
+                                     "(the window its layers keep, 'chunk C' for chunked attention, 'full' for full attention)", labels=["group", "window"])
         for g, (pages, window) in enumerate(zip(s.kv_pages_in_use_by_group, self.engine.runner.kv_windows)):
-            by_group.add_metric([str(g), "full" if window is None else str(window)], pages)
+            label = "full" if window is None else str(window) if isinstance(window, int) else describe(window)  # "chunk C"
+            by_group.add_metric([str(g), label], pages)
         yield by_group
         for name, doc, value in (
             ("num_preemptions", "Sequences preempted", s.num_preemptions),
