@@ -86,14 +86,14 @@ def test_attention_kernels_compile_with_each_newer_family_option(chip, family, r
     """Ragged attention in a decode bucket (bf16 pages) and flash attention with a sliding window
     and soft-capping at head_dim 256 (Gemma 2, Mosaic), a window of 128 with sinks at head_dim 64
     (GPT-OSS, Mosaic and Triton), a window at head_dim 96 (Phi-3: Triton's blocks
-    are powers of two, so the kernels pad it to 128), chunks of 8192 (Llama 4: the paged kernels only)."""
+    are powers of two, so the kernels pad it to 128), chunks of 8192 (Llama 4)."""
     target = request.getfixturevalue(chip)
     compiled = []
     for kernel, case, fn, args in kernel_check.kernel_cases(target, kernel_check.FAMILY_SHAPES[family]):
         if kernel == "flash_attention" or (kernel == "ragged_paged_attention" and case.startswith("decode") and "kv=bf16" in case):
             paged = kernel == "ragged_paged_attention"
             assert ("window=" in case) == (family != "llama-4-scout")
-            assert ("sinks" in case) == (family == "gpt-oss-120b" and paged) and ("chunk=" in case) == (family == "llama-4-scout" and paged)
+            assert ("sinks" in case) == (family == "gpt-oss-120b" and paged) and ("chunk=" in case) == (family == "llama-4-scout")
             assert ("soft_cap" in case) == (family == "gemma-2-9b")
             kernel_check.compile_for(target, fn, args)
             compiled.append(kernel)

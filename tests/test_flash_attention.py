@@ -45,7 +45,7 @@ def make_batch(seed, lens, *, num_heads, num_kv_heads, head_dim, dtype=jnp.float
     return jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(cu), jnp.asarray(num_seqs)
 
 
-def numpy_attention(q, k, v, cu, num_seqs, *, sm_scale, causal=True, sliding_window=None, soft_cap=None):
+def numpy_attention(q, k, v, cu, num_seqs, *, sm_scale, causal=True, sliding_window=None, soft_cap=None, attention_chunk=None):
     """Float64 loop, one query and head at a time: the definition written out."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     T, Hq, D = q.shape
@@ -57,6 +57,8 @@ def numpy_attention(q, k, v, cu, num_seqs, *, sm_scale, causal=True, sliding_win
             keys = np.arange(start, i + 1) if causal else np.arange(start, end)
             if sliding_window is not None:
                 keys = keys[keys > i - sliding_window]
+            if attention_chunk is not None:  # the query's own chunk of its sequence's positions
+                keys = keys[(keys - start) // attention_chunk == (i - start) // attention_chunk]
             for h in range(Hq):
                 scores = k[keys, h // G] @ q[i, h] * sm_scale
                 if soft_cap is not None:
@@ -79,6 +81,7 @@ OPTIONS = {
     "causal": dict(),
     "sliding_window": dict(sliding_window=4),
     "soft_cap": dict(soft_cap=2.0),
+    "attention_chunk": dict(attention_chunk=4),
     "non_causal": dict(causal=False),
 }
 
@@ -113,18 +116,20 @@ def test_token_segments_skip_empty_segments_and_mark_padding():
 # ---- block skipping: only fully masked KV blocks are skipped -------------------------------------
 
 
-def check_kv_block_ranges(lens, num_tokens, *, block_q, block_k, causal, sliding_window):
+def check_kv_block_ranges(lens, num_tokens, *, block_q, block_k, causal, sliding_window, attention_chunk=None):
     """Every (query block, KV block) pair outside [kv_lo, kv_hi) has no visible key, and every
     pair inside has at least one."""
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     cu = np.pad(cu, (0, 8 - len(cu)), mode="edge")  # one shape for up to 7 segments
     q = k = v = jnp.zeros((num_tokens, 1, 8), jnp.float32)
     x = common.prepare_inputs(q, k, v, jnp.asarray(cu), jnp.array([len(lens)], jnp.int32),
-                              block_q=block_q, block_k=block_k, causal=causal, sliding_window=sliding_window)
+                              block_q=block_q, block_k=block_k, causal=causal, sliding_window=sliding_window,
+                              attention_chunk=attention_chunk)
     rows = np.arange(x.q_segment.shape[0])
     visible = np.asarray(common.visible_keys(rows[:, None], rows[None, :], np.asarray(x.q_segment)[:, None],
                                              np.asarray(x.kv_segment)[None, :], causal=causal,
-                                             sliding_window=sliding_window))
+                                             sliding_window=sliding_window, attention_chunk=attention_chunk,
+                                             q_start=np.asarray(x.q_start)[:, None]))
     for i, (lo, hi) in enumerate(zip(np.asarray(x.kv_lo), np.asarray(x.kv_hi))):
         for j in range(x.k.shape[1] // block_k):
             has_work = visible[i * block_q:(i + 1) * block_q, j * block_k:(j + 1) * block_k].any()
@@ -140,11 +145,13 @@ def test_kv_block_range_is_exactly_the_blocks_with_visible_keys(causal, sliding_
 @hypothesis.given(
     lens=st.lists(st.integers(0, 20), min_size=1, max_size=6).filter(lambda ls: sum(ls) <= 64),
     blocks=st.sampled_from([(8, 8), (16, 8), (8, 32)]),
-    mode=st.sampled_from([(True, None), (True, 1), (True, 5), (False, None)]),
+    mode=st.sampled_from([(True, None, None), (True, 1, None), (True, 5, None), (False, None, None), (True, None, 6),
+                          (True, None, 8)]),
 )
 def test_kv_block_range_property(lens, blocks, mode):
-    (block_q, block_k), (causal, window) = blocks, mode
-    check_kv_block_ranges(lens, 64, block_q=block_q, block_k=block_k, causal=causal, sliding_window=window)
+    (block_q, block_k), (causal, window, chunk) = blocks, mode
+    check_kv_block_ranges(lens, 64, block_q=block_q, block_k=block_k, causal=causal, sliding_window=window,
+                          attention_chunk=chunk)
 
 
 # ---- kernels against the reference --------------------------------------------------------------
@@ -169,7 +176,7 @@ def test_kernel_matches_reference_for_gqa_ratios_and_head_dims(kernel, heads):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("option", ["sliding_window", "soft_cap", "non_causal"])
+@pytest.mark.parametrize("option", ["sliding_window", "soft_cap", "non_causal", "attention_chunk"])
 def test_kernel_matches_reference_with_option(kernel, option):
     q, k, v, cu, ns = make_batch(3, SEGMENT_LENS, num_heads=4, num_kv_heads=2, head_dim=64)
     check_kernel(kernel, q, k, v, cu, ns, sm_scale=64**-0.5, **OPTIONS[option])

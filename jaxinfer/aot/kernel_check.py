@@ -103,10 +103,11 @@ def kernel_cases(target: Target, shape: FamilyShape):
     ragged_paged_attention, swiglu = k["ragged_paged_attention"], k["swiglu_matmul"]
 
     sm_scale = D**-0.5
-    options = dict(sliding_window=shape.window, soft_cap=shape.soft_cap)
+    options = dict(sliding_window=shape.window, soft_cap=shape.soft_cap, **(dict(attention_chunk=shape.chunk) if shape.chunk else {}))
     sinks = shape.sinks
-    named = "".join([f" window={shape.window}" if shape.window else "", f" soft_cap={shape.soft_cap:g}" if shape.soft_cap else ""])
-    paged_named = named + (" sinks" if sinks else "") + (f" chunk={shape.chunk}" if shape.chunk else "")
+    named = "".join([f" window={shape.window}" if shape.window else "", f" soft_cap={shape.soft_cap:g}" if shape.soft_cap else "",
+                     f" chunk={shape.chunk}" if shape.chunk else ""])
+    paged_named = named + (" sinks" if sinks else "")
     kv_dtypes = (("bf16", bf16, {}), ("int8", jnp.int8, dict(k_scale=0.05, v_scale=0.05)),
                  ("fp8", jnp.float8_e4m3fn, dict(k_scale=0.05, v_scale=0.05)))
     for name, kv_dtype, scales in kv_dtypes:
@@ -120,8 +121,7 @@ def kernel_cases(target: Target, shape: FamilyShape):
         else:  # separate pools, one scale each for K and V
             pools = (spec((NUM_PAGES, page_size, Hkv, D), kv_dtype),) * 2
         for bucket, T, S, Bq in ATTENTION_BUCKETS:
-            fn = functools.partial(ragged_paged_attention, sm_scale=sm_scale, num_queries_per_block=Bq, **scales, **options,
-                                   **(dict(attention_chunk=shape.chunk) if shape.chunk else {}))
+            fn = functools.partial(ragged_paged_attention, sm_scale=sm_scale, num_queries_per_block=Bq, **scales, **options)
             args = (spec((T, Hq, D), bf16), *pools, spec((S,), i32), spec((S, pages_per_seq), i32),
                     spec((S + 1,), i32), spec((1,), i32), *scale_pool)
             if sinks:
@@ -131,7 +131,7 @@ def kernel_cases(target: Target, shape: FamilyShape):
             yield "ragged_paged_attention", f"{bucket} T={T} S={S} kv={name} {layout}{paged_named}", fn, args
 
     T = 512
-    # (a layer with sinks or chunks never takes the flash path: jaxinfer.ops.attention.paged_attention)
+    # (a layer with sinks never takes the flash path: jaxinfer.ops.attention.paged_attention)
     yield ("flash_attention", f"prefill T={T}{named}", functools.partial(flash, sm_scale=sm_scale, causal=True, **options),
            (spec((T, Hq, D), bf16), spec((T, Hkv, D), bf16), spec((T, Hkv, D), bf16), spec((5,), i32), spec((1,), i32)))
 

@@ -46,8 +46,9 @@ def inv_freq(theta: float, rs: RopeScaling, dim: int) -> tuple[np.ndarray, float
         high_wavelen = old_len / rs.high_freq_factor
         wavelen = 2 * math.pi / inv
         scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
-        smooth = (old_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        with np.errstate(divide="ignore", invalid="ignore"):  # equal factors (Llama 4): no medium band to smooth
+            smooth = (old_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(medium, smoothed, scaled), 1.0
     if rs.rope_type == "yarn":

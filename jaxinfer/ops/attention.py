@@ -186,14 +186,13 @@ def paged_attention(q, k, v, pool: KVCache, layer_page_offset, batch: RaggedBatc
         return (out.astype(jnp.float32) @ rotation.T).astype(q.dtype)
 
     T, S = q.shape[0], batch.kv_lens.shape[0]
-    if (kernels.flash_attention is None or query_block == 1 or T < FLASH_MIN_TOKENS or sinks is not None
-            or attention_chunk is not None):
-        return paged()  # (the flash kernels have no attention sinks, and no chunks: they see rows, not positions)
+    if kernels.flash_attention is None or query_block == 1 or T < FLASH_MIN_TOKENS or sinks is not None:
+        return paged()  # (the flash kernels have no attention sinks)
     q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
     in_use = jnp.arange(S) < batch.num_seqs[0]
     fresh_prefill = jnp.all(jnp.where(in_use, batch.kv_lens == q_lens, True))  # no sequence has a cached prefix
     flash = lambda: kernels.flash_attention(q, k, v, batch.cu_q_lens, batch.num_seqs, causal=True, sm_scale=sm_scale,  # noqa: E731
-                                            sliding_window=sliding_window, soft_cap=soft_cap)
+                                            sliding_window=sliding_window, soft_cap=soft_cap, attention_chunk=attention_chunk)
     return jax.lax.cond(fresh_prefill, flash, paged)
 
 

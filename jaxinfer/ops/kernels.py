@@ -186,7 +186,7 @@ class Kernels:
         (sinks [Hq]: attention sinks, GPT-OSS; the TPU kernel leaves them to the XLA path)
         (k_scale / v_scale: a quantized pool's scales [pages, page_size, heads], else None; a
         combined pool comes as k_pages with v_pages None)
-    flash_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, causal) -> [T,Hq,D];
+    flash_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, causal, attention_chunk) -> [T,Hq,D];
         None: no flash path (the XLA attention serves every step)
     rope_kv_write(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset) -> (q, k, k_pages, v_pages)
     quantized_matmul(x [M,K], qweight, scales, offsets, *, mode, group_size) -> [M,N]

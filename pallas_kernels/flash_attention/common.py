@@ -7,8 +7,10 @@ Wrapper side (`prepare_inputs`):
   q -> [Hkv, G, T, D] (the G query heads that share KV head h sit together), k/v -> [Hkv, T, D];
 - every row gets a segment id (padding rows: -1 on the query side, -2 on the key side, so a
   padding query never matches a padding key);
+- every query row gets its segment's first row (`q_start`): a fresh prefill's position in its
+  sequence is row - q_start, which chunked attention's chunk boundaries need;
 - every query block gets the half-open range [kv_lo, kv_hi) of KV blocks it needs: from the block
-  holding its first row's segment start (or window start, if later) to the block holding its last
+  holding its first row's segment start (or window or chunk start, if later) to the block holding its last
   real row (causal) or its last row's segment end (non-causal). Segments are contiguous, so every
   KV block in that range holds at least one visible key; the kernels skip all the others.
 """
@@ -22,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.flash_attention.reference import token_segments
+from pallas_kernels.visible_span import limits_span, span_start
 
 QUERY_PADDING_SEGMENT = -1
 KEY_PADDING_SEGMENT = -2
@@ -33,6 +36,7 @@ class PreparedInputs(NamedTuple):
     v: jax.Array  # [Hkv, T_pad, D]
     q_segment: jax.Array  # [T_pad] int32, QUERY_PADDING_SEGMENT on padding rows
     kv_segment: jax.Array  # [T_pad] int32, KEY_PADDING_SEGMENT on padding rows
+    q_start: jax.Array  # [T_pad] int32: the first row of each query row's segment
     kv_lo: jax.Array  # [num_q_blocks] int32: first KV block the query block needs
     kv_hi: jax.Array  # [num_q_blocks] int32: one past the last (kv_lo == kv_hi: nothing to do)
 
@@ -41,7 +45,8 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
-def prepare_inputs(q, k, v, cu_seq_lens, num_seqs, *, block_q, block_k, causal, sliding_window) -> PreparedInputs:
+def prepare_inputs(q, k, v, cu_seq_lens, num_seqs, *, block_q, block_k, causal, sliding_window,
+                   attention_chunk=None) -> PreparedInputs:
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -60,13 +65,13 @@ def prepare_inputs(q, k, v, cu_seq_lens, num_seqs, *, block_q, block_k, causal, 
     first_row = jnp.arange(T_pad // block_q, dtype=jnp.int32) * block_q  # [num_q_blocks]
     last_row = jnp.clip(jnp.minimum(first_row + block_q, used_rows) - 1, 0, T_pad - 1)
     first_key = seg_start[first_row]
-    if sliding_window is not None:
-        first_key = jnp.maximum(first_key, first_row - sliding_window + 1)
+    if limits_span(sliding_window, attention_chunk):
+        first_key += span_start(first_row - first_key, sliding_window=sliding_window, attention_chunk=attention_chunk)
     key_stop = last_row + 1 if causal else seg_end[last_row]
     has_rows = first_row < used_rows
     kv_lo = jnp.where(has_rows, first_key // block_k, 0).astype(jnp.int32)
     kv_hi = jnp.where(has_rows, _cdiv(key_stop, block_k), 0).astype(jnp.int32)
-    return PreparedInputs(q_heads, k_heads, v_heads, q_segment, kv_segment, kv_lo, kv_hi)
+    return PreparedInputs(q_heads, k_heads, v_heads, q_segment, kv_segment, seg_start.astype(jnp.int32), kv_lo, kv_hi)
 
 
 def restore_layout(out_heads: jax.Array, num_tokens: int) -> jax.Array:
@@ -78,17 +83,18 @@ def restore_layout(out_heads: jax.Array, num_tokens: int) -> jax.Array:
 # ---- inside the kernels -------------------------------------------------------------------------
 
 
-def visible_keys(q_pos, k_pos, q_seg, k_seg, *, causal, sliding_window):
+def visible_keys(q_pos, k_pos, q_seg, k_seg, *, causal, sliding_window, attention_chunk=None, q_start=None):
     """Bool mask, broadcast of q_* [bq, 1] against k_* [1, bk]: may this query see this key?
 
     Positions are row numbers in the packed array; within one segment they differ from the
-    positions in the sequence by the same offset, so comparing rows compares positions.
+    positions in the sequence by the same offset (q_start, the segment's first row), so comparing
+    rows compares positions; a chunk's boundaries are counted from q_start.
     """
     mask = q_seg == k_seg
     if causal:
         mask &= k_pos <= q_pos
-    if sliding_window is not None:
-        mask &= k_pos > q_pos - sliding_window
+    if limits_span(sliding_window, attention_chunk):
+        mask &= k_pos >= q_start + span_start(q_pos - q_start, sliding_window=sliding_window, attention_chunk=attention_chunk)
     return mask
 
 

@@ -44,6 +44,7 @@ def _kernel(
     k_ref,  # [T_pad, D] (the whole KV head)
     v_ref,  # [T_pad, D]
     q_segment_ref,  # [block_q] int32
+    q_start_ref,  # [block_q] int32: each query row's segment start
     kv_segment_ref,  # [T_pad] int32
     o_ref,  # [G, block_q, D]
     *,
@@ -51,19 +52,22 @@ def _kernel(
     sm_scale,
     causal,
     sliding_window,
+    attention_chunk,
     soft_cap,
 ):
     G, block_q, D = q_ref.shape
     q_tiles = [q_ref[g] for g in range(G)]  # G x [block_q, D], loaded once
     q_pos = (pl.program_id(0) * block_q + jnp.arange(block_q, dtype=jnp.int32))[:, None]  # [block_q, 1]
     q_seg = q_segment_ref[...][:, None]  # [block_q, 1]
+    q_start = q_start_ref[...][:, None]  # [block_q, 1]
 
     def fold_kv_block(kv_block, state):
         keys = pl.ds(kv_block * block_k, block_k)
         k, v = k_ref[keys, :], v_ref[keys, :]  # [block_k, D], shared by the G heads
         k_pos = (kv_block * block_k + jnp.arange(block_k, dtype=jnp.int32))[None, :]  # [1, block_k]
         visible = common.visible_keys(
-            q_pos, k_pos, q_seg, kv_segment_ref[keys][None, :], causal=causal, sliding_window=sliding_window
+            q_pos, k_pos, q_seg, kv_segment_ref[keys][None, :], causal=causal, sliding_window=sliding_window,
+            attention_chunk=attention_chunk, q_start=q_start,
         )  # [block_q, block_k]
         new_state = []
         for q, (m, l, acc) in zip(q_tiles, state):
@@ -96,7 +100,8 @@ def _power_of_two_floor(n: int) -> int:
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "causal", "sliding_window", "soft_cap", "block_q", "block_k", "num_warps", "num_stages", "interpret"
+        "sm_scale", "causal", "sliding_window", "soft_cap", "attention_chunk", "block_q", "block_k", "num_warps", "num_stages",
+        "interpret",
     ),
 )
 def flash_attention(
@@ -110,19 +115,21 @@ def flash_attention(
     causal: bool = True,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    attention_chunk: int | None = None,  # Llama 4's chunks (pallas_kernels.visible_span), counted from each segment's start
     block_q: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D], q.dtype
-    check_options(q, k, v, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap)
+    check_options(q, k, v, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap, attention_chunk=attention_chunk)
     T, Hq, D = q.shape
     if not _is_power_of_two(D):  # Triton's blocks are powers of two: zero dims change no score (Phi-3's 96 -> 128)
         Dp = 1 << (D - 1).bit_length()
         pad = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, Dp - D)))  # noqa: E731
         out = flash_attention(pad(q), pad(k), pad(v), cu_seq_lens, num_seqs, sm_scale=sm_scale, causal=causal,
-                              sliding_window=sliding_window, soft_cap=soft_cap, block_q=block_q, block_k=block_k,
+                              sliding_window=sliding_window, soft_cap=soft_cap, attention_chunk=attention_chunk,
+                              block_q=block_q, block_k=block_k,
                               num_warps=num_warps, num_stages=num_stages, interpret=interpret)
         return out[..., :D]
     # default blocks: 64 x 64, smaller where a program's q rows (G heads x block_q) and its
@@ -138,12 +145,14 @@ def flash_attention(
         patch_interpret_mode()
     Hkv = k.shape[1]
     x = common.prepare_inputs(
-        q, k, v, cu_seq_lens, num_seqs, block_q=block_q, block_k=block_k, causal=causal, sliding_window=sliding_window
+        q, k, v, cu_seq_lens, num_seqs, block_q=block_q, block_k=block_k, causal=causal, sliding_window=sliding_window,
+        attention_chunk=attention_chunk,
     )
     T_pad = x.k.shape[1]
 
     kernel = functools.partial(
-        _kernel, block_k=block_k, sm_scale=sm_scale, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap
+        _kernel, block_k=block_k, sm_scale=sm_scale, causal=causal, sliding_window=sliding_window,
+        attention_chunk=attention_chunk, soft_cap=soft_cap,
     )
     out = pl.pallas_call(
         kernel,
@@ -156,6 +165,7 @@ def flash_attention(
             pl.BlockSpec((None, T_pad, D), lambda i, h: (h, 0, 0)),
             pl.BlockSpec((None, T_pad, D), lambda i, h: (h, 0, 0)),
             pl.BlockSpec((block_q,), lambda i, h: (i,)),
+            pl.BlockSpec((block_q,), lambda i, h: (i,)),  # q_start
             pl.BlockSpec((T_pad,), lambda i, h: (0,)),
         ],
         out_specs=pl.BlockSpec((None, G, block_q, D), lambda i, h: (h, 0, i, 0)),
@@ -165,5 +175,5 @@ def flash_attention(
         interpret=interpret,
         cost_estimate=cost.flash_attention(T, Hq, Hkv, D, itemsize=q.dtype.itemsize, causal=causal),
         name="flash_attention_segments",
-    )(x.kv_lo, x.kv_hi, x.q, x.k, x.v, x.q_segment, x.kv_segment)
+    )(x.kv_lo, x.kv_hi, x.q, x.k, x.v, x.q_segment, x.q_start, x.kv_segment)
     return common.restore_layout(out, T)

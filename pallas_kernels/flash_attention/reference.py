@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 
 
-def check_options(q, k, v, *, causal: bool, sliding_window: int | None, soft_cap: float | None) -> None:
+def check_options(q, k, v, *, causal: bool, sliding_window: int | None, soft_cap: float | None,
+                  attention_chunk: int | None = None) -> None:
     """ValueError for shapes or options the operation does not define."""
     if q.ndim != 3 or k.shape != v.shape or k.ndim != 3:
         raise ValueError(f"expected q [T,Hq,D], k and v [T,Hkv,D]; got {q.shape}, {k.shape}, {v.shape}")
@@ -40,6 +41,8 @@ def check_options(q, k, v, *, causal: bool, sliding_window: int | None, soft_cap
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
     if sliding_window is not None and (not causal or sliding_window < 1):
         raise ValueError("sliding_window must be >= 1 and needs causal=True")
+    if attention_chunk is not None and (not causal or attention_chunk < 1):
+        raise ValueError("attention_chunk must be >= 1 and needs causal=True")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError("soft_cap must be > 0")
 
@@ -65,7 +68,7 @@ def token_segments(cu_seq_lens: jax.Array, num_seqs: jax.Array, num_rows: int):
     return jnp.where(is_padding, -1, segment), seg_start, seg_end
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "sliding_window", "soft_cap"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "sliding_window", "soft_cap", "attention_chunk"))
 def flash_attention(
     q: jax.Array,  # [T, Hq, D]
     k: jax.Array,  # [T, Hkv, D]
@@ -77,12 +80,13 @@ def flash_attention(
     causal: bool = True,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    attention_chunk: int | None = None,
 ) -> jax.Array:  # [T, Hq, D], q.dtype
-    check_options(q, k, v, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap)
+    check_options(q, k, v, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap, attention_chunk=attention_chunk)
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv  # query heads per KV head
-    segment, _, _ = token_segments(cu_seq_lens, num_seqs, T)  # [T]
+    segment, seg_start, _ = token_segments(cu_seq_lens, num_seqs, T)  # [T] each
 
     qf = q.astype(jnp.float32).reshape(T, Hkv, G, D)
     scores = jnp.einsum("qhgd,khd->hgqk", qf, k.astype(jnp.float32)) * sm_scale  # [Hkv, G, T, T]
@@ -95,6 +99,9 @@ def flash_attention(
         visible &= row[None, :] <= row[:, None]
     if sliding_window is not None:
         visible &= row[None, :] > row[:, None] - sliding_window
+    if attention_chunk is not None:  # positions in the sequence: rows counted from the segment's start
+        pos = row - seg_start
+        visible &= pos[None, :] // attention_chunk == pos[:, None] // attention_chunk
     scores = jnp.where(visible, scores, -jnp.inf)
 
     row_max = jnp.max(scores, axis=-1, keepdims=True)

@@ -51,6 +51,7 @@ def _kernel(
     k_ref,  # [block_k, D]
     v_ref,  # [block_k, D]
     q_segment_ref,  # [block_q, 1] int32
+    q_start_ref,  # [block_q, 1] int32: each query row's segment start
     kv_segment_ref,  # [1, block_k] int32
     o_ref,  # [G, block_q, D]
     m_ref,  # scratch [G, block_q, 1] f32
@@ -60,6 +61,7 @@ def _kernel(
     sm_scale,
     causal,
     sliding_window,
+    attention_chunk,
     soft_cap,
 ):
     G, block_q, D = q_ref.shape
@@ -80,7 +82,8 @@ def _kernel(
         q_pos = q_block * block_q + jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
         k_pos = kv_block * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         visible = common.visible_keys(
-            q_pos, k_pos, q_segment_ref[...], kv_segment_ref[...], causal=causal, sliding_window=sliding_window
+            q_pos, k_pos, q_segment_ref[...], kv_segment_ref[...], causal=causal, sliding_window=sliding_window,
+            attention_chunk=attention_chunk, q_start=q_start_ref[...],
         )  # [block_q, block_k], the same for every head
         m_next, l_next, p, alpha = common.online_softmax_step(m_ref[...], l_ref[...], scores, visible[None])
         v = v_ref[...]
@@ -99,7 +102,7 @@ def _kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "causal", "sliding_window", "soft_cap", "block_q", "block_k", "interpret"),
+    static_argnames=("sm_scale", "causal", "sliding_window", "soft_cap", "attention_chunk", "block_q", "block_k", "interpret"),
 )
 def flash_attention(
     q: jax.Array,  # [T, Hq, D]
@@ -112,11 +115,12 @@ def flash_attention(
     causal: bool = True,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    attention_chunk: int | None = None,  # Llama 4's chunks (pallas_kernels.visible_span), counted from each segment's start
     block_q: int = 128,
     block_k: int = 128,
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D], q.dtype
-    check_options(q, k, v, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap)
+    check_options(q, k, v, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap, attention_chunk=attention_chunk)
     # Hardware tiles are (8, 128) 32-bit words: block_q fills whole sublane tiles (16 rows for
     # bf16) and block_k whole lane rows. The interpreter has no tiles; multiples of 8 keep the tests
     # close to hardware shapes while staying small.
@@ -132,7 +136,8 @@ def flash_attention(
     Hkv = k.shape[1]
     G = Hq // Hkv
     x = common.prepare_inputs(
-        q, k, v, cu_seq_lens, num_seqs, block_q=block_q, block_k=block_k, causal=causal, sliding_window=sliding_window
+        q, k, v, cu_seq_lens, num_seqs, block_q=block_q, block_k=block_k, causal=causal, sliding_window=sliding_window,
+        attention_chunk=attention_chunk,
     )
     T_pad = x.k.shape[1]
     num_q_blocks, num_kv_blocks = T_pad // block_q, T_pad // block_k
@@ -154,7 +159,8 @@ def flash_attention(
         return (0, needed_kv_block(i, j, kv_lo, kv_hi))
 
     kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap
+        _kernel, sm_scale=sm_scale, causal=causal, sliding_window=sliding_window, attention_chunk=attention_chunk,
+        soft_cap=soft_cap,
     )
     out = pl.pallas_call(
         kernel,
@@ -167,6 +173,7 @@ def flash_attention(
                 pl.BlockSpec((None, block_k, D), kv_map),
                 pl.BlockSpec((None, block_k, D), kv_map),
                 pl.BlockSpec((block_q, 1), q_segment_map),
+                pl.BlockSpec((block_q, 1), q_segment_map),  # q_start
                 pl.BlockSpec((1, block_k), kv_segment_map),
             ],
             out_specs=pl.BlockSpec((None, G, block_q, D), q_map),
@@ -180,5 +187,5 @@ def flash_attention(
         interpret=interpret,
         cost_estimate=cost.flash_attention(T, Hq, Hkv, D, itemsize=q.dtype.itemsize, causal=causal),
         name="flash_attention_segments",
-    )(x.kv_lo, x.kv_hi, x.q, x.k, x.v, x.q_segment[:, None], x.kv_segment[None, :])
+    )(x.kv_lo, x.kv_hi, x.q, x.k, x.v, x.q_segment[:, None], x.q_start[:, None], x.kv_segment[None, :])
     return common.restore_layout(out, T)
