@@ -167,16 +167,18 @@ def attention_option_rows(interpret: bool, small: bool):
 
 
 def window_speed_rows(interpret: bool, small: bool, iters: int, peak_gbps: float):
-    """Decode attention over a long context with and without a sliding window: the windowed call
-    should read (and take) about window / context of the full one's time."""
+    """Decode attention over a long context with and without a sliding window (or a chunk, Llama 4):
+    the windowed call should read (and take) about window / context of the full one's time."""
     from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
 
     rng = np.random.default_rng(2)
     seqs, context, window = (2, 64, 16) if small else (64, 8192, 1024)
     args, kw, full_bytes = _attention_case(rng, seqs=seqs, context=context, q_len=1, Hq=32, Hkv=16, D=128, page_size=16,
                                            kv_dtype=jnp.bfloat16)
-    for label, options, nbytes in (("full", {}, full_bytes), (f"window {window}", dict(sliding_window=window),
-                                                             full_bytes * window // context)):
+    # a chunk as long as the window: the last position's chunk holds the last `window` tokens too
+    for label, options, nbytes in (("full", {}, full_bytes),
+                                   (f"window {window}", dict(sliding_window=window), full_bytes * window // context),
+                                   (f"chunk {window}", dict(attention_chunk=window), full_bytes * window // context)):
         fn = jax.jit(functools.partial(rpa_gpu.ragged_paged_attention, num_queries_per_block=1, interpret=interpret,
                                        **kw, **options))
         seconds = _time(fn, *args, iters=iters)
