@@ -168,9 +168,9 @@ def test_what_needs_one_full_page_table_row_is_refused_by_name_with_sliding_laye
     """Swapping a sequence out keeps its one page-table row, and a draft model reads its K/V at the
     target's page ids: neither holds with a sliding group's given-back pages."""
     directory, _ = family_dir
-    with pytest.raises(ValueError, match="preemption_mode='swap' with gemma3_text's sliding-window layers"):
+    with pytest.raises(ValueError, match="preemption_mode='swap' with gemma3_text's sliding-window or chunked layers"):
         LLM(str(directory), max_model_len=32, preemption_mode="swap", progress=False)
-    with pytest.raises(ValueError, match="'draft_model': the target model .gemma3_text. has sliding-window layers"):
+    with pytest.raises(ValueError, match="'draft_model': the target model .gemma3_text. has sliding-window or chunked layers"):
         LLM(str(directory), max_model_len=32, progress=False,
             speculative_config={"method": "draft_model", "num_layers": 1, "num_speculative_tokens": 2})
 

@@ -221,7 +221,7 @@ def check_draft_groups(model_config: ModelConfig, draft_config: ModelConfig) -> 
     for role, c in (("target", model_config), ("draft", draft_config)):
         if kv_groups(c).windows != (None,):
             raise ValueError(f"speculative_config method 'draft_model': the {role} model ({c.model_type}) has sliding-window "
-                             f"layers, whose pages are given back as the window moves; a draft model needs both models "
+                             f"or chunked layers, whose pages are given back as the window moves; a draft model needs both models "
                              f"with full attention in every layer (ngram, eagle and medusa speculation work here)")
 
 

@@ -226,8 +226,8 @@ class EngineConfig:
                              f"(the model's max_position_embeddings)")
         groups = kv_groups(model_config)
         if self.preemption_mode == "swap" and groups.windows != (None,):
-            raise ValueError(f"preemption_mode='swap' with {model_config.model_type}'s sliding-window layers: their pages "
-                             f"are given back as the window moves, and swapping keeps one full page-table row; use "
+            raise ValueError(f"preemption_mode='swap' with {model_config.model_type}'s sliding-window or chunked layers: their "
+                             f"pages are given back as the window moves, and swapping keeps one full page-table row; use "
                              f"preemption_mode='recompute'")
         pages_per_seq = groups.pages_held(max_model_len, self.page_size, self.max_num_batched_tokens)
         num_pages = self.num_pages
