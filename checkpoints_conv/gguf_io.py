@@ -28,7 +28,7 @@ from checkpoints_conv.quantized import Grid, QuantLayout
 from checkpoints_conv.tensor_source import TensorSource
 
 Q = GGMLQuantizationType
-SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4})
 
 # llama.cpp writes llama3-style rope scaling as per-dimension factors in this tensor; it is not a
 # model parameter and has no HF config equivalent here (transformers' GGUF loader drops it too).
@@ -105,6 +105,8 @@ def read_gguf_config(path: str | Path) -> dict:
         "max_position_embeddings": int(need("context_length")),
         "tie_word_embeddings": "output.weight" not in tensor_names,
     }
+    if meta.get(f"{arch_name}.expert_count"):
+        config.update(_moe_config(meta, arch_name, arch))
     family = _FAMILY_CONFIG.get(arch_name)
     if family is not None:
         try:
@@ -219,7 +221,37 @@ def _olmo2_config(meta: dict, arch_name: str, config: dict) -> dict:
     }
 
 
-_FAMILY_CONFIG = {"gemma2": _gemma2_config, "gemma3": _gemma3_config, "olmo2": _olmo2_config}
+def _moe_config(meta: dict, arch_name: str, arch: GgufArch) -> dict:
+    """A mixture of experts' HF keys from `{arch}.expert_*`: the expert count and width, the k
+    picked, a shared expert's width; whether the k weights are renormalised is llama.cpp's choice
+    per architecture (Mixtral and Qwen3-MoE yes, Qwen2-MoE no, GPT-OSS a softmax over the k)."""
+    experts = int(meta[f"{arch_name}.expert_count"])
+    out: dict[str, Any] = {"model_type": arch.moe_model_type or arch.model_type, "num_local_experts": experts,
+                           "num_experts": experts, "num_experts_per_tok": int(meta[f"{arch_name}.expert_used_count"])}
+    width = meta.get(f"{arch_name}.expert_feed_forward_length")
+    if width is not None and out["model_type"] not in ("mixtral", "gpt_oss"):  # (theirs is intermediate_size)
+        out["moe_intermediate_size"] = int(width)
+    shared = meta.get(f"{arch_name}.expert_shared_feed_forward_length")
+    if shared is not None:
+        out["shared_expert_intermediate_size"] = int(shared)
+    if out["model_type"] in ("qwen2_moe", "qwen3_moe"):
+        out["norm_topk_prob"] = bool(meta.get(f"{arch_name}.expert_weights_norm", out["model_type"] == "qwen3_moe"))
+    return out
+
+
+def _gpt_oss_config(meta: dict, arch_name: str, config: dict) -> dict:
+    """GPT-OSS: a window on every other layer from the first (llama.cpp's fixed pattern), the
+    experts' SwiGLU clamped at 7 (llama.cpp's constant), YaRN without truncated ramp bounds (the
+    released config's)."""
+    rope = dict(config["rope_parameters"])
+    if rope.get("rope_type") == "yarn":
+        rope["truncate"] = False
+    return {"sliding_window": int(meta.get(f"{arch_name}.attention.sliding_window", 128)), "swiglu_limit": 7.0,
+            "intermediate_size": int(meta.get(f"{arch_name}.expert_feed_forward_length", config["intermediate_size"])),
+            "attention_bias": True, "rope_parameters": rope}
+
+
+_FAMILY_CONFIG = {"gemma2": _gemma2_config, "gemma3": _gemma3_config, "olmo2": _olmo2_config, "gpt-oss": _gpt_oss_config}
 
 
 def _optional_f32(value) -> float | None:
@@ -254,13 +286,18 @@ def unpermute_qk(weight: np.ndarray, n_heads: int, name: str = "") -> np.ndarray
     return weight.reshape(n_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+# HF row vectors [1, H] that llama.cpp stores as [H] (Qwen2-MoE's shared expert gate).
+_ROW_VECTORS = (".mlp.shared_expert_gate.weight",)
+
+
 class GgufSource(TensorSource):
     """The tensors of a GGUF file under their HF names, as float32 in HF layout, or (the matrices
     in Q4_0, Q4_1, Q4_K, Q8_0, Q5_K, Q6_K blocks) as their integer grids: `quantized()`,
     `read_grid()` (checkpoints_conv.gguf_grid).
 
     `config` is the dict read_gguf_config returned (its head counts undo the llama Q/K
-    permutation). A tensor whose name has no HF equivalent is listed under its GGUF name, for the
+    permutation). A mixture of experts' stacked tensors (`ffn_*_exps` [E, ...]) are listed one per
+    expert, under the per-expert HF names, each read as its slice of the stacked tensor. A tensor whose name has no HF equivalent is listed under its GGUF name, for the
     loader to report as unexpected. Quantized blocks run along rows, so a read dequantizes the
     whole tensor and slices it; the last few tensors are kept, so the blocks of several devices
     cost one dequantization. A type outside SUPPORTED_TYPES raises CheckpointError naming the
@@ -274,26 +311,44 @@ class GgufSource(TensorSource):
         _, self.arch = _architecture(self.header)
         self.q_heads = int(config["num_attention_heads"])
         self.kv_heads = int(config.get("num_key_value_heads", self.q_heads))
-        self._info = {}
+        self._info: dict[str, GgufTensorInfo] = {}
+        self._expert: dict[str, int] = {}  # a stacked experts tensor's per-expert names -> the expert
         for info in self.header.tensors:
-            if info.name != ROPE_FREQS_TENSOR:
-                self._info[self.arch.hf_name(info.name) or info.name] = info
+            if info.name == ROPE_FREQS_TENSOR:
+                continue
+            name = self.arch.hf_name(info.name) or info.name
+            if name != info.name and info.name.split(".")[-2] in self.arch.stacked_experts:
+                # [E, ...] -> one tensor per expert: model.layers.i.mlp.experts.gate_proj.weight -> ...experts.{e}.gate_proj.weight
+                module, proj, suffix = name.rsplit(".", 2)
+                for e in range(info.shape[0]):
+                    self._info[f"{module}.{e}.{proj}.{suffix}"] = info
+                    self._expert[f"{module}.{e}.{proj}.{suffix}"] = e
+            else:
+                self._info[name] = info
         self._cache: dict[str, np.ndarray] = {}
 
     def listing(self) -> list[tuple[str, tuple[int, ...]]]:
-        return [(name, tuple(info.shape)) for name, info in self._info.items()]
+        return [(name, self._shape(name)) for name in self._info]
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        shape = tuple(self._info[name].shape)
+        if name in self._expert:
+            return shape[1:]
+        return (1, *shape) if name.endswith(_ROW_VECTORS) and len(shape) == 1 else shape
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
-        if name not in self._cache:
+        info = self._info[name]
+        if info.name not in self._cache:  # keyed by the stored tensor: a stacked one serves every expert
             if len(self._cache) >= self.CACHED_TENSORS:
                 del self._cache[next(iter(self._cache))]  # the oldest
-            self._cache[name] = self._load(name)
-        array = self._cache[name]
+            self._cache[info.name] = self._load(name)
+        array = self._cache[info.name]
+        array = array[self._expert[name]] if name in self._expert else array.reshape(self._shape(name))
         return array if index is None else array[index]
 
     def quantized(self) -> dict[str, QuantLayout]:
         return {name: TYPE_LAYOUTS[info.ggml_type] for name, info in self._info.items()
-                if info.ggml_type in GRID_TYPES and len(info.shape) == 2}
+                if info.ggml_type in GRID_TYPES and len(info.shape) == 2 and name not in self._expert}
 
     def read_grid(self, name: str) -> Grid:
         info = self._info[name]
@@ -329,7 +384,7 @@ def iter_gguf_tensors(path: str | Path, config: dict) -> Iterator[tuple[str, np.
     at a time (HF layout; names as `GgufSource` lists them)."""
     source = GgufSource(path, config)
     for name, _ in source.listing():
-        yield name, source._load(name)
+        yield name, source.read(name)
 
 
 def _dequantize(path: Path, info: GgufTensorInfo) -> np.ndarray:

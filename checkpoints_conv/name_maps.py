@@ -327,6 +327,11 @@ class GgufArch:
     per_layer: Mapping[str, str]
     permuted_qk: bool = False
     norm_shift: float = 0.0
+    # GGUF base names of tensors stacked over the experts on their first axis ([E, out, in], or [E, out]
+    # for a bias): their HF module name has no expert index, which GgufSource inserts per expert
+    stacked_experts: frozenset = frozenset({"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"})
+    moe_model_type: str | None = None  # the model_type of a file of this architecture with experts (llama -> mixtral)
+    bare: frozenset = frozenset({"attn_sinks"})  # GGUF base names whose HF tensor has no .weight suffix (GPT-OSS's sinks)
     _layer_re: re.Pattern = field(init=False, repr=False, compare=False, default=re.compile(r"blk\.(\d+)\.(\w+)"))
 
     def hf_name(self, gguf_name: str) -> str | None:
@@ -338,7 +343,8 @@ class GgufArch:
             return f"{self.globals[base]}.{suffix}"
         m = self._layer_re.fullmatch(base)
         if m and m.group(2) in self.per_layer:
-            return f"model.layers.{m.group(1)}.{self.per_layer[m.group(2)]}.{suffix}"
+            name = f"model.layers.{m.group(1)}.{self.per_layer[m.group(2)]}"
+            return name if m.group(2) in self.bare else f"{name}.{suffix}"
         return None
 
 
@@ -374,17 +380,46 @@ _OLMO2_GGUF_PER_LAYER = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 
+# The mixtures of experts (gguf.constants MODEL_TENSORS): a router (ffn_gate_inp), the experts'
+# projections stacked [E, out, in] (ffn_*_exps; GgufSource lists them per expert), Qwen2-MoE's
+# shared expert (ffn_*_shexp) and its gate (ffn_gate_inp_shexp). llama.cpp writes Mixtral as "llama".
+def _moe_gguf_per_layer(router: str, experts: str, gate: str, up: str, down: str) -> dict[str, str]:
+    return {"ffn_gate_inp": router, "ffn_gate_exps": f"{experts}.{gate}", "ffn_up_exps": f"{experts}.{up}",
+            "ffn_down_exps": f"{experts}.{down}"}
+
+
+_QWEN_MOE_GGUF_PER_LAYER = {
+    **_LLAMA_GGUF_PER_LAYER,
+    **_moe_gguf_per_layer("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+# GPT-OSS (llama.cpp's "gpt-oss"): the norm before the MLP is post_attention_norm, the sinks a bare
+# tensor (self_attn.sinks in HF), gate and up stored apart (the converter de-interleaves them).
+_GPT_OSS_GGUF_PER_LAYER = {
+    **{k: v for k, v in _LLAMA_GGUF_PER_LAYER.items() if k != "ffn_norm"},
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks",
+    **_moe_gguf_per_layer("mlp.router", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
+}
+
 # GGUF general.architecture -> how to read it. Mistral GGUFs say "llama". llama.cpp permutes the
 # q/k rows of llama-style (interleaved-pair RoPE) archs only; gemma2 / gemma3 / olmo2 run NeoX-style
 # RoPE (HF's half-split order) and are stored as HF has them. An "olmo2" file with a sliding window
 # is an OLMo 3 (gguf_io.read_gguf_config gives it model_type olmo3).
 GGUF_ARCHS: dict[str, GgufArch] = {
-    "llama": GgufArch("llama", _LLAMA_GGUF_GLOBALS, _LLAMA_GGUF_PER_LAYER, permuted_qk=True),
+    "llama": GgufArch("llama", _LLAMA_GGUF_GLOBALS, {**_LLAMA_GGUF_PER_LAYER, **_moe_gguf_per_layer(
+        "block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2")}, permuted_qk=True, moe_model_type="mixtral"),
     "qwen2": GgufArch("qwen2", _LLAMA_GGUF_GLOBALS, _LLAMA_GGUF_PER_LAYER),
     "qwen3": GgufArch("qwen3", _LLAMA_GGUF_GLOBALS, _LLAMA_GGUF_PER_LAYER),
     "gemma2": GgufArch("gemma2", _LLAMA_GGUF_GLOBALS, _GEMMA_GGUF_PER_LAYER, norm_shift=1.0),
     "gemma3": GgufArch("gemma3_text", _LLAMA_GGUF_GLOBALS, _GEMMA_GGUF_PER_LAYER, norm_shift=1.0),
     "olmo2": GgufArch("olmo2", _LLAMA_GGUF_GLOBALS, _OLMO2_GGUF_PER_LAYER),
+    "qwen2moe": GgufArch("qwen2_moe", _LLAMA_GGUF_GLOBALS, _QWEN_MOE_GGUF_PER_LAYER),
+    "qwen3moe": GgufArch("qwen3_moe", _LLAMA_GGUF_GLOBALS, _QWEN_MOE_GGUF_PER_LAYER),
+    "gpt-oss": GgufArch("gpt_oss", _LLAMA_GGUF_GLOBALS, _GPT_OSS_GGUF_PER_LAYER),
 }
 
 

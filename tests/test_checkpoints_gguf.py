@@ -231,6 +231,28 @@ def test_q_and_k_grids_are_unpermuted_like_the_floats(tmp_path):
     np.testing.assert_array_equal(source.read_grid(name).dequantize(), source.read(name))
 
 
+def test_stacked_experts_read_per_expert_and_mxfp4_dequantizes_exactly(tmp_path):
+    """A mixture of experts' ffn_*_exps [E, out, in] are listed one tensor per expert under the HF
+    names; MXFP4 blocks (GPT-OSS: E2M1 values times a power of two per 32) read exactly as the gguf
+    package decodes them; a shared expert's gate stored [H] reads as HF's [1, H]."""
+    E = 3
+    x = RNG.standard_normal((E, I, H)).astype(np.float32)
+    raw = quantize(x, Q.MXFP4)  # [E, I, H / 32 * 17] bytes
+    gate = RNG.standard_normal(H).astype(np.float32)
+    path = write_gguf(tmp_path / "moe.gguf", [("blk.0.ffn_gate_exps.weight", raw, Q.MXFP4),
+                                              ("blk.0.ffn_gate_inp_shexp.weight", gate, None)], arch="qwen2moe")
+    source = GgufSource(path, read_gguf_config(path))
+    listing = dict(source.listing())
+    want = dequantize(raw, Q.MXFP4)
+    for e in range(E):
+        name = f"model.layers.0.mlp.experts.{e}.gate_proj.weight"
+        assert listing[name] == (I, H)
+        np.testing.assert_array_equal(source.read(name), want[e])
+    assert "model.layers.0.mlp.experts.gate_proj.weight" not in listing
+    assert listing["model.layers.0.mlp.shared_expert_gate.weight"] == (1, H)
+    np.testing.assert_array_equal(source.read("model.layers.0.mlp.shared_expert_gate.weight"), gate[None])
+
+
 def llama_cpp_permute(w, n_heads):
     """What llama.cpp's converter does to HF q/k rows of llama models (the inverse of ours)."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -378,7 +400,10 @@ def llama_cpp_gguf(path, hf_dir, arch):
     `hf_dir`: its tensors renamed by the gguf package's own tensor map (not ours), every
     `*norm.weight` stored as 1 + w for Gemma, gemma2's lm_head dropped, and the metadata
     TextModel.set_gguf_parameters and Gemma2Model / Gemma3Model / Olmo2Model write (no
-    query_pre_attn_scalar, activation or gemma3 layer pattern: llama.cpp has none)."""
+    query_pre_attn_scalar, activation or gemma3 layer pattern: llama.cpp has none). Mixtures of
+    experts as LlamaModel (Mixtral: q/k rows permuted), Qwen2MoeModel / Qwen3MoeModel and
+    GptOssModel write them: each layer's experts merged into one [E, out, in] tensor per projection
+    (GPT-OSS's interleaved gate_up split into gate and up), the expert counts and widths."""
     import json
 
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
@@ -393,7 +418,7 @@ def llama_cpp_gguf(path, hf_dir, arch):
     w.add_head_count(hp["num_attention_heads"])
     w.add_head_count_kv(hp["num_key_value_heads"])
     w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    if "head_dim" in hp:
+    if hp.get("head_dim"):
         w.add_key_length(hp["head_dim"])
         w.add_value_length(hp["head_dim"])
     rope = hp["rope_parameters"]
@@ -420,11 +445,20 @@ def llama_cpp_gguf(path, hf_dir, arch):
     if arch == "olmo2" and "sliding_window" in hp:  # OLMo 3
         w.add_sliding_window(hp["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in hp["layer_types"]])
+    experts = hp.get("num_local_experts") or hp.get("num_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(hp["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(hp.get("moe_intermediate_size") or hp["intermediate_size"])
+        if hp.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
+    if arch == "gpt-oss":
+        w.add_sliding_window(hp["sliding_window"])
     w.add_token_list([f"<{i}>" for i in range(hp["vocab_size"])])
     w.add_bos_token_id(hp["bos_token_id"])
     w.add_eos_token_id(hp["eos_token_id"])
     names = get_tensor_name_map({v: k for k, v in MODEL_ARCH_NAMES.items()}[arch], hp["num_hidden_layers"])
-    for name, array in load_file(hf_dir / "model.safetensors").items():
+    for name, array in _llama_cpp_tensors(load_file(hf_dir / "model.safetensors"), arch, hp):
         if arch == "gemma2" and name == "lm_head.weight":
             continue
         if arch.startswith("gemma") and name.endswith("norm.weight"):
@@ -439,6 +473,35 @@ def llama_cpp_gguf(path, hf_dir, arch):
     return path
 
 
+def _llama_cpp_tensors(tensors: dict, arch: str, hp: dict):
+    """(HF name, array) as llama.cpp's converter hands them to the name map: q/k rows of "llama"
+    permuted, per-expert tensors merged [E, out, in] under the name without the expert index,
+    GPT-OSS's stacked [E, in, out] experts transposed and its gate_up de-interleaved."""
+    import re
+
+    merged: dict[str, dict[int, np.ndarray]] = {}
+    for name, array in tensors.items():
+        if arch == "llama" and re.search(r"self_attn\.(q|k)_proj\.weight", name):
+            heads = hp["num_attention_heads"] if ".q_proj." in name else hp["num_key_value_heads"]
+            array = llama_cpp_permute(array, heads)
+        m = re.fullmatch(r"(.+\.experts)\.(\d+)\.(.+)", name)
+        if m:
+            merged.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = array
+            continue
+        m = re.fullmatch(r"(.+\.experts)\.(gate_up_proj|down_proj)(_bias)?", name)
+        if m and arch == "gpt-oss":
+            if m.group(2) == "down_proj":
+                yield f"{m.group(1)}.down_proj.{'bias' if m.group(3) else 'weight'}", array if m.group(3) else array.swapaxes(1, 2)
+            else:
+                for part, cols in (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))):
+                    yield (f"{m.group(1)}.{part}.bias", array[:, cols]) if m.group(3) else (
+                        f"{m.group(1)}.{part}.weight", array[:, :, cols].swapaxes(1, 2))
+            continue
+        yield name + (".weight" if name.endswith(".sinks") else ""), array  # (GptOssModel names the sinks so)
+    for name, by_expert in merged.items():
+        yield name, np.stack([by_expert[e] for e in sorted(by_expert)])
+
+
 # tests/tiny_models.py family -> (GGUF architecture, changes to the tiny model). What the tiny
 # models set beyond what a GGUF can say is set the way llama.cpp assumes it: Gemma 2's
 # query_pre_attn_scalar to head_dim (llama.cpp's value for all but the 27B; the tiny model's 24 is
@@ -448,6 +511,10 @@ LLAMA_CPP_FAMILIES = {
     "gemma3": ("gemma3", {"num_hidden_layers": 6, "layer_types": None}),
     "olmo2": ("olmo2", {}),
     "olmo3": ("olmo2", {}),  # llama.cpp writes OLMo 3 as "olmo2", with its sliding window
+    "mixtral": ("llama", {}),  # llama.cpp writes Mixtral as "llama" with experts
+    "qwen2_moe": ("qwen2moe", {}),
+    "qwen3_moe": ("qwen3moe", {}),
+    "gpt_oss": ("gpt-oss", {"swiglu_limit": 7.0}),  # llama.cpp's fixed clamp
 }
 
 
@@ -476,7 +543,7 @@ def test_llama_cpp_gguf_config_equals_the_hf_folders(hf_and_gguf):
     family, hf_dir, gguf_path, _ = hf_and_gguf
     ours, theirs = read_config(resolve_model(gguf_path)), read_config(resolve_model(hf_dir))
     assert ours == theirs
-    assert ours.layer_types or ours.qk_norm  # the families' own switches came through, not defaults alike
+    assert ours.layer_types or ours.qk_norm or ours.is_moe  # the families' own switches came through, not defaults alike
 
 
 def test_llama_cpp_gguf_params_equal_the_hf_folders(hf_and_gguf):
