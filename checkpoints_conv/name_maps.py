@@ -261,7 +261,7 @@ LLAMA4_NAMES = ArchNames(
     },
     per_expert=QWEN3_MOE_NAMES.per_expert,
     expert_prefix="feed_forward.experts.",
-    ignored_prefixes=("vision_model.", "multi_modal_projector."),
+    ignored_prefixes=("vision_model.", "multi_modal_projector.", "model.vision_model.", "model.multi_modal_projector."),
 )
 
 # HF model_type -> its names. Which of the params exist (e.g. biases) is up to the caller's spec.

@@ -46,5 +46,9 @@ def open_checkpoint(path: str | Path, config: dict) -> TensorSource:
     if qc.get("quant_method") == "mxfp4" and config.get("model_type") == "gpt_oss":
         config = {k: v for k, v in config.items() if k != "quantization_config"}  # GPT-OSS's experts: views.py reads them
     fmt = read_quantization_config(config, str(Path(path) / "config.json"))
+    if fmt is not None and config.get("model_type") in ("llama4", "llama4_text"):
+        raise CheckpointError(f"{path}: a {config['model_type']} checkpoint quantized by {config['quantization_config'].get('quant_method')} "
+                              "is not supported (Llama 4's q/k rows are reordered at load, which its packed integers are "
+                              "not); load the bfloat16 release and quantize in flight (quantization=...)")
     source = with_views(SafetensorsSource(path), config)
     return source if fmt is None else QuantizedHFSource(source, fmt, str(path))

@@ -200,17 +200,25 @@ def glm4_moe_views(source: TensorSource, config: dict) -> TensorSource:
     return source if not hidden else ViewSource(source, {}, hidden, renamed)
 
 
-_LLAMA4_OLD_NAMES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
+_LLAMA4_OLD_NAMES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                     ("model.language_model.", "model."))
 _LLAMA4_QK = re.compile(r"model\.layers\.\d+\.self_attn\.[qk]_proj\.weight")
 _LLAMA4_MLP = re.compile(r"model\.layers\.(\d+)\.feed_forward\.(.+)")
 _LLAMA4_EXPERTS = re.compile(r"experts\.(gate_up_proj|down_proj)")
 
 
+def pairs_to_halves(head_dim: int) -> np.ndarray:
+    """Within one head, the row order that turns RoPE's adjacent pairs (0, 1), (2, 3), ... into
+    halves (0, D/2), (1, D/2 + 1), ...: Llama 4's q and k rows (and a LoRA adapter's) at load."""
+    return np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+
+
 def llama4_views(source: TensorSource, config: dict) -> TensorSource:
     """Llama 4's tensors as the name map reads them:
 
-    - a multimodal folder's text decoder (language_model.model.*, language_model.lm_head.*) under
-      the text model's names (model.*, lm_head.*); its vision tower is skipped by the name map;
+    - a multimodal folder's text decoder (language_model.model.* and language_model.lm_head.*, or
+      model.language_model.*) under the text model's names (model.*, lm_head.*); its vision tower
+      is skipped by the name map;
     - each head's rows of q_proj and k_proj reordered from RoPE pairs (0, 1), (2, 3), ... to
       halves (0, D/2), (1, D/2 + 1), ...: Llama 4 turns adjacent dims, the kernels turn halves,
       and reordering q's and k's dims alike changes no score;
@@ -221,7 +229,7 @@ def llama4_views(source: TensorSource, config: dict) -> TensorSource:
     text = config.get("text_config") or config
     num_layers, step = int(text["num_hidden_layers"]), int(text.get("interleave_moe_layer_step", 1))
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
-    halves = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+    halves = pairs_to_halves(head_dim)
     moe_slot = {layer: slot for slot, layer in enumerate(range(step - 1, num_layers, step))}
     dense_slot = {layer: slot for slot, layer in enumerate(i for i in range(num_layers) if i not in moe_slot)}
     stored = {}  # the text model's name -> the stored name

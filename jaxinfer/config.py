@@ -256,9 +256,9 @@ class ModelConfig:
             if len(layer_types) != num_layers or not set(layer_types) <= set(LAYER_TYPES):
                 raise ConfigError(f"{source}: layer_types={list(layer_types)} must name one of {LAYER_TYPES} for each of the "
                                   f"{num_layers} layers")
-            if "chunked_attention" in layer_types and not d.get("attention_chunk_size"):
-                raise ConfigError(f"{source}: layer_types has chunked_attention layers but attention_chunk_size="
-                                  f"{d.get('attention_chunk_size')!r}")
+            chunk_size = family.get("attention_chunk_size", d.get("attention_chunk_size"))  # (Llama 4's default: 8192)
+            if "chunked_attention" in layer_types and not chunk_size:
+                raise ConfigError(f"{source}: layer_types has chunked_attention layers but attention_chunk_size={chunk_size!r}")
             if "sliding_attention" in layer_types and not sliding_window:
                 raise ConfigError(f"{source}: layer_types has sliding_attention layers but sliding_window={sliding_window!r}")
             if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral") and len(set(layer_types)) > 1:
@@ -498,7 +498,7 @@ def _llama4_fields(d: dict[str, Any]) -> dict[str, Any]:
     if d.get("moe_layers") is not None and list(d["moe_layers"]) != list(range(step - 1, num_layers, step)):
         raise ConfigError(f"moe_layers={list(d['moe_layers'])}: only every interleave_moe_layer_step-th layer "
                           f"({list(range(step - 1, num_layers, step))}) with experts is supported for llama4")
-    chunk = d.get("attention_chunk_size")
+    chunk = d.get("attention_chunk_size", 8192)  # (transformers' default; an explicit null: no chunks)
     tuning = bool(d.get("attn_temperature_tuning", True))
     return dict(nope_layers=tuple(i for i, has_rope in enumerate(flags) if not has_rope), moe_layer_step=step,
                 attention_chunk_size=int(chunk) if chunk else None, router_scoring="sigmoid", router_scales_inputs=True,

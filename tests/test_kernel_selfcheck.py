@@ -193,6 +193,9 @@ def test_attention_with_sinks_a_soft_cap_a_window_and_chunks_passes_its_check(pl
     verdicts = run_checks(Kernels(platform, interpret=True), shapes, operations=["ragged_attention"])
     assert len(verdicts) == 2 and all(v.verdict == "pass" for v in verdicts), verdicts
     assert all("soft_cap=5 sinks chunk=8" in v.case for v in verdicts)
+    # the flash kernel with the chunk (its q_start path), on a fresh prefill of two sequences
+    [flash] = run_checks(Kernels(platform, interpret=True), dataclasses.replace(shapes, sinks=False), operations=["flash_attention"])
+    assert flash.verdict == "pass" and "chunk=8" in flash.case, flash
 
 
 def test_the_standalone_script_prints_a_table(capsys):

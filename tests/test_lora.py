@@ -219,9 +219,10 @@ def test_tensor_parallel_lora_equals_one_device(base_dir, adapters):
         assert np.abs(jax_log_softmax(two, PROMPT, lr) - jax_log_softmax(one, PROMPT, lr)).max() < 1e-4
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "llama4"])
 def test_a_moe_model_serves_attention_adapters_and_refuses_mlp_ones(family, tmp_path):
-    """A MoE model's experts take no adapter; its attention does, with peft's logits."""
+    """A MoE model's experts take no adapter; its attention does, with peft's logits (Llama 4: on q/k rows
+    reordered from RoPE pairs to halves at load, the adapter's B columns alike)."""
     save_hf_model(family, tmp_path / "base")
     model = make_adapter(tmp_path / "base", tmp_path / "attn", ("q_proj", "k_proj", "v_proj", "o_proj"), seed=7)
     llm = LLM(str(tmp_path / "base"), enable_lora=True, max_loras=1, max_lora_rank=8, **SETTINGS)

@@ -269,3 +269,16 @@ def test_llama4_config_switches_it_does_not_implement_are_refused_by_name():
         ModelConfig.from_hf_dict({**d, "moe_layers": [0, 3]})
     with pytest.raises(ConfigError, match="chunked_attention layers but attention_chunk_size=None"):
         ModelConfig.from_hf_dict({**d, "attention_chunk_size": None, "layer_types": ["chunked_attention"] * 4})
+    assert ModelConfig.from_hf_dict({k: v for k, v in d.items() if k != "attention_chunk_size"}).attention_chunk_size == 8192
+
+
+def test_a_quantized_llama4_checkpoint_is_refused_by_name(tmp_path):
+    """GPTQ / AWQ / compressed-tensors store q/k as packed integers, which the load-time reorder of
+    Llama 4's RoPE pairs does not reach: refused rather than loaded wrong."""
+    from checkpoints_conv import CheckpointError
+    from checkpoints_conv.source import open_checkpoint
+
+    config = dict(model_type="llama4_text", quantization_config=dict(quant_method="gptq", bits=4, group_size=128,
+                                                                     desc_act=False, sym=True))
+    with pytest.raises(CheckpointError, match="llama4_text checkpoint quantized by gptq is not supported"):
+        open_checkpoint(tmp_path, config)

@@ -302,7 +302,7 @@ class Decoder(nnx.Module):
         if "router" in w:  # a MoE layer (GLM-4.5's first layers are dense)
             return self._tensor_sum(moe.moe_mlp(h, w, c, self.parallel, kernels))
         act = gelu_tanh_glu if c.hidden_act == "gelu_tanh" else swiglu
-        if lw is not None:
+        if lw is not None and "gate_up_a" in lw:  # (a MoE model's table has no MLP adapters, its dense layers none)
             gate_up = linear(h, w["gate_up_proj"], w.get("gate_up_bias"), kernels).astype(jnp.float32)
             a = act((gate_up + kernels.lora_delta(h, lw["gate_up_a"], [lw["gate_b"], lw["up_b"]], step.lora_slot)).astype(h.dtype))
             return self._row_parallel(a, w["down_proj"], w.get("down_bias"),

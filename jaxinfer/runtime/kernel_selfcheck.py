@@ -301,7 +301,9 @@ def _ragged_attention_cases(kernels: Kernels, xla: Kernels, s: StepShapes) -> It
 def _flash_attention_case(kernels: Kernels, s: StepShapes) -> Case:
     Hq, Hkv, D, T = s.num_heads, s.num_kv_heads, s.head_dim, FLASH_MIN_TOKENS
     cu_q_lens, num_seqs, real = np.array([0, 100, T - 20, T - 20, T - 20], np.int32), np.array([2], np.int32), T - 20
-    options = dict(sm_scale=D**-0.5, sliding_window=s.sliding_window, soft_cap=s.soft_cap, causal=True)
+    # a model's chunk (8192 for Llama 4) would span both sequences whole: one short enough to cut them checks the same code
+    chunk = None if s.attention_chunk is None else min(s.attention_chunk, 32)
+    options = dict(sm_scale=D**-0.5, sliding_window=s.sliding_window, soft_cap=s.soft_cap, causal=True, attention_chunk=chunk)
 
     def inputs(rng):
         q_key, k_key, v_key = jax.random.split(rng, 3)
@@ -310,7 +312,8 @@ def _flash_attention_case(kernels: Kernels, s: StepShapes) -> Case:
 
     kernel = lambda *args: kernels.flash_attention(*args, **options)[:real]  # noqa: E731
     reference = lambda *args: flash_attention_reference(*args, **options)[:real]  # noqa: E731
-    description = f"fresh prefill T={T} (2 sequences) Hq={Hq} Hkv={Hkv} D={D} {s.dtype} window={s.sliding_window}"
+    description = (f"fresh prefill T={T} (2 sequences) Hq={Hq} Hkv={Hkv} D={D} {s.dtype} window={s.sliding_window}"
+                   + (f" chunk={chunk}" if chunk else ""))
     return Case("flash_attention", description, inputs, kernel, reference, _tolerance(s.dtype))
 
 
