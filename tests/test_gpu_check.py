@@ -17,6 +17,7 @@ def test_gpu_check_writes_a_report_of_every_kernel_and_the_timings(tmp_path):
     kernels = ("ragged_paged_attention", "flash_attention", "add_rms_norm", "swiglu_matmul", "quantized_matmul", "rope_kv_write")
     assert all(f"| {k} |" in report for k in kernels)
     assert "FAIL" not in report and "NOT a hardware run" in report
-    assert report.count("decode attention") == 4 and report.count("quantized matmul") == 3
+    assert report.count("decode attention") == 5 and report.count("quantized matmul") == 3
     assert report.count("sinks") == 2 and report.count("head_dim 512") == 3  # ragged decode + chunk (+ flash)
-    assert "window 16" in report  # the windowed decode beside the full one
+    assert "window 16" in report and "chunk 16" in report  # the windowed and chunked decodes beside the full one
+    assert report.count("llama-4-scout") == 3  # ragged decode + prefill chunk + flash, with chunks
