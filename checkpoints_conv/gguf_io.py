@@ -110,7 +110,7 @@ def read_gguf_config(path: str | Path) -> dict:
     family = _FAMILY_CONFIG.get(arch_name)
     if family is not None:
         try:
-            config.update(family(meta, arch_name, config))
+            config.update(family(meta, arch_name, config, tensor_names))
         except CheckpointError as e:
             raise CheckpointError(f"{header.path}: {e}") from None
     for key in ("bos_token_id", "eos_token_id"):
@@ -170,7 +170,7 @@ def _gemma_scalar(config: dict, n_layers_27b: int) -> int:
     return config["head_dim"]
 
 
-def _gemma2_config(meta: dict, arch_name: str, config: dict) -> dict:
+def _gemma2_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str]) -> dict:
     """Gemma 2: sliding and global layers alternating (llama.cpp's default period 2), the window
     4096 and the soft caps 50 / 30 unless the file says otherwise (llama.cpp's defaults, which are
     Gemma 2's own); one RoPE for every layer (the converter writes no rope.freq_base: 10000)."""
@@ -185,7 +185,7 @@ def _gemma2_config(meta: dict, arch_name: str, config: dict) -> dict:
     }
 
 
-def _gemma3_config(meta: dict, arch_name: str, config: dict) -> dict:
+def _gemma3_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str]) -> dict:
     """Gemma 3 (text): five sliding layers per global one (llama.cpp's default period 6; the
     converter writes no pattern), the sliding layers on their own RoPE base (10000 unless
     `rope.freq_base_swa` says otherwise, as in llama.cpp) without the global layers' scaling; no
@@ -206,7 +206,7 @@ def _gemma3_config(meta: dict, arch_name: str, config: dict) -> dict:
     return out
 
 
-def _olmo2_config(meta: dict, arch_name: str, config: dict) -> dict:
+def _olmo2_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str]) -> dict:
     """OLMo 2, or OLMo 3 when the file has a sliding window (llama.cpp writes both as "olmo2"):
     then three sliding layers per global one unless the pattern says otherwise, the sliding layers
     on plain RoPE (the global ones may have YaRN)."""
@@ -229,7 +229,9 @@ def _moe_config(meta: dict, arch_name: str, arch: GgufArch) -> dict:
     out: dict[str, Any] = {"model_type": arch.moe_model_type or arch.model_type, "num_local_experts": experts,
                            "num_experts": experts, "num_experts_per_tok": int(meta[f"{arch_name}.expert_used_count"])}
     width = meta.get(f"{arch_name}.expert_feed_forward_length")
-    if width is not None and out["model_type"] not in ("mixtral", "gpt_oss"):  # (theirs is intermediate_size)
+    if width is not None and out["model_type"] in ("mixtral", "gpt_oss", "minimax_m2"):  # an expert as wide as intermediate_size
+        out["intermediate_size"] = int(width)
+    elif width is not None:
         out["moe_intermediate_size"] = int(width)
     shared = meta.get(f"{arch_name}.expert_shared_feed_forward_length")
     if shared is not None:
@@ -239,7 +241,7 @@ def _moe_config(meta: dict, arch_name: str, arch: GgufArch) -> dict:
     return out
 
 
-def _gpt_oss_config(meta: dict, arch_name: str, config: dict) -> dict:
+def _gpt_oss_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str]) -> dict:
     """GPT-OSS: a window on every other layer from the first (llama.cpp's fixed pattern), the
     experts' SwiGLU clamped at 7 (llama.cpp's constant), YaRN without truncated ramp bounds (the
     released config's)."""
@@ -251,7 +253,38 @@ def _gpt_oss_config(meta: dict, arch_name: str, config: dict) -> dict:
             "attention_bias": True, "rope_parameters": rope}
 
 
-_FAMILY_CONFIG = {"gemma2": _gemma2_config, "gemma3": _gemma3_config, "olmo2": _olmo2_config, "gpt-oss": _gpt_oss_config}
+def _rotary_factor(meta: dict, arch_name: str, config: dict) -> float:
+    """The share of each head RoPE turns: `{arch}.rope.dimension_count` over head_dim."""
+    return meta.get(f"{arch_name}.rope.dimension_count", config["head_dim"]) / config["head_dim"]
+
+
+def _glm4_moe_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str]) -> dict:
+    """GLM-4.5: block_count includes the multi-token-prediction layers (nextn_predict_layers) after
+    the model's; dense first layers, sigmoid routing scaled by expert_weights_scale, shared experts;
+    q/k norms and q/k/v biases when the file has them; partial RoPE from rope.dimension_count."""
+    nextn = int(meta.get(f"{arch_name}.nextn_predict_layers", 0))
+    return {"num_hidden_layers": config["num_hidden_layers"] - nextn, "num_nextn_predict_layers": nextn,
+            "n_routed_experts": config["num_local_experts"], "n_shared_experts": int(meta.get(f"{arch_name}.expert_shared_count", 1)),
+            "first_k_dense_replace": int(meta.get(f"{arch_name}.leading_dense_block_count", 0)),
+            "n_group": int(meta.get(f"{arch_name}.expert_group_count", 1)),
+            "topk_group": int(meta.get(f"{arch_name}.expert_group_used_count", 1)),
+            "routed_scaling_factor": _f32(meta.get(f"{arch_name}.expert_weights_scale", 1.0)),
+            "norm_topk_prob": bool(meta.get(f"{arch_name}.expert_weights_norm", True)),
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in tensor_names, "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+            "partial_rotary_factor": _rotary_factor(meta, arch_name, config)}
+
+
+def _minimax_m2_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str]) -> dict:
+    """MiniMax-M2: sigmoid routing (the only gating it implements: another is refused), the rotary
+    dims from rope.dimension_count."""
+    gating = meta.get(f"{arch_name}.expert_gating_func", 2)
+    if int(gating) != 2:
+        raise CheckpointError(f"{arch_name}.expert_gating_func={gating}: only sigmoid (2) routing is supported for minimax-m2")
+    return {"rotary_dim": int(meta.get(f"{arch_name}.rope.dimension_count", config["head_dim"]))}
+
+
+_FAMILY_CONFIG = {"gemma2": _gemma2_config, "gemma3": _gemma3_config, "olmo2": _olmo2_config, "gpt-oss": _gpt_oss_config,
+                  "glm4moe": _glm4_moe_config, "minimax-m2": _minimax_m2_config}
 
 
 def _optional_f32(value) -> float | None:

@@ -331,8 +331,9 @@ class GgufArch:
     # for a bias): their HF module name has no expert index, which GgufSource inserts per expert
     stacked_experts: frozenset = frozenset({"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"})
     moe_model_type: str | None = None  # the model_type of a file of this architecture with experts (llama -> mixtral)
-    bare: frozenset = frozenset({"attn_sinks"})  # GGUF base names whose HF tensor has no .weight suffix (GPT-OSS's sinks)
-    _layer_re: re.Pattern = field(init=False, repr=False, compare=False, default=re.compile(r"blk\.(\d+)\.(\w+)"))
+    # GGUF `base.suffix` -> HF name after `model.layers.{i}.`, where HF's name is no module + suffix
+    exact: Mapping[str, str] = field(default_factory=dict)
+    _layer_re: re.Pattern = field(init=False, repr=False, compare=False, default=re.compile(r"blk\.(\d+)\.(.+)"))
 
     def hf_name(self, gguf_name: str) -> str | None:
         """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
@@ -342,9 +343,10 @@ class GgufArch:
         if base in self.globals:
             return f"{self.globals[base]}.{suffix}"
         m = self._layer_re.fullmatch(base)
+        if m and f"{m.group(2)}.{suffix}" in self.exact:
+            return f"model.layers.{m.group(1)}.{self.exact[f'{m.group(2)}.{suffix}']}"
         if m and m.group(2) in self.per_layer:
-            name = f"model.layers.{m.group(1)}.{self.per_layer[m.group(2)]}"
-            return name if m.group(2) in self.bare else f"{name}.{suffix}"
+            return f"model.layers.{m.group(1)}.{self.per_layer[m.group(2)]}.{suffix}"
         return None
 
 
@@ -401,8 +403,23 @@ _QWEN_MOE_GGUF_PER_LAYER = {
 _GPT_OSS_GGUF_PER_LAYER = {
     **{k: v for k, v in _LLAMA_GGUF_PER_LAYER.items() if k != "ffn_norm"},
     "post_attention_norm": "post_attention_layernorm",
-    "attn_sinks": "self_attn.sinks",
     **_moe_gguf_per_layer("mlp.router", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
+}
+# GLM-4.5 ("glm4moe"): the norm before the MLP is post_attention_norm; dense first layers; shared
+# experts; a correction bias (exp_probs_b); the multi-token-prediction layer after the last one
+# (nextn.*, hidden at load by checkpoints_conv.views like the HF checkpoint's).
+_GLM4_MOE_GGUF_PER_LAYER = {
+    **{k: v for k, v in _LLAMA_GGUF_PER_LAYER.items() if k != "ffn_norm"},
+    "post_attention_norm": "post_attention_layernorm",
+    **_moe_gguf_per_layer("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
+    **{f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")},
+    **{f"nextn.{n}": n.replace("shared_head_", "shared_head.") for n in ("eh_proj", "embed_tokens", "enorm", "hnorm",
+                                                                         "shared_head_head", "shared_head_norm")},
+}
+# MiniMax-M2 ("minimax-m2"): Mixtral's names with q/k norms over the projection and a correction bias.
+_MINIMAX_M2_GGUF_PER_LAYER = {
+    **_LLAMA_GGUF_PER_LAYER,
+    **_moe_gguf_per_layer("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2"),
 }
 
 # GGUF general.architecture -> how to read it. Mistral GGUFs say "llama". llama.cpp permutes the
@@ -419,7 +436,11 @@ GGUF_ARCHS: dict[str, GgufArch] = {
     "olmo2": GgufArch("olmo2", _LLAMA_GGUF_GLOBALS, _OLMO2_GGUF_PER_LAYER),
     "qwen2moe": GgufArch("qwen2_moe", _LLAMA_GGUF_GLOBALS, _QWEN_MOE_GGUF_PER_LAYER),
     "qwen3moe": GgufArch("qwen3_moe", _LLAMA_GGUF_GLOBALS, _QWEN_MOE_GGUF_PER_LAYER),
-    "gpt-oss": GgufArch("gpt_oss", _LLAMA_GGUF_GLOBALS, _GPT_OSS_GGUF_PER_LAYER),
+    "gpt-oss": GgufArch("gpt_oss", _LLAMA_GGUF_GLOBALS, _GPT_OSS_GGUF_PER_LAYER, exact={"attn_sinks.weight": "self_attn.sinks"}),
+    "glm4moe": GgufArch("glm4_moe", _LLAMA_GGUF_GLOBALS, _GLM4_MOE_GGUF_PER_LAYER,
+                        exact={"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}),
+    "minimax-m2": GgufArch("minimax_m2", _LLAMA_GGUF_GLOBALS, _MINIMAX_M2_GGUF_PER_LAYER,
+                           exact={"exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias"}),
 }
 
 

@@ -40,8 +40,8 @@ def open_checkpoint(path: str | Path, config: dict) -> TensorSource:
     a directory quantized by GPTQ, AWQ or compressed-tensors through `QuantizedHFSource`; the
     stacked or fused tensors of some architectures through their views (checkpoints_conv.views:
     GPT-OSS's experts, MXFP4 ones dequantized as they are read)."""
-    if is_gguf(path):
-        return GgufSource(path, config)
+    if is_gguf(path):  # (the views see HF names: GLM-4.5's MoE layers renumbered, its MTP layer hidden)
+        return with_views(GgufSource(path, config), config)
     qc = config.get("quantization_config") or {}
     if qc.get("quant_method") == "mxfp4" and config.get("model_type") == "gpt_oss":
         config = {k: v for k, v in config.items() if k != "quantization_config"}  # GPT-OSS's experts: views.py reads them

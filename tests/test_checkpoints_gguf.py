@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader, GGUFWriter, RopeScalingType
+from gguf import ExpertGatingFuncType, GGUFReader, GGUFWriter, RopeScalingType
 from gguf.quants import dequantize, quantize
 
 from checkpoints_conv import CheckpointError, GgufSource, iter_gguf_tensors, load_params, read_gguf_config
@@ -413,7 +413,8 @@ def llama_cpp_gguf(path, hf_dir, arch):
     w = GGUFWriter(path, arch)
     w.add_context_length(hp["max_position_embeddings"])
     w.add_embedding_length(hp["hidden_size"])
-    w.add_block_count(hp["num_hidden_layers"])
+    nextn = hp.get("num_nextn_predict_layers") or 0 if arch == "glm4moe" else 0
+    w.add_block_count(hp["num_hidden_layers"] + nextn)  # (Glm4MoeModel counts its MTP layers)
     w.add_feed_forward_length(hp["intermediate_size"])
     w.add_head_count(hp["num_attention_heads"])
     w.add_head_count_kv(hp["num_key_value_heads"])
@@ -445,7 +446,7 @@ def llama_cpp_gguf(path, hf_dir, arch):
     if arch == "olmo2" and "sliding_window" in hp:  # OLMo 3
         w.add_sliding_window(hp["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in hp["layer_types"]])
-    experts = hp.get("num_local_experts") or hp.get("num_experts")
+    experts = hp.get("num_local_experts") or hp.get("num_experts") or hp.get("n_routed_experts")
     if experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(hp["num_experts_per_tok"])
@@ -454,6 +455,17 @@ def llama_cpp_gguf(path, hf_dir, arch):
             w.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
     if arch == "gpt-oss":
         w.add_sliding_window(hp["sliding_window"])
+    if arch == "glm4moe":  # Glm4MoeModel.set_gguf_parameters
+        w.add_rope_dimension_count(int(hp["head_dim"] * full["partial_rotary_factor"]))
+        w.add_expert_shared_count(hp["n_shared_experts"])
+        w.add_leading_dense_block_count(hp["first_k_dense_replace"])
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(hp["routed_scaling_factor"])
+        w.add_expert_weights_norm(hp["norm_topk_prob"])
+        w.add_nextn_predict_layers(nextn)
+    if arch == "minimax-m2":  # MiniMaxM2Model.set_gguf_parameters
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_rope_dimension_count(hp["rotary_dim"])
     w.add_token_list([f"<{i}>" for i in range(hp["vocab_size"])])
     w.add_bos_token_id(hp["bos_token_id"])
     w.add_eos_token_id(hp["eos_token_id"])
@@ -466,6 +478,9 @@ def llama_cpp_gguf(path, hf_dir, arch):
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         w.add_tensor(gguf_name, np.ascontiguousarray(array, np.float32))
+    for i in range(hp["num_hidden_layers"], hp["num_hidden_layers"] + nextn):  # GLM-4.5's MTP layer (not run): two of its tensors
+        w.add_tensor(f"blk.{i}.nextn.eh_proj.weight", np.zeros((hp["hidden_size"], 2 * hp["hidden_size"]), np.float32))
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hp["hidden_size"], np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -497,7 +512,9 @@ def _llama_cpp_tensors(tensors: dict, arch: str, hp: dict):
                     yield (f"{m.group(1)}.{part}.bias", array[:, cols]) if m.group(3) else (
                         f"{m.group(1)}.{part}.weight", array[:, :, cols].swapaxes(1, 2))
             continue
-        yield name + (".weight" if name.endswith(".sinks") else ""), array  # (GptOssModel names the sinks so)
+        if name.endswith(".sinks"):  # GptOssModel names the sinks so
+            name += ".weight"
+        yield name.replace("e_score_correction_bias", "e_score_correction.bias"), array  # (as the converter does)
     for name, by_expert in merged.items():
         yield name, np.stack([by_expert[e] for e in sorted(by_expert)])
 
@@ -515,6 +532,8 @@ LLAMA_CPP_FAMILIES = {
     "qwen2_moe": ("qwen2moe", {}),
     "qwen3_moe": ("qwen3moe", {}),
     "gpt_oss": ("gpt-oss", {"swiglu_limit": 7.0}),  # llama.cpp's fixed clamp
+    "glm4_moe": ("glm4moe", {"n_group": 1, "topk_group": 1}),  # llama.cpp writes no expert groups (GLM-4.5 has one)
+    "minimax_m2": ("minimax-m2", {}),
 }
 
 
