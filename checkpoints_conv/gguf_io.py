@@ -12,7 +12,6 @@ the original HF ones up to quantization error.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -30,8 +29,8 @@ from checkpoints_conv.tensor_source import TensorSource
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4})
 
-# llama.cpp writes llama3-style rope scaling as per-dimension factors in this tensor; it is not a
-# model parameter and has no HF config equivalent here (transformers' GGUF loader drops it too).
+# llama.cpp writes llama3-style rope scaling as per-dimension factors in this tensor: not a model
+# parameter, read into the config (rope_type "freq_factors") instead.
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 
@@ -117,12 +116,11 @@ def read_gguf_config(path: str | Path) -> dict:
         value = meta.get(f"tokenizer.ggml.{key}")
         if value is not None:
             config[key] = int(value)
-    if ROPE_FREQS_TENSOR in tensor_names:
-        warnings.warn(
-            f"{header.path}: has {ROPE_FREQS_TENSOR} (llama3-style per-dimension rope factors); they are "
-            "not carried into rope_parameters and the tensor is skipped",
-            stacklevel=2,
-        )
+    if ROPE_FREQS_TENSOR in tensor_names:  # llama3-style scaling as llama.cpp stores it: a divisor per frequency
+        info = next(t for t in header.tensors if t.name == ROPE_FREQS_TENSOR)
+        factors = _dequantize(header.path, info).reshape(-1)
+        config["rope_parameters"] = {"rope_type": "freq_factors", "rope_theta": config["rope_parameters"]["rope_theta"],
+                                     "freq_factors": [float(f) for f in factors]}
     return config
 
 
@@ -283,7 +281,19 @@ def _minimax_m2_config(meta: dict, arch_name: str, config: dict, tensor_names: s
     return {"rotary_dim": int(meta.get(f"{arch_name}.rope.dimension_count", config["head_dim"]))}
 
 
-_FAMILY_CONFIG = {"gemma2": _gemma2_config, "gemma3": _gemma3_config, "olmo2": _olmo2_config, "gpt-oss": _gpt_oss_config,
+def _llama4_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str]) -> dict:
+    """Llama 4 as llama.cpp runs it: chunks of 8192 on three layers of four (the fourth NoPE), L2
+    q/k norms except in the 128-expert model, experts every interleave_moe_layer_step-th layer;
+    feed_forward_length is the dense layers' width (HF's intermediate_size_mlp), the experts' is
+    expert_feed_forward_length (HF's intermediate_size)."""
+    experts = config.get("num_local_experts", 0)
+    return {"intermediate_size_mlp": config["intermediate_size"],
+            "intermediate_size": int(meta.get(f"{arch_name}.expert_feed_forward_length", config["intermediate_size"])),
+            "interleave_moe_layer_step": int(meta.get(f"{arch_name}.interleave_moe_layer_step", 1)),
+            "attention_chunk_size": 8192, "no_rope_layer_interval": 4, "use_qk_norm": experts != 128}
+
+
+_FAMILY_CONFIG = {"gemma2": _gemma2_config, "llama4": _llama4_config, "gemma3": _gemma3_config, "olmo2": _olmo2_config, "gpt-oss": _gpt_oss_config,
                   "glm4moe": _glm4_moe_config, "minimax-m2": _minimax_m2_config}
 
 

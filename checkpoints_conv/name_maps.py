@@ -422,6 +422,15 @@ _MINIMAX_M2_GGUF_PER_LAYER = {
     **_moe_gguf_per_layer("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2"),
 }
 
+# Llama 4 ("llama4"): q/k rows as HF has them (RoPE on adjacent pairs; checkpoints_conv.views
+# reorders them), dense and MoE layers under feed_forward (views renumber each kind).
+_LLAMA4_GGUF_PER_LAYER = {
+    **{k: v for k, v in _LLAMA_GGUF_PER_LAYER.items() if not k.startswith("ffn_") or k == "ffn_norm"},
+    **{f"ffn_{p}": f"feed_forward.{p}_proj" for p in ("gate", "up", "down")},
+    **_moe_gguf_per_layer("feed_forward.router", "feed_forward.experts", "gate_proj", "up_proj", "down_proj"),
+    **{f"ffn_{p}_shexp": f"feed_forward.shared_expert.{p}_proj" for p in ("gate", "up", "down")},
+}
+
 # GGUF general.architecture -> how to read it. Mistral GGUFs say "llama". llama.cpp permutes the
 # q/k rows of llama-style (interleaved-pair RoPE) archs only; gemma2 / gemma3 / olmo2 run NeoX-style
 # RoPE (HF's half-split order) and are stored as HF has them. An "olmo2" file with a sliding window
@@ -439,6 +448,7 @@ GGUF_ARCHS: dict[str, GgufArch] = {
     "gpt-oss": GgufArch("gpt_oss", _LLAMA_GGUF_GLOBALS, _GPT_OSS_GGUF_PER_LAYER, exact={"attn_sinks.weight": "self_attn.sinks"}),
     "glm4moe": GgufArch("glm4_moe", _LLAMA_GGUF_GLOBALS, _GLM4_MOE_GGUF_PER_LAYER,
                         exact={"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}),
+    "llama4": GgufArch("llama4_text", _LLAMA_GGUF_GLOBALS, _LLAMA4_GGUF_PER_LAYER),
     "minimax-m2": GgufArch("minimax_m2", _LLAMA_GGUF_GLOBALS, _MINIMAX_M2_GGUF_PER_LAYER,
                            exact={"exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias"}),
 }

@@ -35,7 +35,7 @@ MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "minimax_m2",
 NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2",
                           "glm4_moe", "llama4_text", "llama4")
 SUPPORTED_MODEL_TYPES = LLAMA_MODEL_TYPES + NEW_FAMILY_MODEL_TYPES
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "freq_factors")
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 _ARCHITECTURE_TO_MODEL_TYPE = {
@@ -85,6 +85,8 @@ class RopeScaling:
     # longrope (Phi-3): one factor per frequency, short below original_max_position_embeddings
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    # freq_factors (a GGUF's rope_freqs tensor: llama.cpp's form of llama3 scaling): frequency i divided by factor i
+    freq_factors: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,9 +312,9 @@ class ModelConfig:
         if config.rotary_dim % 2:
             raise ConfigError(f"{source}: partial_rotary_factor={rotary_factor} turns an odd number of dims ({config.rotary_dim})")
         for name, rs in (("rope", config.rope_scaling), ("local rope", config.local_rope_scaling)):
-            for factors in (rs.short_factor, rs.long_factor):
+            for factors in (rs.short_factor, rs.long_factor, rs.freq_factors):
                 if factors and len(factors) != config.rope_dim // 2:
-                    raise ConfigError(f"{source}: {name} longrope factors have {len(factors)} entries; "
+                    raise ConfigError(f"{source}: {name} {rs.rope_type} factors have {len(factors)} entries; "
                                       f"the rotary dims need {config.rope_dim // 2}")
         return config
 
@@ -621,4 +623,5 @@ def _parse_rope_spec(spec: dict[str, Any], d: dict[str, Any], source: str) -> tu
         mscale_all_dim=_optional_float(spec.get("mscale_all_dim")),
         short_factor=tuple(float(x) for x in spec.get("short_factor") or ()),
         long_factor=tuple(float(x) for x in spec.get("long_factor") or ()),
+        freq_factors=tuple(float(x) for x in spec.get("freq_factors") or ()),
     ), factor

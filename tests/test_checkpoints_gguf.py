@@ -415,7 +415,7 @@ def llama_cpp_gguf(path, hf_dir, arch):
     w.add_embedding_length(hp["hidden_size"])
     nextn = hp.get("num_nextn_predict_layers") or 0 if arch == "glm4moe" else 0
     w.add_block_count(hp["num_hidden_layers"] + nextn)  # (Glm4MoeModel counts its MTP layers)
-    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_feed_forward_length(hp["intermediate_size_mlp"] if arch == "llama4" else hp["intermediate_size"])
     w.add_head_count(hp["num_attention_heads"])
     w.add_head_count_kv(hp["num_key_value_heads"])
     w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
@@ -463,6 +463,8 @@ def llama_cpp_gguf(path, hf_dir, arch):
         w.add_expert_weights_scale(hp["routed_scaling_factor"])
         w.add_expert_weights_norm(hp["norm_topk_prob"])
         w.add_nextn_predict_layers(nextn)
+    if arch == "llama4":  # Llama4Model.set_gguf_parameters (feed_forward_length: the dense layers')
+        w.add_interleave_moe_layer_step(hp["interleave_moe_layer_step"])
     if arch == "minimax-m2":  # MiniMaxM2Model.set_gguf_parameters
         w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
         w.add_rope_dimension_count(hp["rotary_dim"])
@@ -470,6 +472,8 @@ def llama_cpp_gguf(path, hf_dir, arch):
     w.add_bos_token_id(hp["bos_token_id"])
     w.add_eos_token_id(hp["eos_token_id"])
     names = get_tensor_name_map({v: k for k, v in MODEL_ARCH_NAMES.items()}[arch], hp["num_hidden_layers"])
+    if arch in ("llama", "llama4") and full["rope_type"] == "llama3":  # LlamaModel.generate_extra_tensors
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(full, hp["head_dim"]))
     for name, array in _llama_cpp_tensors(load_file(hf_dir / "model.safetensors"), arch, hp):
         if arch == "gemma2" and name == "lm_head.weight":
             continue
@@ -488,6 +492,25 @@ def llama_cpp_gguf(path, hf_dir, arch):
     return path
 
 
+def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """llama.cpp's rope_freqs tensor for llama3 scaling: a divisor per frequency (1 above the high
+    band, the factor below the low one, smoothed between), computed as its converter does."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    out = []
+    for f in freqs:
+        wavelen = 2 * np.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
 def _llama_cpp_tensors(tensors: dict, arch: str, hp: dict):
     """(HF name, array) as llama.cpp's converter hands them to the name map: q/k rows of "llama"
     permuted, per-expert tensors merged [E, out, in] under the name without the expert index,
@@ -504,6 +527,14 @@ def _llama_cpp_tensors(tensors: dict, arch: str, hp: dict):
             merged.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = array
             continue
         m = re.fullmatch(r"(.+\.experts)\.(gate_up_proj|down_proj)(_bias)?", name)
+        if m and arch == "llama4":  # [E, H, 2I] (gate | up) and [E, I, H], as [in, out]: transposed, split
+            if m.group(2) == "down_proj":
+                yield f"{m.group(1)}.down_proj.weight", array.swapaxes(1, 2)
+            else:
+                half = array.shape[2] // 2
+                yield f"{m.group(1)}.gate_proj.weight", array[:, :, :half].swapaxes(1, 2)
+                yield f"{m.group(1)}.up_proj.weight", array[:, :, half:].swapaxes(1, 2)
+            continue
         if m and arch == "gpt-oss":
             if m.group(2) == "down_proj":
                 yield f"{m.group(1)}.down_proj.{'bias' if m.group(3) else 'weight'}", array if m.group(3) else array.swapaxes(1, 2)
@@ -528,12 +559,15 @@ LLAMA_CPP_FAMILIES = {
     "gemma3": ("gemma3", {"num_hidden_layers": 6, "layer_types": None}),
     "olmo2": ("olmo2", {}),
     "olmo3": ("olmo2", {}),  # llama.cpp writes OLMo 3 as "olmo2", with its sliding window
+    "llama3.1": ("llama", {}),  # q/k rows permuted, llama3 RoPE scaling as a rope_freqs tensor
     "mixtral": ("llama", {}),  # llama.cpp writes Mixtral as "llama" with experts
     "qwen2_moe": ("qwen2moe", {}),
     "qwen3_moe": ("qwen3moe", {}),
     "gpt_oss": ("gpt-oss", {"swiglu_limit": 7.0}),  # llama.cpp's fixed clamp
     "glm4_moe": ("glm4moe", {"n_group": 1, "topk_group": 1}),  # llama.cpp writes no expert groups (GLM-4.5 has one)
     "minimax_m2": ("minimax-m2", {}),
+    # Llama 4: llama.cpp's fixed chunk of 8192 and temperature floor (the tiny model's 8 and 4 are in no file)
+    "llama4": ("llama4", {"attention_chunk_size": 8192, "floor_scale": 8192}),
 }
 
 
@@ -559,10 +593,21 @@ def hf_and_gguf(request, tmp_path_factory):
 
 
 def test_llama_cpp_gguf_config_equals_the_hf_folders(hf_and_gguf):
+    """Equal configs; llama3 RoPE scaling, stored as llama.cpp's rope_freqs tensor, as the same
+    frequencies (to float32's precision)."""
+    import dataclasses
+
+    from jaxinfer.models.rope import inv_freq
+
     family, hf_dir, gguf_path, _ = hf_and_gguf
     ours, theirs = read_config(resolve_model(gguf_path)), read_config(resolve_model(hf_dir))
+    if ours.rope_scaling.rope_type == "freq_factors":
+        assert theirs.rope_scaling.rope_type == "llama3"
+        np.testing.assert_allclose(inv_freq(ours.rope_theta, ours.rope_scaling, ours.rope_dim)[0],
+                                   inv_freq(theirs.rope_theta, theirs.rope_scaling, theirs.rope_dim)[0], rtol=1e-6)
+        ours = dataclasses.replace(ours, rope_scaling=theirs.rope_scaling)
     assert ours == theirs
-    assert ours.layer_types or ours.qk_norm or ours.is_moe  # the families' own switches came through, not defaults alike
+    assert ours.layer_types or ours.qk_norm or ours.is_moe or family == "llama3.1"  # the families' own switches came through
 
 
 def test_llama_cpp_gguf_params_equal_the_hf_folders(hf_and_gguf):
@@ -584,8 +629,9 @@ def test_llama_cpp_gguf_params_equal_the_hf_folders(hf_and_gguf):
         np.testing.assert_array_equal(np.asarray(flat["gguf"][name]), np.asarray(array), err_msg=f"{family}: {name}")
 
 
-@pytest.mark.parametrize("hf_and_gguf", ["gemma2"], indirect=True)  # one family runs (the params are equal for all)
-def test_llama_cpp_gemma2_gguf_logprobs_match_transformers(hf_and_gguf):
+# two families run (the params are equal for all): Gemma 2, and Llama 4 (rope_freqs, q/k rows as HF's, experts)
+@pytest.mark.parametrize("hf_and_gguf", ["gemma2", "llama4"], indirect=True)
+def test_llama_cpp_gguf_logprobs_match_transformers(hf_and_gguf):
     _, _, gguf_path, hf = hf_and_gguf
     from test_model_parity import TOL, PagedModel, hf_logprobs
     from jaxinfer.ops.batch import SequenceChunk

@@ -12,6 +12,8 @@ Scalings, as transformers computes them (frequencies in float64 on the host, the
   its sequence's length after the step (`seq_lens`), as HF does for the one sequence it runs;
 - yarn: a ramp between interpolated and extrapolated frequencies, and cos / sin scaled by the
   attention factor (0.1 ln(factor) + 1 unless given);
+- freq_factors (a GGUF's rope_freqs tensor, llama.cpp's form of llama3 scaling): frequency i
+  divided by factor i;
 - longrope (Phi-3): one factor per frequency, the short ones while the sequence is within
   original_max_position_embeddings and the long ones past it (per sequence, from `seq_lens`),
   cos / sin scaled by sqrt(1 + ln(factor) / ln(original)).
@@ -55,6 +57,8 @@ def inv_freq(theta: float, rs: RopeScaling, dim: int) -> tuple[np.ndarray, float
         return _yarn(theta, rs, dim)
     if rs.rope_type == "longrope":
         return inv / np.asarray(rs.short_factor, np.float64), _longrope_scale(rs)
+    if rs.rope_type == "freq_factors":
+        return inv / np.asarray(rs.freq_factors, np.float64), 1.0
     return inv, 1.0
 
 
