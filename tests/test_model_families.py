@@ -255,6 +255,27 @@ def test_a_multimodal_llama4_folder_generates_transformers_tokens_holding_a_chun
     assert max(h[g] for h in held for g in range(3)) <= window_pages(Chunk(8), 64, 4, 6)
     assert out.outputs[0].token_ids == hf_greedy(text, prompt, 24)
 
+    # transformers 5's naming of the same folder (model.language_model.*) loads the same parameters
+    from flax import nnx
+    from safetensors.numpy import load_file, save_file
+
+    from jaxinfer.runtime.loading import load_params, read_config, resolve_model
+    from jaxinfer.tree import nested_to_flat
+
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    tensors = {("model.language_model." + k[len("language_model.model."):] if k.startswith("language_model.model.") else k): v
+               for k, v in load_file(tmp_path / "model.safetensors").items()}
+    save_file(tensors, renamed / "model.safetensors")
+    (renamed / "config.json").write_text((tmp_path / "config.json").read_text())
+    params = []
+    for folder in (tmp_path, renamed):
+        source = resolve_model(folder)
+        params.append(nested_to_flat(nnx.to_pure_dict(load_params(source, read_config(source), jnp.float32, jnp.float32,
+                                                                   progress=False)[1])))
+    assert params[0].keys() == params[1].keys()
+    assert all(np.array_equal(np.asarray(params[0][k]), np.asarray(params[1][k])) for k in params[0])
+
 
 def test_llama4_config_switches_it_does_not_implement_are_refused_by_name():
     from jaxinfer.config import ConfigError, ModelConfig

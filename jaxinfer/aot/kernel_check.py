@@ -71,6 +71,8 @@ FAMILY_SHAPES = {
     "olmo-2-7b": FamilyShape(32, 32, 128, 4096, 11008),
     "smollm3-3b": FamilyShape(16, 4, 128, 2048, 11008),
     "llama-4-scout": FamilyShape(40, 8, 128, 5120, 8192, chunk=8192),
+    "glm-4.5": FamilyShape(96, 8, 128, 5120, 12288),  # (its dense first layers' MLP)
+    "minimax-m2": FamilyShape(48, 8, 128, 3072, 1536),  # (an expert's width)
 }
 
 PAGE_SIZE = 16
