@@ -100,6 +100,15 @@ def test_attention_kernels_compile_with_each_newer_family_option(chip, family, r
     assert compiled == ["ragged_paged_attention", "flash_attention"]
 
 
+def test_the_gpu_kernel_fits_many_query_heads_per_kv_head_into_shared_memory(h100):
+    """GLM-4.5: 12 query heads per KV head in a prefill's query blocks of 64 asked an H100 for 320
+    KiB of shared memory (it has 227); the kernel shrinks its query block until the tile fits."""
+    cases = [(case, fn, args) for kernel, case, fn, args in kernel_check.kernel_cases(h100, kernel_check.FAMILY_SHAPES["glm-4.5"])
+             if kernel == "ragged_paged_attention" and case.startswith("prefill") and "kv=bf16" in case]
+    assert len(cases) == 1
+    kernel_check.compile_for(h100, cases[0][1], cases[0][2])
+
+
 def test_a_mis_tiled_block_is_refused_by_the_tpu_compiler(v6e):
     """The check can fail: a (3, 5) block of a bf16 array is not whole (16, 128) tiles."""
 

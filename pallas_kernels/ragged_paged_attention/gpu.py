@@ -61,6 +61,10 @@ DEFAULT_KV_TOKENS_PER_BLOCK = 64  # KV tokens per tile when num_kv_pages_per_blo
 # ... and at most this many K (or V) entries per tile: a tile of 64 tokens x head_dim 512 in
 # bfloat16, double-buffered, asked an H100 for 272 KiB of shared memory (it has 227): measured
 MAX_KV_TILE_ENTRIES = 64 * 256
+# ... and a program's query rows (query block x the G heads sharing a KV head) times head_dim at
+# most this: GLM-4.5's 12 heads per KV head in query blocks of 64 (1024 rows of 128) asked an H100
+# for 320 KiB (compiled by the CUDA plugin); the query block shrinks to fit (a tuning, not a result)
+MAX_QUERY_TILE_ENTRIES = 256 * 128
 DEFAULT_NUM_KV_SPLITS = 4
 MIN_BLOCK_DIM = 16  # Triton dots need every dimension >= 16
 
@@ -251,6 +255,8 @@ def ragged_paged_attention(
         raise ValueError("num_queries_per_block, num_kv_pages_per_block and num_kv_splits must be >= 1")
     G = Hq // Hkv
     Bq = num_queries_per_block
+    while Bq > 1 and _triton_dim(Bq * G) * _triton_dim(D) > MAX_QUERY_TILE_ENTRIES:
+        Bq //= 2
     default_tokens = min(DEFAULT_KV_TOKENS_PER_BLOCK, MAX_KV_TILE_ENTRIES // _triton_dim(D))
     C = min(num_kv_pages_per_block or max(1, default_tokens // page_size), pages_per_seq)
     tile_tokens = C * page_size  # KV tokens per tile
