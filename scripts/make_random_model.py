@@ -9,7 +9,7 @@ vocabulary and tokenizer are SmolLM2's).
 
 Shapes: hidden 576, MLP 1536, 30 layers, 9 query / 3 KV heads of 64, vocabulary 49152; each
 family's own layer pattern (Gemma 2: sliding / global alternating, window --window, default 256,
-below most of the workload's contexts). Weights are transformers' random init (the tokens mean
+below most of the workload's contexts; Llama 4: chunks of --window on 3 layers of 4, 4 experts). Weights are transformers' random init (the tokens mean
 nothing; the work per token is the real model's).
 """
 
@@ -36,12 +36,15 @@ def family_config(family: str, window: int):
         return transformers.Gemma3TextConfig(**SMOLLM2_SHAPES, sliding_window=window, query_pre_attn_scalar=64)
     if family == "olmo3":
         return transformers.Olmo3Config(**{**SMOLLM2_SHAPES, "num_key_value_heads": 9}, sliding_window=window)
-    raise SystemExit(f"unknown family {family!r} (gemma2, gemma3, olmo3)")
+    if family == "llama4":  # Scout's layout at these shapes: 4 experts (top 1) and a shared one in every layer, chunks of --window
+        return transformers.Llama4TextConfig(**SMOLLM2_SHAPES, intermediate_size_mlp=1536, num_local_experts=4,
+                                             num_experts_per_tok=1, attention_chunk_size=window)
+    raise SystemExit(f"unknown family {family!r} (gemma2, gemma3, olmo3, llama4)")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("family", choices=("gemma2", "gemma3", "olmo3"))
+    p.add_argument("family", choices=("gemma2", "gemma3", "olmo3", "llama4"))
     p.add_argument("out", type=Path)
     p.add_argument("--window", type=int, default=256, help="the sliding layers' window (default 256)")
     args = p.parse_args(argv)
