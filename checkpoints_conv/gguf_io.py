@@ -247,7 +247,6 @@ def _gpt_oss_config(meta: dict, arch_name: str, config: dict, tensor_names: set[
     if rope.get("rope_type") == "yarn":
         rope["truncate"] = False
     return {"sliding_window": int(meta.get(f"{arch_name}.attention.sliding_window", 128)), "swiglu_limit": 7.0,
-            "intermediate_size": int(meta.get(f"{arch_name}.expert_feed_forward_length", config["intermediate_size"])),
             "attention_bias": True, "rope_parameters": rope}
 
 
@@ -293,8 +292,8 @@ def _llama4_config(meta: dict, arch_name: str, config: dict, tensor_names: set[s
             "attention_chunk_size": 8192, "no_rope_layer_interval": 4, "use_qk_norm": experts != 128}
 
 
-_FAMILY_CONFIG = {"gemma2": _gemma2_config, "llama4": _llama4_config, "gemma3": _gemma3_config, "olmo2": _olmo2_config, "gpt-oss": _gpt_oss_config,
-                  "glm4moe": _glm4_moe_config, "minimax-m2": _minimax_m2_config}
+_FAMILY_CONFIG = {"gemma2": _gemma2_config, "gemma3": _gemma3_config, "olmo2": _olmo2_config, "gpt-oss": _gpt_oss_config,
+                  "glm4moe": _glm4_moe_config, "minimax-m2": _minimax_m2_config, "llama4": _llama4_config}
 
 
 def _optional_f32(value) -> float | None:

@@ -12,7 +12,7 @@ from checkpoints_conv.gguf_io import GgufSource, iter_gguf_tensors, read_gguf_co
 from checkpoints_conv.hf import SafetensorsSource, iter_safetensors, read_hf_config
 from checkpoints_conv.hf_quantized import QuantizedHFSource, read_quantization_config
 from checkpoints_conv.tensor_source import TensorSource
-from checkpoints_conv.views import with_views
+from checkpoints_conv.views import QK_ROWS_REORDERED, with_views
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -46,7 +46,7 @@ def open_checkpoint(path: str | Path, config: dict) -> TensorSource:
     if qc.get("quant_method") == "mxfp4" and config.get("model_type") == "gpt_oss":
         config = {k: v for k, v in config.items() if k != "quantization_config"}  # GPT-OSS's experts: views.py reads them
     fmt = read_quantization_config(config, str(Path(path) / "config.json"))
-    if fmt is not None and config.get("model_type") in ("llama4", "llama4_text"):
+    if fmt is not None and config.get("model_type") in QK_ROWS_REORDERED:
         raise CheckpointError(f"{path}: a {config['model_type']} checkpoint quantized by {config['quantization_config'].get('quant_method')} "
                               "is not supported (Llama 4's q/k rows are reordered at load, which its packed integers are "
                               "not); load the bfloat16 release and quantize in flight (quantization=...)")

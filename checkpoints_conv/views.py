@@ -207,6 +207,10 @@ _LLAMA4_MLP = re.compile(r"model\.layers\.(\d+)\.feed_forward\.(.+)")
 _LLAMA4_EXPERTS = re.compile(r"experts\.(gate_up_proj|down_proj)")
 
 
+# The model_types whose q/k rows llama4_views reorders (whatever else reads those rows must follow)
+QK_ROWS_REORDERED = ("llama4_text", "llama4")
+
+
 def pairs_to_halves(head_dim: int) -> np.ndarray:
     """Within one head, the row order that turns RoPE's adjacent pairs (0, 1), (2, 3), ... into
     halves (0, D/2), (1, D/2 + 1), ...: Llama 4's q and k rows (and a LoRA adapter's) at load."""
@@ -276,7 +280,7 @@ def llama4_views(source: TensorSource, config: dict) -> TensorSource:
 
 # HF model_type -> the views its checkpoints need
 VIEWS = {"gpt_oss": lambda source, config: gpt_oss_views(source), "phi3": phi3_views, "gemma3": gemma3_views,
-         "glm4_moe": glm4_moe_views, "llama4_text": llama4_views, "llama4": llama4_views}
+         "glm4_moe": glm4_moe_views, **{model_type: llama4_views for model_type in QK_ROWS_REORDERED}}
 
 
 def with_views(source: TensorSource, config: dict) -> TensorSource:

@@ -66,7 +66,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from jaxinfer.kv_groups import Chunk, first_kept, window_pages
+from jaxinfer.kv_groups import first_kept, span_tokens, window_pages
 
 SCRATCH_PAGE = 0  # same as jaxinfer.ops.batch.SCRATCH_PAGE (not imported: keep this module free of JAX)
 
@@ -108,7 +108,7 @@ class BlockManager:
                  windows: Sequence[int | None] = (None,)):
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"need num_pages >= 2 (page 0 is scratch) and page_size >= 1, got {num_pages}, {page_size}")
-        if not windows or any(w is not None and (w.size if isinstance(w, Chunk) else w) < 1 for w in windows):
+        if not windows or any(w is not None and span_tokens(w) < 1 for w in windows):
             raise ValueError(f"windows={tuple(windows)}: one entry per layer group, None, a window >= 1 or a Chunk")
         self.num_pages = num_pages
         self.page_size = page_size

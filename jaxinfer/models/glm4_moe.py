@@ -11,7 +11,7 @@
     logits = lm_head(rms_norm(x))
 
 The block is Llama's; the dense prefix is the layer loop's (`Decoder.run_layers`) and the MoE
-stacks start at first_dense_layers (`param_layout.first_layer`). The checkpoint's
+stacks hold the MoE layers only (`param_layout.stack_slots`). The checkpoint's
 multi-token-prediction layer is skipped at load (`checkpoints_conv.views`).
 """
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from checkpoints_conv.views import pairs_to_halves
+from checkpoints_conv.views import QK_ROWS_REORDERED, pairs_to_halves
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.param_layout import num_kv_heads_stored, param_columns
 
@@ -108,7 +108,7 @@ def fuse_adapter(config: ModelConfig, table: LoraTable, weights: dict, scale: fl
         block = A_BLOCKS[proj].index(module)
         out[f"lora.{proj}_a"][layer, :, block * R : block * R + r] = a.T
         bt = b.T * scale  # [r, out features in HF order]
-        if config.model_type in ("llama4", "llama4_text") and module in ("q_proj", "k_proj"):
+        if config.model_type in QK_ROWS_REORDERED and module in ("q_proj", "k_proj"):
             # the base q/k rows were reordered from RoPE pairs to halves at load (checkpoints_conv.views): the same here
             bt = bt.reshape(r, -1, config.head_dim)[:, :, pairs_to_halves(config.head_dim)].reshape(r, -1)
         name = f"lora.{B_NAME[module]}_b"
