@@ -264,6 +264,53 @@ LLAMA4_NAMES = ArchNames(
     ignored_prefixes=("vision_model.", "multi_modal_projector.", "model.vision_model.", "model.multi_modal_projector."),
 )
 
+# Gemma 4 (checkpoints_conv.views shows its tensors so): Gemma's sandwich norms; the global layers'
+# attention (`global_attn`) and the KV-shared layers' double-wide MLP (`wide_mlp`) numbered on their
+# own; a MoE block beside the dense MLP (a router with input and per-expert scales, norms around the
+# experts); per-layer input embeddings; a learned scalar per layer. A multimodal folder's text
+# decoder reads as the text model; its vision and audio towers are skipped.
+_GEMMA4_ATTENTION = {
+    **{f"{where}.{k}": Dest(f"layers.{prefix}{v.param.split('.', 1)[1]}", v.transpose, v.part)
+       for where, prefix in (("self_attn", ""), ("global_attn", "global_"))
+       for k, v in {"q_proj.weight": Dest("layers.qkv_proj", True, "q"), "k_proj.weight": Dest("layers.qkv_proj", True, "k"),
+                    "v_proj.weight": Dest("layers.qkv_proj", True, "v"), "o_proj.weight": Dest("layers.o_proj", True),
+                    "q_norm.weight": Dest("layers.q_norm", False), "k_norm.weight": Dest("layers.k_norm", False)}.items()},
+}
+GEMMA4_NAMES = ArchNames(
+    globals={
+        **LLAMA_NAMES.globals,
+        "model.embed_tokens_per_layer.weight": Dest("embed_per_layer", False),  # [Vp, L * P]
+        "model.per_layer_model_projection.weight": Dest("per_layer_proj", True),  # HF [L * P, H]
+        "model.per_layer_projection_norm.weight": Dest("per_layer_proj_norm", False),
+    },
+    per_layer={
+        **_GEMMA4_ATTENTION,
+        "input_layernorm.weight": Dest("layers.attn_norm", False),
+        "post_attention_layernorm.weight": Dest("layers.post_attn_norm", False),
+        "pre_feedforward_layernorm.weight": Dest("layers.mlp_norm", False),
+        "post_feedforward_layernorm.weight": Dest("layers.post_mlp_norm", False),
+        **{f"{where}.{k}": Dest(f"layers.{prefix}{v.param.split('.', 1)[1]}", v.transpose, v.part)
+           for where, prefix in (("mlp", ""), ("wide_mlp", "wide_"))
+           for k, v in {"gate_proj.weight": Dest("layers.gate_up_proj", True, "gate"),
+                        "up_proj.weight": Dest("layers.gate_up_proj", True, "up"),
+                        "down_proj.weight": Dest("layers.down_proj", True)}.items()},
+        "router.proj.weight": Dest("layers.router", True),
+        "router.scale": Dest("layers.router_scale", False),
+        "router.per_expert_scale": Dest("layers.expert_scale", False),
+        "post_feedforward_layernorm_1.weight": Dest("layers.post_dense_norm", False),
+        "pre_feedforward_layernorm_2.weight": Dest("layers.experts_norm", False),
+        "post_feedforward_layernorm_2.weight": Dest("layers.post_experts_norm", False),
+        "per_layer_input_gate.weight": Dest("layers.ple_gate", True),
+        "per_layer_projection.weight": Dest("layers.ple_proj", True),
+        "post_per_layer_input_norm.weight": Dest("layers.ple_norm", False),
+        "layer_scalar": Dest("layers.layer_scalar", False),
+    },
+    per_expert=QWEN3_MOE_NAMES.per_expert,
+    expert_prefix="experts.",
+    ignored_suffixes=("rotary_emb.inv_freq", "embed_scale"),
+    ignored_prefixes=("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio."),
+)
+
 # HF model_type -> its names. Which of the params exist (e.g. biases) is up to the caller's spec.
 HF_NAME_MAPS: dict[str, ArchNames] = {
     "llama": LLAMA_NAMES,
@@ -281,6 +328,8 @@ HF_NAME_MAPS: dict[str, ArchNames] = {
     "gemma2": GEMMA_NAMES,
     "gemma3_text": GEMMA_NAMES,
     "gemma3": GEMMA3_MULTIMODAL_NAMES,
+    "gemma4_text": GEMMA4_NAMES,
+    "gemma4": GEMMA4_NAMES,
     "olmo2": OLMO_NAMES,
     "olmo3": OLMO_NAMES,
     "gpt_oss": GPT_OSS_NAMES,

@@ -278,9 +278,94 @@ def llama4_views(source: TensorSource, config: dict) -> TensorSource:
     return ViewSource(source, views, hidden, renamed)
 
 
+_GEMMA4_LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp|experts)\.(.+)")
+
+
+def gemma4_layer_plan(text: dict) -> tuple[list[str], int, bool]:
+    """(layer_types, num_kv_shared_layers, whether the shared layers' MLP is double-wide) of a
+    Gemma 4 text config, as transformers settles them (the last layer always full attention)."""
+    n = int(text["num_hidden_layers"])
+    types = list(text.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)])
+    types[-1] = "full_attention"
+    shared = int(text.get("num_kv_shared_layers") or 0)
+    return types, shared, bool(text.get("use_double_wide_mlp")) and shared > 0
+
+
+def gemma4_views(source: TensorSource, config: dict) -> TensorSource:
+    """Gemma 4's tensors as the name map reads them:
+
+    - a multimodal folder's text decoder (model.language_model.*) under the text model's names;
+    - the attention of the global (full-attention) layers, whose head dim and KV heads are their
+      own, as `model.layers.{j}.global_attn.*` (j: its place among the global layers), the other
+      layers' as `model.layers.{j}.self_attn.*` numbered among themselves; likewise the KV-shared
+      layers' double-wide MLP as `wide_mlp` (param_layout.stack_of);
+    - a KV-shared layer's key and value projections, which it does not have (it reads the K/V of an
+      earlier layer), as zeros of their shape: never read;
+    - the experts, stored [E, 2I, H] (gate | up) and [E, H, I], as per-expert linears."""
+    text = config.get("text_config") or config
+    types, shared, wide = gemma4_layer_plan(text)
+    n, H = len(types), int(text["hidden_size"])
+    k_eq_v = bool(text.get("attention_k_eq_v", False))
+    slot = {}  # (layer, "self_attn" | "global_attn" | "mlp" | "wide_mlp") -> its number
+    for where, member in (("global_attn", lambda i: types[i] == "full_attention"), ("self_attn", lambda i: types[i] != "full_attention"),
+                          ("wide_mlp", lambda i: wide and i >= n - shared), ("mlp", lambda i: not (wide and i >= n - shared))):
+        for j, i in enumerate(i for i in range(n) if member(i)):
+            slot[(i, where)] = j
+    stored = {}  # the text model's name -> the stored name
+    for name, _ in source.listing():
+        stored[name.replace("model.language_model.", "model.", 1) if name.startswith("model.language_model.") else name] = name
+    shapes = dict(source.listing())
+    views: dict[str, View] = {}
+    renamed = {}
+    for name, inner in stored.items():
+        m = _GEMMA4_LAYER.fullmatch(name)
+        if m is None:
+            if name != inner:
+                renamed[name] = inner
+            continue
+        layer, module, rest = int(m.group(1)), m.group(2), m.group(3)
+        if module == "experts":
+            shape = shapes[inner]
+            for e in range(shape[0]):
+                one = (slice(e, e + 1),)
+                prefix = f"model.layers.{layer}.experts.{e}"
+                if rest == "down_proj":  # [E, H, I]: HF's [out, in] already
+                    views[f"{prefix}.down_proj.weight"] = ((shape[1], shape[2]), lambda inner=inner, one=one: source.read(inner, one)[0])
+                else:  # gate_up_proj [E, 2I, H]: gate the first I rows, up the rest
+                    width = shape[1] // 2
+                    for part, rows in (("gate_proj", slice(0, width)), ("up_proj", slice(width, 2 * width))):
+                        views[f"{prefix}.{part}.weight"] = (
+                            (width, shape[2]), lambda inner=inner, one=one, rows=rows: source.read(inner, one)[0][rows])
+            continue
+        where = ("global_attn" if types[layer] == "full_attention" else "self_attn") if module == "self_attn" else (
+            "wide_mlp" if wide and layer >= n - shared else "mlp")
+        renamed[f"model.layers.{slot[(layer, where)]}.{where}.{rest}"] = inner
+    for i in range(n - shared, n):  # the KV-shared layers' missing key / value weights: zeros
+        where = "global_attn" if types[i] == "full_attention" else "self_attn"
+        q = shapes[stored[f"model.layers.{i}.self_attn.q_norm.weight"]][0]  # the layer's head dim
+        kv_heads = _gemma4_kv_heads(text, types[i])
+        prefix = f"model.layers.{slot[(i, where)]}.{where}"
+        views[f"{prefix}.k_proj.weight"] = ((kv_heads * q, H), lambda s=(kv_heads * q, H): np.zeros(s, np.float32))
+        views[f"{prefix}.k_norm.weight"] = ((q,), lambda q=q: np.zeros((q,), np.float32))
+        if not (k_eq_v and where == "global_attn"):
+            views[f"{prefix}.v_proj.weight"] = ((kv_heads * q, H), lambda s=(kv_heads * q, H): np.zeros(s, np.float32))
+    hidden = set(renamed.values()) | {inner for name, inner in stored.items() if _GEMMA4_LAYER.fullmatch(name)}
+    return ViewSource(source, views, hidden, renamed)
+
+
+def _gemma4_kv_heads(text: dict, layer_type: str) -> int:
+    kv = int(text.get("num_key_value_heads") or text["num_attention_heads"])
+    if layer_type != "full_attention":
+        return kv
+    overrides = text.get("per_layer_config") or {}
+    if overrides:
+        return int(next(iter(overrides.values())).get("num_key_value_heads", kv))
+    return int(text.get("num_global_key_value_heads") or kv) if text.get("attention_k_eq_v") else kv
+
+
 # HF model_type -> the views its checkpoints need
 VIEWS = {"gpt_oss": lambda source, config: gpt_oss_views(source), "phi3": phi3_views, "gemma3": gemma3_views,
-         "glm4_moe": glm4_moe_views, **{model_type: llama4_views for model_type in QK_ROWS_REORDERED}}
+         "glm4_moe": glm4_moe_views, "gemma4_text": gemma4_views, "gemma4": gemma4_views, **{model_type: llama4_views for model_type in QK_ROWS_REORDERED}}
 
 
 def with_views(source: TensorSource, config: dict) -> TensorSource:

@@ -33,10 +33,11 @@ LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "minimax_m2", "glm4_moe", "llama4_text", "llama4")
 # The families of issue 35, each with its own model file (jaxinfer.models.registry).
 NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2",
-                          "glm4_moe", "llama4_text", "llama4")
+                          "glm4_moe", "llama4_text", "llama4", "gemma4_text", "gemma4")
 SUPPORTED_MODEL_TYPES = LLAMA_MODEL_TYPES + NEW_FAMILY_MODEL_TYPES
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "freq_factors", "proportional")
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "gemma4_text", "gemma4")
 
 _ARCHITECTURE_TO_MODEL_TYPE = {
     "LlamaForCausalLM": "llama",
@@ -58,6 +59,8 @@ _ARCHITECTURE_TO_MODEL_TYPE = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "Llama4ForCausalLM": "llama4_text",
     "Llama4ForConditionalGeneration": "llama4",
+    "Gemma4ForCausalLM": "gemma4_text",
+    "Gemma4ForConditionalGeneration": "gemma4",
 }
 
 
@@ -87,6 +90,9 @@ class RopeScaling:
     long_factor: tuple[float, ...] = ()
     # freq_factors (a GGUF's rope_freqs tensor: llama.cpp's form of llama3 scaling): frequency i divided by factor i
     freq_factors: tuple[float, ...] = ()
+    # proportional (Gemma 4's global layers): the first rotated_fraction of a head's frequency pairs
+    # turn, at base ** (-2i / head_dim) / factor; the other pairs stay still (frequency 0)
+    rotated_fraction: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,11 +102,16 @@ class LayerKind:
     window: a query at position p sees keys p - window + 1 .. p (None: every earlier key).
     chunk: a query sees only the keys of its own chunk, floor(p / chunk) * chunk .. p (Llama 4).
     rope: "global" (the model's RoPE), "local" (the sliding layers' own base, Gemma 3) or None
-    (no position embedding at all: a NoPE layer)."""
+    (no position embedding at all: a NoPE layer).
+    head_dim, kv_heads: the layer's own when they differ from the model's (Gemma 4's global layers;
+    None: the model's). k_eq_v: its values come from the key projection (Gemma 4's global layers)."""
 
     window: int | None = None
     rope: str | None = "global"
     chunk: int | None = None
+    head_dim: int | None = None
+    kv_heads: int | None = None
+    k_eq_v: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +174,17 @@ class ModelConfig:
     expert_bias: bool = False  # each expert's gate/up and down projections have biases (GPT-OSS)
     swiglu_limit: float | None = None  # GPT-OSS's clamped SwiGLU: (clip(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
     swiglu_alpha: float = 1.702
+    # Gemma 4
+    global_head_dim: int = 0  # full-attention layers' head dim (512); 0: head_dim
+    global_kv_heads: int = 0  # their KV heads; 0: num_kv_heads
+    global_k_eq_v: bool = False  # their values are the key projection (no v_proj), normed apart from the keys
+    value_norm: bool = False  # values RMS-normalised per head, without a weight
+    kv_shared_layers: int = 0  # the last N layers attend over the K/V of the last earlier layer of their kind
+    wide_shared_mlp: bool = False  # those N layers' dense MLP is 2 * intermediate_size wide
+    per_layer_input_size: int = 0  # per-layer input embeddings (PLE): each layer's extra input width; 0: none
+    per_layer_vocab_size: int = 0  # the PLE table's rows
+    dense_and_experts: bool = False  # every layer runs its dense MLP and the experts side by side, summed
+    layer_scalar: bool = False  # each layer's output times a learned scalar
 
     @property
     def is_moe(self) -> bool:
@@ -188,7 +210,28 @@ class ModelConfig:
             rope = None
         else:
             rope = "local" if sliding and self.local_rope_theta is not None else "global"
+        if window is None and chunk is None and (self.global_head_dim or self.global_kv_heads or self.global_k_eq_v):
+            return LayerKind(window=None, rope=rope, head_dim=self.global_head_dim or self.head_dim,
+                             kv_heads=self.global_kv_heads or self.num_kv_heads, k_eq_v=self.global_k_eq_v)
         return LayerKind(window=window, rope=rope, chunk=chunk)
+
+    def kind_head_dim(self, kind: LayerKind) -> int:
+        return kind.head_dim or self.head_dim
+
+    def kind_kv_heads(self, kind: LayerKind) -> int:
+        return kind.kv_heads or self.num_kv_heads
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V `layer` attends over: itself, or for one of the last kv_shared_layers
+        (Gemma 4) the last earlier layer of its kind."""
+        first_shared = self.num_layers - self.kv_shared_layers
+        if layer < first_shared:
+            return layer
+        kind = self.layer_kind(layer)
+        return max(i for i in range(first_shared) if self.layer_kind(i) == kind)
+
+    def is_kv_shared(self, layer: int) -> bool:
+        return layer >= self.num_layers - self.kv_shared_layers
 
     def layer_kinds(self) -> tuple[LayerKind, ...]:
         return tuple(self.layer_kind(i) for i in range(self.num_layers))
@@ -213,7 +256,7 @@ class ModelConfig:
                     f"architectures={archs!r}; jaxinfer supports model_type in {SUPPORTED_MODEL_TYPES}"
                 )
 
-        if model_type in ("gemma3", "llama4") and isinstance(d.get("text_config"), dict):
+        if model_type in ("gemma3", "llama4", "gemma4") and isinstance(d.get("text_config"), dict):
             # Gemma 3's and Llama 4's multimodal folders: the text decoder's config nests in text_config
             # (the vision tower is not run here; the checkpoint's vision tensors are skipped)
             top = {k: d[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in d}
@@ -243,7 +286,7 @@ class ModelConfig:
         rope_theta, rope_scaling, rotary_factor, local_rope = _parse_rope(d, source)
         attention_bias = bool(d.get("attention_bias", False))
         qkv_bias = {"qwen2": True, "mistral": False, "mixtral": False, "qwen2_moe": bool(d.get("qkv_bias", True)),
-                    "gemma2": False, "gemma3_text": False, "gemma3": False, "phi3": False}.get(model_type, attention_bias)
+                    "phi3": False, **{t: False for t in GEMMA_MODEL_TYPES}}.get(model_type, attention_bias)
         o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", "olmo2", "olmo3", "gpt_oss", "llama4_text",
                                                   "llama4") else False
         moe = _parse_moe(d, model_type, source) if model_type in MOE_MODEL_TYPES else {}
@@ -252,7 +295,8 @@ class ModelConfig:
 
         sliding_window = d.get("sliding_window")
         default_layer_types = family.pop("default_layer_types", None)  # the family's pattern when the config gives none
-        layer_types = tuple(d.get("layer_types") or (default_layer_types(num_layers) if default_layer_types else ()))
+        layer_types = tuple(family.pop("layer_types", None) or d.get("layer_types")  # (a family may settle them: Gemma 4)
+                            or (default_layer_types(num_layers) if default_layer_types else ()))
         has_sliding_layers = "sliding_attention" in layer_types  # before an all-sliding list collapses to ()
         if layer_types:
             if len(layer_types) != num_layers or not set(layer_types) <= set(LAYER_TYPES):
@@ -290,11 +334,12 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in ("gemma2", "gemma3_text", "gemma3"))),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in GEMMA_MODEL_TYPES)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=(model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "olmo2", "olmo3", "minimax_m2")
+            qk_norm=(model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "gemma4_text", "gemma4", "olmo2", "olmo3",
+                                    "minimax_m2")
                      or (model_type == "glm4_moe" and bool(d.get("use_qk_norm", False)))),
             sliding_window=int(sliding_window) if sliding_window else None,
             bos_token_id=d.get("bos_token_id"),
@@ -418,7 +463,9 @@ _NEWER_FIELDS = ("layer_types", "nope_layers", "local_rope_theta", "local_rope_s
                  "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha", "router_scoring", "router_correction_bias",
                  "router_groups", "router_top_groups", "routed_scaling_factor", "shared_expert_gated", "first_dense_layers",
                  "moe_layer_step", "router_scales_inputs", "attention_chunk_size", "qk_l2_norm", "attn_temperature_scale",
-                 "attn_temperature_floor")
+                 "attn_temperature_floor", "global_head_dim", "global_kv_heads", "global_k_eq_v", "value_norm",
+                 "kv_shared_layers", "wide_shared_mlp", "per_layer_input_size", "per_layer_vocab_size", "dense_and_experts",
+                 "layer_scalar")
 
 
 def _to_json(value):
@@ -510,6 +557,48 @@ def _llama4_fields(d: dict[str, Any]) -> dict[str, Any]:
                 default_layer_types=lambda n: ["chunked_attention" if flags[i] and chunk else "full_attention" for i in range(n)])
 
 
+def _gemma4_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4 (text): sliding and global layers whose global ones have their own head dim (512),
+    KV heads and, with attention_k_eq_v, values from the key projection; q, k and v RMS-normed per
+    head (v without a weight) and scores unscaled; plain-w norms on both sides of each branch;
+    optional per-layer input embeddings, KV shared by the last layers, and a MoE block beside the
+    dense MLP. (HF reads a per_layer_config of the global layers' overrides, or global_head_dim and
+    num_global_key_value_heads.)"""
+    num_layers = int(d["num_hidden_layers"])
+    layer_types = list(d.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(num_layers)])
+    layer_types[-1] = "full_attention"  # as transformers forces it
+    overrides = {int(k): dict(v) for k, v in (d.get("per_layer_config") or {}).items()}
+    global_layers = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+    k_eq_v = bool(d.get("attention_k_eq_v", False))
+    if overrides:
+        if set(overrides) != set(global_layers) or any(set(o) - {"head_dim", "num_key_value_heads"} for o in overrides.values()) \
+                or len({tuple(sorted(o.items())) for o in overrides.values()}) != 1:
+            raise ConfigError(f"per_layer_config={d['per_layer_config']}: only one head_dim / num_key_value_heads override "
+                              "shared by every full_attention layer is supported for gemma4")
+        o = overrides[global_layers[0]]
+        global_head_dim, global_kv_heads = o.get("head_dim", 0), o.get("num_key_value_heads", 0)
+    else:
+        global_head_dim = d.get("global_head_dim", 512)
+        global_kv_heads = d.get("num_global_key_value_heads") if k_eq_v else None
+    shared = int(d.get("num_kv_shared_layers") or 0)
+    if not 0 <= shared < num_layers:
+        raise ConfigError(f"num_kv_shared_layers={shared}: must lie in [0, num_hidden_layers)")
+    if shared and set(layer_types[num_layers - shared:]) - set(layer_types[: num_layers - shared]):
+        raise ConfigError(f"num_kv_shared_layers={shared}: a shared layer's kind has no earlier layer to share K/V with")
+    moe = {}
+    if d.get("enable_moe_block"):
+        moe = dict(num_experts=int(d["num_experts"]), num_experts_per_tok=int(d["top_k_experts"]),
+                   moe_intermediate_size=int(d["moe_intermediate_size"]), norm_topk_prob=True, dense_and_experts=True)
+    ple = int(d.get("hidden_size_per_layer_input") or 0)
+    return dict(
+        attention_scale=1.0, final_logit_softcap=_optional_float(d.get("final_logit_softcapping")), scale_embeddings=True,
+        norm_layout="sandwich", value_norm=True, layer_scalar=True,
+        global_head_dim=int(global_head_dim or 0), global_kv_heads=int(global_kv_heads or 0), global_k_eq_v=k_eq_v,
+        kv_shared_layers=shared, wide_shared_mlp=bool(d.get("use_double_wide_mlp")) and shared > 0,
+        per_layer_input_size=ple, per_layer_vocab_size=int(d.get("vocab_size_per_layer_input") or d["vocab_size"]) if ple else 0,
+        layer_types=layer_types, **moe)
+
+
 def _olmo_fields(d: dict[str, Any]) -> dict[str, Any]:
     """OLMo 2 / 3: norms after each branch only; q/k RMSNorm over the whole projection."""
     return dict(norm_layout="post", qk_norm_scope="projection")
@@ -528,6 +617,8 @@ _FAMILY_FIELDS = {
     "glm4_moe": lambda d: _glm4_moe_fields(d),
     "llama4_text": lambda d: _llama4_fields(d),
     "llama4": lambda d: _llama4_fields(d),
+    "gemma4_text": _gemma4_fields,
+    "gemma4": _gemma4_fields,
     "gpt_oss": lambda d: dict(attention_sinks=True, router_bias=True, expert_bias=True,
                               swiglu_limit=float(d.get("swiglu_limit", 7.0)), swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
                               default_layer_types=lambda n: ["sliding_attention" if (i + 1) % 2 else "full_attention"
@@ -539,6 +630,8 @@ _REFUSED_SWITCHES = {
     "gemma2": {"use_bidirectional_attention": (None, False)},
     "gemma3_text": {"use_bidirectional_attention": (None, False)},
     "gemma3": {"use_bidirectional_attention": (None, False)},
+    # "vision": image tokens see each other both ways, which a text prompt never has
+    **{t: {"use_bidirectional_attention": (None, False, "vision"), "attention_bias": (None, False)} for t in ("gemma4_text", "gemma4")},
     # the released configs name the q/k norm "per_layer" (over the whole projection, as implemented)
     "minimax_m2": {"use_qk_norm": (None, True), "qk_norm_type": (None, "per_layer"), "use_routing_bias": (None, True),
                    "scoring_func": (None, "sigmoid"), "shared_intermediate_size": (None, 0)},
@@ -553,7 +646,7 @@ def _refuse_unsupported_switches(d: dict[str, Any], model_type: str, source: str
 
 def _parse_activation(d: dict[str, Any], model_type: str, source: str) -> str:
     """The MLP gate's activation: Gemma names it hidden_activation, the others hidden_act."""
-    name = d.get("hidden_activation") if model_type in ("gemma2", "gemma3_text", "gemma3") else None
+    name = d.get("hidden_activation") if model_type in GEMMA_MODEL_TYPES else None
     name = name or d.get("hidden_act", "silu")
     act = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(name)
     if act is None:
@@ -604,6 +697,8 @@ def _parse_rope_spec(spec: dict[str, Any], d: dict[str, Any], source: str) -> tu
         raise ConfigError(f"{source}: rope scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
     if rope_type == "default":
         return theta, RopeScaling(), factor
+    if rope_type == "proportional":  # partial_rotary_factor keeps the whole head here (RopeScaling.rotated_fraction)
+        return theta, RopeScaling(rope_type="proportional", factor=float(spec.get("factor") or 1.0), rotated_fraction=factor), 1.0
     max_pos = d.get("max_position_embeddings", 8192)
     original = int(spec.get("original_max_position_embeddings") or d.get("original_max_position_embeddings") or max_pos)
     scale = spec.get("factor")

@@ -26,6 +26,20 @@ position j, slot p * m + (the index of j among its group's positions). Examples:
 
 Layers past the last whole period take the next slot, so a group with one layer fewer than
 the others leaves that slot unused (Gemma-3-27B: 62 layers, 11 slots, four groups use 10).
+
+**Groups of another shape** (Gemma 4: global layers with head_dim 512 and their own KV heads). A
+layer's K/V row per token (KV heads x head dim, on one device) may differ between groups. A page
+id holds the same bytes whatever group owns it, so a group whose row is f times narrower than the
+widest puts f times the tokens in each of its pages: its *page factor* f
+(`jaxinfer.ops.kv_cache.page_factors`: rows on one device, so they depend on the mesh), its
+pages `page_size * f` tokens long, its view of the pool a free reshape of the same bytes
+(`[slots * P, page_size * f, Hkv_g, D_g]`). Gemma-4-31B: sliding rows 16 x 256, global 4 x 512,
+so a global page holds twice the tokens. The block manager counts each group's pages in its own
+page size.
+
+**KV-shared layers** (Gemma 4's last `kv_shared_layers`) write no K/V: each attends over the
+pages of the last earlier layer of its kind (`ModelConfig.kv_source`), so it takes that layer's
+group and slot and the groups are made from the other layers.
 """
 
 from __future__ import annotations
@@ -82,16 +96,19 @@ class KVGroups:
     group_of_layer: tuple[int, ...]  # per layer
     slot_of_layer: tuple[int, ...]  # per layer: its slot in the pool's arrays
     num_slots: int
+    shapes: tuple[tuple[int, int], ...] = ()  # per group: its layers' (KV heads, head dim)
 
     @property
     def num_groups(self) -> int:
         return len(self.windows)
 
-    def pages_held(self, num_tokens: int, page_size: int, chunk: int = 1) -> int:
+    def pages_held(self, num_tokens: int, page_size: int, chunk: int = 1, factors: tuple[int, ...] | None = None) -> int:
         """The most pages (all groups together) one sequence holds while computing `chunk` tokens
         that end at num_tokens: a full group every page up to there, a sliding group the pages its
-        window can still see from the chunk's first token (`window_pages`)."""
-        return sum(window_pages(w, num_tokens, page_size, chunk) for w in self.windows)
+        window can still see from the chunk's first token (`window_pages`), each group in its own
+        page size (page_size times its factor)."""
+        factors = factors or (1,) * self.num_groups
+        return sum(window_pages(w, num_tokens, page_size * f, chunk) for w, f in zip(self.windows, factors))
 
 
 def window_pages(spec: KVSpec, num_tokens: int, page_size: int, chunk: int = 1) -> int:
@@ -107,23 +124,30 @@ def window_pages(spec: KVSpec, num_tokens: int, page_size: int, chunk: int = 1) 
 
 def kv_groups(config: ModelConfig) -> KVGroups:
     """The layer groups of a model (see the module docstring)."""
-    kinds = config.layer_kinds()
+    c = config
+    owners = [i for i in range(c.num_layers) if not c.is_kv_shared(i)]  # the layers that write K/V
+    kinds = tuple(c.layer_kinds()[i] for i in owners)
     period = layer_period(kinds)
-    specs = [kv_spec(kinds[j]) for j in range(period)]  # each period position's cache spec
-    counts = {w: specs.count(w) for w in dict.fromkeys(specs)}  # in order of first appearance
+    keys = [(kv_spec(kinds[j]), c.kind_kv_heads(kinds[j]), c.kind_head_dim(kinds[j])) for j in range(period)]
+    counts = {key: keys.count(key) for key in dict.fromkeys(keys)}  # in order of first appearance
     m = math.gcd(*counts.values())
     windows: list[KVSpec] = []
+    shapes: list[tuple[int, int]] = []
     group_of_position, offset_of_position = [0] * period, [0] * period
-    for w in counts:
-        positions = [j for j in range(period) if specs[j] == w]
+    for key in counts:
+        positions = [j for j in range(period) if keys[j] == key]
         for start in range(0, len(positions), m):
-            windows.append(w)
+            windows.append(key[0])
+            shapes.append(key[1:])
             for offset, j in enumerate(positions[start : start + m]):
                 group_of_position[j], offset_of_position[j] = len(windows) - 1, offset
-    layers = range(config.num_layers)
+    group = {l: group_of_position[n % period] for n, l in enumerate(owners)}
+    slot = {l: (n // period) * m + offset_of_position[n % period] for n, l in enumerate(owners)}
+    layers = range(c.num_layers)
     return KVGroups(
         windows=tuple(windows),
-        group_of_layer=tuple(group_of_position[l % period] for l in layers),
-        slot_of_layer=tuple((l // period) * m + offset_of_position[l % period] for l in layers),
-        num_slots=-(-config.num_layers // period) * m,
+        group_of_layer=tuple(group[c.kv_source(l)] for l in layers),
+        slot_of_layer=tuple(slot[c.kv_source(l)] for l in layers),
+        num_slots=-(-len(owners) // period) * m,
+        shapes=tuple(shapes),
     )

@@ -18,7 +18,7 @@ import numpy as np
 from jaxinfer.kv_groups import kv_groups
 from jaxinfer.ops.batch import BucketKey, Buckets, SequenceChunk, pack_batch, stack_replicas
 from jaxinfer.ops.kernels import Kernels
-from jaxinfer.ops.kv_cache import KVCache
+from jaxinfer.ops.kv_cache import KVCache, page_factors
 from jaxinfer.runtime.loading import load_params, read_config, resolve_model
 from jaxinfer.runtime.placement import kv_partition_spec, param_partition_specs
 from jaxinfer.runtime.step import StepFunction
@@ -48,14 +48,17 @@ class MeshModel:
         self.kv = KVCache.create(config, PAGES_PER_REPLICA * self.replicas, PAGE_SIZE, tp=parallel.tp, sharding=sharding,
                                  kernels=kernels)
         self.next_page = [1] * self.replicas  # page 0 of every replica is its scratch page
-        self.num_groups = kv_groups(config).num_groups
+        groups = kv_groups(config)
+        self.num_groups = groups.num_groups
         self.buckets = dataclasses.replace(BUCKETS, num_groups=self.num_groups)
+        # each group's tokens per page (jaxinfer.kv_groups: groups of another shape hold more)
+        self.page_sizes = [PAGE_SIZE * f for f in page_factors(groups, tp=parallel.tp, combined=kernels.combines_kv)]
 
     def allocate(self, replica: int, num_tokens: int) -> list[list[int]]:
         """Fresh pages for num_tokens in every KV layer group (a page-table row each)."""
-        n = -(-num_tokens // PAGE_SIZE)
         rows = []
-        for _ in range(self.num_groups):
+        for page_size in self.page_sizes:
+            n = -(-num_tokens // page_size)
             first = self.next_page[replica]
             self.next_page[replica] += n
             rows.append(list(range(first, first + n)))
@@ -65,7 +68,7 @@ class MeshModel:
     def run(self, chunks: list[tuple[int, SequenceChunk]]) -> list[np.ndarray]:
         """One step of (replica, chunk) pairs; the logits [rows, V] of each chunk's requested rows."""
         per_replica = [[c for r, c in chunks if r == replica] for replica in range(self.replicas)]
-        packed = [pack_batch(cs, self.buckets, PAGE_SIZE, KEY) for cs in per_replica]
+        packed = [pack_batch(cs, self.buckets, self.page_sizes, KEY) for cs in per_replica]
         batch = self.step.place_inputs(stack_replicas([b for _, b, _ in packed]))
         logits, self.kv = self.step.forward(self.params, self.kv, batch, query_block=KEY.query_block)
         logits = np.asarray(logits, np.float64)  # [replicas, R, V]
@@ -100,10 +103,10 @@ def mesh_id(p: ParallelConfig) -> str:
     return "-".join(sizes + ([p.sp_attention] if p.sp > 1 else []))
 
 
-def assert_same_logits(got, want):
+def assert_same_logits(got, want, rel_tol: float = REL_TOL):
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g.shape == w.shape
-        assert np.abs(g - w).max() / np.abs(w).max() < REL_TOL
+        assert np.abs(g - w).max() / np.abs(w).max() < rel_tol, np.abs(g - w).max() / np.abs(w).max()
 
 

@@ -271,29 +271,33 @@ class BlockManagerMachine(RuleBasedStateMachine):
     """Drives the manager against a simulated device: every page holds token ids in its slots.
     Hits must return pages whose content is the prompt's; writes must only touch private pages."""
 
+    # (windows, page factors): groups of another shape (Gemma 4) hold f times the tokens per page
     @initialize(num_pages=st.integers(2, 14), page_size=st.integers(1, 4), caching=st.booleans(),
-                windows=st.sampled_from([(None,), (None,), (3,), (None, 2), (5, None, 5), (None, 1), (Chunk(3), None),
-                                         (Chunk(4), Chunk(4), None)]))
-    def setup(self, num_pages, page_size, caching, windows):
-        self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=caching, windows=windows)
+                groups=st.sampled_from([((None,), None), ((None,), None), ((3,), None), ((None, 2), None), ((5, None, 5), None),
+                                        ((None, 1), None), ((Chunk(3), None), None), ((Chunk(4), Chunk(4), None), None),
+                                        ((5, 5, None), (2, 2, 1)), ((None, 3), (1, 2)), ((None, None), (1, 2))]))
+    def setup(self, num_pages, page_size, caching, groups):
+        windows, factors = groups
+        self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=caching, windows=windows, page_factors=factors)
         self.ps = page_size
-        self.device = {p: [None] * page_size for p in range(num_pages)}
+        self.page_sizes = self.bm.page_sizes  # each group's tokens per page
+        self.device = {p: [None] * max(self.page_sizes) for p in range(num_pages)}
         self.tokens = {}  # seq id -> its tokens (prompt + appended)
         self.next_id = 0
 
     def _write(self, sid, start, end):
         seq = self.bm.seqs[sid]
-        for row in seq.pages:
+        for row, ps in zip(seq.pages, self.page_sizes):
             for pos in range(start, end):
-                page = row[pos // self.ps]
+                page = row[pos // ps]
                 assert page != 0, f"write into the scratch page at position {pos}"
                 assert self.bm.ref_counts[page] == 1, f"write into shared page {page}"
-                self.device[page][pos % self.ps] = self.tokens[sid][pos]
+                self.device[page][pos % ps] = self.tokens[sid][pos]
         self.bm.mark_computed(sid, end, self.tokens[sid])
 
     def _held_positions(self, g, seq):
         """Positions whose K/V group g still holds for seq (a sliding group: its window's)."""
-        return range(self.bm._first_kept(g, seq.num_computed) * self.ps, seq.num_computed)
+        return range(self.bm._first_kept(g, seq.num_computed) * self.page_sizes[g], seq.num_computed)
 
     def _try(self, fn):
         before = snapshot(self.bm)
@@ -314,11 +318,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if cached is None:
             assert not fits
             return
-        assert cached % self.ps == 0 and cached < len(prompt)
+        assert cached % max(self.page_sizes) == 0 and cached < len(prompt)
         seq = self.bm.seqs[sid]
         for g, row in enumerate(seq.pages):  # a hit really holds this prompt's K/V
+            ps = self.page_sizes[g]
             for pos in self._held_positions(g, seq):
-                assert self.device[row[pos // self.ps]][pos % self.ps] == prompt[pos]
+                assert self.device[row[pos // ps]][pos % ps] == prompt[pos]
         self.tokens[sid] = list(prompt)
         self._write(sid, cached, min(len(prompt), cached + chunk))  # maybe a partial prefill
 
@@ -379,8 +384,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.check_invariants()
         for sid, seq in self.bm.seqs.items():  # every computed slot a group holds has the sequence's token
             for g, row in enumerate(seq.pages):
+                ps = self.page_sizes[g]
                 for pos in self._held_positions(g, seq):
-                    assert self.device[row[pos // self.ps]][pos % self.ps] == self.tokens[sid][pos]
+                    assert self.device[row[pos // ps]][pos % ps] == self.tokens[sid][pos]
 
     def teardown(self):
         if not hasattr(self, "bm"):
@@ -466,3 +472,27 @@ def test_a_chunked_group_gives_back_each_chunk_once_the_next_query_leaves_it():
         first_kept = (end // 8 * 8) // PS
         assert all(p == 0 for p in chunked[:first_kept]) and all(p != 0 for p in chunked[first_kept:])
         assert bm.pages_held("a")[0] <= 8 // PS + 1 and len(full) == -(-end // PS)
+
+
+def test_groups_of_another_shape_count_their_own_longer_pages_and_hit_on_whole_ones():
+    """Gemma 4: a sliding group (window 6) whose K/V rows are half the global group's puts twice
+    the tokens in each page (factor 2, pages of 8), the global group pages of 4. Each holds its own
+    count of pages; a prefix hit is whole pages of both, so a multiple of 8 tokens."""
+    bm = BlockManager(num_pages=64, page_size=PS, windows=(6, None), page_factors=(2, 1))
+    tokens = list(range(100, 140))
+    assert bm.allocate("a", tokens, lookahead=8) == 0
+    assert bm.pages_held("a") == [1, 10]  # the first chunk of 8 in one page of 8; the prompt in pages of 4
+    for end in range(8, 41, 8):
+        bm.reserve("a", end)
+        bm.mark_computed("a", end, tokens)
+        bm.check_invariants()
+        sliding, full = bm.page_table("a")
+        assert all(p == 0 for p in sliding[: (end - 5) // 8]) and len(full) == 10
+    bm.free("a")
+    # 36 shared tokens: 9 full pages of 4 are cached, but only whole pages of 8 hit in the sliding
+    # group: the hit is 32 tokens (the sliding group's page 3 holds the window of position 32)
+    assert bm.num_cached_prefix_pages(tokens[:36] + [7]) == 8
+    assert bm.allocate("b", tokens[:36] + [7], lookahead=8) == 32
+    sliding, full = bm.page_table("b")
+    assert sliding[:3] == [0] * 3 and sliding[3] != 0 and 0 not in full
+    bm.check_invariants()

@@ -303,3 +303,37 @@ def test_a_quantized_llama4_checkpoint_is_refused_by_name(tmp_path):
                                                                      desc_act=False, sym=True))
     with pytest.raises(CheckpointError, match="llama4_text checkpoint quantized by gptq is not supported"):
         open_checkpoint(tmp_path, config)
+
+
+def test_a_multimodal_gemma4_folder_generates_transformers_tokens_on_pages_of_two_sizes(tmp_path):
+    """Gemma 4's released folders are Gemma4ForConditionalGeneration (text_config; the decoder
+    under model.language_model.*, a vision tower beside it). The tiny text decoder (tests/tiny_models:
+    global layers with twice the sliding layers' K/V row, so the sliding groups' pages hold 8 tokens
+    and the global group's 4; two KV-shared layers, per-layer inputs, experts beside the MLP) gives
+    transformers' greedy tokens batched, alone, and preempted by a pool too small for the batch;
+    a prompt sharing a prefix then hits whole pages of both sizes and decodes the same tokens."""
+    from tiny_models import FAMILIES, build_hf_model, byte_tokenizer
+
+    text = build_hf_model("gemma4")
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                  head_dim=16)
+    multimodal = transformers.Gemma4ForConditionalGeneration(
+        transformers.Gemma4Config(text_config=FAMILIES["gemma4"][1], vision_config=vision, audio_config=None)).eval()
+    multimodal.model.language_model.load_state_dict(text.model.state_dict())
+    multimodal.save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+
+    # 3 groups (sliding, sliding, global) of 2 slots; the sequences (13, 21, 29 tokens) end holding
+    # 4, 6 and 8 global pages of 4 and 2 sliding pages of 8 in each sliding group: 17 pages hold
+    # two of them, not three, so the batch preempts
+    llm = LLM(str(tmp_path), max_model_len=48, page_size=4, num_pages=18, max_num_batched_tokens=8, max_num_seqs=4,
+              progress=False, enable_prefix_caching=True)
+    assert llm.runner.kv_windows == (6, 6, None) and llm.runner.kv_page_factors == (2, 2, 1)
+    want = [hf_greedy(text, ids, GREEDY.max_tokens) for ids in prompts()]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)] == want
+    assert llm.engine.get_stats().num_preemptions > 0
+    assert llm.generate([prompts()[2]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want[2]
+    shared = prompts()[2][:19] + [7, 8]  # its first 16 tokens: four global pages of 4 and the sliding pages of 8 in the window
+    hits_before = llm.engine.block_manager.stats.hits
+    assert llm.generate([shared], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(text, shared, GREEDY.max_tokens)
+    assert llm.engine.block_manager.stats.hits - hits_before == 4

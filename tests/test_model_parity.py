@@ -15,7 +15,7 @@ import torch
 
 from jaxinfer.kv_groups import kv_groups
 from jaxinfer.ops.batch import Buckets, SequenceChunk, pack_batch, stack_replicas
-from jaxinfer.ops.kv_cache import KVCache
+from jaxinfer.ops.kv_cache import KVCache, page_factors
 from jaxinfer.runtime.loading import load_params, read_config, resolve_model
 from jaxinfer.runtime.step import StepFunction
 from tiny_models import FAMILIES, LAYER_KIND_FAMILIES, MOE_FAMILIES, VOCAB, save_hf_model
@@ -33,16 +33,18 @@ class PagedModel:
         self.kv = KVCache.create(self.config, num_pages, page_size)
         self.step = StepFunction(graphdef, num_top_logprobs=0)
         self.page_size = page_size
-        self.num_groups = kv_groups(self.config).num_groups
+        groups = kv_groups(self.config)
+        self.num_groups = groups.num_groups
+        self.page_sizes = [page_size * f for f in page_factors(groups)]  # each group's tokens per page
         self.buckets = Buckets((4, 64), max_num_seqs=8, pages_per_seq=-(-max_len // page_size), num_groups=self.num_groups)
         self.free_pages = list(np.random.default_rng(0).permutation(np.arange(1, num_pages)))
         self.owned: set[int] = set()
 
     def allocate(self, num_tokens: int) -> list[list[int]]:
         """Fresh pages for num_tokens in every KV layer group (a page-table row each)."""
-        n = -(-num_tokens // self.page_size)
         rows = []
-        for _ in range(self.num_groups):
+        for page_size in self.page_sizes:
+            n = -(-num_tokens // page_size)
             assert n <= len(self.free_pages), "test page pool too small"
             pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
             self.owned.update(int(p) for p in pages)
@@ -51,7 +53,7 @@ class PagedModel:
 
     def run(self, chunks: list[SequenceChunk]) -> list[np.ndarray]:
         """One step; returns per chunk the log-softmax [rows, V] of its requested rows."""
-        key, batch, rows = pack_batch(chunks, self.buckets, self.page_size)
+        key, batch, rows = pack_batch(chunks, self.buckets, self.page_sizes)
         batch = self.step.place_inputs(stack_replicas([batch]))
         logits, self.kv = self.step.forward(self.params, self.kv, batch, query_block=key.query_block)
         logprobs = np.asarray(jax.nn.log_softmax(logits[0], axis=-1), np.float64)

@@ -17,7 +17,7 @@ import pytest
 
 from jaxinfer.ops.batch import SequenceChunk, pack_batch, stack_replicas
 from jaxinfer.ops.kernels import Kernels
-from mesh_model import BUCKETS, KEY, PAGE_SIZE, SHAPES, MeshModel, assert_same_logits, mesh_id, run_scenario
+from mesh_model import BUCKETS, KEY, PAGE_SIZE, REL_TOL, SHAPES, MeshModel, assert_same_logits, mesh_id, run_scenario
 from sharding.hlo import split_by_layer_loop
 from sharding.mesh import ParallelConfig
 from tiny_models import save_hf_model
@@ -73,11 +73,17 @@ def test_moe_model_on_a_mesh_matches_one_device(moe_dir, moe_truth, parallel):
     ("gpt_oss", ParallelConfig(sp=2)),  # sinks with the step's rows split (all-gathered K/V)
     ("olmo2", ParallelConfig(tp=2)),  # q/k norms over the whole projection: the sum of squares spans the shards
     ("glm4_moe", ParallelConfig(tp=2, ep=2)),  # a dense first layer, then grouped routing and an ungated shared expert
+    # global layers of their own shape (2 KV heads on 4 shards: replicated), pages of 4 times the
+    # tokens in the sliding groups, KV-shared layers, per-layer inputs, experts beside the MLP
+    ("gemma4", ParallelConfig(tp=4, ep=2)),
 ], ids=lambda x: x if isinstance(x, str) else mesh_id(x))
 def test_newer_families_on_a_mesh_match_one_device(tmp_path, family, parallel):
     extra = dict(num_key_value_heads=4) if family == "olmo2" else {}
     save_hf_model(family, tmp_path, **{**SHAPES, **extra})
-    assert_same_logits(run_scenario(MeshModel(tmp_path, parallel)), run_scenario(MeshModel(tmp_path, ParallelConfig())))
+    # Gemma 4 renormalises every branch's output (post-norms, per-layer inputs) and so amplifies the
+    # shards' float32 rounding: 2e-6 to 1.7e-5 of the largest logit over seeds and meshes, no row apart
+    rel_tol = 5e-5 if family == "gemma4" else REL_TOL
+    assert_same_logits(run_scenario(MeshModel(tmp_path, parallel)), run_scenario(MeshModel(tmp_path, ParallelConfig())), rel_tol)
 
 
 @pytest.mark.parametrize("platform,parallel", [

@@ -108,6 +108,18 @@ FAMILIES = {
         num_experts_per_tok=2, interleave_moe_layer_step=2, attention_chunk_size=8, floor_scale=4,
         rope_parameters={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 16, "rope_theta": 500000.0})),
+    # Gemma 4: two sliding layers per global one; the global layers with a head dim and KV heads of
+    # their own (twice the sliding layers' K/V row: their pages hold half the tokens, a page factor of
+    # 2 for the sliding groups), values from the key projection and "proportional" RoPE over a
+    # quarter of the head; the last two layers read the K/V of layers 3 and 2 and have a double-wide
+    # MLP; per-layer input embeddings; experts (top 2 of 4) beside every dense MLP
+    "gemma4": (transformers.Gemma4TextConfig, _common(
+        num_hidden_layers=6, head_dim=16, global_head_dim=32, num_global_key_value_heads=2, attention_k_eq_v=True,
+        sliding_window=6, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24, final_logit_softcapping=30.0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}})),
 }
 
 
@@ -115,7 +127,7 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # The families with their own model file (jaxinfer.models.registry): one-token pages are the
 # Llama families' test, the attention kinds these add are tested on pages of 16.
 LAYER_KIND_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2", "glm4_moe",
-                       "llama4")
+                       "llama4", "gemma4")
 
 
 def build_hf_model(family: str, seed: int = 0, **overrides):
@@ -136,6 +148,8 @@ def build_hf_model(family: str, seed: int = 0, **overrides):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a buffer, zero unless set: make it change the picks
                 b.copy_(0.3 * torch.randn_like(b))
+            if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale, 1 unless set
+                b.copy_(1.0 + 0.2 * torch.randn_like(b))
     return model
 
 

@@ -73,6 +73,8 @@ FAMILY_SHAPES = {
     "llama-4-scout": FamilyShape(40, 8, 128, 5120, 8192, chunk=8192),
     "glm-4.5": FamilyShape(96, 8, 128, 5120, 12288),  # (its dense first layers' MLP)
     "minimax-m2": FamilyShape(48, 8, 128, 3072, 1536),  # (an expert's width)
+    "gemma-4-31b": FamilyShape(32, 16, 256, 5376, 21504, window=1024),  # its sliding layers; the global ones:
+    "gemma-4-31b-global": FamilyShape(32, 4, 512, 5376, 21504),  # head_dim 512
 }
 
 PAGE_SIZE = 16

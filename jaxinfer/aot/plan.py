@@ -23,7 +23,7 @@ import concurrent.futures
 import dataclasses
 import time
 
-from jaxinfer.kv_groups import describe, span_tokens, window_pages
+from jaxinfer.kv_groups import describe, span_tokens
 from jaxinfer.aot.step_compile import AbstractStep, ServingShape
 from jaxinfer.aot.targets import Target
 from jaxinfer.engine.memory import kv_pool_pages, largest_bucket, pages_for_bytes, step_scratch_bytes
@@ -135,11 +135,13 @@ class Plan:
         bandwidth. An estimate."""
         s = self.step
         decode = [b.key.num_seqs for b in self.buckets if b.kind == "decode"] or [s.shape.max_num_seqs]
-        held = sum(window_pages(w, context, s.shape.page_size) for w in s.windows)  # a sequence's pages, all groups
+        held = s.pages_held(context)  # a sequence's pages, all groups
         seqs = min(max(decode), (s.num_pages - 1) // held)
-        kv_per_token = s.kv_bytes_per_page_per_chip() / s.shape.page_size  # one token of one group: its layers
-        read = sum(min(span_tokens(w) or context, context) for w in s.windows)  # a sliding group reads its window (a chunked one at most its chunk)
-        step_bytes = s.weight_bytes_per_chip() + seqs * read * kv_per_token
+        page = s.kv_bytes_per_page_per_chip()  # a group's page holds page_size * its factor tokens of its layers
+        # a sliding group reads its window (a chunked one at most its chunk)
+        read = sum(min(span_tokens(w) or context, context) * page / (s.shape.page_size * f)
+                   for w, f in zip(s.windows, s.page_factors))
+        step_bytes = s.weight_bytes_per_chip() + seqs * read
         seconds = step_bytes / self.target.chip.hbm_bytes_per_second
         return seqs, seconds, seqs * s.parallel.num_replicas / seconds
 
@@ -177,10 +179,10 @@ def size_pool(step: AbstractStep) -> PoolSizing:
         kernels = Kernels(platform=target.platform, interpret=False)
         replica_page = KVCache.page_bytes(step.config, shape.page_size, shape.kv_cache_dtype or shape.dtype,
                                           tp=step.parallel.tp, kernels=kernels)
-        given = pages_for_bytes(shape.kv_cache_memory_bytes, replica_page, shape.pages_needed(step.windows))
+        given = pages_for_bytes(shape.kv_cache_memory_bytes, replica_page, shape.pages_needed(step.windows, step.page_factors))
         sized_by = f"kv_cache_memory_bytes={shape.kv_cache_memory_bytes}"
     roomy = given is not None and weights + given * page_bytes < PROBE_BELOW * target.chip.hbm_bytes
-    probe_pages = given if roomy else shape.sequence_pages(step.windows) + 1
+    probe_pages = given if roomy else shape.sequence_pages(step.windows, step.page_factors) + 1
     # the model's scratch, or the sampling programs' over the most logits rows (they run after it):
     # the two compiles side by side
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -215,7 +217,7 @@ def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfi
             f"Use more chips (-tp) or smaller weights (--quantization int8 / int4)"
         )
     sizing = size_pool(step)
-    one_sequence = shape.sequence_pages(step.windows) + 1
+    one_sequence = shape.sequence_pages(step.windows, step.page_factors) + 1
     if sizing.largest_pages < one_sequence:
         raise DoesNotFit(
             f"after {weights / GiB:.1f} GiB of weights and {sizing.scratch_bytes / GiB:.1f} GiB of step scratch per chip, "
@@ -267,9 +269,13 @@ def _group_lines(s: AbstractStep, held: int, whole: int, largest_pages: int) -> 
     if s.windows == (None,):
         return []
     kinds = ", ".join(f"{s.windows.count(w)} {describe(w)}" for w in dict.fromkeys(s.windows))
-    layer_token = s.kv_bytes_per_page_per_chip() / (s.kv.num_slots * s.shape.page_size)  # one token of one layer
-    return [f"KV layer groups: {len(s.windows)} ({kinds}), {s.kv.num_slots} slots each: a sequence of max_model_len "
-            f"holds {held} pages, {whole} with every layer keeping it whole ({layer_token * s.config.num_layers / 1024:.1f} "
+    page = s.kv_bytes_per_page_per_chip()  # one page id: a group's layers, page_size * its factor tokens
+    owners = s.config.num_layers - s.config.kv_shared_layers  # the layers that keep K/V
+    token = sum(page / (s.shape.page_size * f) for f in s.page_factors) * owners / (s.kv.num_slots * len(s.windows))
+    factors = "" if set(s.page_factors) == {1} else (
+        f"; pages of {', '.join(f'{s.shape.page_size * f}' for f in s.page_factors)} tokens (groups of other K/V shapes)")
+    return [f"KV layer groups: {len(s.windows)} ({kinds}), {s.kv.num_slots} slots each{factors}: a sequence of max_model_len "
+            f"holds {held} pages, {whole} with every layer keeping it whole ({token / 1024:.1f} "
             f"KiB per token per chip); the largest pool holds {(largest_pages - 1) // held} such sequences, a "
             f"full-attention cache {(largest_pages - 1) // whole}"]
 
@@ -303,8 +309,8 @@ def format_plan(plan: Plan) -> str:
     replicas = s.parallel.num_replicas
     tokens_fit = (plan.largest_pool_pages - 1) * shape.page_size
     tokens_asked = (plan.pages_requested - 1) * shape.page_size
-    held = sum(window_pages(w, shape.max_model_len, shape.page_size) for w in s.windows)  # a decoding sequence's pages
-    whole = len(s.windows) * -(-shape.max_model_len // shape.page_size)  # ... were every layer to keep it all
+    held = s.pages_held(shape.max_model_len)  # a decoding sequence's pages
+    whole = sum(-(-shape.max_model_len // (shape.page_size * f)) for f in s.page_factors)  # ... were every layer to keep it all
     lines += [
         "",
         "| per chip | GiB |",
@@ -316,7 +322,7 @@ def format_plan(plan: Plan) -> str:
         "",
         f"KV pool ({plan.sizing.sized_by}, as the engine sizes it): {plan.pages_requested} pages per replica = "
         f"{tokens_asked} tokens = {(plan.pages_requested - 1) // held} sequences at max_model_len "
-        f"(max_num_seqs {shape.max_num_seqs}: {shape.pages_needed(s.windows)} pages); weights + pool + scratch "
+        f"(max_num_seqs {shape.max_num_seqs}: {shape.pages_needed(s.windows, s.page_factors)} pages); weights + pool + scratch "
         f"{100 * plan.sizing.chip_bytes(plan.pages_requested) / t.chip.hbm_bytes:.1f}% of HBM",
         f"largest that fits: {plan.largest_pool_pages} pages = {tokens_fit} tokens per replica "
         f"= {(plan.largest_pool_pages - 1) // held} sequences at max_model_len"

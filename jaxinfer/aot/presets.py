@@ -71,6 +71,17 @@ PRESETS: dict[str, dict] = {
                           rope_parameters={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                                            "original_max_position_embeddings": 8192, "rope_theta": 500000.0},
                           bos_token_id=200000, eos_token_id=[200001, 200007, 200008]),
+    # Gemma-4-31B's text decoder: 5 sliding layers (16 KV heads of 256) per global one (4 KV heads of
+    # 512, values from the key projection): the global layers' K/V row is half the sliding layers'
+    "gemma-4-31b": dict(model_type="gemma4_text", hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
+                        num_attention_heads=32, num_key_value_heads=16, head_dim=256, global_head_dim=512,
+                        num_global_key_value_heads=4, attention_k_eq_v=True, vocab_size=262144, rms_norm_eps=1e-6,
+                        max_position_embeddings=262144, sliding_window=1024, final_logit_softcapping=30.0,
+                        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, hidden_size_per_layer_input=0,
+                        rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                            "rope_theta": 1000000.0},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                        bos_token_id=2, eos_token_id=[1, 106]),
 }
 
 

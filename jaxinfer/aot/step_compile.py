@@ -28,7 +28,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.memory import GPU_MEMORY_UTILIZATION, abstract_inputs, abstract_pool, bytes_per_device, lower_sampling
 from jaxinfer.models.lora import LoraTable
 from jaxinfer.ops.kernels import Kernels
-from jaxinfer.ops.kv_cache import KVCache
+from jaxinfer.ops.kv_cache import KVCache, page_factors
 from jaxinfer.ops.quantization import quantize_model
 from jaxinfer.runtime.loading import abstract_model
 from jaxinfer.runtime.placement import param_partition_specs
@@ -66,13 +66,15 @@ class ServingShape:
     def pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
 
-    def sequence_pages(self, windows: tuple = (None,)) -> int:
+    def sequence_pages(self, windows: tuple = (None,), factors: tuple = ()) -> int:
         """Pages (every KV layer group, `jaxinfer.kv_groups`) one sequence of max_model_len holds at
-        most: a full group all of it, a sliding group its window and a prefill chunk."""
-        return sum(window_pages(w, self.max_model_len, self.page_size, self.max_num_batched_tokens) for w in windows)
+        most: a full group all of it, a sliding group its window and a prefill chunk (a group of
+        page factor f in pages of f * page_size tokens)."""
+        return sum(window_pages(w, self.max_model_len, self.page_size * f, self.max_num_batched_tokens)
+                   for w, f in zip(windows, factors or (1,) * len(windows)))
 
-    def pages_needed(self, windows: tuple = (None,)) -> int:
-        return self.max_num_seqs * self.sequence_pages(windows) + 1
+    def pages_needed(self, windows: tuple = (None,), factors: tuple = ()) -> int:
+        return self.max_num_seqs * self.sequence_pages(windows, factors) + 1
 
 
 @dataclasses.dataclass
@@ -112,7 +114,8 @@ class AbstractStep:
         params = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
                               params, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
         groups = kv_groups(config)
-        num_pages = shape.num_pages or shape.pages_needed(groups.windows)  # plan.size_pool resizes it
+        factors = page_factors(groups, tp=parallel.tp, combined=kernels.combines_kv)
+        num_pages = shape.num_pages or shape.pages_needed(groups.windows, factors)  # plan.size_pool resizes it
         kv = abstract_pool(config, num_pages * parallel.num_replicas, shape.page_size, kv_dtype, tp=parallel.tp,
                            kernels=kernels, mesh=mesh)
         buckets = Buckets.default(shape.max_num_batched_tokens, min(shape.max_num_seqs, shape.max_num_batched_tokens),
@@ -138,6 +141,16 @@ class AbstractStep:
     def windows(self) -> tuple:
         """Each KV layer group's sliding window (None: full attention)."""
         return kv_groups(self.config).windows
+
+    @property
+    def page_factors(self) -> tuple:
+        """Each group's pages hold page_size times this many tokens (groups of another shape)."""
+        kernels = Kernels(platform=self.target.platform, interpret=False)
+        return page_factors(kv_groups(self.config), tp=self.parallel.tp, combined=kernels.combines_kv)
+
+    def pages_held(self, context: int, chunk: int = 1) -> int:
+        """Pages (all groups) one sequence of `context` tokens holds."""
+        return sum(window_pages(w, context, self.shape.page_size * f, chunk) for w, f in zip(self.windows, self.page_factors))
 
     def kv_bytes_per_page_per_chip(self) -> int:
         return self.kv_bytes_per_chip() // self.num_pages  # a chip holds its replica's num_pages pages

@@ -54,6 +54,12 @@ sequence a fresh private page there and return [(src_page, dst_page)] (one per g
 the caller must copy on the device before the step that writes into it. Full shared pages are
 never written.
 
+Groups of another shape (`page_factors`, jaxinfer.kv_groups: Gemma 4's sliding layers have half
+the K/V row of its global ones): group g's pages hold page_size * f_g tokens, and every count above
+is in the group's own pages. Prefix-cache keys stay per page_size tokens; group g's page i is
+registered under the key of the last page_size block it holds (block (i + 1) * f_g - 1), and a hit
+is a prefix of whole pages in every group: a multiple of lcm(f_g) blocks.
+
 Stats count prefix-cache queries and hits in prompt pages (tokens = pages * page_size).
 """
 
@@ -62,6 +68,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import math
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -105,14 +112,19 @@ def page_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True,
-                 windows: Sequence[int | None] = (None,)):
+                 windows: Sequence[int | None] = (None,), page_factors: Sequence[int] | None = None):
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"need num_pages >= 2 (page 0 is scratch) and page_size >= 1, got {num_pages}, {page_size}")
         if not windows or any(w is not None and span_tokens(w) < 1 for w in windows):
             raise ValueError(f"windows={tuple(windows)}: one entry per layer group, None, a window >= 1 or a Chunk")
         self.num_pages = num_pages
-        self.page_size = page_size
+        self.page_size = page_size  # tokens per page of a group of factor 1, and per prefix-cache block
         self.windows = tuple(windows)
+        self.page_factors = tuple(page_factors or (1,) * len(self.windows))
+        if len(self.page_factors) != len(self.windows) or min(self.page_factors) < 1:
+            raise ValueError(f"page_factors={self.page_factors}: one factor >= 1 per layer group ({len(self.windows)})")
+        self.page_sizes = tuple(page_size * f for f in self.page_factors)  # per group: tokens per page
+        self._hit_blocks = math.lcm(*self.page_factors)  # a prefix hit is a multiple of this many blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_pages
         self._free: collections.deque[int] = collections.deque(range(1, num_pages))
@@ -152,20 +164,21 @@ class BlockManager:
         """Per group, how many pages the sequence holds now (the scratch page not counted)."""
         return [sum(p != SCRATCH_PAGE for p in row) for row in self.seqs[seq_id].pages]
 
-    def pages_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+    def pages_needed(self, num_tokens: int, group: int = 0) -> int:
+        """Pages of `group` (page_size * its factor tokens each) that num_tokens take."""
+        return -(-num_tokens // self.page_sizes[group])
 
     def can_allocate(self, num_tokens: int, lookahead: int | None = None) -> bool:
         """Whether a new sequence of num_tokens surely fits (`allocate`'s pages, whatever its prefix hits:
         a sliding group holds at most its window and the lookahead's pages)."""
         if lookahead is None:
-            return self.num_groups * self.pages_needed(num_tokens) <= self.num_free_pages
-        need = sum(window_pages(w, num_tokens, self.page_size, max(lookahead, 1)) for w in self.windows)
+            return sum(self.pages_needed(num_tokens, g) for g in range(self.num_groups)) <= self.num_free_pages
+        need = sum(window_pages(w, num_tokens, ps, max(lookahead, 1)) for w, ps in zip(self.windows, self.page_sizes))
         return need <= self.num_free_pages
 
     def _first_kept(self, group: int, num_computed: int) -> int:
         """The first page index group `group` still needs once num_computed tokens are done."""
-        return first_kept(self.windows[group], num_computed) // self.page_size
+        return first_kept(self.windows[group], num_computed) // self.page_sizes[group]
 
     def page_table(self, seq_id: Hashable) -> list[list[int]]:
         """The sequence's page-table rows, one per group."""
@@ -196,17 +209,21 @@ class BlockManager:
         for i in range(self._num_lookup(len(token_ids), max_cached_tokens)):
             parent = page_key(parent, token_ids[i * ps : (i + 1) * ps])
             keys.append(parent)
-        cached = [[(g, k) in self._page_of_key for k in keys] for g in range(self.num_groups)]
-        n = len(keys)
+        # cached[g][i]: group g's page i is cached (it ends at block (i + 1) * f - 1)
+        cached = [[(g, keys[(i + 1) * f - 1]) in self._page_of_key for i in range(len(keys) // f)]
+                  for g, f in enumerate(self.page_factors)]
+        n = len(keys) - len(keys) % self._hit_blocks  # (n: blocks)
         for g, w in enumerate(self.windows):
             if w is None:  # a full group: every page from the first
-                n = next((i for i, hit in enumerate(cached[g]) if not hit), n)
+                n = min(n, next((i for i, hit in enumerate(cached[g]) if not hit), len(cached[g])) * self.page_factors[g])
+        n -= n % self._hit_blocks
 
-        def windows_agree(n: int) -> bool:
-            return all(all(cached[g][self._first_kept(g, n * ps) : n]) for g, w in enumerate(self.windows) if w is not None)
+        def all_agree(n: int) -> bool:
+            return all(all(cached[g][self._first_kept(g, n * ps) : n // self.page_factors[g]])
+                       for g, w in enumerate(self.windows) if w is not None)
 
-        while n and not windows_agree(n):
-            n -= 1
+        while n and not all_agree(n):
+            n -= self._hit_blocks
         return n, keys
 
     def num_cached_prefix_pages(self, token_ids: Sequence[int], *, salt: bytes = b"",
@@ -260,15 +277,15 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} already has pages")
         if len(token_ids) == 0:
             raise ValueError(f"sequence {seq_id!r}: empty prompt")
-        num_hit, keys = self._lookup(token_ids, salt, max_cached_tokens)
+        num_hit, keys = self._lookup(token_ids, salt, max_cached_tokens)  # (blocks of page_size tokens)
         cached = num_hit * self.page_size
         end = len(token_ids) if lookahead is None else min(len(token_ids), cached + lookahead)
         hits: list[list[tuple[int, int]]] = []  # per group: (page index, page) reused
         num_new = 0
-        for g, w in enumerate(self.windows):
+        for g, (w, f) in enumerate(zip(self.windows, self.page_factors)):
             first = self._first_kept(g, cached)
-            hits.append([(i, self._page_of_key[(g, keys[i])]) for i in range(first, num_hit)])
-            num_new += self.pages_needed(len(token_ids) if w is None else end) - num_hit
+            hits.append([(i, self._page_of_key[(g, keys[(i + 1) * f - 1])]) for i in range(first, num_hit // f)])
+            num_new += self.pages_needed(len(token_ids) if w is None else end, g) - num_hit // f
         available = self.num_free_pages - sum(1 for row in hits for _, p in row if p in self._evictable)
         if num_new > available:
             raise OutOfPagesError(
@@ -278,13 +295,13 @@ class BlockManager:
         # commit (nothing below can fail)
         self.stats.queries += self._num_lookup(len(token_ids), max_cached_tokens)
         self.stats.hits += num_hit
-        rows = [[SCRATCH_PAGE] * num_hit for _ in self.windows]
+        rows = [[SCRATCH_PAGE] * (num_hit // f) for f in self.page_factors]
         for g, row in enumerate(rows):  # every hit held before any new page is taken (which may evict)
             for i, page in hits[g]:
                 self._hold(page, g)
                 row[i] = page
         for g, w in enumerate(self.windows):
-            rows[g] += [self._take_page(g) for _ in range(self.pages_needed(len(token_ids) if w is None else end) - num_hit)]
+            rows[g] += [self._take_page(g) for _ in range(self.pages_needed(len(token_ids) if w is None else end, g) - len(rows[g]))]
         first_held = [self._first_kept(g, cached) for g in range(self.num_groups)]
         self.seqs[seq_id] = SeqPages(rows, len(token_ids), cached, keys[:num_hit], salt, first_held)
         return cached
@@ -293,15 +310,15 @@ class BlockManager:
         """(group, page index) of the shared pages a computation of slots num_computed..end-1 writes."""
         if end <= seq.num_computed:
             return []
-        first, last = seq.num_computed // self.page_size, self.pages_needed(end)
-        return [(g, i) for g, row in enumerate(seq.pages) for i in range(first, min(last, len(row)))
+        return [(g, i) for g, row in enumerate(seq.pages)
+                for i in range(seq.num_computed // self.page_sizes[g], min(self.pages_needed(end, g), len(row)))
                 if row[i] != SCRATCH_PAGE and self.ref_counts[row[i]] > 1]
 
     def _reserve_cost(self, seq: SeqPages, end: int) -> int:
         """New pages the sequence needs to compute up to slot end (exclusive)."""
         cost = len(self._written_shared(seq, end))
         for g, row in enumerate(seq.pages):
-            cost += max(0, self.pages_needed(max(end, seq.num_tokens if self.windows[g] is None else 0)) - len(row))
+            cost += max(0, self.pages_needed(max(end, seq.num_tokens if self.windows[g] is None else 0), g) - len(row))
         return cost
 
     def can_reserve(self, seq_id: Hashable, end: int) -> bool:
@@ -328,7 +345,7 @@ class BlockManager:
             copies.append((src, dst))
         seq.num_tokens = max(seq.num_tokens, end)
         for g, row in enumerate(seq.pages):
-            while len(row) < self.pages_needed(seq.num_tokens if self.windows[g] is None else end):
+            while len(row) < self.pages_needed(seq.num_tokens if self.windows[g] is None else end, g):
                 row.append(self._take_page(g))
         return copies
 
@@ -353,8 +370,8 @@ class BlockManager:
                 f"sequence {seq_id!r}: cannot truncate to {num_tokens} tokens "
                 f"({seq.num_computed} computed, {seq.num_tokens} reserved)"
             )
-        keep = self.pages_needed(num_tokens)
-        for row in seq.pages:
+        for g, row in enumerate(seq.pages):
+            keep = self.pages_needed(num_tokens, g)
             for page in reversed(row[keep:]):
                 self._release(page)
             del row[keep:]
@@ -377,7 +394,10 @@ class BlockManager:
                 key = page_key(seq.hashes[-1] if seq.hashes else seq.salt, token_ids[i * ps : (i + 1) * ps])
                 seq.hashes.append(key)
                 for g, row in enumerate(seq.pages):
-                    page = row[i]
+                    f = self.page_factors[g]
+                    if (i + 1) % f:  # the group's page ends at a later block
+                        continue
+                    page = row[(i + 1) // f - 1]
                     # another page may hold the same content already (computed concurrently): keep that one
                     if page != SCRATCH_PAGE and (g, key) not in self._page_of_key and page not in self._key_of_page:
                         self._page_of_key[(g, key)] = page
@@ -438,18 +458,19 @@ class BlockManager:
                 assert all(p == SCRATCH_PAGE for p in row[:first]), f"{sid!r} group {g} keeps pages its window left: {row}"
                 assert all(p != SCRATCH_PAGE for p in row[first:]), f"{sid!r} group {g} lacks a page: {row}"
                 assert seq.first_held[g] == min(first, len(row)), f"{sid!r} group {g}: first_held {seq.first_held[g]}"
+                f = self.page_factors[g]
                 if self.windows[g] is None:
-                    assert len(row) == self.pages_needed(seq.num_tokens), f"{sid!r}: {len(row)} pages for {seq.num_tokens} tokens"
+                    assert len(row) == self.pages_needed(seq.num_tokens, g), f"{sid!r}: {len(row)} pages for {seq.num_tokens} tokens"
                 else:
-                    assert len(row) <= self.pages_needed(seq.num_tokens), f"{sid!r}: group {g} holds pages past its slots"
-                for i, key in enumerate(seq.hashes[: len(row)]):
+                    assert len(row) <= self.pages_needed(seq.num_tokens, g), f"{sid!r}: group {g} holds pages past its slots"
+                for i in range(min(len(seq.hashes) // f, len(row))):
                     page_key_now = self._key_of_page.get(row[i])
-                    assert row[i] == SCRATCH_PAGE or page_key_now in (None, (g, key)), \
+                    assert row[i] == SCRATCH_PAGE or page_key_now in (None, (g, seq.hashes[(i + 1) * f - 1])), \
                         f"{sid!r}: page {row[i]} cached under another key"
-                for page in row[len(seq.hashes) :]:
+                for page in row[len(seq.hashes) // f :]:
                     assert page not in self._key_of_page, f"{sid!r}: page {page} cached before it was computed"
                 if seq.num_computed < seq.num_tokens:  # pages still to be written must be private
-                    for page in row[seq.num_computed // ps :]:
+                    for page in row[seq.num_computed // self.page_sizes[g] :]:
                         assert self.ref_counts[page] == 1, f"{sid!r}: page {page} is shared but will be written"
                 for page in live:
                     assert group_of.setdefault(page, g) == g, f"page {page} is used by groups {group_of[page]} and {g}"

@@ -36,7 +36,7 @@ from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.spec_decode import NgramProposer, SpeculativeConfig
 from jaxinfer.kv_groups import kv_groups
 from jaxinfer.models.draft_heads import load_heads
-from jaxinfer.ops.kv_cache import KVCache, is_quantized
+from jaxinfer.ops.kv_cache import KVCache, is_quantized, page_factors
 from jaxinfer.ops.quantization import cast_scales, default_group_size, quantize_model
 from jaxinfer.runtime.kernel_selfcheck import checked_kernels, step_shapes, with_kernels
 from jaxinfer.runtime.loading import abstract_model, load_params, read_config, resolve_model
@@ -90,8 +90,9 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
         config = dataclasses.replace(config, num_pages=least_over_processes(pages))
         sized_by += f" of {capacity / 2**30:.1f} GiB per device"
         clock.mark("KV cache size (the largest bucket compiled once)")
+    groups = kv_groups(model_config)
     summary = PoolSummary(config.num_pages, config.page_size, config.max_model_len, parallel.num_replicas, sized_by,
-                          kv_groups(model_config).windows)
+                          groups.windows, page_factors(groups, tp=parallel.tp, combined=config.kernels.combines_kv))
     logger.info("%s", summary)
     runner = build_runner(model_config, config, mesh, placed, num_top_logprobs=config.max_logprobs,
                           return_hidden=return_hidden)
@@ -180,7 +181,8 @@ def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights:
     groups = kv_groups(model_config)
     return ModelRunner(weights.graphdef, weights.params, kv, config.buckets(parallel, groups.num_groups),
                        num_top_logprobs=num_top_logprobs, mesh=mesh, param_specs=weights.param_specs,
-                       return_hidden=return_hidden, kv_windows=groups.windows)
+                       return_hidden=return_hidden, kv_windows=groups.windows,
+                       kv_page_factors=page_factors(groups, tp=parallel.tp, combined=config.kernels.combines_kv))
 
 
 def make_proposer(spec: SpeculativeConfig | dict, model_config: ModelConfig, config: EngineConfig, runner: ModelRunner):
@@ -274,7 +276,8 @@ def pages_from_device_memory(config: EngineConfig, model_config: ModelConfig, me
     page_bytes = sum(bytes_per_device(pool(m, 1)) for m, _ in models)
     groups = kv_groups(model_config)
     buckets = config.buckets(parallel, groups.num_groups)
-    one_sequence = groups.pages_held(config.max_model_len, config.page_size, buckets.max_tokens) + 1
+    factors = page_factors(groups, tp=parallel.tp, combined=config.kernels.combines_kv)
+    one_sequence = groups.pages_held(config.max_model_len, config.page_size, buckets.max_tokens, factors) + 1
     step = StepFunction(weights.graphdef, config.max_logprobs, max_rows=buckets.max_tokens, mesh=mesh,
                         param_specs=weights.param_specs, return_hidden=return_hidden)
     scratch = measure_step_scratch(step, weights.params, pool(model_config, one_sequence), buckets,

@@ -34,7 +34,7 @@ from jaxinfer.engine.spec_decode import SpeculativeConfig
 from jaxinfer.kv_groups import kv_groups
 from jaxinfer.ops.batch import Buckets
 from jaxinfer.ops.kernels import KERNEL_IMPLS, OPERATIONS, Kernels, resolve_kernels
-from jaxinfer.ops.kv_cache import KVCache
+from jaxinfer.ops.kv_cache import KVCache, page_factors
 from jaxinfer.ops.quantization import QUANTIZATION_GROUP_SIZES, QUANTIZATION_MODES, default_group_size
 from sharding.mesh import ParallelConfig, ShardingError
 
@@ -229,7 +229,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode='swap' with {model_config.model_type}'s sliding-window or chunked layers: their "
                              f"pages are given back as the window moves, and swapping keeps one full page-table row; use "
                              f"preemption_mode='recompute'")
-        pages_per_seq = groups.pages_held(max_model_len, self.page_size, self.max_num_batched_tokens)
+        factors = page_factors(groups, tp=self.tensor_parallel_size, combined=self.kernels.combines_kv)
+        pages_per_seq = groups.pages_held(max_model_len, self.page_size, self.max_num_batched_tokens, factors)
         num_pages = self.num_pages
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and jax.default_backend() == "cpu":

@@ -99,7 +99,7 @@ class EngineCore:
                              f"which share its slots (at least one each)")
         for _ in range(runner.num_replicas):
             bm = BlockManager(runner.pages_per_replica, runner.page_size, enable_prefix_caching=config.enable_prefix_caching,
-                              windows=runner.kv_windows)
+                              windows=runner.kv_windows, page_factors=runner.kv_page_factors)
             self.replicas.append(Replica(bm, Scheduler(bm, max_num_batched_tokens=config.max_num_batched_tokens,
                                                        max_num_seqs=config.max_num_seqs, preemption_mode=config.preemption_mode,
                                                        max_loras=lora_share)))

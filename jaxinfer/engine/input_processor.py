@@ -33,7 +33,7 @@ from jaxinfer.sampling_params import SamplingParams, is_integer
 class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer, *, vocab_size: int, pages_per_replica: int,
                  grammar: GrammarBackend | None = None, lora: LoraManager | None = None, eos_token_ids=(),
-                 kv_windows: tuple = (None,)):
+                 kv_windows: tuple = (None,), kv_page_factors: tuple = ()):
         self.config = config
         self.eos_token_ids = set(eos_token_ids)  # held back with the stop ids until min_tokens
         self.grammar = grammar  # compiles structured_outputs constraints (None: refused)
@@ -42,6 +42,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.num_usable_pages = pages_per_replica - 1  # page 0 is the scratch page
         self.kv_windows = kv_windows  # each KV layer group's window (jaxinfer.kv_groups)
+        self.kv_page_sizes = tuple(self.config.page_size * f for f in kv_page_factors or (1,) * len(kv_windows))
         self._seed_rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self._lock = threading.Lock()  # requests may come from several threads
@@ -166,7 +167,7 @@ class InputProcessor:
         total = min(c.max_model_len, len(ids) + (p.max_tokens or c.max_model_len))
         # its pages in every layer group (a sliding group's: its window and a chunk), and a partial
         # page per group for each extra completion
-        need = sum(window_pages(w, total, c.page_size, c.max_num_batched_tokens) for w in self.kv_windows)
+        need = sum(window_pages(w, total, ps, c.max_num_batched_tokens) for w, ps in zip(self.kv_windows, self.kv_page_sizes))
         need += (p.n - 1) * len(self.kv_windows)
         if need > self.num_usable_pages:
             raise ValueError(

@@ -180,10 +180,12 @@ class PoolSummary:
     num_replicas: int
     sized_by: str  # "num_gpu_blocks_override", "kv_cache_memory_bytes=...", "gpu_memory_utilization=0.9 of ..."
     windows: tuple = (None,)  # each KV layer group's sliding window (None: full attention)
+    page_factors: tuple = ()  # each group's pages hold page_size times this many tokens (() : 1 each)
 
     def pages_per_sequence(self) -> int:
         """Pages (all groups) one sequence of max_model_len holds as it decodes its last token."""
-        return sum(window_pages(w, self.max_model_len, self.page_size) for w in self.windows)
+        factors = self.page_factors or (1,) * len(self.windows)
+        return sum(window_pages(w, self.max_model_len, self.page_size * f) for w, f in zip(self.windows, factors))
 
     def __str__(self) -> str:
         pages = self.num_pages - 1  # page 0 takes padding's writes
@@ -195,6 +197,7 @@ class PoolSummary:
             kinds = ", ".join(f"{self.windows.count(w)} {describe(w)}" for w in dict.fromkeys(self.windows))
             size = (f"{pages} pages x {self.page_size} tokens{per_replica} shared by {len(self.windows)} layer groups "
                     f"({kinds}); a sequence of max_model_len holds {self.pages_per_sequence()} pages, "
-                    f"{len(self.windows) * -(-self.max_model_len // self.page_size)} if every layer kept it whole")
+                    f"{sum(-(-self.max_model_len // (self.page_size * f)) for f in self.page_factors or (1,) * len(self.windows))} "
+                    f"if every layer kept it whole")
         return (f"KV cache: {size}; max concurrency at max_model_len {self.max_model_len}: {sequences} sequences "
                 f"({self.sized_by})")

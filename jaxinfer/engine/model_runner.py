@@ -117,13 +117,16 @@ class InFlightStep:
 
 class ModelRunner:
     def __init__(self, graphdef, params, kv: KVCache, buckets: Buckets, *, num_top_logprobs: int = 20,
-                 mesh=None, param_specs=None, return_hidden: bool = False, kv_windows: tuple = (None,)):
+                 mesh=None, param_specs=None, return_hidden: bool = False, kv_windows: tuple = (None,),
+                 kv_page_factors: tuple = ()):
         """kv: the whole cache, [slots, replicas * pages_per_replica, ...], placed on `mesh` (default:
         one device) with the step's KV sharding; kv_windows: each KV layer group's window
-        (`jaxinfer.kv_groups`; one entry per page-table row of `buckets`)."""
+        (`jaxinfer.kv_groups`; one entry per page-table row of `buckets`), kv_page_factors: how many
+        times page_size tokens each group's pages hold (default 1 each)."""
         if len(kv_windows) != buckets.num_groups:
             raise ValueError(f"{len(kv_windows)} KV layer groups but buckets with {buckets.num_groups} page-table rows")
         self.kv_windows = tuple(kv_windows)
+        self.kv_page_factors = tuple(kv_page_factors or (1,) * len(kv_windows))
         self.graphdef = graphdef
         self.params = params
         self.kv = kv
@@ -194,7 +197,8 @@ class ModelRunner:
         key = shared_key([[s.chunk for s in chunks] for chunks in scheduled], self.buckets)
         # LoRA only in steps where some sequence has an adapter (the others run the base variant)
         with_lora = self.lora_enabled and any(s.chunk.lora_slot for chunks in scheduled for s in chunks)
-        packed = [pack_batch([s.chunk for s in chunks], self.buckets, self.page_size, key, with_lora=with_lora)
+        page_sizes = [self.page_size * f for f in self.kv_page_factors]  # each group's tokens per page
+        packed = [pack_batch([s.chunk for s in chunks], self.buckets, page_sizes, key, with_lora=with_lora)
                   for chunks in scheduled]
         rows_of_chunk = [rows for _, _, rows in packed]
         for chunks, replica_rows in zip(scheduled, rows_of_chunk):

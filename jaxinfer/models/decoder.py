@@ -48,12 +48,12 @@ from jaxinfer.models import moe
 from jaxinfer.models.layers import (add_rms_norm, embed_lookup, gate_up_swiglu, gelu_tanh_glu, linear, matmul, rms_norm,
                                    rms_norm_weight, soft_cap, swiglu, tied_logits)
 from jaxinfer.models.lora import LoraSlots, LoraTable, lora_shapes
-from jaxinfer.models.param_layout import DENSE_MLP_PARAMS, MOE_PARAMS, has_experts, param_shapes, stack_slots
+from jaxinfer.models.param_layout import base_name, param_shapes, stack_of, stack_slots
 from jaxinfer.models.rope import rope_tables
-from jaxinfer.ops.attention import kv_write_locations, write_kv_and_attend
+from jaxinfer.ops.attention import attend_written_kv, kv_write_locations, write_kv_and_attend
 from jaxinfer.ops.batch import SCRATCH_PAGE, RaggedBatch
 from jaxinfer.ops.kernels import Kernels
-from jaxinfer.ops.kv_cache import KVCache
+from jaxinfer.ops.kv_cache import KVCache, page_factors
 from sharding.mesh import ParallelConfig, kv_heads_per_shard
 
 
@@ -70,7 +70,7 @@ def split_qkv(qkv: jax.Array, num_heads: int, num_kv_heads: int, head_dim: int) 
 
 
 def _init(name: str, shape, dtype, key) -> jax.Array:
-    if name.endswith("norm"):
+    if name.endswith(("norm", "scale", "scalar")):  # (Gemma 4's router and layer scales)
         return jnp.ones(shape, dtype)
     if name.endswith("bias"):
         return jnp.zeros(shape, dtype)
@@ -95,23 +95,26 @@ class StepInputs:
 
     batch: RaggedBatch  # its page_table [G, S, pages_per_seq]: a row per sequence and KV layer group
     write_page: jax.Array  # [G, T]: each token's page in each group (kv_write_locations)
-    write_offset: jax.Array  # [T]: its offset in that page
+    write_offset: jax.Array  # [G, T]: its offset in that page (a group's pages hold page_size * its factor tokens)
     rope: dict  # LayerKind.rope -> (cos, sin) [T, rotary_dim] each (jaxinfer.models.rope)
     lora_slot: jax.Array | None  # [Tl]: each of this device's tokens' adapter slot (None: no LoRA)
     query_block: int
     spec_block: int
     num_pages: int  # pages per slot: slot s's pages start at s * num_pages in the folded pool
     nope_query_scale: jax.Array | None = None  # [Tl]: NoPE layers' query scale per token (Llama 4), else None
+    per_layer_inputs: jax.Array | None = None  # [Tl, L, P]: each layer's extra input per token (Gemma 4's PLE), else None
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerRef:
     """Where a layer's K/V live (jaxinfer.kv_groups): its group's page-table row (static) and its
-    slot in the pool (traced inside the layer loop)."""
+    slot in the pool (traced inside the layer loop); whether it reads another layer's K/V instead
+    of writing its own (Gemma 4's KV-shared layers: the group and slot are that layer's)."""
 
     index: jax.Array | int  # the layer (its weights)
     group: int
     slot: jax.Array | int
+    kv_shared: bool = False
 
     def batch_view(self, batch: RaggedBatch) -> RaggedBatch:
         """The batch as this layer's attention sees it: its group's page table [S, pages_per_seq]."""
@@ -138,8 +141,13 @@ class Decoder(nnx.Module):
         if config.attention_sinks and parallel.sp > 1 and parallel.sp_attention == "ring":
             raise ConfigError(f"{config.model_type}: attention sinks with ring attention are not supported "
                               "(sequence parallelism with sp_attention='allgather' is)")
+        if config.kv_shared_layers and parallel.sp > 1:
+            raise ConfigError(f"{config.model_type}: layers sharing K/V (num_kv_shared_layers={config.kv_shared_layers}) "
+                              "with sequence parallelism are not supported")
         self.config = config
         self.kv_groups = kv_groups(config)  # static: which page-table row and pool slot each layer uses
+        # static: each group's pages hold page_size times this many tokens (jaxinfer.kv_groups)
+        self.page_factors = page_factors(self.kv_groups, tp=parallel.tp, combined=kernels.combines_kv)
         self.compute_dtype = compute_dtype
         self.kernels = kernels  # static: XLA paths or Pallas kernels (jaxinfer.ops.kernels)
         self.parallel = parallel  # static: the mesh's axis sizes (sharding.mesh.ParallelConfig)
@@ -150,6 +158,9 @@ class Decoder(nnx.Module):
         self.final_norm = nnx.Param(_init("final_norm", shapes["final_norm"], param_dtype, None))
         if "lm_head" in shapes:
             self.lm_head = nnx.Param(_init("lm_head", shapes["lm_head"], param_dtype, rngs.params()))
+        for name in ("embed_per_layer", "per_layer_proj", "per_layer_proj_norm"):  # Gemma 4's per-layer inputs
+            if name in shapes:
+                setattr(self, name, nnx.Param(_init(name, shapes[name], param_dtype, rngs.params())))
         if lora is not None:
             self.lora = LoraSlots(lora_shapes(config, lora, parallel.tp), param_dtype)  # the adapter slot table (jaxinfer.models.lora)
 
@@ -169,10 +180,12 @@ class Decoder(nnx.Module):
         Tl = T // par.sp  # this device's tokens: rows first_row : first_row + Tl of the step
         first_row = jax.lax.axis_index("sequence") * Tl if par.sp > 1 else 0
 
-        x = self._embed(jax.lax.dynamic_slice_in_dim(batch.token_ids, first_row, Tl))  # [Tl, H]
+        token_ids = jax.lax.dynamic_slice_in_dim(batch.token_ids, first_row, Tl)
+        x = self._embed(token_ids)  # [Tl, H]
         groups = [LayerRef(0, g, 0).batch_view(batch) for g in range(batch.page_table.shape[0])]
-        locations = [kv_write_locations(view, kv.page_size, SCRATCH_PAGE) for view in groups]  # [T] each: every token's slot
-        write_page, write_offset = jnp.stack([page for page, _ in locations]), locations[0][1]  # [G, T], [T]
+        locations = [kv_write_locations(view, kv.page_size * f, SCRATCH_PAGE) for view, f in zip(groups, self.page_factors)]
+        write_page = jnp.stack([page for page, _ in locations])  # [G, T]: every token's page and offset in each group
+        write_offset = jnp.stack([offset for _, offset in locations])
         seq_of_token = jnp.minimum(jnp.searchsorted(batch.cu_q_lens[1:], jnp.arange(T), side="right"), S - 1)
         rope = rope_tables(c, batch.positions, batch.kv_lens[seq_of_token])  # kind -> [T, rotary_dim] each
         slot = None  # LoRA: each of this device's tokens' adapter slot
@@ -183,7 +196,8 @@ class Decoder(nnx.Module):
         if c.attn_temperature_scale is not None:  # Llama 4's attention temperature tuning, by each token's position
             positions = jax.lax.dynamic_slice_in_dim(batch.positions, first_row, Tl).astype(jnp.float32)
             query_scale = jnp.log1p(jnp.floor((positions + 1.0) / c.attn_temperature_floor)) * c.attn_temperature_scale + 1.0
-        step = StepInputs(batch, write_page, write_offset, rope, slot, query_block, spec_block, kv.num_pages, query_scale)
+        ple = self._per_layer_inputs(token_ids, x) if c.per_layer_input_size else None
+        step = StepInputs(batch, write_page, write_offset, rope, slot, query_block, spec_block, kv.num_pages, query_scale, ple)
 
         num_slots = kv.num_slots
         # Fold the slot axis into the page axis: slot s's page p is page s * P + p of one pool.
@@ -198,40 +212,49 @@ class Decoder(nnx.Module):
     def run_layers(self, step: StepInputs, carry):
         """carry = (hidden, residual, pool) through every layer (the period loop of the module docstring)."""
         c, groups = self.config, self.kv_groups
-        # what a layer's code specialises on: its attention kind, its KV group, whether its MLP has experts
-        statics = [(kind, group, has_experts(c, i))
+        stacked = self.layers.stacked()
+        # what a layer's code specialises on: its attention kind, its KV group, which stacks hold its
+        # weights (a MoE layer's MLP reads the MoE stacks, a dense one the dense ones; Gemma 4's global
+        # layers their own attention stacks), whether it reads another layer's K/V
+        def stacks(i):  # (weight, stacked param) of layer i's weights
+            return tuple((base_name(f"layers.{name}"), name) for name in stacked
+                         if stack_of(c, base_name(f"layers.{name}"), i) == f"layers.{name}")
+
+        statics = [(kind, group, stacks(i), c.is_kv_shared(i))
                    for i, (kind, group) in enumerate(zip(c.layer_kinds(), groups.group_of_layer))]
         slot_of_layer = jnp.asarray(groups.slot_of_layer, jnp.int32)
-        stacked = self.layers.stacked()
         slots = {name: jnp.asarray(stack_slots(c, f"layers.{name}"), jnp.int32) for name in stacked}  # [L] each
         lora = self.lora.stacked() if step.lora_slot is not None else None
 
         def layer(i, static, carry):  # layer i (traced in the loop), its static facts
-            kind, group, moe = static
-            w = {}  # layer i's weights: a MoE MLP's stack holds the MoE layers only, a dense MLP's the dense ones
-            for name, p in stacked.items():
-                if f"layers.{name}" in (DENSE_MLP_PARAMS if moe else MOE_PARAMS):
-                    continue
-                w[name] = jax.tree.map(lambda a: a[slots[name][i]], p)
+            kind, group, names, shared = static
+            w = {base: jax.tree.map(lambda a: a[slots[name][i]], stacked[name]) for base, name in names}  # layer i's weights
             lw = {name: a[i] for name, a in lora.items()} if lora is not None else None  # [N, ...] each
-            return self.block(step, LayerRef(i, group, slot_of_layer[i]), kind, w, lw, *carry)
+            return self.block(step, LayerRef(i, group, slot_of_layer[i], shared), kind, w, lw, *carry)
 
-        first = c.first_dense_layers if c.is_moe else 0
-        for i in range(first):  # GLM-4.5's dense layers before the MoE ones
-            carry = layer(i, statics[i], carry)
-        rest = statics[first:]
-        period = layer_period(tuple(rest))
+        def run(start, end, carry):  # layers start..end-1: a loop over their period, the rest unrolled
+            run_statics = statics[start:end]
+            period = layer_period(tuple(run_statics))
 
-        def one_period(p, carry):
-            for j in range(period):
-                carry = layer(first + p * period + j, rest[j], carry)
+            def one_period(p, carry):
+                for j in range(period):
+                    carry = layer(start + p * period + j, run_statics[j], carry)
+                return carry
+
+            whole = len(run_statics) // period
+            if whole > 1:
+                carry = jax.lax.fori_loop(0, whole, one_period, carry)
+            elif whole:
+                carry = one_period(0, carry)
+            for i in range(start + whole * period, end):  # the layers past the last whole period
+                carry = layer(i, statics[i], carry)
             return carry
 
-        whole = len(rest) // period
-        if whole:
-            carry = jax.lax.fori_loop(0, whole, one_period, carry)
-        for i in range(first + whole * period, c.num_layers):  # the layers past the last whole period
-            carry = layer(i, statics[i], carry)
+        first = c.first_dense_layers if c.is_moe else 0  # GLM-4.5's dense layers before the MoE ones
+        shared = c.num_layers - c.kv_shared_layers  # Gemma 4's KV-shared layers after the others
+        for start, end in ((0, first), (first, shared), (shared, c.num_layers)):
+            if end > start:
+                carry = run(start, end, carry)
         return carry
 
     def block(self, step: StepInputs, layer: LayerRef, kind: LayerKind, w: dict, lw: dict | None, hidden, residual, pool):
@@ -253,13 +276,20 @@ class Decoder(nnx.Module):
         """Self-attention of h [Tl, H] through the layer's paged cache: (out [Tl, H], pool)."""
         c, par, kernels = self.config, self.parallel, self.kernels
         Tl = h.shape[0]
+        D = c.kind_head_dim(kind)  # Gemma 4's global layers have their own head dim and KV heads
         num_heads = c.num_heads // par.tp  # this device's query heads
-        num_kv_heads = kv_heads_per_shard(c.num_kv_heads, par.tp)
+        num_kv_heads = kv_heads_per_shard(c.kind_kv_heads(kind), par.tp)
         qkv = linear(h, w["qkv_proj"], w.get("qkv_bias"), kernels)  # one matmul: [Tl, (Hq + 2*Hkv)*D] local
         if lw is not None:
             delta = kernels.lora_delta(h, lw["qkv_a"], [lw["q_b"], lw["k_b"], lw["v_b"]], step.lora_slot)  # [Tl, q | k | v] local
             qkv = (qkv.astype(jnp.float32) + delta).astype(qkv.dtype)
-        q, k, v = split_qkv(qkv, num_heads, num_kv_heads, c.head_dim)
+        if kind.k_eq_v:  # [q | k]: the values are the keys' projection, normed on their own below
+            q, k, _ = split_qkv(jnp.concatenate([qkv, qkv[:, num_heads * D:]], axis=-1), num_heads, num_kv_heads, D)
+            v = k
+        else:
+            q, k, v = split_qkv(qkv, num_heads, num_kv_heads, D)
+        if c.value_norm:  # Gemma 4: each value head RMS-normalised, without a weight
+            v = self._l2_norm(v)
         if c.qk_norm and c.qk_norm_scope == "head":  # RMSNorm over each head's D dims (Qwen3, Gemma 3)
             q, k = self.norm(q, w["q_norm"]), self.norm(k, w["k_norm"])
         elif c.qk_norm:  # over the whole projection (OLMo 2): the sum of squares spans the tensor shards
@@ -269,14 +299,19 @@ class Decoder(nnx.Module):
         if step.nope_query_scale is not None and kind.rope is None:
             q = (q * step.nope_query_scale[:, None, None]).astype(q.dtype)
         cos, sin = step.rope[kind.rope]
-        attn, pool = write_kv_and_attend(  # RoPE, KV write, attention
-            q, k, v, cos, sin, pool, layer.slot * step.num_pages, step.write_page[layer.group], step.write_offset,
-            layer.batch_view(step.batch),
-            sm_scale=c.sm_scale, sliding_window=kind.window, attention_chunk=kind.chunk, soft_cap=c.attn_logit_softcap,
-            sinks=w.get("sinks"),
-            query_block=step.query_block, spec_block=step.spec_block, kernels=kernels, parallel=par,
-        )
-        attn = attn.reshape(Tl, num_heads * c.head_dim)
+        factor = self.page_factors[layer.group]
+        view = pool.group_view(factor, num_kv_heads, D)  # the group's pages: [slots * P, page_size * factor, Hkv, D]
+        options = dict(sm_scale=c.sm_scale, sliding_window=kind.window, attention_chunk=kind.chunk, soft_cap=c.attn_logit_softcap,
+                       sinks=w.get("sinks"), query_block=step.query_block, spec_block=step.spec_block, kernels=kernels)
+        if layer.kv_shared:  # Gemma 4: another layer's K/V, already in the pages
+            attn = attend_written_kv(q, cos, sin, view, layer.slot * step.num_pages, layer.batch_view(step.batch),
+                                     num_kv_heads=num_kv_heads, **options)
+        else:
+            attn, view = write_kv_and_attend(  # RoPE, KV write, attention
+                q, k, v, cos, sin, view, layer.slot * step.num_pages, step.write_page[layer.group],
+                step.write_offset[layer.group], layer.batch_view(step.batch), parallel=par, **options)
+            pool = view.like(pool)
+        attn = attn.reshape(Tl, num_heads * D)
         delta = kernels.lora_delta(attn, lw["o_a"], [lw["o_b"]], step.lora_slot) if lw is not None else None
         return self._row_parallel(attn, w["o_proj"], w.get("o_bias"), delta), pool
 
@@ -298,9 +333,13 @@ class Decoder(nnx.Module):
 
     def mlp(self, step: StepInputs, w: dict, lw: dict | None, h):
         """The MLP of h [Tl, H]: gated (SwiGLU / GeGLU) or a mixture of experts. [Tl, H]."""
-        c, kernels = self.config, self.kernels
         if "router" in w:  # a MoE layer (GLM-4.5's first layers are dense)
-            return self._tensor_sum(moe.moe_mlp(h, w, c, self.parallel, kernels))
+            return self._tensor_sum(moe.moe_mlp(h, w, self.config, self.parallel, self.kernels))
+        return self.dense_mlp(step, w, lw, h)
+
+    def dense_mlp(self, step: StepInputs, w: dict, lw: dict | None, h):
+        """The gated MLP (SwiGLU / GeGLU) of h [Tl, H]: [Tl, H]."""
+        c, kernels = self.config, self.kernels
         act = gelu_tanh_glu if c.hidden_act == "gelu_tanh" else swiglu
         if lw is not None and "gate_up_a" in lw:  # (a MoE model's table has no MLP adapters, its dense layers none)
             gate_up = linear(h, w["gate_up_proj"], w.get("gate_up_bias"), kernels).astype(jnp.float32)
@@ -351,6 +390,17 @@ class Decoder(nnx.Module):
         if self.config.scale_embeddings:
             x = x * jnp.asarray(self.config.hidden_size**0.5, self.compute_dtype)
         return x
+
+    def _per_layer_inputs(self, token_ids: jax.Array, x: jax.Array) -> jax.Array:
+        """Gemma 4's per-layer inputs [Tl, L, P] of this device's tokens [Tl] (embedded as x [Tl, H]):
+        (rms_norm(x @ per_layer_proj / sqrt(H)) + embed_per_layer[token] * sqrt(P)) / sqrt(2)."""
+        c = self.config
+        L, P, dtype = c.num_layers, c.per_layer_input_size, self.compute_dtype
+        table = embed_lookup(self.embed_per_layer.get_value(), token_ids).astype(dtype)
+        token = (table * jnp.asarray(P**0.5, dtype)).reshape(-1, L, P)
+        context = (matmul(x, self.per_layer_proj.get_value(), self.kernels) * c.hidden_size**-0.5).astype(dtype)
+        context = rms_norm(context.reshape(-1, L, P), self.per_layer_proj_norm.get_value(), c.rms_norm_eps)
+        return ((context.astype(jnp.float32) + token.astype(jnp.float32)) * 2**-0.5).astype(dtype)
 
     def _logits_rows(self, hidden, residual, rows, first_row):
         """The rows [R] of this replica's step that need logits, from the devices holding them."""

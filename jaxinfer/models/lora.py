@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from checkpoints_conv.views import QK_ROWS_REORDERED, pairs_to_halves
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.models.param_layout import num_kv_heads_stored, param_columns
 
 # projection input -> the HF modules reading it, in the order of their blocks in its A stack
@@ -67,6 +67,9 @@ class LoraTable:
 
 def lora_shapes(config: ModelConfig, table: LoraTable, tp: int = 1) -> dict[str, tuple[int, ...]]:
     c, N, R = config, table.num_slots, table.rank
+    if any(kind.head_dim is not None for kind in c.layer_kinds()) or c.kv_shared_layers or c.per_layer_input_size:
+        raise ConfigError(f"LoRA adapters for {c.model_type} (layers of several attention shapes, shared K/V or per-layer "
+                          "inputs: Gemma 4) are not supported")
     L, H, I = c.num_layers, c.hidden_size, c.intermediate_size
     q_dim, kv_dim = c.num_heads * c.head_dim, num_kv_heads_stored(c, tp) * c.head_dim
     shapes = {

@@ -68,6 +68,13 @@ MOE_PARAMS = frozenset(f"layers.{n}" for n in (
 DENSE_MLP_PARAMS = frozenset(f"layers.{n}" for n in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"))
 
 
+# Gemma 4's layers of another shape keep those weights in stacks of their own, under a prefix:
+# the global layers' attention ("global_": their own head dim and KV heads) and the KV-shared
+# layers' double-wide dense MLP ("wide_").
+GLOBAL_ATTENTION_PARAMS = ("qkv_proj", "o_proj", "q_norm", "k_norm")
+WIDE_MLP_PARAMS = ("gate_up_proj", "down_proj")
+
+
 def has_experts(config: ModelConfig, layer: int) -> bool:
     """Whether the layer's MLP is a mixture of experts: in a MoE model, every moe_layer_step-th layer
     from first_dense_layers on (GLM-4.5's first layers and Llama 4 Maverick's odd ones are dense)."""
@@ -80,31 +87,73 @@ def num_moe_layers(config: ModelConfig) -> int:
     return sum(has_experts(config, i) for i in range(config.num_layers))
 
 
+def has_global_attention_shape(config: ModelConfig, layer: int) -> bool:
+    """Whether the layer's attention weights are a global layer's of their own shape (Gemma 4)."""
+    return config.layer_kind(layer).head_dim is not None
+
+
+def has_wide_mlp(config: ModelConfig, layer: int) -> bool:
+    return config.wide_shared_mlp and config.is_kv_shared(layer)
+
+
+def stack_of(config: ModelConfig, name: str, layer: int) -> str | None:
+    """The stacked parameter holding layer `layer`'s weight `name` ("qkv_proj", "router", ...), or
+    None when the layer has no such weight: a MoE parameter stacks over the MoE layers, a dense
+    MLP's over the dense ones (every layer where experts run beside it: Gemma 4), Gemma 4's global
+    attention and wide MLPs over those layers, every other one over all layers."""
+    if f"layers.{name}" in MOE_PARAMS:
+        return f"layers.{name}" if has_experts(config, layer) else None
+    if f"layers.{name}" in DENSE_MLP_PARAMS:
+        if has_experts(config, layer) and not config.dense_and_experts:
+            return None
+        return f"layers.wide_{name}" if name in WIDE_MLP_PARAMS and has_wide_mlp(config, layer) else f"layers.{name}"
+    if name in GLOBAL_ATTENTION_PARAMS and has_global_attention_shape(config, layer):
+        return f"layers.global_{name}"
+    return f"layers.{name}"
+
+
+def base_name(stacked: str) -> str:
+    """"layers.global_qkv_proj" -> "qkv_proj": the weight a layer reads from a stacked parameter."""
+    name = stacked.split(".", 1)[1]
+    for prefix, names in (("global_", GLOBAL_ATTENTION_PARAMS), ("wide_", WIDE_MLP_PARAMS)):
+        if name.startswith(prefix) and name[len(prefix):] in names:
+            return name[len(prefix):]
+    return name
+
+
 def stack_slots(config: ModelConfig, name: str) -> tuple[int, ...]:
     """Per layer: its slot on the stacked axis of parameter `name` (-1: the layer has no such
-    weight). A MoE parameter stacks over the MoE layers, a dense MLP's over the dense ones, every
-    other one over all layers."""
-    if name not in MOE_PARAMS and name not in DENSE_MLP_PARAMS:
-        return tuple(range(config.num_layers))
-    mine = [has_experts(config, i) == (name in MOE_PARAMS) for i in range(config.num_layers)]
+    weight), `stack_of`'s layers in order."""
+    mine = [stack_of(config, base_name(name), i) == name for i in range(config.num_layers)]
     return tuple(sum(mine[:i]) if m else -1 for i, m in enumerate(mine))
+
+
+def _stack_size(config: ModelConfig, name: str) -> int:
+    return sum(slot >= 0 for slot in stack_slots(config, name))
 
 
 def param_shapes(config: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]:
     """Flat parameter name -> global shape, for exactly the parameters this config has."""
     c = config
-    L, H, V, D = c.num_layers, c.hidden_size, c.vocab_size, c.head_dim
-    q_dim, kv_dim = c.num_heads * D, num_kv_heads_stored(c, tp) * D
-    qkv_dim = q_dim + 2 * kv_dim
+    L, H, V = c.num_layers, c.hidden_size, c.vocab_size
     norms = {"pre": ("attn_norm", "mlp_norm"), "sandwich": ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm"),
              "post": ("post_attn_norm", "post_mlp_norm")}[c.norm_layout]
-    shapes = {
-        "embed": (V, H),
-        "final_norm": (H,),
-        "layers.qkv_proj": (L, H, qkv_dim),
-        "layers.o_proj": (L, q_dim, H),
-        **{f"layers.{name}": (L, H) for name in norms},
-    }
+    shapes = {"embed": (V, H), "final_norm": (H,), **{f"layers.{name}": (L, H) for name in norms}}
+    kinds = c.layer_kinds()
+    for prefix, kind in (("", next((k for k in kinds if k.head_dim is None), None)),
+                         ("global_", next((k for k in kinds if k.head_dim is not None), None))):
+        if kind is None:
+            continue
+        n, D = _stack_size(c, f"layers.{prefix}qkv_proj"), c.kind_head_dim(kind)
+        q_dim, kv_dim = c.num_heads * D, kv_heads_per_shard(c.kind_kv_heads(kind), tp) * tp * D
+        qkv_dim = q_dim + (1 if kind.k_eq_v else 2) * kv_dim  # Gemma 4's global layers: [q | k], the values are k
+        shapes.update({f"layers.{prefix}qkv_proj": (n, H, qkv_dim), f"layers.{prefix}o_proj": (n, q_dim, H)})
+        if c.qk_norm and c.qk_norm_scope == "head":
+            shapes.update({f"layers.{prefix}q_norm": (n, D), f"layers.{prefix}k_norm": (n, D)})
+        elif c.qk_norm:  # over the whole projection (OLMo 2): sharded with the heads
+            shapes.update({f"layers.{prefix}q_norm": (n, q_dim), f"layers.{prefix}k_norm": (n, kv_dim)})
+        if c.qkv_bias and not prefix:
+            shapes["layers.qkv_bias"] = (L, qkv_dim)
     M = num_moe_layers(c)  # the layers with experts (GLM-4.5's first few and Llama 4 Maverick's odd ones are dense)
     if c.is_moe:
         E, Ie, Is = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
@@ -117,9 +166,12 @@ def param_shapes(config: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]
             shapes.update({"layers.shared_gate_up": (M, H, 2 * Is), "layers.shared_down": (M, Is, H)})
             if c.shared_expert_gated:
                 shapes["layers.shared_expert_gate"] = (M, H, 1)
-    if L - M:  # the dense layers: every layer of a dense model, the first few of GLM-4.5, ...
-        shapes.update({"layers.gate_up_proj": (L - M, H, 2 * c.intermediate_size),
-                       "layers.down_proj": (L - M, c.intermediate_size, H)})
+    for prefix, width in (("", c.intermediate_size), ("wide_", 2 * c.intermediate_size)):
+        n = _stack_size(c, f"layers.{prefix}gate_up_proj")  # the dense layers: every layer of a dense model, ...
+        if n:
+            shapes.update({f"layers.{prefix}gate_up_proj": (n, H, 2 * width), f"layers.{prefix}down_proj": (n, width, H)})
+            if c.mlp_bias and not prefix:
+                shapes.update({"layers.gate_up_bias": (n, 2 * width), "layers.down_bias": (n, H)})
     if c.attention_sinks:
         shapes["layers.sinks"] = (L, c.num_heads)
     if c.router_bias:
@@ -129,18 +181,20 @@ def param_shapes(config: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]
     if c.expert_bias:
         shapes.update({"layers.experts_gate_up_bias": (M, c.num_experts, 2 * c.moe_intermediate_size),
                        "layers.experts_down_bias": (M, c.num_experts, H)})
+    if c.dense_and_experts:  # Gemma 4's MoE block: router scales and the norms around the experts
+        shapes.update({"layers.router_scale": (M, H), "layers.expert_scale": (M, c.num_experts),
+                       "layers.post_dense_norm": (M, H), "layers.experts_norm": (M, H), "layers.post_experts_norm": (M, H)})
+    if c.per_layer_input_size:  # Gemma 4's per-layer input embeddings
+        P = c.per_layer_input_size
+        shapes.update({"embed_per_layer": (c.per_layer_vocab_size, L * P), "per_layer_proj": (H, L * P),
+                       "per_layer_proj_norm": (P,), "layers.ple_gate": (L, H, P), "layers.ple_proj": (L, P, H),
+                       "layers.ple_norm": (L, H)})
+    if c.layer_scalar:
+        shapes["layers.layer_scalar"] = (L, 1)
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (H, V)
-    if c.qkv_bias:
-        shapes["layers.qkv_bias"] = (L, qkv_dim)
     if c.o_bias:
         shapes["layers.o_bias"] = (L, H)
-    if c.mlp_bias and L - M:
-        shapes.update({"layers.gate_up_bias": (L - M, 2 * c.intermediate_size), "layers.down_bias": (L - M, H)})
-    if c.qk_norm and c.qk_norm_scope == "head":
-        shapes.update({"layers.q_norm": (L, D), "layers.k_norm": (L, D)})
-    elif c.qk_norm:  # over the whole projection (OLMo 2): sharded with the heads
-        shapes.update({"layers.q_norm": (L, q_dim), "layers.k_norm": (L, kv_dim)})
     return shapes
 
 
@@ -174,6 +228,24 @@ _AXES = {
     "layers.router_correction_bias": ("layers", "num_experts"),
     "layers.experts_gate_up_bias": ("layers", "experts", "mlp"),
     "layers.experts_down_bias": ("layers", "num_experts", "embed"),  # every device: added once, after the experts
+    "layers.global_qkv_proj": ("layers", "embed", "qkv"),
+    "layers.global_o_proj": ("layers", "heads", "embed"),
+    "layers.global_q_norm": ("layers", "head_dim"),
+    "layers.global_k_norm": ("layers", "head_dim"),
+    "layers.wide_gate_up_proj": ("layers", "embed", "mlp"),
+    "layers.wide_down_proj": ("layers", "mlp", "embed"),
+    "layers.router_scale": ("layers", "embed"),
+    "layers.expert_scale": ("layers", "num_experts"),
+    "layers.post_dense_norm": ("layers", "embed"),
+    "layers.experts_norm": ("layers", "embed"),
+    "layers.post_experts_norm": ("layers", "embed"),
+    "embed_per_layer": ("vocab", None),
+    "per_layer_proj": ("embed", None),
+    "per_layer_proj_norm": (None,),
+    "layers.ple_gate": ("layers", "embed", None),
+    "layers.ple_proj": ("layers", None, "embed"),
+    "layers.ple_norm": ("layers", "embed"),
+    "layers.layer_scalar": ("layers", None),
 }
 
 
@@ -198,29 +270,37 @@ def quantized_in_out(name: str, shape: tuple[int, ...]) -> tuple[int, int]:
     return (shape[-1], shape[-2]) if name == "embed" else (shape[-2], shape[-1])
 
 
-def param_columns(config: ModelConfig, tp: int = 1) -> dict[str, tuple[Segment, ...]]:
-    """Fused parameter -> the HF rows on its last axis, shard by shard (see the module docstring)."""
-    c = config
-    D = c.head_dim
-    q_local = c.num_heads // tp * D
-    kv_local = kv_heads_per_shard(c.num_kv_heads, tp)
-    shards_per_kv_head = max(1, tp // c.num_kv_heads)  # > 1: KV heads replicated
-
+def _qkv_columns(num_heads: int, kv_heads: int, D: int, tp: int, parts=("q", "k", "v")) -> tuple[Segment, ...]:
+    q_local = num_heads // tp * D
+    kv_local = kv_heads_per_shard(kv_heads, tp)
+    shards_per_kv_head = max(1, tp // kv_heads)  # > 1: KV heads replicated
     qkv = []
     for t in range(tp):
         first_kv = t // shards_per_kv_head if shards_per_kv_head > 1 else t * kv_local
-        qkv += [("q", t * q_local, q_local), ("k", first_kv * D, kv_local * D), ("v", first_kv * D, kv_local * D)]
+        qkv += [("q", t * q_local, q_local)] + [(p, first_kv * D, kv_local * D) for p in parts[1:]]
+    return tuple(qkv)
+
+
+def param_columns(config: ModelConfig, tp: int = 1) -> dict[str, tuple[Segment, ...]]:
+    """Fused parameter -> the HF rows on its last axis, shard by shard (see the module docstring)."""
+    c = config
 
     def gate_up(width: int) -> list[Segment]:
         local = width // tp
         return [seg for t in range(tp) for seg in (("gate", t * local, local), ("up", t * local, local))]
 
-    columns = {"layers.qkv_proj": tuple(qkv), "layers.qkv_bias": tuple(qkv)}
+    qkv = _qkv_columns(c.num_heads, c.num_kv_heads, c.head_dim, tp)
+    columns = {"layers.qkv_proj": qkv, "layers.qkv_bias": qkv}
+    glob = next((k for k in c.layer_kinds() if k.head_dim is not None), None)
+    if glob is not None:
+        columns["layers.global_qkv_proj"] = _qkv_columns(c.num_heads, c.kind_kv_heads(glob), c.kind_head_dim(glob), tp,
+                                                         ("q", "k") if glob.k_eq_v else ("q", "k", "v"))
     if c.is_moe:
         columns["layers.experts_gate_up"] = columns["layers.experts_gate_up_bias"] = tuple(gate_up(c.moe_intermediate_size))
         if c.shared_expert_intermediate_size:
             columns["layers.shared_gate_up"] = tuple(gate_up(c.shared_expert_intermediate_size))
     columns["layers.gate_up_proj"] = columns["layers.gate_up_bias"] = tuple(gate_up(c.intermediate_size))
+    columns["layers.wide_gate_up_proj"] = tuple(gate_up(2 * c.intermediate_size))
     shapes = param_shapes(c, tp)
     return {name: segs for name, segs in columns.items() if name in shapes}
 

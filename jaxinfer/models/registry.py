@@ -9,6 +9,7 @@ from __future__ import annotations
 from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.models.gemma import GemmaForCausalLM
+from jaxinfer.models.gemma4 import Gemma4ForCausalLM
 from jaxinfer.models.glm4_moe import Glm4MoeForCausalLM
 from jaxinfer.models.gpt_oss import GptOssForCausalLM
 from jaxinfer.models.llama import LlamaForCausalLM
@@ -22,6 +23,8 @@ MODEL_CLASSES: dict[str, type[Decoder]] = {
     "gemma2": GemmaForCausalLM,
     "gemma3_text": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,  # a multimodal folder's text decoder
+    "gemma4_text": Gemma4ForCausalLM,
+    "gemma4": Gemma4ForCausalLM,  # a multimodal folder's text decoder
     "olmo2": OlmoForCausalLM,
     "olmo3": OlmoForCausalLM,
     "gpt_oss": GptOssForCausalLM,

@@ -14,6 +14,9 @@ Scalings, as transformers computes them (frequencies in float64 on the host, the
   attention factor (0.1 ln(factor) + 1 unless given);
 - freq_factors (a GGUF's rope_freqs tensor, llama.cpp's form of llama3 scaling): frequency i
   divided by factor i;
+- proportional (Gemma 4's global layers): the first `rotated_fraction` of the head's frequency
+  pairs at their usual frequencies (over the whole head dim), the rest at frequency 0 (turned by
+  nothing), all divided by factor;
 - longrope (Phi-3): one factor per frequency, the short ones while the sequence is within
   original_max_position_embeddings and the long ones past it (per sequence, from `seq_lens`),
   cos / sin scaled by sqrt(1 + ln(factor) / ln(original)).
@@ -59,6 +62,9 @@ def inv_freq(theta: float, rs: RopeScaling, dim: int) -> tuple[np.ndarray, float
         return inv / np.asarray(rs.short_factor, np.float64), _longrope_scale(rs)
     if rs.rope_type == "freq_factors":
         return inv / np.asarray(rs.freq_factors, np.float64), 1.0
+    if rs.rope_type == "proportional":  # Gemma 4's global layers: the first pairs turn, the others stay
+        turned = int(rs.rotated_fraction * dim // 2)
+        return np.where(np.arange(dim // 2) < turned, inv, 0.0) / rs.factor, 1.0
     return inv, 1.0
 
 
@@ -123,17 +129,18 @@ def cos_sin(theta: float, rs: RopeScaling, dim: int, positions: jax.Array, seq_l
 
 
 def rope_tables(config: ModelConfig, positions: jax.Array, seq_lens: jax.Array) -> dict[str | None, tuple[jax.Array, jax.Array]]:
-    """Every table this model's layers use: LayerKind.rope -> (cos, sin) [T, rotary_dim] each."""
+    """Every table this model's layers use: LayerKind.rope -> (cos, sin) [T, rotary_dim] each (the
+    rotary dims of the layers using it: Gemma 4's global layers have a head dim of their own)."""
     c = config
-    kinds = {kind.rope for kind in c.layer_kinds()}
+    dims = {kind.rope: c.rotary_dim or c.kind_head_dim(kind) for kind in c.layer_kinds()}
     tables = {}
-    if "global" in kinds:
-        tables["global"] = cos_sin(c.rope_theta, c.rope_scaling, c.rope_dim, positions, seq_lens)
-    if "local" in kinds:
-        tables["local"] = cos_sin(c.local_rope_theta, c.local_rope_scaling, c.rope_dim, positions, seq_lens)
-    if None in kinds:  # NoPE: the identity rotation
+    if "global" in dims:
+        tables["global"] = cos_sin(c.rope_theta, c.rope_scaling, dims["global"], positions, seq_lens)
+    if "local" in dims:
+        tables["local"] = cos_sin(c.local_rope_theta, c.local_rope_scaling, dims["local"], positions, seq_lens)
+    if None in dims:  # NoPE: the identity rotation
         T = positions.shape[0]
-        tables[None] = (jnp.ones((T, c.rope_dim), jnp.float32), jnp.zeros((T, c.rope_dim), jnp.float32))
+        tables[None] = (jnp.ones((T, dims[None]), jnp.float32), jnp.zeros((T, dims[None]), jnp.float32))
     return tables
 
 

@@ -162,9 +162,22 @@ def write_kv_and_attend(
     return paged_attention(q, k, v, pool, layer_page_offset, batch, **options), pool
 
 
+def attend_written_kv(q, cos, sin, pool: KVCache, layer_page_offset, batch: RaggedBatch, *, num_kv_heads: int, sm_scale,
+                      sliding_window, query_block: int, attention_chunk: int | None = None, spec_block: int = 0,
+                      soft_cap: float | None = None, sinks=None, kernels: Kernels = Kernels()) -> jax.Array:
+    """Attention of q [T, Hq, D] (before RoPE) over K/V another layer has written into these pages
+    this step and before (Gemma 4's KV-shared layers): RoPE on q, then the paged attention (never
+    the flash path, which reads a layer's own fresh K/V). [T, Hq, D]."""
+    q = apply_rope(q, cos, sin)
+    no_kv = jnp.zeros((q.shape[0], num_kv_heads, q.shape[-1]), q.dtype)  # (only its shape is read)
+    return paged_attention(q, no_kv, no_kv, pool, layer_page_offset, batch, sm_scale=sm_scale, sliding_window=sliding_window,
+                           query_block=query_block, attention_chunk=attention_chunk, spec_block=spec_block,
+                           soft_cap=soft_cap, sinks=sinks, kernels=kernels, flash=False)
+
+
 def paged_attention(q, k, v, pool: KVCache, layer_page_offset, batch: RaggedBatch, *, sm_scale, sliding_window,
                     query_block: int, attention_chunk: int | None = None, spec_block: int = 0, soft_cap: float | None = None, sinks=None,
-                    kernels: Kernels = Kernels()) -> jax.Array:
+                    kernels: Kernels = Kernels(), flash: bool = True) -> jax.Array:
     """Attention of this step's queries q [T, Hq, D] (rotated; K/V already in the pages) over one
     layer's pages; k, v [T, Hkv, D] are this step's own rotated keys and values (flash attention
     of a fresh prefill reads them instead of the pages). [T, Hq, D].
@@ -186,7 +199,7 @@ def paged_attention(q, k, v, pool: KVCache, layer_page_offset, batch: RaggedBatc
         return (out.astype(jnp.float32) @ rotation.T).astype(q.dtype)
 
     T, S = q.shape[0], batch.kv_lens.shape[0]
-    if kernels.flash_attention is None or query_block == 1 or T < FLASH_MIN_TOKENS or sinks is not None:
+    if not flash or kernels.flash_attention is None or query_block == 1 or T < FLASH_MIN_TOKENS or sinks is not None:
         return paged()  # (the flash kernels have no attention sinks)
     q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
     in_use = jnp.arange(S) < batch.num_seqs[0]

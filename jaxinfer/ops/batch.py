@@ -221,11 +221,12 @@ def stack_replicas(batches: Sequence[RaggedBatch]) -> RaggedBatch:
 
 
 def pack_batch(
-    chunks: Sequence[SequenceChunk], buckets: Buckets, page_size: int, key: BucketKey | None = None, *,
+    chunks: Sequence[SequenceChunk], buckets: Buckets, page_size: int | Sequence[int], key: BucketKey | None = None, *,
     with_lora: bool = False,
 ) -> tuple[BucketKey, RaggedBatch, list[list[int]]]:
     """Flattens chunks into a padded RaggedBatch (numpy arrays), in the bucket `key` (default:
     the smallest that holds them); `with_lora`: with each sequence's LoRA slot (`lora_slots`).
+    page_size: tokens per page, or per KV layer group (groups of another shape: jaxinfer.kv_groups).
 
     Returns the bucket key, the batch, and for each chunk the indices (into the R logits rows)
     of its requested logits rows, in the order of `chunk.logits_rows`.
@@ -245,6 +246,7 @@ def pack_batch(
     cu_q_lens = np.zeros(S + 1, np.int32)
     kv_lens = np.zeros(S, np.int32)
     G = buckets.num_groups
+    page_sizes = (page_size,) * G if isinstance(page_size, int) else tuple(page_size)
     page_table = np.full((G, S, buckets.pages_per_seq), SCRATCH_PAGE, np.int32)
     logits_indices = np.zeros(R, np.int32)
     token_src = np.full(T, -1, np.int32)
@@ -258,7 +260,7 @@ def pack_batch(
             raise ValueError(f"sequence slot {s}: {len(c.pages)} page-table rows for {G} KV layer groups")
         for g, row in enumerate(c.pages):
             first = c.page_offsets[g] if c.page_offsets else 0
-            if (first + len(row)) * page_size < end:
+            if (first + len(row)) * page_sizes[g] < end:
                 raise ValueError(f"sequence slot {s}: {first + len(row)} pages of group {g} cannot hold {end} tokens")
             if first + len(row) > buckets.pages_per_seq:
                 raise ValueError(f"sequence slot {s}: {first + len(row)} pages exceed pages_per_seq={buckets.pages_per_seq}")

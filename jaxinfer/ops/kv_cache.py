@@ -60,8 +60,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig
-from jaxinfer.kv_groups import kv_groups
+from jaxinfer.config import ConfigError, ModelConfig
+from jaxinfer.kv_groups import KVGroups, kv_groups
 from jaxinfer.ops.kernels import Kernels
 from pallas_kernels.ragged_paged_attention.combined import row_width
 from pallas_kernels.ragged_paged_attention.reference import QUANTIZED_KV_DTYPES, storage_dtype
@@ -71,8 +71,36 @@ from sharding.mesh import kv_heads_per_shard
 def pool_kv_heads(config: ModelConfig, *, tp: int = 1) -> int:
     """KV heads the cache holds (all shards together): each tensor-parallel shard holds its
     model heads (`sharding.mesh.kv_heads_per_shard`: split, or replicated when there are fewer
-    than tp)."""
-    return kv_heads_per_shard(config.num_kv_heads, tp) * tp
+    than tp). With layer groups of several shapes (Gemma 4), those of the widest K/V row."""
+    return kv_heads_per_shard(pool_kv_shape(config, tp=tp)[0], tp) * tp
+
+
+def token_row(kv_heads: int, head_dim: int, *, tp: int = 1, combined: bool = False) -> int:
+    """Entries of one token's K/V row on one device: K and V of its KV heads (this module's layouts)."""
+    local = kv_heads_per_shard(kv_heads, tp)
+    return row_width(local, head_dim) if combined else 2 * local * head_dim
+
+
+def page_factors(groups: KVGroups, *, tp: int = 1, combined: bool = False) -> tuple[int, ...]:
+    """Per KV layer group: how many times page_size tokens its pages hold (jaxinfer.kv_groups): the
+    widest K/V row per token on one device over the group's own; 1 everywhere when the shapes agree."""
+    rows = [token_row(heads, dim, tp=tp, combined=combined) for heads, dim in groups.shapes]
+    widest = max(rows)
+    if any(widest % r for r in rows):
+        raise ConfigError(f"KV layer groups with K/V rows of {rows} entries per token: the widest is not a multiple of "
+                          "each, so their pages cannot hold the same bytes")
+    return tuple(widest // r for r in rows)
+
+
+def pool_kv_shape(config: ModelConfig, *, tp: int = 1, combined: bool = False) -> tuple[int, int]:
+    """(KV heads, head dim) of the pool's pages: the model's, or with layer groups of several shapes
+    (Gemma 4) the group with the widest K/V row per token, page factor 1 (jaxinfer.kv_groups); the
+    other groups see the same bytes as more tokens per page (`group_view`)."""
+    groups = kv_groups(config)
+    if len(set(groups.shapes)) <= 1:
+        return config.num_kv_heads, config.head_dim
+    factors = page_factors(groups, tp=tp, combined=combined)
+    return groups.shapes[factors.index(1)]
 
 
 def is_quantized(dtype) -> bool:
@@ -98,6 +126,9 @@ class KVCache:
         shape = KVCache.shape(config, num_pages, page_size, dtype, tp=tp, kernels=kernels)
         zeros = jax.jit(lambda: jnp.zeros(shape, storage_dtype(dtype)), out_shardings=sharding)
         combined = kernels.combines_kv
+        if is_quantized(dtype) and len({dim for _, dim in kv_groups(config).shapes}) > 1:
+            raise ValueError(f"kv_cache_dtype={jnp.dtype(dtype).name}: a quantized KV cache holds one head dim, and this "
+                             f"{config.model_type} model's layer groups have several; use the model's dtype")
         if is_quantized(dtype):
             scale_shape = KVCache.scale_shape(config, num_pages, page_size, tp=tp, combined=combined)
             scales = jax.jit(lambda: jnp.zeros(scale_shape, jnp.float32), out_shardings=scale_sharding)
@@ -146,6 +177,24 @@ class KVCache:
         """Every array with its slot axis folded into the page axis: [slots * P, ...] (a free reshape)."""
         return jax.tree.map(lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), self)
 
+    def group_view(self, factor: int, kv_heads: int, head_dim: int) -> "KVCache":
+        """A folded pool as a layer group of another shape sees it (jaxinfer.kv_groups): each page's
+        bytes as page_size * factor tokens of kv_heads x head_dim (this device's heads), a free
+        reshape. The pool itself when nothing differs."""
+        if self.combined:
+            shape = (self.kv.shape[0], self.kv.shape[1] * factor, self.kv.shape[2] // factor)
+            return self if shape == self.kv.shape else KVCache(kv=self.kv.reshape(shape))
+        shape = (self.k.shape[0], self.k.shape[1] * factor, kv_heads, head_dim)
+        if shape == self.k.shape:
+            return self
+        if self.quantized:
+            raise ValueError("a quantized KV pool holds one K/V shape: layer groups of other shapes are not supported")
+        return KVCache(k=self.k.reshape(shape), v=self.v.reshape(shape))
+
+    def like(self, pool: "KVCache") -> "KVCache":
+        """This (group) view back in `pool`'s shapes."""
+        return jax.tree.map(lambda a, b: a.reshape(b.shape), self, pool)
+
     def unfold_slots(self, num_slots: int) -> "KVCache":
         return jax.tree.map(lambda a: a.reshape((num_slots, a.shape[0] // num_slots) + a.shape[1:]), self)
 
@@ -155,10 +204,11 @@ class KVCache:
         """Shape of each page array: kv [slots, P, page_size, tp * row] (row = combined.row_width of
         a shard's heads), or k and v [slots, P, page_size, pool_kv_heads, head_dim]."""
         slots = kv_groups(config).num_slots
+        heads, head_dim = pool_kv_shape(config, tp=tp, combined=kernels.combines_kv)
         if kernels.combines_kv:
-            row = row_width(kv_heads_per_shard(config.num_kv_heads, tp), config.head_dim)
+            row = row_width(kv_heads_per_shard(heads, tp), head_dim)
             return (slots, num_pages, page_size, tp * row)
-        return (slots, num_pages, page_size, pool_kv_heads(config, tp=tp), config.head_dim)
+        return (slots, num_pages, page_size, kv_heads_per_shard(heads, tp) * tp, head_dim)
 
     @property
     def num_slots(self) -> int:

@@ -344,7 +344,8 @@ def quantize(w: jax.Array, mode: str, group_size: int | None = None, symmetric: 
 # the untied LM head ([H, V]). Everything else (embed, *_norm, *_bias) stays as it is: the
 # embedding is a row gather, not a matmul, and norms and biases are tiny.
 MATMUL_WEIGHT_NAMES = frozenset(
-    {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+    {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head",
+     "global_qkv_proj", "global_o_proj", "wide_gate_up_proj", "wide_down_proj"}  # (Gemma 4's stacks of their own)
 )
 
 
