@@ -89,15 +89,16 @@ def read_gguf_config(path: str | Path) -> dict:
 
     hidden, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
     head_dim = meta.get(f"{arch_name}.attention.key_length") or meta.get(f"{arch_name}.rope.dimension_count")
+    first = lambda value: value[0] if isinstance(value, list) else value  # noqa: E731  (per-layer arrays: Gemma 4's family reads them)
     tensor_names = {t.name for t in header.tensors}
     config: dict[str, Any] = {
         "model_type": arch.model_type,
         "hidden_size": hidden,
         "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(meta.get(f"{arch_name}.attention.head_count_kv", n_heads)),
+        "num_key_value_heads": int(first(meta.get(f"{arch_name}.attention.head_count_kv", n_heads))),
         "head_dim": int(head_dim) if head_dim else hidden // n_heads,
-        "intermediate_size": int(need("feed_forward_length")),
+        "intermediate_size": int(first(need("feed_forward_length"))),
         "vocab_size": _vocab_size(header, arch_name),
         "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
         "rope_parameters": _rope_parameters(meta, arch_name),
@@ -109,14 +110,14 @@ def read_gguf_config(path: str | Path) -> dict:
     family = _FAMILY_CONFIG.get(arch_name)
     if family is not None:
         try:
-            config.update(family(meta, arch_name, config, tensor_names))
+            config.update(family(meta, arch_name, config, tensor_names, header))
         except CheckpointError as e:
             raise CheckpointError(f"{header.path}: {e}") from None
     for key in ("bos_token_id", "eos_token_id"):
         value = meta.get(f"tokenizer.ggml.{key}")
         if value is not None:
             config[key] = int(value)
-    if ROPE_FREQS_TENSOR in tensor_names:  # llama3-style scaling as llama.cpp stores it: a divisor per frequency
+    if ROPE_FREQS_TENSOR in tensor_names and arch_name != "gemma4":  # llama3-style scaling as llama.cpp stores it: a divisor per frequency
         info = next(t for t in header.tensors if t.name == ROPE_FREQS_TENSOR)
         factors = _dequantize(header.path, info).reshape(-1)
         config["rope_parameters"] = {"rope_type": "freq_factors", "rope_theta": config["rope_parameters"]["rope_theta"],
@@ -168,7 +169,7 @@ def _gemma_scalar(config: dict, n_layers_27b: int) -> int:
     return config["head_dim"]
 
 
-def _gemma2_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str]) -> dict:
+def _gemma2_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str], header: GgufHeader) -> dict:
     """Gemma 2: sliding and global layers alternating (llama.cpp's default period 2), the window
     4096 and the soft caps 50 / 30 unless the file says otherwise (llama.cpp's defaults, which are
     Gemma 2's own); one RoPE for every layer (the converter writes no rope.freq_base: 10000)."""
@@ -183,7 +184,7 @@ def _gemma2_config(meta: dict, arch_name: str, config: dict, tensor_names: set[s
     }
 
 
-def _gemma3_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str]) -> dict:
+def _gemma3_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str], header: GgufHeader) -> dict:
     """Gemma 3 (text): five sliding layers per global one (llama.cpp's default period 6; the
     converter writes no pattern), the sliding layers on their own RoPE base (10000 unless
     `rope.freq_base_swa` says otherwise, as in llama.cpp) without the global layers' scaling; no
@@ -204,7 +205,7 @@ def _gemma3_config(meta: dict, arch_name: str, config: dict, tensor_names: set[s
     return out
 
 
-def _olmo2_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str]) -> dict:
+def _olmo2_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str], header: GgufHeader) -> dict:
     """OLMo 2, or OLMo 3 when the file has a sliding window (llama.cpp writes both as "olmo2"):
     then three sliding layers per global one unless the pattern says otherwise, the sliding layers
     on plain RoPE (the global ones may have YaRN)."""
@@ -239,7 +240,7 @@ def _moe_config(meta: dict, arch_name: str, arch: GgufArch) -> dict:
     return out
 
 
-def _gpt_oss_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str]) -> dict:
+def _gpt_oss_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str], header: GgufHeader) -> dict:
     """GPT-OSS: a window on every other layer from the first (llama.cpp's fixed pattern), the
     experts' SwiGLU clamped at 7 (llama.cpp's constant), YaRN without truncated ramp bounds (the
     released config's)."""
@@ -255,7 +256,7 @@ def _rotary_factor(meta: dict, arch_name: str, config: dict) -> float:
     return meta.get(f"{arch_name}.rope.dimension_count", config["head_dim"]) / config["head_dim"]
 
 
-def _glm4_moe_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str]) -> dict:
+def _glm4_moe_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str], header: GgufHeader) -> dict:
     """GLM-4.5: block_count includes the multi-token-prediction layers (nextn_predict_layers) after
     the model's; dense first layers, sigmoid routing scaled by expert_weights_scale, shared experts;
     q/k norms and q/k/v biases when the file has them; partial RoPE from rope.dimension_count."""
@@ -271,7 +272,7 @@ def _glm4_moe_config(meta: dict, arch_name: str, config: dict, tensor_names: set
             "partial_rotary_factor": _rotary_factor(meta, arch_name, config)}
 
 
-def _minimax_m2_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str]) -> dict:
+def _minimax_m2_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str], header: GgufHeader) -> dict:
     """MiniMax-M2: sigmoid routing (the only gating it implements: another is refused), the rotary
     dims from rope.dimension_count."""
     gating = meta.get(f"{arch_name}.expert_gating_func", 2)
@@ -280,7 +281,7 @@ def _minimax_m2_config(meta: dict, arch_name: str, config: dict, tensor_names: s
     return {"rotary_dim": int(meta.get(f"{arch_name}.rope.dimension_count", config["head_dim"]))}
 
 
-def _llama4_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str]) -> dict:
+def _llama4_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str], header: GgufHeader) -> dict:
     """Llama 4 as llama.cpp runs it: chunks of 8192 on three layers of four (the fourth NoPE), L2
     q/k norms except in the 128-expert model, experts every interleave_moe_layer_step-th layer;
     feed_forward_length is the dense layers' width (HF's intermediate_size_mlp), the experts' is
@@ -292,8 +293,58 @@ def _llama4_config(meta: dict, arch_name: str, config: dict, tensor_names: set[s
             "attention_chunk_size": 8192, "no_rope_layer_interval": 4, "use_qk_norm": experts != 128}
 
 
+def _gemma4_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str], header: GgufHeader) -> dict:
+    """Gemma 4 as Gemma4Model.set_gguf_parameters writes it: per-layer flags of the sliding layers,
+    the global layers' head dim (key_length; the sliding ones' key_length_swa) and KV heads (a
+    per-layer head_count_kv), the feed-forward width per layer (twice on the KV-shared layers of a
+    double-wide MLP), the KV-shared layer count, the per-layer input width; values from the key
+    projection where a global layer has no attn_v; "proportional" RoPE as a rope_freqs tensor of
+    1 for each turned pair and 1e30 for the still ones (their share is partial_rotary_factor)."""
+    n = config["num_hidden_layers"]
+    types = _layer_types(meta, arch_name, n, period=6)
+    types[-1] = "full_attention"
+    first_global = types.index("full_attention")
+    kv = meta.get(f"{arch_name}.attention.head_count_kv", config["num_key_value_heads"])
+    kv = kv if isinstance(kv, list) else [kv] * n
+    ff = meta.get(f"{arch_name}.feed_forward_length")
+    ff = ff if isinstance(ff, list) else [ff] * n
+    shared = int(meta.get(f"{arch_name}.attention.shared_kv_layers", 0))
+    global_dim = int(meta.get(f"{arch_name}.attention.key_length", config["head_dim"]))
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": types,
+        "sliding_window": int(meta.get(f"{arch_name}.attention.sliding_window", 512)),
+        "head_dim": int(meta.get(f"{arch_name}.attention.key_length_swa", global_dim)),
+        "global_head_dim": global_dim,
+        "num_key_value_heads": int(kv[types.index("sliding_attention")] if "sliding_attention" in types else kv[0]),
+        "num_global_key_value_heads": int(kv[first_global]),
+        "attention_k_eq_v": f"blk.{first_global}.attn_v.weight" not in tensor_names,
+        "num_kv_shared_layers": shared,
+        "use_double_wide_mlp": shared > 0 and int(ff[-1]) == 2 * int(ff[0]),
+        "hidden_size_per_layer_input": int(meta.get(f"{arch_name}.embedding_length_per_layer_input", 0)),
+        "final_logit_softcapping": _optional_f32(meta.get(f"{arch_name}.final_logit_softcapping")),
+        "intermediate_size": int(ff[0]),
+    }
+    if out["hidden_size_per_layer_input"]:
+        table = next(t for t in header.tensors if t.name == "per_layer_token_embd.weight")
+        out["vocab_size_per_layer_input"] = int(table.shape[0])
+    if config.get("num_experts"):
+        out.update(enable_moe_block=True, top_k_experts=config["num_experts_per_tok"])
+    rotated = 1.0
+    if ROPE_FREQS_TENSOR in tensor_names:  # 1 for each pair the global layers turn, 1e30 for the others
+        factors = _dequantize(header.path, next(t for t in header.tensors if t.name == ROPE_FREQS_TENSOR)).reshape(-1)
+        rotated = float(np.count_nonzero(factors == 1.0)) / len(factors)
+    full = _rope_parameters(meta, arch_name)
+    out["rope_parameters"] = {
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": rotated, "rope_theta": full["rope_theta"]},
+        "sliding_attention": {"rope_type": "default", "rope_theta": _f32(meta.get(f"{arch_name}.rope.freq_base_swa", 10000.0))},
+    }
+    return out
+
+
 _FAMILY_CONFIG = {"gemma2": _gemma2_config, "gemma3": _gemma3_config, "olmo2": _olmo2_config, "gpt-oss": _gpt_oss_config,
-                  "glm4moe": _glm4_moe_config, "minimax-m2": _minimax_m2_config, "llama4": _llama4_config}
+                  "glm4moe": _glm4_moe_config, "minimax-m2": _minimax_m2_config, "llama4": _llama4_config,
+                  "gemma4": _gemma4_config}
 
 
 def _optional_f32(value) -> float | None:

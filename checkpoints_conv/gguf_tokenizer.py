@@ -12,6 +12,9 @@ transformers' own GGUF tokenizer path imports):
   tokens' scores (a SentencePiece BPE merges the pair whose result scores highest first), spaces
   spelled "▁", a "▁" put before the text when `add_space_prefix` says so, unknown bytes as the
   `<0xNN>` tokens.
+- `gemma4` (Gemma 4): the same SentencePiece-style BPE without the "▁" prefix, with the file's own
+  merges (its converter writes them) instead of the scores', over runs of newlines and runs of
+  anything else apart (llama.cpp's `[^\n]+|[\n]+` for this vocabulary).
 
 Control tokens (`<|im_start|>`, `<s>`) and user-defined ones are matched whole in the text; the
 result is a transformers `PreTrainedTokenizerFast` (which does not need torch), so the rest of
@@ -53,7 +56,7 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[tuple[str, ...], bool]] = {
     "tekken": ((_TEKKEN,), False),
 }
 
-TOKENIZER_MODELS = ("gpt2", "llama")
+TOKENIZER_MODELS = ("gpt2", "llama", "gemma4")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -102,7 +105,7 @@ def build_gguf_tokenizer(path: str | Path):
         backend = _byte_level_bpe(path, meta, tokens, types)
         add_bos_default = False
     else:
-        backend = _sentencepiece_bpe(path, meta, tokens, types)
+        backend = _sentencepiece_bpe(path, meta, tokens, types, file_merges=kind == "gemma4")
         add_bos_default = True  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
 
     # Control and user-defined tokens are matched whole in the text, before any splitting.
@@ -150,12 +153,7 @@ def _byte_level_bpe(path: Path, meta: dict, tokens: list[str], types: list[int])
         if ty not in (CONTROL, USER_DEFINED) and not set(t) <= alphabet:
             t = "".join(spelling[b] for b in t.encode("utf-8", errors="surrogateescape"))
         vocab.setdefault(t, i)
-    pairs = []
-    for m in merges:
-        left, sep, right = m.partition(" ")
-        if not sep:
-            raise CheckpointError(f"{path}: tokenizer.ggml.merges entry {m!r} is not two tokens separated by a space")
-        pairs.append((left, right))
+    pairs = [_merge_pair(path, m) for m in merges]
 
     backend = Tokenizer(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -166,27 +164,42 @@ def _byte_level_bpe(path: Path, meta: dict, tokens: list[str], types: list[int])
     return backend
 
 
-def _sentencepiece_bpe(path: Path, meta: dict, tokens: list[str], types: list[int]) -> Tokenizer:
-    scores = meta.get("tokenizer.ggml.scores")
-    if scores is None or len(scores) != len(tokens):
-        raise CheckpointError(f"{path}: a SentencePiece vocabulary (tokenizer.ggml.model='llama') needs one "
-                              f"tokenizer.ggml.scores entry per token")
+def _sentencepiece_bpe(path: Path, meta: dict, tokens: list[str], types: list[int], *, file_merges: bool = False) -> Tokenizer:
+    """A SentencePiece-style BPE: merges from the scores, or (`file_merges`, Gemma 4) the file's own."""
+    if file_merges:
+        merges = [_merge_pair(path, m) for m in meta.get("tokenizer.ggml.merges") or ()]
+        if not merges:
+            raise CheckpointError(f"{path}: a gemma4 vocabulary needs tokenizer.ggml.merges, which the file lacks")
+    else:
+        scores = meta.get("tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise CheckpointError(f"{path}: a SentencePiece vocabulary (tokenizer.ggml.model='llama') needs one "
+                                  f"tokenizer.ggml.scores entry per token")
+        merges = _merges_from_scores(tokens, types, scores)
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
     unk = meta.get("tokenizer.ggml.unknown_token_id")
     unk_token = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
 
-    backend = Tokenizer(models.BPE(vocab, _merges_from_scores(tokens, types, scores), unk_token=unk_token,
-                                   fuse_unk=True, byte_fallback=True))
-    add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    backend = Tokenizer(models.BPE(vocab, merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True))
+    add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", not file_merges))
     spaces = [normalizers.Replace(" ", "▁")]
     backend.normalizer = normalizers.Sequence(([normalizers.Prepend("▁")] if add_space_prefix else []) + spaces)
+    if file_merges:  # Gemma 4: newline runs and the text between them merge apart
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
     backend.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
         + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else [])
     )
     return backend
+
+
+def _merge_pair(path: Path, merge: str) -> tuple[str, str]:
+    left, sep, right = merge.partition(" ")
+    if not sep:
+        raise CheckpointError(f"{path}: tokenizer.ggml.merges entry {merge!r} is not two tokens separated by a space")
+    return left, right
 
 
 def _merges_from_scores(tokens: list[str], types: list[int], scores: list[float]) -> list[tuple[str, str]]:

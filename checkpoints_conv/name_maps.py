@@ -387,13 +387,13 @@ class GgufArch:
     def hf_name(self, gguf_name: str) -> str | None:
         """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
         base, dot, suffix = gguf_name.rpartition(".")
+        m = self._layer_re.fullmatch(base)
+        if m and f"{m.group(2)}.{suffix}" in self.exact:
+            return f"model.layers.{m.group(1)}.{self.exact[f'{m.group(2)}.{suffix}']}"
         if not dot or suffix not in ("weight", "bias"):
             return None
         if base in self.globals:
             return f"{self.globals[base]}.{suffix}"
-        m = self._layer_re.fullmatch(base)
-        if m and f"{m.group(2)}.{suffix}" in self.exact:
-            return f"model.layers.{m.group(1)}.{self.exact[f'{m.group(2)}.{suffix}']}"
         if m and m.group(2) in self.per_layer:
             return f"model.layers.{m.group(1)}.{self.per_layer[m.group(2)]}.{suffix}"
         return None
@@ -480,6 +480,24 @@ _LLAMA4_GGUF_PER_LAYER = {
     **{f"ffn_{p}_shexp": f"feed_forward.shared_expert.{p}_proj" for p in ("gate", "up", "down")},
 }
 
+# Gemma 4 ("gemma4"): Gemma's sandwich norms (stored as they are: its norms multiply by w), the
+# experts stacked as HF stacks them (gate_up [E, 2I, H], down [E, H, I]: checkpoints_conv.views
+# splits them as for the HF folder), the router's input scale and per-expert scales as `.scale`
+# tensors, per-layer input embeddings, the layer scalar.
+_GEMMA4_GGUF_PER_LAYER = {
+    **_GEMMA_GGUF_PER_LAYER,
+    "ffn_gate_inp": "router.proj",
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
+}
+_GEMMA4_GGUF_EXACT = {"ffn_gate_inp.scale": "router.scale", "ffn_down_exps.scale": "router.per_expert_scale",
+                      "layer_output_scale.weight": "layer_scalar", "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+                      "ffn_down_exps.weight": "experts.down_proj"}
+
 # GGUF general.architecture -> how to read it. Mistral GGUFs say "llama". llama.cpp permutes the
 # q/k rows of llama-style (interleaved-pair RoPE) archs only; gemma2 / gemma3 / olmo2 run NeoX-style
 # RoPE (HF's half-split order) and are stored as HF has them. An "olmo2" file with a sliding window
@@ -498,6 +516,10 @@ GGUF_ARCHS: dict[str, GgufArch] = {
     "glm4moe": GgufArch("glm4_moe", _LLAMA_GGUF_GLOBALS, _GLM4_MOE_GGUF_PER_LAYER,
                         exact={"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}),
     "llama4": GgufArch("llama4_text", _LLAMA_GGUF_GLOBALS, _LLAMA4_GGUF_PER_LAYER),
+    "gemma4": GgufArch("gemma4_text", {**_LLAMA_GGUF_GLOBALS, "per_layer_token_embd": "model.embed_tokens_per_layer",
+                                       "per_layer_model_proj": "model.per_layer_model_projection",
+                                       "per_layer_proj_norm": "model.per_layer_projection_norm"},
+                       _GEMMA4_GGUF_PER_LAYER, stacked_experts=frozenset(), exact=_GEMMA4_GGUF_EXACT),
     "minimax-m2": GgufArch("minimax_m2", _LLAMA_GGUF_GLOBALS, _MINIMAX_M2_GGUF_PER_LAYER,
                            exact={"exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias"}),
 }

@@ -580,6 +580,11 @@ def _gemma4_fields(d: dict[str, Any]) -> dict[str, Any]:
     else:
         global_head_dim = d.get("global_head_dim", 512)
         global_kv_heads = d.get("num_global_key_value_heads") if k_eq_v else None
+    # 0: the model's own (a saved per_layer_config leaves out what equals it)
+    head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // int(d["num_attention_heads"]))
+    kv_heads = int(d.get("num_key_value_heads") or d["num_attention_heads"])
+    global_head_dim = 0 if int(global_head_dim or 0) == head_dim else global_head_dim
+    global_kv_heads = 0 if int(global_kv_heads or 0) == kv_heads else global_kv_heads
     shared = int(d.get("num_kv_shared_layers") or 0)
     if not 0 <= shared < num_layers:
         raise ConfigError(f"num_kv_shared_layers={shared}: must lie in [0, num_hidden_layers)")

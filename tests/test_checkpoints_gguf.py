@@ -415,11 +415,14 @@ def llama_cpp_gguf(path, hf_dir, arch):
     w.add_embedding_length(hp["hidden_size"])
     nextn = hp.get("num_nextn_predict_layers") or 0 if arch == "glm4moe" else 0
     w.add_block_count(hp["num_hidden_layers"] + nextn)  # (Glm4MoeModel counts its MTP layers)
-    w.add_feed_forward_length(hp["intermediate_size_mlp"] if arch == "llama4" else hp["intermediate_size"])
+    if arch != "gemma4":  # (Gemma4Model writes these per layer, below)
+        w.add_feed_forward_length(hp["intermediate_size_mlp"] if arch == "llama4" else hp["intermediate_size"])
+        w.add_head_count_kv(hp["num_key_value_heads"])
     w.add_head_count(hp["num_attention_heads"])
-    w.add_head_count_kv(hp["num_key_value_heads"])
     w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    if hp.get("head_dim"):
+    if arch == "gemma4":
+        gemma4_metadata(w, hp)
+    elif hp.get("head_dim"):
         w.add_key_length(hp["head_dim"])
         w.add_value_length(hp["head_dim"])
     rope = hp["rope_parameters"]
@@ -439,7 +442,7 @@ def llama_cpp_gguf(path, hf_dir, arch):
         w.add_rope_freq_base(full["rope_theta"])
         if "sliding_attention" in rope:
             w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
-    if arch == "gemma3":
+    if arch in ("gemma3", "gemma4"):
         if hp.get("final_logit_softcapping"):
             w.add_final_logit_softcapping(hp["final_logit_softcapping"])
         w.add_sliding_window(hp["sliding_window"])
@@ -449,7 +452,7 @@ def llama_cpp_gguf(path, hf_dir, arch):
     experts = hp.get("num_local_experts") or hp.get("num_experts") or hp.get("n_routed_experts")
     if experts:
         w.add_expert_count(experts)
-        w.add_expert_used_count(hp["num_experts_per_tok"])
+        w.add_expert_used_count(hp.get("num_experts_per_tok") or hp["top_k_experts"])
         w.add_expert_feed_forward_length(hp.get("moe_intermediate_size") or hp["intermediate_size"])
         if hp.get("shared_expert_intermediate_size"):
             w.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
@@ -474,11 +477,22 @@ def llama_cpp_gguf(path, hf_dir, arch):
     names = get_tensor_name_map({v: k for k, v in MODEL_ARCH_NAMES.items()}[arch], hp["num_hidden_layers"])
     if arch in ("llama", "llama4") and full["rope_type"] == "llama3":  # LlamaModel.generate_extra_tensors
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(full, hp["head_dim"]))
+    if arch == "gemma4":  # Gemma4Model.generate_extra_tensors: 1 for a turned pair of the global layers, 1e30 for a still one
+        pairs = gemma4_global_shape(hp)[0] // 2
+        turned = int(pairs * full["partial_rotary_factor"])
+        w.add_tensor("rope_freqs.weight", np.asarray([1.0] * turned + [1e30] * (pairs - turned), np.float32))
     for name, array in _llama_cpp_tensors(load_file(hf_dir / "model.safetensors"), arch, hp):
         if arch == "gemma2" and name == "lm_head.weight":
             continue
-        if arch.startswith("gemma") and name.endswith("norm.weight"):
+        if arch.startswith("gemma") and arch != "gemma4" and name.endswith("norm.weight"):
             array = array + np.float32(1)
+        if arch == "gemma4" and name.endswith((".router.scale", ".router.per_expert_scale")):  # Gemma4Model.modify_tensors
+            layer = name.split(".")[2]
+            kind = "ffn_gate_inp" if name.endswith(".router.scale") else "ffn_down_exps"
+            w.add_tensor(f"blk.{layer}.{kind}.scale", np.ascontiguousarray(array, np.float32))
+            continue
+        if arch == "gemma4" and (name.endswith("layer_scalar") or ".experts." in name):  # Gemma4Model.filter_tensors
+            name += ".weight"
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         w.add_tensor(gguf_name, np.ascontiguousarray(array, np.float32))
@@ -490,6 +504,32 @@ def llama_cpp_gguf(path, hf_dir, arch):
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def gemma4_global_shape(hp: dict) -> tuple[int, int]:
+    """(head dim, KV heads) of a saved Gemma 4 config's global layers (its per_layer_config)."""
+    override = next(iter((hp.get("per_layer_config") or {}).values()), {})
+    return override.get("head_dim", hp.get("global_head_dim", 512)), override.get("num_key_value_heads", hp["num_key_value_heads"])
+
+
+def gemma4_metadata(w, hp: dict) -> None:
+    """What Gemma4Model.set_gguf_parameters adds: the layers' kinds, both head dims, KV heads and
+    feed-forward widths per layer, the KV-shared layers, the per-layer input width."""
+    sliding = [t == "sliding_attention" for t in hp["layer_types"]]
+    global_dim, global_kv = gemma4_global_shape(hp)
+    n, shared = hp["num_hidden_layers"], hp["num_kv_shared_layers"]
+    w.add_shared_kv_layers(shared)
+    w.add_embedding_length_per_layer_input(hp.get("hidden_size_per_layer_input") or 0)
+    w.add_sliding_window_pattern(sliding)
+    w.add_key_length(global_dim)
+    w.add_value_length(global_dim)
+    w.add_key_length_swa(hp["head_dim"])
+    w.add_value_length_swa(hp["head_dim"])
+    ff = hp["intermediate_size"]
+    w.add_feed_forward_length([ff * (2 if hp.get("use_double_wide_mlp") and i >= n - shared else 1) for i in range(n)])
+    w.add_head_count_kv([hp["num_key_value_heads"] if s else global_kv for s in sliding])
+    w.add_rope_dimension_count(global_dim)
+    w.add_rope_dimension_count_swa(hp["head_dim"])
 
 
 def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
@@ -568,6 +608,7 @@ LLAMA_CPP_FAMILIES = {
     "minimax_m2": ("minimax-m2", {}),
     # Llama 4: llama.cpp's fixed chunk of 8192 and temperature floor (the tiny model's 8 and 4 are in no file)
     "llama4": ("llama4", {"attention_chunk_size": 8192, "floor_scale": 8192}),
+    "gemma4": ("gemma4", {}),  # everything its config sets is in the file (see gemma4_metadata)
 }
 
 
@@ -583,7 +624,7 @@ def hf_and_gguf(request, tmp_path_factory):
     arch, overrides = LLAMA_CPP_FAMILIES[family]
     directory = tmp_path_factory.mktemp(family)
     model = build_hf_model(family, **overrides)
-    if arch.startswith("gemma"):
+    if arch.startswith("gemma") and arch != "gemma4":  # (Gemma 4's norms are stored as they are)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):

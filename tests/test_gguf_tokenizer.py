@@ -268,3 +268,54 @@ def test_a_damaged_cache_entry_is_rebuilt(tmp_path, monkeypatch):
     expected = load_tokenizer(source).encode("The capital of France")
     (gguf_tokenizer_cache_dir(SMOLLM2) / "tokenizer.json").write_text("{not json")
     assert load_tokenizer(source).encode("The capital of France") == expected
+
+
+# --- the gemma4 path ------------------------------------------------------------------------------
+
+def test_gemma4_gguf_runs_its_merges_as_the_tokenizer_it_came_from(tmp_path):
+    """A Gemma-4-style tokenizer (spaces as "▁", no prefix, newline runs apart, BPE with byte
+    fallback) trained here with `tokenizers`; its vocabulary, merges and types written as llama.cpp's
+    converter writes a gemma4 file (tokenizer.ggml.model "gemma4", the merges, add_bos_token). The
+    tokenizer rebuilt from the file cuts text exactly as the original does. (Plumbing, not parity:
+    no released Gemma 4 file is at hand here.)"""
+    import json
+
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    original = Tokenizer(models.BPE(byte_fallback=True, unk_token=None))
+    original.normalizer = normalizers.Replace(" ", "▁")
+    original.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+    original.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    specials = ["<pad>", "<eos>", "<bos>"]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    original.train_from_iterator(DATA.read_text().splitlines(), trainers.BpeTrainer(
+        vocab_size=600, special_tokens=specials + byte_tokens, show_progress=False))
+    vocab = original.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [" ".join(pair) for pair in json.loads(original.to_str())["model"]["merges"]]
+    types = [3 if t in specials else 6 if t in byte_tokens else 1 for t in tokens]
+
+    path = tmp_path / "tiny-gemma4.gguf"
+    w = GGUFWriter(str(path), "gemma4")
+    w.add_tokenizer_model("gemma4")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(vocab["<bos>"])
+    w.add_eos_token_id(vocab["<eos>"])
+    w.add_add_space_prefix(False)
+    w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    ours = build_gguf_tokenizer(path)
+    texts = SPM_TEXTS + ["two\n\nlines\n", "\n\n\n", "a\nb c\n  d"] + DATA.read_text().split(". ")[:40] + random_strings(200, seed=5)
+    for text in texts:
+        expected = original.encode(text).ids
+        assert ours.encode(text, add_special_tokens=False) == expected, text
+        assert ours.encode(text) == [vocab["<bos>"]] + expected, text
+        # (the trainer registered the byte tokens as special: the original keeps them only when told to)
+        assert ours.decode(expected) == original.decode(expected, skip_special_tokens=False), text
+    assert any(tokens[i].startswith("<0x") for i in ours.encode("🤗", add_special_tokens=False))  # byte fallback
