@@ -89,6 +89,12 @@ def page_factors(groups: KVGroups, *, tp: int = 1, combined: bool = False) -> tu
     if any(widest % r for r in rows):
         raise ConfigError(f"KV layer groups with K/V rows of {rows} entries per token: the widest is not a multiple of "
                           "each, so their pages cannot hold the same bytes")
+    if combined and len(set(rows)) > 1:
+        # A TPU stores a page [page_size, row] in tiles of 16 tokens x 128 lanes: seen as more tokens of a
+        # narrower row, its bytes are in another order, and XLA would copy the pool for every such layer.
+        raise ConfigError(f"KV layer groups with K/V rows of {sorted(set(rows))} lanes per token on one device (tensor "
+                          f"parallelism {tp}): the TPU kernels hold one row width per pool; a tensor-parallel degree "
+                          "that gives every group the same row per device works (Gemma-4-31B: 8), other widths do not yet")
     return tuple(widest // r for r in rows)
 
 
