@@ -60,21 +60,23 @@ def test_llama4s_chunked_layers_make_a_group_each_beside_the_full_one():
 
 def test_gemma4s_groups_of_two_shapes_share_the_pool_with_page_factors_and_its_shared_layers_read_their_source():
     """Gemma-4-31B: 16 sliding KV heads of 256 against 4 global ones of 512 (half the row), so a
-    global page holds twice the tokens; on 8 tensor shards the global heads are replicated and the
-    rows per device agree. The TPU pool holds one row width: other degrees are refused by name.
-    A KV-shared layer (E2B's last ones) takes the group and slot of the last earlier layer of its kind."""
-    import pytest
+    global page holds twice the tokens (on a TPU pool as two lane blocks of page_size tokens, which
+    its page-table row names); on 8 tensor shards the global heads are replicated and the rows per
+    device agree. A KV-shared layer (E2B's last ones) takes the group and slot of the last earlier
+    layer of its kind."""
+    import jax.numpy as jnp
 
     from jaxinfer.aot.presets import read_model_config
-    from jaxinfer.config import ConfigError
+    from jaxinfer.models.decoder import lane_block_table
     from jaxinfer.ops.kv_cache import page_factors
 
     g = kv_groups(read_model_config("gemma-4-31b"))
     assert g.windows == (1024,) * 5 + (None,) and g.shapes == ((16, 256),) * 5 + ((4, 512),) and g.num_slots == 10
     assert page_factors(g) == page_factors(g, tp=4) == (1,) * 5 + (2,)
     assert page_factors(g, tp=8) == page_factors(g, tp=8, combined=True) == (1,) * 6
-    with pytest.raises(ConfigError, match="tensor parallelism 4"):
-        page_factors(g, tp=4, combined=True)
+    assert page_factors(g, tp=4, combined=True) == (1,) * 5 + (2,)
+    # a row of group pages 5, 9, 0 (scratch) of 2 * page_size tokens: lane blocks 10, 11, 18, 19, 0, 1 (width kept)
+    assert lane_block_table(jnp.array([[5, 9, 0, 0, 0]]), 2).tolist() == [[10, 11, 18, 19, 0]]
 
     e2b_like = config(7, [S, S, F] * 2 + [S], sliding_window=8, kv_shared_layers=3)  # layers 4, 5, 6 read 3, 2, 3
     g = kv_groups(e2b_like)

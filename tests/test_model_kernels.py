@@ -165,3 +165,40 @@ def test_tpu_pools_with_padded_lanes_match_the_reference(tmp_path_factory):
     want = run_steps(directory, Kernels(), None)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, atol=1e-4)
+
+
+def test_gemma4_groups_of_two_row_widths_on_tpu_pools_match_the_reference(tmp_path_factory):
+    """Gemma 4 on a TPU pool: the global layers' rows (1 KV head of 128) are twice the sliding
+    layers' (1 of 64), so a sliding group's page is two pages of 8 tokens side by side in the lanes
+    (`lane_blocks`: the kernel and the KV write address them; a reshape would make XLA copy the pool
+    every layer). Prompts past the window of 6, one in two chunks (the second reading K/V the first
+    wrote): the reference model's log-probs."""
+    from jaxinfer.kv_groups import kv_groups
+    from jaxinfer.ops.kv_cache import page_factors
+
+    directory = tmp_path_factory.mktemp("tiny-gemma4-lanes")
+    save_hf_model("gemma4", directory, head_dim=64, global_head_dim=128, num_key_value_heads=1, num_global_key_value_heads=1)
+    prompts = [list(np.random.default_rng(i).integers(3, 250, size=n)) for i, n in enumerate((13, 20))]
+
+    def run(kernels: Kernels) -> list[np.ndarray]:
+        source = resolve_model(directory)
+        config = read_config(source)
+        graphdef, params = load_params(source, config, jnp.float32, jnp.float32, kernels=kernels, progress=False)
+        groups = kv_groups(config)
+        factors = page_factors(groups, combined=kernels.combines_kv)
+        assert factors == (2, 2, 1)  # the sliding groups' pages hold twice the tokens, either way
+        step, kv = StepFunction(graphdef, num_top_logprobs=0), KVCache.create(config, 40, PAGE_SIZE, kernels=kernels)
+        buckets = Buckets((32,), max_num_seqs=2, pages_per_seq=4, num_groups=groups.num_groups)
+        pages = [[list(range(1 + 12 * i + 4 * g, 5 + 12 * i + 4 * g)) for g in range(groups.num_groups)] for i in range(2)]
+        # prefills: the first chunk of one prompt, the whole of the other; then the rest of the first
+        steps = [[SequenceChunk(prompts[0][:8], 0, pages[0], list(range(8))), SequenceChunk(prompts[1], 0, pages[1], [0, 19])],
+                 [SequenceChunk(prompts[0][8:], 8, pages[0], list(range(5)))]]
+        out = []
+        for chunks in steps:
+            key, batch, rows = pack_batch(chunks, buckets, [PAGE_SIZE * f for f in factors])
+            logits, kv = step.forward(params, kv, step.place_inputs(stack_replicas([batch])), query_block=key.query_block)
+            out += list(np.asarray(jax.nn.log_softmax(logits[0], axis=-1), np.float64)[np.concatenate(rows)])
+        return out
+
+    for got, want in zip(run(Kernels("tpu", interpret=True)), run(Kernels())):
+        np.testing.assert_allclose(got, want, atol=1e-4)

@@ -93,6 +93,26 @@ def test_page_table_rows_fetched_per_program_give_the_same_attention():
     assert np.all(got[real_rows(case) :] == 0)
 
 
+def test_pages_held_as_lane_blocks_of_wider_pages_give_the_same_attention():
+    """lane_blocks=2: the pool's pages are twice as wide, each holding two of the table's pages side
+    by side (page v: lanes [v % 2 * W, v % 2 * W + W) of physical page v // 2): a KV layer group
+    whose rows are half the pool's (Gemma 4). The kernel fetches those lane blocks and gives exactly
+    what it gives on the pages laid out one by one."""
+    rng = np.random.default_rng(2)
+    case = make_case(rng, [16, 1, 8, 1], [16, 37, 50, 17], Hq=4, Hkv=1, D=128, page_size=8, pad_tokens=3)
+    q, k_pages, v_pages, *rest = (jnp.asarray(x) for x in case)
+    pages = combined.combine_kv(k_pages, v_pages)  # [P, page_size, W]
+    P, ps, W = pages.shape
+    pages = jnp.pad(pages, ((0, P % 2), (0, 0), (0, 0)))
+    wide = pages.reshape(-1, 2, ps, W).transpose(0, 2, 1, 3).reshape(-1, ps, 2 * W)  # [P / 2, page_size, 2 W]
+    options = dict(sm_scale=SM_SCALE, num_queries_per_block=4, num_kv_pages_per_block=2, interpret=True)
+    got = tpu.ragged_paged_attention(q, wide, *rest, lane_blocks=2, **options)
+    want = tpu.ragged_paged_attention(q, pages, *rest, **options)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert_close(np.asarray(got, np.float64), np.asarray(reference.ragged_paged_attention(*case, sm_scale=SM_SCALE), np.float64),
+                 F32_TOL)
+
+
 def test_odd_kv_head_count_needs_no_padding():
     """SmolLM2's shape: 9 query heads over 3 KV heads of 64, a combined row of 3 x 128 lanes."""
     rng = np.random.default_rng(1)

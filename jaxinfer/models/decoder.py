@@ -69,6 +69,17 @@ def split_qkv(qkv: jax.Array, num_heads: int, num_kv_heads: int, head_dim: int) 
     return q, k, v
 
 
+def lane_block_table(table: jax.Array, f: int) -> jax.Array:
+    """A group's page table [S, pages] with pages of page_size * f tokens -> the same width of
+    pages of page_size tokens, page i's f lane blocks (ids i * f + j) in its place: the table the
+    TPU kernel reads for a group whose pages are lane blocks (jaxinfer.ops.kv_cache.page_factors)."""
+    if f == 1:
+        return table
+    S, width = table.shape
+    blocks = table[:, : -(-width // f), None] * f + jnp.arange(f, dtype=table.dtype)  # [S, ceil(width / f), f]
+    return blocks.reshape(S, -1)[:, :width]
+
+
 def _init(name: str, shape, dtype, key) -> jax.Array:
     if name.endswith(("norm", "scale", "scalar")):  # (Gemma 4's router and layer scales)
         return jnp.ones(shape, dtype)
@@ -141,13 +152,19 @@ class Decoder(nnx.Module):
         if config.attention_sinks and parallel.sp > 1 and parallel.sp_attention == "ring":
             raise ConfigError(f"{config.model_type}: attention sinks with ring attention are not supported "
                               "(sequence parallelism with sp_attention='allgather' is)")
+        self.kv_groups = kv_groups(config)  # static: which page-table row and pool slot each layer uses
+        factors = page_factors(self.kv_groups, tp=parallel.tp, combined=kernels.combines_kv)
+        # static, per group: a separate pool is reshaped to pages of page_size * f tokens, a combined (TPU) one
+        # read as f lane blocks of page_size tokens per page (jaxinfer.ops.kv_cache.page_factors)
+        self.page_factors = tuple(1 if kernels.combines_kv else f for f in factors)
+        self.lane_blocks = tuple(f if kernels.combines_kv else 1 for f in factors)
+        if max(self.lane_blocks) > 1 and parallel.sp > 1:
+            raise ConfigError(f"{config.model_type}: KV layer groups of several row widths on TPU pools with sequence "
+                              "parallelism are not supported")
         if config.kv_shared_layers and parallel.sp > 1:
             raise ConfigError(f"{config.model_type}: layers sharing K/V (num_kv_shared_layers={config.kv_shared_layers}) "
                               "with sequence parallelism are not supported")
         self.config = config
-        self.kv_groups = kv_groups(config)  # static: which page-table row and pool slot each layer uses
-        # static: each group's pages hold page_size times this many tokens (jaxinfer.kv_groups)
-        self.page_factors = page_factors(self.kv_groups, tp=parallel.tp, combined=kernels.combines_kv)
         self.compute_dtype = compute_dtype
         self.kernels = kernels  # static: XLA paths or Pallas kernels (jaxinfer.ops.kernels)
         self.parallel = parallel  # static: the mesh's axis sizes (sharding.mesh.ParallelConfig)
@@ -182,6 +199,9 @@ class Decoder(nnx.Module):
 
         token_ids = jax.lax.dynamic_slice_in_dim(batch.token_ids, first_row, Tl)
         x = self._embed(token_ids)  # [Tl, H]
+        if max(self.lane_blocks) > 1:  # a lane-block group's table names its pages' lane blocks (page_factors)
+            batch = dataclasses.replace(batch, page_table=jnp.stack(
+                [lane_block_table(table, f) for table, f in zip(batch.page_table, self.lane_blocks)]))
         groups = [LayerRef(0, g, 0).batch_view(batch) for g in range(batch.page_table.shape[0])]
         locations = [kv_write_locations(view, kv.page_size * f, SCRATCH_PAGE) for view, f in zip(groups, self.page_factors)]
         write_page = jnp.stack([page for page, _ in locations])  # [G, T]: every token's page and offset in each group
@@ -299,16 +319,18 @@ class Decoder(nnx.Module):
         if step.nope_query_scale is not None and kind.rope is None:
             q = (q * step.nope_query_scale[:, None, None]).astype(q.dtype)
         cos, sin = step.rope[kind.rope]
-        factor = self.page_factors[layer.group]
-        view = pool.group_view(factor, num_kv_heads, D)  # the group's pages: [slots * P, page_size * factor, Hkv, D]
+        view = pool.group_view(self.page_factors[layer.group], num_kv_heads, D)  # [slots * P, page_size * f, Hkv, D]
+        lanes = self.lane_blocks[layer.group]  # a TPU pool's: its pages are lane blocks of the pool's
         options = dict(sm_scale=c.sm_scale, sliding_window=kind.window, attention_chunk=kind.chunk, soft_cap=c.attn_logit_softcap,
-                       sinks=w.get("sinks"), query_block=step.query_block, spec_block=step.spec_block, kernels=kernels)
+                       sinks=w.get("sinks"), query_block=step.query_block, spec_block=step.spec_block, kernels=kernels,
+                       lane_blocks=lanes)
+        first_page = layer.slot * step.num_pages * lanes  # where the layer's (lane-block) pages start
         if layer.kv_shared:  # Gemma 4: another layer's K/V, already in the pages
-            attn = attend_written_kv(q, cos, sin, view, layer.slot * step.num_pages, layer.batch_view(step.batch),
+            attn = attend_written_kv(q, cos, sin, view, first_page, layer.batch_view(step.batch),
                                      num_kv_heads=num_kv_heads, **options)
         else:
             attn, view = write_kv_and_attend(  # RoPE, KV write, attention
-                q, k, v, cos, sin, view, layer.slot * step.num_pages, step.write_page[layer.group],
+                q, k, v, cos, sin, view, first_page, step.write_page[layer.group],
                 step.write_offset[layer.group], layer.batch_view(step.batch), parallel=par, **options)
             pool = view.like(pool)
         attn = attn.reshape(Tl, num_heads * D)

@@ -52,7 +52,8 @@ def kv_write_locations(batch: RaggedBatch, page_size: int, scratch_page: int) ->
     return page, offset
 
 
-def rope_and_write_kv(q, k, v, cos, sin, pool: KVCache, write_page, write_offset, kernels: Kernels = Kernels()):
+def rope_and_write_kv(q, k, v, cos, sin, pool: KVCache, write_page, write_offset, kernels: Kernels = Kernels(),
+                      lane_blocks: int = 1):
     """RoPE on q and k, then the rotated keys and the values into their page slots.
 
     q [T, Hq, D], k / v [T, Hkv, D], cos / sin [T, D], `pool` the folded page pools (kv_cache),
@@ -64,20 +65,26 @@ def rope_and_write_kv(q, k, v, cos, sin, pool: KVCache, write_page, write_offset
     """
     if pool.combined or pool.quantized or cos.shape[-1] != q.shape[-1]:  # (partial RoPE: the XLA path too)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return q, k, write_rows(pool, write_page, write_offset, k, v)
+        return q, k, write_rows(pool, write_page, write_offset, k, v, lane_blocks)
     q, k, k_pages, v_pages = kernels.rope_kv_write(q, k, v, cos, sin, pool.k, pool.v, write_page, write_offset)
     return q, k, dataclasses.replace(pool, k=k_pages, v=v_pages)
 
 
-def write_rows(pool: KVCache, pages, offsets, k, v) -> KVCache:
+def write_rows(pool: KVCache, pages, offsets, k, v, lane_blocks: int = 1) -> KVCache:
     """Rows k, v [n, Hkv, D] (after RoPE) into slots (pages [n], offsets [n]) of the pool: one
     combined row per token, or K and V in separate pools. A quantized pool's rows are turned by
-    `kv_rotation` and stored as entries and a scale per head (kv_cache)."""
+    `kv_rotation` and stored as entries and a scale per head (kv_cache). lane_blocks f > 1 (a
+    combined pool of a narrower KV layer group): page v is lane block v % f of pool page v // f."""
     if not pool.quantized:
         if pool.combined:
-            return dataclasses.replace(pool, kv=write_page_rows(pool.kv, pages, offsets, combine_kv(k, v).astype(pool.kv.dtype)))
+            rows = combine_kv(k, v).astype(pool.kv.dtype)
+            if lane_blocks > 1:
+                return dataclasses.replace(pool, kv=write_lane_block_rows(pool.kv, pages, offsets, rows, lane_blocks))
+            return dataclasses.replace(pool, kv=write_page_rows(pool.kv, pages, offsets, rows))
         return dataclasses.replace(pool, k=pool.k.at[pages, offsets].set(k.astype(pool.k.dtype)),
                                    v=pool.v.at[pages, offsets].set(v.astype(pool.v.dtype)))
+    if lane_blocks > 1:
+        raise ValueError("a quantized KV pool holds one row width: no lane blocks")
     rotation = kv_rotation(k.shape[-1])
     k, v = k.astype(jnp.float32) @ rotation, v.astype(jnp.float32) @ rotation
     dtype = pool.pages.dtype
@@ -106,6 +113,19 @@ def write_page_rows(pages_array: jax.Array, pages, offsets, rows) -> jax.Array:
 
     def write(i, array):
         return jax.lax.dynamic_update_slice(array, rows[i][None, None], (pages[i], offsets[i], 0))
+
+    return jax.lax.fori_loop(0, rows.shape[0], write, pages_array)
+
+
+def write_lane_block_rows(pages_array: jax.Array, pages, offsets, rows, lane_blocks: int) -> jax.Array:
+    """rows [n, W] into lane block pages % f of pool pages pages // f ([N, page_size, f * W]), at
+    their offsets, in place: one dynamic_update_slice per row (XLA's scatter at a computed lane
+    offset would move the pool out of its tiled layout)."""
+    width = rows.shape[-1]
+
+    def write(i, array):
+        at = (pages[i] // lane_blocks, offsets[i], (pages[i] % lane_blocks) * width)
+        return jax.lax.dynamic_update_slice(array, rows[i][None, None], at)
 
     return jax.lax.fori_loop(0, rows.shape[0], write, pages_array)
 
@@ -144,6 +164,7 @@ def write_kv_and_attend(
     sinks: jax.Array | None = None,  # [Hq_local] float32: attention sinks (GPT-OSS)
     kernels: Kernels = Kernels(),
     parallel: ParallelConfig = ParallelConfig(),
+    lane_blocks: int = 1,  # pages as lane blocks of the combined pool's (write_rows)
 ) -> tuple[jax.Array, KVCache]:
     """Returns (attention output [T, Hq, D], pool).
 
@@ -156,15 +177,17 @@ def write_kv_and_attend(
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap,
                    sinks=sinks, query_block=query_block, spec_block=spec_block, kernels=kernels)
     if parallel.sp > 1:
+        if lane_blocks > 1:
+            raise ValueError("sequence parallelism over pages held as lane blocks is not supported")
         return attend_sequence_parallel(q, k, v, cos, sin, pool, layer_page_offset, write_page, write_offset,
                                         batch, mode=parallel.sp_attention, **options)
-    q, k, pool = rope_and_write_kv(q, k, v, cos, sin, pool, layer_page_offset + write_page, write_offset, kernels)
-    return paged_attention(q, k, v, pool, layer_page_offset, batch, **options), pool
+    q, k, pool = rope_and_write_kv(q, k, v, cos, sin, pool, layer_page_offset + write_page, write_offset, kernels, lane_blocks)
+    return paged_attention(q, k, v, pool, layer_page_offset, batch, lane_blocks=lane_blocks, **options), pool
 
 
 def attend_written_kv(q, cos, sin, pool: KVCache, layer_page_offset, batch: RaggedBatch, *, num_kv_heads: int, sm_scale,
                       sliding_window, query_block: int, attention_chunk: int | None = None, spec_block: int = 0,
-                      soft_cap: float | None = None, sinks=None, kernels: Kernels = Kernels()) -> jax.Array:
+                      soft_cap: float | None = None, sinks=None, kernels: Kernels = Kernels(), lane_blocks: int = 1) -> jax.Array:
     """Attention of q [T, Hq, D] (before RoPE) over K/V another layer has written into these pages
     this step and before (Gemma 4's KV-shared layers): RoPE on q, then the paged attention (never
     the flash path, which reads a layer's own fresh K/V). [T, Hq, D]."""
@@ -172,12 +195,12 @@ def attend_written_kv(q, cos, sin, pool: KVCache, layer_page_offset, batch: Ragg
     no_kv = jnp.zeros((q.shape[0], num_kv_heads, q.shape[-1]), q.dtype)  # (only its shape is read)
     return paged_attention(q, no_kv, no_kv, pool, layer_page_offset, batch, sm_scale=sm_scale, sliding_window=sliding_window,
                            query_block=query_block, attention_chunk=attention_chunk, spec_block=spec_block,
-                           soft_cap=soft_cap, sinks=sinks, kernels=kernels, flash=False)
+                           soft_cap=soft_cap, sinks=sinks, kernels=kernels, flash=False, lane_blocks=lane_blocks)
 
 
 def paged_attention(q, k, v, pool: KVCache, layer_page_offset, batch: RaggedBatch, *, sm_scale, sliding_window,
                     query_block: int, attention_chunk: int | None = None, spec_block: int = 0, soft_cap: float | None = None, sinks=None,
-                    kernels: Kernels = Kernels(), flash: bool = True) -> jax.Array:
+                    kernels: Kernels = Kernels(), flash: bool = True, lane_blocks: int = 1) -> jax.Array:
     """Attention of this step's queries q [T, Hq, D] (rotated; K/V already in the pages) over one
     layer's pages; k, v [T, Hkv, D] are this step's own rotated keys and values (flash attention
     of a fresh prefill reads them instead of the pages). [T, Hq, D].
@@ -185,12 +208,13 @@ def paged_attention(q, k, v, pool: KVCache, layer_page_offset, batch: RaggedBatc
     spec_block > 0 (speculative decoding): sequences of 2 .. spec_block queries (verifying drafted
     tokens; any number of them) get a pass of their own with query blocks of spec_block."""
     page_table = batch.page_table + layer_page_offset
+    lanes = {"lane_blocks": lane_blocks} if lane_blocks > 1 else {}  # (the TPU kernel's option)
 
     def paged():
         if not pool.quantized:
             return kernels.ragged_attention(q, pool.pages, pool.v, page_table, batch, num_kv_heads=k.shape[1], sm_scale=sm_scale,
                                             sliding_window=sliding_window, attention_chunk=attention_chunk, query_block=query_block,
-                                            spec_block=spec_block, soft_cap=soft_cap, sinks=sinks)
+                                            spec_block=spec_block, soft_cap=soft_cap, sinks=sinks, **lanes)
         rotation = kv_rotation(q.shape[-1])  # the pool holds K and V turned: turn q, and the output back
         out = kernels.ragged_attention((q.astype(jnp.float32) @ rotation).astype(q.dtype), pool.pages, pool.v, page_table,
                                        batch, num_kv_heads=k.shape[1], sm_scale=sm_scale, sliding_window=sliding_window,

@@ -82,13 +82,15 @@ PREFILL_KV_TOKENS_PER_ITEM = 128
 # ----------------------------------------------------------------------------- the XLA paths
 def xla_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale: float,
                          sliding_window: int | None, query_block: int, attention_chunk: int | None = None, spec_block: int = 0, soft_cap: float | None = None, sinks=None, k_scale=None,
-                         v_scale=None) -> jax.Array:
+                         v_scale=None, lane_blocks: int = 1) -> jax.Array:
     """Split-KV ragged paged attention (`pallas_kernels.ragged_paged_attention.split_kv`), in
     passes over disjoint sequences: one-token ones with query blocks of 1, with spec_block the
     short chunks of speculating sequences, then the (at most MAX_PREFILL_CHUNKS) prefill chunks
     with large query blocks. Rows a pass does not serve come out as zeros, so the sum is the
     answer. A decode bucket (query_block 1) is one pass. [T, Hq, D]."""
     del num_kv_heads  # the XLA pools hold exactly the model's heads
+    if lane_blocks != 1:
+        raise ValueError("lane_blocks: only the TPU kernel reads pages as lane blocks (combined pools)")
     page_size = k_pages.shape[1]
     T, S = q.shape[0], batch.kv_lens.shape[0]
     attend = lambda query_block, kv_tokens, items, **kw: split_kv.ragged_paged_attention(  # noqa: E731
@@ -130,8 +132,8 @@ def same_dtype(dtype):
 # ----------------------------------------------------------------------------- Pallas adapters
 def _tpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale: float,
                           sliding_window: int | None, query_block: int, attention_chunk: int | None = None, spec_block: int = 0, soft_cap: float | None = None, sinks=None, k_scale=None, v_scale=None,
-                          interpret: bool) -> jax.Array:
-    """Combined pages (v_pages None): the TPU kernel, a quantized pool's scales (k_scale: the combined
+                          lane_blocks: int = 1, interpret: bool) -> jax.Array:
+    """Combined pages (v_pages None): the TPU kernel (pages as lane blocks of the pool's: `lane_blocks`), a quantized pool's scales (k_scale: the combined
     scale pool) included when its pages are whole 128-lane rows of scales (page_size a multiple of
     128), attention sinks included. Otherwise (separate pools, smaller pages of a quantized pool) the XLA path."""
     if v_pages is not None or (k_scale is not None and k_pages.shape[1] % 128):
@@ -141,7 +143,7 @@ def _tpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *
     return rpa_tpu.ragged_paged_attention(
         q, k_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, k_scale, sinks, sm_scale=sm_scale,
         sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap, num_queries_per_block=query_block,
-        interpret=interpret)
+        lane_blocks=lane_blocks, interpret=interpret)
 
 
 def _gpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale: float,

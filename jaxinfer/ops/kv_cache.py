@@ -83,18 +83,19 @@ def token_row(kv_heads: int, head_dim: int, *, tp: int = 1, combined: bool = Fal
 
 def page_factors(groups: KVGroups, *, tp: int = 1, combined: bool = False) -> tuple[int, ...]:
     """Per KV layer group: how many times page_size tokens its pages hold (jaxinfer.kv_groups): the
-    widest K/V row per token on one device over the group's own; 1 everywhere when the shapes agree."""
+    widest K/V row per token on one device over the group's own; 1 everywhere when the shapes agree.
+
+    How a group reads them differs by layout. A separate pool (CPU, GPU: row-major) is reshaped to
+    page_size * f tokens per page (`KVCache.group_view`). A TPU tiles a combined page [page_size, W]
+    in 16 tokens x 128 lanes, so that reshape would put the bytes in another order and XLA would
+    copy the pool for every such layer; there a group page is f pages of page_size tokens side by
+    side in the lanes, lane block j holding its tokens j * page_size.. (the attention kernel's and
+    `write_rows`' `lane_blocks`), and the step gives the layer a page table of those pages."""
     rows = [token_row(heads, dim, tp=tp, combined=combined) for heads, dim in groups.shapes]
     widest = max(rows)
     if any(widest % r for r in rows):
         raise ConfigError(f"KV layer groups with K/V rows of {rows} entries per token: the widest is not a multiple of "
                           "each, so their pages cannot hold the same bytes")
-    if combined and len(set(rows)) > 1:
-        # A TPU stores a page [page_size, row] in tiles of 16 tokens x 128 lanes: seen as more tokens of a
-        # narrower row, its bytes are in another order, and XLA would copy the pool for every such layer.
-        raise ConfigError(f"KV layer groups with K/V rows of {sorted(set(rows))} lanes per token on one device (tensor "
-                          f"parallelism {tp}): the TPU kernels hold one row width per pool; a tensor-parallel degree "
-                          "that gives every group the same row per device works (Gemma-4-31B: 8), other widths do not yet")
     return tuple(widest // r for r in rows)
 
 
@@ -184,12 +185,14 @@ class KVCache:
         return jax.tree.map(lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), self)
 
     def group_view(self, factor: int, kv_heads: int, head_dim: int) -> "KVCache":
-        """A folded pool as a layer group of another shape sees it (jaxinfer.kv_groups): each page's
-        bytes as page_size * factor tokens of kv_heads x head_dim (this device's heads), a free
-        reshape. The pool itself when nothing differs."""
+        """A folded separate pool as a layer group of another shape sees it (jaxinfer.kv_groups):
+        each page's bytes as page_size * factor tokens of kv_heads x head_dim (this device's
+        heads), a free reshape of a row-major array. The pool itself when nothing differs. (A
+        combined pool, tiled on a TPU, is read as lane blocks instead: `page_factors`.)"""
         if self.combined:
-            shape = (self.kv.shape[0], self.kv.shape[1] * factor, self.kv.shape[2] // factor)
-            return self if shape == self.kv.shape else KVCache(kv=self.kv.reshape(shape))
+            if factor != 1:
+                raise ValueError("a combined pool's groups of other rows are read as lane blocks, not reshaped")
+            return self
         shape = (self.k.shape[0], self.k.shape[1] * factor, kv_heads, head_dim)
         if shape == self.k.shape:
             return self

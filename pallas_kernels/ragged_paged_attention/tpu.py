@@ -22,6 +22,13 @@ whole number of 128-lane rows per token, so the pool is stored with no padding a
   V_h share one 128-lane row, and the kernel never splits it (`read_head`, `combined.lane_width`):
   q is padded with zeros to 128 lanes, so q . row = q . K_h, and of p @ row it keeps lanes 64..127,
   p @ V_h. The MXU works on 128 lanes anyway; the HBM traffic is exactly the model's K/V.
+* Lane blocks (`lane_blocks` f > 1): a pool whose pages hold f narrower pages side by side, each
+  a lane block [page_size, W / f] of a physical page (a KV layer group whose rows are f times
+  narrower than the pool's: Gemma 4's global layers; jaxinfer.kv_groups). The page table then
+  names those pages, id v for lane block v % f of physical page v // f, and the DMA fetches that
+  block (a rectangular copy at a 128-lane-aligned offset). Seen the other way, as a reshape to
+  f times the tokens per page, the same bytes would be in another tile order, and XLA would copy
+  the whole pool into it for every such layer.
 * The write of a token's row is XLA's in-place scatter, not a DMA: a token's bf16 or 8-bit row
   shares 32-bit words with its neighbour tokens, and Mosaic refuses a DMA at such a row
   (`pallas_kernels.rope_kv_write`).
@@ -230,6 +237,7 @@ def _kernel(
     stored_head_dim,
     fetch_rows,
     scale_pool,
+    lane_blocks,
 ):
     b = pl.program_id(0)
     num_blocks = pl.num_programs(0)
@@ -260,8 +268,12 @@ def _kernel(
             page = j * pages_per_block + i  # page number within the sequence
             needed = (page * page_size <= blk.last_pos) & ((page + 1) * page_size > blk.lo_pos)
             page_id = table[row + jnp.minimum(page, pages_per_seq - 1)]
-            page_copies = [pltpu.make_async_copy(kv_hbm.at[page_id], kv_buf.at[slot, pl.ds(i * page_size, page_size)],
-                                                 kv_sems.at[slot])]
+            if lane_blocks == 1:
+                source = kv_hbm.at[page_id]
+            else:  # lane block page_id % f of physical page page_id // f (module docstring)
+                width = kv_buf.shape[2]
+                source = kv_hbm.at[page_id // lane_blocks, :, pl.ds((page_id % lane_blocks) * width, width)]
+            page_copies = [pltpu.make_async_copy(source, kv_buf.at[slot, pl.ds(i * page_size, page_size)], kv_sems.at[slot])]
             if scale_pool:
                 page_copies.append(pltpu.make_async_copy(scale_hbm.at[page_id], scale_buf.at[slot, i], scale_sems.at[slot]))
             copies.append((needed, page_copies))
@@ -395,6 +407,7 @@ def _kernel(
         "num_kv_pages_per_block",
         "vmem_limit_bytes",
         "fetch_rows",
+        "lane_blocks",
         "interpret",
     ),
 )
@@ -418,9 +431,12 @@ def ragged_paged_attention(
     num_kv_pages_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,  # default: the target chip's (pallas_kernels.tpu_chip)
     fetch_rows: bool | None = None,  # page-table rows fetched per program (default: when the whole table overflows SMEM)
+    lane_blocks: int = 1,  # pages of W / lane_blocks lanes, side by side in each physical page (module docstring)
     interpret=False,  # passed to pallas_call: True (HLO interpreter) or pltpu.InterpretParams(...)
 ) -> jax.Array:
     scale_pool = kv_scale is not None
+    if lane_blocks > 1 and scale_pool:
+        raise ValueError("lane_blocks > 1 with a scale pool (a quantized KV cache) is not supported")
     if scale_pool:
         if kv_pages.dtype not in QUANTIZED_KV_DTYPES:
             raise ValueError(f"kv_scale is given but kv_pages are {kv_pages.dtype}, not int8 / float8_e4m3fn")
@@ -430,6 +446,9 @@ def ragged_paged_attention(
         check_kv_scales(kv_pages, kv_pages, k_scale, v_scale)
     T, Hq, D = q.shape
     P, page_size, width = kv_pages.shape
+    if lane_blocks > 1 and (width % lane_blocks or (width // lane_blocks) % 128):
+        raise ValueError(f"pages of {width} lanes do not split into {lane_blocks} lane blocks of whole 128-lane rows")
+    width //= lane_blocks  # a (logical) page's row
     Ds = combined_head_dim(D)
     lanes = lane_width(Ds)
     S, pages_per_seq = page_indices.shape
@@ -496,7 +515,7 @@ def ragged_paged_attention(
         has_sinks=sinks is not None,
         k_scale=k_scale,
         v_scale=v_scale, Bq=Bq, G=G, pages_per_seq=pages_per_seq, page_size=page_size, stored_head_dim=Ds,
-        fetch_rows=fetch_rows, scale_pool=scale_pool,
+        fetch_rows=fetch_rows, scale_pool=scale_pool, lane_blocks=lane_blocks,
     )
     cost_estimate = cost.ragged_paged_attention(
         query_rows=NB * Bq, query_blocks=NB, Hq=Hq, Hkv_stored=Hkv, D=Ds, kv_tokens_per_block=pages_per_seq * page_size,
