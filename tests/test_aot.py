@@ -81,18 +81,21 @@ def test_every_triton_kernel_compiles_for_an_h100(h100):
 
 
 @pytest.mark.parametrize("chip,family", [("v6e", "gemma-2-9b"), ("v6e", "gpt-oss-120b"), ("h100", "gpt-oss-120b"),
-                                         ("h100", "phi-3-mini"), ("v6e", "llama-4-scout"), ("h100", "llama-4-scout")])
+                                         ("h100", "phi-3-mini"), ("v6e", "llama-4-scout"), ("h100", "llama-4-scout"),
+                                         ("v6e", "gemma-4-31b-global"), ("h100", "gemma-4-31b-global")])
 def test_attention_kernels_compile_with_each_newer_family_option(chip, family, request):
     """Ragged attention in a decode bucket (bf16 pages) and flash attention with a sliding window
     and soft-capping at head_dim 256 (Gemma 2, Mosaic), a window of 128 with sinks at head_dim 64
     (GPT-OSS, Mosaic and Triton), a window at head_dim 96 (Phi-3: Triton's blocks
-    are powers of two, so the kernels pad it to 128), chunks of 8192 (Llama 4)."""
+    are powers of two, so the kernels pad it to 128), chunks of 8192 (Llama 4), head_dim 512 (Gemma 4's
+    global layers; on a TPU pool their pages are lane blocks of pages twice as wide)."""
     target = request.getfixturevalue(chip)
     compiled = []
     for kernel, case, fn, args in kernel_check.kernel_cases(target, kernel_check.FAMILY_SHAPES[family]):
         if kernel == "flash_attention" or (kernel == "ragged_paged_attention" and case.startswith("decode") and "kv=bf16" in case):
             paged = kernel == "ragged_paged_attention"
-            assert ("window=" in case) == (family != "llama-4-scout")
+            assert ("window=" in case) == (family not in ("llama-4-scout", "gemma-4-31b-global"))
+            assert ("lane blocks" in case) == (family == "gemma-4-31b-global" and paged and chip == "v6e")
             assert ("sinks" in case) == (family == "gpt-oss-120b" and paged) and ("chunk=" in case) == (family == "llama-4-scout")
             assert ("soft_cap" in case) == (family == "gemma-2-9b")
             kernel_check.compile_for(target, fn, args)

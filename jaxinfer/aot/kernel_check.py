@@ -53,6 +53,7 @@ class FamilyShape:
     soft_cap: float | None = None  # attention logit soft-capping (Gemma 2)
     sinks: bool = False  # attention sinks (GPT-OSS)
     chunk: int | None = None  # chunked local attention (Llama 4's RoPE layers)
+    lane_blocks: int = 1  # a TPU pool's pages this many times wider: the layer's pages are lane blocks (Gemma 4's global layers)
 
 
 FAMILY_SHAPES = {
@@ -74,7 +75,8 @@ FAMILY_SHAPES = {
     "glm-4.5": FamilyShape(96, 8, 128, 5120, 12288),  # (its dense first layers' MLP)
     "minimax-m2": FamilyShape(48, 8, 128, 3072, 1536),  # (an expert's width)
     "gemma-4-31b": FamilyShape(32, 16, 256, 5376, 21504, window=1024),  # its sliding layers; the global ones:
-    "gemma-4-31b-global": FamilyShape(32, 4, 512, 5376, 21504),  # head_dim 512
+    # head_dim 512, their K/V row half the sliding layers': on a TPU pool, pages read as lane blocks
+    "gemma-4-31b-global": FamilyShape(32, 4, 512, 5376, 21504, lane_blocks=2),
 }
 
 PAGE_SIZE = 16
@@ -116,8 +118,12 @@ def kernel_cases(target: Target, shape: FamilyShape):
                  ("fp8", jnp.float8_e4m3fn, dict(k_scale=0.05, v_scale=0.05)))
     for name, kv_dtype, scales in kv_dtypes:
         page_size, pages_per_seq, scale_pool = PAGE_SIZE, PAGES_PER_SEQ, ()
+        lanes = {}
         if tpu:  # combined pages, one row of K and V per token (jaxinfer.ops.kv_cache)
-            pools = (spec((NUM_PAGES, page_size, row_width(Hkv, D)), kv_dtype),)
+            pools = (spec((NUM_PAGES, page_size, row_width(Hkv, D) * shape.lane_blocks), kv_dtype),)
+            lanes = dict(lane_blocks=shape.lane_blocks) if shape.lane_blocks > 1 and not scales else {}
+            if scales and shape.lane_blocks > 1:
+                continue  # (a quantized pool holds one row width: jaxinfer.ops.kv_cache)
             if scales:  # a quantized pool as a TPU serves it: e4m3 as bytes, pages of 128 and a scale pool
                 page_size, pages_per_seq, scales = QUANTIZED_PAGE_SIZE, PAGES_PER_SEQ * PAGE_SIZE // QUANTIZED_PAGE_SIZE, {}
                 pools = (spec((NUM_PAGES, page_size, row_width(Hkv, D)), storage_dtype(kv_dtype)),)
@@ -125,13 +131,14 @@ def kernel_cases(target: Target, shape: FamilyShape):
         else:  # separate pools, one scale each for K and V
             pools = (spec((NUM_PAGES, page_size, Hkv, D), kv_dtype),) * 2
         for bucket, T, S, Bq in ATTENTION_BUCKETS:
-            fn = functools.partial(ragged_paged_attention, sm_scale=sm_scale, num_queries_per_block=Bq, **scales, **options)
+            fn = functools.partial(ragged_paged_attention, sm_scale=sm_scale, num_queries_per_block=Bq, **scales, **options, **lanes)
             args = (spec((T, Hq, D), bf16), *pools, spec((S,), i32), spec((S, pages_per_seq), i32),
                     spec((S + 1,), i32), spec((1,), i32), *scale_pool)
             if sinks:
                 fn = _with_sinks(fn, len(args))
                 args += (spec((Hq,), jnp.float32),)
             layout = f"combined[{page_size}, {pools[0].shape[-1]}]" + (" + scale pool" if scale_pool else "") if tpu else f"[{Hkv}, {D}]"
+            layout += f" as {shape.lane_blocks} lane blocks" if lanes else ""
             yield "ragged_paged_attention", f"{bucket} T={T} S={S} kv={name} {layout}{paged_named}", fn, args
 
     T = 512
