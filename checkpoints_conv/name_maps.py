@@ -269,13 +269,15 @@ LLAMA4_NAMES = ArchNames(
 # own; a MoE block beside the dense MLP (a router with input and per-expert scales, norms around the
 # experts); per-layer input embeddings; a learned scalar per layer. A multimodal folder's text
 # decoder reads as the text model; its vision and audio towers are skipped.
-_GEMMA4_ATTENTION = {
-    **{f"{where}.{k}": Dest(f"layers.{prefix}{v.param.split('.', 1)[1]}", v.transpose, v.part)
-       for where, prefix in (("self_attn", ""), ("global_attn", "global_"))
-       for k, v in {"q_proj.weight": Dest("layers.qkv_proj", True, "q"), "k_proj.weight": Dest("layers.qkv_proj", True, "k"),
-                    "v_proj.weight": Dest("layers.qkv_proj", True, "v"), "o_proj.weight": Dest("layers.o_proj", True),
-                    "q_norm.weight": Dest("layers.q_norm", False), "k_norm.weight": Dest("layers.k_norm", False)}.items()},
-}
+def _stack_names(module: str, stack_prefix: str, names: Mapping[str, Dest]) -> dict[str, Dest]:
+    """`names` (Llama's, under `self_attn.` / `mlp.`) for HF module `module`, filling the stacks
+    `layers.{stack_prefix}<name>` (param_layout.stack_of: Gemma 4's stacks of their own)."""
+    return {f"{module}.{key.split('.', 1)[1]}": dest._replace(param=dest.param.replace("layers.", f"layers.{stack_prefix}"))
+            for key, dest in names.items()}
+
+
+_LLAMA_ATTENTION_WEIGHTS = {k: v for k, v in _ATTENTION.items() if k.endswith("weight") and "layernorm" not in k}
+_LLAMA_MLP_WEIGHTS = {k: v for k, v in LLAMA_NAMES.per_layer.items() if k.startswith("mlp.") and k.endswith("weight")}
 GEMMA4_NAMES = ArchNames(
     globals={
         **LLAMA_NAMES.globals,
@@ -284,16 +286,14 @@ GEMMA4_NAMES = ArchNames(
         "model.per_layer_projection_norm.weight": Dest("per_layer_proj_norm", False),
     },
     per_layer={
-        **_GEMMA4_ATTENTION,
+        **_stack_names("self_attn", "", _LLAMA_ATTENTION_WEIGHTS),
+        **_stack_names("global_attn", "global_", _LLAMA_ATTENTION_WEIGHTS),
+        **_stack_names("mlp", "", _LLAMA_MLP_WEIGHTS),
+        **_stack_names("wide_mlp", "wide_", _LLAMA_MLP_WEIGHTS),
         "input_layernorm.weight": Dest("layers.attn_norm", False),
         "post_attention_layernorm.weight": Dest("layers.post_attn_norm", False),
         "pre_feedforward_layernorm.weight": Dest("layers.mlp_norm", False),
         "post_feedforward_layernorm.weight": Dest("layers.post_mlp_norm", False),
-        **{f"{where}.{k}": Dest(f"layers.{prefix}{v.param.split('.', 1)[1]}", v.transpose, v.part)
-           for where, prefix in (("mlp", ""), ("wide_mlp", "wide_"))
-           for k, v in {"gate_proj.weight": Dest("layers.gate_up_proj", True, "gate"),
-                        "up_proj.weight": Dest("layers.gate_up_proj", True, "up"),
-                        "down_proj.weight": Dest("layers.down_proj", True)}.items()},
         "router.proj.weight": Dest("layers.router", True),
         "router.scale": Dest("layers.router_scale", False),
         "router.per_expert_scale": Dest("layers.expert_scale", False),

@@ -218,3 +218,36 @@ def test_kernel_lowers_for_its_backend(backend, platform, mode, group_size, symm
                                             scale_dtype=None if symmetric else jnp.float16)
     kernel = functools.partial(KERNELS[backend], mode=mode, group_size=group_size)
     jax.jit(kernel).trace(x, qweight, scales, offsets).lower(lowering_platforms=(platform,))
+
+
+# ----------------------------------------------------------------------------- mxfp4 (GPT-OSS's experts)
+def mxfp4_case(M, K, N, dtype, seed=0):
+    """x [M, K] and an MXFP4 weight as GPT-OSS's checkpoint stores it, HF [N, K / 32, 16] blocks and
+    [N, K / 32] exponent bytes, with the same weight in this file's layout (qweight [K / 2, N],
+    scales [K / 32, N]): every nibble value, exponents around 2 ** 0."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (N, K // 32, 16), dtype=np.uint8)
+    exponents = rng.integers(120, 132, (N, K // 32), dtype=np.uint8)
+    qweight = jnp.asarray(blocks.reshape(N, K // 2).T)
+    scales = jnp.asarray(exponents.T)
+    return jnp.asarray(rng.normal(0.0, 1.0, (M, K)), dtype), qweight, scales, (blocks, exponents)
+
+
+def test_mxfp4_dequantizes_bit_for_bit_as_transformers_and_the_kernels_multiply_it():
+    """The reference's MXFP4 weight equals the one transformers' conversion makes of GPT-OSS's blocks
+    (checkpoints_conv.views.dequantize_mxfp4), bit for bit; both kernels multiply by it as the
+    reference does (decode and larger M, f32 and bf16 x, several K steps); both lower for their
+    hardware's compiler front end."""
+    from checkpoints_conv.views import dequantize_mxfp4
+
+    x, qweight, scales, (blocks, exponents) = mxfp4_case(5, 256, 136, jnp.float32)
+    ours = np.asarray(reference.dequantize(qweight, scales, mode="mxfp4", group_size=32))  # [K, N]
+    np.testing.assert_array_equal(ours, dequantize_mxfp4(blocks, exponents).T)
+    for backend, blocks_ in (("tpu", dict(block_m=32, block_n=128, block_k=128)), ("gpu", dict(block_n=64, block_k=64))):
+        for M, dtype in ((5, jnp.float32), (64, jnp.bfloat16)):
+            x, qweight, scales, _ = mxfp4_case(M, 256, 136, dtype, seed=M)
+            check(KERNELS[backend], (x, qweight, scales, None), "mxfp4", 32, **blocks_)
+    for backend, platform in (("tpu", "tpu"), ("gpu", "cuda")):
+        kernel = functools.partial(KERNELS[backend], mode="mxfp4", group_size=32)
+        x, qweight, scales, _ = mxfp4_case(1, 512, 256, jnp.bfloat16)
+        jax.jit(kernel).trace(x, qweight, scales, None).lower(lowering_platforms=(platform,))

@@ -165,6 +165,8 @@ def kernel_cases(target: Target, shape: FamilyShape):
     group = 128 if N % 128 == 0 else 64
     yield ("quantized_matmul", f"int4 g{group} T={T} {N}->{H}", functools.partial(quantized_matmul, mode="int4", group_size=group),
            (spec((T, N), bf16), spec((N // 2, H), jnp.uint8), spec((N // group, H), bf16)))
+    yield ("quantized_matmul", f"mxfp4 T={T} {N}->{H}", functools.partial(quantized_matmul, mode="mxfp4", group_size=32),
+           (spec((T, N), bf16), spec((N // 2, H), jnp.uint8), spec((N // 32, H), jnp.uint8)))
     # GGUF's grids as they load: Q4_1 (int4 g32, float16 scales and offsets), Q8_0 (int8 g32, float16
     # scales), Q4_K + Q6_K joined (int8 g16, float32 scales and offsets)
     f16 = jnp.float16

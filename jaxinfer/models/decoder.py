@@ -11,10 +11,14 @@ one decoder layer, reading top to bottom like the architecture. Everything else 
   attention kinds that repeats (1 for Llama; 2 for Gemma 2, a sliding layer then a global one; 6
   for Gemma 3): the period's layers are unrolled, so each sees its kind (window, RoPE table) as
   a static fact and the kernels specialise on it, while the compiled program holds one period
-  rather than every layer. Layers past the last whole period are unrolled after the loop, and a
-  MoE model's first dense layers (GLM-4.5) before it; the period counts a layer's KV group and
-  whether its MLP has experts beside its attention kind;
-- `attention(...)`: QKV projection, q/k norms, RoPE, the paged KV write, attention and o_proj;
+  rather than every layer. Layers past the last whole period are unrolled after the loop; a MoE
+  model's first dense layers (GLM-4.5) and Gemma 4's KV-shared last layers are runs of their own,
+  each with its own period; the period counts a layer's KV group, which weight stacks it reads
+  (`param_layout.stack_of`: the MoE or the dense MLP's, Gemma 4's global attention's) and whether
+  it reads another layer's K/V, beside its attention kind;
+- `attention(...)`: QKV projection, q/k(/v) norms, RoPE, the paged KV write, attention and o_proj,
+  at the layer kind's head dim and KV heads, through its group's view of the pool (pages of
+  page_size * f tokens, or a TPU pool's lane blocks: `jaxinfer.ops.kv_cache.page_factors`);
 - `mlp(...)`: a gated MLP (SwiGLU or GeGLU) or a mixture of experts (`jaxinfer.models.moe`).
 
 The residual stream travels as (hidden, residual), stream = hidden + residual: each norm takes

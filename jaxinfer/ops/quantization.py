@@ -76,9 +76,10 @@ __all__ = [
 ]
 
 INT8_MAX = 127
-# What `quantization=` may name: the stored modes, and w8a8 (int8 per column, int8 activations).
-QUANTIZATION_MODES = (*MODES, "w8a8")
-QUANTIZATION_GROUP_SIZES = {**GROUP_SIZES, "w8a8": (None,)}
+# What `quantization=` may name: the stored modes but mxfp4 (a checkpoint's format, read as it is
+# stored, not made here), and w8a8 (int8 per column, int8 activations).
+QUANTIZATION_MODES = (*(m for m in MODES if m != "mxfp4"), "w8a8")
+QUANTIZATION_GROUP_SIZES = {**{m: GROUP_SIZES[m] for m in QUANTIZATION_MODES if m in GROUP_SIZES}, "w8a8": (None,)}
 ACTIVATION_MODES = (None, "int8")  # QuantizedWeight.activations
 INT4_MAX = 7
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

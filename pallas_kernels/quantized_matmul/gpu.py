@@ -40,6 +40,8 @@ Modes
   halves ([M, Kp/2] each; x is the small operand) and each group's product is
   x_even[g] @ low[g] + x_odd[g] @ high[g]. bk is a multiple of group_size: one loop step does
   bk / group_size groups.
+* mxfp4: int4's packing and planes, each nibble decoded as an E2M1 float (exact in bf16, so the
+  group's dot stays exact) and the group's E8M0 exponent made its power of two in the wrapper.
 * x with K < Kp (K = 576 with groups of 128) is padded with zero columns up to Kp.
 """
 
@@ -54,7 +56,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.compat import patch_interpret_mode
 from pallas_kernels import cost
-from pallas_kernels.quantized_matmul.reference import check_matmul_inputs
+from pallas_kernels.quantized_matmul.reference import PACKED_MODES, check_matmul_inputs, e2m1, e8m0
 from pallas_kernels.triton_tiles import masked_tile
 
 SMALL_M = 16  # the smallest tile a tensor-core dot takes; decode batches are padded (masked) up to it
@@ -93,7 +95,7 @@ def _per_column_kernel(x_ref, w_ref, scale_ref, out_ref, *, bm: int, bn: int, bk
     plt.store(out_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], (acc * scale[None, :]).astype(out_ref.dtype), mask=out_mask)
 
 
-def _grouped_kernel(*refs, planes: int, has_offsets: bool, bm: int, bn: int, bk: int, group_size: int):
+def _grouped_kernel(*refs, planes: int, has_offsets: bool, bm: int, bn: int, bk: int, group_size: int, fp4: bool = False):
     """int4 (planes = 2) or grouped int8 (planes = 1). refs: x_ref per plane [M, Kp / planes]
     (int4: x's columns k = 2i, then 2i + 1), w_ref [Kp / planes, N] (int8 | packed uint8),
     scale_ref [Kp/g, N], offset_ref [Kp/g, N] if has_offsets, out_ref [M, N] (whole arrays)."""
@@ -120,6 +122,8 @@ def _grouped_kernel(*refs, planes: int, has_offsets: bool, bm: int, bn: int, bk:
             stored = masked_tile(w_ref, plane_k, N, r0, n0, plane_g, bn).astype(jnp.int32)    # [g / planes, bn]
             bias = 0 if offset_ref is not None else 8        # int4 with offsets: the nibble is v as it is
             values = ((stored & 0x0F) - bias, (stored >> 4) - bias) if planes == 2 else (stored,)
+            if fp4:                                          # mxfp4: E2M1 floats
+                values = (e2m1(stored & 0x0F), e2m1(stored >> 4))
             partial = sum(_dot(x, v.astype(x_dtype)) for x, v in zip(xs, values))      # exact integers
             acc = acc + partial * per_group(scale_ref, group)[None, :]
             if offset_ref is not None:
@@ -170,12 +174,14 @@ def quantized_matmul(
         patch_interpret_mode()
 
     if group_size is not None:
-        planes = 2 if mode == "int4" else 1
+        planes = 2 if mode in PACKED_MODES else 1
+        if mode == "mxfp4":                                                   # exponent bytes -> powers of two
+            scales = e8m0(scales)
         x = jnp.pad(x, ((0, 0), (0, Kw - K)))                                 # zero columns up to Kp
         xs = [x] if planes == 1 else [x[:, 0::2], x[:, 1::2]]                 # int4: x's columns k = 2i, then 2i + 1
         operands = (*xs, qweight, *(a for a in (scales, offsets) if a is not None))
         kernel = functools.partial(_grouped_kernel, planes=planes, has_offsets=offsets is not None, bm=bm, bn=bn, bk=bk,
-                                   group_size=group_size)
+                                   group_size=group_size, fp4=mode == "mxfp4")
     else:
         operands = (x, qweight, scales.astype(jnp.float32))
         kernel = functools.partial(_per_column_kernel, bm=bm, bn=bn, bk=bk)

@@ -9,6 +9,7 @@ result comes back in x's dtype. This file also fixes the storage layout of each 
     int8    int8 [K, N]             [N], or [K // g, N] per group    v * scale (+ offset)
     int4    uint8 [K // 2, N]       [K // g, N]                      v * scale (+ offset)
     fp8     float8_e4m3fn [K, N]    [N]                              v * scale
+    mxfp4   uint8 [K // 2, N]       uint8 [K // 32, N]               e2m1(v) * 2 ** (scale - 127)
 
 with the scale (and offset) of k's group (k // g), or of column n. v is the stored value: the
 int8 or fp8 entry; for int4 the nibble minus 8 (v in [-8, 7]) when the weight is symmetric (no
@@ -22,6 +23,12 @@ When the group size does not divide K (SmolLM2's hidden size 576 with groups of 
 is stored padded with zero rows up to Kp = the next multiple of group_size: qweight is
 [Kp // 2, N] (int4) or [Kp, N] (int8), scales [Kp // group_size, N], and x [M, K] is read as if
 padded with zero columns.
+
+mxfp4 is the OCP microscaling format GPT-OSS ships its experts in: int4's packing of two 4-bit
+values per byte, each an E2M1 float (sign, 2 exponent bits, 1 mantissa bit: 0, 0.5, 1, 1.5, 2,
+3, 4, 6 and their negatives), and per group of 32 rows an 8-bit power-of-two exponent (E8M0,
+bias 127) as its scale. Every product is exact in float32 and bfloat16; an exponent byte of 0
+(2 ** -127, below float32's normal numbers) counts as 0 here and in the kernels.
 
 Symmetric weights have no offsets. Asymmetric ones (GGUF's Q4_1 / Q4_K / Q5_K, AWQ, GPTQ) carry
 `offsets` of the scales' shape, added after scaling: "(q - z) * s" is v = q with offset -z * s.
@@ -44,12 +51,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-MODES = ("int8", "int4", "fp8")
-GROUP_SIZES = {"int8": (None, 16, 32, 64, 128), "int4": (32, 64, 128), "fp8": (None,)}
+MODES = ("int8", "int4", "fp8", "mxfp4")
+GROUP_SIZES = {"int8": (None, 16, 32, 64, 128), "int4": (32, 64, 128), "fp8": (None,), "mxfp4": (32,)}
+PACKED_MODES = ("int4", "mxfp4")  # two values of K per byte
 INT4_GROUP_SIZES = GROUP_SIZES["int4"]
 SCALE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
-_QWEIGHT_DTYPE = {"int8": jnp.int8, "int4": jnp.uint8, "fp8": jnp.float8_e4m3fn}
+_QWEIGHT_DTYPE = {"int8": jnp.int8, "int4": jnp.uint8, "fp8": jnp.float8_e4m3fn, "mxfp4": jnp.uint8}
+# the 16 values of an E2M1 nibble (mxfp4)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def check_mode(mode: str, group_size: int | None) -> None:
@@ -63,7 +73,7 @@ def check_mode(mode: str, group_size: int | None) -> None:
 
 def stored_rows(qweight: jax.Array, mode: str) -> int:
     """K as stored (int4: two rows per byte row; padded to whole groups)."""
-    return 2 * qweight.shape[-2] if mode == "int4" else qweight.shape[-2]
+    return 2 * qweight.shape[-2] if mode in PACKED_MODES else qweight.shape[-2]
 
 
 def check_layout(qweight: jax.Array, scales: jax.Array, mode: str, group_size: int | None, offsets: jax.Array | None = None) -> None:
@@ -81,10 +91,12 @@ def check_layout(qweight: jax.Array, scales: jax.Array, mode: str, group_size: i
         want_scales = (*lead, K // group_size, N)
     else:
         want_scales = (*lead, N)
+    if mode == "mxfp4" and (scales.dtype != jnp.uint8 or offsets is not None):
+        raise ValueError(f"mxfp4 takes uint8 exponent scales and no offsets, got {scales.dtype} scales")
     for name, array in (("scales", scales), ("offsets", offsets)):
         if array is None:
             continue
-        if array.dtype not in [jnp.dtype(d) for d in SCALE_DTYPES]:
+        if mode != "mxfp4" and array.dtype not in [jnp.dtype(d) for d in SCALE_DTYPES]:
             raise ValueError(f"{name} must be float32, bfloat16 or float16, got {array.dtype}")
         if tuple(array.shape) != want_scales:
             raise ValueError(f"{name} must have shape {want_scales} for qweight {qweight.shape} (mode={mode!r}), got {array.shape}")
@@ -102,11 +114,29 @@ def unpack_int4(packed: jax.Array, signed: bool = True) -> jax.Array:
     return jnp.stack([low, high], axis=-2).reshape(*lead, 2 * rows, N)  # [..., K//2, 2, N] -> [..., K, N]
 
 
+def e2m1(nibbles: jax.Array) -> jax.Array:
+    """E2M1 nibbles (int, 0..15) -> their float32 values, by arithmetic (as the kernels decode them)."""
+    magnitude = nibbles & 7
+    exponent, mantissa = magnitude >> 1, (magnitude & 1).astype(jnp.float32)
+    power = jnp.where(exponent == 3, 4.0, jnp.where(exponent == 2, 2.0, 1.0))
+    value = jnp.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * power)
+    return jnp.where(nibbles >= 8, -value, value)
+
+
+def e8m0(exponents: jax.Array) -> jax.Array:
+    """E8M0 bytes -> the powers of two 2 ** (e - 127) as float32, exactly (the byte as the float's
+    exponent field); 0 for a byte of 0 (see the module docstring)."""
+    return jax.lax.bitcast_convert_type(exponents.astype(jnp.int32) << 23, jnp.float32)
+
+
 def dequantize(qweight: jax.Array, scales: jax.Array, offsets: jax.Array | None = None, *, mode: str,
                group_size: int | None = None) -> jax.Array:
     """The float32 weight [..., K, N] that (qweight, scales, offsets) stand for (padded K, Kp rows)."""
     check_layout(qweight, scales, mode, group_size, offsets)
-    v = unpack_int4(qweight, signed=offsets is None) if mode == "int4" else qweight
+    if mode == "mxfp4":
+        v, scales = e2m1(unpack_int4(qweight, signed=False).astype(jnp.int32)), e8m0(scales)
+    else:
+        v = unpack_int4(qweight, signed=offsets is None) if mode == "int4" else qweight
     v = v.astype(jnp.float32)                                               # [..., K, N]
     if group_size is None:  # one scale per output column
         return v * scales.astype(jnp.float32)[..., None, :]

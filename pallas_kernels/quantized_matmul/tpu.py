@@ -45,6 +45,9 @@ Modes
       x_even @ dequant(low nibbles) + x_odd @ dequant(high nibbles),
   each plane holding half of every group's rows. bk is a multiple of 256 (so each x half's
   block is a whole number of 128-lane tiles) and of group_size, or all of Kp.
+* mxfp4: int4's packing and planes; each nibble is decoded as an E2M1 float (`reference.e2m1`'s
+  arithmetic) and its group's E8M0 exponent byte made its power of two in the wrapper (exactly,
+  as bfloat16: one pass over K / 32 x N bytes); value x scale is exact in bfloat16.
 * x with K < Kp (K = 576 with groups of 128) is padded with zero columns.
 
 Verified on the CPU with `interpret=True` only (no TPU here); pass `interpret=True` or a
@@ -63,7 +66,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.compat import patch_interpret_mode
 from pallas_kernels import cost
 from pallas_kernels.tpu_chip import compiler_params, mxu_columns
-from pallas_kernels.quantized_matmul.reference import check_matmul_inputs
+from pallas_kernels.quantized_matmul.reference import PACKED_MODES, check_matmul_inputs, e2m1, e8m0
 
 LANES = 128  # TPU vreg lane width: the minor dim of a block is a multiple of this, or the whole dim
 
@@ -108,7 +111,7 @@ def _per_column_kernel(x_ref, w_ref, scale_ref, out_ref, acc_ref):
         out_ref[...] = (acc_ref[...] * scale_ref[...]).astype(out_ref.dtype)
 
 
-def _grouped_kernel(*refs, planes: int, has_offsets: bool):
+def _grouped_kernel(*refs, planes: int, has_offsets: bool, fp4: bool = False):
     """int4 (planes = 2) or grouped int8 (planes = 1). refs: x_ref per plane [bm, bk / planes] (int4:
     x's columns k = 2i, then 2i + 1), w_ref [bk / planes, bn] (int8 | packed uint8), scale_ref
     [bk/g, bn], offset_ref [bk/g, bn] if has_offsets, out_ref [bm, bn], acc_ref [bm, bn] f32."""
@@ -134,7 +137,9 @@ def _grouped_kernel(*refs, planes: int, has_offsets: bool):
             w = w + offsets[:, None, :]
         return w.reshape(rows, bn).astype(x_dtype)
 
-    if planes == 2:                                  # weight rows k = 2i (low nibble), 2i + 1 (high)
+    if fp4:                                          # mxfp4: E2M1 floats, rows k = 2i (low nibble), 2i + 1 (high)
+        values = (e2m1(stored & 0x0F), e2m1(stored >> 4))
+    elif planes == 2:                                # weight rows k = 2i (low nibble), 2i + 1 (high)
         bias = 0 if has_offsets else 8               # with offsets the nibble is v as it is
         values = ((stored & 0x0F) - bias, (stored >> 4) - bias)
     else:
@@ -176,7 +181,9 @@ def quantized_matmul(
     bm = _round_up(min(block_m, M), sublanes)
     Mp = _round_up(M, bm)
     bn = N if N <= block_n else block_n
-    planes = 2 if mode == "int4" else 1                  # int4: each x half's block is bk/2 lanes wide
+    planes = 2 if mode in PACKED_MODES else 1            # int4, mxfp4: each x half's block is bk/2 lanes wide
+    if mode == "mxfp4":                                  # the exponent bytes as their powers of two (exact in bf16)
+        scales = e8m0(scales).astype(jnp.bfloat16)
     bk = _reduction_block(Kw, block_k, planes * LANES)
     grid = (Mp // bm, pl.cdiv(N, bn), Kw // bk)
 
@@ -190,7 +197,7 @@ def quantized_matmul(
         in_specs = [pl.BlockSpec((bm, bk // planes), lambda i, j, k: (i, k)) for _ in xs] + [
             pl.BlockSpec((bk // planes, bn), lambda i, j, k: (k, j)),                  # int8 | packed rows
         ] + [group_block] * len(per_group)
-        kernel = functools.partial(_grouped_kernel, planes=planes, has_offsets=offsets is not None)
+        kernel = functools.partial(_grouped_kernel, planes=planes, has_offsets=offsets is not None, fp4=mode == "mxfp4")
     else:
         operands = (x, qweight, scales.astype(jnp.float32).reshape(1, N))
         in_specs = [
@@ -200,7 +207,7 @@ def quantized_matmul(
         ]
         kernel = _per_column_kernel
 
-    weight_bytes = sum(a.size * a.dtype.itemsize for a in (qweight, scales, offsets) if a is not None)
+    weight_bytes = sum(a.size * a.dtype.itemsize for a in (qweight, scales, offsets) if a is not None)  # (mxfp4: bf16 scales)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((Mp, N), x.dtype),
