@@ -177,7 +177,9 @@ def test_gemma4_groups_of_two_row_widths_on_tpu_pools_match_the_reference(tmp_pa
     from jaxinfer.ops.kv_cache import page_factors
 
     directory = tmp_path_factory.mktemp("tiny-gemma4-lanes")
-    save_hf_model("gemma4", directory, head_dim=64, global_head_dim=128, num_key_value_heads=1, num_global_key_value_heads=1)
+    save_hf_model("gemma4", directory, head_dim=64, global_head_dim=128, num_key_value_heads=1, num_global_key_value_heads=1,
+                  num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                  num_kv_shared_layers=0, enable_moe_block=False, hidden_size_per_layer_input=0)  # the attention is what differs
     prompts = [list(np.random.default_rng(i).integers(3, 250, size=n)) for i, n in enumerate((13, 20))]
 
     def run(kernels: Kernels) -> list[np.ndarray]:

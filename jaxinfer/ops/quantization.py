@@ -52,7 +52,8 @@ import numpy as np
 
 from jaxinfer.tree import nested_to_flat
 from pallas_kernels.quantized_matmul import reference as qmm
-from pallas_kernels.quantized_matmul.reference import GROUP_SIZES, INT4_GROUP_SIZES, MODES, check_mode
+from pallas_kernels.quantized_matmul.reference import GROUP_SIZES, INT4_GROUP_SIZES, check_mode
+from pallas_kernels.quantized_matmul.reference import MODES as KERNEL_MODES
 
 __all__ = [
     "ACTIVATION_MODES",
@@ -76,10 +77,12 @@ __all__ = [
 ]
 
 INT8_MAX = 127
-# What `quantization=` may name: the stored modes but mxfp4 (a checkpoint's format, read as it is
-# stored, not made here), and w8a8 (int8 per column, int8 activations).
-QUANTIZATION_MODES = (*(m for m in MODES if m != "mxfp4"), "w8a8")
-QUANTIZATION_GROUP_SIZES = {**{m: GROUP_SIZES[m] for m in QUANTIZATION_MODES if m in GROUP_SIZES}, "w8a8": (None,)}
+# The modes `quantize` makes: the kernels' stored modes but mxfp4 (a checkpoint's format, read as it
+# is stored, not made here). What `quantization=` may name: those, and w8a8 (int8 per column, int8
+# activations).
+MODES = tuple(m for m in KERNEL_MODES if m != "mxfp4")
+QUANTIZATION_MODES = (*MODES, "w8a8")
+QUANTIZATION_GROUP_SIZES = {**{m: GROUP_SIZES[m] for m in MODES}, "w8a8": (None,)}
 ACTIVATION_MODES = (None, "int8")  # QuantizedWeight.activations
 INT4_MAX = 7
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -327,6 +330,8 @@ def quantize(w: jax.Array, mode: str, group_size: int | None = None, symmetric: 
         if group_size is not None or not symmetric:
             raise ValueError("w8a8 is symmetric int8 with one scale per output column: no group_size, symmetric only")
         return QuantizedWeight(*quantize_int8(rotate_rows(w, axis=-2)), mode="int8", activations="int8")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES} (or w8a8), got {mode!r}")
     check_mode(mode, group_size)
     if not symmetric and group_size is None:
         raise ValueError(f"asymmetric {mode} needs groups (offsets are per group); give a group_size")
