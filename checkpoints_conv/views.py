@@ -299,13 +299,12 @@ def gemma4_views(source: TensorSource, config: dict) -> TensorSource:
       own, as `model.layers.{j}.global_attn.*` (j: its place among the global layers), the other
       layers' as `model.layers.{j}.self_attn.*` numbered among themselves; likewise the KV-shared
       layers' double-wide MLP as `wide_mlp` (param_layout.stack_of);
-    - a KV-shared layer's key and value projections, which it does not have (it reads the K/V of an
-      earlier layer), as zeros of their shape: never read;
+    - a KV-shared layer's key and value projections and key norm, which it does not have (it reads
+      the K/V of the last earlier layer of its kind), as zeros shaped as that layer's: never read;
     - the experts, stored [E, 2I, H] (gate | up) and [E, H, I], as per-expert linears."""
     text = config.get("text_config") or config
     types, shared, wide = gemma4_layer_plan(text)
-    n, H = len(types), int(text["hidden_size"])
-    k_eq_v = bool(text.get("attention_k_eq_v", False))
+    n = len(types)
     slot = {}  # (layer, "self_attn" | "global_attn" | "mlp" | "wide_mlp") -> its number
     for where, member in (("global_attn", lambda i: types[i] == "full_attention"), ("self_attn", lambda i: types[i] != "full_attention"),
                           ("wide_mlp", lambda i: wide and i >= n - shared), ("mlp", lambda i: not (wide and i >= n - shared))):
@@ -342,25 +341,14 @@ def gemma4_views(source: TensorSource, config: dict) -> TensorSource:
         renamed[f"model.layers.{slot[(layer, where)]}.{where}.{rest}"] = inner
     for i in range(n - shared, n):  # the KV-shared layers' missing key / value weights: zeros
         where = "global_attn" if types[i] == "full_attention" else "self_attn"
-        q = shapes[stored[f"model.layers.{i}.self_attn.q_norm.weight"]][0]  # the layer's head dim
-        kv_heads = _gemma4_kv_heads(text, types[i])
-        prefix = f"model.layers.{slot[(i, where)]}.{where}"
-        views[f"{prefix}.k_proj.weight"] = ((kv_heads * q, H), lambda s=(kv_heads * q, H): np.zeros(s, np.float32))
-        views[f"{prefix}.k_norm.weight"] = ((q,), lambda q=q: np.zeros((q,), np.float32))
-        if not (k_eq_v and where == "global_attn"):
-            views[f"{prefix}.v_proj.weight"] = ((kv_heads * q, H), lambda s=(kv_heads * q, H): np.zeros(s, np.float32))
+        source_layer = max(j for j in range(n - shared) if types[j] == types[i])  # whose K/V it reads
+        for part in ("k_proj.weight", "k_norm.weight", "v_proj.weight"):  # (no v_proj where values are keys)
+            source_name = stored.get(f"model.layers.{source_layer}.self_attn.{part}")
+            if source_name is not None:
+                shape = tuple(shapes[source_name])
+                views[f"model.layers.{slot[(i, where)]}.{where}.{part}"] = (shape, lambda s=shape: np.zeros(s, np.float32))
     hidden = set(renamed.values()) | {inner for name, inner in stored.items() if _GEMMA4_LAYER.fullmatch(name)}
     return ViewSource(source, views, hidden, renamed)
-
-
-def _gemma4_kv_heads(text: dict, layer_type: str) -> int:
-    kv = int(text.get("num_key_value_heads") or text["num_attention_heads"])
-    if layer_type != "full_attention":
-        return kv
-    overrides = text.get("per_layer_config") or {}
-    if overrides:
-        return int(next(iter(overrides.values())).get("num_key_value_heads", kv))
-    return int(text.get("num_global_key_value_heads") or kv) if text.get("attention_k_eq_v") else kv
 
 
 # HF model_type -> the views its checkpoints need

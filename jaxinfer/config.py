@@ -29,6 +29,8 @@ import json
 import os
 from typing import Any
 
+from checkpoints_conv.views import gemma4_layer_plan
+
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "minimax_m2", "glm4_moe", "llama4_text", "llama4")
 # The families of issue 35, each with its own model file (jaxinfer.models.registry).
@@ -565,8 +567,7 @@ def _gemma4_fields(d: dict[str, Any]) -> dict[str, Any]:
     dense MLP. (HF reads a per_layer_config of the global layers' overrides, or global_head_dim and
     num_global_key_value_heads.)"""
     num_layers = int(d["num_hidden_layers"])
-    layer_types = list(d.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(num_layers)])
-    layer_types[-1] = "full_attention"  # as transformers forces it
+    layer_types, shared, wide = gemma4_layer_plan(d)  # (the last layer always full attention, as transformers forces it)
     overrides = {int(k): dict(v) for k, v in (d.get("per_layer_config") or {}).items()}
     global_layers = [i for i, t in enumerate(layer_types) if t == "full_attention"]
     k_eq_v = bool(d.get("attention_k_eq_v", False))
@@ -585,7 +586,6 @@ def _gemma4_fields(d: dict[str, Any]) -> dict[str, Any]:
     kv_heads = int(d.get("num_key_value_heads") or d["num_attention_heads"])
     global_head_dim = 0 if int(global_head_dim or 0) == head_dim else global_head_dim
     global_kv_heads = 0 if int(global_kv_heads or 0) == kv_heads else global_kv_heads
-    shared = int(d.get("num_kv_shared_layers") or 0)
     if not 0 <= shared < num_layers:
         raise ConfigError(f"num_kv_shared_layers={shared}: must lie in [0, num_hidden_layers)")
     if shared and set(layer_types[num_layers - shared:]) - set(layer_types[: num_layers - shared]):
@@ -599,7 +599,7 @@ def _gemma4_fields(d: dict[str, Any]) -> dict[str, Any]:
         attention_scale=1.0, final_logit_softcap=_optional_float(d.get("final_logit_softcapping")), scale_embeddings=True,
         norm_layout="sandwich", value_norm=True, layer_scalar=True,
         global_head_dim=int(global_head_dim or 0), global_kv_heads=int(global_kv_heads or 0), global_k_eq_v=k_eq_v,
-        kv_shared_layers=shared, wide_shared_mlp=bool(d.get("use_double_wide_mlp")) and shared > 0,
+        kv_shared_layers=shared, wide_shared_mlp=wide,
         per_layer_input_size=ple, per_layer_vocab_size=int(d.get("vocab_size_per_layer_input") or d["vocab_size"]) if ple else 0,
         layer_types=layer_types, **moe)
 

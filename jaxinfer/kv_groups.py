@@ -32,8 +32,9 @@ layer's K/V row per token (KV heads x head dim, on one device) may differ betwee
 id holds the same bytes whatever group owns it, so a group whose row is f times narrower than the
 widest puts f times the tokens in each of its pages: its *page factor* f
 (`jaxinfer.ops.kv_cache.page_factors`: rows on one device, so they depend on the mesh), its
-pages `page_size * f` tokens long, its view of the pool a free reshape of the same bytes
-(`[slots * P, page_size * f, Hkv_g, D_g]`). Gemma-4-31B: sliding rows 16 x 256, global 4 x 512,
+pages `page_size * f` tokens long: on CPU / GPU pools a free reshape of the same bytes
+(`[slots * P, page_size * f, Hkv_g, D_g]`), on a TPU's tiled pool f lane blocks of page_size
+tokens side by side in each page. Gemma-4-31B: sliding rows 16 x 256, global 4 x 512,
 so a global page holds twice the tokens. The block manager counts each group's pages in its own
 page size.
 

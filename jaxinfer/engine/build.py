@@ -36,7 +36,7 @@ from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.spec_decode import NgramProposer, SpeculativeConfig
 from jaxinfer.kv_groups import kv_groups
 from jaxinfer.models.draft_heads import load_heads
-from jaxinfer.ops.kv_cache import KVCache, is_quantized, page_factors
+from jaxinfer.ops.kv_cache import KVCache, is_quantized
 from jaxinfer.ops.quantization import cast_scales, default_group_size, quantize_model
 from jaxinfer.runtime.kernel_selfcheck import checked_kernels, step_shapes, with_kernels
 from jaxinfer.runtime.loading import abstract_model, load_params, read_config, resolve_model
@@ -92,7 +92,7 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
         clock.mark("KV cache size (the largest bucket compiled once)")
     groups = kv_groups(model_config)
     summary = PoolSummary(config.num_pages, config.page_size, config.max_model_len, parallel.num_replicas, sized_by,
-                          groups.windows, page_factors(groups, tp=parallel.tp, combined=config.kernels.combines_kv))
+                          groups.windows, config.kv_page_factors(model_config))
     logger.info("%s", summary)
     runner = build_runner(model_config, config, mesh, placed, num_top_logprobs=config.max_logprobs,
                           return_hidden=return_hidden)
@@ -182,7 +182,7 @@ def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights:
     return ModelRunner(weights.graphdef, weights.params, kv, config.buckets(parallel, groups.num_groups),
                        num_top_logprobs=num_top_logprobs, mesh=mesh, param_specs=weights.param_specs,
                        return_hidden=return_hidden, kv_windows=groups.windows,
-                       kv_page_factors=page_factors(groups, tp=parallel.tp, combined=config.kernels.combines_kv))
+                       kv_page_factors=config.kv_page_factors(model_config))
 
 
 def make_proposer(spec: SpeculativeConfig | dict, model_config: ModelConfig, config: EngineConfig, runner: ModelRunner):
@@ -276,8 +276,8 @@ def pages_from_device_memory(config: EngineConfig, model_config: ModelConfig, me
     page_bytes = sum(bytes_per_device(pool(m, 1)) for m, _ in models)
     groups = kv_groups(model_config)
     buckets = config.buckets(parallel, groups.num_groups)
-    factors = page_factors(groups, tp=parallel.tp, combined=config.kernels.combines_kv)
-    one_sequence = groups.pages_held(config.max_model_len, config.page_size, buckets.max_tokens, factors) + 1
+    one_sequence = groups.pages_held(config.max_model_len, config.page_size, buckets.max_tokens,
+                                     config.kv_page_factors(model_config)) + 1
     step = StepFunction(weights.graphdef, config.max_logprobs, max_rows=buckets.max_tokens, mesh=mesh,
                         param_specs=weights.param_specs, return_hidden=return_hidden)
     scratch = measure_step_scratch(step, weights.params, pool(model_config, one_sequence), buckets,

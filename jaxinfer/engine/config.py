@@ -189,6 +189,11 @@ class EngineConfig:
     def kernels(self) -> Kernels:
         return resolve_kernels(self.kernel_impl, xla=self.xla_kernels)
 
+    def kv_page_factors(self, model_config: ModelConfig) -> tuple[int, ...]:
+        """Per KV layer group: how many times page_size tokens its pages hold on this engine's mesh
+        and pool layout (jaxinfer.ops.kv_cache.page_factors)."""
+        return page_factors(kv_groups(model_config), tp=self.tensor_parallel_size, combined=self.kernels.combines_kv)
+
     def parallel(self, model_config: ModelConfig) -> ParallelConfig:
         """The mesh sizes, checked against the model. Without an expert_parallel_size,
         enable_expert_parallel turns the data-parallel replicas into expert-parallel ones (as vLLM)."""
@@ -229,8 +234,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode='swap' with {model_config.model_type}'s sliding-window or chunked layers: their "
                              f"pages are given back as the window moves, and swapping keeps one full page-table row; use "
                              f"preemption_mode='recompute'")
-        factors = page_factors(groups, tp=self.tensor_parallel_size, combined=self.kernels.combines_kv)
-        pages_per_seq = groups.pages_held(max_model_len, self.page_size, self.max_num_batched_tokens, factors)
+        pages_per_seq = groups.pages_held(max_model_len, self.page_size, self.max_num_batched_tokens,
+                                          self.kv_page_factors(model_config))
         num_pages = self.num_pages
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and jax.default_backend() == "cpu":

@@ -182,10 +182,14 @@ class PoolSummary:
     windows: tuple = (None,)  # each KV layer group's sliding window (None: full attention)
     page_factors: tuple = ()  # each group's pages hold page_size times this many tokens (() : 1 each)
 
+    @property
+    def group_page_sizes(self) -> tuple[int, ...]:
+        """Each group's tokens per page."""
+        return tuple(self.page_size * f for f in self.page_factors or (1,) * len(self.windows))
+
     def pages_per_sequence(self) -> int:
         """Pages (all groups) one sequence of max_model_len holds as it decodes its last token."""
-        factors = self.page_factors or (1,) * len(self.windows)
-        return sum(window_pages(w, self.max_model_len, self.page_size * f) for w, f in zip(self.windows, factors))
+        return sum(window_pages(w, self.max_model_len, ps) for w, ps in zip(self.windows, self.group_page_sizes))
 
     def __str__(self) -> str:
         pages = self.num_pages - 1  # page 0 takes padding's writes
@@ -197,7 +201,6 @@ class PoolSummary:
             kinds = ", ".join(f"{self.windows.count(w)} {describe(w)}" for w in dict.fromkeys(self.windows))
             size = (f"{pages} pages x {self.page_size} tokens{per_replica} shared by {len(self.windows)} layer groups "
                     f"({kinds}); a sequence of max_model_len holds {self.pages_per_sequence()} pages, "
-                    f"{sum(-(-self.max_model_len // (self.page_size * f)) for f in self.page_factors or (1,) * len(self.windows))} "
-                    f"if every layer kept it whole")
+                    f"{sum(-(-self.max_model_len // ps) for ps in self.group_page_sizes)} if every layer kept it whole")
         return (f"KV cache: {size}; max concurrency at max_model_len {self.max_model_len}: {sequences} sequences "
                 f"({self.sized_by})")

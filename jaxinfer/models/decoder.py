@@ -308,8 +308,8 @@ class Decoder(nnx.Module):
             delta = kernels.lora_delta(h, lw["qkv_a"], [lw["q_b"], lw["k_b"], lw["v_b"]], step.lora_slot)  # [Tl, q | k | v] local
             qkv = (qkv.astype(jnp.float32) + delta).astype(qkv.dtype)
         if kind.k_eq_v:  # [q | k]: the values are the keys' projection, normed on their own below
-            q, k, _ = split_qkv(jnp.concatenate([qkv, qkv[:, num_heads * D:]], axis=-1), num_heads, num_kv_heads, D)
-            v = k
+            q = qkv[:, : num_heads * D].reshape(Tl, num_heads, D)
+            k = v = qkv[:, num_heads * D :].reshape(Tl, num_kv_heads, D)
         else:
             q, k, v = split_qkv(qkv, num_heads, num_kv_heads, D)
         if c.value_norm:  # Gemma 4: each value head RMS-normalised, without a weight

@@ -133,8 +133,8 @@ class KVCache:
         shape = KVCache.shape(config, num_pages, page_size, dtype, tp=tp, kernels=kernels)
         zeros = jax.jit(lambda: jnp.zeros(shape, storage_dtype(dtype)), out_shardings=sharding)
         combined = kernels.combines_kv
-        if is_quantized(dtype) and len({dim for _, dim in kv_groups(config).shapes}) > 1:
-            raise ValueError(f"kv_cache_dtype={jnp.dtype(dtype).name}: a quantized KV cache holds one head dim, and this "
+        if is_quantized(dtype) and len(set(kv_groups(config).shapes)) > 1:
+            raise ValueError(f"kv_cache_dtype={jnp.dtype(dtype).name}: a quantized KV cache holds one K/V shape, and this "
                              f"{config.model_type} model's layer groups have several; use the model's dtype")
         if is_quantized(dtype):
             scale_shape = KVCache.scale_shape(config, num_pages, page_size, tp=tp, combined=combined)
@@ -196,9 +196,7 @@ class KVCache:
         shape = (self.k.shape[0], self.k.shape[1] * factor, kv_heads, head_dim)
         if shape == self.k.shape:
             return self
-        if self.quantized:
-            raise ValueError("a quantized KV pool holds one K/V shape: layer groups of other shapes are not supported")
-        return KVCache(k=self.k.reshape(shape), v=self.v.reshape(shape))
+        return KVCache(k=self.k.reshape(shape), v=self.v.reshape(shape))  # (never quantized: KVCache.create)
 
     def like(self, pool: "KVCache") -> "KVCache":
         """This (group) view back in `pool`'s shapes."""

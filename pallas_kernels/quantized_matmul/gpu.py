@@ -121,9 +121,12 @@ def _grouped_kernel(*refs, planes: int, has_offsets: bool, bm: int, bn: int, bk:
             xs = [masked_tile(x_ref, M, plane_k, m0, r0, bm, plane_g) for x_ref in x_refs]    # [bm, g / planes] each
             stored = masked_tile(w_ref, plane_k, N, r0, n0, plane_g, bn).astype(jnp.int32)    # [g / planes, bn]
             bias = 0 if offset_ref is not None else 8        # int4 with offsets: the nibble is v as it is
-            values = ((stored & 0x0F) - bias, (stored >> 4) - bias) if planes == 2 else (stored,)
             if fp4:                                          # mxfp4: E2M1 floats
                 values = (e2m1(stored & 0x0F), e2m1(stored >> 4))
+            elif planes == 2:
+                values = ((stored & 0x0F) - bias, (stored >> 4) - bias)
+            else:
+                values = (stored,)
             partial = sum(_dot(x, v.astype(x_dtype)) for x, v in zip(xs, values))      # exact integers
             acc = acc + partial * per_group(scale_ref, group)[None, :]
             if offset_ref is not None:

@@ -58,8 +58,6 @@ INT4_GROUP_SIZES = GROUP_SIZES["int4"]
 SCALE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 _QWEIGHT_DTYPE = {"int8": jnp.int8, "int4": jnp.uint8, "fp8": jnp.float8_e4m3fn, "mxfp4": jnp.uint8}
-# the 16 values of an E2M1 nibble (mxfp4)
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def check_mode(mode: str, group_size: int | None) -> None:
