@@ -30,6 +30,8 @@ from checkpoints_conv.errors import CheckpointError
 from checkpoints_conv.tensor_source import TensorSource
 
 FIELDS = ("qweight", "scales", "offsets")
+# The 16 values of an E2M1 (FP4) nibble.
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 # The group sizes jaxinfer's quantized matmul runs, per bit width (pallas_kernels.quantized_matmul.reference.GROUP_SIZES).
 RUNNABLE_GROUP_SIZES = {4: (128, 64, 32), 8: (128, 64, 32, 16)}
 
@@ -38,20 +40,27 @@ RUNNABLE_GROUP_SIZES = {4: (128, 64, 32), 8: (128, 64, 32, 16)}
 class QuantLayout:
     """How a quantized matrix is stored: `bits` 4 (int4) or 8 (int8) per value, groups of
     `group_size` input columns, an offset per group or not, scales (and offsets) in
-    `scale_dtype` (float16 or float32; bfloat16 for jaxinfer's own quantizer)."""
+    `scale_dtype` (float16 or float32; bfloat16 for jaxinfer's own quantizer). `fp4`: the 4-bit
+    values are E2M1 floats and the scales E8M0 exponent bytes (MXFP4, groups of 32, scale_dtype
+    uint8: GPT-OSS's experts), a layout no other widens to or from."""
 
     bits: int
     group_size: int
     has_offsets: bool
     scale_dtype: np.dtype
+    fp4: bool = False
 
     @property
     def mode(self) -> str:
-        """The mode of jaxinfer's QuantizedWeight: "int4" or "int8"."""
-        return "int4" if self.bits == 4 else "int8"
+        """The mode of jaxinfer's QuantizedWeight: "int4", "int8" or "mxfp4"."""
+        return "mxfp4" if self.fp4 else "int4" if self.bits == 4 else "int8"
 
     def join(self, other: "QuantLayout") -> "QuantLayout":
         """The narrowest layout both widen to without loss."""
+        if self.fp4 or other.fp4:
+            if self != other:
+                raise CheckpointError(f"tensors stored as {self.mode} and {other.mode} fill one parameter: no layout holds both")
+            return self
         same = np.dtype(self.scale_dtype) == np.dtype(other.scale_dtype)
         dtype = np.dtype(self.scale_dtype) if same else np.dtype(np.float32)
         return QuantLayout(max(self.bits, other.bits), min(self.group_size, other.group_size),
@@ -61,6 +70,8 @@ class QuantLayout:
         """This layout with its groups split into the largest size the kernels run (a grid with
         one group per row of `cols` columns, or groups of 256, widens to 128); CheckpointError
         when no such size divides the group (`cols`: the matrix's, for the message)."""
+        if self.fp4:
+            return self  # groups of 32, as the kernels run them
         for size in RUNNABLE_GROUP_SIZES[self.bits]:
             if self.group_size % size == 0:
                 return dataclasses.replace(self, group_size=size)
@@ -85,7 +96,8 @@ class QuantLayout:
 class Grid:
     """One matrix: values int8 [rows, cols], scales [rows, cols / g], offsets [rows, cols / g] or
     None, in `layout` (int4 values: in [-8, 7] without offsets, in [0, 15] with them, as
-    pallas_kernels.quantized_matmul.reference reads nibbles)."""
+    pallas_kernels.quantized_matmul.reference reads nibbles; mxfp4: the E2M1 codes 0..15 and
+    the exponent bytes)."""
 
     values: np.ndarray
     scales: np.ndarray
@@ -100,6 +112,8 @@ class Grid:
         """The same numbers in `layout` (at least as wide in every respect as this one's)."""
         if layout == self.layout:
             return self
+        if layout.fp4 or self.layout.fp4:
+            raise ValueError(f"cannot widen {self.layout} to {layout}")
         if layout.bits < self.layout.bits or self.layout.group_size % layout.group_size or (
                 self.layout.has_offsets and not layout.has_offsets):
             raise ValueError(f"cannot narrow {self.layout} to {layout}")
@@ -123,7 +137,7 @@ class Grid:
         values = np.zeros((rows, self.scales.shape[1] * self.layout.group_size), np.int16)
         values[:, :cols] = self.values
         if self.layout.bits == 4:
-            u = (values + (0 if self.layout.has_offsets else 8)).astype(np.uint8)
+            u = (values + (0 if self.layout.has_offsets or self.layout.fp4 else 8)).astype(np.uint8)  # (E2M1 codes as they are)
             qweight = u[:, 0::2] | (u[:, 1::2] << 4)  # column 2i in the low nibble, 2i + 1 in the high
         else:
             qweight = values.astype(np.int8)
@@ -134,6 +148,8 @@ class Grid:
 
     def dequantize(self) -> np.ndarray:
         """float32 [rows, cols]: for tests and for a float load."""
+        if self.layout.fp4:
+            return np.ldexp(FP4_VALUES[self.values], self.per_column(self.scales).astype(np.int32) - 127)
         w = self.values.astype(np.float32) * self.per_column(self.scales.astype(np.float32))
         if self.offsets is not None:
             w = w + self.per_column(self.offsets.astype(np.float32))

@@ -15,9 +15,12 @@ or, as released, in MXFP4: `<name>_blocks` [E, out, in / 32, 16] uint8 (two 4-bi
 byte, low nibble first) and `<name>_scales` [E, out, in / 32] uint8 (a power of two per 32 values,
 E8M0 with bias 127). Here each expert `e` reads as `mlp.experts.{e}.gate_proj.weight` [I, H],
 `up_proj`, `down_proj` [H, I] and their biases: the HF [out, in] layout of a per-expert linear,
-like Mixtral's. An MXFP4 weight is dequantized when read, exactly as transformers'
+like Mixtral's. An MXFP4 weight is dequantized when read as floats, exactly as transformers'
 `convert_moe_packed_tensors` does (the values are E2M1 times a power of two: exact in float32
-and bfloat16), so the loaded experts equal the reference's bit for bit.
+and bfloat16), so the loaded experts equal the reference's bit for bit. The same views are
+listed as quantized (`quantized()`, `read_grid`: an mxfp4 Grid of the E2M1 codes and exponent
+bytes as stored, gate and up the even and odd output rows), so a loader that runs MXFP4 experts
+(the TPU and GPU kernels) keeps them 4-bit.
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from typing import Callable
 
 import numpy as np
 
+from checkpoints_conv.quantized import FP4_VALUES, Grid, QuantLayout
 from checkpoints_conv.tensor_source import TensorSource
 
-# The 16 values of an E2M1 (FP4) nibble.
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+MXFP4 = QuantLayout(bits=4, group_size=32, has_offsets=False, scale_dtype=np.dtype(np.uint8), fp4=True)
 
 
 def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -48,9 +51,11 @@ View = tuple[tuple[int, ...], Callable[[], np.ndarray]]  # (shape, read the whol
 class ViewSource(TensorSource):
     """`inner`'s tensors, with each stored tensor that `views` replaces shown as its views."""
 
-    def __init__(self, inner: TensorSource, views: dict[str, View], replaced: set[str], renamed: dict[str, str] | None = None):
+    def __init__(self, inner: TensorSource, views: dict[str, View], replaced: set[str], renamed: dict[str, str] | None = None,
+                 grids: dict[str, tuple[QuantLayout, Callable[[], Grid]]] | None = None):
         self.inner, self.views, self.replaced = inner, views, replaced
         self.renamed = renamed or {}  # view name -> stored name: the same tensor, read slice by slice
+        self.grids = grids or {}  # view name -> read it as stored quantized (GPT-OSS's MXFP4 experts)
 
     def listing(self):
         shapes = dict(self.inner.listing())
@@ -67,10 +72,10 @@ class ViewSource(TensorSource):
         return array if index is None else array[tuple(index)]
 
     def quantized(self):
-        return self.inner.quantized()
+        return {**self.inner.quantized(), **{name: layout for name, (layout, _) in self.grids.items()}}
 
     def read_grid(self, name):
-        return self.inner.read_grid(name)
+        return self.grids[name][1]() if name in self.grids else self.inner.read_grid(name)
 
     def input_order(self, name):
         return self.inner.input_order(name)
@@ -86,6 +91,7 @@ def gpt_oss_views(source: TensorSource) -> TensorSource:
     """GPT-OSS's stacked (maybe MXFP4) expert tensors as per-expert ones (module docstring)."""
     shapes = dict(source.listing())
     views: dict[str, View] = {}
+    grids: dict[str, tuple[QuantLayout, Callable[[], Grid]]] = {}
     replaced = set()
     last = {}  # the last expert matrix read: its gate and up views share one read (and one dequantization)
     for name, shape in shapes.items():
@@ -99,7 +105,9 @@ def gpt_oss_views(source: TensorSource) -> TensorSource:
         num_experts = shape[0]
         for e in range(num_experts):
             views.update(_expert_views(source, name, prefix, proj, suffix, e, shape, last))
-    return source if not views else ViewSource(source, views, replaced)
+            if suffix == "_blocks":
+                grids.update(_expert_grids(source, name, prefix, proj, e, last))
+    return source if not views else ViewSource(source, views, replaced, grids=grids)
 
 
 def _expert_views(source, name, prefix, proj, suffix, e, shape, last: dict) -> dict[str, View]:
@@ -134,6 +142,27 @@ def _expert_views(source, name, prefix, proj, suffix, e, shape, last: dict) -> d
     hidden = shape[1] if suffix != "_blocks" else shape[2] * shape[3] * 2
     return {f"{out}.gate_proj.weight": ((two_i // 2, hidden), lambda: weight()[0::2]),
             f"{out}.up_proj.weight": ((two_i // 2, hidden), lambda: weight()[1::2])}
+
+
+def _expert_grids(source, name, prefix, proj, e, last: dict) -> dict[str, tuple[QuantLayout, Callable[[], Grid]]]:
+    """Expert e's MXFP4 weight views as stored: Grids of E2M1 codes [out, in] and exponent bytes
+    [out, in / 32] (gate and up: the even and odd rows of gate_up)."""
+    one = (slice(e, e + 1),)
+
+    def codes_and_scales():
+        if last.get("key") != (name, e, "grid"):
+            blocks = source.read(name, one)[0]                                  # [out, in / 32, 16]
+            codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(blocks.shape[0], -1)  # low nibble first
+            last.update(key=(name, e, "grid"), array=(codes, source.read(f"{prefix}.{proj}_scales", one)[0]))
+        return last["array"]
+
+    def grid(rows: slice):
+        return lambda: Grid(*(a[rows] for a in codes_and_scales()), None, MXFP4)
+
+    out = f"{prefix}.{e}"
+    if proj == "down_proj":
+        return {f"{out}.down_proj.weight": (MXFP4, grid(slice(None)))}
+    return {f"{out}.gate_proj.weight": (MXFP4, grid(slice(0, None, 2))), f"{out}.up_proj.weight": (MXFP4, grid(slice(1, None, 2)))}
 
 
 _PHI3_FUSED = re.compile(r"(model\.layers\.\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight")

@@ -326,7 +326,7 @@ def cmd_aot(args) -> int:
                          max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
                          kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
                          dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-                         group_size=args.group_size)
+                         group_size=args.group_size, keep_checkpoint_quantization=args.keep_checkpoint_quantization)
     print(f"compiling for {target.name} ({target.num_chips} x {target.chip.kind}) ...", file=sys.stderr, flush=True)
 
     def progress(b):
@@ -441,6 +441,9 @@ def main(argv=None) -> int:
     a.add_argument("--kv-cache-dtype", default=None, help="default: --dtype; int8 or float8_e4m3fn halve the pool")
     a.add_argument("--quantization", choices=("int8", "int4", "fp8", "w8a8"), default=None)
     a.add_argument("--group-size", type=int, default=128, help="int4 group size")
+    a.add_argument("--keep-checkpoint-quantization", action=argparse.BooleanOptionalAction, default=True,
+                   help="experts a checkpoint stores mxfp4 (GPT-OSS) stay 4-bit, as a TPU / GPU loads them (default); "
+                        "--no-keep-checkpoint-quantization plans them in --dtype")
     a.add_argument("--jobs", "-j", type=int, default=os.cpu_count() or 1, help="programs compiled at once (default: one per CPU core; XLA compiles outside the GIL)")
     a.add_argument("--cache-dir", default=None,
                    help="also write each compiled bucket into this JAX compilation cache (experimental: see docs/aot.md)")

@@ -176,6 +176,7 @@ class ModelConfig:
     expert_bias: bool = False  # each expert's gate/up and down projections have biases (GPT-OSS)
     swiglu_limit: float | None = None  # GPT-OSS's clamped SwiGLU: (clip(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
     swiglu_alpha: float = 1.702
+    experts_stored: str | None = None  # "mxfp4": the checkpoint stores the experts so (GPT-OSS as released); they load 4-bit where kept quantized
     # Gemma 4
     global_head_dim: int = 0  # full-attention layers' head dim (512); 0: head_dim
     global_kv_heads: int = 0  # their KV heads; 0: num_kv_heads
@@ -626,6 +627,7 @@ _FAMILY_FIELDS = {
     "gemma4": _gemma4_fields,
     "gpt_oss": lambda d: dict(attention_sinks=True, router_bias=True, expert_bias=True,
                               swiglu_limit=float(d.get("swiglu_limit", 7.0)), swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
+                              experts_stored="mxfp4" if (d.get("quantization_config") or {}).get("quant_method") == "mxfp4" else None,
                               default_layer_types=lambda n: ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                                              for i in range(n)]),
 }

@@ -92,6 +92,21 @@ def grouped_expert_mlp(x_sorted, group_sizes, w_gate_up, w_down, b_gate_up=None,
     return jax.lax.ragged_dot(hidden.astype(w_down.dtype), w_down, group_sizes, preferred_element_type=jnp.float32)  # [N, H]
 
 
+def grouped_expert_mlp_by_row(rows, group_of_row, w_gate_up, w_down, grouped_matmul, b_gate_up=None, activation=swiglu):
+    """The experts' MLP on rows [N, H] in any order, each through its own expert's matrices with
+    `grouped_matmul(x [N, K], group_of_row [N], w) -> float32 [N, out]` (a quantized stack: the
+    kernel lays the rows out by expert itself, so nothing is sorted here); group_of_row = E_loc
+    marks an empty row, which comes out 0. Inputs to each matmul in the rows' dtype. [N, H] float32."""
+    num_local = w_gate_up.shape[0]
+    gate_up = grouped_matmul(rows, group_of_row, w_gate_up)  # [N, 2I] f32
+    if b_gate_up is not None:
+        real = group_of_row < num_local
+        gate_up = gate_up + jnp.where(real[:, None], b_gate_up[jnp.minimum(group_of_row, num_local - 1)].astype(jnp.float32), 0.0)
+    gate, up = jnp.split(gate_up, 2, axis=-1)  # [N, I] each
+    hidden = activation(gate, up)  # empty rows: gate = up = 0 -> 0
+    return grouped_matmul(hidden.astype(rows.dtype), group_of_row, w_down)  # [N, H]
+
+
 def _sort_by_group(group_of_row, num_groups):
     """Order that groups rows by group id (stable), and the size of each group.
 
@@ -103,9 +118,12 @@ def _sort_by_group(group_of_row, num_groups):
     return order, one_hot.sum(axis=0)  # [N], [G]
 
 
-def _grouped_mlp_unsorted(rows, group_of_row, w_gate_up, w_down, **mlp):
+def _grouped_mlp_unsorted(rows, group_of_row, w_gate_up, w_down, grouped_matmul=None, **mlp):
     """grouped_expert_mlp on rows [N, H] in any order, group_of_row [N] (E_loc = empty row).
-    Returns [N, H] in the input order; empty rows give 0."""
+    Returns [N, H] in the input order; empty rows give 0. With `grouped_matmul` (quantized
+    experts): grouped_expert_mlp_by_row, which needs no sort."""
+    if grouped_matmul is not None:
+        return grouped_expert_mlp_by_row(rows, group_of_row.astype(jnp.int32), w_gate_up, w_down, grouped_matmul, **mlp)
     order, group_sizes = _sort_by_group(group_of_row, w_gate_up.shape[0])
     out_sorted = grouped_expert_mlp(rows[order], group_sizes, w_gate_up, w_down, **mlp)  # [N, H]
     return jnp.zeros_like(out_sorted).at[order].set(out_sorted)  # undo the sort
@@ -170,7 +188,7 @@ def _expert_parallel_moe(x, expert_ids, expert_weights, w_gate_up, w_down, exper
 
 
 def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, expert_axis=None, num_experts, b_gate_up=None,
-                activation=swiglu):
+                activation=swiglu, grouped_matmul=None):
     """The routed experts' contribution [T, H] float32.
     expert_axis=None: every expert is local (w_gate_up [E, H, 2I]): sort the (token, slot) pairs by expert,
     grouped_expert_mlp, unsort, weighted sum over the k slots.
@@ -180,11 +198,12 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, expert_axis
     jax.lax.all_to_all, compute there with grouped_expert_mlp, send the results back with all_to_all, combine
     with the weights. NO token may be dropped: the per-destination buffer holds all T*k pairs (worst case: all
     to one device). Empty buffer slots must not disturb the grouped matmul (give them zero group).
-    b_gate_up [E(_loc), 2I] and activation(gate, up): see grouped_expert_mlp (GPT-OSS)."""
+    b_gate_up [E(_loc), 2I] and activation(gate, up): see grouped_expert_mlp (GPT-OSS).
+    grouped_matmul(x, group_of_row, w): the matmul of quantized stacks (grouped_expert_mlp_by_row);
+    None: the weights are arrays, multiplied with jax.lax.ragged_dot."""
+    mlp = dict(b_gate_up=b_gate_up, activation=activation, grouped_matmul=grouped_matmul)
     if expert_axis is None:
         if w_gate_up.shape[0] != num_experts:
             raise ValueError(f"num_experts={num_experts} but w_gate_up stacks {w_gate_up.shape[0]} experts")
-        return _local_moe(x, expert_ids.astype(jnp.int32), expert_weights, w_gate_up, w_down, b_gate_up=b_gate_up,
-                          activation=activation)
-    return _expert_parallel_moe(x, expert_ids, expert_weights, w_gate_up, w_down, expert_axis, num_experts,
-                                b_gate_up=b_gate_up, activation=activation)
+        return _local_moe(x, expert_ids.astype(jnp.int32), expert_weights, w_gate_up, w_down, **mlp)
+    return _expert_parallel_moe(x, expert_ids, expert_weights, w_gate_up, w_down, expert_axis, num_experts, **mlp)

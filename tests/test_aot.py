@@ -194,6 +194,39 @@ def test_a_w8a8_step_compiles_for_a_tpu_with_integer_matmuls(v6e):
     assert len(integer_dots) >= 5  # qkv, o, gate_up, down (in the layer loop) and the LM head
 
 
+# A small GPT-OSS as released: 4 experts in mxfp4 (hidden and expert widths of 256), 2 layers.
+SMALL_GPT_OSS = ModelConfig.from_hf_dict(
+    dict(model_type="gpt_oss", hidden_size=256,
+         intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+         vocab_size=1024, max_position_embeddings=4096, rms_norm_eps=1e-5, sliding_window=128, num_local_experts=4,
+         num_experts_per_tok=2, attention_bias=True, rope_theta=150000.0, tie_word_embeddings=False, bos_token_id=1,
+         eos_token_id=2, quantization_config={"quant_method": "mxfp4"}),
+    source="test",
+)
+
+
+def test_a_gpt_oss_step_keeps_its_mxfp4_experts_over_two_tpu_chips(v6e):
+    """Expert parallelism over two chips, the experts as the checkpoint stores them: each chip holds
+    2 experts' E2M1 bytes and exponents (4.25 bits a weight), the grouped matmul kernel runs them in
+    the step, and the pool is still updated in place. --no-keep-checkpoint-quantization plans bf16."""
+    plan = AbstractStep.build(SMALL_GPT_OSS, v6e, ParallelConfig(ep=2), SHAPE)
+    experts = plan.params["layers"]["experts_gate_up"].get_value()
+    assert experts.mode == "mxfp4" and experts.qweight.sharding.shard_shape(experts.qweight.shape) == (2, 2, 128, 512)
+    bf16 = AbstractStep.build(SMALL_GPT_OSS, v6e, ParallelConfig(ep=2), dataclasses.replace(SHAPE, keep_checkpoint_quantization=False))
+    assert isinstance(bf16.params["layers"]["experts_gate_up"].get_value(), jax.ShapeDtypeStruct)
+    decode = next(k for k in plan.buckets.all_keys() if k.query_block == 1)
+    assert_in_place_with_kernels(plan, decode, "grouped_quantized_matmul")
+
+
+@pytest.mark.parametrize("chip", ["v6e", "h100"])
+def test_the_grouped_mxfp4_matmul_compiles_at_gpt_oss_120b_shapes(chip, request):
+    """The experts' gate/up and down over one chip's 16 of 128 experts, at a decode step's pairs on
+    one chip and as an 8-way expert-parallel step receives them."""
+    results = kernel_check.check_kernels(request.getfixturevalue(chip), families=["gpt-oss-120b"], kernels=["grouped_matmul"])
+    assert len(results) == 4
+    assert refused(results) == []
+
+
 @pytest.mark.parametrize("target", ["v6e", "h100"])
 def test_a_lora_step_compiles_for_a_tpu_and_a_gpu(v6e, target):
     """enable_lora's slot table (4 adapters, rank 16), tensor-parallel over two TPU chips or one

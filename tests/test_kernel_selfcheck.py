@@ -186,6 +186,21 @@ def test_the_tpu_attention_over_a_quantized_pool_in_pages_of_128_passes_its_chec
 
 
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_the_grouped_matmul_of_mxfp4_experts_passes_its_check_and_a_wrong_one_fails(platform):
+    """GPT-OSS's experts kept 4-bit: a device's stack of 4 mxfp4 experts (the step's shapes), rows
+    of a decode step's pairs with empty ones, the kernel (interpret mode) against the XLA path."""
+    from jaxinfer.runtime.kernel_selfcheck import QuantizedMatrix, Tensor
+
+    stack = QuantizedMatrix("mxfp4", 32, 256, Tensor((4, 128, 384), "uint8"), Tensor((4, 8, 384), "uint8"), None)
+    shapes = dataclasses.replace(TINY, grouped=(stack,))
+    [verdict] = run_checks(Kernels(platform, interpret=True), shapes, operations=["grouped_matmul"])
+    assert verdict.verdict == "pass" and "mxfp4" in verdict.case and verdict.error < 1e-5, verdict
+    wrong = Kernels(platform, interpret=True, grouped_matmul=plus_one(getattr(Kernels(platform, interpret=True), "grouped_matmul")))
+    [verdict] = run_checks(wrong, shapes, operations=["grouped_matmul"])
+    assert verdict.failed, verdict
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_attention_with_sinks_a_soft_cap_a_window_and_chunks_passes_its_check(platform):
     """GPT-OSS's sinks with Gemma 2's soft-cap, a window and Llama 4's chunks: what a model with them
     checks at start-up, each kernel (interpret mode) against the XLA attention."""

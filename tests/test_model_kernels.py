@@ -142,7 +142,7 @@ def test_the_kernel_table_names_one_function_per_operation():
     """Every platform fills every entry; the XLA table has no flash path; the TPU table combines
     KV pools (quantized ones too: their scales in one pool, read by the XLA attention), and its XLA fallback for
     attention brings the separate layout back. Tables compare by platform and interpret flag alone."""
-    entries = ("ragged_attention", "rope_kv_write", "quantized_matmul", "add_rms_norm", "swiglu_matmul")
+    entries = ("ragged_attention", "rope_kv_write", "quantized_matmul", "add_rms_norm", "swiglu_matmul", "grouped_matmul")
     for table in (Kernels(), Kernels("tpu", interpret=True), Kernels("gpu", interpret=True)):
         assert all(callable(getattr(table, name)) for name in entries), table
     assert Kernels().flash_attention is None and callable(Kernels("gpu", interpret=True).flash_attention)

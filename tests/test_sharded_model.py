@@ -20,7 +20,7 @@ from jaxinfer.ops.kernels import Kernels
 from mesh_model import BUCKETS, KEY, PAGE_SIZE, REL_TOL, SHAPES, MeshModel, assert_same_logits, mesh_id, run_scenario
 from sharding.hlo import split_by_layer_loop
 from sharding.mesh import ParallelConfig
-from tiny_models import save_hf_model
+from tiny_models import save_hf_model, save_mxfp4_gpt_oss
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +84,22 @@ def test_newer_families_on_a_mesh_match_one_device(tmp_path, family, parallel):
     # shards' float32 rounding: 2e-6 to 1.7e-5 of the largest logit over seeds and meshes, no row apart
     rel_tol = 5e-5 if family == "gemma4" else REL_TOL
     assert_same_logits(run_scenario(MeshModel(tmp_path, parallel)), run_scenario(MeshModel(tmp_path, ParallelConfig())), rel_tol)
+
+
+def test_mxfp4_experts_split_over_experts_match_one_device(tmp_path):
+    """GPT-OSS with its experts kept 4-bit: each device holds its experts' E2M1 bytes and
+    exponents, the (token, expert) pairs travel to them and through the grouped matmul (the TPU
+    kernel here, interpret mode; empty rows of the exchange buffers included)."""
+    import functools
+
+    from pallas_kernels.grouped_matmul import tpu as grouped_tpu
+
+    save_mxfp4_gpt_oss(tmp_path, **SHAPES)
+    grouped = Kernels(grouped_matmul=functools.partial(grouped_tpu.grouped_quantized_matmul, interpret=True))
+    model = MeshModel(tmp_path, ParallelConfig(ep=2, dp=2), grouped)
+    experts = model.params["layers"]["experts_gate_up"].get_value()
+    assert experts.mode == "mxfp4" and experts.qweight.sharding.shard_shape(experts.qweight.shape)[1] == 2  # 4 experts / ep 2
+    assert_same_logits(run_scenario(model), run_scenario(MeshModel(tmp_path, ParallelConfig())))
 
 
 @pytest.mark.parametrize("platform,parallel", [

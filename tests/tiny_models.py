@@ -6,8 +6,10 @@ far from uniform: parity tests then compare real distributions, not near-constan
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 
@@ -178,3 +180,39 @@ def save_hf_model(family: str, directory: Path, seed: int = 0, max_shard_size: s
     model.save_pretrained(directory, **kwargs)
     byte_tokenizer().save_pretrained(directory)
     return model
+
+
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w [..., K] (K a multiple of 32) -> (blocks [..., K/32, 16] uint8, scales [..., K/32] uint8):
+    each 32 values share 2^s with s the smallest exponent that fits their absmax in E2M1's 6."""
+    groups = w.reshape(*w.shape[:-1], -1, 32).astype(np.float32)
+    absmax = np.abs(groups).max(axis=-1)
+    exponent = np.ceil(np.log2(np.maximum(absmax, 1e-30) / 6.0)).astype(np.int32)
+    scaled = groups / np.ldexp(1.0, exponent)[..., None]
+    codes = np.abs(scaled[..., None] - FP4_VALUES).argmin(axis=-1).astype(np.uint8)  # nearest E2M1 value
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return np.ascontiguousarray(blocks, np.uint8), np.ascontiguousarray(exponent + 127, np.uint8)  # (save_file writes raw memory)
+
+
+def save_mxfp4_gpt_oss(directory: Path, **overrides) -> dict[str, np.ndarray]:
+    """The tiny GPT-OSS model saved with its experts in MXFP4, as the released checkpoints are
+    (`<name>_blocks` [E, out, in / 32, 16], `<name>_scales` [E, out, in / 32], a
+    quantization_config naming mxfp4); returns the tensors as saved."""
+    from safetensors.numpy import save_file
+
+    model = save_hf_model("gpt_oss", directory, **overrides)
+    tensors = {name: t.detach().numpy() for name, t in model.state_dict().items()}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        stored = tensors.pop(name)  # [E, in, out]: blocks hold [E, out, in / 32, 16]
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = quantize_mxfp4(np.swapaxes(stored, 1, 2))
+    for f in directory.glob("*.safetensors"):
+        f.unlink()
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                         "model.layers.*.mlp.router"]}
+    (directory / "config.json").write_text(json.dumps(config))
+    return tensors

@@ -20,6 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxinfer.aot.targets import Target, compile_target
 from pallas_kernels.flash_attention import flash_attention_gpu, flash_attention_tpu
 from pallas_kernels.fused_rms_norm import add_rms_norm_gpu, add_rms_norm_tpu
+from pallas_kernels.grouped_matmul import gpu as gmm_gpu
+from pallas_kernels.grouped_matmul import tpu as gmm_tpu
 from pallas_kernels.lora_sgmv import gpu as lora_gpu
 from pallas_kernels.lora_sgmv import tpu as lora_tpu
 from pallas_kernels.quantized_matmul import gpu as qmm_gpu
@@ -34,10 +36,12 @@ from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu, swiglu_matmul_tpu
 # Each platform's kernels, called directly (not through jaxinfer.ops.kernels: no XLA fallbacks here).
 TPU_KERNELS = dict(flash_attention=flash_attention_tpu, add_rms_norm=add_rms_norm_tpu, quantized_matmul=qmm_tpu.quantized_matmul,
                    ragged_paged_attention=rpa_tpu.ragged_paged_attention,
-                   swiglu_matmul=swiglu_matmul_tpu, lora_sgmv_shrink=lora_tpu.sgmv_shrink, lora_sgmv_expand=lora_tpu.sgmv_expand)
+                   swiglu_matmul=swiglu_matmul_tpu, lora_sgmv_shrink=lora_tpu.sgmv_shrink, lora_sgmv_expand=lora_tpu.sgmv_expand,
+                   grouped_matmul=gmm_tpu.grouped_quantized_matmul)
 GPU_KERNELS = dict(flash_attention=flash_attention_gpu, add_rms_norm=add_rms_norm_gpu, quantized_matmul=qmm_gpu.quantized_matmul,
                    ragged_paged_attention=rpa_gpu.ragged_paged_attention, rope_kv_write=rope_kv_write_gpu,
-                   swiglu_matmul=swiglu_matmul_gpu, lora_sgmv_shrink=lora_gpu.sgmv_shrink, lora_sgmv_expand=lora_gpu.sgmv_expand)
+                   swiglu_matmul=swiglu_matmul_gpu, lora_sgmv_shrink=lora_gpu.sgmv_shrink, lora_sgmv_expand=lora_gpu.sgmv_expand,
+                   grouped_matmul=gmm_gpu.grouped_quantized_matmul)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,9 @@ class FamilyShape:
     sinks: bool = False  # attention sinks (GPT-OSS)
     chunk: int | None = None  # chunked local attention (Llama 4's RoPE layers)
     lane_blocks: int = 1  # a TPU pool's pages this many times wider: the layer's pages are lane blocks (Gemma 4's global layers)
+    experts: int = 0  # experts one chip holds, kept quantized (mxfp4: GPT-OSS): the grouped matmul's cases
+    experts_per_token: int = 0
+    expert_parallel: int = 1  # the expert-parallel degree the plan uses (a chip's rows: ep x tokens x k)
 
 
 FAMILY_SHAPES = {
@@ -67,7 +74,8 @@ FAMILY_SHAPES = {
     # the newer families: attention at their sliding layers' options (a global layer is the plain case)
     "gemma-2-9b": FamilyShape(16, 8, 256, 3584, 14336, window=4096, soft_cap=50.0),
     "gemma-3-27b": FamilyShape(32, 16, 128, 5376, 21504, window=1024),
-    "gpt-oss-120b": FamilyShape(64, 8, 64, 2880, 2880, window=128, sinks=True),
+    "gpt-oss-120b": FamilyShape(64, 8, 64, 2880, 2880, window=128, sinks=True, experts=128 // 8, experts_per_token=4,
+                                expert_parallel=8),  # its 128 mxfp4 experts over 8 chips
     "phi-3-mini": FamilyShape(32, 32, 96, 3072, 8192, window=2047),  # head_dim 96: padded to 128 lanes
     "olmo-2-7b": FamilyShape(32, 32, 128, 4096, 11008),
     "smollm3-3b": FamilyShape(16, 4, 128, 2048, 11008),
@@ -176,6 +184,17 @@ def kernel_cases(target: Target, shape: FamilyShape):
            (spec((T, N), bf16), spec((N, H), jnp.int8), spec((N // 32, H), f16)))
     yield ("quantized_matmul", f"int8 g16 offsets T={T} {N}->{H}", functools.partial(quantized_matmul, mode="int8", group_size=16),
            (spec((T, N), bf16), spec((N, H), jnp.int8), spec((N // 16, H), jnp.float32), spec((N // 16, H), jnp.float32)))
+
+    # mxfp4 experts (GPT-OSS): the gate/up and down grouped matmuls over one chip's experts, for a
+    # decode bucket's (token, expert) pairs on one chip and as an expert-parallel step receives them
+    if shape.experts:
+        G, k_pairs = shape.experts, shape.experts_per_token
+        for rows in (64 * k_pairs, shape.expert_parallel * 64 * k_pairs):
+            for K, N in ((H, 2 * F), (F, H)):
+                yield ("grouped_matmul", f"mxfp4 rows={rows} {G}x {K}->{N}",
+                       functools.partial(k["grouped_matmul"], mode="mxfp4", group_size=32),
+                       (spec((rows, K), bf16), spec((rows,), i32), spec((G, K // 2, N), jnp.uint8),
+                        spec((G, K // 32, N), jnp.uint8)))
 
     # LoRA (grouped by slot, blocks of one sublane tile / 16 rows): the widest shrink (gate | up
     # from the hidden size, down from the MLP size) and expand (into the MLP size), at a decode and

@@ -212,7 +212,7 @@ def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfi
     weights = step.weight_bytes_per_chip()
     if weights > capacity:
         raise DoesNotFit(
-            f"the weights need {weights / GiB:.1f} GiB per chip ({parallel.describe()}, {shape.quantization or shape.dtype}) "
+            f"the weights need {weights / GiB:.1f} GiB per chip ({parallel.describe()}, {shape.weights_name(config)}) "
             f"and a {target.chip.kind} holds {target.chip.hbm_bytes / GiB:.1f} GiB: {weights / capacity:.2f}x too much. "
             f"Use more chips (-tp) or smaller weights (--quantization int8 / int4)"
         )
@@ -287,7 +287,7 @@ def format_plan(plan: Plan) -> str:
         f"# {t.name}: {t.num_chips} x {t.chip.kind}, {t.chip.hbm_bytes / GiB:.1f} GiB HBM and "
         f"{t.chip.hbm_bytes_per_second / 1e9:.0f} GB/s per chip",
         f"model: {s.config.num_layers} layers, {s.config.num_heads}/{s.config.num_kv_heads} heads of {s.config.head_dim}, "
-        f"{'MoE ' if s.config.is_moe else ''}weights {shape.quantization or shape.dtype}, KV cache "
+        f"{'MoE ' if s.config.is_moe else ''}weights {shape.weights_name(s.config)}, KV cache "
         f"{shape.kv_cache_dtype or shape.dtype}; mesh {s.parallel.describe()}",
         f"serving: max_model_len {shape.max_model_len}, max_num_seqs {shape.max_num_seqs}, max_num_batched_tokens "
         f"{shape.max_num_batched_tokens}, page_size {shape.page_size}",

@@ -22,7 +22,8 @@ _GPT_OSS = dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, 
                 num_experts_per_tok=4, attention_bias=True, swiglu_limit=7.0, tie_word_embeddings=False,
                 rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                  "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
-                bos_token_id=199998, eos_token_id=[200002, 199999, 200012])
+                bos_token_id=199998, eos_token_id=[200002, 199999, 200012],
+                quantization_config={"quant_method": "mxfp4"})  # experts as released: mxfp4
 
 PRESETS: dict[str, dict] = {
     "llama-3.1-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

@@ -19,6 +19,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.kv_groups import kv_groups, window_pages
@@ -29,13 +30,35 @@ from jaxinfer.engine.memory import GPU_MEMORY_UTILIZATION, abstract_inputs, abst
 from jaxinfer.models.lora import LoraTable
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.kv_cache import KVCache, page_factors
-from jaxinfer.ops.quantization import quantize_model
+from jaxinfer.ops.quantization import QuantizedWeight, quantize_model, replace_weights
+from jaxinfer.tree import nested_to_flat
 from jaxinfer.runtime.loading import abstract_model
 from jaxinfer.runtime.placement import param_partition_specs
 from jaxinfer.runtime.step import StepFunction
 from sharding.mesh import ParallelConfig, make_mesh
 
 NUM_TOP_LOGPROBS = 20  # LLM's default max_logprobs: part of the compiled step
+
+
+def experts_as_stored(graphdef, params):
+    """(graphdef, abstract params) with the expert stacks as a GPT-OSS checkpoint stores them and
+    a TPU / GPU loads them: mxfp4 QuantizedWeights (E2M1 nibbles [..., K / 2, N], an exponent byte
+    per 32 rows [..., K / 32, N])."""
+    new_graphdef = []
+
+    def replace(state):
+        flat = nested_to_flat(nnx.to_pure_dict(state))
+        stored = {}
+        for name in ("layers.experts_gate_up", "layers.experts_down"):
+            *lead, K, N = flat[name].shape
+            stored[name] = QuantizedWeight(jnp.zeros((*lead, K // 2, N), jnp.uint8), jnp.zeros((*lead, K // 32, N), jnp.uint8),
+                                           mode="mxfp4", group_size=32, in_features=K)
+        g, new_state = replace_weights(graphdef, state, stored)
+        new_graphdef.append(g)
+        return new_state
+
+    params = jax.eval_shape(replace, params)
+    return new_graphdef[0], params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +77,7 @@ class ServingShape:
     dtype: str = "bfloat16"  # weights and activations
     kv_cache_dtype: str | None = None  # default: dtype
     quantization: str | None = None  # "int8" | "int4" | "fp8" | "w8a8" weights
+    keep_checkpoint_quantization: bool = True  # experts the checkpoint stores mxfp4 (GPT-OSS) stay 4-bit, as a TPU / GPU loads them
     group_size: int = 128  # int4's groups (the other modes: one scale per output column)
     max_loras: int = 0  # > 0: the LoRA slot table of LLM(enable_lora=True, max_loras=..., max_lora_rank=...)
     max_lora_rank: int = 16
@@ -61,6 +85,15 @@ class ServingShape:
     def __post_init__(self):
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: expected a fraction in (0, 1]")
+
+    def keeps_stored_experts(self, config: ModelConfig) -> bool:
+        """Whether the experts load as the checkpoint stores them (mxfp4), not as `dtype`."""
+        return bool(config.experts_stored) and self.quantization is None and self.keep_checkpoint_quantization
+
+    def weights_name(self, config: ModelConfig) -> str:
+        """The weights' dtype or quantization, as the plan prints it."""
+        stored = f" (experts {config.experts_stored})" if self.keeps_stored_experts(config) else ""
+        return f"{self.quantization or self.dtype}{stored}"
 
     @property
     def pages_per_seq(self) -> int:
@@ -110,6 +143,8 @@ class AbstractStep:
 
             params = jax.eval_shape(quantize, params)
             graphdef = quantized_graphdef[0]
+        elif shape.keeps_stored_experts(config):
+            graphdef, params = experts_as_stored(graphdef, params)
         specs = param_partition_specs(params, config)
         params = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
                               params, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))

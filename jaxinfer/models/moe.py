@@ -22,7 +22,8 @@ experts clamp their SwiGLU (`clamped_swiglu`). The down projections' biases are 
 grouped matmul, as sum_j weights[:, j] * b_down[ids[:, j]] (the same on every device: once).
 
 The experts run as a grouped matmul over the tokens sorted by expert
-(`sharding.expert_parallel.moe_experts`); with expert parallelism each device holds E / ep experts
+(`sharding.expert_parallel.moe_experts`; experts kept quantized, GPT-OSS's mxfp4, through the
+kernel table's `grouped_matmul`, which lays the rows out by expert itself); with expert parallelism each device holds E / ep experts
 and the (token, expert) pairs travel to their expert's device and back with all_to_all, dropping
 none. With tensor parallelism every expert's (and the shared expert's) width is split too, so
 this returns a partial sum the decoder adds over the tensor axis with its other MLP.
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.models.layers import gate_up_swiglu, matmul
+from jaxinfer.ops.quantization import QuantizedWeight
 from sharding.expert_parallel import moe_experts
 from sharding.mesh import ParallelConfig
 
@@ -74,6 +76,11 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, *, limit: float, alpha: float
     return (up + 1) * gate * jax.nn.sigmoid(gate * alpha)
 
 
+def _grouped_matmul(x: jax.Array, group_of_row: jax.Array, w: QuantizedWeight, kernels: Kernels) -> jax.Array:
+    """x [N, K] rows, each times its expert's matrix of the quantized stack w [E, K, out] (E: none) -> float32 [N, out]."""
+    return kernels.grouped_matmul(x, group_of_row, w.qweight, w.scales, w.offsets, mode=w.mode, group_size=w.group_size)
+
+
 def moe_mlp(x: jax.Array, w: dict, config: ModelConfig, parallel: ParallelConfig, kernels: Kernels = Kernels()) -> jax.Array:
     """x [T, H] -> this tensor shard's partial MLP output [T, H] float32.
 
@@ -93,13 +100,17 @@ def moe_mlp(x: jax.Array, w: dict, config: ModelConfig, parallel: ParallelConfig
     if config.router_scales_inputs:  # one row per (token, choice): its input scaled, its output summed as is
         routed_x = (x[:, None, :].astype(jnp.float32) * weights[:, :, None]).astype(x.dtype).reshape(T * k, -1)  # [T*k, H]
         routed_ids, routed_weights = ids.reshape(T * k, 1), jnp.ones((T * k, 1), jnp.float32)
-    activation = {}
+    mlp = {}
     if config.swiglu_limit is not None:
-        activation = dict(activation=functools.partial(clamped_swiglu, limit=config.swiglu_limit, alpha=config.swiglu_alpha))
+        mlp["activation"] = functools.partial(clamped_swiglu, limit=config.swiglu_limit, alpha=config.swiglu_alpha)
+    if isinstance(w_gate_up, QuantizedWeight):  # experts kept as the checkpoint stores them (GPT-OSS's mxfp4)
+        mlp["grouped_matmul"] = functools.partial(_grouped_matmul, kernels=kernels)
+    else:
+        routed_x = routed_x.astype(w_gate_up.dtype)
     out = moe_experts(
-        routed_x.astype(w_gate_up.dtype), routed_ids, routed_weights, w_gate_up, w_down,
+        routed_x, routed_ids, routed_weights, w_gate_up, w_down,
         expert_axis="expert" if parallel.ep > 1 else None, num_experts=config.num_experts,
-        b_gate_up=w.get("experts_gate_up_bias"), **activation,
+        b_gate_up=w.get("experts_gate_up_bias"), **mlp,
     )
     if config.router_scales_inputs:
         out = out.reshape(T, k, -1).sum(axis=1)  # [T, H]

@@ -4,7 +4,7 @@
     # (attention_impl=... is accepted as an alias: the option first chose attention only)
 
 - "reference": the XLA (plain jnp) paths: split-KV ragged attention, the LoRA delta by shape,
-  dequantize-then-dot quantized matmul, unfused norm / SwiGLU / RoPE + scatter; what the CPU runs
+  dequantize-then-dot quantized matmul (and grouped matmul over a quantized stack of experts), unfused norm / SwiGLU / RoPE + scatter; what the CPU runs
   by default.
 - "pallas": the Pallas kernels of the current platform: Mosaic TPU kernels on a TPU, Triton GPU
   kernels on a GPU. On the CPU, where neither compiles, it runs the TPU kernels in interpret mode
@@ -53,6 +53,9 @@ import jax.numpy as jnp
 from jaxinfer.ops.batch import MAX_PREFILL_CHUNKS, RaggedBatch
 from pallas_kernels.flash_attention import flash_attention_gpu, flash_attention_tpu
 from pallas_kernels.fused_rms_norm import add_rms_norm_gpu, add_rms_norm_reference, add_rms_norm_tpu
+from pallas_kernels.grouped_matmul import gpu as gmm_gpu
+from pallas_kernels.grouped_matmul import reference as gmm_reference
+from pallas_kernels.grouped_matmul import tpu as gmm_tpu
 from pallas_kernels.lora_sgmv import lora_delta_gpu, lora_delta_tpu, lora_delta_xla
 from pallas_kernels.quantized_matmul import gpu as qmm_gpu
 from pallas_kernels.quantized_matmul import reference as qmm_reference
@@ -66,7 +69,7 @@ from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu, swiglu_matmul_tpu
 KERNEL_IMPLS = ("auto", "reference", "pallas", "pallas-tpu", "pallas-gpu")
 # The table's operations (its other entries describe the KV pool's layout and the scale dtype).
 OPERATIONS = ("ragged_attention", "flash_attention", "rope_kv_write", "quantized_matmul", "add_rms_norm", "swiglu_matmul",
-              "lora_delta")
+              "lora_delta", "grouped_matmul")
 
 # KV tokens per work item of the XLA split-KV attention, and items per loop iteration (measured
 # on the CPU, 30 layers of SmolLM2's attention). Decodes (one query row per block) contract by
@@ -192,6 +195,9 @@ class Kernels:
         None: no flash path (the XLA attention serves every step)
     rope_kv_write(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset) -> (q, k, k_pages, v_pages)
     quantized_matmul(x [M,K], qweight, scales, offsets, *, mode, group_size) -> [M,N]
+    grouped_matmul(x [M,K], group_of_row [M], qweight [G,K',N], scales, offsets, *, mode, group_size) -> float32 [M,N]:
+        each row times its own matrix of a quantized stack (G: none, 0 out): the experts of a MoE
+        layer kept quantized (GPT-OSS's mxfp4; jaxinfer.models.moe)
     add_rms_norm(x, residual, weight, *, eps) -> (normed, x + residual)
     swiglu_matmul(x [T,H], w_gate_up [H,2I]) -> silu(gate) * up [T,I]
     lora_delta(x [T,K], a [N,K,P R], bs (P x [N,R,O_p]), slot [T]) -> float32 [T, sum O_p]: the
@@ -212,6 +218,7 @@ class Kernels:
     add_rms_norm: Callable = dataclasses.field(default=None, compare=False, repr=False)
     swiglu_matmul: Callable = dataclasses.field(default=None, compare=False, repr=False)
     lora_delta: Callable = dataclasses.field(default=None, compare=False, repr=False)
+    grouped_matmul: Callable = dataclasses.field(default=None, compare=False, repr=False)
     scale_dtype: Callable = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -244,7 +251,7 @@ class Kernels:
 def _xla_table(interpret: bool) -> dict[str, Callable | None]:
     return dict(ragged_attention=xla_ragged_attention, flash_attention=None, rope_kv_write=rope_kv_write_reference,
                 quantized_matmul=xla_quantized_matmul, add_rms_norm=add_rms_norm_reference, swiglu_matmul=xla_swiglu_matmul,
-                lora_delta=lora_delta_xla, scale_dtype=same_dtype)
+                lora_delta=lora_delta_xla, grouped_matmul=gmm_reference.grouped_quantized_matmul, scale_dtype=same_dtype)
 
 
 def _tpu_table(interpret: bool) -> dict[str, Callable]:
@@ -252,6 +259,7 @@ def _tpu_table(interpret: bool) -> dict[str, Callable]:
     return dict(ragged_attention=pallas(_tpu_ragged_attention), flash_attention=pallas(flash_attention_tpu),
                 rope_kv_write=rope_kv_write_reference, quantized_matmul=pallas(qmm_tpu.quantized_matmul),
                 add_rms_norm=pallas(add_rms_norm_tpu), swiglu_matmul=pallas(_tpu_swiglu_matmul), lora_delta=pallas(lora_delta_tpu),
+                grouped_matmul=pallas(gmm_tpu.grouped_quantized_matmul),
                 scale_dtype=_tpu_scale_dtype)
 
 
@@ -260,6 +268,7 @@ def _gpu_table(interpret: bool) -> dict[str, Callable]:
     return dict(ragged_attention=pallas(_gpu_ragged_attention), flash_attention=pallas(flash_attention_gpu),
                 rope_kv_write=pallas(_gpu_rope_kv_write), quantized_matmul=pallas(qmm_gpu.quantized_matmul),
                 add_rms_norm=pallas(add_rms_norm_gpu), swiglu_matmul=pallas(swiglu_matmul_gpu), lora_delta=pallas(lora_delta_gpu),
+                grouped_matmul=pallas(gmm_gpu.grouped_quantized_matmul),
                 scale_dtype=same_dtype)
 
 

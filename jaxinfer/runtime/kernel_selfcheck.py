@@ -156,6 +156,7 @@ class StepShapes:
     kv_write: bool = True  # the RoPE + KV-write kernel runs (one device's rows: no sequence parallelism)
     swiglu: tuple[Tensor, ...] = ()  # float gate | up weights [K, 2I] without bias
     quantized: tuple[QuantizedMatrix, ...] = ()
+    grouped: tuple[QuantizedMatrix, ...] = ()  # quantized expert stacks [E, K', N] (GPT-OSS's mxfp4)
     lora: tuple[LoraSite, ...] = ()
 
 
@@ -167,18 +168,20 @@ def step_shapes(config: ModelConfig, params, *, parallel: ParallelConfig = Paral
     max_tokens: the largest token bucket (flash attention runs from FLASH_MIN_TOKENS on)."""
     flat = params if isinstance(params, dict) else nested_to_flat(nnx.to_pure_dict(params))
     stacked = lambda name: 1 if name.startswith("layers.") or name.startswith("lora.") else 0  # noqa: E731  (the layer axis)
-    quantized = []
+    quantized, grouped = [], []
     for name, w in flat.items():
-        if not isinstance(w, QuantizedWeight) or w.activations is not None or w.qweight.ndim != 2 + stacked(name):
-            continue  # int8 activations multiply integers; expert stacks go through ragged_dot
+        if not isinstance(w, QuantizedWeight) or w.activations is not None:
+            continue  # int8 activations multiply integers
         drop = stacked(name)
+        stack = w.qweight.ndim == 3 + drop  # [L, E, K', N]: the experts' grouped matmul
         qweight = Tensor.of(w.qweight, drop)
         rows = stored_rows(qweight, w.mode)
         whole = qweight.shape == tuple(w.qweight.shape[drop:])  # not split on its rows
         matrix = QuantizedMatrix(w.mode, w.group_size, w.in_features if w.in_features and whole else rows, qweight,
                                  Tensor.of(w.scales, drop), Tensor.of(w.offsets, drop) if w.offsets is not None else None)
-        if matrix not in quantized:
-            quantized.append(matrix)
+        found = grouped if stack else quantized
+        if matrix not in found:
+            found.append(matrix)
     swiglu = []
     for name in ("layers.gate_up_proj", "layers.shared_gate_up"):
         w = flat.get(name)
@@ -203,7 +206,7 @@ def step_shapes(config: ModelConfig, params, *, parallel: ParallelConfig = Paral
         attention_chunk=config.attention_chunk_size,
         spec_block=spec_block, paged_attention=not (ring or (quantized_pool and page_size % 128)),
         flash_attention=not ring and max_tokens // parallel.sp >= FLASH_MIN_TOKENS,
-        kv_write=parallel.sp == 1 and not quantized_pool, swiglu=tuple(swiglu), quantized=tuple(quantized), lora=tuple(lora),
+        kv_write=parallel.sp == 1 and not quantized_pool, swiglu=tuple(swiglu), quantized=tuple(quantized), grouped=tuple(grouped), lora=tuple(lora),
     )
 
 
@@ -386,6 +389,32 @@ def _quantized_matmul_case(kernels: Kernels, xla: Kernels, s: StepShapes, m: Qua
                 _tolerance(s.dtype, m.scales.dtype))
 
 
+def _grouped_matmul_case(kernels: Kernels, xla: Kernels, s: StepShapes, m: QuantizedMatrix) -> Case:
+    """Rows of a decode step's (token, expert) pairs over a device's experts, some empty (the
+    expert-parallel padding). Weights of about unit size, as in the quantized matmul's case."""
+    E = m.qweight.shape[0]
+    rows = TOKENS * 4
+    group_of_row = jnp.asarray(np.random.default_rng(0).integers(0, E + 1, rows), jnp.int32)  # E: an empty row
+
+    def inputs(rng):
+        keys = jax.random.split(rng, 4)
+        if m.mode == "mxfp4":  # E2M1 values average about 2.5: exponents near 2 ** -(log2(2.5 sqrt(K)))
+            bias = 127 - int(np.ceil(np.log2(2.5 * m.in_features**0.5)))
+            scales = jax.random.randint(keys[2], m.scales.shape, bias - 1, bias + 1, jnp.int32).astype(jnp.uint8)
+            offsets = None
+        else:
+            typical = {"int8": 73.0, "int4": 8.0, "fp8": 1.0}[m.mode]
+            scale = 1.0 / (typical * m.in_features**0.5)
+            scales = (scale * jax.random.uniform(keys[2], m.scales.shape, jnp.float32, 0.5, 1.5)).astype(m.scales.dtype)
+            offsets = None if m.offsets is None else _random(keys[3], m.offsets, scale=8 * scale)
+        return (_random(keys[0], (rows, m.in_features), s.dtype), group_of_row, _random(keys[1], m.qweight), scales, offsets)
+
+    options = dict(mode=m.mode, group_size=m.group_size)
+    return Case("grouped_matmul", f"rows={rows} x {s.dtype} @ {E}x {m}", inputs,
+                functools.partial(kernels.grouped_matmul, **options), functools.partial(xla.grouped_matmul, **options),
+                _tolerance(s.dtype, "bfloat16" if m.mode == "mxfp4" else m.scales.dtype))
+
+
 def _lora_case(kernels: Kernels, xla: Kernels, s: StepShapes, site: LoraSite) -> Case:
     N, K = site.a.shape[:2]
     slot = jnp.asarray(np.random.default_rng(0).integers(0, N, LORA_TOKENS), jnp.int32)
@@ -423,6 +452,9 @@ def kernel_cases(kernels: Kernels, shapes: StepShapes, operations: Collection[st
     if runs_kernel("quantized_matmul"):
         for matrix in s.quantized:
             yield _quantized_matmul_case(kernels, xla, s, matrix)
+    if runs_kernel("grouped_matmul"):
+        for matrix in s.grouped:
+            yield _grouped_matmul_case(kernels, xla, s, matrix)
     if runs_kernel("lora_delta"):
         for site in s.lora:
             yield _lora_case(kernels, xla, s, site)

@@ -41,7 +41,8 @@ Modes
   x_even[g] @ low[g] + x_odd[g] @ high[g]. bk is a multiple of group_size: one loop step does
   bk / group_size groups.
 * mxfp4: int4's packing and planes, each nibble decoded as an E2M1 float (exact in bf16, so the
-  group's dot stays exact) and the group's E8M0 exponent made its power of two in the wrapper.
+  group's dot stays exact) and the group's E8M0 exponent byte made its power of two as it is
+  loaded (shifted into a float32's exponent field).
 * x with K < Kp (K = 576 with groups of 128) is padded with zero columns up to Kp.
 """
 
@@ -74,52 +75,69 @@ def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- kernels
-def _per_column_kernel(x_ref, w_ref, scale_ref, out_ref, *, bm: int, bn: int, bk: int):
-    """int8 / fp8. x_ref [M, K], w_ref [K, N], scale_ref [N] f32, out_ref [M, N] (whole arrays)."""
+def _at(ref, expert, *index):
+    """ref.at[index], or ref.at[expert, *index] for one matrix of a stack (`expert` not None)."""
+    return ref.at[index if expert is None else (expert, *index)]
+
+
+def _tile_origin(program, bm: int, bn: int):
+    """(first row, first column) of this program's output tile; `program`: its (i, j) when read
+    outside a `pl.when` (the interpreter has no program ids inside one), else pl.program_id."""
+    i, j = program if program is not None else (pl.program_id(0), pl.program_id(1))
+    return i * bm, j * bn
+
+
+def _per_column_kernel(x_ref, w_ref, scale_ref, out_ref, *, bm: int, bn: int, bk: int, expert=None, program=None):
+    """int8 / fp8. x_ref [M, K], w_ref [K, N], scale_ref [N] f32, out_ref [M, N] (whole arrays);
+    with `expert` (a traced index), w_ref [G, K, N] and scale_ref [G, N] stacks, matrix `expert` read;
+    `program`: see _tile_origin."""
     M, K = x_ref.shape
-    N = w_ref.shape[1]
-    m0 = pl.program_id(0) * bm
-    n0 = pl.program_id(1) * bn
+    N = w_ref.shape[-1]
+    m0, n0 = _tile_origin(program, bm, bn)
 
     def k_step(step, acc):                                   # acc [bm, bn] f32
         k0 = step * bk
         x = masked_tile(x_ref, M, K, m0, k0, bm, bk)         # [bm, bk]
-        w = masked_tile(w_ref, K, N, k0, n0, bk, bn)         # [bk, bn] int8 | fp8
+        w = masked_tile(w_ref, K, N, k0, n0, bk, bn, lead=expert)  # [bk, bn] int8 | fp8
         return acc + _dot(x, w.astype(x.dtype))              # the cast is exact
 
     acc = jax.lax.fori_loop(0, pl.cdiv(K, bk), k_step, jnp.zeros((bm, bn), jnp.float32))
     cols = n0 + jnp.arange(bn)
-    scale = plt.load(scale_ref.at[pl.ds(n0, bn)], mask=cols < N, other=0.0)   # [bn]
+    scale = plt.load(_at(scale_ref, expert, pl.ds(n0, bn)), mask=cols < N, other=0.0)   # [bn]
     rows = m0 + jnp.arange(bm)
     out_mask = (rows < M)[:, None] & (cols < N)[None, :]
     plt.store(out_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], (acc * scale[None, :]).astype(out_ref.dtype), mask=out_mask)
 
 
-def _grouped_kernel(*refs, planes: int, has_offsets: bool, bm: int, bn: int, bk: int, group_size: int, fp4: bool = False):
-    """int4 (planes = 2) or grouped int8 (planes = 1). refs: x_ref per plane [M, Kp / planes]
+def _grouped_kernel(*refs, planes: int, has_offsets: bool, bm: int, bn: int, bk: int, group_size: int, fp4: bool = False,
+                    expert=None, program=None):
+    """int4 / mxfp4 (planes = 2) or grouped int8 (planes = 1). refs: x_ref per plane [M, Kp / planes]
     (int4: x's columns k = 2i, then 2i + 1), w_ref [Kp / planes, N] (int8 | packed uint8),
-    scale_ref [Kp/g, N], offset_ref [Kp/g, N] if has_offsets, out_ref [M, N] (whole arrays)."""
+    scale_ref [Kp/g, N] (mxfp4: exponent bytes), offset_ref [Kp/g, N] if has_offsets, out_ref [M, N]
+    (whole arrays); with `expert`, w_ref, scale_ref and offset_ref are stacks [G, ...] and matrix
+    `expert` is read."""
     x_refs, (w_ref, scale_ref, *rest) = refs[:planes], refs[planes:]
     offset_ref = rest.pop(0) if has_offsets else None
     [out_ref] = rest
     M, plane_k = x_refs[0].shape                             # plane_k = Kp / planes rows of each plane
-    N = w_ref.shape[1]
-    n_groups = scale_ref.shape[0]
+    N = w_ref.shape[-1]
+    n_groups = scale_ref.shape[-2]
     plane_g = group_size // planes                           # rows of each plane per group
-    m0 = pl.program_id(0) * bm
-    n0 = pl.program_id(1) * bn
+    m0, n0 = _tile_origin(program, bm, bn)
     cols = n0 + jnp.arange(bn)
     x_dtype = x_refs[0].dtype
 
     def per_group(ref, group):                               # [bn] f32: one group's scales or offsets
-        return plt.load(ref.at[group, pl.ds(n0, bn)], mask=(cols < N) & (group < n_groups), other=0.0).astype(jnp.float32)
+        numbers = plt.load(_at(ref, expert, group, pl.ds(n0, bn)), mask=(cols < N) & (group < n_groups),
+                           other=jnp.zeros((), ref.dtype))
+        return e8m0(numbers) if fp4 and ref is scale_ref else numbers.astype(jnp.float32)
 
     def k_step(step, acc):                                   # acc [bm, bn] f32
         for g_in_step in range(bk // group_size):            # static: bk / group_size groups per step
             group = step * (bk // group_size) + g_in_step
             r0 = group * plane_g                             # first row of this group in each plane
             xs = [masked_tile(x_ref, M, plane_k, m0, r0, bm, plane_g) for x_ref in x_refs]    # [bm, g / planes] each
-            stored = masked_tile(w_ref, plane_k, N, r0, n0, plane_g, bn).astype(jnp.int32)    # [g / planes, bn]
+            stored = masked_tile(w_ref, plane_k, N, r0, n0, plane_g, bn, lead=expert).astype(jnp.int32)  # [g / planes, bn]
             bias = 0 if offset_ref is not None else 8        # int4 with offsets: the nibble is v as it is
             if fp4:                                          # mxfp4: E2M1 floats
                 values = (e2m1(stored & 0x0F), e2m1(stored >> 4))
@@ -178,8 +196,6 @@ def quantized_matmul(
 
     if group_size is not None:
         planes = 2 if mode in PACKED_MODES else 1
-        if mode == "mxfp4":                                                   # exponent bytes -> powers of two
-            scales = e8m0(scales)
         x = jnp.pad(x, ((0, 0), (0, Kw - K)))                                 # zero columns up to Kp
         xs = [x] if planes == 1 else [x[:, 0::2], x[:, 1::2]]                 # int4: x's columns k = 2i, then 2i + 1
         operands = (*xs, qweight, *(a for a in (scales, offsets) if a is not None))

@@ -95,9 +95,15 @@ def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- kernels
-def _per_column_kernel(x_ref, w_ref, scale_ref, out_ref, acc_ref):
+def _k_steps(k_steps):
+    """(this K step, the last K step): `k_steps` when given (read outside a `pl.when`: the
+    interpreter has no program ids inside one), else grid axis 2."""
+    return k_steps if k_steps is not None else (pl.program_id(2), pl.num_programs(2) - 1)
+
+
+def _per_column_kernel(x_ref, w_ref, scale_ref, out_ref, acc_ref, *, k_steps=None):
     """int8 / fp8. x_ref [bm, bk], w_ref [bk, bn], scale_ref [1, bn] f32, out_ref [bm, bn], acc_ref [bm, bn] f32."""
-    k_step = pl.program_id(2)
+    k_step, last_step = _k_steps(k_steps)
 
     @pl.when(k_step == 0)
     def _init():
@@ -106,26 +112,26 @@ def _per_column_kernel(x_ref, w_ref, scale_ref, out_ref, acc_ref):
     x = x_ref[...]                                   # [bm, bk]
     acc_ref[...] += _dot(x, w_ref[...].astype(x.dtype))  # [bm, bn]; the cast is exact
 
-    @pl.when(k_step == pl.num_programs(2) - 1)
+    @pl.when(k_step == last_step)
     def _finalize():
         out_ref[...] = (acc_ref[...] * scale_ref[...]).astype(out_ref.dtype)
 
 
-def _grouped_kernel(*refs, planes: int, has_offsets: bool, fp4: bool = False):
+def _grouped_kernel(*refs, planes: int, has_offsets: bool, fp4: bool = False, k_steps=None):
     """int4 (planes = 2) or grouped int8 (planes = 1). refs: x_ref per plane [bm, bk / planes] (int4:
     x's columns k = 2i, then 2i + 1), w_ref [bk / planes, bn] (int8 | packed uint8), scale_ref
     [bk/g, bn], offset_ref [bk/g, bn] if has_offsets, out_ref [bm, bn], acc_ref [bm, bn] f32."""
     x_refs, (w_ref, scale_ref, *rest) = refs[:planes], refs[planes:]
     offset_ref = rest.pop(0) if has_offsets else None
     out_ref, acc_ref = rest
-    k_step = pl.program_id(2)
+    k_step, last_step = _k_steps(k_steps)
 
     @pl.when(k_step == 0)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
     stored = w_ref[...].astype(jnp.int32)            # [bk / planes, bn]
-    scales = scale_ref[...].astype(jnp.float32)      # [groups, bn]
+    scales = e8m0(scale_ref[...]) if fp4 else scale_ref[...].astype(jnp.float32)  # [groups, bn] (mxfp4: exponent bytes)
     offsets = offset_ref[...].astype(jnp.float32) if has_offsets else None
     groups = scales.shape[0]
     rows, bn = stored.shape                          # a group covers rows // groups rows of each plane
@@ -146,7 +152,7 @@ def _grouped_kernel(*refs, planes: int, has_offsets: bool, fp4: bool = False):
         values = (stored,)
     acc_ref[...] += sum(_dot(x_ref[...], dequantize(v)) for x_ref, v in zip(x_refs, values))
 
-    @pl.when(k_step == pl.num_programs(2) - 1)
+    @pl.when(k_step == last_step)
     def _finalize():
         out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
@@ -182,8 +188,6 @@ def quantized_matmul(
     Mp = _round_up(M, bm)
     bn = N if N <= block_n else block_n
     planes = 2 if mode in PACKED_MODES else 1            # int4, mxfp4: each x half's block is bk/2 lanes wide
-    if mode == "mxfp4":                                  # the exponent bytes as their powers of two (exact in bf16)
-        scales = e8m0(scales).astype(jnp.bfloat16)
     bk = _reduction_block(Kw, block_k, planes * LANES)
     grid = (Mp // bm, pl.cdiv(N, bn), Kw // bk)
 
@@ -207,7 +211,7 @@ def quantized_matmul(
         ]
         kernel = _per_column_kernel
 
-    weight_bytes = sum(a.size * a.dtype.itemsize for a in (qweight, scales, offsets) if a is not None)  # (mxfp4: bf16 scales)
+    weight_bytes = sum(a.size * a.dtype.itemsize for a in (qweight, scales, offsets) if a is not None)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((Mp, N), x.dtype),
