@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors returns bf16 tensors as it)
+import ml_dtypes  # registers bfloat16 with numpy: safetensors returns bf16 tensors as it
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
@@ -131,9 +131,29 @@ class SafetensorsSource(TensorSource):
         file = self._file_of[name]
         try:
             tensor = self._handle(file).get_slice(name)
+            if tensor.get_dtype() in RAW_DTYPES:  # a dtype safetensors' numpy reader does not name
+                array = _read_raw(file, name, RAW_DTYPES[tensor.get_dtype()])
+                return array[index] if index else array
             return np.asarray(tensor[index] if index else tensor[:])
         except SafetensorError as e:
             raise CheckpointError(f"{file}: cannot read tensor {name!r}: {e}") from e
 
     def close(self) -> None:
         self._open.clear()
+
+
+# Stored dtypes the numpy reader of safetensors 0.8 cannot return (it asks numpy for
+# np.float8_e4m3fn): read from the file's bytes instead (fp8 checkpoints: DeepSeek-V3, the FP8 releases).
+RAW_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2)}
+
+
+def _read_raw(file: Path, name: str, dtype: np.dtype) -> np.ndarray:
+    """Tensor `name` of a safetensors file, read from its bytes: an 8-byte little-endian header
+    length, the JSON header (each tensor's shape and data_offsets), then the data."""
+    with open(file, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(header_len))[name]
+        start, end = entry["data_offsets"]
+        f.seek(8 + header_len + start)
+        data = f.read(end - start)
+    return np.frombuffer(data, dtype).reshape(entry["shape"])

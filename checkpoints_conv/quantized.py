@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
+import ml_dtypes
 import numpy as np
 
 from checkpoints_conv.errors import CheckpointError
@@ -42,22 +43,29 @@ class QuantLayout:
     `group_size` input columns, an offset per group or not, scales (and offsets) in
     `scale_dtype` (float16 or float32; bfloat16 for jaxinfer's own quantizer). `fp4`: the 4-bit
     values are E2M1 floats and the scales E8M0 exponent bytes (MXFP4, groups of 32, scale_dtype
-    uint8: GPT-OSS's experts), a layout no other widens to or from."""
+    uint8: GPT-OSS's experts); `fp8`: the 8-bit values are e4m3 floats (float32 scales per group
+    of 128: DeepSeek-V3's block-scaled weights). Float layouts widen to or from no other."""
 
     bits: int
     group_size: int
     has_offsets: bool
     scale_dtype: np.dtype
     fp4: bool = False
+    fp8: bool = False
 
     @property
     def mode(self) -> str:
-        """The mode of jaxinfer's QuantizedWeight: "int4", "int8" or "mxfp4"."""
-        return "mxfp4" if self.fp4 else "int4" if self.bits == 4 else "int8"
+        """The mode of jaxinfer's QuantizedWeight: "int4", "int8", "mxfp4" or "fp8"."""
+        return "mxfp4" if self.fp4 else "fp8" if self.fp8 else "int4" if self.bits == 4 else "int8"
+
+    @property
+    def floats(self) -> bool:
+        """Whether the values are floats (mxfp4, fp8): no integer layout widens to or from these."""
+        return self.fp4 or self.fp8
 
     def join(self, other: "QuantLayout") -> "QuantLayout":
         """The narrowest layout both widen to without loss."""
-        if self.fp4 or other.fp4:
+        if self.floats or other.floats:
             if self != other:
                 raise CheckpointError(f"tensors stored as {self.mode} and {other.mode} fill one parameter: no layout holds both")
             return self
@@ -70,8 +78,8 @@ class QuantLayout:
         """This layout with its groups split into the largest size the kernels run (a grid with
         one group per row of `cols` columns, or groups of 256, widens to 128); CheckpointError
         when no such size divides the group (`cols`: the matrix's, for the message)."""
-        if self.fp4:
-            return self  # groups of 32, as the kernels run them
+        if self.floats:
+            return self  # mxfp4's groups of 32, fp8's of 128: as the kernels run them
         for size in RUNNABLE_GROUP_SIZES[self.bits]:
             if self.group_size % size == 0:
                 return dataclasses.replace(self, group_size=size)
@@ -85,7 +93,8 @@ class QuantLayout:
         num_groups = -(-cols // self.group_size)
         padded = num_groups * self.group_size
         groups = (rows, num_groups)
-        shapes = {"qweight": ((rows, padded // 2), np.dtype(np.uint8)) if self.bits == 4 else ((rows, padded), np.dtype(np.int8)),
+        values = np.dtype(ml_dtypes.float8_e4m3fn) if self.fp8 else np.dtype(np.int8)
+        shapes = {"qweight": ((rows, padded // 2), np.dtype(np.uint8)) if self.bits == 4 else ((rows, padded), values),
                   "scales": (groups, np.dtype(self.scale_dtype))}
         if self.has_offsets:
             shapes["offsets"] = (groups, np.dtype(self.scale_dtype))
@@ -97,7 +106,7 @@ class Grid:
     """One matrix: values int8 [rows, cols], scales [rows, cols / g], offsets [rows, cols / g] or
     None, in `layout` (int4 values: in [-8, 7] without offsets, in [0, 15] with them, as
     pallas_kernels.quantized_matmul.reference reads nibbles; mxfp4: the E2M1 codes 0..15 and
-    the exponent bytes)."""
+    the exponent bytes; fp8: the e4m3 values as float8_e4m3fn)."""
 
     values: np.ndarray
     scales: np.ndarray
@@ -112,7 +121,7 @@ class Grid:
         """The same numbers in `layout` (at least as wide in every respect as this one's)."""
         if layout == self.layout:
             return self
-        if layout.fp4 or self.layout.fp4:
+        if layout.floats or self.layout.floats:
             raise ValueError(f"cannot widen {self.layout} to {layout}")
         if layout.bits < self.layout.bits or self.layout.group_size % layout.group_size or (
                 self.layout.has_offsets and not layout.has_offsets):
@@ -134,6 +143,10 @@ class Grid:
         """field -> array as `QuantLayout.field_shapes` describes (int4: nibbles packed in pairs of
         columns; a partial last group padded with zeros)."""
         rows, cols = self.values.shape
+        if self.layout.fp8:  # e4m3 values as they are, zero columns up to whole groups
+            qweight = np.zeros((rows, self.scales.shape[1] * self.layout.group_size), self.values.dtype)
+            qweight[:, :cols] = self.values
+            return {"qweight": qweight, "scales": self.scales}
         values = np.zeros((rows, self.scales.shape[1] * self.layout.group_size), np.int16)
         values[:, :cols] = self.values
         if self.layout.bits == 4:

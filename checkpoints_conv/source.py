@@ -10,6 +10,7 @@ import numpy as np
 from checkpoints_conv.errors import CheckpointError
 from checkpoints_conv.gguf_io import GgufSource, iter_gguf_tensors, read_gguf_config
 from checkpoints_conv.hf import SafetensorsSource, iter_safetensors, read_hf_config
+from checkpoints_conv.hf_fp8 import Fp8HFSource, read_fp8_config
 from checkpoints_conv.hf_quantized import QuantizedHFSource, read_quantization_config
 from checkpoints_conv.tensor_source import TensorSource
 from checkpoints_conv.views import QK_ROWS_REORDERED, with_views
@@ -37,7 +38,8 @@ def iter_checkpoint_tensors(path: str | Path, config: dict) -> Iterator[tuple[st
 
 def open_checkpoint(path: str | Path, config: dict) -> TensorSource:
     """Random access to the tensors of a GGUF file or an HF model directory (see tensor_source);
-    a directory quantized by GPTQ, AWQ or compressed-tensors through `QuantizedHFSource`; the
+    a directory quantized by GPTQ, AWQ or compressed-tensors through `QuantizedHFSource`, one with
+    block-scaled fp8 weights (quant_method "fp8") through `Fp8HFSource`; the
     stacked or fused tensors of some architectures through their views (checkpoints_conv.views:
     GPT-OSS's experts, MXFP4 ones dequantized as they are read)."""
     if is_gguf(path):  # (the views see HF names: GLM-4.5's MoE layers renumbered, its MTP layer hidden)
@@ -45,10 +47,14 @@ def open_checkpoint(path: str | Path, config: dict) -> TensorSource:
     qc = config.get("quantization_config") or {}
     if qc.get("quant_method") == "mxfp4" and config.get("model_type") == "gpt_oss":
         config = {k: v for k, v in config.items() if k != "quantization_config"}  # GPT-OSS's experts: views.py reads them
-    fmt = read_quantization_config(config, str(Path(path) / "config.json"))
-    if fmt is not None and config.get("model_type") in QK_ROWS_REORDERED:
+    fp8 = qc.get("quant_method") == "fp8"
+    fmt = None if fp8 else read_quantization_config(config, str(Path(path) / "config.json"))
+    if (fmt is not None or fp8) and config.get("model_type") in QK_ROWS_REORDERED:
         raise CheckpointError(f"{path}: a {config['model_type']} checkpoint quantized by {config['quantization_config'].get('quant_method')} "
                               "is not supported (Llama 4's q/k rows are reordered at load, which its packed integers are "
                               "not); load the bfloat16 release and quantize in flight (quantization=...)")
+    if fp8:  # (the views outside: a fused tensor's row ranges read dequantized)
+        block = read_fp8_config(config, str(Path(path) / "config.json"))
+        return with_views(Fp8HFSource(SafetensorsSource(path), block, str(path)), config)
     source = with_views(SafetensorsSource(path), config)
     return source if fmt is None else QuantizedHFSource(source, fmt, str(path))

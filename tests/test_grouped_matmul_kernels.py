@@ -57,6 +57,7 @@ CASES = [
     ("mxfp4", 32, 512, 128, 4, 40, jnp.float32),
     ("int4", 32, 256, 72, 3, 40, jnp.bfloat16),
     ("int8", None, 128, 200, 3, 5, jnp.float32),
+    ("fp8", 128, 256, 128, 3, 5, jnp.bfloat16),  # block-scaled experts (DeepSeek-V3)
 ]
 
 

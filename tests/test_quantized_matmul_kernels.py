@@ -57,6 +57,7 @@ CASES = [
     ("int8", None, 384, 200, 1, jnp.bfloat16),
     ("fp8", None, 256, 72, 64, jnp.float32),
     ("fp8", None, 256, 72, 1, jnp.bfloat16),
+    ("fp8", 128, 320, 72, 5, jnp.bfloat16),  # block-scaled (DeepSeek-V3's 128 x 128), K padded to 384
     ("int4", 32, 512, 136, 5, jnp.float32),
     ("int4", 32, 512, 136, 64, jnp.bfloat16),
     ("int4", 64, 768, 40, 64, jnp.float32),

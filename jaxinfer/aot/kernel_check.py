@@ -175,6 +175,9 @@ def kernel_cases(target: Target, shape: FamilyShape):
            (spec((T, N), bf16), spec((N // 2, H), jnp.uint8), spec((N // group, H), bf16)))
     yield ("quantized_matmul", f"mxfp4 T={T} {N}->{H}", functools.partial(quantized_matmul, mode="mxfp4", group_size=32),
            (spec((T, N), bf16), spec((N // 2, H), jnp.uint8), spec((N // 32, H), jnp.uint8)))
+    if N % 128 == 0:  # block-scaled fp8 (DeepSeek-V3, the FP8 releases): e4m3 with a scale per 128 rows
+        yield ("quantized_matmul", f"fp8 g128 T={T} {N}->{H}", functools.partial(quantized_matmul, mode="fp8", group_size=128),
+               (spec((T, N), bf16), spec((N, H), jnp.float8_e4m3fn), spec((N // 128, H), jnp.float32)))
     # GGUF's grids as they load: Q4_1 (int4 g32, float16 scales and offsets), Q8_0 (int8 g32, float16
     # scales), Q4_K + Q6_K joined (int8 g16, float32 scales and offsets)
     f16 = jnp.float16

@@ -8,7 +8,7 @@ quantizers here make:
     int8   output column, or group of K    absmax / 127, f32 scales         -
            (group_size 16..128)            absmax / 127, f32 scales         (max - min) / 255, f32 scale + offset
     int4   group of `group_size` rows      absmax / 7, bf16 scales          (max - min) / 15, bf16 scale, f32 offset
-    fp8    output column                   absmax / 448, f32 scales         -
+    fp8    output column, or group of 128  absmax / 448, f32 scales         -
 
     w8a8   output column (weights), row       absmax / 127, f32 scales         -
            of x (activations, at run time)
@@ -179,14 +179,21 @@ def quantize_int4(w: jax.Array, group_size: int, symmetric: bool = True):
     return pack_int4(v.reshape(*lead, G * g, N), signed=symmetric), scales, offsets
 
 
-# ----------------------------------------------------------------------------- fp8, per column
-@jax.jit
-def quantize_fp8(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """w [..., K, N] -> (float8_e4m3fn [..., K, N], f32 scales [..., N]); each column's absmax maps to 448."""
-    wf = w.astype(jnp.float32)
-    scales = jnp.max(jnp.abs(wf), axis=-2) / FP8_MAX                       # [..., N]
-    q = jnp.clip(wf / _safe(scales)[..., None, :], -FP8_MAX, FP8_MAX)      # the cast rounds to nearest
-    return q.astype(jnp.float8_e4m3fn), scales
+# ----------------------------------------------------------------------------- fp8, per column or group
+@functools.partial(jax.jit, static_argnames=("group_size",))
+def quantize_fp8(w: jax.Array, group_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """w [..., K, N] -> (float8_e4m3fn [..., Kp, N], f32 scales [..., N] or [..., Kp // g, N]): each
+    column's (or each group of `group_size` rows') absmax maps to 448."""
+    if group_size is None:
+        wf = w.astype(jnp.float32)
+        scales = jnp.max(jnp.abs(wf), axis=-2) / FP8_MAX                   # [..., N]
+        q = jnp.clip(wf / _safe(scales)[..., None, :], -FP8_MAX, FP8_MAX)  # the cast rounds to nearest
+        return q.astype(jnp.float8_e4m3fn), scales
+    wg = _groups(w, group_size)                                            # [..., G, g, N]
+    scales = jnp.max(jnp.abs(wg), axis=-2) / FP8_MAX                       # [..., G, N]
+    q = jnp.clip(wg / _safe(scales)[..., None, :], -FP8_MAX, FP8_MAX)
+    *lead, G, g, N = q.shape
+    return q.reshape(*lead, G * g, N).astype(jnp.float8_e4m3fn), scales
 
 
 # ----------------------------------------------------------------------------- the pytree
@@ -341,7 +348,7 @@ def quantize(w: jax.Array, mode: str, group_size: int | None = None, symmetric: 
                                in_features=K if group_size else None)
     if mode == "int4":
         return QuantizedWeight(*quantize_int4(w, group_size, symmetric), mode="int4", group_size=group_size, in_features=K)
-    return QuantizedWeight(*quantize_fp8(w), mode="fp8")
+    return QuantizedWeight(*quantize_fp8(w, group_size), mode="fp8", group_size=group_size, in_features=K if group_size else None)
 
 
 # ----------------------------------------------------------------------------- whole parameter dicts

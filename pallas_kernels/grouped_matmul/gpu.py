@@ -82,7 +82,8 @@ def grouped_quantized_matmul(
         xs = [xg] if planes == 1 else [xg[:, 0::2], xg[:, 1::2]]     # int4 / mxfp4: x's columns k = 2i, then 2i + 1
         operands = (*xs, qweight, *(a for a in (scales, offsets) if a is not None))
         body = functools.partial(_grouped_kernel, planes=planes, has_offsets=offsets is not None, bm=BLOCK, bn=block_n,
-                                 bk=bk, group_size=group_size, fp4=mode == "mxfp4")
+                                 bk=bk, group_size=group_size, fp4=mode == "mxfp4",
+                                 fp8=mode == "fp8")
     else:
         operands = (xg, qweight, scales.astype(jnp.float32))
         body = functools.partial(_per_column_kernel, bm=BLOCK, bn=block_n, bk=bk)

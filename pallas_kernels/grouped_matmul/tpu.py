@@ -116,7 +116,8 @@ def grouped_quantized_matmul(
             pl.BlockSpec((None, bk // planes, bn), lambda j, i, k, s, u: (matrix(i, s, u), live(i, k, u)[1], j)),
         ] + [pl.BlockSpec((None, None, bk // group_size, bn), lambda j, i, k, s, u: (matrix(i, s, u), live(i, k, u)[1], 0, j))
              ] * len(per_group)
-        body = functools.partial(_grouped_kernel, planes=planes, has_offsets=offsets is not None, fp4=mode == "mxfp4")
+        body = functools.partial(_grouped_kernel, planes=planes, has_offsets=offsets is not None, fp4=mode == "mxfp4",
+                                 fp8=mode == "fp8")
     else:
         operands = (xg, qweight, scales.astype(jnp.float32).reshape(G, 1, N))
         in_specs = [

@@ -28,7 +28,7 @@ Modes
 * int8 / fp8 per output column: each [bk, bn] tile is cast to x's dtype (exact: int8 and e4m3
   values are all bfloat16 numbers) for a tensor-core dot with f32 accumulation; the column scales
   multiply the accumulator once, after the loop.
-* grouped (int4, and int8 with groups of 16..128): the integer tiles are exact in bf16, so each
+* grouped (int4, int8 with groups of 16..128, fp8 with groups of 128): the integer tiles are exact in bf16, so each
   group is one dot of depth g (int8) or two of depth g/2 (int4's nibble planes, below), and the
   group's scale multiplies the [bm, bn] partial before groups are summed (bm is small in decode,
   so this is fewer multiplies than scaling the weight tile); an offset o adds o * (the sum of x
@@ -110,7 +110,7 @@ def _per_column_kernel(x_ref, w_ref, scale_ref, out_ref, *, bm: int, bn: int, bk
 
 
 def _grouped_kernel(*refs, planes: int, has_offsets: bool, bm: int, bn: int, bk: int, group_size: int, fp4: bool = False,
-                    expert=None, program=None):
+                    fp8: bool = False, expert=None, program=None):
     """int4 / mxfp4 (planes = 2) or grouped int8 (planes = 1). refs: x_ref per plane [M, Kp / planes]
     (int4: x's columns k = 2i, then 2i + 1), w_ref [Kp / planes, N] (int8 | packed uint8),
     scale_ref [Kp/g, N] (mxfp4: exponent bytes), offset_ref [Kp/g, N] if has_offsets, out_ref [M, N]
@@ -137,7 +137,8 @@ def _grouped_kernel(*refs, planes: int, has_offsets: bool, bm: int, bn: int, bk:
             group = step * (bk // group_size) + g_in_step
             r0 = group * plane_g                             # first row of this group in each plane
             xs = [masked_tile(x_ref, M, plane_k, m0, r0, bm, plane_g) for x_ref in x_refs]    # [bm, g / planes] each
-            stored = masked_tile(w_ref, plane_k, N, r0, n0, plane_g, bn, lead=expert).astype(jnp.int32)  # [g / planes, bn]
+            stored = masked_tile(w_ref, plane_k, N, r0, n0, plane_g, bn, lead=expert)  # [g / planes, bn]
+            stored = stored.astype(jnp.float32 if fp8 else jnp.int32)  # (fp8: the e4m3 values, exact in bf16)
             bias = 0 if offset_ref is not None else 8        # int4 with offsets: the nibble is v as it is
             if fp4:                                          # mxfp4: E2M1 floats
                 values = (e2m1(stored & 0x0F), e2m1(stored >> 4))
@@ -200,7 +201,7 @@ def quantized_matmul(
         xs = [x] if planes == 1 else [x[:, 0::2], x[:, 1::2]]                 # int4: x's columns k = 2i, then 2i + 1
         operands = (*xs, qweight, *(a for a in (scales, offsets) if a is not None))
         kernel = functools.partial(_grouped_kernel, planes=planes, has_offsets=offsets is not None, bm=bm, bn=bn, bk=bk,
-                                   group_size=group_size, fp4=mode == "mxfp4")
+                                   group_size=group_size, fp4=mode == "mxfp4", fp8=mode == "fp8")
     else:
         operands = (x, qweight, scales.astype(jnp.float32))
         kernel = functools.partial(_per_column_kernel, bm=bm, bn=bn, bk=bk)

@@ -8,7 +8,7 @@ result comes back in x's dtype. This file also fixes the storage layout of each 
     mode    qweight                 scales, offsets                  w[k, n] =
     int8    int8 [K, N]             [N], or [K // g, N] per group    v * scale (+ offset)
     int4    uint8 [K // 2, N]       [K // g, N]                      v * scale (+ offset)
-    fp8     float8_e4m3fn [K, N]    [N]                              v * scale
+    fp8     float8_e4m3fn [K, N]    [N], or [K // 128, N]            v * scale
     mxfp4   uint8 [K // 2, N]       uint8 [K // 32, N]               e2m1(v) * 2 ** (scale - 127)
 
 with the scale (and offset) of k's group (k // g), or of column n. v is the stored value: the
@@ -29,6 +29,10 @@ values per byte, each an E2M1 float (sign, 2 exponent bits, 1 mantissa bit: 0, 0
 3, 4, 6 and their negatives), and per group of 32 rows an 8-bit power-of-two exponent (E8M0,
 bias 127) as its scale. Every product is exact in float32 and bfloat16; an exponent byte of 0
 (2 ** -127, below float32's normal numbers) counts as 0 here and in the kernels.
+
+fp8 with groups of 128 rows is how DeepSeek-V3 and the "FP8" releases of Qwen3 and others ship
+their weights: e4m3 values with a float32 scale per block of 128 x 128, which is a scale per group
+of 128 rows of K for each column here (the block's scale repeated over its 128 columns).
 
 Symmetric weights have no offsets. Asymmetric ones (GGUF's Q4_1 / Q4_K / Q5_K, AWQ, GPTQ) carry
 `offsets` of the scales' shape, added after scaling: "(q - z) * s" is v = q with offset -z * s.
@@ -52,7 +56,7 @@ import jax
 import jax.numpy as jnp
 
 MODES = ("int8", "int4", "fp8", "mxfp4")
-GROUP_SIZES = {"int8": (None, 16, 32, 64, 128), "int4": (32, 64, 128), "fp8": (None,), "mxfp4": (32,)}
+GROUP_SIZES = {"int8": (None, 16, 32, 64, 128), "int4": (32, 64, 128), "fp8": (None, 128), "mxfp4": (32,)}
 PACKED_MODES = ("int4", "mxfp4")  # two values of K per byte
 INT4_GROUP_SIZES = GROUP_SIZES["int4"]
 SCALE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)

@@ -26,7 +26,7 @@ Modes
 * int8 / fp8 per output column: the [bk, bn] tile is cast to x's dtype (exact: int8 and e4m3
   values are all bfloat16 numbers), multiplied on the MXU with f32 accumulation, and the column
   scales [1, bn] multiply the accumulator once, at the last K step.
-* grouped (int4, and int8 with groups): the group scales (and offsets) must be applied before
+* grouped (int4, int8 with groups, and fp8 in groups of 128 rows): the group scales (and offsets) must be applied before
   groups are summed, so each weight tile is dequantized in VMEM: viewed as [groups, g, bn] (a
   sublane-aligned split), multiplied by its groups' scales, offsets added, cast to x's dtype for
   one full-depth MXU dot. One dot per group would keep the integers exact but contract only
@@ -117,7 +117,7 @@ def _per_column_kernel(x_ref, w_ref, scale_ref, out_ref, acc_ref, *, k_steps=Non
         out_ref[...] = (acc_ref[...] * scale_ref[...]).astype(out_ref.dtype)
 
 
-def _grouped_kernel(*refs, planes: int, has_offsets: bool, fp4: bool = False, k_steps=None):
+def _grouped_kernel(*refs, planes: int, has_offsets: bool, fp4: bool = False, fp8: bool = False, k_steps=None):
     """int4 (planes = 2) or grouped int8 (planes = 1). refs: x_ref per plane [bm, bk / planes] (int4:
     x's columns k = 2i, then 2i + 1), w_ref [bk / planes, bn] (int8 | packed uint8), scale_ref
     [bk/g, bn], offset_ref [bk/g, bn] if has_offsets, out_ref [bm, bn], acc_ref [bm, bn] f32."""
@@ -130,7 +130,7 @@ def _grouped_kernel(*refs, planes: int, has_offsets: bool, fp4: bool = False, k_
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    stored = w_ref[...].astype(jnp.int32)            # [bk / planes, bn]
+    stored = w_ref[...].astype(jnp.float32 if fp8 else jnp.int32)  # [bk / planes, bn] (fp8: the e4m3 values)
     scales = e8m0(scale_ref[...]) if fp4 else scale_ref[...].astype(jnp.float32)  # [groups, bn] (mxfp4: exponent bytes)
     offsets = offset_ref[...].astype(jnp.float32) if has_offsets else None
     groups = scales.shape[0]
@@ -201,7 +201,8 @@ def quantized_matmul(
         in_specs = [pl.BlockSpec((bm, bk // planes), lambda i, j, k: (i, k)) for _ in xs] + [
             pl.BlockSpec((bk // planes, bn), lambda i, j, k: (k, j)),                  # int8 | packed rows
         ] + [group_block] * len(per_group)
-        kernel = functools.partial(_grouped_kernel, planes=planes, has_offsets=offsets is not None, fp4=mode == "mxfp4")
+        kernel = functools.partial(_grouped_kernel, planes=planes, has_offsets=offsets is not None, fp4=mode == "mxfp4",
+                                   fp8=mode == "fp8")
     else:
         operands = (x, qweight, scales.astype(jnp.float32).reshape(1, N))
         in_specs = [
