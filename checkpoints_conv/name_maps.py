@@ -191,6 +191,25 @@ GLM4_MOE_NAMES = ArchNames(
     per_expert=QWEN3_MOE_NAMES.per_expert,
 )
 
+# DeepSeek-V3 / R1, Kimi K2: multi-head latent attention (jaxinfer.models.deepseek: q through a
+# low-rank q_a / q_b pair or one q_proj, the latent K/V projection and its norm, each head's K/V
+# up-projection) and GLM-4.5's MoE layout (dense first layers; routed and shared experts).
+DEEPSEEK_V3_NAMES = ArchNames(
+    globals=LLAMA_NAMES.globals,
+    per_layer={
+        **{k: v for k, v in GLM4_MOE_NAMES.per_layer.items() if not k.startswith("self_attn.")},
+        "self_attn.q_proj.weight": Dest("layers.q_proj", True),
+        "self_attn.q_a_proj.weight": Dest("layers.q_a_proj", True),
+        "self_attn.q_a_layernorm.weight": Dest("layers.q_a_norm", False),
+        "self_attn.q_b_proj.weight": Dest("layers.q_b_proj", True),
+        "self_attn.kv_a_proj_with_mqa.weight": Dest("layers.kv_a_proj", True),
+        "self_attn.kv_a_layernorm.weight": Dest("layers.kv_a_norm", False),
+        "self_attn.kv_b_proj.weight": Dest("layers.kv_b_proj", True),
+        "self_attn.o_proj.weight": Dest("layers.o_proj", True),
+    },
+    per_expert=QWEN3_MOE_NAMES.per_expert,
+)
+
 # Gemma 2 / 3: a norm before and after each branch (Llama's post_attention_layernorm is the norm
 # *after* attention here, and pre_feedforward_layernorm the one before the MLP); Gemma 3's q/k norms.
 GEMMA_NAMES = ArchNames(
@@ -320,6 +339,7 @@ HF_NAME_MAPS: dict[str, ArchNames] = {
     "mixtral": MIXTRAL_NAMES,
     "minimax_m2": MINIMAX_M2_NAMES,
     "glm4_moe": GLM4_MOE_NAMES,
+    "deepseek_v3": DEEPSEEK_V3_NAMES,
     "llama4_text": LLAMA4_NAMES,
     "llama4": LLAMA4_NAMES,
     "qwen2_moe": QWEN2_MOE_NAMES,

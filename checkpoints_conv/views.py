@@ -72,13 +72,18 @@ class ViewSource(TensorSource):
         return array if index is None else array[tuple(index)]
 
     def quantized(self):
-        return {**self.inner.quantized(), **{name: layout for name, (layout, _) in self.grids.items()}}
+        stored = self.inner.quantized()
+        kept = {name: layout for name, layout in stored.items() if name not in self.replaced}
+        renamed = {name: stored[old] for name, old in self.renamed.items() if old in stored}
+        return {**kept, **renamed, **{name: layout for name, (layout, _) in self.grids.items()}}
 
     def read_grid(self, name):
-        return self.grids[name][1]() if name in self.grids else self.inner.read_grid(name)
+        if name in self.grids:
+            return self.grids[name][1]()
+        return self.inner.read_grid(self.renamed.get(name, name))
 
     def input_order(self, name):
-        return self.inner.input_order(name)
+        return self.inner.input_order(self.renamed.get(name, name))
 
     def close(self):
         self.inner.close()
@@ -382,7 +387,7 @@ def gemma4_views(source: TensorSource, config: dict) -> TensorSource:
 
 # HF model_type -> the views its checkpoints need
 VIEWS = {"gpt_oss": lambda source, config: gpt_oss_views(source), "phi3": phi3_views, "gemma3": gemma3_views,
-         "glm4_moe": glm4_moe_views, "gemma4_text": gemma4_views, "gemma4": gemma4_views, **{model_type: llama4_views for model_type in QK_ROWS_REORDERED}}
+         "glm4_moe": glm4_moe_views, "deepseek_v3": glm4_moe_views, "gemma4_text": gemma4_views, "gemma4": gemma4_views, **{model_type: llama4_views for model_type in QK_ROWS_REORDERED}}
 
 
 def with_views(source: TensorSource, config: dict) -> TensorSource:

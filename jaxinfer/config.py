@@ -26,16 +26,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
 from checkpoints_conv.views import gemma4_layer_plan
 
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "minimax_m2", "glm4_moe", "llama4_text", "llama4")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "minimax_m2", "glm4_moe", "llama4_text", "llama4",
+                   "deepseek_v3")
 # The families of issue 35, each with its own model file (jaxinfer.models.registry).
 NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2",
-                          "glm4_moe", "llama4_text", "llama4", "gemma4_text", "gemma4")
+                          "glm4_moe", "llama4_text", "llama4", "gemma4_text", "gemma4", "deepseek_v3")
 SUPPORTED_MODEL_TYPES = LLAMA_MODEL_TYPES + NEW_FAMILY_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "freq_factors", "proportional")
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -63,6 +65,7 @@ _ARCHITECTURE_TO_MODEL_TYPE = {
     "Llama4ForConditionalGeneration": "llama4",
     "Gemma4ForCausalLM": "gemma4_text",
     "Gemma4ForConditionalGeneration": "gemma4",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 
@@ -176,7 +179,17 @@ class ModelConfig:
     expert_bias: bool = False  # each expert's gate/up and down projections have biases (GPT-OSS)
     swiglu_limit: float | None = None  # GPT-OSS's clamped SwiGLU: (clip(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
     swiglu_alpha: float = 1.702
-    experts_stored: str | None = None  # "mxfp4": the checkpoint stores the experts so (GPT-OSS as released); they load 4-bit where kept quantized
+    # Multi-head latent attention (DeepSeek): K and V from a latent of kv_lora_rank values per token
+    # plus one shared RoPE key of qk_rope_head_dim; the cache holds that row (head_dim = kv_lora_rank
+    # + qk_rope_head_dim, one KV head, its first rotary_dim dims rotated: models.deepseek)
+    kv_lora_rank: int = 0  # 0: not MLA
+    q_lora_rank: int = 0  # queries through a low-rank projection and a norm; 0: one q_proj
+    qk_nope_head_dim: int = 0  # each query / key head's dims without RoPE
+    v_head_dim: int = 0  # each value head's dims
+    rope_interleave: bool = False  # the rope dims come as interleaved pairs (x0, x1), (x2, x3) ... (DeepSeek-V3)
+    # How the checkpoint stores its weights, where a TPU / GPU load keeps them so (`jaxinfer aot` plans
+    # them so): "mxfp4" (GPT-OSS's experts), "fp8" (block-scaled: DeepSeek-V3, the FP8 releases); None: floats
+    stored_quantization: str | None = None
     # Gemma 4
     global_head_dim: int = 0  # full-attention layers' head dim (512); 0: head_dim
     global_kv_heads: int = 0  # their KV heads; 0: num_kv_heads
@@ -192,6 +205,11 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek): the cache holds one latent row per token."""
+        return self.kv_lora_rank > 0
 
     @property
     def rope_dim(self) -> int:
@@ -273,6 +291,8 @@ class ModelConfig:
                 raise ConfigError(f"{source} is missing required field {key!r} (model_type={model_type})")
             return d[key]
 
+        if model_type == "deepseek_v3":  # MLA: the cache's one "KV head" is the latent row [rope | latent]
+            d = {**d, "num_key_value_heads": 1, "head_dim": int(need("kv_lora_rank")) + int(need("qk_rope_head_dim"))}
         num_heads = int(need("num_attention_heads"))
         num_kv_heads = int(d.get("num_key_value_heads") or num_heads)
         hidden_size = int(need("hidden_size"))
@@ -355,6 +375,11 @@ class ModelConfig:
             **moe,
             **family,
         )
+        method = (d.get("quantization_config") or {}).get("quant_method")
+        if method == "fp8" or (method == "mxfp4" and model_type == "gpt_oss"):
+            config = dataclasses.replace(config, stored_quantization=method)
+        if config.is_mla:  # RoPE turns the row's first qk_rope_head_dim dims (models.deepseek puts the rope part first)
+            config = dataclasses.replace(config, rotary_dim=int(d["qk_rope_head_dim"]))
         if JAXINFER_FIELDS in d:  # written by to_hf_dict (a converted folder)
             config = dataclasses.replace(config, **{name: _from_json(name, v) for name, v in d[JAXINFER_FIELDS].items()})
         if config.rotary_dim % 2:
@@ -424,7 +449,7 @@ class ModelConfig:
 def _parse_moe(d: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
     """The mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json."""
     num_experts = (d.get("num_local_experts") if model_type in ("mixtral", "gpt_oss", "minimax_m2")
-                   else d.get("n_routed_experts", d.get("num_local_experts")) if model_type == "glm4_moe"
+                   else d.get("n_routed_experts", d.get("num_local_experts")) if model_type in ("glm4_moe", "deepseek_v3")
                    else d.get("num_experts", d.get("num_local_experts")))
     top_k = d.get("num_experts_per_tok")
     if not num_experts or not top_k:
@@ -446,7 +471,7 @@ def _parse_moe(d: dict[str, Any], model_type: str, source: str) -> dict[str, Any
     shared = 0
     if model_type == "qwen2_moe":
         shared = int(d.get("shared_expert_intermediate_size") or 0)
-    elif model_type == "glm4_moe":  # n_shared_experts experts' worth of width, always on
+    elif model_type in ("glm4_moe", "deepseek_v3"):  # n_shared_experts experts' worth of width, always on
         shared = int(width) * int(d.get("n_shared_experts", 1))
     elif model_type in ("llama4_text", "llama4"):  # one shared expert as wide as a routed one
         shared = int(width)
@@ -455,7 +480,7 @@ def _parse_moe(d: dict[str, Any], model_type: str, source: str) -> dict[str, Any
         num_experts_per_tok=int(top_k),
         moe_intermediate_size=int(width),
         shared_expert_intermediate_size=shared,
-        norm_topk_prob=bool(d.get("norm_topk_prob", model_type == "glm4_moe")),
+        norm_topk_prob=bool(d.get("norm_topk_prob", model_type in ("glm4_moe", "deepseek_v3"))),
     )
 
 
@@ -468,7 +493,7 @@ _NEWER_FIELDS = ("layer_types", "nope_layers", "local_rope_theta", "local_rope_s
                  "moe_layer_step", "router_scales_inputs", "attention_chunk_size", "qk_l2_norm", "attn_temperature_scale",
                  "attn_temperature_floor", "global_head_dim", "global_kv_heads", "global_k_eq_v", "value_norm",
                  "kv_shared_layers", "wide_shared_mlp", "per_layer_input_size", "per_layer_vocab_size", "dense_and_experts",
-                 "layer_scalar")
+                 "layer_scalar", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim", "rope_interleave")
 
 
 def _to_json(value):
@@ -537,6 +562,24 @@ def _glm4_moe_fields(d: dict[str, Any]) -> dict[str, Any]:
     return dict(router_scoring="sigmoid", router_correction_bias=True, router_groups=groups, router_top_groups=top_groups,
                 routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)), shared_expert_gated=False,
                 first_dense_layers=first_dense)
+
+
+def _deepseek_v3_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3 / R1, Kimi K2: multi-head latent attention (queries through q_lora_rank, or one
+    q_proj without it; keys and values from the kv_lora_rank latent plus a shared RoPE key), scored
+    with (nope + rope) ** -0.5 times YaRN's mscale(factor, mscale_all_dim) squared; GLM-4.5's
+    routing (DeepSeekMoE: sigmoid scores, a correction bias, groups of experts, shared experts,
+    first_k_dense_replace dense layers)."""
+    nope, rope = int(d["qk_nope_head_dim"]), int(d["qk_rope_head_dim"])
+    scale = (nope + rope) ** -0.5
+    rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if rp.get("rope_type", rp.get("type", "default")) != "default" and rp.get("mscale_all_dim"):
+        factor = float(rp["factor"])
+        mscale = 0.1 * float(rp["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    return dict(_glm4_moe_fields(d), kv_lora_rank=int(d["kv_lora_rank"]), q_lora_rank=int(d.get("q_lora_rank") or 0),
+                qk_nope_head_dim=nope, v_head_dim=int(d["v_head_dim"]), rope_interleave=bool(d.get("rope_interleave", True)),
+                attention_scale=scale)
 
 
 def _llama4_fields(d: dict[str, Any]) -> dict[str, Any]:
@@ -621,13 +664,13 @@ _FAMILY_FIELDS = {
     # MiniMax-M2: q/k RMSNorm over the whole projection, sigmoid routing with a correction bias
     "minimax_m2": lambda d: _minimax_m2_fields(d),
     "glm4_moe": lambda d: _glm4_moe_fields(d),
+    "deepseek_v3": lambda d: _deepseek_v3_fields(d),
     "llama4_text": lambda d: _llama4_fields(d),
     "llama4": lambda d: _llama4_fields(d),
     "gemma4_text": _gemma4_fields,
     "gemma4": _gemma4_fields,
     "gpt_oss": lambda d: dict(attention_sinks=True, router_bias=True, expert_bias=True,
                               swiglu_limit=float(d.get("swiglu_limit", 7.0)), swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
-                              experts_stored="mxfp4" if (d.get("quantization_config") or {}).get("quant_method") == "mxfp4" else None,
                               default_layer_types=lambda n: ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                                              for i in range(n)]),
 }
@@ -640,6 +683,7 @@ _REFUSED_SWITCHES = {
     # "vision": image tokens see each other both ways, which a text prompt never has
     **{t: {"use_bidirectional_attention": (None, False, "vision"), "attention_bias": (None, False)} for t in ("gemma4_text", "gemma4")},
     # the released configs name the q/k norm "per_layer" (over the whole projection, as implemented)
+    "deepseek_v3": {"attention_bias": (None, False)},
     "minimax_m2": {"use_qk_norm": (None, True), "qk_norm_type": (None, "per_layer"), "use_routing_bias": (None, True),
                    "scoring_func": (None, "sigmoid"), "shared_intermediate_size": (None, 0)},
 }

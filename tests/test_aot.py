@@ -83,25 +83,29 @@ def test_every_triton_kernel_compiles_for_an_h100(h100):
 
 @pytest.mark.parametrize("chip,family", [("v6e", "gemma-2-9b"), ("v6e", "gpt-oss-120b"), ("h100", "gpt-oss-120b"),
                                          ("h100", "phi-3-mini"), ("v6e", "llama-4-scout"), ("h100", "llama-4-scout"),
-                                         ("v6e", "gemma-4-31b-global")])
+                                         ("v6e", "gemma-4-31b-global"), ("v6e", "deepseek-v3"), ("h100", "deepseek-v3")])
 def test_attention_kernels_compile_with_each_newer_family_option(chip, family, request):
     """Ragged attention in a decode bucket (bf16 pages) and flash attention with a sliding window
     and soft-capping at head_dim 256 (Gemma 2, Mosaic), a window of 128 with sinks at head_dim 64
     (GPT-OSS, Mosaic and Triton), a window at head_dim 96 (Phi-3: Triton's blocks
     are powers of two, so the kernels pad it to 128), chunks of 8192 (Llama 4), head_dim 512 (Gemma 4's
-    global layers; on a TPU pool their pages are lane blocks of pages twice as wide)."""
+    global layers; on a TPU pool their pages are lane blocks of pages twice as wide), DeepSeek-V3's
+    latent row (one KV head of 576; the Triton flash kernel pads it to 1024 and does not fit an
+    H100's shared memory: a GPU's long prefills take the XLA path, by the on-device check)."""
     target = request.getfixturevalue(chip)
     compiled = []
     for kernel, case, fn, args in kernel_check.kernel_cases(target, kernel_check.FAMILY_SHAPES[family]):
+        if family == "deepseek-v3" and chip == "h100" and kernel == "flash_attention":
+            continue  # (refused: see the docstring)
         if kernel == "flash_attention" or (kernel == "ragged_paged_attention" and case.startswith("decode") and "kv=bf16" in case):
             paged = kernel == "ragged_paged_attention"
-            assert ("window=" in case) == (family not in ("llama-4-scout", "gemma-4-31b-global"))
+            assert ("window=" in case) == (family not in ("llama-4-scout", "gemma-4-31b-global", "deepseek-v3"))
             assert ("lane blocks" in case) == (family == "gemma-4-31b-global" and paged and chip == "v6e")
             assert ("sinks" in case) == (family == "gpt-oss-120b" and paged) and ("chunk=" in case) == (family == "llama-4-scout")
             assert ("soft_cap" in case) == (family == "gemma-2-9b")
             kernel_check.compile_for(target, fn, args)
             compiled.append(kernel)
-    assert compiled == ["ragged_paged_attention", "flash_attention"]
+    assert compiled == ["ragged_paged_attention", "flash_attention"][: 1 if (family, chip) == ("deepseek-v3", "h100") else 2]
 
 
 def test_the_gpu_kernel_fits_many_query_heads_per_kv_head_into_shared_memory(h100):
@@ -215,6 +219,32 @@ def test_a_gpt_oss_step_keeps_its_mxfp4_experts_over_two_tpu_chips(v6e):
     assert experts.mode == "mxfp4" and experts.qweight.sharding.shard_shape(experts.qweight.shape) == (2, 2, 128, 512)
     bf16 = AbstractStep.build(SMALL_GPT_OSS, v6e, ParallelConfig(ep=2), dataclasses.replace(SHAPE, keep_checkpoint_quantization=False))
     assert isinstance(bf16.params["layers"]["experts_gate_up"].get_value(), jax.ShapeDtypeStruct)
+    decode = next(k for k in plan.buckets.all_keys() if k.query_block == 1)
+    assert_in_place_with_kernels(plan, decode, "grouped_quantized_matmul")
+
+
+# A small DeepSeek-V3 as released: latent attention (4 heads, latent 128 + RoPE 64), a dense first
+# layer then 4 experts and a shared one, every linear but kv_b_proj e4m3 in 128 x 128 blocks.
+SMALL_DEEPSEEK = ModelConfig.from_hf_dict(
+    dict(model_type="deepseek_v3", hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=2,
+         num_attention_heads=4, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+         vocab_size=1024, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1,
+         eos_token_id=2, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
+    source="test",
+)
+
+
+def test_a_deepseek_step_keeps_its_fp8_weights_over_two_tpu_chips(v6e):
+    """Tensor parallelism over two chips (two query heads each, the latent row on both), the FP8
+    release's weights as stored: the projections through the quantized matmul, the experts through
+    the grouped one, the pool updated in place."""
+    plan = AbstractStep.build(SMALL_DEEPSEEK, v6e, ParallelConfig(tp=2), SHAPE)
+    layers = plan.params["layers"]
+    assert layers["q_b_proj"].get_value().mode == "fp8" and layers["experts_gate_up"].get_value().mode == "fp8"
+    assert isinstance(layers["kv_b_proj"].get_value(), jax.ShapeDtypeStruct)  # read per head, absorbed: floats
+    # the latent row (128 + 64) in 256 lanes, as K and V, once per chip (the global array: both chips' rows)
+    assert plan.kv.kv.shape[-1] == 2 * 2 * 256
     decode = next(k for k in plan.buckets.all_keys() if k.query_block == 1)
     assert_in_place_with_kernels(plan, decode, "grouped_quantized_matmul")
 

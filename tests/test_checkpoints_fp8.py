@@ -26,7 +26,6 @@ from jaxinfer.tree import nested_to_flat
 from tiny_models import VOCAB, save_hf_model
 
 BLOCK = [128, 128]
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def quantize_fp8_blocks(w: torch.Tensor, block=BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,14 +41,19 @@ def quantize_fp8_blocks(w: torch.Tensor, block=BLOCK) -> tuple[torch.Tensor, tor
     return q.to(torch.float8_e4m3fn), scale.float()
 
 
-def write_fp8_folder(directory, **config_overrides) -> dict[str, torch.Tensor]:
-    """A tiny Qwen3 saved as an FP8 release is: its linear layers' weights e4m3 with weight_scale_inv."""
-    model = save_hf_model("qwen3", directory, intermediate_size=160)
-    tensors = {name: t.detach().clone().contiguous() for name, t in model.state_dict().items()}
-    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in LINEARS]:
-        tensors[name], tensors[f"{name}_scale_inv"] = quantize_fp8_blocks(tensors[name])
-    for f in directory.glob("*.safetensors"):
+def write_fp8_folder(directory, family: str = "qwen3", **config_overrides) -> dict[str, torch.Tensor]:
+    """A tiny model saved as an FP8 release is: every linear layer's weight e4m3 with its
+    weight_scale_inv blocks (the embedding, the LM head, the norms and a router's gate stay floats)."""
+    from safetensors.torch import load_file
+
+    save_hf_model(family, directory, **(dict(intermediate_size=160) if family == "qwen3" else {}))
+    tensors = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(f))
         f.unlink()
+    for name in [n for n, t in tensors.items() if n.endswith(".weight") and t.ndim == 2 and "norm" not in n
+                 and not n.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight"))]:
+        tensors[name], tensors[f"{name}_scale_inv"] = quantize_fp8_blocks(tensors[name].float())
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -70,7 +74,7 @@ def test_fp8_weights_dequantize_as_transformers_does(fp8_folder):
     directory, tensors = fp8_folder
     source = open_checkpoint(directory, read_checkpoint_config(directory))
     quantized = source.quantized()
-    assert len(quantized) == 2 * len(LINEARS) and {layout.mode for layout in quantized.values()} == {"fp8"}
+    assert len(quantized) == 2 * 7 and {layout.mode for layout in quantized.values()} == {"fp8"}  # q k v o gate up down
     for name in quantized:
         want = _dequantize_fp8_weight(tensors[name], tensors[f"{name}_scale_inv"], BLOCK, torch.float32)
         assert source.read(name).tobytes() == want.numpy().tobytes(), name
@@ -101,3 +105,22 @@ def test_fp8_configs_not_read_here_are_refused_by_name(tmp_path, overrides, mess
     source = resolve_model(tmp_path)
     with pytest.raises(CheckpointError, match=message):
         load_params(source, read_config(source), jnp.float32, jnp.float32, progress=False)
+
+
+def test_deepseek_fp8_keeps_its_experts_and_projections_fp8_with_the_float_logprobs(tmp_path):
+    """DeepSeek-V3's FP8 release: the attention's low-rank projections, the dense MLP, the shared
+    and routed experts stay fp8 in groups of 128 (the experts as stacks for the grouped matmul);
+    kv_b_proj, which the absorbed attention reads per head, loads as floats."""
+    write_fp8_folder(tmp_path, "deepseek_v3")
+    source = resolve_model(tmp_path)
+    config = read_config(source)
+    f_graphdef, f_params = load_params(source, config, jnp.float32, jnp.float32, progress=False, keep_quantized=False)
+    q_graphdef, q_params = load_params(source, config, jnp.float32, jnp.float32, progress=False)
+    flat = nested_to_flat(nnx.to_pure_dict(q_params))
+    for name in ("layers.q_a_proj", "layers.q_b_proj", "layers.kv_a_proj", "layers.o_proj", "layers.gate_up_proj",
+                 "layers.shared_gate_up", "layers.experts_gate_up", "layers.experts_down"):
+        assert isinstance(flat[name], QuantizedWeight) and flat[name].mode == "fp8", name
+    assert not isinstance(flat["layers.kv_b_proj"], QuantizedWeight)
+    ids = list(np.random.default_rng(1).integers(3, VOCAB, 20))
+    np.testing.assert_allclose(prompt_log_softmax(config, q_graphdef, q_params, ids),
+                               prompt_log_softmax(config, f_graphdef, f_params, ids), atol=2e-5)

@@ -75,7 +75,7 @@ GROUPED = {"reference": Kernels(),  # the CPU's XLA path: the stack dequantized,
 @pytest.mark.parametrize("grouped", sorted(GROUPED))
 def test_mxfp4_experts_kept_4_bit_give_the_float_logprobs(mxfp4_folder, float_load, grouped):
     config, f_graphdef, f_params = float_load
-    assert config.experts_stored == "mxfp4"
+    assert config.stored_quantization == "mxfp4"
     source = resolve_model(mxfp4_folder[0])
     q_graphdef, q_params = load_params(source, config, jnp.float32, jnp.float32, kernels=GROUPED[grouped], progress=False)
     flat, floats = nested_to_flat(nnx_dict(q_params)), nested_to_flat(nnx_dict(f_params))

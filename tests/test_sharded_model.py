@@ -76,6 +76,9 @@ def test_moe_model_on_a_mesh_matches_one_device(moe_dir, moe_truth, parallel):
     # global layers of their own shape (2 KV heads on 4 shards: replicated), pages of 4 times the
     # tokens in the sliding groups, KV-shared layers, per-layer inputs, experts beside the MLP
     ("gemma4", ParallelConfig(tp=4, ep=2)),
+    # multi-head latent attention: query heads and their K/V up-projections split, the latent row
+    # (one KV head) on every shard; DeepSeekMoE's experts split
+    ("deepseek_v3", ParallelConfig(tp=2, ep=2)),
 ], ids=lambda x: x if isinstance(x, str) else mesh_id(x))
 def test_newer_families_on_a_mesh_match_one_device(tmp_path, family, parallel):
     extra = dict(num_key_value_heads=4) if family == "olmo2" else {}

@@ -85,6 +85,9 @@ FAMILY_SHAPES = {
     "gemma-4-31b": FamilyShape(32, 16, 256, 5376, 21504, window=1024),  # its sliding layers; the global ones:
     # head_dim 512, their K/V row half the sliding layers': on a TPU pool, pages read as lane blocks
     "gemma-4-31b-global": FamilyShape(32, 4, 512, 5376, 21504, lane_blocks=2),
+    # DeepSeek-V3's latent attention as the paged kernels see it (jaxinfer.models.deepseek): one KV
+    # head of 576 (the latent 512 and the RoPE key 64), the 128 query heads over tp = 8
+    "deepseek-v3": FamilyShape(16, 1, 576, 7168, 18432),
 }
 
 PAGE_SIZE = 16

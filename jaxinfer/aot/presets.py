@@ -83,6 +83,21 @@ PRESETS: dict[str, dict] = {
                                                             "rope_theta": 1000000.0},
                                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
                         bos_token_id=2, eos_token_id=[1, 106]),
+    # DeepSeek-V3 (and R1, the same shapes): 671B, multi-head latent attention (128 heads, latent
+    # 512 + RoPE 64), 3 dense layers then 256 routed experts (top 8 from 4 of 8 groups) and a shared
+    # one; the release's weights e4m3 in 128 x 128 blocks
+    "deepseek-v3": dict(model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+                        n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+                        qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+                        num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True, hidden_act="silu",
+                        max_position_embeddings=163840, rms_norm_eps=1e-6, vocab_size=129280, tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "yarn", "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                         "rope_theta": 10000.0},
+                        bos_token_id=0, eos_token_id=1,
+                        quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                             "weight_block_size": [128, 128]}),
 }
 
 

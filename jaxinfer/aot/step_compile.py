@@ -30,9 +30,9 @@ from jaxinfer.engine.memory import GPU_MEMORY_UTILIZATION, abstract_inputs, abst
 from jaxinfer.models.lora import LoraTable
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.kv_cache import KVCache, page_factors
-from jaxinfer.ops.quantization import QuantizedWeight, quantize_model, replace_weights
+from jaxinfer.ops.quantization import MATMUL_WEIGHT_NAMES, QuantizedWeight, quantize_model, replace_weights
+from jaxinfer.runtime.loading import EXPERTS, abstract_model
 from jaxinfer.tree import nested_to_flat
-from jaxinfer.runtime.loading import abstract_model
 from jaxinfer.runtime.placement import param_partition_specs
 from jaxinfer.runtime.step import StepFunction
 from sharding.mesh import ParallelConfig, make_mesh
@@ -40,20 +40,29 @@ from sharding.mesh import ParallelConfig, make_mesh
 NUM_TOP_LOGPROBS = 20  # LLM's default max_logprobs: part of the compiled step
 
 
-def experts_as_stored(graphdef, params):
-    """(graphdef, abstract params) with the expert stacks as a GPT-OSS checkpoint stores them and
-    a TPU / GPU loads them: mxfp4 QuantizedWeights (E2M1 nibbles [..., K / 2, N], an exponent byte
-    per 32 rows [..., K / 32, N])."""
+def weights_as_stored(graphdef, params, stored: str):
+    """(graphdef, abstract params) with the weights as the checkpoint stores them and a TPU / GPU
+    loads them (jaxinfer.runtime.loading): `stored` "mxfp4" (GPT-OSS): the expert stacks as E2M1
+    nibbles [..., K / 2, N] with an exponent byte per 32 rows [..., K / 32, N]; "fp8" (block-scaled):
+    every matmul weight the loader keeps (projections, dense and expert MLPs) as e4m3 [..., Kp, N]
+    with a float32 scale per 128 rows [..., Kp / 128, N]."""
     new_graphdef = []
+
+    def as_stored(name: str, shape) -> QuantizedWeight:
+        *lead, K, N = shape
+        if stored == "mxfp4":
+            return QuantizedWeight(jnp.zeros((*lead, K // 2, N), jnp.uint8), jnp.zeros((*lead, K // 32, N), jnp.uint8),
+                                   mode="mxfp4", group_size=32, in_features=K)
+        groups = -(-K // 128)
+        return QuantizedWeight(jnp.zeros((*lead, groups * 128, N), jnp.float8_e4m3fn), jnp.zeros((*lead, groups, N), jnp.float32),
+                               mode="fp8", group_size=128, in_features=K)
 
     def replace(state):
         flat = nested_to_flat(nnx.to_pure_dict(state))
-        stored = {}
-        for name in ("layers.experts_gate_up", "layers.experts_down"):
-            *lead, K, N = flat[name].shape
-            stored[name] = QuantizedWeight(jnp.zeros((*lead, K // 2, N), jnp.uint8), jnp.zeros((*lead, K // 32, N), jnp.uint8),
-                                           mode="mxfp4", group_size=32, in_features=K)
-        g, new_state = replace_weights(graphdef, state, stored)
+        names = [n for n in flat if n.rsplit(".", 1)[-1] in EXPERTS] if stored == "mxfp4" else [
+            n for n in flat if n.rsplit(".", 1)[-1] in (MATMUL_WEIGHT_NAMES | EXPERTS) - {"lm_head"} and flat[n].ndim >= 2]
+        g, new_state = replace_weights(graphdef, state, {n: as_stored(n, flat[n].shape) for n in names
+                                                         if stored == "fp8" or "shared" not in n})
         new_graphdef.append(g)
         return new_state
 
@@ -77,7 +86,7 @@ class ServingShape:
     dtype: str = "bfloat16"  # weights and activations
     kv_cache_dtype: str | None = None  # default: dtype
     quantization: str | None = None  # "int8" | "int4" | "fp8" | "w8a8" weights
-    keep_checkpoint_quantization: bool = True  # experts the checkpoint stores mxfp4 (GPT-OSS) stay 4-bit, as a TPU / GPU loads them
+    keep_checkpoint_quantization: bool = True  # weights a checkpoint stores mxfp4 / fp8 stay so, as a TPU / GPU loads them
     group_size: int = 128  # int4's groups (the other modes: one scale per output column)
     max_loras: int = 0  # > 0: the LoRA slot table of LLM(enable_lora=True, max_loras=..., max_lora_rank=...)
     max_lora_rank: int = 16
@@ -86,14 +95,16 @@ class ServingShape:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: expected a fraction in (0, 1]")
 
-    def keeps_stored_experts(self, config: ModelConfig) -> bool:
-        """Whether the experts load as the checkpoint stores them (mxfp4), not as `dtype`."""
-        return bool(config.experts_stored) and self.quantization is None and self.keep_checkpoint_quantization
+    def keeps_stored_weights(self, config: ModelConfig) -> bool:
+        """Whether weights load as the checkpoint stores them (mxfp4 experts, fp8), not as `dtype`."""
+        return bool(config.stored_quantization) and self.quantization is None and self.keep_checkpoint_quantization
 
     def weights_name(self, config: ModelConfig) -> str:
         """The weights' dtype or quantization, as the plan prints it."""
-        stored = f" (experts {config.experts_stored})" if self.keeps_stored_experts(config) else ""
-        return f"{self.quantization or self.dtype}{stored}"
+        if not self.keeps_stored_weights(config):
+            return self.quantization or self.dtype
+        what = "experts mxfp4" if config.stored_quantization == "mxfp4" else "fp8 in 128 x 128 blocks"
+        return f"{self.dtype} ({what})"
 
     @property
     def pages_per_seq(self) -> int:
@@ -143,8 +154,8 @@ class AbstractStep:
 
             params = jax.eval_shape(quantize, params)
             graphdef = quantized_graphdef[0]
-        elif shape.keeps_stored_experts(config):
-            graphdef, params = experts_as_stored(graphdef, params)
+        elif shape.keeps_stored_weights(config):
+            graphdef, params = weights_as_stored(graphdef, params, config.stored_quantization)
         specs = param_partition_specs(params, config)
         params = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
                               params, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))

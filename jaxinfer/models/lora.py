@@ -70,6 +70,8 @@ def lora_shapes(config: ModelConfig, table: LoraTable, tp: int = 1) -> dict[str,
     if any(kind.head_dim is not None for kind in c.layer_kinds()) or c.kv_shared_layers or c.per_layer_input_size:
         raise ConfigError(f"LoRA adapters for {c.model_type} (layers of several attention shapes, shared K/V or per-layer "
                           "inputs: Gemma 4) are not supported")
+    if c.is_mla:
+        raise ConfigError(f"LoRA adapters for {c.model_type} (multi-head latent attention: DeepSeek) are not supported")
     L, H, I = c.num_layers, c.hidden_size, c.intermediate_size
     q_dim, kv_dim = c.num_heads * c.head_dim, num_kv_heads_stored(c, tp) * c.head_dim
     shapes = {

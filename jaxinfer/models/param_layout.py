@@ -140,6 +140,9 @@ def param_shapes(config: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]
              "post": ("post_attn_norm", "post_mlp_norm")}[c.norm_layout]
     shapes = {"embed": (V, H), "final_norm": (H,), **{f"layers.{name}": (L, H) for name in norms}}
     kinds = c.layer_kinds()
+    if c.is_mla:  # DeepSeek's latent attention instead of qkv_proj (models.deepseek)
+        shapes.update(_mla_shapes(c))
+        kinds = ()
     for prefix, kind in (("", next((k for k in kinds if k.head_dim is None), None)),
                          ("global_", next((k for k in kinds if k.head_dim is not None), None))):
         if kind is None:
@@ -198,6 +201,29 @@ def param_shapes(config: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]
     return shapes
 
 
+def _mla_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Multi-head latent attention's weights (DeepSeek), [in, out] like every linear here:
+
+        q_proj [L, H, Hq*(nope + rope)]  or  q_a_proj [L, H, q_rank], q_a_norm [L, q_rank],
+                                             q_b_proj [L, q_rank, Hq*(nope + rope)]
+        kv_a_proj [L, H, r + rope]   the latent and the shared RoPE key (HF's kv_a_proj_with_mqa)
+        kv_a_norm [L, r]
+        kv_b_proj [L, r, Hq*(nope + v)]   each head's key (nope) and value up-projections
+        o_proj [L, Hq*v, H]
+
+    The head-major columns of q and kv_b (and o_proj's rows) split over the tensor shards by heads."""
+    L, H, Hq, r = c.num_layers, c.hidden_size, c.num_heads, c.kv_lora_rank
+    rope, qk = c.rotary_dim, c.qk_nope_head_dim + c.rotary_dim
+    shapes = {"layers.kv_a_proj": (L, H, r + rope), "layers.kv_a_norm": (L, r),
+              "layers.kv_b_proj": (L, r, Hq * (c.qk_nope_head_dim + c.v_head_dim)), "layers.o_proj": (L, Hq * c.v_head_dim, H)}
+    if c.q_lora_rank:
+        shapes.update({"layers.q_a_proj": (L, H, c.q_lora_rank), "layers.q_a_norm": (L, c.q_lora_rank),
+                       "layers.q_b_proj": (L, c.q_lora_rank, Hq * qk)})
+    else:
+        shapes["layers.q_proj"] = (L, H, Hq * qk)
+    return shapes
+
+
 # What each dimension of each parameter is. Names ending in "norm" are [L, H] or [L, D] vectors.
 _AXES = {
     "embed": ("vocab", "embed_tp"),
@@ -246,6 +272,13 @@ _AXES = {
     "layers.ple_proj": ("layers", None, "embed"),
     "layers.ple_norm": ("layers", "embed"),
     "layers.layer_scalar": ("layers", None),
+    "layers.q_proj": ("layers", "embed", "heads"),
+    "layers.q_a_proj": ("layers", "embed", None),
+    "layers.q_a_norm": ("layers", None),
+    "layers.q_b_proj": ("layers", None, "heads"),
+    "layers.kv_a_proj": ("layers", "embed", None),
+    "layers.kv_a_norm": ("layers", None),
+    "layers.kv_b_proj": ("layers", None, "heads"),
 }
 
 

@@ -358,7 +358,8 @@ def quantize(w: jax.Array, mode: str, group_size: int | None = None, symmetric: 
 # embedding is a row gather, not a matmul, and norms and biases are tiny.
 MATMUL_WEIGHT_NAMES = frozenset(
     {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head",
-     "global_qkv_proj", "global_o_proj", "wide_gate_up_proj", "wide_down_proj"}  # (Gemma 4's stacks of their own)
+     "global_qkv_proj", "global_o_proj", "wide_gate_up_proj", "wide_down_proj",  # (Gemma 4's stacks of their own)
+     "q_proj", "q_a_proj", "q_b_proj", "kv_a_proj"}  # (MLA's; kv_b_proj is read per head, absorbed: floats)
 )
 
 

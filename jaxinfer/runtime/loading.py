@@ -18,8 +18,9 @@ load as `QuantizedWeight`s in their own grid, with no float copy made (`keep_qua
 engine's default depends on the backend: EngineConfig.keeps_checkpoint_quantization): the
 embedding, the attention and MLP projections and the LM head, when every tensor of the parameter
 is quantized (a parameter's tensors are joined into one layout that holds each exactly:
-checkpoints_conv.quantized). GPT-OSS's MXFP4 experts stay 4-bit too (a grouped matmul runs
-them: jaxinfer.ops.kernels); other quantized experts (GGUF's) load as floats.
+checkpoints_conv.quantized). GPT-OSS's MXFP4 experts and block-scaled fp8 ones (DeepSeek-V3)
+stay so too (a grouped matmul runs them: jaxinfer.ops.kernels); other quantized experts (GGUF's)
+load as floats.
 """
 
 from __future__ import annotations
@@ -167,7 +168,9 @@ def load_params(
 
 
 ROW_PARALLEL = ("layers.o_proj", "layers.down_proj", "layers.experts_down", "lm_head", "embed")  # K split over the tensor axis
-EXPERTS = frozenset({"experts_gate_up", "experts_down"})  # stacks the grouped matmul runs quantized: mxfp4 only (GPT-OSS)
+# MoE weights kept quantized only as mxfp4 (GPT-OSS's experts) or fp8 (DeepSeek-V3's): the routed experts run
+# through the grouped matmul, the shared ones through the quantized matmul; other grids (GGUF's) load as floats
+EXPERTS = frozenset({"experts_gate_up", "experts_down", "shared_gate_up", "shared_down"})
 QUANTIZABLE = MATMUL_WEIGHT_NAMES | {"embed"} | EXPERTS  # what the model runs quantized (the embedding: a column gather)
 
 
@@ -185,7 +188,7 @@ def stored_quantization(tensors, config: ModelConfig, tp: int) -> tuple[dict, di
         if target is not None and target.param.rsplit(".", 1)[-1] in QUANTIZABLE:
             param_of[hf_name] = target.param
     layouts = checkpoints_conv.param_layouts(stored, param_of)
-    for name in [n for n, layout in layouts.items() if n.rsplit(".", 1)[-1] in EXPERTS and layout.mode != "mxfp4"]:
+    for name in [n for n, layout in layouts.items() if n.rsplit(".", 1)[-1] in EXPERTS and layout.mode not in ("mxfp4", "fp8")]:
         del layouts[name]  # (GGUF's quantized experts load as floats)
     if config.tie_word_embeddings:
         layouts.pop("lm_head", None)

@@ -1,0 +1,94 @@
+"""DeepSeek-V3 / R1 and Kimi K2 (deepseek_v3): multi-head latent attention (MLA) and DeepSeekMoE.
+
+    per layer (Llama's pre-norm block):
+        x = x + mla(rms_norm(x))
+        x = x + mlp(rms_norm(x))          # the first first_k_dense_replace layers: a SwiGLU MLP; the
+                                          # others: GLM-4.5's routing (sigmoid + correction bias,
+                                          # groups of experts, scaled weights) + shared experts
+    logits = lm_head(rms_norm(x))
+
+Multi-head latent attention, per token (Hq heads; r = kv_lora_rank, e.g. 512; rope = 64):
+
+    q       = q_b(rms_norm(q_a(x)))  or  q_proj(x)         # [Hq, nope + rope]: q_nope | q_rope
+    c, k_r  = kv_a(x)                                        # latent [r] and one shared RoPE key [rope]
+    c       = rms_norm(c)
+    K_h     = [c @ W_UK_h | k_r]     V_h = c @ W_UV_h        # kv_b: each head's key / value up-projection
+
+Decode and prefill run it *absorbed*: q_nope @ W_UK_h^T is a query against the latent itself,
+
+    score_h(t, s) = q_nope_h(t) . (c(s) @ W_UK_h) + q_rope_h(t) . k_r(s)
+                  = [q_rope_h(t) | q_nope_h(t) @ W_UK_h^T] . [k_r(s) | c(s)]
+    out_h(t)      = (sum_s p_h(t, s) c(s)) @ W_UV_h
+
+so attention is multi-query attention with one KV head of rope + r dims: the row [k_r | c] is what
+the paged cache holds per token and layer (RoPE turns its first `rope` dims: `rotary_dim`), the
+values are the same row (its latent part is read, the rope part of the output dropped), and no
+token's K or V is ever expanded per head. The shared attention path (RoPE, the paged write, the
+ragged kernels) runs it unchanged. DeepSeek-V3 interleaves its rope dims in pairs
+(`rope_interleave`): they are taken as [evens | odds], the same rotation in Llama's half layout.
+The score scale is (nope + rope) ** -0.5 times YaRN's mscale squared (`ModelConfig.attention_scale`).
+
+Not yet: the pool stores the row as both K and V (twice the latent cache; a K-only pool halves
+it), the expanded form for long prefills, the checkpoint's multi-token-prediction layer (skipped
+at load).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import LayerKind
+from jaxinfer.models.decoder import LayerRef, StepInputs
+from jaxinfer.models.layers import matmul, rms_norm
+from jaxinfer.models.llama import LlamaForCausalLM
+from jaxinfer.ops.attention import write_kv_and_attend
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with their default eps
+
+
+def deinterleave(x: jax.Array) -> jax.Array:
+    """[..., 2n] rope dims as interleaved pairs -> [..., 2n] as [evens | odds] (Llama's half layout)."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    """Llama's pre-norm block with multi-head latent attention (see the module docstring)."""
+
+    def attention(self, step: StepInputs, layer: LayerRef, kind: LayerKind, w: dict, lw: dict | None, h, pool):
+        """MLA of h [Tl, H] through the layer's paged latent cache: (out [Tl, H], pool)."""
+        c, kernels = self.config, self.kernels
+        Tl, dtype = h.shape[0], h.dtype
+        heads = c.num_heads // self.parallel.tp  # this device's query heads
+        nope, rope, r, vd = c.qk_nope_head_dim, c.rotary_dim, c.kv_lora_rank, c.v_head_dim
+
+        if c.q_lora_rank:
+            q_a = rms_norm(matmul(h, w["q_a_proj"], kernels).astype(dtype), w["q_a_norm"], LATENT_NORM_EPS)
+            q = matmul(q_a, w["q_b_proj"], kernels)
+        else:
+            q = matmul(h, w["q_proj"], kernels)
+        q = q.astype(dtype).reshape(Tl, heads, nope + rope)  # [Tl, heads, nope | rope]
+        q_nope, q_rope = q[..., :nope], q[..., nope:]
+        kv_a = matmul(h, w["kv_a_proj"], kernels).astype(dtype)  # [Tl, r + rope]
+        latent = rms_norm(kv_a[:, :r], w["kv_a_norm"], LATENT_NORM_EPS)  # [Tl, r]
+        k_rope = kv_a[:, r:]  # [Tl, rope]
+        if c.rope_interleave:
+            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
+
+        kv_b = w["kv_b_proj"].reshape(r, heads, nope + vd)  # this device's heads: [r, heads, nope | v]
+        w_uk, w_uv = kv_b[..., :nope], kv_b[..., nope:]
+        q_latent = jnp.einsum("thn,rhn->thr", q_nope, w_uk.astype(dtype), preferred_element_type=jnp.float32)
+        q_row = jnp.concatenate([q_rope, q_latent.astype(dtype)], axis=-1)  # [Tl, heads, rope + r]
+        row = jnp.concatenate([k_rope, latent], axis=-1)[:, None, :]  # [Tl, 1, rope + r]: the cache's row
+
+        cos, sin = step.rope[kind.rope]
+        view = pool.group_view(self.page_factors[layer.group], 1, rope + r)  # [slots * P, page_size, 1, rope + r]
+        lanes = self.lane_blocks[layer.group]
+        attn, view = write_kv_and_attend(  # RoPE on the first `rope` dims, the paged write, attention
+            q_row, row, row, cos, sin, view, layer.slot * step.num_pages * lanes, step.write_page[layer.group],
+            step.write_offset[layer.group], layer.batch_view(step.batch), parallel=self.parallel,
+            sm_scale=c.sm_scale, sliding_window=kind.window, attention_chunk=kind.chunk, soft_cap=None, sinks=None,
+            query_block=step.query_block, spec_block=step.spec_block, kernels=kernels, lane_blocks=lanes)
+        pool = view.like(pool)
+        out = jnp.einsum("thr,rhv->thv", attn[..., rope:], w_uv.astype(dtype), preferred_element_type=jnp.float32)
+        return self._row_parallel(out.astype(dtype).reshape(Tl, heads * vd), w["o_proj"]), pool
