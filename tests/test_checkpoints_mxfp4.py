@@ -20,7 +20,6 @@ from jaxinfer.ops.quantization import QuantizedWeight
 from jaxinfer.runtime.evaluate import prompt_log_softmax
 from jaxinfer.runtime.loading import load_params, read_config, resolve_model
 from jaxinfer.tree import nested_to_flat
-from pallas_kernels.grouped_matmul import gpu as grouped_gpu
 from pallas_kernels.grouped_matmul import tpu as grouped_tpu
 from tiny_models import VOCAB, save_mxfp4_gpt_oss
 
@@ -67,9 +66,9 @@ def float_load(mxfp4_folder):
     return config, *load_params(source, config, jnp.float32, jnp.float32, progress=False, keep_quantized=False)
 
 
+# (the GPU kernel against the reference: tests/test_grouped_matmul_kernels.py)
 GROUPED = {"reference": Kernels(),  # the CPU's XLA path: the stack dequantized, jax.lax.ragged_dot
-           "tpu": Kernels(grouped_matmul=functools.partial(grouped_tpu.grouped_quantized_matmul, interpret=True)),
-           "gpu": Kernels(grouped_matmul=functools.partial(grouped_gpu.grouped_quantized_matmul, interpret=True))}
+           "tpu": Kernels(grouped_matmul=functools.partial(grouped_tpu.grouped_quantized_matmul, interpret=True))}
 
 
 @pytest.mark.parametrize("grouped", sorted(GROUPED))
