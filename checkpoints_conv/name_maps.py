@@ -191,7 +191,7 @@ GLM4_MOE_NAMES = ArchNames(
     per_expert=QWEN3_MOE_NAMES.per_expert,
 )
 
-# DeepSeek-V3 / R1, Kimi K2: multi-head latent attention (jaxinfer.models.deepseek: q through a
+# DeepSeek-V2 / V3 / R1, Kimi K2: multi-head latent attention (jaxinfer.models.deepseek: q through a
 # low-rank q_a / q_b pair or one q_proj, the latent K/V projection and its norm, each head's K/V
 # up-projection) and GLM-4.5's MoE layout (dense first layers; routed and shared experts).
 DEEPSEEK_V3_NAMES = ArchNames(
@@ -339,6 +339,7 @@ HF_NAME_MAPS: dict[str, ArchNames] = {
     "mixtral": MIXTRAL_NAMES,
     "minimax_m2": MINIMAX_M2_NAMES,
     "glm4_moe": GLM4_MOE_NAMES,
+    "deepseek_v2": DEEPSEEK_V3_NAMES,  # (the same tensor names)
     "deepseek_v3": DEEPSEEK_V3_NAMES,
     "llama4_text": LLAMA4_NAMES,
     "llama4": LLAMA4_NAMES,

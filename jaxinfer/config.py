@@ -34,10 +34,11 @@ from checkpoints_conv.views import gemma4_layer_plan
 
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "minimax_m2", "glm4_moe", "llama4_text", "llama4",
-                   "deepseek_v3")
+                   "deepseek_v2", "deepseek_v3")
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention (jaxinfer.models.deepseek)
 # The families of issue 35, each with its own model file (jaxinfer.models.registry).
 NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2",
-                          "glm4_moe", "llama4_text", "llama4", "gemma4_text", "gemma4", "deepseek_v3")
+                          "glm4_moe", "llama4_text", "llama4", "gemma4_text", "gemma4", "deepseek_v2", "deepseek_v3")
 SUPPORTED_MODEL_TYPES = LLAMA_MODEL_TYPES + NEW_FAMILY_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "freq_factors", "proportional")
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -65,6 +66,7 @@ _ARCHITECTURE_TO_MODEL_TYPE = {
     "Llama4ForConditionalGeneration": "llama4",
     "Gemma4ForCausalLM": "gemma4_text",
     "Gemma4ForConditionalGeneration": "gemma4",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
@@ -167,6 +169,7 @@ class ModelConfig:
     router_correction_bias: bool = False  # a learned bias added to the scores to pick experts only (MiniMax-M2, GLM-4.5)
     router_groups: int = 1  # experts in this many groups; the k picked from the router_top_groups best (GLM-4.5)
     router_top_groups: int = 1
+    router_group_score: str = "top2"  # a group's score: its two best experts' sum ("top2", GLM-4.5, DeepSeek-V3) or its best ("max", V2)
     routed_scaling_factor: float = 1.0  # the picked experts' weights times this
     shared_expert_gated: bool = True  # Qwen2-MoE's shared expert sits behind a sigmoid gate; GLM-4.5's does not
     first_dense_layers: int = 0  # a MoE model's first layers with a dense MLP of intermediate_size (GLM-4.5)
@@ -291,7 +294,7 @@ class ModelConfig:
                 raise ConfigError(f"{source} is missing required field {key!r} (model_type={model_type})")
             return d[key]
 
-        if model_type == "deepseek_v3":  # MLA: the cache's one "KV head" is the latent row [rope | latent]
+        if model_type in MLA_MODEL_TYPES:  # MLA: the cache's one "KV head" is the latent row [rope | latent]
             d = {**d, "num_key_value_heads": 1, "head_dim": int(need("kv_lora_rank")) + int(need("qk_rope_head_dim"))}
         num_heads = int(need("num_attention_heads"))
         num_kv_heads = int(d.get("num_key_value_heads") or num_heads)
@@ -449,7 +452,7 @@ class ModelConfig:
 def _parse_moe(d: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
     """The mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json."""
     num_experts = (d.get("num_local_experts") if model_type in ("mixtral", "gpt_oss", "minimax_m2")
-                   else d.get("n_routed_experts", d.get("num_local_experts")) if model_type in ("glm4_moe", "deepseek_v3")
+                   else d.get("n_routed_experts", d.get("num_local_experts")) if model_type in ("glm4_moe", *MLA_MODEL_TYPES)
                    else d.get("num_experts", d.get("num_local_experts")))
     top_k = d.get("num_experts_per_tok")
     if not num_experts or not top_k:
@@ -471,7 +474,7 @@ def _parse_moe(d: dict[str, Any], model_type: str, source: str) -> dict[str, Any
     shared = 0
     if model_type == "qwen2_moe":
         shared = int(d.get("shared_expert_intermediate_size") or 0)
-    elif model_type in ("glm4_moe", "deepseek_v3"):  # n_shared_experts experts' worth of width, always on
+    elif model_type in ("glm4_moe", *MLA_MODEL_TYPES):  # n_shared_experts experts' worth of width, always on
         shared = int(width) * int(d.get("n_shared_experts", 1))
     elif model_type in ("llama4_text", "llama4"):  # one shared expert as wide as a routed one
         shared = int(width)
@@ -480,7 +483,8 @@ def _parse_moe(d: dict[str, Any], model_type: str, source: str) -> dict[str, Any
         num_experts_per_tok=int(top_k),
         moe_intermediate_size=int(width),
         shared_expert_intermediate_size=shared,
-        norm_topk_prob=bool(d.get("norm_topk_prob", model_type in ("glm4_moe", "deepseek_v3"))),
+        # (DeepSeek-V2's router never renormalises, whatever its config says)
+        norm_topk_prob=bool(d.get("norm_topk_prob", model_type in ("glm4_moe", "deepseek_v3"))) and model_type != "deepseek_v2",
     )
 
 
@@ -489,7 +493,7 @@ _NEWER_FIELDS = ("layer_types", "nope_layers", "local_rope_theta", "local_rope_s
                  "attn_logit_softcap", "final_logit_softcap", "scale_embeddings", "norm_weight_offset", "norm_layout",
                  "qk_norm", "qk_norm_scope", "hidden_act", "sliding_window", "qkv_bias", "o_bias", "attention_sinks",
                  "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha", "router_scoring", "router_correction_bias",
-                 "router_groups", "router_top_groups", "routed_scaling_factor", "shared_expert_gated", "first_dense_layers",
+                 "router_groups", "router_top_groups", "router_group_score", "routed_scaling_factor", "shared_expert_gated", "first_dense_layers",
                  "moe_layer_step", "router_scales_inputs", "attention_chunk_size", "qk_l2_norm", "attn_temperature_scale",
                  "attn_temperature_floor", "global_head_dim", "global_kv_heads", "global_k_eq_v", "value_norm",
                  "kv_shared_layers", "wide_shared_mlp", "per_layer_input_size", "per_layer_vocab_size", "dense_and_experts",
@@ -564,12 +568,10 @@ def _glm4_moe_fields(d: dict[str, Any]) -> dict[str, Any]:
                 first_dense_layers=first_dense)
 
 
-def _deepseek_v3_fields(d: dict[str, Any]) -> dict[str, Any]:
-    """DeepSeek-V3 / R1, Kimi K2: multi-head latent attention (queries through q_lora_rank, or one
-    q_proj without it; keys and values from the kv_lora_rank latent plus a shared RoPE key), scored
-    with (nope + rope) ** -0.5 times YaRN's mscale(factor, mscale_all_dim) squared; GLM-4.5's
-    routing (DeepSeekMoE: sigmoid scores, a correction bias, groups of experts, shared experts,
-    first_k_dense_replace dense layers)."""
+def _mla_fields(d: dict[str, Any], interleaved: bool) -> dict[str, Any]:
+    """Multi-head latent attention's fields (DeepSeek-V2 / V3): queries through q_lora_rank (or one
+    q_proj without it), keys and values from the kv_lora_rank latent plus a shared RoPE key, scored
+    with (nope + rope) ** -0.5 times YaRN's mscale(factor, mscale_all_dim) squared."""
     nope, rope = int(d["qk_nope_head_dim"]), int(d["qk_rope_head_dim"])
     scale = (nope + rope) ** -0.5
     rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
@@ -577,9 +579,34 @@ def _deepseek_v3_fields(d: dict[str, Any]) -> dict[str, Any]:
         factor = float(rp["factor"])
         mscale = 0.1 * float(rp["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
         scale *= mscale * mscale
-    return dict(_glm4_moe_fields(d), kv_lora_rank=int(d["kv_lora_rank"]), q_lora_rank=int(d.get("q_lora_rank") or 0),
-                qk_nope_head_dim=nope, v_head_dim=int(d["v_head_dim"]), rope_interleave=bool(d.get("rope_interleave", True)),
-                attention_scale=scale)
+    return dict(kv_lora_rank=int(d["kv_lora_rank"]), q_lora_rank=int(d.get("q_lora_rank") or 0), qk_nope_head_dim=nope,
+                v_head_dim=int(d["v_head_dim"]), rope_interleave=interleaved, attention_scale=scale)
+
+
+def _deepseek_v3_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3 / R1, Kimi K2: MLA (its rope dims interleaved unless rope_interleave is false)
+    and GLM-4.5's routing (DeepSeekMoE: sigmoid scores, a correction bias, groups of experts,
+    shared experts, first_k_dense_replace dense layers)."""
+    return dict(_glm4_moe_fields(d), **_mla_fields(d, bool(d.get("rope_interleave", True))))
+
+
+def _deepseek_v2_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2 / V2-Lite: MLA (rope dims as interleaved pairs, transformers' complex rotation)
+    and softmax routing: the k best experts ("greedy"), or the k best of the topk_group groups
+    whose best expert scores highest ("group_limited_greedy"); weights scaled, never renormalised;
+    shared experts; first_k_dense_replace dense layers."""
+    experts, method = int(d.get("n_routed_experts", 0)), d.get("topk_method") or "greedy"
+    groups = int(d.get("n_group") or 1) if method == "group_limited_greedy" else 1
+    top_groups = int(d.get("topk_group") or 1) if method == "group_limited_greedy" else 1
+    if groups < 1 or experts % groups or not 1 <= top_groups <= groups:
+        raise ConfigError(f"n_group={groups}, topk_group={top_groups}: n_group must divide n_routed_experts={experts} "
+                          f"and topk_group lie in [1, n_group]")
+    first_dense = int(d.get("first_k_dense_replace", 0))
+    if not 0 <= first_dense < int(d["num_hidden_layers"]):
+        raise ConfigError(f"first_k_dense_replace={first_dense}: must be in [0, num_hidden_layers)")
+    return dict(router_groups=groups, router_top_groups=top_groups, router_group_score="max",
+                routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)), shared_expert_gated=False,
+                first_dense_layers=first_dense, **_mla_fields(d, True))
 
 
 def _llama4_fields(d: dict[str, Any]) -> dict[str, Any]:
@@ -664,6 +691,7 @@ _FAMILY_FIELDS = {
     # MiniMax-M2: q/k RMSNorm over the whole projection, sigmoid routing with a correction bias
     "minimax_m2": lambda d: _minimax_m2_fields(d),
     "glm4_moe": lambda d: _glm4_moe_fields(d),
+    "deepseek_v2": lambda d: _deepseek_v2_fields(d),
     "deepseek_v3": lambda d: _deepseek_v3_fields(d),
     "llama4_text": lambda d: _llama4_fields(d),
     "llama4": lambda d: _llama4_fields(d),
@@ -684,6 +712,8 @@ _REFUSED_SWITCHES = {
     **{t: {"use_bidirectional_attention": (None, False, "vision"), "attention_bias": (None, False)} for t in ("gemma4_text", "gemma4")},
     # the released configs name the q/k norm "per_layer" (over the whole projection, as implemented)
     "deepseek_v3": {"attention_bias": (None, False)},
+    "deepseek_v2": {"attention_bias": (None, False), "mlp_bias": (None, False),
+                    "topk_method": (None, "greedy", "group_limited_greedy")},
     "minimax_m2": {"use_qk_norm": (None, True), "qk_norm_type": (None, "per_layer"), "use_routing_bias": (None, True),
                    "scoring_func": (None, "sigmoid"), "shared_intermediate_size": (None, 0)},
 }

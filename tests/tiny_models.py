@@ -111,6 +111,15 @@ FAMILIES = {
         routed_scaling_factor=2.5, rope_interleave=True,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0})),
+    # DeepSeek-V2-Lite's layout: one q_proj (no q_lora_rank), rope dims rotated as complex pairs,
+    # softmax routing limited to the best group (by its best expert), scaled, never renormalised
+    "deepseek_v2": (transformers.DeepseekV2Config, _common(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, topk_method="group_limited_greedy",
+        n_group=2, topk_group=1, routed_scaling_factor=2.0,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707,
+                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 64, "rope_theta": 10000.0})),
     # Llama 4 (Maverick's layout): chunks of 8 on three RoPE layers (L2 q/k norms), a NoPE layer
     # with attention temperature tuning (floor_scale 4: the prompts reach its steps), experts in
     # every other layer (top 2 of 4, weighing their inputs, beside a shared expert), dense layers
@@ -139,7 +148,7 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # The families with their own model file (jaxinfer.models.registry): one-token pages are the
 # Llama families' test, the attention kinds these add are tested on pages of 16.
 LAYER_KIND_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2", "glm4_moe",
-                       "llama4", "gemma4", "deepseek_v3")
+                       "llama4", "gemma4", "deepseek_v2", "deepseek_v3")
 
 
 def build_hf_model(family: str, seed: int = 0, **overrides):

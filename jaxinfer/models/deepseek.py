@@ -1,10 +1,12 @@
-"""DeepSeek-V3 / R1 and Kimi K2 (deepseek_v3): multi-head latent attention (MLA) and DeepSeekMoE.
+"""DeepSeek-V2 / V2-Lite (deepseek_v2), DeepSeek-V3 / R1 and Kimi K2 (deepseek_v3): multi-head
+latent attention (MLA) and DeepSeekMoE.
 
     per layer (Llama's pre-norm block):
         x = x + mla(rms_norm(x))
         x = x + mlp(rms_norm(x))          # the first first_k_dense_replace layers: a SwiGLU MLP; the
-                                          # others: GLM-4.5's routing (sigmoid + correction bias,
-                                          # groups of experts, scaled weights) + shared experts
+                                          # others: routed experts + shared experts (models.moe):
+                                          # V3: sigmoid + correction bias, groups by their two best,
+                                          # renormalised; V2: softmax, groups by their best; scaled
     logits = lm_head(rms_norm(x))
 
 Multi-head latent attention, per token (Hq heads; r = kv_lora_rank, e.g. 512; rope = 64):
@@ -25,7 +27,8 @@ the paged cache holds per token and layer (RoPE turns its first `rope` dims: `ro
 values are the same row (its latent part is read, the rope part of the output dropped), and no
 token's K or V is ever expanded per head. The shared attention path (RoPE, the paged write, the
 ragged kernels) runs it unchanged. DeepSeek-V3 interleaves its rope dims in pairs
-(`rope_interleave`): they are taken as [evens | odds], the same rotation in Llama's half layout.
+(`rope_interleave`; V2 rotates them as complex numbers, the same pairs): they are taken as
+[evens | odds], the same rotation in Llama's half layout.
 The score scale is (nope + rope) ** -0.5 times YaRN's mscale squared (`ModelConfig.attention_scale`).
 
 Not yet: the pool stores the row as both K and V (twice the latent cache; a K-only pool halves
@@ -52,7 +55,7 @@ def deinterleave(x: jax.Array) -> jax.Array:
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
-class DeepseekV3ForCausalLM(LlamaForCausalLM):
+class DeepseekForCausalLM(LlamaForCausalLM):
     """Llama's pre-norm block with multi-head latent attention (see the module docstring)."""
 
     def attention(self, step: StepInputs, layer: LayerRef, kind: LayerKind, w: dict, lw: dict | None, h, pool):

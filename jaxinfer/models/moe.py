@@ -7,9 +7,10 @@
                   + sigmoid(x @ W_shared_gate) * shared_expert(x) # Qwen2-MoE only
 
 MiniMax-M2 and GLM-4.5 score each expert with a sigmoid and pick the k largest after adding a
-learned correction bias (the weights are the sigmoid scores, renormalised); GLM-4.5 picks them
-from the best groups of experts only, scales their weights, and adds ungated shared experts.
-Its first layers are dense (`config.first_dense_layers`).
+learned correction bias (the weights are the sigmoid scores, renormalised); GLM-4.5 (and
+DeepSeek-V3) picks them from the best groups of experts only, scales their weights, and adds
+ungated shared experts. Its first layers are dense (`config.first_dense_layers`). DeepSeek-V2
+keeps the softmax and ranks the groups by their best expert.
 
 Llama 4 weighs an expert's *input* instead of its output (`config.router_scales_inputs`):
 
@@ -46,19 +47,20 @@ from sharding.mesh import ParallelConfig
 
 def route(router_logits: jax.Array, top_k: int, normalize: bool, scoring: str = "softmax",
           correction_bias: jax.Array | None = None, groups: int = 1, top_groups: int = 1,
-          scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+          scale: float = 1.0, group_score: str = "top2") -> tuple[jax.Array, jax.Array]:
     """router_logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32), as HF routes:
     scores = softmax over all experts (or an independent sigmoid per expert: MiniMax-M2, GLM-4.5)
     in float32; the k largest (after adding a correction bias [E], which picks experts but does not
     weigh them; with `groups` > 1 only from the `top_groups` groups of E / groups experts whose
-    two best choices sum highest), their scores optionally renormalised over those k, times `scale`."""
+    two best choices sum highest, or whose best is highest with group_score="max": DeepSeek-V2),
+    their scores optionally renormalised over those k, times `scale`."""
     logits = router_logits.astype(jnp.float32)
     probs = jax.nn.sigmoid(logits) if scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)
     choice = probs if correction_bias is None else probs + correction_bias.astype(jnp.float32)
     if groups > 1:
         T, E = choice.shape
         by_group = choice.reshape(T, groups, E // groups)
-        group_scores = jax.lax.top_k(by_group, 2)[0].sum(axis=-1)  # [T, groups]
+        group_scores = jax.lax.top_k(by_group, 2)[0].sum(axis=-1) if group_score == "top2" else by_group.max(axis=-1)  # [T, groups]
         _, best = jax.lax.top_k(group_scores, top_groups)  # [T, top_groups]
         keep = jnp.zeros((T, groups), bool).at[jnp.arange(T)[:, None], best].set(True)
         choice = jnp.where(keep[:, :, None], by_group, -jnp.inf).reshape(T, E)
@@ -93,7 +95,7 @@ def moe_mlp(x: jax.Array, w: dict, config: ModelConfig, parallel: ParallelConfig
         router_logits = router_logits + w["router_bias"].astype(jnp.float32)
     weights, ids = route(router_logits, config.num_experts_per_tok, config.norm_topk_prob, config.router_scoring,
                          w.get("router_correction_bias"), config.router_groups, config.router_top_groups,
-                         config.routed_scaling_factor)
+                         config.routed_scaling_factor, config.router_group_score)
     w_gate_up, w_down = w["experts_gate_up"], w["experts_down"]
     T, k = ids.shape
     routed_x, routed_ids, routed_weights = x, ids, weights

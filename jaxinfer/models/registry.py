@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.models.decoder import Decoder
-from jaxinfer.models.deepseek import DeepseekV3ForCausalLM
+from jaxinfer.models.deepseek import DeepseekForCausalLM
 from jaxinfer.models.gemma import GemmaForCausalLM
 from jaxinfer.models.gemma4 import Gemma4ForCausalLM
 from jaxinfer.models.glm4_moe import Glm4MoeForCausalLM
@@ -33,7 +33,8 @@ MODEL_CLASSES: dict[str, type[Decoder]] = {
     "glm4_moe": Glm4MoeForCausalLM,
     "llama4_text": Llama4ForCausalLM,
     "llama4": Llama4ForCausalLM,  # a multimodal folder's text decoder
-    "deepseek_v3": DeepseekV3ForCausalLM,
+    "deepseek_v2": DeepseekForCausalLM,
+    "deepseek_v3": DeepseekForCausalLM,
 }
 
 
