@@ -101,6 +101,7 @@ class SafetensorsSource(TensorSource):
         self._file_of: dict[str, Path] = {}
         self._listing: list[tuple[str, tuple[int, ...]]] = []
         self._open: dict[Path, object] = {}
+        self._headers: dict[Path, tuple[int, dict]] = {}  # F8 files read from their bytes: (data start, JSON header)
         for file, indexed_names in safetensors_shards(self.model_dir).items():
             f = self._handle(file)
             names = list(f.keys())
@@ -132,28 +133,32 @@ class SafetensorsSource(TensorSource):
         try:
             tensor = self._handle(file).get_slice(name)
             if tensor.get_dtype() in RAW_DTYPES:  # a dtype safetensors' numpy reader does not name
-                array = _read_raw(file, name, RAW_DTYPES[tensor.get_dtype()])
+                array = self._read_raw(file, name, RAW_DTYPES[tensor.get_dtype()])
                 return array[index] if index else array
             return np.asarray(tensor[index] if index else tensor[:])
         except SafetensorError as e:
             raise CheckpointError(f"{file}: cannot read tensor {name!r}: {e}") from e
 
+    def _read_raw(self, file: Path, name: str, dtype: np.dtype) -> np.ndarray:
+        """Tensor `name` of a safetensors file, read from its bytes: an 8-byte little-endian header
+        length, the JSON header (each tensor's shape and data_offsets; parsed once per file), the data."""
+        if file not in self._headers:
+            with open(file, "rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+                self._headers[file] = (8 + header_len, json.loads(f.read(header_len)))
+        data_start, header = self._headers[file]
+        start, end = header[name]["data_offsets"]
+        with open(file, "rb") as f:
+            f.seek(data_start + start)
+            data = f.read(end - start)
+        return np.frombuffer(data, dtype).reshape(header[name]["shape"])
+
     def close(self) -> None:
         self._open.clear()
+        self._headers.clear()
 
 
 # Stored dtypes the numpy reader of safetensors 0.8 cannot return (it asks numpy for
 # np.float8_e4m3fn): read from the file's bytes instead (fp8 checkpoints: DeepSeek-V3, the FP8 releases).
 RAW_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2)}
 
-
-def _read_raw(file: Path, name: str, dtype: np.dtype) -> np.ndarray:
-    """Tensor `name` of a safetensors file, read from its bytes: an 8-byte little-endian header
-    length, the JSON header (each tensor's shape and data_offsets), then the data."""
-    with open(file, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        entry = json.loads(f.read(header_len))[name]
-        start, end = entry["data_offsets"]
-        f.seek(8 + header_len + start)
-        data = f.read(end - start)
-    return np.frombuffer(data, dtype).reshape(entry["shape"])

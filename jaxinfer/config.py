@@ -553,7 +553,14 @@ def _glm4_moe_fields(d: dict[str, Any]) -> dict[str, Any]:
     plus a correction bias, the k experts from the `topk_group` best of `n_group` groups (a group
     scored by its two best experts), their weights renormalised and scaled, beside ungated shared
     experts."""
-    experts, groups, top_groups = int(d.get("n_routed_experts", d.get("num_local_experts", 0))), int(d.get("n_group", 1)), int(d.get("topk_group", 1))
+    groups, top_groups = int(d.get("n_group", 1)), int(d.get("topk_group", 1))
+    return dict(router_scoring="sigmoid", router_correction_bias=True, **_grouped_routing(d, groups, top_groups))
+
+
+def _grouped_routing(d: dict[str, Any], groups: int, top_groups: int) -> dict[str, Any]:
+    """The routing fields GLM-4.5 and DeepSeek share, checked: k experts from the `top_groups` best of
+    `groups` groups, weights scaled, ungated shared experts, first_k_dense_replace dense layers."""
+    experts = int(d.get("n_routed_experts", d.get("num_local_experts", 0)))
     if groups < 1 or experts % groups or not 1 <= top_groups <= groups:
         raise ConfigError(f"n_group={groups}, topk_group={top_groups}: n_group must divide n_routed_experts={experts} "
                           f"and topk_group lie in [1, n_group]")
@@ -563,9 +570,13 @@ def _glm4_moe_fields(d: dict[str, Any]) -> dict[str, Any]:
     first_dense = int(d.get("first_k_dense_replace", 0))
     if not 0 <= first_dense < int(d["num_hidden_layers"]):
         raise ConfigError(f"first_k_dense_replace={first_dense}: must be in [0, num_hidden_layers)")
-    return dict(router_scoring="sigmoid", router_correction_bias=True, router_groups=groups, router_top_groups=top_groups,
-                routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)), shared_expert_gated=False,
-                first_dense_layers=first_dense)
+    return dict(router_groups=groups, router_top_groups=top_groups, routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+                shared_expert_gated=False, first_dense_layers=first_dense)
+
+
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context `scale` times the original: 0.1 m ln(scale) + 1."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
 def _mla_fields(d: dict[str, Any], interleaved: bool) -> dict[str, Any]:
@@ -576,9 +587,7 @@ def _mla_fields(d: dict[str, Any], interleaved: bool) -> dict[str, Any]:
     scale = (nope + rope) ** -0.5
     rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
     if rp.get("rope_type", rp.get("type", "default")) != "default" and rp.get("mscale_all_dim"):
-        factor = float(rp["factor"])
-        mscale = 0.1 * float(rp["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
-        scale *= mscale * mscale
+        scale *= yarn_mscale(float(rp["factor"]), float(rp["mscale_all_dim"])) ** 2
     return dict(kv_lora_rank=int(d["kv_lora_rank"]), q_lora_rank=int(d.get("q_lora_rank") or 0), qk_nope_head_dim=nope,
                 v_head_dim=int(d["v_head_dim"]), rope_interleave=interleaved, attention_scale=scale)
 
@@ -595,18 +604,9 @@ def _deepseek_v2_fields(d: dict[str, Any]) -> dict[str, Any]:
     and softmax routing: the k best experts ("greedy"), or the k best of the topk_group groups
     whose best expert scores highest ("group_limited_greedy"); weights scaled, never renormalised;
     shared experts; first_k_dense_replace dense layers."""
-    experts, method = int(d.get("n_routed_experts", 0)), d.get("topk_method") or "greedy"
-    groups = int(d.get("n_group") or 1) if method == "group_limited_greedy" else 1
-    top_groups = int(d.get("topk_group") or 1) if method == "group_limited_greedy" else 1
-    if groups < 1 or experts % groups or not 1 <= top_groups <= groups:
-        raise ConfigError(f"n_group={groups}, topk_group={top_groups}: n_group must divide n_routed_experts={experts} "
-                          f"and topk_group lie in [1, n_group]")
-    first_dense = int(d.get("first_k_dense_replace", 0))
-    if not 0 <= first_dense < int(d["num_hidden_layers"]):
-        raise ConfigError(f"first_k_dense_replace={first_dense}: must be in [0, num_hidden_layers)")
-    return dict(router_groups=groups, router_top_groups=top_groups, router_group_score="max",
-                routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)), shared_expert_gated=False,
-                first_dense_layers=first_dense, **_mla_fields(d, True))
+    limited = (d.get("topk_method") or "greedy") == "group_limited_greedy"
+    groups, top_groups = (int(d.get("n_group") or 1), int(d.get("topk_group") or 1)) if limited else (1, 1)
+    return dict(router_group_score="max", **_grouped_routing(d, groups, top_groups), **_mla_fields(d, True))
 
 
 def _llama4_fields(d: dict[str, Any]) -> dict[str, Any]:

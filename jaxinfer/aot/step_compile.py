@@ -30,8 +30,8 @@ from jaxinfer.engine.memory import GPU_MEMORY_UTILIZATION, abstract_inputs, abst
 from jaxinfer.models.lora import LoraTable
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.kv_cache import KVCache, page_factors
-from jaxinfer.ops.quantization import MATMUL_WEIGHT_NAMES, QuantizedWeight, quantize_model, replace_weights
-from jaxinfer.runtime.loading import EXPERTS, abstract_model
+from jaxinfer.ops.quantization import QuantizedWeight, quantize_model, replace_weights
+from jaxinfer.runtime.loading import QUANTIZABLE, abstract_model
 from jaxinfer.tree import nested_to_flat
 from jaxinfer.runtime.placement import param_partition_specs
 from jaxinfer.runtime.step import StepFunction
@@ -48,7 +48,7 @@ def weights_as_stored(graphdef, params, stored: str):
     with a float32 scale per 128 rows [..., Kp / 128, N]."""
     new_graphdef = []
 
-    def as_stored(name: str, shape) -> QuantizedWeight:
+    def as_stored(shape) -> QuantizedWeight:
         *lead, K, N = shape
         if stored == "mxfp4":
             return QuantizedWeight(jnp.zeros((*lead, K // 2, N), jnp.uint8), jnp.zeros((*lead, K // 32, N), jnp.uint8),
@@ -57,12 +57,14 @@ def weights_as_stored(graphdef, params, stored: str):
         return QuantizedWeight(jnp.zeros((*lead, groups * 128, N), jnp.float8_e4m3fn), jnp.zeros((*lead, groups, N), jnp.float32),
                                mode="fp8", group_size=128, in_features=K)
 
+    # what the loader keeps: GPT-OSS's routed experts; an fp8 release's every quantizable matrix but
+    # the embedding and LM head, which it ships in bf16
+    kept = {"experts_gate_up", "experts_down"} if stored == "mxfp4" else QUANTIZABLE - {"embed", "lm_head"}
+
     def replace(state):
         flat = nested_to_flat(nnx.to_pure_dict(state))
-        names = [n for n in flat if n.rsplit(".", 1)[-1] in EXPERTS] if stored == "mxfp4" else [
-            n for n in flat if n.rsplit(".", 1)[-1] in (MATMUL_WEIGHT_NAMES | EXPERTS) - {"lm_head"} and flat[n].ndim >= 2]
-        g, new_state = replace_weights(graphdef, state, {n: as_stored(n, flat[n].shape) for n in names
-                                                         if stored == "fp8" or "shared" not in n})
+        g, new_state = replace_weights(graphdef, state, {n: as_stored(a.shape) for n, a in flat.items()
+                                                         if n.rsplit(".", 1)[-1] in kept})
         new_graphdef.append(g)
         return new_state
 

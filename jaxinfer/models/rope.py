@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.config import ModelConfig, RopeScaling, yarn_mscale
 
 
 def inv_freq(theta: float, rs: RopeScaling, dim: int) -> tuple[np.ndarray, float]:
@@ -69,16 +69,13 @@ def inv_freq(theta: float, rs: RopeScaling, dim: int) -> tuple[np.ndarray, float
 
 
 def _yarn(theta: float, rs: RopeScaling, dim: int) -> tuple[np.ndarray, float]:
-    def mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     factor = rs.factor
     attention_factor = rs.attention_factor
     if attention_factor is None:
         if rs.mscale and rs.mscale_all_dim:
-            attention_factor = mscale(factor, rs.mscale) / mscale(factor, rs.mscale_all_dim)
+            attention_factor = yarn_mscale(factor, rs.mscale) / yarn_mscale(factor, rs.mscale_all_dim)
         else:
-            attention_factor = mscale(factor)
+            attention_factor = yarn_mscale(factor)
 
     def correction_dim(rotations):  # the dim whose wavelength makes `rotations` turns over the original length
         return dim * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))

@@ -372,16 +372,23 @@ def _swiglu_case(kernels: Kernels, xla: Kernels, s: StepShapes, weight: Tensor) 
     return Case("swiglu_matmul", description, inputs, kernels.swiglu_matmul, xla.swiglu_matmul, _tolerance(s.dtype, weight.dtype))
 
 
-def _quantized_matmul_case(kernels: Kernels, xla: Kernels, s: StepShapes, m: QuantizedMatrix) -> Case:
-    # Weights of about unit size: a quantized value's typical size, times the scale, is 1 / sqrt(K).
-    typical = {"int8": 73.0, "int4": 8.0, "fp8": 1.0}[m.mode]
+def _scales_and_offsets(key_scales, key_offsets, m: QuantizedMatrix):
+    """Random scales (and offsets) that give weights of about unit size: a quantized value's
+    typical size, times the scale, is 1 / sqrt(K) (mxfp4: E2M1 values average about 2.5, so
+    exponent bytes near 127 - log2(2.5 sqrt(K)))."""
+    if m.mode == "mxfp4":
+        bias = 127 - int(np.ceil(np.log2(2.5 * m.in_features**0.5)))
+        return jax.random.randint(key_scales, m.scales.shape, bias - 1, bias + 1, jnp.int32).astype(jnp.uint8), None
+    scale = 1.0 / ({"int8": 73.0, "int4": 8.0, "fp8": 1.0}[m.mode] * m.in_features**0.5)
+    scales = (scale * jax.random.uniform(key_scales, m.scales.shape, jnp.float32, 0.5, 1.5)).astype(m.scales.dtype)
+    return scales, None if m.offsets is None else _random(key_offsets, m.offsets, scale=8 * scale)
 
+
+def _quantized_matmul_case(kernels: Kernels, xla: Kernels, s: StepShapes, m: QuantizedMatrix) -> Case:
     def inputs(rng):
         keys = jax.random.split(rng, 4)
-        scale = 1.0 / (typical * m.in_features**0.5)
-        scales = (scale * jax.random.uniform(keys[2], m.scales.shape, jnp.float32, 0.5, 1.5)).astype(m.scales.dtype)
-        offsets = None if m.offsets is None else _random(keys[3], m.offsets, scale=8 * scale)
-        return _random(keys[0], (TOKENS, m.in_features), s.dtype), _random(keys[1], m.qweight), scales, offsets
+        return (_random(keys[0], (TOKENS, m.in_features), s.dtype), _random(keys[1], m.qweight),
+                *_scales_and_offsets(keys[2], keys[3], m))
 
     options = dict(mode=m.mode, group_size=m.group_size)
     return Case("quantized_matmul", f"T={TOKENS} x {s.dtype} @ {m}", inputs,
@@ -391,23 +398,15 @@ def _quantized_matmul_case(kernels: Kernels, xla: Kernels, s: StepShapes, m: Qua
 
 def _grouped_matmul_case(kernels: Kernels, xla: Kernels, s: StepShapes, m: QuantizedMatrix) -> Case:
     """Rows of a decode step's (token, expert) pairs over a device's experts, some empty (the
-    expert-parallel padding). Weights of about unit size, as in the quantized matmul's case."""
+    expert-parallel padding)."""
     E = m.qweight.shape[0]
     rows = TOKENS * 4
     group_of_row = jnp.asarray(np.random.default_rng(0).integers(0, E + 1, rows), jnp.int32)  # E: an empty row
 
     def inputs(rng):
         keys = jax.random.split(rng, 4)
-        if m.mode == "mxfp4":  # E2M1 values average about 2.5: exponents near 2 ** -(log2(2.5 sqrt(K)))
-            bias = 127 - int(np.ceil(np.log2(2.5 * m.in_features**0.5)))
-            scales = jax.random.randint(keys[2], m.scales.shape, bias - 1, bias + 1, jnp.int32).astype(jnp.uint8)
-            offsets = None
-        else:
-            typical = {"int8": 73.0, "int4": 8.0, "fp8": 1.0}[m.mode]
-            scale = 1.0 / (typical * m.in_features**0.5)
-            scales = (scale * jax.random.uniform(keys[2], m.scales.shape, jnp.float32, 0.5, 1.5)).astype(m.scales.dtype)
-            offsets = None if m.offsets is None else _random(keys[3], m.offsets, scale=8 * scale)
-        return (_random(keys[0], (rows, m.in_features), s.dtype), group_of_row, _random(keys[1], m.qweight), scales, offsets)
+        return (_random(keys[0], (rows, m.in_features), s.dtype), group_of_row, _random(keys[1], m.qweight),
+                *_scales_and_offsets(keys[2], keys[3], m))
 
     options = dict(mode=m.mode, group_size=m.group_size)
     return Case("grouped_matmul", f"rows={rows} x {s.dtype} @ {E}x {m}", inputs,

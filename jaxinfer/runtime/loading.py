@@ -167,7 +167,8 @@ def load_params(
     return replace_weights(graphdef, state, quantized) if quantized else (graphdef, state)
 
 
-ROW_PARALLEL = ("layers.o_proj", "layers.down_proj", "layers.experts_down", "lm_head", "embed")  # K split over the tensor axis
+ROW_PARALLEL = ("layers.o_proj", "layers.down_proj", "layers.experts_down", "layers.shared_down", "lm_head",
+                "embed")  # K split over the tensor axis
 # MoE weights kept quantized only as mxfp4 (GPT-OSS's experts) or fp8 (DeepSeek-V3's): the routed experts run
 # through the grouped matmul, the shared ones through the quantized matmul; other grids (GGUF's) load as floats
 EXPERTS = frozenset({"experts_gate_up", "experts_down", "shared_gate_up", "shared_down"})

@@ -55,7 +55,7 @@ def block_rows(M: int, G: int, sublanes: int, limit: int) -> int:
     tm = sublanes
     while tm < limit and tm * G < M:
         tm *= 2
-    return min(tm, max(limit, sublanes))
+    return tm
 
 
 def _live_body(block_slot_ref, used_ref, *refs, body):
