@@ -184,7 +184,7 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     # Multi-head latent attention (DeepSeek): K and V from a latent of kv_lora_rank values per token
     # plus one shared RoPE key of qk_rope_head_dim; the cache holds that row (head_dim = kv_lora_rank
-    # + qk_rope_head_dim, one KV head, its first rotary_dim dims rotated: models.deepseek)
+    # + qk_rope_head_dim, one KV head, its last rotary_dim dims rotated: models.deepseek)
     kv_lora_rank: int = 0  # 0: not MLA
     q_lora_rank: int = 0  # queries through a low-rank projection and a norm; 0: one q_proj
     qk_nope_head_dim: int = 0  # each query / key head's dims without RoPE
@@ -294,7 +294,7 @@ class ModelConfig:
                 raise ConfigError(f"{source} is missing required field {key!r} (model_type={model_type})")
             return d[key]
 
-        if model_type in MLA_MODEL_TYPES:  # MLA: the cache's one "KV head" is the latent row [rope | latent]
+        if model_type in MLA_MODEL_TYPES:  # MLA: the cache's one "KV head" is the latent row [latent | rope]
             d = {**d, "num_key_value_heads": 1, "head_dim": int(need("kv_lora_rank")) + int(need("qk_rope_head_dim"))}
         num_heads = int(need("num_attention_heads"))
         num_kv_heads = int(d.get("num_key_value_heads") or num_heads)
@@ -381,7 +381,7 @@ class ModelConfig:
         method = (d.get("quantization_config") or {}).get("quant_method")
         if method == "fp8" or (method == "mxfp4" and model_type == "gpt_oss"):
             config = dataclasses.replace(config, stored_quantization=method)
-        if config.is_mla:  # RoPE turns the row's first qk_rope_head_dim dims (models.deepseek puts the rope part first)
+        if config.is_mla:  # RoPE turns qk_rope_head_dim dims of the row (models.deepseek: its last ones)
             config = dataclasses.replace(config, rotary_dim=int(d["qk_rope_head_dim"]))
         if JAXINFER_FIELDS in d:  # written by to_hf_dict (a converted folder)
             config = dataclasses.replace(config, **{name: _from_json(name, v) for name, v in d[JAXINFER_FIELDS].items()})

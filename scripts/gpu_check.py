@@ -115,6 +115,24 @@ def correctness_rows(interpret: bool, small: bool):
             got = qmm_gpu.quantized_matmul(x, qw.qweight, qw.scales, mode=mode, group_size=group, **opts)
             want = qmm_ref.quantized_matmul(x, qw.qweight, qw.scales, mode=mode, group_size=group)
             yield "quantized_matmul", f"{family} {mode} {H}->{H}", _relative_error(got, want), 3e-2
+        # the grouped matmul over a stack of 8 experts (rows of a decode's (token, expert) pairs, some of no
+        # expert), and block-scaled fp8 (DeepSeek-V3's 128-row blocks) in both matmuls where H allows
+        from pallas_kernels.grouped_matmul import gpu as gmm_gpu
+        from pallas_kernels.grouped_matmul import reference as gmm_ref
+        experts = _rng_normal(rng, (8, H, H), jnp.float32, H**-0.5)
+        group_of_row = jnp.asarray(rng.integers(0, 9, T), jnp.int32)
+        for mode, group in (("int8", None), ("int4", 64), ("fp8", None)) + ((("fp8", 128),) if H % 128 == 0 else ()):
+            if group == 128:
+                qw = quantize(weight, mode, group)
+                got = qmm_gpu.quantized_matmul(x, qw.qweight, qw.scales, mode=mode, group_size=group, **opts)
+                want = qmm_ref.quantized_matmul(x, qw.qweight, qw.scales, mode=mode, group_size=group)
+                yield "quantized_matmul", f"{family} fp8 g128 {H}->{H}", _relative_error(got, want), 3e-2
+            qs = quantize(experts, mode, group)
+            got = gmm_gpu.grouped_quantized_matmul(x, group_of_row, qs.qweight, qs.scales, mode=mode, group_size=qs.group_size,
+                                                   **opts)
+            want = gmm_ref.grouped_quantized_matmul(x, group_of_row, qs.qweight, qs.scales, mode=mode, group_size=qs.group_size)
+            yield "grouped_matmul", f"{family} 8 experts {mode}{f' g{group}' if group else ''} {H}->{H}", \
+                _relative_error(got, want), 3e-2
         pages = jnp.zeros((64, 16, Hkv, D), jnp.bfloat16)
         cos, sin = jnp.cos(jnp.ones((T, D))), jnp.sin(jnp.ones((T, D)))
         slots = jnp.arange(T, dtype=jnp.int32)
@@ -164,6 +182,55 @@ def attention_option_rows(interpret: bool, small: bool):
         got = flash_attention_gpu(q, k, v, cu, n, sm_scale=D**-0.5, causal=True, interpret=interpret, **options)
         want = flash_attention_reference(q, k, v, cu, n, sm_scale=D**-0.5, causal=True, **options)
         yield "flash_attention", f"{name} T={T}", _relative_error(got, want), 3e-2
+
+
+def _mla_case(rng, *, seqs, context, q_len, Hq, value_dim=512, rope=64, page_size=16):
+    """DeepSeek-V3's latent attention: a batch over one latent row per token ([c | k_rope], bf16)."""
+    pages_per_seq = -(-context // page_size)
+    D = value_dim + rope
+    q = _rng_normal(rng, (seqs * q_len, Hq, D), jnp.bfloat16)
+    rows = _rng_normal(rng, (seqs * pages_per_seq + 1, page_size, D), jnp.bfloat16)
+    page_indices = jnp.asarray(1 + np.arange(seqs * pages_per_seq).reshape(seqs, pages_per_seq), jnp.int32)
+    args = (q, rows, jnp.full((seqs,), context, jnp.int32), page_indices,
+            jnp.asarray(np.arange(seqs + 1) * q_len, jnp.int32), jnp.asarray([seqs], jnp.int32))
+    return args, dict(value_dim=value_dim, sm_scale=D**-0.5), seqs * context * D * 2
+
+
+def mla_rows(interpret: bool, small: bool):
+    """(kernel, case, relative error, tolerance): the MLA kernel at DeepSeek-V3's 128 heads."""
+    from pallas_kernels.mla_attention import gpu as mla_gpu
+    from pallas_kernels.mla_attention import reference as mla_ref
+
+    rng = np.random.default_rng(3)
+    seqs, context = (2, 40) if small else (8, 1000)
+    for bucket, q_len, Bq in (("decode", 1, 1), ("prefill chunk", 8, 8)):
+        args, kw, _ = _mla_case(rng, seqs=seqs, context=context, q_len=q_len, Hq=128)
+        got = mla_gpu.mla_attention(*args, num_queries_per_block=Bq, interpret=interpret, **kw)
+        want = mla_ref.mla_attention(*args, **kw)
+        yield "mla_attention", f"deepseek-v3 (128 heads, 512 + 64) {bucket}", _relative_error(got, want), 3e-2
+
+
+def mla_speed_rows(interpret: bool, small: bool, iters: int, peak_gbps: float):
+    """(what, kernel ms, kernel GB/s, % of peak, XLA ms, speed-up): MLA decode over the latent rows."""
+    from pallas_kernels.mla_attention import gpu as mla_gpu
+    from pallas_kernels.mla_attention.reference import as_kv_head
+    from pallas_kernels.ragged_paged_attention import split_kv
+
+    rng = np.random.default_rng(4)
+    seqs, contexts = (2, (64,)) if small else (64, (1024, 4096))
+    for context in contexts:
+        args, kw, nbytes = _mla_case(rng, seqs=seqs, context=context, q_len=1, Hq=128)
+        kernel = jax.jit(functools.partial(mla_gpu.mla_attention, num_queries_per_block=1, interpret=interpret, **kw))
+
+        def xla(q, rows, *rest):
+            kv = as_kv_head(rows, q.shape[-1])
+            return split_kv.ragged_paged_attention(q, kv, kv, *rest, sm_scale=kw["sm_scale"],
+                                                   num_queries_per_block=1)[..., : kw["value_dim"]]
+
+        t_kernel, t_xla = _time(kernel, *args, iters=iters), _time(jax.jit(xla), *args, iters=iters)
+        gbps = nbytes / t_kernel / 1e9
+        yield (f"MLA decode, {seqs} seqs x {context} tokens, DeepSeek-V3 (128 heads, latent 512 + 64)",
+               t_kernel * 1e3, gbps, 100 * gbps / peak_gbps, t_xla * 1e3, t_xla / t_kernel)
 
 
 def window_speed_rows(interpret: bool, small: bool, iters: int, peak_gbps: float):
@@ -241,14 +308,16 @@ def main(argv=None) -> int:
              "| kernel | case | max error (relative) | tolerance | |", "|---|---|---:|---:|---|"]
     failures = 0
     for kernel, case, error, tol in itertools.chain(correctness_rows(args.interpret, args.small),
-                                                    attention_option_rows(args.interpret, args.small)):
+                                                    attention_option_rows(args.interpret, args.small),
+                                                    mla_rows(args.interpret, args.small)):
         ok = error <= tol
         failures += not ok
         lines.append(f"| {kernel} | {case} | {error:.2e} | {tol:.0e} | {'ok' if ok else 'FAIL'} |")
         print(lines[-1], flush=True)
     lines += ["", "## Speed (median of %d runs)" % args.iters, "",
               "| what | kernel ms | kernel GB/s | % of peak | XLA path ms | kernel speed-up |", "|---|---:|---:|---:|---:|---:|"]
-    for what, ms, gbps, share, xla_ms, speedup in speed_rows(args.interpret, args.small, args.iters, peak):
+    for what, ms, gbps, share, xla_ms, speedup in itertools.chain(speed_rows(args.interpret, args.small, args.iters, peak),
+                                                                  mla_speed_rows(args.interpret, args.small, args.iters, peak)):
         lines.append(f"| {what} | {ms:.3f} | {gbps:.0f} | {share:.0f}% | {xla_ms:.3f} | {speedup:.2f}x |")
         print(lines[-1], flush=True)
     lines += ["", "## Bytes read follow the window (median of %d runs)" % args.iters, "",

@@ -18,7 +18,7 @@ import numpy as np
 from jaxinfer.kv_groups import kv_groups
 from jaxinfer.ops.batch import BucketKey, Buckets, SequenceChunk, pack_batch, stack_replicas
 from jaxinfer.ops.kernels import Kernels
-from jaxinfer.ops.kv_cache import KVCache, page_factors
+from jaxinfer.ops.kv_cache import KVCache, combined_pool, page_factors
 from jaxinfer.runtime.loading import load_params, read_config, resolve_model
 from jaxinfer.runtime.placement import kv_partition_spec, param_partition_specs
 from jaxinfer.runtime.step import StepFunction
@@ -44,7 +44,7 @@ class MeshModel:
                                             mesh=self.mesh, progress=False)
         self.step = StepFunction(graphdef, 0, mesh=self.mesh, param_specs=param_partition_specs(self.params, config))
         self.replicas = parallel.num_replicas
-        sharding = jax.sharding.NamedSharding(self.mesh, kv_partition_spec(combined=kernels.combines_kv).pages)
+        sharding = jax.sharding.NamedSharding(self.mesh, kv_partition_spec(combined=combined_pool(self.config, kernels)).pages)
         self.kv = KVCache.create(config, PAGES_PER_REPLICA * self.replicas, PAGE_SIZE, tp=parallel.tp, sharding=sharding,
                                  kernels=kernels)
         self.next_page = [1] * self.replicas  # page 0 of every replica is its scratch page

@@ -89,14 +89,15 @@ def test_attention_kernels_compile_with_each_newer_family_option(chip, family, r
     and soft-capping at head_dim 256 (Gemma 2, Mosaic), a window of 128 with sinks at head_dim 64
     (GPT-OSS, Mosaic and Triton), a window at head_dim 96 (Phi-3: Triton's blocks
     are powers of two, so the kernels pad it to 128), chunks of 8192 (Llama 4), head_dim 512 (Gemma 4's
-    global layers; on a TPU pool their pages are lane blocks of pages twice as wide), DeepSeek-V3's
-    latent row (one KV head of 576; the Triton flash kernel pads it to 1024 and does not fit an
-    H100's shared memory: a GPU's long prefills take the XLA path, by the on-device check)."""
+    global layers; on a TPU pool their pages are lane blocks of pages twice as wide), and DeepSeek-V3's
+    latent attention (the MLA kernel, 128 heads over rows of 512 + 64, in a decode and a prefill
+    bucket: a TPU's query block shrinks to fit VMEM; no flash path)."""
     target = request.getfixturevalue(chip)
     compiled = []
     for kernel, case, fn, args in kernel_check.kernel_cases(target, kernel_check.FAMILY_SHAPES[family]):
-        if family == "deepseek-v3" and chip == "h100" and kernel == "flash_attention":
-            continue  # (refused: see the docstring)
+        if kernel == "mla_attention" and not case.startswith("mixed"):
+            kernel_check.compile_for(target, fn, args)
+            compiled.append(kernel)
         if kernel == "flash_attention" or (kernel == "ragged_paged_attention" and case.startswith("decode") and "kv=bf16" in case):
             paged = kernel == "ragged_paged_attention"
             assert ("window=" in case) == (family not in ("llama-4-scout", "gemma-4-31b-global", "deepseek-v3"))
@@ -105,7 +106,7 @@ def test_attention_kernels_compile_with_each_newer_family_option(chip, family, r
             assert ("soft_cap" in case) == (family == "gemma-2-9b")
             kernel_check.compile_for(target, fn, args)
             compiled.append(kernel)
-    assert compiled == ["ragged_paged_attention", "flash_attention"][: 1 if (family, chip) == ("deepseek-v3", "h100") else 2]
+    assert compiled == (["mla_attention"] * 2 if family == "deepseek-v3" else ["ragged_paged_attention", "flash_attention"])
 
 
 def test_the_gpu_kernel_fits_many_query_heads_per_kv_head_into_shared_memory(h100):
@@ -243,10 +244,11 @@ def test_a_deepseek_step_keeps_its_fp8_weights_over_two_tpu_chips(v6e):
     layers = plan.params["layers"]
     assert layers["q_b_proj"].get_value().mode == "fp8" and layers["experts_gate_up"].get_value().mode == "fp8"
     assert isinstance(layers["kv_b_proj"].get_value(), jax.ShapeDtypeStruct)  # read per head, absorbed: floats
-    # the latent row (128 + 64) in 256 lanes, as K and V, once per chip (the global array: both chips' rows)
-    assert plan.kv.kv.shape[-1] == 2 * 2 * 256
+    # the latent row (128 + 64) alone, in 256 lanes, once per chip (the global array: both chips' rows)
+    assert plan.kv.kv.shape[-1] == 2 * 256 and plan.kv_bytes_per_chip() == plan.kv.kv.size // 2 * 2
     decode = next(k for k in plan.buckets.all_keys() if k.query_block == 1)
     assert_in_place_with_kernels(plan, decode, "grouped_quantized_matmul")
+    assert "ragged_paged_attention" in plan.lower(decode).as_text()  # the TPU's MLA kernel (latent pages)
 
 
 @pytest.mark.parametrize("chip", ["v6e", "h100"])

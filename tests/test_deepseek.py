@@ -4,8 +4,8 @@ A tiny random DeepSeek-V3 (tests/tiny_models.py: queries through a low rank, a l
 a shared RoPE key of 8, interleaved, YaRN with mscale_all_dim, a dense first layer then routed
 and shared experts); its logits are tests/test_model_parity.py's and its meshes
 tests/test_sharded_model.py's. Greedy text equals transformers' `generate` batched, alone, under
-preemption and with prefix-cache hits; the cache holds the latent row, one "KV head" of
-kv_lora_rank + qk_rope_head_dim per token and layer.
+preemption and with prefix-cache hits; the cache holds the latent row alone, kv_lora_rank +
+qk_rope_head_dim values per token and layer.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ def test_greedy_decoding_equals_transformers_batched_alone_preempted_and_from_th
     # prefills in chunks of 8; 3 layers x pages of 4 tokens: 16 pages cannot hold all three at once
     llm = LLM(str(directory), max_model_len=48, page_size=4, num_pages=17, max_num_batched_tokens=8, max_num_seqs=3,
               enable_prefix_caching=True, progress=False)
-    kv = llm.runner.kv
-    assert kv.pages.shape[-1] == 32 + 8 and kv.pages.shape[-2] == 1  # the latent row, one per token and layer
+    kv = llm.runner.kv  # the latent rows alone: (kv_lora_rank + qk_rope_head_dim) x 4 bytes per token and layer
+    assert kv.v is None and kv.kv_scale is None and kv.pages.shape == (3, 17, 4, 32 + 8)
+    assert kv.nbytes() / (3 * 17 * 4) == (32 + 8) * 4
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert llm.engine.get_stats().num_preemptions > 0
     assert batched == want

@@ -62,8 +62,7 @@ class PagedModel:
     def unowned_pages_untouched(self) -> bool:
         """Pages never handed out (other than the scratch page 0) must still be all zeros."""
         unowned = np.array(sorted(set(range(1, self.kv.num_pages)) - self.owned))
-        k, v = np.asarray(self.kv.k), np.asarray(self.kv.v)
-        return not np.any(k[:, unowned]) and not np.any(v[:, unowned])
+        return not any(np.any(np.asarray(pages)[:, unowned]) for pages in jax.tree.leaves(self.kv))  # K and V, or latent rows
 
 
 def hf_logprobs(hf_model, tokens: list[int], chunks: list[int]) -> np.ndarray:

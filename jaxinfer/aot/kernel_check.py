@@ -23,6 +23,8 @@ from pallas_kernels.fused_rms_norm import add_rms_norm_gpu, add_rms_norm_tpu
 from pallas_kernels.grouped_matmul import gpu as gmm_gpu
 from pallas_kernels.grouped_matmul import tpu as gmm_tpu
 from pallas_kernels.lora_sgmv import gpu as lora_gpu
+from pallas_kernels.mla_attention import gpu as mla_gpu
+from pallas_kernels.mla_attention import tpu as mla_tpu
 from pallas_kernels.lora_sgmv import tpu as lora_tpu
 from pallas_kernels.quantized_matmul import gpu as qmm_gpu
 from pallas_kernels.quantized_matmul import tpu as qmm_tpu
@@ -37,11 +39,11 @@ from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu, swiglu_matmul_tpu
 TPU_KERNELS = dict(flash_attention=flash_attention_tpu, add_rms_norm=add_rms_norm_tpu, quantized_matmul=qmm_tpu.quantized_matmul,
                    ragged_paged_attention=rpa_tpu.ragged_paged_attention,
                    swiglu_matmul=swiglu_matmul_tpu, lora_sgmv_shrink=lora_tpu.sgmv_shrink, lora_sgmv_expand=lora_tpu.sgmv_expand,
-                   grouped_matmul=gmm_tpu.grouped_quantized_matmul)
+                   grouped_matmul=gmm_tpu.grouped_quantized_matmul, mla_attention=mla_tpu.mla_attention)
 GPU_KERNELS = dict(flash_attention=flash_attention_gpu, add_rms_norm=add_rms_norm_gpu, quantized_matmul=qmm_gpu.quantized_matmul,
                    ragged_paged_attention=rpa_gpu.ragged_paged_attention, rope_kv_write=rope_kv_write_gpu,
                    swiglu_matmul=swiglu_matmul_gpu, lora_sgmv_shrink=lora_gpu.sgmv_shrink, lora_sgmv_expand=lora_gpu.sgmv_expand,
-                   grouped_matmul=gmm_gpu.grouped_quantized_matmul)
+                   grouped_matmul=gmm_gpu.grouped_quantized_matmul, mla_attention=mla_gpu.mla_attention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,7 @@ class FamilyShape:
     experts: int = 0  # experts one chip holds, kept quantized (mxfp4: GPT-OSS): the grouped matmul's cases
     experts_per_token: int = 0
     expert_parallel: int = 1  # the expert-parallel degree the plan uses (a chip's rows: ep x tokens x k)
+    latent: int = 0  # multi-head latent attention: the latent row's values (its attention is the MLA kernel's)
 
 
 FAMILY_SHAPES = {
@@ -85,9 +88,9 @@ FAMILY_SHAPES = {
     "gemma-4-31b": FamilyShape(32, 16, 256, 5376, 21504, window=1024),  # its sliding layers; the global ones:
     # head_dim 512, their K/V row half the sliding layers': on a TPU pool, pages read as lane blocks
     "gemma-4-31b-global": FamilyShape(32, 4, 512, 5376, 21504, lane_blocks=2),
-    # DeepSeek-V3's latent attention as the paged kernels see it (jaxinfer.models.deepseek): one KV
-    # head of 576 (the latent 512 and the RoPE key 64), the 128 query heads over tp = 8
-    "deepseek-v3": FamilyShape(16, 1, 576, 7168, 18432),
+    # DeepSeek-V3's latent attention (jaxinfer.models.deepseek): 128 query heads (one chip's, tp = 1)
+    # over one latent row per token, the latent 512 and the RoPE key 64 (pallas_kernels.mla_attention)
+    "deepseek-v3": FamilyShape(128, 1, 576, 7168, 18432, latent=512),
 }
 
 PAGE_SIZE = 16
@@ -127,6 +130,14 @@ def kernel_cases(target: Target, shape: FamilyShape):
     paged_named = named + (" sinks" if sinks else "")
     kv_dtypes = (("bf16", bf16, {}), ("int8", jnp.int8, dict(k_scale=0.05, v_scale=0.05)),
                  ("fp8", jnp.float8_e4m3fn, dict(k_scale=0.05, v_scale=0.05)))
+    if shape.latent:  # MLA: its own attention over latent rows (padded to 128 lanes on a TPU), in the model's dtype
+        kv_dtypes = ()
+        width = mla_tpu.padded_row(D) if tpu else D
+        for bucket, T, S, Bq in ATTENTION_BUCKETS:
+            fn = functools.partial(k["mla_attention"], value_dim=shape.latent, sm_scale=sm_scale, num_queries_per_block=Bq)
+            args = (spec((T, Hq, D), bf16), spec((NUM_PAGES, PAGE_SIZE, width), bf16), spec((S,), i32),
+                    spec((S, PAGES_PER_SEQ), i32), spec((S + 1,), i32), spec((1,), i32))
+            yield "mla_attention", f"{bucket} T={T} S={S} latent[{PAGE_SIZE}, {width}] values {shape.latent}", fn, args
     for name, kv_dtype, scales in kv_dtypes:
         page_size, pages_per_seq, scale_pool = PAGE_SIZE, PAGES_PER_SEQ, ()
         lanes = {}
@@ -153,9 +164,10 @@ def kernel_cases(target: Target, shape: FamilyShape):
             yield "ragged_paged_attention", f"{bucket} T={T} S={S} kv={name} {layout}{paged_named}", fn, args
 
     T = 512
-    # (a layer with sinks never takes the flash path: jaxinfer.ops.attention.paged_attention)
-    yield ("flash_attention", f"prefill T={T}{named}", functools.partial(flash, sm_scale=sm_scale, causal=True, **options),
-           (spec((T, Hq, D), bf16), spec((T, Hkv, D), bf16), spec((T, Hkv, D), bf16), spec((5,), i32), spec((1,), i32)))
+    # (a layer with sinks never takes the flash path: jaxinfer.ops.attention.paged_attention; MLA never does)
+    if not shape.latent:
+        yield ("flash_attention", f"prefill T={T}{named}", functools.partial(flash, sm_scale=sm_scale, causal=True, **options),
+               (spec((T, Hq, D), bf16), spec((T, Hkv, D), bf16), spec((T, Hkv, D), bf16), spec((5,), i32), spec((1,), i32)))
 
     T = MATMUL_TOKENS
     if not tpu and gpu_supports(D):  # a TPU writes its combined pages with XLA's scatter (pallas_kernels.rope_kv_write);

@@ -36,7 +36,7 @@ from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.spec_decode import NgramProposer, SpeculativeConfig
 from jaxinfer.kv_groups import kv_groups
 from jaxinfer.models.draft_heads import load_heads
-from jaxinfer.ops.kv_cache import KVCache, is_quantized
+from jaxinfer.ops.kv_cache import KVCache, combined_pool, is_quantized
 from jaxinfer.ops.quantization import cast_scales, default_group_size, quantize_model
 from jaxinfer.runtime.kernel_selfcheck import checked_kernels, step_shapes, with_kernels
 from jaxinfer.runtime.loading import abstract_model, load_params, read_config, resolve_model
@@ -173,7 +173,7 @@ def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights:
                  return_hidden: bool = False) -> ModelRunner:
     """A model's runner on `mesh`: its placed weights and a KV pool of the (resolved) config's page geometry."""
     parallel = config.parallel(model_config)
-    specs = kv_partition_spec(quantized=is_quantized(config.kv_dtype), combined=config.kernels.combines_kv)
+    specs = kv_partition_spec(quantized=is_quantized(config.kv_dtype), combined=combined_pool(model_config, config.kernels))
     kv = KVCache.create(model_config, config.num_pages * parallel.num_replicas, config.page_size, config.kv_dtype,
                         tp=parallel.tp, sharding=jax.sharding.NamedSharding(mesh, specs.pages),
                         scale_sharding=jax.sharding.NamedSharding(mesh, specs.scales) if specs.scales else None,

@@ -40,7 +40,7 @@ from jaxinfer.kv_groups import describe, window_pages
 from jaxinfer.engine.model_runner import empty_inputs, every_processor_sampling
 from jaxinfer.ops.batch import BucketKey, Buckets
 from jaxinfer.ops.kernels import Kernels
-from jaxinfer.ops.kv_cache import KVCache, is_quantized
+from jaxinfer.ops.kv_cache import KVCache, combined_pool, is_quantized
 from jaxinfer.runtime.placement import kv_partition_spec
 from jaxinfer.runtime.step import StepFunction
 from pallas_kernels.ragged_paged_attention.reference import storage_dtype
@@ -104,7 +104,7 @@ def abstract_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, *,
     """The KV pool `KVCache.create` would place (`num_pages` over every replica), as
     ShapeDtypeStructs with their shardings on `mesh`: nothing allocated."""
     shape = KVCache.shape(config, num_pages, page_size, dtype, tp=tp, kernels=kernels)
-    combined = kernels.combines_kv
+    combined = combined_pool(config, kernels)
     specs = kv_partition_spec(is_quantized(dtype), combined)
     struct = lambda shp, dt, spec: jax.ShapeDtypeStruct(shp, dt, sharding=NamedSharding(mesh, spec))  # noqa: E731
     stored = storage_dtype(dtype)  # e4m3 pools hold bytes

@@ -19,21 +19,20 @@ Multi-head latent attention, per token (Hq heads; r = kv_lora_rank, e.g. 512; ro
 Decode and prefill run it *absorbed*: q_nope @ W_UK_h^T is a query against the latent itself,
 
     score_h(t, s) = q_nope_h(t) . (c(s) @ W_UK_h) + q_rope_h(t) . k_r(s)
-                  = [q_rope_h(t) | q_nope_h(t) @ W_UK_h^T] . [k_r(s) | c(s)]
+                  = [q_nope_h(t) @ W_UK_h^T | q_rope_h(t)] . [c(s) | k_r(s)]
     out_h(t)      = (sum_s p_h(t, s) c(s)) @ W_UV_h
 
-so attention is multi-query attention with one KV head of rope + r dims: the row [k_r | c] is what
-the paged cache holds per token and layer (RoPE turns its first `rope` dims: `rotary_dim`), the
-values are the same row (its latent part is read, the rope part of the output dropped), and no
-token's K or V is ever expanded per head. The shared attention path (RoPE, the paged write, the
-ragged kernels) runs it unchanged. DeepSeek-V3 interleaves its rope dims in pairs
+so attention is multi-query attention with one KV head of r + rope dims: the row [c | k_r] (RoPE
+on k_r) is all the paged cache holds per token and layer (`jaxinfer.ops.kv_cache`'s latent pool:
+(r + rope) x dtype bytes), the values are that row's first r dims, and no token's K or V is ever
+expanded per head. `Kernels.mla_attention` reads it (`pallas_kernels.mla_attention`: TPU and GPU
+kernels that read each row once for all heads). DeepSeek-V3 interleaves its rope dims in pairs
 (`rope_interleave`; V2 rotates them as complex numbers, the same pairs): they are taken as
 [evens | odds], the same rotation in Llama's half layout.
 The score scale is (nope + rope) ** -0.5 times YaRN's mscale squared (`ModelConfig.attention_scale`).
 
-Not yet: the pool stores the row as both K and V (twice the latent cache; a K-only pool halves
-it), the expanded form for long prefills, the checkpoint's multi-token-prediction layer (skipped
-at load).
+Not yet: the expanded form for long prefills (K_h and V_h made per head for flash attention;
+absorbed is the only path), the checkpoint's multi-token-prediction layer (skipped at load).
 """
 
 from __future__ import annotations
@@ -45,7 +44,8 @@ from jaxinfer.config import LayerKind
 from jaxinfer.models.decoder import LayerRef, StepInputs
 from jaxinfer.models.layers import matmul, rms_norm
 from jaxinfer.models.llama import LlamaForCausalLM
-from jaxinfer.ops.attention import write_kv_and_attend
+from jaxinfer.ops.attention import write_latent_and_attend
+from pallas_kernels.rope_kv_write import apply_rope
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with their default eps
 
@@ -61,6 +61,9 @@ class DeepseekForCausalLM(LlamaForCausalLM):
     def attention(self, step: StepInputs, layer: LayerRef, kind: LayerKind, w: dict, lw: dict | None, h, pool):
         """MLA of h [Tl, H] through the layer's paged latent cache: (out [Tl, H], pool)."""
         c, kernels = self.config, self.kernels
+        if self.parallel.sp > 1:
+            raise ValueError(f"sequence_parallel_size={self.parallel.sp}: multi-head latent attention ({c.model_type}) does "
+                             "not run sequence-parallel yet; use tensor / expert / data parallelism")
         Tl, dtype = h.shape[0], h.dtype
         heads = c.num_heads // self.parallel.tp  # this device's query heads
         nope, rope, r, vd = c.qk_nope_head_dim, c.rotary_dim, c.kv_lora_rank, c.v_head_dim
@@ -81,17 +84,13 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         kv_b = w["kv_b_proj"].reshape(r, heads, nope + vd)  # this device's heads: [r, heads, nope | v]
         w_uk, w_uv = kv_b[..., :nope], kv_b[..., nope:]
         q_latent = jnp.einsum("thn,rhn->thr", q_nope, w_uk.astype(dtype), preferred_element_type=jnp.float32)
-        q_row = jnp.concatenate([q_rope, q_latent.astype(dtype)], axis=-1)  # [Tl, heads, rope + r]
-        row = jnp.concatenate([k_rope, latent], axis=-1)[:, None, :]  # [Tl, 1, rope + r]: the cache's row
+        cos, sin = step.rope[kind.rope]  # [Tl, rope]
+        q_row = jnp.concatenate([q_latent.astype(dtype), apply_rope(q_rope, cos, sin)], axis=-1)  # [Tl, heads, r + rope]
+        row = jnp.concatenate([latent, apply_rope(k_rope[:, None, :], cos, sin)[:, 0]], axis=-1)  # [Tl, r + rope]
 
-        cos, sin = step.rope[kind.rope]
-        view = pool.group_view(self.page_factors[layer.group], 1, rope + r)  # [slots * P, page_size, 1, rope + r]
-        lanes = self.lane_blocks[layer.group]
-        attn, view = write_kv_and_attend(  # RoPE on the first `rope` dims, the paged write, attention
-            q_row, row, row, cos, sin, view, layer.slot * step.num_pages * lanes, step.write_page[layer.group],
-            step.write_offset[layer.group], layer.batch_view(step.batch), parallel=self.parallel,
-            sm_scale=c.sm_scale, sliding_window=kind.window, attention_chunk=kind.chunk, soft_cap=None, sinks=None,
-            query_block=step.query_block, spec_block=step.spec_block, kernels=kernels, lane_blocks=lanes)
-        pool = view.like(pool)
-        out = jnp.einsum("thr,rhv->thv", attn[..., rope:], w_uv.astype(dtype), preferred_element_type=jnp.float32)
+        attn, pool = write_latent_and_attend(  # [Tl, heads, r]: sum_s p_h(t, s) c(s)
+            q_row, row, pool, layer.slot * step.num_pages, step.write_page[layer.group], step.write_offset[layer.group],
+            layer.batch_view(step.batch), value_dim=r, sm_scale=c.sm_scale, query_block=step.query_block,
+            spec_block=step.spec_block, kernels=kernels)
+        out = jnp.einsum("thr,rhv->thv", attn, w_uv.astype(dtype), preferred_element_type=jnp.float32)
         return self._row_parallel(out.astype(dtype).reshape(Tl, heads * vd), w["o_proj"]), pool

@@ -185,6 +185,32 @@ def write_kv_and_attend(
     return paged_attention(q, k, v, pool, layer_page_offset, batch, lane_blocks=lane_blocks, **options), pool
 
 
+def write_latent_and_attend(
+    q: jax.Array,  # [T, Hq, D]: queries against the latent rows, RoPE applied ([q_latent | q_rope])
+    rows: jax.Array,  # [T, D]: this step's latent rows, RoPE applied ([c | k_rope])
+    pool: KVCache,  # the latent pool, slots folded: kv [slots * P, page_size, W]
+    layer_page_offset: jax.Array,  # scalar: slot * P
+    write_page: jax.Array,  # [T]
+    write_offset: jax.Array,  # [T]
+    batch: RaggedBatch,
+    *,
+    value_dim: int,
+    sm_scale: float,
+    query_block: int,
+    spec_block: int = 0,
+    kernels: Kernels = Kernels(),
+) -> tuple[jax.Array, KVCache]:
+    """Multi-head latent attention's write and read (jaxinfer.models.deepseek): each token's row
+    into its page slot (in place, zero past D when the pool pads its rows), then every head's
+    attention over the rows: (out [T, Hq, value_dim], pool)."""
+    width = pool.kv.shape[-1]
+    rows = jnp.pad(rows, ((0, 0), (0, width - rows.shape[-1]))).astype(pool.kv.dtype)
+    pool = dataclasses.replace(pool, kv=write_page_rows(pool.kv, layer_page_offset + write_page, write_offset, rows))
+    out = kernels.mla_attention(q, pool.kv, batch.page_table + layer_page_offset, batch, value_dim=value_dim,
+                                sm_scale=sm_scale, query_block=query_block, spec_block=spec_block)
+    return out, pool
+
+
 def attend_written_kv(q, cos, sin, pool: KVCache, layer_page_offset, batch: RaggedBatch, *, num_kv_heads: int, sm_scale,
                       sliding_window, query_block: int, attention_chunk: int | None = None, spec_block: int = 0,
                       soft_cap: float | None = None, sinks=None, kernels: Kernels = Kernels(), lane_blocks: int = 1) -> jax.Array:

@@ -56,6 +56,9 @@ from pallas_kernels.fused_rms_norm import add_rms_norm_gpu, add_rms_norm_referen
 from pallas_kernels.grouped_matmul import gpu as gmm_gpu
 from pallas_kernels.grouped_matmul import reference as gmm_reference
 from pallas_kernels.grouped_matmul import tpu as gmm_tpu
+from pallas_kernels.mla_attention import gpu as mla_gpu
+from pallas_kernels.mla_attention import tpu as mla_tpu
+from pallas_kernels.mla_attention.reference import as_kv_head
 from pallas_kernels.lora_sgmv import lora_delta_gpu, lora_delta_tpu, lora_delta_xla
 from pallas_kernels.quantized_matmul import gpu as qmm_gpu
 from pallas_kernels.quantized_matmul import reference as qmm_reference
@@ -69,7 +72,7 @@ from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu, swiglu_matmul_tpu
 KERNEL_IMPLS = ("auto", "reference", "pallas", "pallas-tpu", "pallas-gpu")
 # The table's operations (its other entries describe the KV pool's layout and the scale dtype).
 OPERATIONS = ("ragged_attention", "flash_attention", "rope_kv_write", "quantized_matmul", "add_rms_norm", "swiglu_matmul",
-              "lora_delta", "grouped_matmul")
+              "lora_delta", "grouped_matmul", "mla_attention")
 
 # KV tokens per work item of the XLA split-KV attention, and items per loop iteration (measured
 # on the CPU, 30 layers of SmolLM2's attention). Decodes (one query row per block) contract by
@@ -114,6 +117,16 @@ def xla_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *,
         seq_mask=q_lens > max(1, spec_block), max_query_blocks=min(T, -(-T // query_block) + min(S, MAX_PREFILL_CHUNKS)),
     )
     return out
+
+
+def xla_mla_attention(q, latent_pages, page_table, batch: RaggedBatch, *, value_dim: int, sm_scale: float,
+                      query_block: int, spec_block: int = 0) -> jax.Array:
+    """MLA attention by the split-KV XLA attention: the latent rows as the one KV head's keys and
+    values (`pallas_kernels.mla_attention.reference`), the values' first value_dim entries kept.
+    [T, Hq, value_dim]."""
+    rows = as_kv_head(latent_pages, q.shape[-1])
+    return xla_ragged_attention(q, rows, rows, page_table, batch, num_kv_heads=1, sm_scale=sm_scale, sliding_window=None,
+                                query_block=query_block, spec_block=spec_block)[..., :value_dim]
 
 
 def xla_quantized_matmul(x, qweight, scales, offsets=None, *, mode: str, group_size: int | None) -> jax.Array:
@@ -162,6 +175,27 @@ def _gpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *
         interpret=interpret, sinks=sinks)
 
 
+def _tpu_mla_attention(q, latent_pages, page_table, batch: RaggedBatch, *, value_dim: int, sm_scale: float,
+                       query_block: int, spec_block: int = 0, interpret: bool) -> jax.Array:
+    """The TPU kernel reads values of whole 128-lane rows (DeepSeek's 512); other widths (tiny test
+    models) take the XLA path."""
+    if value_dim % 128:
+        return xla_mla_attention(q, latent_pages, page_table, batch, value_dim=value_dim, sm_scale=sm_scale,
+                                 query_block=query_block, spec_block=spec_block)
+    return mla_tpu.mla_attention(q, latent_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs,
+                                 value_dim=value_dim, sm_scale=sm_scale, num_queries_per_block=query_block, interpret=interpret)
+
+
+def _gpu_mla_attention(q, latent_pages, page_table, batch: RaggedBatch, *, value_dim: int, sm_scale: float,
+                       query_block: int, spec_block: int = 0, interpret: bool) -> jax.Array:
+    """The Triton kernel reads the latent part as one power-of-two block (DeepSeek's 512); other widths take the XLA path."""
+    if value_dim < 16 or value_dim & (value_dim - 1):
+        return xla_mla_attention(q, latent_pages, page_table, batch, value_dim=value_dim, sm_scale=sm_scale,
+                                 query_block=query_block, spec_block=spec_block)
+    return mla_gpu.mla_attention(q, latent_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs,
+                                 value_dim=value_dim, sm_scale=sm_scale, num_queries_per_block=query_block, interpret=interpret)
+
+
 def _gpu_rope_kv_write(*args, interpret: bool):
     if gpu_supports(args[0].shape[-1]):
         return rope_kv_write_gpu(*args, interpret=interpret)
@@ -198,6 +232,9 @@ class Kernels:
     grouped_matmul(x [M,K], group_of_row [M], qweight [G,K',N], scales, offsets, *, mode, group_size) -> float32 [M,N]:
         each row times its own matrix of a quantized stack (G: none, 0 out): the experts of a MoE
         layer kept quantized (GPT-OSS's mxfp4; jaxinfer.models.moe)
+    mla_attention(q [T,Hq,D], latent_pages [P,page_size,W], page_table, batch, *, value_dim, sm_scale, query_block,
+        spec_block) -> [T,Hq,value_dim]: multi-head latent attention over one latent row per token,
+        the keys of every head and, their first value_dim entries, the values (pallas_kernels.mla_attention)
     add_rms_norm(x, residual, weight, *, eps) -> (normed, x + residual)
     swiglu_matmul(x [T,H], w_gate_up [H,2I]) -> silu(gate) * up [T,I]
     lora_delta(x [T,K], a [N,K,P R], bs (P x [N,R,O_p]), slot [T]) -> float32 [T, sum O_p]: the
@@ -219,6 +256,7 @@ class Kernels:
     swiglu_matmul: Callable = dataclasses.field(default=None, compare=False, repr=False)
     lora_delta: Callable = dataclasses.field(default=None, compare=False, repr=False)
     grouped_matmul: Callable = dataclasses.field(default=None, compare=False, repr=False)
+    mla_attention: Callable = dataclasses.field(default=None, compare=False, repr=False)
     scale_dtype: Callable = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -251,7 +289,8 @@ class Kernels:
 def _xla_table(interpret: bool) -> dict[str, Callable | None]:
     return dict(ragged_attention=xla_ragged_attention, flash_attention=None, rope_kv_write=rope_kv_write_reference,
                 quantized_matmul=xla_quantized_matmul, add_rms_norm=add_rms_norm_reference, swiglu_matmul=xla_swiglu_matmul,
-                lora_delta=lora_delta_xla, grouped_matmul=gmm_reference.grouped_quantized_matmul, scale_dtype=same_dtype)
+                lora_delta=lora_delta_xla, grouped_matmul=gmm_reference.grouped_quantized_matmul,
+                mla_attention=xla_mla_attention, scale_dtype=same_dtype)
 
 
 def _tpu_table(interpret: bool) -> dict[str, Callable]:
@@ -259,7 +298,7 @@ def _tpu_table(interpret: bool) -> dict[str, Callable]:
     return dict(ragged_attention=pallas(_tpu_ragged_attention), flash_attention=pallas(flash_attention_tpu),
                 rope_kv_write=rope_kv_write_reference, quantized_matmul=pallas(qmm_tpu.quantized_matmul),
                 add_rms_norm=pallas(add_rms_norm_tpu), swiglu_matmul=pallas(_tpu_swiglu_matmul), lora_delta=pallas(lora_delta_tpu),
-                grouped_matmul=pallas(gmm_tpu.grouped_quantized_matmul),
+                grouped_matmul=pallas(gmm_tpu.grouped_quantized_matmul), mla_attention=pallas(_tpu_mla_attention),
                 scale_dtype=_tpu_scale_dtype)
 
 
@@ -268,7 +307,7 @@ def _gpu_table(interpret: bool) -> dict[str, Callable]:
     return dict(ragged_attention=pallas(_gpu_ragged_attention), flash_attention=pallas(flash_attention_gpu),
                 rope_kv_write=pallas(_gpu_rope_kv_write), quantized_matmul=pallas(qmm_gpu.quantized_matmul),
                 add_rms_norm=pallas(add_rms_norm_gpu), swiglu_matmul=pallas(swiglu_matmul_gpu), lora_delta=pallas(lora_delta_gpu),
-                grouped_matmul=pallas(gmm_gpu.grouped_quantized_matmul),
+                grouped_matmul=pallas(gmm_gpu.grouped_quantized_matmul), mla_attention=pallas(_gpu_mla_attention),
                 scale_dtype=same_dtype)
 
 

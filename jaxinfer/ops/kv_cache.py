@@ -9,6 +9,18 @@ num_slots is the number of layers in each KV layer group (`jaxinfer.kv_groups`):
 when every layer attends alike (Llama), fewer when sliding and full layers share the pool
 (Gemma 3: a page owned by one of its six groups holds that group's layers, one per slot).
 
+A third, for multi-head latent attention (DeepSeek: `ModelConfig.is_mla`), on every platform:
+
+    latent     kv    [num_slots, num_pages, page_size, tp * W]                  one row per token
+
+holding each token's latent row [c | k_rope] once (kv_lora_rank + qk_rope_head_dim values: the
+keys of every head and, its first kv_lora_rank, their values; jaxinfer.models.deepseek), W = that
+width, rounded up to whole 128-lane rows on a TPU (576 -> 640: `pallas_kernels.mla_attention`).
+Every tensor-parallel shard holds the whole row (each attends for its own heads). It is stored
+like a combined pool (`combined` is true: one row per token, split over "tensor" in runs of W)
+and read by the MLA attention (`Kernels.mla_attention`). Its bytes per token and layer are the
+row's, exactly: (kv_lora_rank + qk_rope_head_dim) x dtype, 1/2 of the row kept as K and V alike.
+
 Token-major pages either way: one token's row of every KV head is contiguous. The combined row
 (`pallas_kernels.ragged_paged_attention.combined`) holds K_0 V_0 K_1 V_1 ... in Ds lanes each
 (Ds = head_dim for 64 and multiples of 128): a whole number of 128-lane rows, which a TPU stores
@@ -110,6 +122,17 @@ def pool_kv_shape(config: ModelConfig, *, tp: int = 1, combined: bool = False) -
     return groups.shapes[factors.index(1)]
 
 
+def combined_pool(config: ModelConfig, kernels: Kernels) -> bool:
+    """Whether the pool is one array of rows (`kv`): the TPU kernels' combined K|V rows, or any
+    platform's latent rows of an MLA model (module docstring)."""
+    return kernels.combines_kv or config.is_mla
+
+
+def latent_row_width(config: ModelConfig, kernels: Kernels) -> int:
+    """Entries of one token's latent row on one device: the row, padded to 128 lanes for the TPU kernels."""
+    return -(-config.head_dim // 128) * 128 if kernels.platform == "tpu" else config.head_dim
+
+
 def is_quantized(dtype) -> bool:
     return jnp.dtype(dtype) in QUANTIZED_KV_DTYPES
 
@@ -132,7 +155,10 @@ class KVCache:
         each device's part directly, nothing whole anywhere."""
         shape = KVCache.shape(config, num_pages, page_size, dtype, tp=tp, kernels=kernels)
         zeros = jax.jit(lambda: jnp.zeros(shape, storage_dtype(dtype)), out_shardings=sharding)
-        combined = kernels.combines_kv
+        combined = combined_pool(config, kernels)
+        if is_quantized(dtype) and config.is_mla:
+            raise ValueError(f"kv_cache_dtype={jnp.dtype(dtype).name}: the latent cache of this {config.model_type} model "
+                             "(multi-head latent attention) is kept in the model's dtype; a quantized one is not supported yet")
         if is_quantized(dtype) and len(set(kv_groups(config).shapes)) > 1:
             raise ValueError(f"kv_cache_dtype={jnp.dtype(dtype).name}: a quantized KV cache holds one K/V shape, and this "
                              f"{config.model_type} model's layer groups have several; use the model's dtype")
@@ -147,7 +173,7 @@ class KVCache:
     @staticmethod
     def page_bytes(config: ModelConfig, page_size: int, dtype, *, tp: int = 1, kernels: Kernels = Kernels()) -> int:
         """Bytes of one page id: every slot, K and V (with their scales)."""
-        combined = kernels.combines_kv
+        combined = combined_pool(config, kernels)
         entries = math.prod(KVCache.shape(config, 1, page_size, dtype, tp=tp, kernels=kernels)) * jnp.dtype(dtype).itemsize
         scales = math.prod(KVCache.scale_shape(config, 1, page_size, tp=tp, combined=combined)) * 4 if is_quantized(dtype) else 0
         return entries + scales if combined else 2 * (entries + scales)
@@ -209,8 +235,10 @@ class KVCache:
     def shape(config: ModelConfig, num_pages: int, page_size: int, dtype, *, tp: int = 1,
               kernels: Kernels = Kernels()) -> tuple[int, ...]:
         """Shape of each page array: kv [slots, P, page_size, tp * row] (row = combined.row_width of
-        a shard's heads), or k and v [slots, P, page_size, pool_kv_heads, head_dim]."""
+        a shard's heads, or an MLA model's latent row), or k and v [slots, P, page_size, pool_kv_heads, head_dim]."""
         slots = kv_groups(config).num_slots
+        if config.is_mla:
+            return (slots, num_pages, page_size, tp * latent_row_width(config, kernels))
         heads, head_dim = pool_kv_shape(config, tp=tp, combined=kernels.combines_kv)
         if kernels.combines_kv:
             row = row_width(kv_heads_per_shard(heads, tp), head_dim)

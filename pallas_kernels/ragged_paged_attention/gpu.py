@@ -73,7 +73,7 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
-def _triton_dim(n: int) -> int:
+def triton_dim(n: int) -> int:
     """The smallest power of two >= max(n, 16): a block dimension Triton accepts."""
     return max(MIN_BLOCK_DIM, pl.next_power_of_2(n))
 
@@ -91,7 +91,7 @@ class QueryBlocks(NamedTuple):
     num_tiles: jax.Array  # KV tiles from first_tile to its last query's tile (0 for padding blocks)
 
 
-def _query_blocks(kv_lens, cu_q_lens, num_seqs, *, T, Bq, tile_tokens, sliding_window, attention_chunk) -> QueryBlocks:
+def query_blocks(kv_lens, cu_q_lens, num_seqs, *, T, Bq, tile_tokens, sliding_window, attention_chunk) -> QueryBlocks:
     S = kv_lens.shape[0]
     seq_in_use = jnp.arange(S) < jnp.reshape(num_seqs, ())
     q_lens = jnp.where(seq_in_use, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
@@ -196,7 +196,7 @@ def _kernel(
     l_ref[...] = l
 
 
-def _merge_splits(o, m, l, sinks=None, G=1):
+def merge_splits(o, m, l, sinks=None, G=1):
     """Partials of each split -> normalised output. o [J, NB, Hkv, R, Dp], m and l [J, NB, Hkv, R];
     sinks [Hq] (attention sinks) add to each row's denominator."""
     m_max = m.max(axis=0)
@@ -255,14 +255,14 @@ def ragged_paged_attention(
         raise ValueError("num_queries_per_block, num_kv_pages_per_block and num_kv_splits must be >= 1")
     G = Hq // Hkv
     Bq = num_queries_per_block
-    while Bq > 1 and _triton_dim(Bq * G) * _triton_dim(D) > MAX_QUERY_TILE_ENTRIES:
+    while Bq > 1 and triton_dim(Bq * G) * triton_dim(D) > MAX_QUERY_TILE_ENTRIES:
         Bq //= 2
-    default_tokens = min(DEFAULT_KV_TOKENS_PER_BLOCK, MAX_KV_TILE_ENTRIES // _triton_dim(D))
+    default_tokens = min(DEFAULT_KV_TOKENS_PER_BLOCK, MAX_KV_TILE_ENTRIES // triton_dim(D))
     C = min(num_kv_pages_per_block or max(1, default_tokens // page_size), pages_per_seq)
     tile_tokens = C * page_size  # KV tokens per tile
-    R, N, Dp = _triton_dim(Bq * G), _triton_dim(tile_tokens), _triton_dim(D)  # rows, tile width, head_dim
+    R, N, Dp = triton_dim(Bq * G), triton_dim(tile_tokens), triton_dim(D)  # rows, tile width, head_dim
 
-    blocks = _query_blocks(kv_lens, cu_q_lens, num_seqs, T=T, Bq=Bq, tile_tokens=tile_tokens, sliding_window=sliding_window,
+    blocks = query_blocks(kv_lens, cu_q_lens, num_seqs, T=T, Bq=Bq, tile_tokens=tile_tokens, sliding_window=sliding_window,
                           attention_chunk=attention_chunk)
     NB = blocks.rows.shape[0]
 
@@ -308,7 +308,7 @@ def ragged_paged_attention(
         page_indices.astype(jnp.int32), qb, k_pages, v_pages,
     )
 
-    out = _merge_splits(o, m, l, sinks, G)[:, :, : Bq * G, :D]  # [NB, Hkv, Bq*G, D]
+    out = merge_splits(o, m, l, sinks, G)[:, :, : Bq * G, :D]  # [NB, Hkv, Bq*G, D]
     out = out.reshape(NB, Hkv, Bq, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * Bq, Hq, D)
     result = jnp.zeros((T, Hq, D), q.dtype)
     return result.at[blocks.rows.reshape(-1)].set(out.astype(q.dtype), mode="drop")

@@ -78,6 +78,12 @@ wrapper raises ValueError before a compile that would not fit. Each `pallas_call
 `pl.CostEstimate` (an upper bound: every query block reads its sequence's whole page-table row),
 since XLA's cost analysis cannot see inside a kernel.
 
+Latent pages (`value_dim` r: multi-head latent attention, DeepSeek; `pallas_kernels.mla_attention`):
+`kv_pages [P, page_size, W]` hold ONE row per token, the keys of the one KV head every query head
+shares (W = D rounded up to whole 128-lane rows, zero past D), and the values are that row's first
+r lanes (r a multiple of 128). Everything above holds with Hkv = 1 and G = Hq: K is the fetched
+row, V its lanes [0, r), the accumulator and output r lanes wide; the result is [T, Hq, r].
+
 Padding contract as in the reference: rows past cu_q_lens[num_seqs] and sequences >= num_seqs
 come out as zeros. Only pages a query block needs are fetched, so the unused tail of a page-table
 row (and the rows of padding sequences) may hold anything, even ids outside the pool.
@@ -166,11 +172,16 @@ def query_block(b, refs, *, Bq, kv_block, sliding_window, attention_chunk=None) 
     return QueryBlock(seq, num_rows, first_pos, last_pos, lo_pos, kv_lo, kv_hi)
 
 
-def read_head(block_ref, h: int, stored_head_dim: int, k_scale: float | None, v_scale: float | None):
+def read_head(block_ref, h: int, stored_head_dim: int, k_scale: float | None, v_scale: float | None,
+              value_dim: int | None = None):
     """K_h and V_h of a fetched block [tokens, Hkv * 2 * Ds] as float32 [tokens, lanes] each
     (combined.lane_width lanes: with Ds = 64 both are the whole 128-lane row holding K_h and V_h;
     the caller's zero q lanes and its choice of output lanes pick the half it needs). Quantized
-    entries come out multiplied by the pool's scale."""
+    entries come out multiplied by the pool's scale. Latent pages (value_dim r): the whole row and
+    its first r lanes."""
+    if value_dim is not None:
+        row = block_ref[...].astype(jnp.float32)
+        return row, row[:, :value_dim]
     Ds = stored_head_dim
     lanes = lane_width(Ds)
     k_start, v_start = 2 * Ds * h, 2 * Ds * h + 2 * Ds - lanes
@@ -238,6 +249,7 @@ def _kernel(
     fetch_rows,
     scale_pool,
     lane_blocks,
+    value_dim,
 ):
     b = pl.program_id(0)
     num_blocks = pl.num_programs(0)
@@ -355,7 +367,7 @@ def _kernel(
             visible &= kv_pos >= span_start(q_pos, sliding_window=sliding_window, attention_chunk=attention_chunk)
 
         for h in range(num_kv_heads):  # head by head: one head's K and V live at a time
-            k, v = read_head(kv_buf.at[slot], h, stored_head_dim, k_scale, v_scale)
+            k, v = read_head(kv_buf.at[slot], h, stored_head_dim, k_scale, v_scale, value_dim)
             if scale_pool:  # entry * its token's scale: K's scales multiply the scores' columns, V's the weights'
                 k_scales, v_scales = (token_scales(scale_buf.at[slot], 2 * h + i, page_size) for i in (0, 1))  # [1, K]
                 k_scales = jnp.where(fetched_row, k_scales, 0.0)
@@ -408,6 +420,7 @@ def _kernel(
         "vmem_limit_bytes",
         "fetch_rows",
         "lane_blocks",
+        "value_dim",
         "interpret",
     ),
 )
@@ -432,6 +445,7 @@ def ragged_paged_attention(
     vmem_limit_bytes: int | None = None,  # default: the target chip's (pallas_kernels.tpu_chip)
     fetch_rows: bool | None = None,  # page-table rows fetched per program (default: when the whole table overflows SMEM)
     lane_blocks: int = 1,  # pages of W / lane_blocks lanes, side by side in each physical page (module docstring)
+    value_dim: int | None = None,  # latent pages: one key row per token, values its first value_dim lanes (module docstring)
     interpret=False,  # passed to pallas_call: True (HLO interpreter) or pltpu.InterpretParams(...)
 ) -> jax.Array:
     scale_pool = kv_scale is not None
@@ -449,12 +463,20 @@ def ragged_paged_attention(
     if lane_blocks > 1 and (width % lane_blocks or (width // lane_blocks) % 128):
         raise ValueError(f"pages of {width} lanes do not split into {lane_blocks} lane blocks of whole 128-lane rows")
     width //= lane_blocks  # a (logical) page's row
-    Ds = combined_head_dim(D)
-    lanes = lane_width(Ds)
     S, pages_per_seq = page_indices.shape
-    if width % (2 * Ds):
-        raise ValueError(f"combined pages of {width} lanes do not hold whole heads of 2 x {Ds} lanes (head_dim {D})")
-    Hkv = width // (2 * Ds)
+    if value_dim is not None:  # latent pages: one key row of `width` lanes; values its first value_dim lanes
+        if scale_pool or k_scale is not None or lane_blocks > 1:
+            raise ValueError("latent pages (value_dim) are float pages of one width: no scales, no lane blocks")
+        if width % 128 or width < D or value_dim % 128 or value_dim > D:
+            raise ValueError(f"latent pages of {width} lanes for head_dim {D} with values of {value_dim} lanes: the row must "
+                             "be whole 128-lane rows holding the head, the values whole 128-lane rows of it")
+        Ds, lanes, Hkv, out_lanes = width, width, 1, value_dim
+    else:
+        Ds = combined_head_dim(D)
+        lanes = out_lanes = lane_width(Ds)
+        if width % (2 * Ds):
+            raise ValueError(f"combined pages of {width} lanes do not hold whole heads of 2 x {Ds} lanes (head_dim {D})")
+        Hkv = width // (2 * Ds)
     if Hq % Hkv:
         raise ValueError(f"{Hq} query heads do not split evenly over {Hkv} KV heads")
     if kv_pages.dtype not in QUANTIZED_KV_DTYPES and kv_pages.dtype != q.dtype:
@@ -510,12 +532,13 @@ def ragged_paged_attention(
     q_blocks = q_blocks.transpose(0, 2, 1, 3, 4).reshape(NB, Hkv, R, lanes)
 
     tile = pl.BlockSpec((None, Hkv, R, lanes), lambda b, *_: (b, 0, 0, 0))
+    out_tile = pl.BlockSpec((None, Hkv, R, out_lanes), lambda b, *_: (b, 0, 0, 0))
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap,
         has_sinks=sinks is not None,
         k_scale=k_scale,
         v_scale=v_scale, Bq=Bq, G=G, pages_per_seq=pages_per_seq, page_size=page_size, stored_head_dim=Ds,
-        fetch_rows=fetch_rows, scale_pool=scale_pool, lane_blocks=lane_blocks,
+        fetch_rows=fetch_rows, scale_pool=scale_pool, lane_blocks=lane_blocks, value_dim=value_dim,
     )
     cost_estimate = cost.ragged_paged_attention(
         query_rows=NB * Bq, query_blocks=NB, Hq=Hq, Hkv_stored=Hkv, D=Ds, kv_tokens_per_block=pages_per_seq * page_size,
@@ -526,12 +549,12 @@ def ragged_paged_attention(
         patch_interpret_mode()
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((NB, Hkv, R, lanes), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((NB, Hkv, R, out_lanes), q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(NB,),
             in_specs=[tile] + [pl.BlockSpec(memory_space=pl.ANY)] * 3 + [pl.BlockSpec(memory_space=pltpu.SMEM)],
-            out_specs=tile,
+            out_specs=out_tile,
             scratch_shapes=[
                 pltpu.VMEM((2, kv_block, width), kv_pages.dtype),
                 pltpu.SemaphoreType.DMA((2,)),
@@ -540,7 +563,7 @@ def ragged_paged_attention(
                 pltpu.SMEM((2,), jnp.int32),
                 pltpu.VMEM((Hkv, R, 1), jnp.float32),
                 pltpu.VMEM((Hkv, R, 1), jnp.float32),
-                pltpu.VMEM((Hkv, R, lanes), jnp.float32),
+                pltpu.VMEM((Hkv, R, out_lanes), jnp.float32),
                 pltpu.SMEM((2 * pages_per_seq if fetch_rows else 1,), jnp.int32),
                 pltpu.SemaphoreType.DMA((1,)),
             ],
@@ -564,6 +587,9 @@ def ragged_paged_attention(
         jnp.zeros(1, jnp.float32) if sinks is None else sinks.astype(jnp.float32),
     )  # [NB, Hkv, R, lanes]: V's lanes of the row; with Ds = 64, the row's second half
 
+    if value_dim is not None:  # [NB, 1, R, r]: the latent values
+        out = out.reshape(NB, Bq, Hq, value_dim).reshape(NB * Bq, Hq, value_dim)
+        return jnp.zeros((T, Hq, value_dim), q.dtype).at[rows.reshape(-1)].set(out, mode="drop")
     out = out[..., lanes - Ds : lanes - Ds + D].reshape(NB, Hkv, Bq, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * Bq, Hq, D)
     result = jnp.zeros((T, Hq, D), q.dtype)
     return result.at[rows.reshape(-1)].set(out, mode="drop")
