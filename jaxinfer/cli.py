@@ -422,7 +422,7 @@ def main(argv=None) -> int:
     a.add_argument("--model", required=True,
                    help="a config.json, model folder or .gguf (only the config is read), or a preset: "
                         "llama-3.1-8b, llama-3.1-70b, llama-3.2-1b, mistral-7b, qwen2.5-7b, qwen3-8b, mixtral-8x7b, smollm2-135m, "
-                        "gemma-3-27b, gpt-oss-120b, gpt-oss-20b")
+                        "gemma-3-27b, gpt-oss-120b, gpt-oss-20b, llama-4-scout, gemma-4-31b, deepseek-v3")
     a.add_argument("--topology", required=True, help="v5e:2x4, v6e:2x2, v5p:2x2x1, v6e:1 (chips), h100, h200")
     a.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     a.add_argument("--data-parallel-size", "-dp", type=int, default=1)

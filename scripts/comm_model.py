@@ -20,6 +20,11 @@ this device's weights from HBM, the floor of a decode step: when the links take 
 that, more tensor parallelism no longer makes decoding faster. Link, latency and HBM figures are
 published peak numbers and rough latencies, assumptions rather than measurements (HARDWARE
 below); the byte counts come from the program.
+
+Last, the expert exchange of one MoE layer at DeepSeek-V3's shapes (H 7168, 256 experts, top 8)
+at ep 8 / 16 / 64: `sharding.expert_parallel.moe_experts` lowered for a TPU (ragged all-to-all)
+and for the CPU (XLA:CPU lacks it: padded all-to-all blocks of T*k rows per destination), bytes
+one device sends per layer and token, read from the two programs.
 """
 
 from __future__ import annotations
@@ -30,11 +35,14 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=64")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxinfer.ops.batch import BucketKey, RaggedBatch  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
@@ -44,7 +52,8 @@ from jaxinfer.models.param_layout import num_kv_heads_stored  # noqa: E402
 from jaxinfer.runtime.placement import kv_partition_spec, param_partition_specs
 from jaxinfer.runtime.step import StepFunction  # noqa: E402
 from sharding import rules  # noqa: E402
-from sharding.hlo import split_by_layer_loop  # noqa: E402
+from sharding.expert_parallel import moe_experts  # noqa: E402
+from sharding.hlo import collectives, split_by_layer_loop  # noqa: E402
 from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402
 
 LLAMA3_8B = ModelConfig(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
@@ -150,15 +159,53 @@ def report(name: str, config: ModelConfig, parallel: ParallelConfig, token_count
         print(f"| {T} | {launches} | {sent / 2**20:,.1f} MiB | " + " | ".join(cells) + " |")
 
 
+def exchange_bytes(hidden: int, num_experts: int, k: int, intermediate: int, ep: int, tokens: int, platform: str) -> dict:
+    """Bytes one device sends in one MoE layer's exchange of `tokens` tokens (bf16 rows), from
+    `moe_experts` lowered for `platform` over an expert axis of ep devices: {"padded": all-to-all
+    buffers x (ep - 1) / ep} for the CPU's program; for a TPU's, {"ragged at most": the operands
+    (out: this device's T*k rows and ids; back: its whole receive buffer, ep*T*k rows),
+    "ragged": out as at most, back as many rows as went out (what every device receives, on average)}."""
+    mesh = Mesh(np.array(jax.devices()[:ep]), ("expert",))
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P("expert")))  # noqa: E731
+    args = (spec((ep * tokens, hidden), jnp.bfloat16), spec((ep * tokens, k), jnp.int32), spec((ep * tokens, k), jnp.float32),
+            spec((num_experts, hidden, 2 * intermediate), jnp.bfloat16), spec((num_experts, intermediate, hidden), jnp.bfloat16))
+    layer = jax.shard_map(lambda *a: moe_experts(*a, expert_axis="expert", num_experts=num_experts), mesh=mesh,
+                          in_specs=(P("expert"),) * 5, out_specs=P("expert"), check_vma=False)  # as the step runs it
+    hlo = jax.jit(layer).trace(*args).lower(lowering_platforms=(platform,)).compiler_ir("hlo").as_hlo_text()
+    share = TRAFFIC["all-to-all"](ep)
+    if platform == "cpu":
+        return {"padded": sum(op.bytes for op in collectives(hlo) if op.kind == "all-to-all") * share}
+    ids, rows, back = sorted(op.bytes for op in collectives(hlo) if op.kind == "ragged-all-to-all")
+    return {"ragged at most": (ids + rows + back) * share, "ragged": (ids + 2 * rows) * share}
+
+
+def exchange_report(token_counts) -> None:
+    print("\n## The expert exchange of one MoE layer, DeepSeek-V3's shapes (H 7168, 256 experts, top 8, bf16)\n")
+    print("| ep | tokens/device | padded all-to-all (CPU) | ragged, at most | ragged (TPU, GPU) | padded / ragged |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for ep in (8, 16, 64):
+        for T in token_counts:
+            sizes = dict(hidden=7168, num_experts=256, k=8, intermediate=2048, ep=ep, tokens=T)
+            got = exchange_bytes(**sizes, platform="cpu") | exchange_bytes(**sizes, platform="tpu")
+            per_token = {name: value / T for name, value in got.items()}
+            print(f"| {ep} | {T} | {per_token['padded']:,.0f} B/token | {per_token['ragged at most']:,.0f} | "
+                  f"{per_token['ragged']:,.0f} | {got['padded'] / got['ragged']:.1f}x |")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256], help="tokens per step (decode buckets)")
     parser.add_argument("--skip-moe", action="store_true")
+    parser.add_argument("--exchange-only", action="store_true", help="only the expert exchange table")
     args = parser.parse_args(argv)
+    if args.exchange_only:
+        exchange_report(args.tokens)
+        return 0
     print(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices (compiled only)")
     report("Llama-3-8B shape", LLAMA3_8B, ParallelConfig(tp=8), args.tokens)
     if not args.skip_moe:
         report("Mixtral-8x7B shape", MIXTRAL_8X7B, ParallelConfig(ep=8), args.tokens)
+        exchange_report(args.tokens)
     return 0
 
 

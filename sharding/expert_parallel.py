@@ -17,26 +17,33 @@ Three ways to compute it:
     moe_experts(..., expert_axis="expert", num_experts=E)    # inside jax.shard_map: expert-parallel
 
 Expert-parallel (EP) layout: the mesh axis `expert` has size ep; device e holds experts
-[e * E/ep, (e + 1) * E/ep) and its OWN tokens. Each (token, slot) pair is sent to the device that
-owns its expert with `jax.lax.all_to_all` (XLA:CPU has no `ragged_all_to_all`, so the buffers are
-padded), computed there with one grouped matmul per weight, and sent back the same way:
+[e * E/ep, (e + 1) * E/ep) and its OWN tokens. Each (token, slot) pair travels to the device that
+owns its expert by a ragged all-to-all (`jax.lax.ragged_all_to_all`: each destination gets only
+the rows meant for it), is computed there with one grouped matmul per weight, and travels back
+the same way (P = T*k pairs of this device's T tokens):
 
-    send_x   [ep, T*k, H]  row (d, r): the r-th pair this device sends to device d (zeros past the end)
-    send_ids [ep, T*k]     its local expert id on device d, or E/ep (= "no pair") for an empty slot
-      -- all_to_all -->    recv_x [ep, T*k, H], recv_ids [ep, T*k]: block s = what device s sent here
-    grouped_expert_mlp over the ep*T*k received rows (empty slots sorted last: zero-size group)
-      -- all_to_all -->    back [ep, T*k, H]: back[d, r] = the result of the pair sent to (d, r)
+    send     [P, H]        this device's pairs sorted by destination: rows of device d at
+                           input_offsets[d] : + send_sizes[d]
+    sizes    [ep, ep]      every device's send_sizes (an all_gather of ep ints): sizes[s, d] pairs s -> d
+      -- ragged_all_to_all --> recv [ep*P, H]: sender s's rows at sum_{s' < s} sizes[s', me], the rest
+                           empty (expert id E/ep: no group)
+    grouped_expert_mlp over the received rows
+      -- ragged_all_to_all --> back [P, H]: each result where its pair was in `send`; unsorted
 
-The sender remembers (destination d, row r) of every pair, so the return trip needs no metadata.
-A buffer holds T*k rows per destination, so no pair is ever dropped, even if all go to one device.
+What crosses the links is P rows each way; a padded all_to_all (every destination's block as long
+as the most it could get, P rows) sends ep * P (`scripts/comm_model.py` counts both from the
+programs). The receive buffer still holds ep*P rows, the case where every device sends every pair
+here, so no pair is ever dropped.
 
-Memory per device (f32 words), with P = T*k pairs of this device's T tokens:
+XLA:CPU has no ragged_all_to_all (jax 0.10.2: "UNIMPLEMENTED"), so on the CPU (`ragged_exchange`,
+chosen when the program is lowered: `jax.lax.platform_dependent`) the same result comes from a
+padded all_to_all of P-row blocks per destination (ep * P rows each way) and a scatter: the CPU
+is the one platform that sends padding.
+
+Memory per device (f32 words):
     weights      3 * (E/ep) * H * I
-    buffers      ep*P*H each for send, receive, sorted copy, result, unsorted result, return:
-                 at most 6 * ep*P*H (XLA reuses some), plus 2 * ep*P int32 expert ids
+    buffers      P*H sent and returned, ep*P*H received and computed (and on the CPU ep*P*H blocks)
     MLP          3 * ep*P*I (gate/up product [ep*P, 2I] and hidden [ep*P, I])
-    own pairs    2 * P*H (pair rows out, pair results back)
-i.e. O(ep * T * k * (H + I)): the price of dropping no token without ragged_all_to_all.
 
 Tensor parallelism composes without code here: if I is split over another mesh axis (each device's
 w_gate_up = [its gate columns | its up columns], w_down = its rows), `moe_experts` returns that
@@ -144,12 +151,35 @@ def _local_moe(x, expert_ids, expert_weights, w_gate_up, w_down, **mlp):
     return _combine_slots(pair_out, expert_weights)
 
 
-def _dispatch_slots(destination, ep):
-    """Row of each pair inside its destination's send buffer: the pairs going to one device are
-    numbered 0, 1, 2, ... in pair order. destination [P] int32 in [0, ep) -> rank [P] int32."""
-    one_hot = jax.nn.one_hot(destination, ep, dtype=jnp.int32)  # [P, ep]
-    count_so_far = jnp.cumsum(one_hot, axis=0) - one_hot  # [P, ep]: earlier pairs per destination
-    return jnp.take_along_axis(count_so_far, destination[:, None], axis=1)[:, 0]  # [P]
+def ragged_exchange(rows, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis, max_send: int):
+    """`jax.lax.ragged_all_to_all` over `axis` (its arguments, [ep] each): rows
+    [input_offsets[d], + send_sizes[d]) of `rows` go to device d, at output_offsets[d] of its
+    `output`; what is not written keeps `output`'s values. XLA:CPU lacks the collective, so a
+    program lowered for the CPU runs `padded_ragged_all_to_all` instead (the module docstring),
+    with blocks of `max_send` rows: no device sends any one device more."""
+    operands = (rows, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+    ragged = lambda *a: jax.lax.ragged_all_to_all(*a, axis_name=axis)  # noqa: E731
+    padded = lambda *a: padded_ragged_all_to_all(*a, axis=axis, max_send=max_send)  # noqa: E731
+    return jax.lax.platform_dependent(*operands, cpu=padded, default=ragged)
+
+
+def padded_ragged_all_to_all(rows, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis, max_send: int):
+    """ragged_all_to_all's result by a padded all_to_all: every destination's block padded to
+    max_send rows (the most any device sends one device), then each received block scattered to
+    where its sender put it."""
+    n = rows.shape[0]
+    j = jnp.arange(max_send)
+    take = input_offsets[:, None] + j[None, :]  # [ep, N]: row j of the block for device d
+    sent = j[None, :] < send_sizes[:, None]
+    blocks = jnp.where(sent.reshape(sent.shape + (1,) * (rows.ndim - 1)), rows[jnp.minimum(take, n - 1)], 0)  # [ep, N, ...]
+    received = jax.lax.all_to_all(blocks, axis, split_axis=0, concat_axis=0)  # block s: what device s sent here
+    lands_at = jax.lax.all_to_all(output_offsets, axis, split_axis=0, concat_axis=0, tiled=True)  # [ep]: sender s's offset here
+    place = jnp.where(j[None, :] < recv_sizes[:, None], lands_at[:, None] + j[None, :], output.shape[0])  # past the end: dropped
+    return output.at[place.reshape(-1)].set(received.reshape((-1,) + rows.shape[1:]).astype(output.dtype), mode="drop")
+
+
+def _exclusive_cumsum(sizes, axis=-1):
+    return jnp.cumsum(sizes, axis=axis) - sizes
 
 
 def _expert_parallel_moe(x, expert_ids, expert_weights, w_gate_up, w_down, expert_axis, num_experts, **mlp):
@@ -160,30 +190,38 @@ def _expert_parallel_moe(x, expert_ids, expert_weights, w_gate_up, w_down, exper
         raise ValueError(f"num_experts={num_experts} but the expert axis has {ep} devices holding "
                          f"{experts_per_device} experts each")
     num_tokens, k = expert_ids.shape
-    num_pairs = num_tokens * k  # P = T*k: the capacity of every destination's buffer
+    num_pairs = num_tokens * k  # P = T*k
 
-    # 1. Where each pair goes: destination device, its row there, its expert's local id there.
+    # 1. Where each pair goes (destination device, its expert's local id there); pairs sorted by destination.
     pair_expert = expert_ids.reshape(-1).astype(jnp.int32)  # [P]
     destination = pair_expert // experts_per_device  # [P]
-    local_expert = pair_expert % experts_per_device  # [P]
-    rank = _dispatch_slots(destination, ep)  # [P]
-    pair_rows = jnp.repeat(x, k, axis=0)  # [P, H], in x's dtype: what travels is what the experts take in
+    order = jnp.argsort(destination, stable=True)  # [P]
+    send_rows = jnp.repeat(x, k, axis=0)[order]  # [P, H], in x's dtype: what travels is what the experts take in
+    send_ids = (pair_expert % experts_per_device)[order]  # [P]
 
-    # 2. Fill the send buffers; empty slots get the out-of-range expert id E_loc (no group).
-    send_x = jnp.zeros((ep, num_pairs, x.shape[-1]), x.dtype).at[destination, rank].set(pair_rows)  # [ep, P, H]
-    send_ids = jnp.full((ep, num_pairs), experts_per_device, jnp.int32).at[destination, rank].set(local_expert)  # [ep, P]
+    # 2. Who sends how much to whom: sizes[s, d] pairs from device s to device d.
+    send_sizes = jax.nn.one_hot(destination, ep, dtype=jnp.int32).sum(axis=0)  # [ep]
+    sizes = jax.lax.all_gather(send_sizes, expert_axis)  # [ep (sender), ep (receiver)]
+    me = jax.lax.axis_index(expert_axis)
+    recv_sizes = sizes[:, me]  # [ep]: from each sender
+    lands_at = jnp.sum(jnp.where(jnp.arange(ep)[:, None] < me, sizes, 0), axis=0)  # [ep]: my block's offset at each receiver
 
-    # 3. Exchange: block s of the received buffers is what device s sent to this device.
-    recv_x = jax.lax.all_to_all(send_x, expert_axis, split_axis=0, concat_axis=0)  # [ep, P, H]
-    recv_ids = jax.lax.all_to_all(send_ids, expert_axis, split_axis=0, concat_axis=0)  # [ep, P]
+    # 3. Out: each receiver's rows from sender s at sum_{s' < s} sizes[s', receiver]; the rest empty (id E_loc).
+    # (no device sends another more than P rows: its own pairs out, the pairs that device sent it back)
+    exchange = lambda rows, output, *offsets_and_sizes: ragged_exchange(rows, output, *offsets_and_sizes, expert_axis,  # noqa: E731
+                                                                        max_send=num_pairs)
+    out_trip = (_exclusive_cumsum(send_sizes), send_sizes, lands_at, recv_sizes)
+    recv_x = exchange(send_rows, jnp.zeros((ep * num_pairs, x.shape[-1]), x.dtype), *out_trip)  # [ep*P, H]
+    recv_ids = exchange(send_ids, jnp.full((ep * num_pairs,), experts_per_device, jnp.int32), *out_trip)  # [ep*P]
 
     # 4. This device's experts on every received row (empty rows give 0).
-    recv_out = _grouped_mlp_unsorted(recv_x.reshape(ep * num_pairs, -1), recv_ids.reshape(-1),
-                                     w_gate_up, w_down, **mlp).reshape(ep, num_pairs, -1).astype(x.dtype)  # [ep, P, H]
+    recv_out = _grouped_mlp_unsorted(recv_x, recv_ids, w_gate_up, w_down, **mlp).astype(x.dtype)  # [ep*P, H]
 
-    # 5. Send the results back: back[d, r] answers the pair this device put at send_x[d, r].
-    back = jax.lax.all_to_all(recv_out, expert_axis, split_axis=0, concat_axis=0)  # [ep, P, H]
-    pair_out = back[destination, rank].astype(jnp.float32)  # [P, H]
+    # 5. Back: sender s's results from where they arrived to where s sent them from.
+    sent_from = _exclusive_cumsum(sizes, axis=1)[:, me]  # [ep]: sender s's offset of its rows for me
+    back = exchange(recv_out, jnp.zeros((num_pairs, x.shape[-1]), x.dtype),
+                    _exclusive_cumsum(recv_sizes), recv_sizes, sent_from, send_sizes)  # [P, H], sorted by destination
+    pair_out = jnp.zeros((num_pairs, x.shape[-1]), jnp.float32).at[order].set(back.astype(jnp.float32))  # [P, H]
     return _combine_slots(pair_out, expert_weights)
 
 
@@ -194,10 +232,10 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, expert_axis
     grouped_expert_mlp, unsort, weighted sum over the k slots.
     expert_axis='expert' (call inside jax.shard_map over a mesh with that axis, size ep): this device holds
     experts [e * E/ep, (e + 1) * E/ep) (w_gate_up [E/ep, H, 2I]) and its own tokens x (each device along the
-    expert axis has DIFFERENT tokens). Dispatch every (token, slot) pair to the device owning its expert with
-    jax.lax.all_to_all, compute there with grouped_expert_mlp, send the results back with all_to_all, combine
-    with the weights. NO token may be dropped: the per-destination buffer holds all T*k pairs (worst case: all
-    to one device). Empty buffer slots must not disturb the grouped matmul (give them zero group).
+    expert axis has DIFFERENT tokens). Send every (token, slot) pair to the device owning its expert with a
+    ragged all-to-all (`ragged_exchange`), compute there with grouped_expert_mlp, send the results back the
+    same way, combine with the weights. NO token is dropped: the receive buffer holds ep*T*k pairs (worst
+    case: every device's pairs to one device); its empty rows get no group.
     b_gate_up [E(_loc), 2I] and activation(gate, up): see grouped_expert_mlp (GPT-OSS).
     grouped_matmul(x, group_of_row, w): the matmul of quantized stacks (grouped_expert_mlp_by_row);
     None: the weights are arrays, multiplied with jax.lax.ragged_dot."""

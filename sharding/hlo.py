@@ -21,7 +21,7 @@ COLLECTIVE_KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")  # unindented "name (params) -> shape {"
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z][\w\-]*)\(")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\(")
 _ARRAY_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 _WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|true_computation|false_computation)=\{?([%\w.\-, ]+)\}?")
@@ -30,7 +30,7 @@ _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|tr
 @dataclasses.dataclass(frozen=True)
 class Collective:
     kind: str  # "all-reduce", "all-gather", ... (async "-start" halves counted once, "-done" not)
-    bytes: int  # size of its result (per device)
+    bytes: int  # size of its result (per device); a ragged all-to-all's: of what it may send (its operand)
     computation: str  # the HLO computation it sits in
 
 
@@ -44,7 +44,7 @@ def _shape_bytes(shape: str) -> int:
 
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective op of the program, in text order."""
-    ops, computation = [], ""
+    ops, computation, shapes = [], "", {}
     for line in hlo_text.splitlines():
         header = _COMPUTATION.match(line)
         if header and not line[:1].isspace():
@@ -53,8 +53,12 @@ def collectives(hlo_text: str) -> list[Collective]:
         m = _INSTRUCTION.match(line)
         if not m:
             continue
-        shape, op = m.groups()
+        name, shape, op = m.groups()
+        shapes[name] = shape
         kind = op.removesuffix("-start")
+        if kind == "ragged-all-to-all":  # its result is the receive buffer; what it sends is at most its operand
+            operand = line[m.end():].split(",", 1)[0].strip()  # "gather.3", or "f32[26,16]{1,0} %gather.3"
+            shape = operand if _ARRAY_SHAPE.search(operand) else shapes.get(operand.lstrip("%"), "")
         if kind in COLLECTIVE_KINDS and not op.endswith("-done"):
             ops.append(Collective(kind, _shape_bytes(shape), computation))
     return ops

@@ -148,10 +148,11 @@ def test_tpu_pools_keep_the_row_major_layout_the_kernels_read(v6e):
 
 
 # ----------------------------------------------------------------------------- the whole step
-def assert_in_place_with_kernels(plan: AbstractStep, key: BucketKey, marker: str):
+def assert_in_place_with_kernels(plan: AbstractStep, key: BucketKey, *markers: str):
     compiled = plan.compile(key)
     hlo = compiled.as_text()
-    assert marker in hlo, "the platform's Pallas kernels are in the step"
+    for marker in markers:
+        assert marker in hlo, f"{marker} (the platform's Pallas kernels, ...) is in the step"
     assert pool_sized_copies(hlo, plan.kv_pool_elements_per_chip()) == 0, "the donated pool is updated in place"
     memory = compiled.memory_analysis()
     assert memory.alias_size_in_bytes >= plan.kv_bytes_per_chip(), "the KV pool is aliased to the output"
@@ -214,14 +215,15 @@ SMALL_GPT_OSS = ModelConfig.from_hf_dict(
 def test_a_gpt_oss_step_keeps_its_mxfp4_experts_over_two_tpu_chips(v6e):
     """Expert parallelism over two chips, the experts as the checkpoint stores them: each chip holds
     2 experts' E2M1 bytes and exponents (4.25 bits a weight), the grouped matmul kernel runs them in
-    the step, and the pool is still updated in place. --no-keep-checkpoint-quantization plans bf16."""
+    the step, the (token, expert) pairs travel by ragged all-to-all, and the pool is still updated
+    in place. --no-keep-checkpoint-quantization plans bf16."""
     plan = AbstractStep.build(SMALL_GPT_OSS, v6e, ParallelConfig(ep=2), SHAPE)
     experts = plan.params["layers"]["experts_gate_up"].get_value()
     assert experts.mode == "mxfp4" and experts.qweight.sharding.shard_shape(experts.qweight.shape) == (2, 2, 128, 512)
     bf16 = AbstractStep.build(SMALL_GPT_OSS, v6e, ParallelConfig(ep=2), dataclasses.replace(SHAPE, keep_checkpoint_quantization=False))
     assert isinstance(bf16.params["layers"]["experts_gate_up"].get_value(), jax.ShapeDtypeStruct)
     decode = next(k for k in plan.buckets.all_keys() if k.query_block == 1)
-    assert_in_place_with_kernels(plan, decode, "grouped_quantized_matmul")
+    assert_in_place_with_kernels(plan, decode, "grouped_quantized_matmul", "ragged-all-to-all")
 
 
 # A small DeepSeek-V3 as released: latent attention (4 heads, latent 128 + RoPE 64), a dense first

@@ -180,10 +180,43 @@ def test_expert_parallel_with_tensor_parallel_experts_psum_equals_reference(ep, 
     assert_each_device_matches_reference(out, x, ids, weights, w_gate_up, w_down, ep)
 
 
-def test_expert_parallel_dispatch_is_all_to_all():
+def test_pairs_travel_by_ragged_all_to_all_except_on_the_cpu():
+    """Lowered for a TPU or GPU: three ragged all-to-alls (rows and their expert ids out, results
+    back), each sending this device's T*K rows; for the CPU, which lacks the collective, padded
+    all-to-alls of T*K rows per destination instead (the sizes' all-gather in both)."""
     ep = 4
     w_gate_up, w_down = make_weights()
     x, ids, weights = per_device_batches(ep)
-    hlo = expert_parallel_fn(expert_mesh(ep)).lower(x, ids, weights, w_gate_up, w_down).as_text()
-    assert hlo.count("stablehlo.all_to_all") == 3, "tokens and their expert ids out, results back"
-    assert "ragged_all_to_all" not in hlo  # not implemented on XLA:CPU
+    traced = expert_parallel_fn(expert_mesh(ep)).trace(x, ids, weights, w_gate_up, w_down)
+    for platform in ("tpu", "cuda"):
+        hlo = traced.lower(lowering_platforms=(platform,)).as_text()
+        exchanges = [line for line in hlo.splitlines() if "custom_call @ragged_all_to_all" in line]
+        assert len(exchanges) == 3 and "stablehlo.all_to_all" not in hlo
+        assert f": (tensor<{T * K}x{H}xf32>, tensor<{ep * T * K}x{H}xf32>" in exchanges[0]  # sends T*K rows
+    cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert "ragged_all_to_all" not in cpu and cpu.count("stablehlo.all_to_all") == 3 + 3  # blocks, and where they land
+
+
+def test_the_cpus_padded_exchange_delivers_what_ragged_all_to_all_does():
+    """Device s sends (s + d) % 3 rows to device d (none at all for some), numbered by sender:
+    device d receives sender s's rows at sum_{s' < s} sizes[s', d], and keeps `output` elsewhere."""
+    from sharding.expert_parallel import padded_ragged_all_to_all
+
+    ep, n = 4, 8
+    mesh = expert_mesh(ep)
+    sizes = np.array([[(s + d) % 3 for d in range(ep)] for s in range(ep)], np.int32)  # [sender, receiver]
+    rows = np.stack([100 * s + np.arange(n) for s in range(ep)]).astype(np.float32)  # [ep, n]: sender s's rows
+
+    def exchange(rows, me):
+        me = me[0]
+        send = jnp.asarray(sizes)[me]
+        recv = jnp.asarray(sizes)[:, me]
+        lands_at = jnp.sum(jnp.where(jnp.arange(ep)[:, None] < me, jnp.asarray(sizes), 0), axis=0)
+        return padded_ragged_all_to_all(rows[0], jnp.full((ep * n,), -1.0), jnp.cumsum(send) - send, send, lands_at, recv,
+                                        axis="expert", max_send=2)[None]
+
+    fn = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=(P("expert"), P("expert")), out_specs=P("expert")))
+    got = np.asarray(fn(rows, np.arange(ep, dtype=np.int32)))
+    for d in range(ep):
+        want = np.concatenate([rows[s, sizes[s, :d].sum():][: sizes[s, d]] for s in range(ep)])
+        assert np.array_equal(got[d, : len(want)], want) and np.all(got[d, len(want):] == -1)

@@ -146,9 +146,11 @@ def test_one_device_runs_no_collectives(dense_dir):
 
 
 def test_expert_parallel_layers_dispatch_with_all_to_all(moe_dir):
-    """Per MoE layer: three all-to-alls (tokens and their expert ids out, results back) over the
-    expert axis, and the tensor axis' two all-reduces (attention, MLP); per step the logits are
-    gathered from the 4 replicas the expert axis makes for attention."""
+    """Per MoE layer, over the expert axis: an all-gather of who sends how many pairs to whom, then
+    three exchanges (rows and their expert ids out, results back); the CPU's stand-in for the ragged
+    all-to-all is a padded one plus one of where each block lands (the outward trip's shared by
+    rows and ids): five all-to-alls (sharding.expert_parallel). The tensor axis' two all-reduces
+    (attention, MLP); per step the logits are gathered from the 4 replicas the expert axis makes."""
     in_layer, outside, _ = compiled_collectives(moe_dir, ParallelConfig(tp=2, ep=4))
-    assert in_layer == Counter({"all-to-all": 3, "all-reduce": 2})
+    assert in_layer == Counter({"all-to-all": 5, "all-gather": 1, "all-reduce": 2})
     assert outside == Counter({"all-gather": 2, "all-reduce": 1})
