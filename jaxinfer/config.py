@@ -36,6 +36,8 @@ LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "minimax_m2", "glm4_moe", "llama4_text", "llama4",
                    "deepseek_v2", "deepseek_v3")
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention (jaxinfer.models.deepseek)
+# MLA with DeepSeek sparse attention (a top-k indexer over past tokens): refused by name, not yet run
+SPARSE_ATTENTION_MODEL_TYPES = {"deepseek_v32": "DeepSeek-V3.2", "glm_moe_dsa": "GLM-5"}
 # The families of issue 35, each with its own model file (jaxinfer.models.registry).
 NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2",
                           "glm4_moe", "llama4_text", "llama4", "gemma4_text", "gemma4", "deepseek_v2", "deepseek_v3")
@@ -269,6 +271,11 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         model_type = d.get("model_type")
+        if model_type in SPARSE_ATTENTION_MODEL_TYPES:
+            raise ConfigError(
+                f"{source}: model_type={model_type!r} ({SPARSE_ATTENTION_MODEL_TYPES[model_type]}) uses DeepSeek sparse "
+                "attention: an indexer picks the index_topk past tokens each query attends to. jaxinfer does not run that "
+                "indexer yet; its multi-head latent attention is dense (model_type deepseek_v2 / deepseek_v3)")
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = d.get("architectures") or []
             mapped = [_ARCHITECTURE_TO_MODEL_TYPE[a] for a in archs if a in _ARCHITECTURE_TO_MODEL_TYPE]

@@ -251,6 +251,11 @@ def test_a_deepseek_step_keeps_its_fp8_weights_over_two_tpu_chips(v6e):
     decode = next(k for k in plan.buckets.all_keys() if k.query_block == 1)
     assert_in_place_with_kernels(plan, decode, "grouped_quantized_matmul")
     assert "ragged_paged_attention" in plan.lower(decode).as_text()  # the TPU's MLA kernel (latent pages)
+    # a 256-token prefill bucket: expanded (flash attention) for a fresh prefill, absorbed otherwise
+    long = AbstractStep.build(SMALL_DEEPSEEK, v6e, ParallelConfig(tp=2), dataclasses.replace(SHAPE, max_num_batched_tokens=256))
+    prefill = max(long.buckets.all_keys(), key=lambda k: (k.num_tokens, k.query_block))
+    hlo = long.compile(prefill).as_text()
+    assert prefill.num_tokens == 256 and "flash_attention" in hlo and "ragged_paged_attention" in hlo
 
 
 @pytest.mark.parametrize("chip", ["v6e", "h100"])

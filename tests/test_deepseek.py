@@ -50,3 +50,54 @@ def test_greedy_decoding_equals_transformers_batched_alone_preempted_and_from_th
 def test_lora_on_latent_attention_is_refused_by_name(deepseek_dir):
     with pytest.raises(ConfigError, match="multi-head latent attention"):
         LLM(str(deepseek_dir[0]), enable_lora=True, max_model_len=32, progress=False)
+
+
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32"])
+def test_deepseek_sparse_attention_models_are_refused_by_name(model_type):
+    """GLM-5 and DeepSeek-V3.2 pick each query's keys with an indexer, which jaxinfer does not run."""
+    from jaxinfer.config import ModelConfig
+
+    with pytest.raises(ConfigError, match=f"{model_type}.*sparse attention.*indexer"):
+        ModelConfig.from_hf_dict({"model_type": model_type, "kv_lora_rank": 512}, source="config.json")
+
+
+def test_a_long_fresh_prefill_runs_expanded_and_equals_transformers(deepseek_dir):
+    """A step of 256 fresh tokens (two prompts) on a platform with a flash kernel (here the jnp
+    reference in its place) attends expanded: every head's K and V, no pages read; the latent rows
+    are written all the same, so the next decode (absorbed, from the pages) equals transformers too.
+    A flash kernel that returns zeros changes the logits: the expanded path is the one that ran."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.ops.batch import Buckets, SequenceChunk, pack_batch, stack_replicas
+    from jaxinfer.ops.kernels import Kernels
+    from jaxinfer.ops.kv_cache import KVCache
+    from jaxinfer.runtime.loading import load_params, read_config, resolve_model
+    from jaxinfer.runtime.step import StepFunction
+    from pallas_kernels.flash_attention.reference import flash_attention
+    from test_model_parity import hf_logprobs, sequences
+
+    directory, hf = deepseek_dir
+    source = resolve_model(directory)
+    config = read_config(source)
+    prompts = sequences(5, [150, 106])
+    truth = [hf_logprobs(hf, s, [len(s) - 1, 1]) for s in prompts]
+    page_size, buckets = 16, Buckets((256,), max_num_seqs=2, pages_per_seq=16, num_groups=1)
+    pages = [list(range(1, 11)), list(range(11, 19))]
+
+    def run(flash):
+        kernels = Kernels(flash_attention=flash)
+        graphdef, params = load_params(source, config, jnp.float32, jnp.float32, kernels=kernels, progress=False)
+        step, kv = StepFunction(graphdef, num_top_logprobs=0), KVCache.create(config, 32, page_size, kernels=kernels)
+        out = []
+        for chunks in ([SequenceChunk(s[:-1], 0, [p], list(range(len(s) - 1))) for s, p in zip(prompts, pages)],
+                       [SequenceChunk(s[-1:], len(s) - 1, [p], [0]) for s, p in zip(prompts, pages)]):
+            key, batch, rows = pack_batch(chunks, buckets, [page_size])
+            logits, kv = step.forward(params, kv, step.place_inputs(stack_replicas([batch])), query_block=key.query_block)
+            out.append([np.asarray(jax.nn.log_softmax(logits[0], axis=-1), np.float64)[r] for r in rows])
+        return [np.concatenate([prefill, decode]) for prefill, decode in zip(*out)]
+
+    for got, want in zip(run(flash_attention), truth):
+        assert np.abs(got - want).max() < 1e-4
+    zeros = lambda q, k, v, *a, **kw: jnp.zeros_like(q)  # noqa: E731
+    assert np.abs(run(zeros)[0][:149] - truth[0][:149]).max() > 1e-2

@@ -31,8 +31,15 @@ kernels that read each row once for all heads). DeepSeek-V3 interleaves its rope
 [evens | odds], the same rotation in Llama's half layout.
 The score scale is (nope + rope) ** -0.5 times YaRN's mscale squared (`ModelConfig.attention_scale`).
 
-Not yet: the expanded form for long prefills (K_h and V_h made per head for flash attention;
-absorbed is the only path), the checkpoint's multi-token-prediction layer (skipped at load).
+A fresh prefill (no sequence of the step has a cached prefix, decided on the device) runs
+*expanded* in the buckets where that measured faster (`expanded_prefill`): each head's
+K_h = [c @ W_UK_h | k_r] and V_h = c @ W_UV_h for the step's tokens, causal flash attention over
+them (V padded to K's width), no pages read. It costs T x r x (nope + v) per head to expand and
+then attends in nope + rope dims instead of r + rope (192 against 576 at DeepSeek-V3's shapes);
+decodes and chunks over a prefix stay absorbed (expanding a cached context every step would cost
+more than it saves). The latent rows are written either way.
+
+Not yet: the checkpoint's multi-token-prediction layer (skipped at load).
 """
 
 from __future__ import annotations
@@ -44,15 +51,34 @@ from jaxinfer.config import LayerKind
 from jaxinfer.models.decoder import LayerRef, StepInputs
 from jaxinfer.models.layers import matmul, rms_norm
 from jaxinfer.models.llama import LlamaForCausalLM
-from jaxinfer.ops.attention import write_latent_and_attend
+from jaxinfer.ops.attention import fresh_prefill, takes_flash_path, write_latent_and_attend, write_latent_rows
+from jaxinfer.ops.kernels import Kernels
+from pallas_kernels.flash_attention.reference import flash_attention as flash_attention_reference
 from pallas_kernels.rope_kv_write import apply_rope
 
-LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with their default eps
+LATENT_NORM_EPS = 1e-6
+# Fresh-prefill buckets that run expanded. With a flash kernel (TPU, GPU): from FLASH_MIN_TOKENS
+# tokens up, like the GQA families' flash path (measured on an H100 with scripts/bench_mla.py,
+# DeepSeek-V3's 128 heads: expanded 0.19x to 0.22x of absorbed's time from 2 x 256 to 2 x 4096
+# tokens; V2-Lite's 16 heads 0.77x at 2 x 256, 0.26x at 2 x 4096). On the CPU the flash attention is the jnp
+# reference (dense [heads, T, T] scores), faster than absorbed up to 512 tokens and slower beyond
+# (scripts/bench_mla.py, DeepSeek-V2-Lite's heads: 2 x 128 tokens 0.30x of absorbed's time, 2 x 512
+# 1.14x; docs/benchmarks.md).
+CPU_EXPANDED_MAX_TOKENS = 512  # q_a_layernorm / kv_a_layernorm: transformers builds them with their default eps
 
 
 def deinterleave(x: jax.Array) -> jax.Array:
     """[..., 2n] rope dims as interleaved pairs -> [..., 2n] as [evens | odds] (Llama's half layout)."""
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+def expanded_prefill(batch, num_tokens: int, query_block: int, kernels: Kernels):
+    """(whether this step runs expanded: False, or a traced bool; the flash attention it uses)."""
+    if kernels.flash_attention is not None:
+        return takes_flash_path(batch, num_tokens, query_block=query_block, kernels=kernels), kernels.flash_attention
+    if query_block == 1 or num_tokens > CPU_EXPANDED_MAX_TOKENS:
+        return False, None
+    return fresh_prefill(batch), flash_attention_reference
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):
@@ -88,9 +114,25 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         q_row = jnp.concatenate([q_latent.astype(dtype), apply_rope(q_rope, cos, sin)], axis=-1)  # [Tl, heads, r + rope]
         row = jnp.concatenate([latent, apply_rope(k_rope[:, None, :], cos, sin)[:, 0]], axis=-1)  # [Tl, r + rope]
 
-        attn, pool = write_latent_and_attend(  # [Tl, heads, r]: sum_s p_h(t, s) c(s)
-            q_row, row, pool, layer.slot * step.num_pages, step.write_page[layer.group], step.write_offset[layer.group],
-            layer.batch_view(step.batch), value_dim=r, sm_scale=c.sm_scale, query_block=step.query_block,
-            spec_block=step.spec_block, kernels=kernels)
-        out = jnp.einsum("thr,rhv->thv", attn, w_uv.astype(dtype), preferred_element_type=jnp.float32)
+        batch, page_offset = layer.batch_view(step.batch), layer.slot * step.num_pages
+        write_page, write_offset = step.write_page[layer.group], step.write_offset[layer.group]
+
+        def absorbed(pool):
+            attn, pool = write_latent_and_attend(  # [Tl, heads, r]: sum_s p_h(t, s) c(s)
+                q_row, row, pool, page_offset, write_page, write_offset, batch, value_dim=r, sm_scale=c.sm_scale,
+                query_block=step.query_block, spec_block=step.spec_block, kernels=kernels)
+            return jnp.einsum("thr,rhv->thv", attn, w_uv.astype(dtype), preferred_element_type=jnp.float32), pool
+
+        def expanded(pool):  # a fresh prefill: every head's K and V of this step's tokens, flash attention
+            k_nope = jnp.einsum("tr,rhn->thn", latent, w_uk.astype(dtype), preferred_element_type=jnp.float32)
+            k = jnp.concatenate([k_nope.astype(dtype), jnp.broadcast_to(row[:, None, r:], (Tl, heads, rope))], axis=-1)
+            v = jnp.einsum("tr,rhv->thv", latent, w_uv.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+            v = jnp.pad(v, ((0, 0), (0, 0), (0, nope + rope - vd)))  # [Tl, heads, nope + rope]: K's width
+            q = jnp.concatenate([q_nope, q_row[..., r:]], axis=-1)  # [Tl, heads, nope + rope], RoPE applied
+            out = flash(q, k, v, batch.cu_q_lens, batch.num_seqs, causal=True, sm_scale=c.sm_scale, sliding_window=None,
+                        soft_cap=None, attention_chunk=None)
+            return out[..., :vd].astype(jnp.float32), write_latent_rows(pool, row, page_offset, write_page, write_offset)
+
+        runs_expanded, flash = expanded_prefill(batch, Tl, step.query_block, kernels)
+        out, pool = absorbed(pool) if runs_expanded is False else jax.lax.cond(runs_expanded, expanded, absorbed, pool)
         return self._row_parallel(out.astype(dtype).reshape(Tl, heads * vd), w["o_proj"]), pool

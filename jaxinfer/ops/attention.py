@@ -201,14 +201,36 @@ def write_latent_and_attend(
     kernels: Kernels = Kernels(),
 ) -> tuple[jax.Array, KVCache]:
     """Multi-head latent attention's write and read (jaxinfer.models.deepseek): each token's row
-    into its page slot (in place, zero past D when the pool pads its rows), then every head's
-    attention over the rows: (out [T, Hq, value_dim], pool)."""
-    width = pool.kv.shape[-1]
-    rows = jnp.pad(rows, ((0, 0), (0, width - rows.shape[-1]))).astype(pool.kv.dtype)
-    pool = dataclasses.replace(pool, kv=write_page_rows(pool.kv, layer_page_offset + write_page, write_offset, rows))
+    into its page slot (`write_latent_rows`), then every head's attention over the rows:
+    (out [T, Hq, value_dim], pool)."""
+    pool = write_latent_rows(pool, rows, layer_page_offset, write_page, write_offset)
     out = kernels.mla_attention(q, pool.kv, batch.page_table + layer_page_offset, batch, value_dim=value_dim,
                                 sm_scale=sm_scale, query_block=query_block, spec_block=spec_block)
     return out, pool
+
+
+def write_latent_rows(pool: KVCache, rows, layer_page_offset, write_page, write_offset) -> KVCache:
+    """rows [T, D] into their page slots of the latent pool, in place (zero past D when the pool pads its rows)."""
+    width = pool.kv.shape[-1]
+    rows = jnp.pad(rows, ((0, 0), (0, width - rows.shape[-1]))).astype(pool.kv.dtype)
+    return dataclasses.replace(pool, kv=write_page_rows(pool.kv, layer_page_offset + write_page, write_offset, rows))
+
+
+def takes_flash_path(batch: RaggedBatch, num_tokens: int, *, query_block: int, kernels: Kernels) -> jax.Array | bool:
+    """Whether a step attends over its own K/V by flash attention instead of the pages: a platform
+    with a flash kernel, a prefill bucket of at least FLASH_MIN_TOKENS tokens, and (decided on the
+    device) no sequence with a cached prefix. False when it never can; else a traced bool."""
+    if kernels.flash_attention is None or query_block == 1 or num_tokens < FLASH_MIN_TOKENS:
+        return False
+    return fresh_prefill(batch)
+
+
+def fresh_prefill(batch: RaggedBatch) -> jax.Array:
+    """Whether no sequence of the step has a cached prefix (every one starts at position 0): a traced bool."""
+    S = batch.kv_lens.shape[0]
+    q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
+    in_use = jnp.arange(S) < batch.num_seqs[0]
+    return jnp.all(jnp.where(in_use, batch.kv_lens == q_lens, True))
 
 
 def attend_written_kv(q, cos, sin, pool: KVCache, layer_page_offset, batch: RaggedBatch, *, num_kv_heads: int, sm_scale,
@@ -248,12 +270,9 @@ def paged_attention(q, k, v, pool: KVCache, layer_page_offset, batch: RaggedBatc
                                        v_scale=pool.v_scale)
         return (out.astype(jnp.float32) @ rotation.T).astype(q.dtype)
 
-    T, S = q.shape[0], batch.kv_lens.shape[0]
-    if not flash or kernels.flash_attention is None or query_block == 1 or T < FLASH_MIN_TOKENS or sinks is not None:
+    fresh_prefill = takes_flash_path(batch, q.shape[0], query_block=query_block, kernels=kernels)
+    if not flash or fresh_prefill is False or sinks is not None:
         return paged()  # (the flash kernels have no attention sinks)
-    q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
-    in_use = jnp.arange(S) < batch.num_seqs[0]
-    fresh_prefill = jnp.all(jnp.where(in_use, batch.kv_lens == q_lens, True))  # no sequence has a cached prefix
     flash = lambda: kernels.flash_attention(q, k, v, batch.cu_q_lens, batch.num_seqs, causal=True, sm_scale=sm_scale,  # noqa: E731
                                             sliding_window=sliding_window, soft_cap=soft_cap, attention_chunk=attention_chunk)
     return jax.lax.cond(fresh_prefill, flash, paged)

@@ -81,6 +81,7 @@ OPERATIONS = ("ragged_attention", "flash_attention", "rope_kv_write", "quantized
 # iteration (512 tokens of context: 2.2 ms with 2 items, 4.8 with 16), 32 sequences want few
 # iterations (61-84 ms with 16 items; the former 32-token items with matmuls: 99-125 ms).
 DECODE_KV_TOKENS_PER_ITEM = 128
+DECODE_REDUCE_MAX_GROUP = 8  # query heads per KV head up to which decodes contract by products and sums
 SPEC_KV_TOKENS_PER_ITEM = 64  # verify chunks of speculative decoding: a few queries, long contexts
 PREFILL_KV_TOKENS_PER_ITEM = 128
 
@@ -106,10 +107,13 @@ def xla_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *,
         num_kv_pages_per_block=max(1, kv_tokens // page_size), items_per_step=items, **kw,
     )
     decode_items = min(max(S, 2), 16)
+    # products and sums read K and V once per query head sharing them: with many heads per KV head
+    # (MLA: all of them share the latent rows) that is G times the pages, where a matmul reads them once
+    contraction = "reduce" if q.shape[1] // k_pages.shape[2] <= DECODE_REDUCE_MAX_GROUP else "dot"
     if query_block == 1:
-        return attend(1, DECODE_KV_TOKENS_PER_ITEM, decode_items, contraction="reduce")
+        return attend(1, DECODE_KV_TOKENS_PER_ITEM, decode_items, contraction=contraction)
     q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
-    out = attend(1, DECODE_KV_TOKENS_PER_ITEM, decode_items, seq_mask=q_lens == 1, max_query_blocks=S, contraction="reduce")
+    out = attend(1, DECODE_KV_TOKENS_PER_ITEM, decode_items, seq_mask=q_lens == 1, max_query_blocks=S, contraction=contraction)
     if spec_block:
         out += attend(spec_block, SPEC_KV_TOKENS_PER_ITEM, 16, seq_mask=(q_lens > 1) & (q_lens <= spec_block), max_query_blocks=S)
     out += attend(
