@@ -358,7 +358,8 @@ def test_aot_refuses_a_model_whose_weights_do_not_fit_and_says_by_how_much(v5e):
 def test_targets_name_chips_and_refuse_unknown_ones():
     assert compile_target("v6e:1").num_chips == 1
     assert compile_target("v5e-8").num_chips == 8
-    assert compile_target("v5p:2x2x1").chip.kind == "TPU v5"
+    v5p = compile_target("v5p:2x2x1").chip  # a megacore of two TensorCores: both cores' HBM and bandwidth
+    assert v5p.kind == "TPU v5" and v5p.hbm_bytes == 103 * 10**9 and v5p.hbm_bytes_per_second == 2.46e12
     h200 = compile_target("h200")
     assert h200.chip.hbm_bytes == 141 * 10**9 and h200.chip.hbm_bytes_per_second > compile_target("h100").chip.hbm_bytes_per_second
     with pytest.raises(TargetError, match="unknown target 'tpu9'"):

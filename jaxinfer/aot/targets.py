@@ -79,7 +79,10 @@ def _tpu_target(generation: str, shape: str | None, count: int | None, name: str
 
     with jax.set_mesh(jax.sharding.Mesh(np.array(devices[:1]), ("x",))):
         info = pltpu.get_tpu_info()
-    return Target("tpu", name, devices, Chip(devices[0].device_kind, info.hbm_capacity_bytes, info.mem_bw_bytes_per_second))
+    # get_tpu_info is per TensorCore; a v5p (or v4) device is a megacore of two, with both cores' HBM and bandwidth
+    cores = info.num_cores
+    return Target("tpu", name, devices, Chip(devices[0].device_kind, info.hbm_capacity_bytes * cores,
+                                             info.mem_bw_bytes_per_second * cores))
 
 
 def gpu_target_config(model: str) -> str:
