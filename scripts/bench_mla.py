@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from gpu_check import _time  # noqa: E402
 
 from jaxinfer.ops.batch import RaggedBatch  # noqa: E402
 from jaxinfer.ops.kernels import Kernels  # noqa: E402
@@ -45,14 +45,8 @@ CONFIGS = {  # heads, latent r, rope, nope, v
 PAGE = 16
 
 
-def _time(fn, *args, iters):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+def _ms(fn, *args, iters):
+    return _time(fn, *args, iters=iters) * 1e3
 
 
 def batch_of(q_lens, kv_lens) -> tuple[RaggedBatch, int]:
@@ -129,15 +123,15 @@ def main(argv=None) -> int:
                                 for s, n in enumerate([T // 2, T - T // 2])])
         pages = pages.reshape(-1, r + rope).at[slots].set(jnp.concatenate([latent, k_rope], axis=-1)).reshape(pages.shape)
         q_nope, q_rope = normal(T, heads, nope), normal(T, heads, rope)
-        a = _time(absorbed, q_nope, q_rope, pages, w_uk, w_uv, batch, iters=args.iters)
-        e = _time(expanded, q_nope, q_rope, latent, k_rope, w_uk, w_uv, batch, iters=args.iters)
+        a = _ms(absorbed, q_nope, q_rope, pages, w_uk, w_uv, batch, iters=args.iters)
+        e = _ms(expanded, q_nope, q_rope, latent, k_rope, w_uk, w_uv, batch, iters=args.iters)
         print(f"| fresh prefill, 2 x {T // 2} tokens | {a:.2f} | {e:.2f} | {e / a:.2f} |", flush=True)
     for C in contexts:
         S = 64
         batch, num_pages = batch_of([1] * S, [C] * S)
         absorbed, _ = layer_fns(kernels, flash, **c, query_block=1)
         pages = normal(num_pages + 1, PAGE, r + rope)
-        a = _time(absorbed, normal(S, heads, nope), normal(S, heads, rope), pages, w_uk, w_uv, batch, iters=args.iters)
+        a = _ms(absorbed, normal(S, heads, nope), normal(S, heads, rope), pages, w_uk, w_uv, batch, iters=args.iters)
         print(f"| decode, {S} sequences x {C} tokens | {a:.2f} | (expands the whole context) | |", flush=True)
     return 0
 

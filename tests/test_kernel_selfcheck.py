@@ -201,6 +201,18 @@ def test_the_grouped_matmul_of_mxfp4_experts_passes_its_check_and_a_wrong_one_fa
 
 
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_latent_attention_passes_its_check_and_a_wrong_kernel_fails(platform):
+    """DeepSeek's MLA: 2 heads over latent rows of 128 values + 64 rope dims (a TPU's rows padded to
+    256 lanes) in a decode and a mixed step, the kernel (interpret mode) against the XLA path."""
+    shapes = dataclasses.replace(TINY, latent=(128, 64), paged_attention=False, kv_write=False)
+    kernels = Kernels(platform, interpret=True)
+    verdicts = run_checks(kernels, shapes, operations=["mla_attention"])
+    assert len(verdicts) == 2 and all(v.verdict == "pass" for v in verdicts), verdicts
+    wrong = Kernels(platform, interpret=True, mla_attention=plus_one(kernels.mla_attention))
+    assert all(v.failed for v in run_checks(wrong, shapes, operations=["mla_attention"]))
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_attention_with_sinks_a_soft_cap_a_window_and_chunks_passes_its_check(platform):
     """GPT-OSS's sinks with Gemma 2's soft-cap, a window and Llama 4's chunks: what a model with them
     checks at start-up, each kernel (interpret mode) against the XLA attention."""

@@ -158,6 +158,7 @@ class StepShapes:
     quantized: tuple[QuantizedMatrix, ...] = ()
     grouped: tuple[QuantizedMatrix, ...] = ()  # quantized expert stacks [E, K', N] (GPT-OSS's mxfp4)
     lora: tuple[LoraSite, ...] = ()
+    latent: tuple[int, int] | None = None  # MLA (DeepSeek): (value dims r, rope dims) of the latent rows
 
 
 def step_shapes(config: ModelConfig, params, *, parallel: ParallelConfig = ParallelConfig(), dtype, kv_dtype,
@@ -198,15 +199,18 @@ def step_shapes(config: ModelConfig, params, *, parallel: ParallelConfig = Paral
     ring = parallel.sp > 1 and parallel.sp_attention == "ring"
     quantized_pool = is_quantized(kv_dtype)
     norm = flat["final_norm"]
+    heads, kv_heads, head_dim, latent = config.num_heads // parallel.tp, kv_heads_per_shard(config.num_kv_heads, parallel.tp), \
+        config.head_dim, None
+    if config.is_mla:  # MLA's own attention over latent rows; its flash path sees each head's K and V (models.deepseek)
+        kv_heads, head_dim, latent = heads, config.qk_nope_head_dim + config.rotary_dim, (config.kv_lora_rank, config.rotary_dim)
     return StepShapes(
-        num_heads=config.num_heads // parallel.tp, num_kv_heads=kv_heads_per_shard(config.num_kv_heads, parallel.tp),
-        head_dim=config.head_dim, hidden=config.hidden_size, dtype=jnp.dtype(dtype).name, norm_dtype=jnp.dtype(norm.dtype).name,
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, hidden=config.hidden_size, dtype=jnp.dtype(dtype).name, norm_dtype=jnp.dtype(norm.dtype).name,
         rms_norm_eps=config.rms_norm_eps, page_size=page_size, kv_dtype=jnp.dtype(kv_dtype).name,
         sliding_window=config.sliding_window, soft_cap=config.attn_logit_softcap, sinks=config.attention_sinks,
         attention_chunk=config.attention_chunk_size,
-        spec_block=spec_block, paged_attention=not (ring or (quantized_pool and page_size % 128)),
+        spec_block=spec_block, paged_attention=not (ring or (quantized_pool and page_size % 128) or config.is_mla),
         flash_attention=not ring and max_tokens // parallel.sp >= FLASH_MIN_TOKENS,
-        kv_write=parallel.sp == 1 and not quantized_pool, swiglu=tuple(swiglu), quantized=tuple(quantized), grouped=tuple(grouped), lora=tuple(lora),
+        kv_write=parallel.sp == 1 and not quantized_pool and not config.is_mla, latent=latent, swiglu=tuple(swiglu), quantized=tuple(quantized), grouped=tuple(grouped), lora=tuple(lora),
     )
 
 
@@ -299,6 +303,31 @@ def _ragged_attention_cases(kernels: Kernels, xla: Kernels, s: StepShapes) -> It
                        + (f" soft_cap={s.soft_cap:g}" if s.soft_cap else "") + (" sinks" if s.sinks else "")
                        + (f" chunk={s.attention_chunk}" if s.attention_chunk else ""))
         yield Case("ragged_attention", description, inputs, kernel, reference, _tolerance(s.dtype, s.kv_dtype))
+
+
+def _mla_attention_cases(kernels: Kernels, xla: Kernels, s: StepShapes) -> Iterator[Case]:
+    """MLA's attention over latent rows (one per token: every head's keys, the first r its values)
+    in a decode and a mixed step, the pool's rows as wide as the platform stores them."""
+    (r, rope), Hq = s.latent, s.num_heads
+    D = r + rope
+    width = -(-D // 128) * 128 if kernels.platform == "tpu" else D  # (ops.kv_cache.latent_row_width)
+    for name, chunks, pages_per_seq, num_pages in _attention_batches(s.page_size, s.spec_block):
+        real = sum(len(c.token_ids) for c in chunks)
+        buckets = Buckets.default(1 << max(7, (real - 1).bit_length()), 8, pages_per_seq, spec_block=s.spec_block)
+        key, batch, _ = pack_batch(chunks, buckets, s.page_size)
+        options = dict(value_dim=r, sm_scale=D**-0.5, query_block=key.query_block, spec_block=key.spec_block)
+
+        def inputs(rng, key=key, batch=batch, num_pages=num_pages):
+            q_key, row_key = jax.random.split(rng)
+            rows = jnp.pad(_random(row_key, (num_pages, s.page_size, D), s.dtype), ((0, 0), (0, 0), (0, width - D)))
+            batch = jax.tree.map(jnp.asarray, batch)
+            return _random(q_key, (key.num_tokens, Hq, D), s.dtype), rows, batch.page_table[0], batch
+
+        kernel = lambda *args, real=real, options=options: kernels.mla_attention(*args, **options)[:real]  # noqa: E731
+        reference = lambda *args, real=real, options=options: xla.mla_attention(*args, **options)[:real]  # noqa: E731
+        description = (f"{name} T={key.num_tokens} S={key.num_seqs} query_block={key.query_block} Hq={Hq} latent rows "
+                       f"{s.dtype}[{s.page_size}, {width}] values {r} rope {rope}")
+        yield Case("mla_attention", description, inputs, kernel, reference, _tolerance(s.dtype))
 
 
 def _flash_attention_case(kernels: Kernels, s: StepShapes) -> Case:
@@ -437,6 +466,8 @@ def kernel_cases(kernels: Kernels, shapes: StepShapes, operations: Collection[st
     s = shapes
     if runs_kernel("ragged_attention") and s.paged_attention:
         yield from _ragged_attention_cases(kernels, xla, s)
+    if runs_kernel("mla_attention") and s.latent is not None:
+        yield from _mla_attention_cases(kernels, xla, s)
     if runs_kernel("flash_attention") and kernels.flash_attention is not None and s.flash_attention:
         yield _flash_attention_case(kernels, s)
     if runs_kernel("rope_kv_write") and s.kv_write:
