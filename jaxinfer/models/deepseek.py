@@ -62,8 +62,8 @@ LATENT_NORM_EPS = 1e-6
 # DeepSeek-V3's 128 heads: expanded 0.19x to 0.22x of absorbed's time from 2 x 256 to 2 x 4096
 # tokens; V2-Lite's 16 heads 0.77x at 2 x 256, 0.26x at 2 x 4096). On the CPU the flash attention is the jnp
 # reference (dense [heads, T, T] scores), faster than absorbed up to 512 tokens and slower beyond
-# (scripts/bench_mla.py, DeepSeek-V2-Lite's heads: 2 x 128 tokens 0.30x of absorbed's time, 2 x 512
-# 1.14x; docs/benchmarks.md).
+# (scripts/bench_mla.py, DeepSeek-V2-Lite's heads: 2 x 128 tokens 0.32x of absorbed's time, 2 x 256
+# 0.58x, 2 x 512 1.04x; docs/benchmarks.md).
 CPU_EXPANDED_MAX_TOKENS = 512  # q_a_layernorm / kv_a_layernorm: transformers builds them with their default eps
 
 
