@@ -56,7 +56,7 @@ from jaxinfer.ops.kernels import Kernels
 from pallas_kernels.flash_attention.reference import flash_attention as flash_attention_reference
 from pallas_kernels.rope_kv_write import apply_rope
 
-LATENT_NORM_EPS = 1e-6
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with their default eps
 # Fresh-prefill buckets that run expanded. With a flash kernel (TPU, GPU): from FLASH_MIN_TOKENS
 # tokens up, like the GQA families' flash path (measured on an H100 with scripts/bench_mla.py,
 # DeepSeek-V3's 128 heads: expanded 0.19x to 0.22x of absorbed's time from 2 x 256 to 2 x 4096
@@ -64,7 +64,7 @@ LATENT_NORM_EPS = 1e-6
 # reference (dense [heads, T, T] scores), faster than absorbed up to 512 tokens and slower beyond
 # (scripts/bench_mla.py, DeepSeek-V2-Lite's heads: 2 x 128 tokens 0.32x of absorbed's time, 2 x 256
 # 0.58x, 2 x 512 1.04x; docs/benchmarks.md).
-CPU_EXPANDED_MAX_TOKENS = 512  # q_a_layernorm / kv_a_layernorm: transformers builds them with their default eps
+CPU_EXPANDED_MAX_TOKENS = 512
 
 
 def deinterleave(x: jax.Array) -> jax.Array:
@@ -127,8 +127,9 @@ class DeepseekForCausalLM(LlamaForCausalLM):
             k_nope = jnp.einsum("tr,rhn->thn", latent, w_uk.astype(dtype), preferred_element_type=jnp.float32)
             k = jnp.concatenate([k_nope.astype(dtype), jnp.broadcast_to(row[:, None, r:], (Tl, heads, rope))], axis=-1)
             v = jnp.einsum("tr,rhv->thv", latent, w_uv.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
-            v = jnp.pad(v, ((0, 0), (0, 0), (0, nope + rope - vd)))  # [Tl, heads, nope + rope]: K's width
             q = jnp.concatenate([q_nope, q_row[..., r:]], axis=-1)  # [Tl, heads, nope + rope], RoPE applied
+            width = max(nope + rope, vd)  # one head_dim for q, k and v: zero dims add nothing to a score
+            q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, width - x.shape[-1]))) for x in (q, k, v))
             out = flash(q, k, v, batch.cu_q_lens, batch.num_seqs, causal=True, sm_scale=c.sm_scale, sliding_window=None,
                         soft_cap=None, attention_chunk=None)
             return out[..., :vd].astype(jnp.float32), write_latent_rows(pool, row, page_offset, write_page, write_offset)
