@@ -256,6 +256,10 @@ def test_a_deepseek_step_keeps_its_fp8_weights_over_two_tpu_chips(v6e):
     prefill = max(long.buckets.all_keys(), key=lambda k: (k.num_tokens, k.query_block))
     hlo = long.compile(prefill).as_text()
     assert prefill.num_tokens == 256 and "flash_attention" in hlo and "ragged_paged_attention" in hlo
+    # an int8 latent pool: rows of 256 one-byte entries and a float32 scale each, still updated in place
+    int8 = AbstractStep.build(SMALL_DEEPSEEK, v6e, ParallelConfig(tp=2), dataclasses.replace(SHAPE, kv_cache_dtype="int8"))
+    assert int8.kv.kv.dtype == jnp.int8 and int8.kv.kv_scale.shape[-1] == 2 * SHAPE.page_size
+    assert_in_place_with_kernels(int8, decode, "grouped_quantized_matmul")
 
 
 @pytest.mark.parametrize("chip", ["v6e", "h100"])

@@ -101,3 +101,23 @@ def test_a_long_fresh_prefill_runs_expanded_and_equals_transformers(deepseek_dir
         assert np.abs(got - want).max() < 1e-4
     zeros = lambda q, k, v, *a, **kw: jnp.zeros_like(q)  # noqa: E731
     assert np.abs(run(zeros)[0][:149] - truth[0][:149]).max() > 1e-2
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "float8_e4m3fn"])
+def test_a_quantized_latent_cache_holds_a_row_and_a_scale_and_scores_as_transformers(deepseek_dir, kv_cache_dtype):
+    """int8 / e4m3 latent rows (turned by a fixed orthogonal matrix, one float32 scale each): D + 4
+    bytes per token and layer; a prompt in chunks of 8, so every chunk after the first reads the
+    quantized rows, scores its tokens within 0.1 (int8) / 0.6 (e4m3) of transformers' logprobs: the
+    GQA pools' bounds on tiny models (tests/test_kv_quantization.py; their distributions are sharp)."""
+    from test_model_parity import hf_logprobs
+
+    directory, hf = deepseek_dir
+    llm = LLM(str(directory), max_model_len=48, page_size=4, num_pages=24, max_num_batched_tokens=8, max_num_seqs=2,
+              kv_cache_dtype=kv_cache_dtype, progress=False)
+    kv = llm.runner.kv
+    assert kv.kv.dtype.itemsize == 1 and kv.nbytes() / (3 * 24 * 4) == (32 + 8) + 4
+    ids = [int(t) for t in np.random.default_rng(3).integers(3, 250, 30)]
+    out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0), use_tqdm=False)[0]
+    truth = hf_logprobs(hf, ids, [len(ids)])
+    err = max(abs(out.prompt_logprobs[p][ids[p]].logprob - truth[p - 1][ids[p]]) for p in range(1, len(ids)))
+    assert err < (0.1 if kv_cache_dtype == "int8" else 0.6), err

@@ -202,18 +202,31 @@ def write_latent_and_attend(
 ) -> tuple[jax.Array, KVCache]:
     """Multi-head latent attention's write and read (jaxinfer.models.deepseek): each token's row
     into its page slot (`write_latent_rows`), then every head's attention over the rows:
-    (out [T, Hq, value_dim], pool)."""
+    (out [T, Hq, value_dim], pool). A quantized pool holds the rows turned by `kv_rotation`: q is
+    turned the same way, and the attention's whole output row turned back before its values are kept."""
     pool = write_latent_rows(pool, rows, layer_page_offset, write_page, write_offset)
-    out = kernels.mla_attention(q, pool.kv, batch.page_table + layer_page_offset, batch, value_dim=value_dim,
-                                sm_scale=sm_scale, query_block=query_block, spec_block=spec_block)
-    return out, pool
+    options = dict(sm_scale=sm_scale, query_block=query_block, spec_block=spec_block)
+    page_table = batch.page_table + layer_page_offset
+    if not pool.quantized:
+        return kernels.mla_attention(q, pool.kv, page_table, batch, value_dim=value_dim, **options), pool
+    D = q.shape[-1]
+    rotation = kv_rotation(D)
+    out = kernels.mla_attention((q.astype(jnp.float32) @ rotation).astype(q.dtype), pool.kv, page_table, batch, value_dim=D,
+                                scales=pool.kv_scale, **options)  # [T, Hq, D], turned
+    return (out.astype(jnp.float32) @ rotation.T)[..., :value_dim].astype(q.dtype), pool
 
 
 def write_latent_rows(pool: KVCache, rows, layer_page_offset, write_page, write_offset) -> KVCache:
-    """rows [T, D] into their page slots of the latent pool, in place (zero past D when the pool pads its rows)."""
-    width = pool.kv.shape[-1]
-    rows = jnp.pad(rows, ((0, 0), (0, width - rows.shape[-1]))).astype(pool.kv.dtype)
-    return dataclasses.replace(pool, kv=write_page_rows(pool.kv, layer_page_offset + write_page, write_offset, rows))
+    """rows [T, D] into their page slots of the latent pool, in place (zero past D when the pool
+    pads its rows); a quantized pool's turned by `kv_rotation`, as entries and one scale per row."""
+    width, pages = pool.kv.shape[-1], layer_page_offset + write_page
+    if not pool.quantized:
+        rows = jnp.pad(rows, ((0, 0), (0, width - rows.shape[-1]))).astype(pool.kv.dtype)
+        return dataclasses.replace(pool, kv=write_page_rows(pool.kv, pages, write_offset, rows))
+    entries, scales = quantize_kv(rows.astype(jnp.float32) @ kv_rotation(rows.shape[-1]), pool.kv.dtype)  # [T, D], [T]
+    entries = jnp.pad(entries, ((0, 0), (0, width - entries.shape[-1])))
+    return KVCache(kv=write_page_rows(pool.kv, pages, write_offset, entries),
+                   kv_scale=pool.kv_scale.at[pages, write_offset].set(scales))
 
 
 def takes_flash_path(batch: RaggedBatch, num_tokens: int, *, query_block: int, kernels: Kernels) -> jax.Array | bool:

@@ -124,13 +124,15 @@ def xla_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *,
 
 
 def xla_mla_attention(q, latent_pages, page_table, batch: RaggedBatch, *, value_dim: int, sm_scale: float,
-                      query_block: int, spec_block: int = 0) -> jax.Array:
+                      query_block: int, spec_block: int = 0, scales=None) -> jax.Array:
     """MLA attention by the split-KV XLA attention: the latent rows as the one KV head's keys and
-    values (`pallas_kernels.mla_attention.reference`), the values' first value_dim entries kept.
-    [T, Hq, value_dim]."""
+    values (`pallas_kernels.mla_attention.reference`), the values' first value_dim entries kept;
+    int8 / e4m3 rows with one scale each (`scales` [P, page_size]). [T, Hq, value_dim]."""
     rows = as_kv_head(latent_pages, q.shape[-1])
+    scale = None if scales is None else scales[..., None]  # [P, page_size, 1]: the one KV head's
     return xla_ragged_attention(q, rows, rows, page_table, batch, num_kv_heads=1, sm_scale=sm_scale, sliding_window=None,
-                                query_block=query_block, spec_block=spec_block)[..., :value_dim]
+                                query_block=query_block, spec_block=spec_block, k_scale=scale,
+                                v_scale=scale)[..., :value_dim]
 
 
 def xla_quantized_matmul(x, qweight, scales, offsets=None, *, mode: str, group_size: int | None) -> jax.Array:
@@ -180,22 +182,23 @@ def _gpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *
 
 
 def _tpu_mla_attention(q, latent_pages, page_table, batch: RaggedBatch, *, value_dim: int, sm_scale: float,
-                       query_block: int, spec_block: int = 0, interpret: bool) -> jax.Array:
-    """The TPU kernel reads values of whole 128-lane rows (DeepSeek's 512); other widths (tiny test
-    models) take the XLA path."""
-    if value_dim % 128:
+                       query_block: int, spec_block: int = 0, scales=None, interpret: bool) -> jax.Array:
+    """The TPU kernel reads float rows and values of whole 128-lane rows (DeepSeek's 512); a
+    quantized pool and other widths (tiny test models) take the XLA path."""
+    if value_dim % 128 or scales is not None:
         return xla_mla_attention(q, latent_pages, page_table, batch, value_dim=value_dim, sm_scale=sm_scale,
-                                 query_block=query_block, spec_block=spec_block)
+                                 query_block=query_block, spec_block=spec_block, scales=scales)
     return mla_tpu.mla_attention(q, latent_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs,
                                  value_dim=value_dim, sm_scale=sm_scale, num_queries_per_block=query_block, interpret=interpret)
 
 
 def _gpu_mla_attention(q, latent_pages, page_table, batch: RaggedBatch, *, value_dim: int, sm_scale: float,
-                       query_block: int, spec_block: int = 0, interpret: bool) -> jax.Array:
-    """The Triton kernel reads the latent part as one power-of-two block (DeepSeek's 512); other widths take the XLA path."""
-    if value_dim < 16 or value_dim & (value_dim - 1):
+                       query_block: int, spec_block: int = 0, scales=None, interpret: bool) -> jax.Array:
+    """The Triton kernel reads float rows, the latent part as one power-of-two block (DeepSeek's
+    512), then a rope part; a quantized pool and other widths take the XLA path."""
+    if value_dim < 16 or value_dim & (value_dim - 1) or value_dim >= q.shape[-1] or scales is not None:
         return xla_mla_attention(q, latent_pages, page_table, batch, value_dim=value_dim, sm_scale=sm_scale,
-                                 query_block=query_block, spec_block=spec_block)
+                                 query_block=query_block, spec_block=spec_block, scales=scales)
     return mla_gpu.mla_attention(q, latent_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs,
                                  value_dim=value_dim, sm_scale=sm_scale, num_queries_per_block=query_block, interpret=interpret)
 
@@ -237,8 +240,9 @@ class Kernels:
         each row times its own matrix of a quantized stack (G: none, 0 out): the experts of a MoE
         layer kept quantized (GPT-OSS's mxfp4; jaxinfer.models.moe)
     mla_attention(q [T,Hq,D], latent_pages [P,page_size,W], page_table, batch, *, value_dim, sm_scale, query_block,
-        spec_block) -> [T,Hq,value_dim]: multi-head latent attention over one latent row per token,
-        the keys of every head and, their first value_dim entries, the values (pallas_kernels.mla_attention)
+        spec_block, scales) -> [T,Hq,value_dim]: multi-head latent attention over one latent row per token,
+        the keys of every head and, their first value_dim entries, the values (pallas_kernels.mla_attention);
+        scales [P,page_size]: an int8 / e4m3 pool's, one per row (the XLA path reads those)
     add_rms_norm(x, residual, weight, *, eps) -> (normed, x + residual)
     swiglu_matmul(x [T,H], w_gate_up [H,2I]) -> silu(gate) * up [T,I]
     lora_delta(x [T,K], a [N,K,P R], bs (P x [N,R,O_p]), slot [T]) -> float32 [T, sum O_p]: the

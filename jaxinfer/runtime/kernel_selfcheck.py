@@ -466,7 +466,7 @@ def kernel_cases(kernels: Kernels, shapes: StepShapes, operations: Collection[st
     s = shapes
     if runs_kernel("ragged_attention") and s.paged_attention:
         yield from _ragged_attention_cases(kernels, xla, s)
-    if runs_kernel("mla_attention") and s.latent is not None:
+    if runs_kernel("mla_attention") and s.latent is not None and not is_quantized(s.kv_dtype):  # (quantized: XLA reads it)
         yield from _mla_attention_cases(kernels, xla, s)
     if runs_kernel("flash_attention") and kernels.flash_attention is not None and s.flash_attention:
         yield _flash_attention_case(kernels, s)
