@@ -2,9 +2,13 @@
 
     python scripts/gpu_engine_check.py                  # on the GPU machine (needs torch + transformers
                                                         # to build the random model, as the tests do)
+    python scripts/gpu_engine_check.py --family deepseek_v3   # latent attention: the MLA kernel, the
+                                                        # expanded prefill's flash kernel, grouped routing
 
-1. A random model at SmolLM2-135M's attention and MLP shapes (fewer layers) is written with
-   transformers (tests/tiny_models.py).
+1. A random model at SmolLM2-135M's attention and MLP shapes (fewer layers), or with
+   `--family deepseek_v3` a DeepSeek-V3 of 8 heads over a latent of 128 + rope 64 (the Triton MLA
+   kernel's case; prompts of 256 tokens and more prefill expanded, by the flash kernel), is
+   written with transformers (tests/tiny_models.py).
 2. `LLM` at its defaults: the KV pool sized from the device's memory (`gpu_memory_utilization`),
    the Pallas kernels checked on the device before serving; the start-up line and the memory
    figures are printed.
@@ -32,8 +36,13 @@ import numpy as np  # noqa: E402
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
 
-SHAPES = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536, num_hidden_layers=4,
-              max_position_embeddings=2048)
+SHAPES = {
+    "llama3.1": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                     num_hidden_layers=4, max_position_embeddings=2048),
+    "deepseek_v3": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=8, intermediate_size=1024,
+                        num_hidden_layers=3, q_lora_rank=96, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64,
+                        v_head_dim=64, moe_intermediate_size=256, max_position_embeddings=2048),
+}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
 failures: list[str] = []
 
@@ -56,14 +65,20 @@ def run(llm: LLM, ps) -> tuple[list[list[int]], list[list[float]]]:
     return tokens, logprobs
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
     from tiny_models import save_hf_model
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=sorted(SHAPES), default="llama3.1")
+    family = parser.parse_args(argv).family
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     device = jax.devices()[0]
     print(f"jax {jax.__version__}, {device.device_kind} ({device.platform})", flush=True)
     model_dir = Path(tempfile.mkdtemp()) / "model"
-    save_hf_model("llama3.1", model_dir, **SHAPES)
+    save_hf_model(family, model_dir, **SHAPES[family])
 
     t0 = time.perf_counter()
     llm = LLM(str(model_dir), max_model_len=1024, max_num_seqs=2, progress=False)
