@@ -169,9 +169,9 @@ def padded_ragged_all_to_all(rows, output, input_offsets, send_sizes, output_off
     where its sender put it."""
     n = rows.shape[0]
     j = jnp.arange(max_send)
-    take = input_offsets[:, None] + j[None, :]  # [ep, N]: row j of the block for device d
+    take = input_offsets[:, None] + j[None, :]  # [ep, max_send]: row j of the block for device d
     sent = j[None, :] < send_sizes[:, None]
-    blocks = jnp.where(sent.reshape(sent.shape + (1,) * (rows.ndim - 1)), rows[jnp.minimum(take, n - 1)], 0)  # [ep, N, ...]
+    blocks = jnp.where(sent.reshape(sent.shape + (1,) * (rows.ndim - 1)), rows[jnp.minimum(take, n - 1)], 0)  # [ep, max_send, ...]
     received = jax.lax.all_to_all(blocks, axis, split_axis=0, concat_axis=0)  # block s: what device s sent here
     lands_at = jax.lax.all_to_all(output_offsets, axis, split_axis=0, concat_axis=0, tiled=True)  # [ep]: sender s's offset here
     place = jnp.where(j[None, :] < recv_sizes[:, None], lands_at[:, None] + j[None, :], output.shape[0])  # past the end: dropped
