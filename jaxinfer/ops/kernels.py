@@ -196,7 +196,7 @@ def _gpu_mla_attention(q, latent_pages, page_table, batch: RaggedBatch, *, value
                        query_block: int, spec_block: int = 0, scales=None, interpret: bool) -> jax.Array:
     """The Triton kernel reads float rows, the latent part as one power-of-two block (DeepSeek's
     512), then a rope part; a quantized pool and other widths take the XLA path."""
-    if value_dim < 16 or value_dim & (value_dim - 1) or value_dim >= q.shape[-1] or scales is not None:
+    if value_dim < 16 or value_dim & (value_dim - 1) or scales is not None:
         return xla_mla_attention(q, latent_pages, page_table, batch, value_dim=value_dim, sm_scale=sm_scale,
                                  query_block=query_block, spec_block=spec_block, scales=scales)
     return mla_gpu.mla_attention(q, latent_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs,

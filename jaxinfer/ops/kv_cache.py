@@ -78,6 +78,7 @@ import jax.numpy as jnp
 from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.kv_groups import KVGroups, kv_groups
 from jaxinfer.ops.kernels import Kernels
+from pallas_kernels.mla_attention.tpu import padded_row
 from pallas_kernels.ragged_paged_attention.combined import row_width
 from pallas_kernels.ragged_paged_attention.reference import QUANTIZED_KV_DTYPES, storage_dtype
 from sharding.mesh import kv_heads_per_shard
@@ -131,9 +132,10 @@ def combined_pool(config: ModelConfig, kernels: Kernels) -> bool:
     return kernels.combines_kv or config.is_mla
 
 
-def latent_row_width(config: ModelConfig, kernels: Kernels) -> int:
-    """Entries of one token's latent row on one device: the row, padded to 128 lanes for the TPU kernels."""
-    return -(-config.head_dim // 128) * 128 if kernels.platform == "tpu" else config.head_dim
+def latent_row_width(head_dim: int, kernels: Kernels) -> int:
+    """Entries of one token's latent row of head_dim values on one device: padded to whole 128-lane
+    rows for the TPU kernels (`pallas_kernels.mla_attention.tpu.padded_row`), as it is elsewhere."""
+    return padded_row(head_dim) if kernels.platform == "tpu" else head_dim
 
 
 def is_quantized(dtype) -> bool:
@@ -241,7 +243,7 @@ class KVCache:
         a shard's heads, or an MLA model's latent row), or k and v [slots, P, page_size, pool_kv_heads, head_dim]."""
         slots = kv_groups(config).num_slots
         if config.is_mla:
-            return (slots, num_pages, page_size, tp * latent_row_width(config, kernels))
+            return (slots, num_pages, page_size, tp * latent_row_width(config.head_dim, kernels))
         heads, head_dim = pool_kv_shape(config, tp=tp, combined=kernels.combines_kv)
         if kernels.combines_kv:
             row = row_width(kv_heads_per_shard(heads, tp), head_dim)

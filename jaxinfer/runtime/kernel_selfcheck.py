@@ -63,7 +63,7 @@ from jaxinfer.ops import kernels as kernel_table
 from jaxinfer.ops.attention import FLASH_MIN_TOKENS
 from jaxinfer.ops.batch import Buckets, SequenceChunk, pack_batch
 from jaxinfer.ops.kernels import OPERATIONS, Kernels
-from jaxinfer.ops.kv_cache import is_quantized
+from jaxinfer.ops.kv_cache import is_quantized, latent_row_width
 from jaxinfer.ops.quantization import QuantizedWeight
 from jaxinfer.tree import nested_to_flat
 from pallas_kernels.flash_attention import flash_attention_reference
@@ -310,7 +310,7 @@ def _mla_attention_cases(kernels: Kernels, xla: Kernels, s: StepShapes) -> Itera
     in a decode and a mixed step, the pool's rows as wide as the platform stores them."""
     (r, rope), Hq = s.latent, s.num_heads
     D = r + rope
-    width = -(-D // 128) * 128 if kernels.platform == "tpu" else D  # (ops.kv_cache.latent_row_width)
+    width = latent_row_width(D, kernels)
     for name, chunks, pages_per_seq, num_pages in _attention_batches(s.page_size, s.spec_block):
         real = sum(len(c.token_ids) for c in chunks)
         buckets = Buckets.default(1 << max(7, (real - 1).bit_length()), 8, pages_per_seq, spec_block=s.spec_block)

@@ -588,7 +588,7 @@ def ragged_paged_attention(
     )  # [NB, Hkv, R, lanes]: V's lanes of the row; with Ds = 64, the row's second half
 
     if value_dim is not None:  # [NB, 1, R, r]: the latent values
-        out = out.reshape(NB, Bq, Hq, value_dim).reshape(NB * Bq, Hq, value_dim)
+        out = out.reshape(NB * Bq, Hq, value_dim)  # row r of a block: query r // Hq, head r % Hq
         return jnp.zeros((T, Hq, value_dim), q.dtype).at[rows.reshape(-1)].set(out, mode="drop")
     out = out[..., lanes - Ds : lanes - Ds + D].reshape(NB, Hkv, Bq, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * Bq, Hq, D)
     result = jnp.zeros((T, Hq, D), q.dtype)
