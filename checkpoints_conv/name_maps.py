@@ -206,6 +206,10 @@ DEEPSEEK_V3_NAMES = ArchNames(
         "self_attn.kv_a_layernorm.weight": Dest("layers.kv_a_norm", False),
         "self_attn.kv_b_proj.weight": Dest("layers.kv_b_proj", True),
         "self_attn.o_proj.weight": Dest("layers.o_proj", True),
+        # the multi-token-prediction layer's input (read through checkpoints_conv.views.mtp_views)
+        "enorm.weight": Dest("layers.mtp_enorm", False),
+        "hnorm.weight": Dest("layers.mtp_hnorm", False),
+        "eh_proj.weight": Dest("layers.mtp_eh_proj", True),
     },
     per_expert=QWEN3_MOE_NAMES.per_expert,
 )

@@ -13,7 +13,7 @@ from checkpoints_conv.hf import SafetensorsSource, iter_safetensors, read_hf_con
 from checkpoints_conv.hf_fp8 import Fp8HFSource, read_fp8_config
 from checkpoints_conv.hf_quantized import QuantizedHFSource, read_quantization_config
 from checkpoints_conv.tensor_source import TensorSource
-from checkpoints_conv.views import QK_ROWS_REORDERED, with_views
+from checkpoints_conv.views import QK_ROWS_REORDERED, mtp_views, with_views
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -36,12 +36,20 @@ def iter_checkpoint_tensors(path: str | Path, config: dict) -> Iterator[tuple[st
     return iter_gguf_tensors(path, config) if is_gguf(path) else iter_safetensors(path)
 
 
-def open_checkpoint(path: str | Path, config: dict) -> TensorSource:
+def open_checkpoint(path: str | Path, config: dict, *, mtp_layer: int | None = None) -> TensorSource:
     """Random access to the tensors of a GGUF file or an HF model directory (see tensor_source);
     a directory quantized by GPTQ, AWQ or compressed-tensors through `QuantizedHFSource`, one with
     block-scaled fp8 weights (quant_method "fp8") through `Fp8HFSource`; the
     stacked or fused tensors of some architectures through their views (checkpoints_conv.views:
-    GPT-OSS's experts, MXFP4 ones dequantized as they are read)."""
+    GPT-OSS's experts, MXFP4 ones dequantized as they are read). `mtp_layer`: DeepSeek-V3's
+    multi-token-prediction layer of that index instead, as a model of its own (views.mtp_views)."""
+    if mtp_layer is not None:
+        if is_gguf(path):
+            raise CheckpointError(f"{path}: the multi-token-prediction layer is read from HF safetensors, not GGUF")
+        def views(source, config):
+            return mtp_views(source, config, mtp_layer)
+    else:
+        views = with_views
     if is_gguf(path):  # (the views see HF names: GLM-4.5's MoE layers renumbered, its MTP layer hidden)
         return with_views(GgufSource(path, config), config)
     qc = config.get("quantization_config") or {}
@@ -55,6 +63,6 @@ def open_checkpoint(path: str | Path, config: dict) -> TensorSource:
                               "not); load the bfloat16 release and quantize in flight (quantization=...)")
     if fp8:  # (the views outside: a fused tensor's row ranges read dequantized)
         block = read_fp8_config(config, str(Path(path) / "config.json"))
-        return with_views(Fp8HFSource(SafetensorsSource(path), block, str(path)), config)
-    source = with_views(SafetensorsSource(path), config)
+        return views(Fp8HFSource(SafetensorsSource(path), block, str(path)), config)
+    source = views(SafetensorsSource(path), config)
     return source if fmt is None else QuantizedHFSource(source, fmt, str(path))

@@ -390,6 +390,23 @@ VIEWS = {"gpt_oss": lambda source, config: gpt_oss_views(source), "phi3": phi3_v
          "glm4_moe": glm4_moe_views, "deepseek_v2": glm4_moe_views, "deepseek_v3": glm4_moe_views, "gemma4_text": gemma4_views, "gemma4": gemma4_views, **{model_type: llama4_views for model_type in QK_ROWS_REORDERED}}
 
 
+def mtp_views(source: TensorSource, config: dict, index: int = 0) -> TensorSource:
+    """DeepSeek-V3's multi-token-prediction layer `index` (stored as layer num_hidden_layers + index)
+    as the one layer of a model of its own (models.deepseek_mtp): its decoder block and its input
+    norms and projection (enorm, hnorm, eh_proj) read as layer 0's, its shared_head.norm as the final
+    norm. Everything else is hidden, its own embed_tokens and shared_head.head too: the module
+    shares the target's embedding and LM head, as DeepSeek-V3 trains it."""
+    layer = re.compile(rf"model\.layers\.{int(config['num_hidden_layers']) + index}\.(.+)")
+    renamed, hidden = {}, set()
+    for name, _ in source.listing():
+        hidden.add(name)
+        m = layer.fullmatch(name)
+        if m is None or m.group(1).startswith(("embed_tokens.", "shared_head.head.")):
+            continue
+        renamed["model.norm.weight" if m.group(1) == "shared_head.norm.weight" else f"model.layers.0.{m.group(1)}"] = name
+    return ViewSource(source, {}, hidden, renamed)
+
+
 def with_views(source: TensorSource, config: dict) -> TensorSource:
     """`source` as the name maps of `config`'s model_type expect to read it."""
     make = VIEWS.get(config.get("model_type"))

@@ -192,6 +192,10 @@ class ModelConfig:
     qk_nope_head_dim: int = 0  # each query / key head's dims without RoPE
     v_head_dim: int = 0  # each value head's dims
     rope_interleave: bool = False  # the rope dims come as interleaved pairs (x0, x1), (x2, x3) ... (DeepSeek-V3)
+    # DeepSeek-V3's multi-token-prediction module (the checkpoint's layer num_hidden_layers), run as
+    # a one-layer model that also reads the target's hidden states (models.deepseek_mtp); set by
+    # the engine for speculative method "mtp", never read from a config.json
+    mtp_module: bool = False
     # How the checkpoint stores its weights, where a TPU / GPU load keeps them so (`jaxinfer aot` plans
     # them so): "mxfp4" (GPT-OSS's experts), "fp8" (block-scaled: DeepSeek-V3, the FP8 releases); None: floats
     stored_quantization: str | None = None

@@ -235,3 +235,39 @@ def save_mxfp4_gpt_oss(directory: Path, **overrides) -> dict[str, np.ndarray]:
                                                                                          "model.layers.*.mlp.router"]}
     (directory / "config.json").write_text(json.dumps(config))
     return tensors
+
+
+def save_deepseek_with_mtp(directory: Path, seed: int = 0):
+    """The tiny DeepSeek-V3 with a multi-token-prediction layer after its last, as DeepSeek-V3's
+    checkpoint stores it (layer num_hidden_layers: a decoder block plus enorm, hnorm, eh_proj and
+    shared_head; num_nextn_predict_layers = 1). transformers does not run that layer: the model
+    is built with one layer more, whose block becomes the MTP layer's. Returns (the 3-layer target
+    as transformers loads it, the 4-layer model whose last block is the MTP layer's, the MTP
+    layer's extra tensors as torch tensors)."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    cls, kw = FAMILIES["deepseek_v3"]
+    full = build_hf_model("deepseek_v3", seed, num_hidden_layers=kw["num_hidden_layers"] + 1)
+    full.save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    N, H = kw["num_hidden_layers"], full.config.hidden_size
+    generator = torch.Generator().manual_seed(seed + 1)
+    extra = {
+        "enorm.weight": 1.0 + 0.2 * torch.randn(H, generator=generator),
+        "hnorm.weight": 1.0 + 0.2 * torch.randn(H, generator=generator),
+        "eh_proj.weight": torch.randn(H, 2 * H, generator=generator) / (2 * H) ** 0.5,
+        "shared_head.norm.weight": 1.0 + 0.2 * torch.randn(H, generator=generator),
+    }
+    tensors = load_file(directory / "model.safetensors")
+    tensors.update({f"model.layers.{N}.{name}": t.numpy() for name, t in extra.items()})
+    tensors[f"model.layers.{N}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].copy()  # the shared copies
+    tensors[f"model.layers.{N}.shared_head.head.weight"] = tensors["lm_head.weight"].copy()
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config.update(num_hidden_layers=N, num_nextn_predict_layers=1)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    target = transformers.AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32).eval()
+    target.config._attn_implementation = "eager"
+    return target, full, extra

@@ -26,9 +26,11 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.draft_head import DraftHeadProposer
 from jaxinfer.engine.draft_model import DraftModelProposer
+from jaxinfer.engine.mtp import MTPProposer
 from jaxinfer.engine.lora import LoraManager
 from jaxinfer.engine.memory import (PoolSummary, abstract_pool, bytes_per_device, device_capacity_bytes, kv_pool_pages,
                                     least_over_processes, measure_step_scratch)
+from checkpoints_conv import read_checkpoint_config
 from jaxinfer.models.lora import LoraSlots, LoraTable, lora_shapes
 from jaxinfer.models.param_layout import stack_slots
 from jaxinfer.engine.engine import LLMEngine
@@ -73,7 +75,10 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
         placed = add_lora_table(placed, model_config, config, mesh)
     spec = config.speculative_config
     return_hidden = spec is not None and spec.method in ("eagle", "medusa")
+    return_stream = spec is not None and spec.method == "mtp"  # the MTP module reads every token's stream
     draft = load_draft_weights(spec, model_config, config, mesh, placed) if spec is not None and spec.method == "draft_model" else None
+    if return_stream:
+        draft = load_mtp_weights(source, model_config, config, mesh, placed)
     clock.mark("weights")
     config, placed = check_kernels_on_device(config, model_config, parallel, placed, clock)
     if draft is not None and config.xla_kernels:  # a draft model runs the same table: the same fallbacks
@@ -95,8 +100,11 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
                           groups.windows, config.kv_page_factors(model_config))
     logger.info("%s", summary)
     runner = build_runner(model_config, config, mesh, placed, num_top_logprobs=config.max_logprobs,
-                          return_hidden=return_hidden)
-    if draft is not None:
+                          return_hidden=return_hidden, return_stream=return_stream)
+    if draft is not None and return_stream:
+        draft_config, draft_weights = draft
+        proposer = MTPProposer(build_runner(draft_config, config, mesh, draft_weights, num_top_logprobs=1, return_stream=True))
+    elif draft is not None:
         draft_config, draft_weights = draft
         check_draft_groups(model_config, draft_config)
         proposer = DraftModelProposer(build_runner(draft_config, config, mesh, draft_weights, num_top_logprobs=1))
@@ -170,7 +178,7 @@ def add_lora_table(placed: PlacedWeights, model_config: ModelConfig, config: Eng
 
 
 def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights: PlacedWeights, *, num_top_logprobs: int,
-                 return_hidden: bool = False) -> ModelRunner:
+                 return_hidden: bool = False, return_stream: bool = False) -> ModelRunner:
     """A model's runner on `mesh`: its placed weights and a KV pool of the (resolved) config's page geometry."""
     parallel = config.parallel(model_config)
     specs = kv_partition_spec(quantized=is_quantized(config.kv_dtype), combined=combined_pool(model_config, config.kernels))
@@ -181,7 +189,7 @@ def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights:
     groups = kv_groups(model_config)
     return ModelRunner(weights.graphdef, weights.params, kv, config.buckets(parallel, groups.num_groups),
                        num_top_logprobs=num_top_logprobs, mesh=mesh, param_specs=weights.param_specs,
-                       return_hidden=return_hidden, kv_windows=groups.windows,
+                       return_hidden=return_hidden, return_stream=return_stream, kv_windows=groups.windows,
                        kv_page_factors=config.kv_page_factors(model_config))
 
 
@@ -190,6 +198,9 @@ def make_proposer(spec: SpeculativeConfig | dict, model_config: ModelConfig, con
     spec = SpeculativeConfig.from_dict(spec) if isinstance(spec, dict) else spec
     if spec.method == "draft_model":
         return DraftModelProposer(build_draft_runner(spec, model_config, config, runner))
+    if spec.method == "mtp":
+        raise ValueError("speculative_config: method 'mtp' reads the target's hidden states of every token, which this "
+                         "LLM's step does not return; build the LLM with a speculative_config of method 'mtp'")
     if spec.method in ("eagle", "medusa"):
         if not runner.step_fn.return_hidden:
             raise ValueError(f"speculative_config: method {spec.method!r} reads the target's hidden states, which this "
@@ -250,6 +261,31 @@ def load_draft_weights(spec: SpeculativeConfig, model_config: ModelConfig, confi
                              f"{draft_config.num_layers} layers")
         draft_config, weights = first_layers(draft_config, weights, spec.num_layers, config, parallel)
     return draft_config, place_weights(draft_config, config, mesh, weights, quantization=spec.quantization)
+
+
+MTP_MODEL_TYPES = ("deepseek_v3",)  # checkpoints whose multi-token-prediction layer jaxinfer runs
+
+
+def load_mtp_weights(source, model_config: ModelConfig, config: EngineConfig, mesh,
+                     target: PlacedWeights) -> tuple[ModelConfig, PlacedWeights]:
+    """(config, placed weights) of the checkpoint's multi-token-prediction module (method "mtp":
+    models.deepseek_mtp), which shares the target's placed embedding and LM head."""
+    hf = read_checkpoint_config(source.path) if source.kind != "orbax" else {}
+    num_mtp = int(hf.get("num_nextn_predict_layers") or 0)
+    if model_config.model_type not in MTP_MODEL_TYPES or source.kind != "hf" or not num_mtp:
+        raise ValueError(f"speculative_config: method 'mtp' drafts with the multi-token-prediction layer of a DeepSeek-V3 "
+                         f"safetensors checkpoint ({', '.join(MTP_MODEL_TYPES)} with num_nextn_predict_layers >= 1); "
+                         f"{source.name} ({model_config.model_type}, {source.kind}) has none")
+    parallel = config.parallel(model_config)
+    mtp_config = dataclasses.replace(model_config, num_layers=1, first_dense_layers=0, mtp_module=True)
+    graphdef, state = load_params(source, mtp_config, config.param_dtype, config.activation_dtype, kernels=config.kernels,
+                                  parallel=parallel, mesh=mesh, progress=config.progress,
+                                  keep_quantized=config.keeps_checkpoint_quantization, mtp_layer=0)
+    module, shared = nnx.merge(graphdef, state), nnx.merge(target.graphdef, target.params)
+    module.embed = shared.embed  # the target's, as placed (and quantized)
+    if not model_config.tie_word_embeddings:
+        module.lm_head = shared.lm_head
+    return mtp_config, place_weights(mtp_config, config, mesh, nnx.split(module), quantization=config.quantization)
 
 
 def pages_from_device_memory(config: EngineConfig, model_config: ModelConfig, mesh, weights: PlacedWeights, *,

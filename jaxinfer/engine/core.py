@@ -270,6 +270,8 @@ class EngineCore:
                     self._fail(s.seq.request, error, advanced)
         if copies:
             self.runner.copy_pages(copies)
+            if hasattr(self.proposer, "copy_pages"):  # a proposer whose pool mirrors the target's pages (MTP)
+                self.proposer.copy_pages(copies)
         self._drop_failed(plans)
         self._fill_allowed_tokens([s for plan in plans for s in plan.scheduled if s.seq.grammar is not None and s.samples],
                                   advanced)
@@ -389,6 +391,8 @@ class EngineCore:
                 if self.requests.pop(request.request_id, None) is not None:
                     self.release(request)
             advanced[request.request_id] = request
+        if hasattr(self.proposer, "ingest"):  # a proposer that reads every step's hidden states (MTP)
+            self.proposer.ingest(CoreDraftContext(self), inflight.plans, inflight.handle)
 
     def _advance(self, s: ScheduledSeq, now: float) -> None:
         """A prefill chunk's or a decode's results: prompt logprobs, the sampled token, forks."""
@@ -513,6 +517,9 @@ class CoreDraftContext:
 
     def page_table(self, seq: Sequence) -> list[list[int]]:
         return self._core.replicas[seq.request.replica].block_manager.page_table(seq.seq_id)
+
+    def holds(self, seq: Sequence, num_tokens: int) -> bool:
+        return seq.seq_id in self._core.replicas[seq.request.replica].block_manager.seqs and seq.num_computed >= num_tokens
 
     def reserve(self, seq: Sequence, num_tokens: int) -> list[tuple[int, tuple[int, int]]] | None:
         r = seq.request.replica

@@ -103,16 +103,25 @@ class DraftModelProposer:
             handles.append(handle)
             placed.append(where)
 
-        offsets = [0]
-        for handle in handles[:-1]:
-            offsets.append(offsets[-1] + handle.out.probs.shape[1])
-        buffer = jnp.concatenate([h.out.probs for h in handles], axis=1)  # [replicas, N, V], stays on the device
-        drafted, src = {}, {}
-        for i, (handle, where) in enumerate(zip(handles, placed)):
-            self.runner.collect(handle)
-            for seq, entry in where:
-                drafted.setdefault(id(seq), []).append(entry.results[0].token)
-                src.setdefault(id(seq), []).append(offsets[i] + entry.rows[0])
+        drafted, src, buffer = collect_rounds(self.runner, handles, placed)
         for seq, k in reserved:
             seq.spec.draft_computed = len(seq.token_ids) - 1 + k  # x and the first k - 1 drafts are in its cache
         return drafted, src, buffer
+
+
+def collect_rounds(runner: ModelRunner, handles, placed) -> tuple[dict, dict, object]:
+    """Reads drafting rounds back: `handles` the dispatched steps, `placed` per step the (seq,
+    its chunk) whose last logits row drew a draft. Returns (id(seq) -> its drafts in order,
+    id(seq) -> their rows in the buffer, the buffer: every step's distributions [replicas, N, V],
+    left on the device)."""
+    offsets = [0]
+    for handle in handles[:-1]:
+        offsets.append(offsets[-1] + handle.out.probs.shape[1])
+    buffer = jnp.concatenate([h.out.probs for h in handles], axis=1)
+    drafted, src = {}, {}
+    for i, (handle, where) in enumerate(zip(handles, placed)):
+        runner.collect(handle)
+        for seq, entry in where:
+            drafted.setdefault(id(seq), []).append(entry.results[-1].token)
+            src.setdefault(id(seq), []).append(offsets[i] + entry.rows[-1])
+    return drafted, src, buffer

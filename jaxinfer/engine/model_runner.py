@@ -82,6 +82,7 @@ class ScheduledChunk:
     chunk: SequenceChunk
     sampling: RowSampling
     rows: list[int] = dataclasses.field(default_factory=list)  # its logits rows in the step (set by dispatch)
+    first_token: int = 0  # the row of its first token in the step's tokens (set by dispatch)
     results: list["RowResult"] = dataclasses.field(default_factory=list)  # one per row (set by collect)
 
 
@@ -113,12 +114,13 @@ class InFlightStep:
     out: SampleOutput  # device arrays, [replicas, R]
     chunks: list[list[ScheduledChunk]]  # per replica, holding their logits rows
     want_logprobs: bool
+    stream: jax.Array | None = None  # with return_stream: every token's stream [replicas, max_rows, H], on the device
 
 
 class ModelRunner:
     def __init__(self, graphdef, params, kv: KVCache, buckets: Buckets, *, num_top_logprobs: int = 20,
-                 mesh=None, param_specs=None, return_hidden: bool = False, kv_windows: tuple = (None,),
-                 kv_page_factors: tuple = ()):
+                 mesh=None, param_specs=None, return_hidden: bool = False, return_stream: bool = False,
+                 kv_windows: tuple = (None,), kv_page_factors: tuple = ()):
         """kv: the whole cache, [slots, replicas * pages_per_replica, ...], placed on `mesh` (default:
         one device) with the step's KV sharding; kv_windows: each KV layer group's window
         (`jaxinfer.kv_groups`; one entry per page-table row of `buckets`), kv_page_factors: how many
@@ -135,7 +137,7 @@ class ModelRunner:
         self.buckets = buckets
         self.num_top_logprobs = num_top_logprobs
         self.step_fn = StepFunction(graphdef, num_top_logprobs, max_rows=buckets.max_tokens, mesh=mesh, param_specs=param_specs,
-                                    return_hidden=return_hidden)
+                                    return_hidden=return_hidden, return_stream=return_stream)
         self.num_replicas = self.step_fn.num_replicas
         if kv.num_pages % self.num_replicas:
             raise ValueError(f"{kv.num_pages} KV pages do not split over {self.num_replicas} replicas")
@@ -176,7 +178,8 @@ class ModelRunner:
         return self.step_fn.place_inputs(tree)
 
     def dispatch(self, scheduled: Sequence[Sequence[ScheduledChunk]], *, want_logprobs: bool = False,
-                 return_probs: bool = False, draft_buffer: jax.Array | None = None) -> "InFlightStep":
+                 return_probs: bool = False, draft_buffer: jax.Array | None = None,
+                 stream: jax.Array | None = None) -> "InFlightStep":
         """Packs and launches one step without waiting for it (JAX dispatch is asynchronous).
 
         `scheduled`: one list of chunks per replica. Tokens marked in a chunk's `device_tokens`
@@ -184,12 +187,15 @@ class ModelRunner:
         replica. `collect` reads the results. `return_probs`: the step also returns each row's
         sampling distribution (`InFlightStep.out.probs`, on the device: a draft model's q).
         `draft_buffer` [replicas, N, V]: draft distributions the chunks' `draft_src` rows point into.
+        `stream` [replicas, max_rows, H]: the hidden states the chunks' `hidden_src` rows point into
+        (another step's `InFlightStep.stream`).
         """
         return self.launch(self.pack(scheduled, want_logprobs=want_logprobs, return_probs=return_probs,
-                                     with_draft_src=draft_buffer is not None), draft_buffer)
+                                     with_draft_src=draft_buffer is not None, with_hidden=stream is not None),
+                           draft_buffer, stream)
 
     def pack(self, scheduled: Sequence[Sequence[ScheduledChunk]], *, want_logprobs: bool = False,
-             return_probs: bool = False, with_draft_src: bool = False) -> "PackedStep":
+             return_probs: bool = False, with_draft_src: bool = False, with_hidden: bool = False) -> "PackedStep":
         """The host half of `dispatch`: the step's input arrays (nothing runs on the device, the
         runner's state is untouched, so a failure here leaves the engine as it was)."""
         if len(scheduled) != self.num_replicas:
@@ -198,12 +204,14 @@ class ModelRunner:
         # LoRA only in steps where some sequence has an adapter (the others run the base variant)
         with_lora = self.lora_enabled and any(s.chunk.lora_slot for chunks in scheduled for s in chunks)
         page_sizes = [self.page_size * f for f in self.kv_page_factors]  # each group's tokens per page
-        packed = [pack_batch([s.chunk for s in chunks], self.buckets, page_sizes, key, with_lora=with_lora)
-                  for chunks in scheduled]
+        packed = [pack_batch([s.chunk for s in chunks], self.buckets, page_sizes, key, with_lora=with_lora,
+                             with_hidden=with_hidden) for chunks in scheduled]
         rows_of_chunk = [rows for _, _, rows in packed]
         for chunks, replica_rows in zip(scheduled, rows_of_chunk):
+            first = 0
             for s, rows in zip(chunks, replica_rows):
-                s.rows = rows
+                s.rows, s.first_token = rows, first
+                first += len(s.chunk.token_ids)
         batch = stack_replicas([b for _, b, _ in packed])
         everything = [s for chunks in scheduled for s in chunks]  # the optional sampling features are per step
         num_banned = max((len(s.sampling.banned_ids) for s in everything), default=0)
@@ -226,7 +234,8 @@ class ModelRunner:
                         src[i, rows] = s.sampling.draft_src
         return PackedStep(key, batch, sampling, src, [list(chunks) for chunks in scheduled], want_logprobs)
 
-    def launch(self, packed: "PackedStep", draft_buffer: jax.Array | None = None) -> "InFlightStep":
+    def launch(self, packed: "PackedStep", draft_buffer: jax.Array | None = None,
+               stream: jax.Array | None = None) -> "InFlightStep":
         """The device half of `dispatch`: runs the packed step, the cache donated."""
         key, batch, sampling = packed.key, packed.batch, packed.sampling
         if not self.pass_host_inputs:
@@ -237,12 +246,12 @@ class ModelRunner:
         compiles_before = self.step_fn.num_compiles
         t0 = time.perf_counter()
         out, self.token_buffer, self.kv = self.step_fn(
-            self.params, self.kv, batch, sampling, self.token_buffer, query_block=key.query_block,
-            spec_block=key.spec_block,
+            self.params, self.kv, batch, sampling, self.token_buffer, *(() if stream is None else (stream,)),
+            query_block=key.query_block, spec_block=key.spec_block,
         )
         if self.step_fn.num_compiles != compiles_before:  # tracing and compiling happen at dispatch
             self.compile_seconds[key] = time.perf_counter() - t0
-        return InFlightStep(out, packed.chunks, packed.want_logprobs)
+        return InFlightStep(out, packed.chunks, packed.want_logprobs, self.step_fn.stream)
 
     def recover(self) -> "Recovered":
         """After a step (or a page copy, or a LoRA slot write) that failed: re-creates what the
@@ -331,6 +340,7 @@ class ModelRunner:
                 self.compile_seconds[key] = self.compile_seconds.get(key, 0.0) + seconds
                 after_model.setdefault(key.num_logits, (key, out_info))
         for key, (logits, _, *hidden) in after_model.values():
+            hidden = hidden[:1] if self.step_fn.return_hidden else []  # (not the stream: the sampler never reads it)
             rows, vocab = key.num_logits, logits.shape[-1]
             sharding = self.step_fn.logits_layout(rows, vocab).sharding
             outputs = _zeros([jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (logits, *hidden)])

@@ -26,6 +26,8 @@ Here:
   quantized or truncated to its first layers, drafts autoregressively in its own paged cache.
 - `draft_head.DraftHeadProposer` (methods "eagle" and "medusa"): draft heads trained on the
   target's own text (`scripts/train_draft_head.py`) read the target's last hidden state.
+- `mtp.MTPProposer` (method "mtp"): DeepSeek-V3's multi-token-prediction layer, shipped in its
+  checkpoint, reads the target's hidden state of every token and drafts from its own cache.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-METHODS = ("ngram", "draft_model", "eagle", "medusa")
+METHODS = ("ngram", "draft_model", "eagle", "medusa", "mtp")
 MAX_SPECULATIVE_TOKENS = 7  # k + 1 verification rows fit the spec_block bucket of 8
 
 
@@ -91,6 +93,9 @@ class SpeculativeConfig:
         if self.method == "ngram" and (self.model or self.quantization or self.num_layers):
             raise SpecConfigError("speculative_config: model / quantization / num_layers need method 'draft_model' "
                                   "(or 'eagle' / 'medusa': model)")
+        if self.method == "mtp" and (self.model or self.quantization or self.num_layers):
+            raise SpecConfigError("speculative_config: method 'mtp' drafts with the target checkpoint's own "
+                                  "multi-token-prediction layer and takes no model / quantization / num_layers")
         if self.method in ("eagle", "medusa") and (not self.model or self.quantization or self.num_layers):
             raise SpecConfigError(f"speculative_config: method {self.method!r} needs 'model' (a folder of heads from "
                                   "scripts/train_draft_head.py) and takes no quantization / num_layers")
@@ -124,6 +129,10 @@ class DraftContext(Protocol):
 
     def page_table(self, seq) -> list[int]:
         """The sequence's pages (ids within its replica's pool)."""
+
+    def holds(self, seq, num_tokens: int) -> bool:
+        """Whether the sequence still holds the K/V of its first num_tokens tokens (not preempted
+        or rewound since)."""
 
     def reserve(self, seq, num_tokens: int) -> list[tuple[int, tuple[int, int]]] | None:
         """Slots for the sequence to hold num_tokens tokens; returns the (replica, (src, dst))

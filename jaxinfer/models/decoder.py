@@ -187,13 +187,16 @@ class Decoder(nnx.Module):
 
     # ------------------------------------------------------------------ the step
     def __call__(self, kv: KVCache, batch: RaggedBatch, *, query_block: int, spec_block: int = 0,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, return_stream: bool = False, input_hidden: jax.Array | None = None):
         """One device's part of a step (see the module docstring).
 
         kv: this device's pages, [slots, P, page_size, Hkv_local, D]; batch: its replica's batch (T
         tokens, S sequence slots). Returns (logits [R, V] float32 for the rows
-        batch.logits_indices, the same on every device of the replica; the updated cache), and
-        with return_hidden the rows' final-normed hidden states [R, H] too (draft heads read them).
+        batch.logits_indices, the same on every device of the replica; the updated cache), then
+        with return_hidden the rows' final-normed hidden states [R, H] (draft heads read them),
+        with return_stream the residual stream after the last layer, before the final norm, of
+        every token [T, H] (a multi-token-prediction module reads it). `input_hidden` [T, H]: a
+        hidden state per token beside its id, for models whose input takes one (`step_input`).
         """
         c, par = self.config, self.parallel
         T = batch.token_ids.shape[0]
@@ -202,7 +205,9 @@ class Decoder(nnx.Module):
         first_row = jax.lax.axis_index("sequence") * Tl if par.sp > 1 else 0
 
         token_ids = jax.lax.dynamic_slice_in_dim(batch.token_ids, first_row, Tl)
-        x = self._embed(token_ids)  # [Tl, H]
+        if return_stream and par.sp > 1:
+            raise ValueError("the residual stream of every token is returned without sequence parallelism only")
+        x = self.step_input(token_ids, batch.positions, input_hidden)  # [Tl, H]
         if max(self.lane_blocks) > 1:  # a lane-block group's table names its pages' lane blocks (page_factors)
             batch = dataclasses.replace(batch, page_table=jnp.stack(
                 [lane_block_table(table, f) for table, f in zip(batch.page_table, self.lane_blocks)]))
@@ -225,13 +230,19 @@ class Decoder(nnx.Module):
 
         num_slots = kv.num_slots
         # Fold the slot axis into the page axis: slot s's page p is page s * P + p of one pool.
-        hidden, residual, pool = self.run_layers(step, (x, jnp.zeros_like(x), kv.fold_slots()))
-        hidden, residual = self._logits_rows(hidden, residual, batch.logits_indices, first_row)  # [R, H] each
-        h, _ = add_rms_norm(hidden, residual, self.norm_weight(self.final_norm[...]), c.rms_norm_eps, self.kernels)
+        stream, residual, pool = self.run_layers(step, (x, jnp.zeros_like(x), kv.fold_slots()))
+        hidden, rows_residual = self._logits_rows(stream, residual, batch.logits_indices, first_row)  # [R, H] each
+        h, _ = add_rms_norm(hidden, rows_residual, self.norm_weight(self.final_norm[...]), c.rms_norm_eps, self.kernels)
         kv = pool.unfold_slots(num_slots)
-        if return_hidden:  # the final-normed hidden state of each logits row [R, H] (what the LM head reads)
-            return self._lm_head(h), kv, h
-        return self._lm_head(h), kv
+        extras = (h,) if return_hidden else ()  # the final-normed hidden state of each logits row [R, H]
+        if return_stream:  # every token's stream [T, H] before the final norm
+            extras += (stream + residual,)
+        return (self._lm_head(h), kv, *extras)
+
+    def step_input(self, token_ids: jax.Array, positions: jax.Array, input_hidden: jax.Array | None) -> jax.Array:
+        """What the first layer reads for this device's tokens [Tl]: their embeddings [Tl, H]
+        (a multi-token-prediction module also reads `input_hidden`: models.deepseek_mtp)."""
+        return self._embed(token_ids)
 
     def run_layers(self, step: StepInputs, carry):
         """carry = (hidden, residual, pool) through every layer (the period loop of the module docstring)."""

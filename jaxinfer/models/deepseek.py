@@ -39,7 +39,8 @@ then attends in nope + rope dims instead of r + rope (192 against 576 at DeepSee
 decodes and chunks over a prefix stay absorbed (expanding a cached context every step would cost
 more than it saves). The latent rows are written either way.
 
-Not yet: the checkpoint's multi-token-prediction layer (skipped at load).
+The checkpoint's multi-token-prediction layer is not part of this model: it drafts for it
+(speculative method "mtp": models.deepseek_mtp, engine.mtp).
 """
 
 from __future__ import annotations

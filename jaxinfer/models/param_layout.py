@@ -196,6 +196,8 @@ def param_shapes(config: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]
         shapes["layers.layer_scalar"] = (L, 1)
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (H, V)
+    if c.mtp_module:  # the MTP module's input: eh_proj([enorm(embedding) | hnorm(target's hidden state)])
+        shapes.update({"layers.mtp_enorm": (L, H), "layers.mtp_hnorm": (L, H), "layers.mtp_eh_proj": (L, 2 * H, H)})
     if c.o_bias:
         shapes["layers.o_bias"] = (L, H)
     return shapes
@@ -279,6 +281,9 @@ _AXES = {
     "layers.kv_a_proj": ("layers", "embed", None),
     "layers.kv_a_norm": ("layers", None),
     "layers.kv_b_proj": ("layers", None, "heads"),
+    "layers.mtp_enorm": ("layers", "embed"),
+    "layers.mtp_hnorm": ("layers", "embed"),
+    "layers.mtp_eh_proj": ("layers", None, "embed"),
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.models.decoder import Decoder
 from jaxinfer.models.deepseek import DeepseekForCausalLM
+from jaxinfer.models.deepseek_mtp import DeepseekMTP
 from jaxinfer.models.gemma import GemmaForCausalLM
 from jaxinfer.models.gemma4 import Gemma4ForCausalLM
 from jaxinfer.models.glm4_moe import Glm4MoeForCausalLM
@@ -40,6 +41,8 @@ MODEL_CLASSES: dict[str, type[Decoder]] = {
 
 def model_class(config: ModelConfig) -> type[Decoder]:
     """The Decoder subclass that runs `config`'s family."""
+    if config.mtp_module:
+        return DeepseekMTP
     try:
         return MODEL_CLASSES[config.model_type]
     except KeyError:

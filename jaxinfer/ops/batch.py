@@ -16,6 +16,8 @@ buckets, so the step compiles once per bucket.
     logits_indices  [R]              token rows whose logits the step computes (padding: 0)
     token_src       [T]              -1, or the row of the previous step's sampled tokens that is
                                      this token (a token still on the device: see step.py)
+    hidden_src      [T]              optional: the row of a stream of hidden states on the device
+                                     that is each token's input beside its id (models.deepseek_mtp)
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class RaggedBatch:
     logits_indices: jax.Array
     token_src: jax.Array
     lora_slots: jax.Array | None = None  # [S] int32: each sequence's LoRA adapter slot (0 = none); None: no LoRA
+    hidden_src: jax.Array | None = None  # [T] int32: each token's row of the input stream; None: no hidden input
 
 
 @dataclasses.dataclass
@@ -57,6 +60,9 @@ class SequenceChunk:
     # previous step's sampled tokens (their entry in token_ids is ignored)
     device_tokens: dict[int, int] = dataclasses.field(default_factory=dict)
     lora_slot: int = 0  # the LoRA adapter slot its tokens use (0 = none)
+    # per token, its row of the stream of hidden states the step reads beside the ids (a
+    # multi-token-prediction module's input: jaxinfer.engine.mtp); () = none
+    hidden_src: Sequence[int] = ()
     # per group, the index in the full row where `pages` starts (the entries before are the scratch
     # page: a sliding group's pages behind its window, given back); () = every row from 0
     page_offsets: Sequence[int] = ()
@@ -222,10 +228,11 @@ def stack_replicas(batches: Sequence[RaggedBatch]) -> RaggedBatch:
 
 def pack_batch(
     chunks: Sequence[SequenceChunk], buckets: Buckets, page_size: int | Sequence[int], key: BucketKey | None = None, *,
-    with_lora: bool = False,
+    with_lora: bool = False, with_hidden: bool | None = None,
 ) -> tuple[BucketKey, RaggedBatch, list[list[int]]]:
     """Flattens chunks into a padded RaggedBatch (numpy arrays), in the bucket `key` (default:
-    the smallest that holds them); `with_lora`: with each sequence's LoRA slot (`lora_slots`).
+    the smallest that holds them); `with_lora`: with each sequence's LoRA slot (`lora_slots`);
+    `with_hidden`: with each token's `hidden_src` (default: when some chunk has them).
     page_size: tokens per page, or per KV layer group (groups of another shape: jaxinfer.kv_groups).
 
     Returns the bucket key, the batch, and for each chunk the indices (into the R logits rows)
@@ -250,6 +257,8 @@ def pack_batch(
     page_table = np.full((G, S, buckets.pages_per_seq), SCRATCH_PAGE, np.int32)
     logits_indices = np.zeros(R, np.int32)
     token_src = np.full(T, -1, np.int32)
+    with_hidden = any(c.hidden_src for c in chunks) if with_hidden is None else with_hidden
+    hidden_src = np.zeros(T, np.int32)
     rows_of_chunk: list[list[int]] = []
 
     t = r = 0
@@ -268,6 +277,10 @@ def pack_batch(
         token_ids[t : t + n] = [max(tok, 0) for tok in c.token_ids]
         for off, row in c.device_tokens.items():
             token_src[t + off] = row
+        if with_hidden:
+            if len(c.hidden_src) != n:
+                raise ValueError(f"sequence slot {s}: {len(c.hidden_src)} hidden-state rows for {n} tokens")
+            hidden_src[t : t + n] = c.hidden_src
         positions[t : t + n] = np.arange(c.start_pos, end)
         cu_q_lens[s + 1] = t + n
         kv_lens[s] = end
@@ -289,6 +302,8 @@ def pack_batch(
         logits_indices=logits_indices,
         token_src=token_src,
     )
+    if with_hidden:
+        batch.hidden_src = hidden_src
     if with_lora:
         batch.lora_slots = np.zeros(S, np.int32)
         batch.lora_slots[: len(chunks)] = [c.lora_slot for c in chunks]

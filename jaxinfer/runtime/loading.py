@@ -136,10 +136,14 @@ def abstract_model(
 def load_params(
     source: ModelSource, config: ModelConfig, param_dtype, compute_dtype, *, kernels: Kernels = Kernels(),
     parallel: ParallelConfig = ParallelConfig(), mesh=None, progress: bool = True, keep_quantized: bool = True,
+    mtp_layer: int | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's structure and its parameters, placed on `mesh` (default: one device) with the
     shardings of `sharding.rules` in the tensor-parallel layout of `parallel.tp`. Matrices the
-    checkpoint stores quantized stay so (keep_quantized; otherwise they load as param_dtype)."""
+    checkpoint stores quantized stay so (keep_quantized; otherwise they load as param_dtype).
+    `mtp_layer`: the checkpoint's multi-token-prediction layer of that index, for a `config` with
+    `mtp_module` (checkpoints_conv.views.mtp_views); its embedding and LM head are the target's,
+    not read: they stay abstract in the returned state, for the caller to fill."""
     mesh = mesh if mesh is not None else make_mesh(ParallelConfig(), jax.devices()[:1])
     parallel.check_model(config)
     graphdef, state = abstract_model(config, param_dtype, compute_dtype, kernels, parallel)
@@ -148,13 +152,16 @@ def load_params(
         flat = restore_converted(source.path / "params", config, param_dtype, mesh, parallel.tp)
         nnx.replace_by_pure_dict(state, flat_to_nested(flat))
         return graphdef, state
-    tensors = checkpoints_conv.open_checkpoint(source.path, checkpoints_conv.read_checkpoint_config(source.path))
+    tensors = checkpoints_conv.open_checkpoint(source.path, checkpoints_conv.read_checkpoint_config(source.path),
+                                               mtp_layer=mtp_layer)
     layouts = {}
     if keep_quantized:
         layouts, per_tensor = stored_quantization(tensors, config, parallel.tp)
         if per_tensor:
             tensors = checkpoints_conv.QuantizedSource(tensors, per_tensor)
     spec = quantized_loader_spec(config, jnp.dtype(param_dtype), parallel.tp, layouts)
+    if mtp_layer is not None:  # the target's embedding and LM head
+        spec = {name: value for name, value in spec.items() if name.partition(":")[0] not in ("embed", "lm_head")}
     flat = checkpoints_conv.load_params(tensors, spec, model_type=config.model_type, source=str(source.path),
                                         shardings=param_shardings(config, mesh, parallel.tp, spec), progress=progress)
     orders = input_orders(tensors, layouts, config, parallel.tp) if layouts else {}

@@ -84,13 +84,18 @@ TPU_COMPILER_OPTIONS = {"xla_tpu_enable_offloading_scatter_to_sparsecore": "fals
 
 class StepFunction:
     def __init__(self, graphdef: nnx.GraphDef, num_top_logprobs: int, max_rows: int = 1, *,
-                 mesh: Mesh | None = None, param_specs=None, return_hidden: bool = False):
+                 mesh: Mesh | None = None, param_specs=None, return_hidden: bool = False, return_stream: bool = False):
         """`mesh` defaults to one device; `param_specs` (`param_partition_specs`) is needed with a
         mesh of more than one device (on one device every parameter is whole). `return_hidden`:
-        the step's SampleOutput also carries the logits rows' hidden states (`hidden` [R, H])."""
+        the step's SampleOutput also carries the logits rows' hidden states (`hidden` [R, H]).
+        `return_stream`: the model program also returns every token's residual stream before the
+        final norm, [replicas, max_rows, H] (rows past the batch's tokens: padding), left on the
+        device for the next program that reads it (`stream` below; models.deepseek_mtp)."""
         self.num_compiles = 0  # programs traced (each compiled variant of each program)
         self.num_model_compiles = 0  # of which model programs (one per bucket and LoRA switch)
         self.return_hidden = return_hidden
+        self.return_stream = return_stream
+        self.stream = None  # with return_stream: the last model program's streams [replicas, max_rows, H]
         self.max_rows = max_rows  # size of each replica's token buffer handed from one step to the next
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig(), jax.devices()[:1])
         if param_specs is None and self.mesh.size > 1:
@@ -106,23 +111,34 @@ class StepFunction:
         def gather_replicas(x):  # [1, ...] per device -> [replicas, ...] on every device
             return jax.lax.all_gather(x[0], replicas, axis=0, tiled=False) if self.num_replicas > 1 else x
 
-        def per_device_model(params, kv, batch, prev_tokens, query_block, spec_block):
+        def per_device_model(params, kv, batch, prev_tokens, *prev_stream, query_block, spec_block):
             batch = jax.tree.map(lambda a: a[0], batch)  # this replica's
             from_device = prev_tokens[0][jnp.maximum(batch.token_src, 0)]
             batch = dataclasses.replace(batch, token_ids=jnp.where(batch.token_src >= 0, from_device, batch.token_ids))
-            logits, kv, *hidden = nnx.merge(graphdef, params)(kv, batch, query_block=query_block, spec_block=spec_block,
-                                                              return_hidden=return_hidden)
-            return (logits[None], kv, *(h[None].astype(jnp.float32) for h in hidden))
+            # a hidden state per token from a stream on the device (batch.hidden_src: its rows)
+            input_hidden = prev_stream[0][0][batch.hidden_src] if prev_stream else None
+            logits, kv, *extras = nnx.merge(graphdef, params)(
+                kv, batch, query_block=query_block, spec_block=spec_block, return_hidden=return_hidden,
+                return_stream=return_stream, input_hidden=input_hidden)
+            out = (logits[None], kv)
+            if return_hidden:
+                out += (extras.pop(0)[None].astype(jnp.float32),)
+            if return_stream:  # [T, H] -> [1, max_rows, H]: one shape whatever the bucket
+                stream = extras.pop(0)
+                out += (jnp.zeros((1, max_rows, stream.shape[-1]), stream.dtype).at[0, : stream.shape[0]].set(stream),)
+            return out
 
-        def model(params, kv, batch, prev_tokens, *, query_block: int, spec_block: int = 0):
+        def model(params, kv, batch, prev_tokens, *prev_stream, query_block: int, spec_block: int = 0):
             self.num_compiles += 1  # runs only while tracing, i.e. once per compiled variant
             self.num_model_compiles += 1
             kv_specs = kv_partition_spec(kv.quantized, kv.combined)
             return jax.shard_map(
-                lambda *a: per_device_model(*a, query_block, spec_block), mesh=self.mesh,
-                in_specs=(self._specs(params), kv_specs, per_replica_specs(batch), rules.per_replica(2)),
-                out_specs=(rows_spec, kv_specs) + ((rows_spec,) if return_hidden else ()), check_vma=False,
-            )(params, kv, batch, prev_tokens)
+                lambda *a: per_device_model(*a, query_block=query_block, spec_block=spec_block), mesh=self.mesh,
+                in_specs=(self._specs(params), kv_specs, per_replica_specs(batch), rules.per_replica(2),
+                          *(rows_spec for _ in prev_stream)),
+                out_specs=(rows_spec, kv_specs) + ((rows_spec,) if return_hidden else ()) + ((rows_spec,) if return_stream else ()),
+                check_vma=False,
+            )(params, kv, batch, prev_tokens, *prev_stream)
 
         def processor_program(processor):
             def program(logits, *fields):  # [replicas, R, V], each field [replicas, R, ...]
@@ -183,10 +199,15 @@ class StepFunction:
         arrays split over the replicas."""
         return put_global(tree, per_replica_specs(tree), self.mesh)
 
-    def __call__(self, params, kv, batch, sampling, prev_tokens, *, query_block: int,
+    def __call__(self, params, kv, batch, sampling, prev_tokens, *prev_stream, query_block: int,
                  spec_block: int = 0) -> tuple[SampleOutput, jax.Array, KVCache]:
-        logits, kv, *hidden = self._model(params, kv, batch, prev_tokens, query_block=query_block, spec_block=spec_block)
-        out, token_buffer = self.sample(logits, sampling, *hidden)
+        """One step. `prev_stream`: with a batch whose `hidden_src` is set, the stream
+        [replicas, max_rows, H] its rows point into (another step's `stream`)."""
+        logits, kv, *extras = self._model(params, kv, batch, prev_tokens, *prev_stream, query_block=query_block,
+                                          spec_block=spec_block)
+        if self.return_stream:
+            self.stream = extras.pop()
+        out, token_buffer = self.sample(logits, sampling, *extras)
         return out, token_buffer, kv
 
     def sample(self, logits: jax.Array, sampling, *hidden) -> tuple[SampleOutput, jax.Array]:
