@@ -214,6 +214,20 @@ DEEPSEEK_V3_NAMES = ArchNames(
     per_expert=QWEN3_MOE_NAMES.per_expert,
 )
 
+# DeepSeek-V3.2 and GLM-5: DeepSeek-V3's names and the sparse-attention indexer of each layer.
+DEEPSEEK_V32_NAMES = ArchNames(
+    globals=DEEPSEEK_V3_NAMES.globals,
+    per_layer={
+        **DEEPSEEK_V3_NAMES.per_layer,
+        "self_attn.indexer.wq_b.weight": Dest("layers.index_wq", True),
+        "self_attn.indexer.wk.weight": Dest("layers.index_wk", True),
+        "self_attn.indexer.k_norm.weight": Dest("layers.index_k_norm", False),
+        "self_attn.indexer.k_norm.bias": Dest("layers.index_k_norm_bias", False),
+        "self_attn.indexer.weights_proj.weight": Dest("layers.index_weights", True),
+    },
+    per_expert=QWEN3_MOE_NAMES.per_expert,
+)
+
 # Gemma 2 / 3: a norm before and after each branch (Llama's post_attention_layernorm is the norm
 # *after* attention here, and pre_feedforward_layernorm the one before the MLP); Gemma 3's q/k norms.
 GEMMA_NAMES = ArchNames(
@@ -345,6 +359,8 @@ HF_NAME_MAPS: dict[str, ArchNames] = {
     "glm4_moe": GLM4_MOE_NAMES,
     "deepseek_v2": DEEPSEEK_V3_NAMES,  # (the same tensor names)
     "deepseek_v3": DEEPSEEK_V3_NAMES,
+    "deepseek_v32": DEEPSEEK_V32_NAMES,
+    "glm_moe_dsa": DEEPSEEK_V32_NAMES,
     "llama4_text": LLAMA4_NAMES,
     "llama4": LLAMA4_NAMES,
     "qwen2_moe": QWEN2_MOE_NAMES,

@@ -387,7 +387,7 @@ def gemma4_views(source: TensorSource, config: dict) -> TensorSource:
 
 # HF model_type -> the views its checkpoints need
 VIEWS = {"gpt_oss": lambda source, config: gpt_oss_views(source), "phi3": phi3_views, "gemma3": gemma3_views,
-         "glm4_moe": glm4_moe_views, "deepseek_v2": glm4_moe_views, "deepseek_v3": glm4_moe_views, "gemma4_text": gemma4_views, "gemma4": gemma4_views, **{model_type: llama4_views for model_type in QK_ROWS_REORDERED}}
+         "glm4_moe": glm4_moe_views, "deepseek_v2": glm4_moe_views, "deepseek_v3": glm4_moe_views, "deepseek_v32": glm4_moe_views, "glm_moe_dsa": glm4_moe_views, "gemma4_text": gemma4_views, "gemma4": gemma4_views, **{model_type: llama4_views for model_type in QK_ROWS_REORDERED}}
 
 
 def mtp_views(source: TensorSource, config: dict, index: int = 0) -> TensorSource:

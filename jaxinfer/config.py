@@ -34,13 +34,15 @@ from checkpoints_conv.views import gemma4_layer_plan
 
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "minimax_m2", "glm4_moe", "llama4_text", "llama4",
-                   "deepseek_v2", "deepseek_v3")
-MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention (jaxinfer.models.deepseek)
-# MLA with DeepSeek sparse attention (a top-k indexer over past tokens): refused by name, not yet run
+                   "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+# multi-head latent attention (jaxinfer.models.deepseek); the last two with DeepSeek sparse attention
+# (an indexer picks the index_topk past tokens each query attends to)
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 SPARSE_ATTENTION_MODEL_TYPES = {"deepseek_v32": "DeepSeek-V3.2", "glm_moe_dsa": "GLM-5"}
 # The families of issue 35, each with its own model file (jaxinfer.models.registry).
 NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2",
-                          "glm4_moe", "llama4_text", "llama4", "gemma4_text", "gemma4", "deepseek_v2", "deepseek_v3")
+                          "glm4_moe", "llama4_text", "llama4", "gemma4_text", "gemma4", "deepseek_v2", "deepseek_v3",
+                          "deepseek_v32", "glm_moe_dsa")
 SUPPORTED_MODEL_TYPES = LLAMA_MODEL_TYPES + NEW_FAMILY_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "freq_factors", "proportional")
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -70,6 +72,8 @@ _ARCHITECTURE_TO_MODEL_TYPE = {
     "Gemma4ForConditionalGeneration": "gemma4",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "DeepseekV32ForCausalLM": "deepseek_v32",
+    "GlmMoeDsaForCausalLM": "glm_moe_dsa",
 }
 
 
@@ -192,6 +196,13 @@ class ModelConfig:
     qk_nope_head_dim: int = 0  # each query / key head's dims without RoPE
     v_head_dim: int = 0  # each value head's dims
     rope_interleave: bool = False  # the rope dims come as interleaved pairs (x0, x1), (x2, x3) ... (DeepSeek-V3)
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): each query attends to the index_topk past tokens an
+    # indexer scores highest (index_heads heads of index_head_dim, keyed by one key per token kept in the
+    # latent row after [latent | rope]); 0: dense attention
+    index_topk: int = 0
+    index_heads: int = 0
+    index_head_dim: int = 0
+    index_rope_interleave: bool = False  # the indexer's rope dims as interleaved pairs (GLM-5), else halves (V3.2)
     # DeepSeek-V3's multi-token-prediction module (the checkpoint's layer num_hidden_layers), run as
     # a one-layer model that also reads the target's hidden states (models.deepseek_mtp); set by
     # the engine for speculative method "mtp", never read from a config.json
@@ -275,11 +286,6 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         model_type = d.get("model_type")
-        if model_type in SPARSE_ATTENTION_MODEL_TYPES:
-            raise ConfigError(
-                f"{source}: model_type={model_type!r} ({SPARSE_ATTENTION_MODEL_TYPES[model_type]}) uses DeepSeek sparse "
-                "attention: an indexer picks the index_topk past tokens each query attends to. jaxinfer does not run that "
-                "indexer yet; its multi-head latent attention is dense (model_type deepseek_v2 / deepseek_v3)")
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = d.get("architectures") or []
             mapped = [_ARCHITECTURE_TO_MODEL_TYPE[a] for a in archs if a in _ARCHITECTURE_TO_MODEL_TYPE]
@@ -305,8 +311,10 @@ class ModelConfig:
                 raise ConfigError(f"{source} is missing required field {key!r} (model_type={model_type})")
             return d[key]
 
-        if model_type in MLA_MODEL_TYPES:  # MLA: the cache's one "KV head" is the latent row [latent | rope]
-            d = {**d, "num_key_value_heads": 1, "head_dim": int(need("kv_lora_rank")) + int(need("qk_rope_head_dim"))}
+        if model_type in MLA_MODEL_TYPES:  # MLA: the cache's one "KV head" is the latent row [latent | rope (| index key)]
+            index_dim = int(need("index_head_dim")) if model_type in SPARSE_ATTENTION_MODEL_TYPES else 0
+            d = {**d, "num_key_value_heads": 1,
+                 "head_dim": int(need("kv_lora_rank")) + int(need("qk_rope_head_dim")) + index_dim}
         num_heads = int(need("num_attention_heads"))
         num_kv_heads = int(d.get("num_key_value_heads") or num_heads)
         hidden_size = int(need("hidden_size"))
@@ -508,7 +516,8 @@ _NEWER_FIELDS = ("layer_types", "nope_layers", "local_rope_theta", "local_rope_s
                  "moe_layer_step", "router_scales_inputs", "attention_chunk_size", "qk_l2_norm", "attn_temperature_scale",
                  "attn_temperature_floor", "global_head_dim", "global_kv_heads", "global_k_eq_v", "value_norm",
                  "kv_shared_layers", "wide_shared_mlp", "per_layer_input_size", "per_layer_vocab_size", "dense_and_experts",
-                 "layer_scalar", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim", "rope_interleave")
+                 "layer_scalar", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim", "rope_interleave",
+                 "index_topk", "index_heads", "index_head_dim", "index_rope_interleave")
 
 
 def _to_json(value):
@@ -610,6 +619,34 @@ def _deepseek_v3_fields(d: dict[str, Any]) -> dict[str, Any]:
     return dict(_glm4_moe_fields(d), **_mla_fields(d, bool(d.get("rope_interleave", True))))
 
 
+def _sparse_attention_fields(d: dict[str, Any], index_rope_interleave: bool) -> dict[str, Any]:
+    """DeepSeek-V3.2 and GLM-5: DeepSeek-V3's fields and the indexer of DeepSeek sparse attention,
+    run in every layer (GLM's "shared" layers, which reuse an earlier layer's picks, are refused)."""
+    model_type = d.get("model_type")
+    if not d.get("q_lora_rank"):
+        raise ConfigError(f"{model_type}: the sparse-attention indexer reads the low-rank query (q_lora_rank); it is missing")
+    pattern = d.get("index_topk_pattern")
+    kinds = list(d.get("indexer_types") or ([{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if pattern else []))
+    if "shared" in kinds or int(d.get("index_topk_freq") or 1) > 1:
+        raise ConfigError(f"{model_type}: indexer_types / index_topk_freq with \"shared\" layers (reusing an earlier "
+                          "layer's top-k picks) are not supported; every layer must run its own indexer")
+    mlp_kinds = d.get("mlp_layer_types")
+    first_dense = int(d.get("first_k_dense_replace", 0))
+    if mlp_kinds and list(mlp_kinds) != ["dense"] * first_dense + ["sparse"] * (len(mlp_kinds) - first_dense):
+        raise ConfigError(f"{model_type}: mlp_layer_types={mlp_kinds}: only first_k_dense_replace dense layers, then "
+                          "experts, are supported")
+    kinds = list(d.get("layer_types") or [])
+    if set(kinds) - {"indexed_attention"}:
+        raise ConfigError(f"{model_type}: layer_types={kinds}: every layer must be \"indexed_attention\"")
+    rope = int(d["qk_rope_head_dim"])
+    fields = dict(layer_types=("full_attention",) * int(d["num_hidden_layers"]), index_topk=int(d["index_topk"]), index_heads=int(d["index_n_heads"]),
+                  index_head_dim=int(d["index_head_dim"]), index_rope_interleave=index_rope_interleave)
+    if fields["index_head_dim"] < rope or fields["index_topk"] < 1:
+        raise ConfigError(f"{model_type}: index_head_dim={fields['index_head_dim']} must hold the qk_rope_head_dim={rope} "
+                          f"rotary dims and index_topk={fields['index_topk']} be positive")
+    return dict(_deepseek_v3_fields(d), **fields)
+
+
 def _deepseek_v2_fields(d: dict[str, Any]) -> dict[str, Any]:
     """DeepSeek-V2 / V2-Lite: MLA (rope dims as interleaved pairs, transformers' complex rotation)
     and softmax routing: the k best experts ("greedy"), or the k best of the topk_group groups
@@ -704,6 +741,8 @@ _FAMILY_FIELDS = {
     "glm4_moe": lambda d: _glm4_moe_fields(d),
     "deepseek_v2": lambda d: _deepseek_v2_fields(d),
     "deepseek_v3": lambda d: _deepseek_v3_fields(d),
+    "deepseek_v32": lambda d: _sparse_attention_fields(d, index_rope_interleave=False),
+    "glm_moe_dsa": lambda d: _sparse_attention_fields(d, index_rope_interleave=True),
     "llama4_text": lambda d: _llama4_fields(d),
     "llama4": lambda d: _llama4_fields(d),
     "gemma4_text": _gemma4_fields,

@@ -238,6 +238,21 @@ SMALL_DEEPSEEK = ModelConfig.from_hf_dict(
 )
 
 
+def test_glm5s_sparse_attention_step_compiles_for_tpu_and_gpu(v6e, h100):
+    """DeepSeek sparse attention runs in XLA on every platform: the step (indexer, top-k, the
+    picked rows' attention) compiles for a v6e (tensor parallel) and an H100, its pool's row
+    holding the latent, the RoPE key and the indexer's key (128 + 64 + 128, 384 lanes on a TPU)."""
+    config = ModelConfig.from_hf_dict(dict(
+        model_type="glm_moe_dsa", hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, index_topk=64, index_n_heads=8,
+        index_head_dim=128, vocab_size=1024, max_position_embeddings=4096, tie_word_embeddings=False), source="test")
+    for target, parallel, row in ((v6e, ParallelConfig(tp=2), 2 * 384), (h100, ParallelConfig(), 320)):
+        plan = AbstractStep.build(config, target, parallel, SHAPE)
+        assert plan.kv.kv.shape[-1] == row
+        plan.compile(next(k for k in plan.buckets.all_keys() if k.query_block == 1))
+
+
 def test_a_deepseek_step_keeps_its_fp8_weights_over_two_tpu_chips(v6e):
     """Tensor parallelism over two chips (two query heads each, the latent row on both), the FP8
     release's weights as stored: the projections through the quantized matmul, the experts through

@@ -52,13 +52,39 @@ def test_lora_on_latent_attention_is_refused_by_name(deepseek_dir):
         LLM(str(deepseek_dir[0]), enable_lora=True, max_model_len=32, progress=False)
 
 
-@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32"])
-def test_deepseek_sparse_attention_models_are_refused_by_name(model_type):
-    """GLM-5 and DeepSeek-V3.2 pick each query's keys with an indexer, which jaxinfer does not run."""
-    from jaxinfer.config import ModelConfig
+def test_glm5s_sparse_attention_decodes_as_transformers_batched_preempted_and_from_the_prefix_cache(tmp_path):
+    """GLM-5 (DeepSeek sparse attention, tests/tiny_models.py): each query attends to the 4
+    earlier tokens its indexer scores highest. The indexer's key joins the latent row (16 more
+    values per token and layer); greedy text equals transformers' across preemption and prefix hits."""
+    hf = save_hf_model("glm_moe_dsa", tmp_path)
+    rng = np.random.default_rng(13)
+    shared = [int(t) for t in rng.integers(3, 250, 12)]
+    prompts = [shared + [int(t) for t in rng.integers(3, 250, n)] for n in (1, 9, 17)]
+    want = [hf_greedy(hf, ids, GREEDY.max_tokens) for ids in prompts]
+    llm = LLM(str(tmp_path), max_model_len=48, page_size=4, num_pages=17, max_num_batched_tokens=8, max_num_seqs=3,
+              enable_prefix_caching=True, progress=False)
+    kv = llm.runner.kv  # [c | k_rope | index key]: (32 + 8 + 16) x 4 bytes per token and layer
+    assert kv.pages.shape == (3, 17, 4, 32 + 8 + 16) and kv.nbytes() / (3 * 17 * 4) == (32 + 8 + 16) * 4
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+    stats = llm.engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hit_rate > 0
 
-    with pytest.raises(ConfigError, match=f"{model_type}.*sparse attention.*indexer"):
-        ModelConfig.from_hf_dict({"model_type": model_type, "kv_lora_rank": 512}, source="config.json")
+
+def test_what_sparse_attention_does_not_run_is_refused_by_name(tmp_path):
+    """Layers that reuse an earlier layer's picks (GLM's "shared" indexer layers) and a quantized
+    latent pool are refused, naming the field at fault."""
+    from jaxinfer.config import ModelConfig
+    from tiny_models import FAMILIES
+
+    _, kw = FAMILIES["glm_moe_dsa"]
+    base = dict(kw, model_type="glm_moe_dsa", n_routed_experts=4, index_n_heads=16)
+    with pytest.raises(ConfigError, match="indexer_types.*shared"):
+        ModelConfig.from_hf_dict(dict(base, indexer_types=["full", "shared", "full"]), source="config.json")
+    with pytest.raises(ConfigError, match="q_lora_rank"):
+        ModelConfig.from_hf_dict(dict(base, q_lora_rank=None), source="config.json")
+    save_hf_model("glm_moe_dsa", tmp_path)
+    with pytest.raises(ValueError, match="sparse attention.*kv_cache_dtype"):
+        LLM(str(tmp_path), max_model_len=32, kv_cache_dtype="int8", progress=False)
 
 
 def test_a_long_fresh_prefill_runs_expanded_and_equals_transformers(deepseek_dir):

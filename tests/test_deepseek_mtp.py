@@ -170,6 +170,26 @@ def test_sampled_continuations_keep_the_targets_distribution(mtp_model):
     assert stats.chisquare([counts[k] for k in keys], [truth[k] * samples for k in keys]).pvalue > 1e-3
 
 
+def test_glm5s_mtp_layer_with_its_own_indexer_scores_as_the_reference_and_keeps_greedy_text(tmp_path):
+    """GLM-5's MTP layer is a sparse-attention layer (its own indexer over its own rows)."""
+    target, full, extra = save_deepseek_with_mtp(tmp_path, family="glm_moe_dsa")
+    llm = LLM(str(tmp_path), max_model_len=48, page_size=4, num_pages=64, max_num_batched_tokens=16, max_num_seqs=4,
+              speculative_config=MTP, progress=False)
+    ids = [int(t) for t in np.random.default_rng(9).integers(3, 250, 14)]
+    pages, n = fresh_pages(1, 4), len(ids) - 1
+    step = llm.runner.dispatch([[ScheduledChunk(SequenceChunk(ids, 0, pages, [n]), RowSampling())]])
+    scored = ScheduledChunk(SequenceChunk(ids[1:], 0, pages, list(range(n)), hidden_src=list(range(n))),
+                            RowSampling(target_ids=ids[2:] + [-1]))
+    mtp_runner = llm.engine.proposer.runner
+    mtp_runner.collect(mtp_runner.dispatch([[scored]], want_logprobs=True, stream=step.stream))
+    want = reference_mtp_logits(full, extra, ids).numpy()
+    np.testing.assert_allclose([row.logprob for row in scored.results[:-1]], want[np.arange(n - 1), ids[2:]], atol=1e-4)
+    prompts = [[int(t) for t in np.random.default_rng(4).integers(3, 250, m)] for m in (5, 11)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == [hf_greedy(target, p, GREEDY.max_tokens) for p in prompts]
+    assert llm.engine.get_stats().num_draft_tokens > 0
+
+
 def test_mtp_is_refused_where_there_is_no_such_layer(tmp_path):
     with pytest.raises(SpecConfigError, match="'mtp'.*no model"):
         SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 1, "model": "x"})

@@ -71,7 +71,9 @@ def hf_logprobs(hf_model, tokens: list[int], chunks: list[int]) -> np.ndarray:
     must see the tokens in the same chunks as we do; for the other families chunking is moot)."""
     from transformers import DynamicCache
 
-    cache, out, start = DynamicCache(), [], 0
+    # sparse attention's indexer keeps its keys in cache layers of their own, made from the config
+    cache = DynamicCache(config=hf_model.config) if getattr(hf_model.config, "index_topk", None) else DynamicCache()
+    out, start = [], 0
     with torch.no_grad():
         for n in chunks:
             piece = torch.tensor([tokens[start : start + n]])

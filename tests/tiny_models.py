@@ -120,6 +120,19 @@ FAMILIES = {
         n_group=2, topk_group=1, routed_scaling_factor=2.0,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707,
                          "mscale_all_dim": 0.707, "original_max_position_embeddings": 64, "rope_theta": 10000.0})),
+    # GLM-5: DeepSeek-V3's layout with DeepSeek sparse attention: an indexer (16 heads of 16 dims, its
+    # key LayerNormed, RoPE on its first 8 dims as pairs) picks the 4 best earlier tokens per query
+    "glm_moe_dsa": (transformers.GlmMoeDsaConfig, _common(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, index_topk=4, index_n_heads=16, index_head_dim=16)),
+    # DeepSeek-V3.2: the same sparse attention, its indexer's RoPE over halves instead of pairs
+    "deepseek_v32": (transformers.DeepseekV32Config, _common(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, index_topk=4, index_n_heads=16, index_head_dim=16)),
     # Llama 4 (Maverick's layout): chunks of 8 on three RoPE layers (L2 q/k norms), a NoPE layer
     # with attention temperature tuning (floor_scale 4: the prompts reach its steps), experts in
     # every other layer (top 2 of 4, weighing their inputs, beside a shared expert), dense layers
@@ -148,7 +161,7 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # The families with their own model file (jaxinfer.models.registry): one-token pages are the
 # Llama families' test, the attention kinds these add are tested on pages of 16.
 LAYER_KIND_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2", "glm4_moe",
-                       "llama4", "gemma4", "deepseek_v2", "deepseek_v3")
+                       "llama4", "gemma4", "deepseek_v2", "deepseek_v3", "glm_moe_dsa", "deepseek_v32")
 
 
 def build_hf_model(family: str, seed: int = 0, **overrides):
@@ -237,9 +250,9 @@ def save_mxfp4_gpt_oss(directory: Path, **overrides) -> dict[str, np.ndarray]:
     return tensors
 
 
-def save_deepseek_with_mtp(directory: Path, seed: int = 0):
-    """The tiny DeepSeek-V3 with a multi-token-prediction layer after its last, as DeepSeek-V3's
-    checkpoint stores it (layer num_hidden_layers: a decoder block plus enorm, hnorm, eh_proj and
+def save_deepseek_with_mtp(directory: Path, seed: int = 0, family: str = "deepseek_v3"):
+    """The tiny DeepSeek-V3 (or another MLA `family`: GLM-5) with a multi-token-prediction layer
+    after its last, as DeepSeek-V3's checkpoint stores it (layer num_hidden_layers: a decoder block plus enorm, hnorm, eh_proj and
     shared_head; num_nextn_predict_layers = 1). transformers does not run that layer: the model
     is built with one layer more, whose block becomes the MTP layer's. Returns (the 3-layer target
     as transformers loads it, the 4-layer model whose last block is the MTP layer's, the MTP
@@ -248,8 +261,8 @@ def save_deepseek_with_mtp(directory: Path, seed: int = 0):
 
     from safetensors.numpy import load_file, save_file
 
-    cls, kw = FAMILIES["deepseek_v3"]
-    full = build_hf_model("deepseek_v3", seed, num_hidden_layers=kw["num_hidden_layers"] + 1)
+    cls, kw = FAMILIES[family]
+    full = build_hf_model(family, seed, num_hidden_layers=kw["num_hidden_layers"] + 1)
     full.save_pretrained(directory)
     byte_tokenizer().save_pretrained(directory)
     N, H = kw["num_hidden_layers"], full.config.hidden_size
@@ -267,6 +280,9 @@ def save_deepseek_with_mtp(directory: Path, seed: int = 0):
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text())
     config.update(num_hidden_layers=N, num_nextn_predict_layers=1)
+    for key in ("layer_types", "mlp_layer_types", "indexer_types"):  # per-layer lists (GLM-5's) of the N layers
+        if config.get(key):
+            config[key] = config[key][:N]
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     target = transformers.AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32).eval()
     target.config._attn_implementation = "eager"

@@ -263,7 +263,7 @@ def load_draft_weights(spec: SpeculativeConfig, model_config: ModelConfig, confi
     return draft_config, place_weights(draft_config, config, mesh, weights, quantization=spec.quantization)
 
 
-MTP_MODEL_TYPES = ("deepseek_v3",)  # checkpoints whose multi-token-prediction layer jaxinfer runs
+MTP_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")  # checkpoints whose multi-token-prediction layer jaxinfer runs
 
 
 def load_mtp_weights(source, model_config: ModelConfig, config: EngineConfig, mesh,
@@ -273,8 +273,8 @@ def load_mtp_weights(source, model_config: ModelConfig, config: EngineConfig, me
     hf = read_checkpoint_config(source.path) if source.kind != "orbax" else {}
     num_mtp = int(hf.get("num_nextn_predict_layers") or 0)
     if model_config.model_type not in MTP_MODEL_TYPES or source.kind != "hf" or not num_mtp:
-        raise ValueError(f"speculative_config: method 'mtp' drafts with the multi-token-prediction layer of a DeepSeek-V3 "
-                         f"safetensors checkpoint ({', '.join(MTP_MODEL_TYPES)} with num_nextn_predict_layers >= 1); "
+        raise ValueError(f"speculative_config: method 'mtp' drafts with the multi-token-prediction layer of a DeepSeek-V3-"
+                         f"style safetensors checkpoint ({', '.join(MTP_MODEL_TYPES)} with num_nextn_predict_layers >= 1); "
                          f"{source.name} ({model_config.model_type}, {source.kind}) has none")
     parallel = config.parallel(model_config)
     mtp_config = dataclasses.replace(model_config, num_layers=1, first_dense_layers=0, mtp_module=True)

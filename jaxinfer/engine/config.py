@@ -34,7 +34,7 @@ from jaxinfer.engine.spec_decode import SpeculativeConfig
 from jaxinfer.kv_groups import kv_groups
 from jaxinfer.ops.batch import Buckets
 from jaxinfer.ops.kernels import KERNEL_IMPLS, OPERATIONS, Kernels, resolve_kernels
-from jaxinfer.ops.kv_cache import KVCache, page_factors
+from jaxinfer.ops.kv_cache import KVCache, is_quantized, page_factors
 from jaxinfer.ops.quantization import QUANTIZATION_GROUP_SIZES, QUANTIZATION_MODES, default_group_size
 from sharding.mesh import ParallelConfig, ShardingError
 
@@ -229,6 +229,9 @@ class EngineConfig:
         if not 0 < max_model_len <= model_config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} must be in [1, {model_config.max_position_embeddings}] "
                              f"(the model's max_position_embeddings)")
+        if model_config.index_topk and is_quantized(self.kv_dtype):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} with {model_config.model_type}'s sparse attention, which "
+                             "reads a float latent pool; leave kv_cache_dtype at 'auto'")
         groups = kv_groups(model_config)
         if self.preemption_mode == "swap" and groups.windows != (None,):
             raise ValueError(f"preemption_mode='swap' with {model_config.model_type}'s sliding-window or chunked layers: their "

@@ -1,5 +1,6 @@
 """DeepSeek-V2 / V2-Lite (deepseek_v2), DeepSeek-V3 / R1 and Kimi K2 (deepseek_v3): multi-head
-latent attention (MLA) and DeepSeekMoE.
+latent attention (MLA) and DeepSeekMoE; DeepSeek-V3.2 (deepseek_v32) and GLM-5 (glm_moe_dsa): the
+same with DeepSeek sparse attention.
 
     per layer (Llama's pre-norm block):
         x = x + mla(rms_norm(x))
@@ -39,6 +40,18 @@ then attends in nope + rope dims instead of r + rope (192 against 576 at DeepSee
 decodes and chunks over a prefix stay absorbed (expanding a cached context every step would cost
 more than it saves). The latent rows are written either way.
 
+DeepSeek sparse attention (`ModelConfig.index_topk`): an indexer per layer scores every earlier
+token for each query and the query attends to its index_topk best only:
+
+    q_i     = index_wq(rms_norm(q_a(x)))         # [Hi, Di]: the low-rank query's own heads
+    k_i     = layer_norm(index_wk(x))            # [Di]: one key per token, kept in the row after [c | k_r]
+    index(t, s) = sum_h weight_h(t) * relu(q_i_h(t) . k_i(s) / sqrt(Di)),   weight = index_weights(x) / sqrt(Hi)
+
+(RoPE on the first rope dims of q_i and k_i: as pairs for GLM-5, halves for V3.2). It runs in
+XLA on every platform (`attention.sparse_latent_attention`: a block of queries gathers its
+sequences' rows, top-k, then the absorbed MLA score over the picked rows), never expanded; no
+Pallas kernel and no quantized pool yet.
+
 The checkpoint's multi-token-prediction layer is not part of this model: it drafts for it
 (speculative method "mtp": models.deepseek_mtp, engine.mtp).
 """
@@ -50,14 +63,16 @@ import jax.numpy as jnp
 
 from jaxinfer.config import LayerKind
 from jaxinfer.models.decoder import LayerRef, StepInputs
-from jaxinfer.models.layers import matmul, rms_norm
+from jaxinfer.models.layers import layer_norm, matmul, rms_norm
 from jaxinfer.models.llama import LlamaForCausalLM
-from jaxinfer.ops.attention import fresh_prefill, takes_flash_path, write_latent_and_attend, write_latent_rows
+from jaxinfer.ops.attention import (fresh_prefill, sparse_latent_attention, takes_flash_path, write_latent_and_attend,
+                                    write_latent_rows)
 from jaxinfer.ops.kernels import Kernels
 from pallas_kernels.flash_attention.reference import flash_attention as flash_attention_reference
 from pallas_kernels.rope_kv_write import apply_rope
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with their default eps
+INDEX_KEY_NORM_EPS = 1e-6  # the indexer's key LayerNorm (transformers' DeepseekV32Indexer)
 # Fresh-prefill buckets that run expanded. With a flash kernel (TPU, GPU): from FLASH_MIN_TOKENS
 # tokens up, like the GQA families' flash path (measured on an H100 with scripts/bench_mla.py,
 # DeepSeek-V3's 128 heads: expanded 0.19x to 0.22x of absorbed's time from 2 x 256 to 2 x 4096
@@ -118,6 +133,17 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         batch, page_offset = layer.batch_view(step.batch), layer.slot * step.num_pages
         write_page, write_offset = step.write_page[layer.group], step.write_offset[layer.group]
 
+        if c.index_topk:  # DeepSeek sparse attention: the indexer's key joins the row, each query reads its top-k rows
+            if pool.quantized:
+                raise ValueError(f"{c.model_type}: sparse attention reads a float latent pool; kv_cache_dtype int8 / fp8 "
+                                 "is not supported with it")
+            q_index, k_index, weights = self.indexer(w, h, q_a, cos, sin)
+            pool = write_latent_rows(pool, jnp.concatenate([row, k_index], axis=-1), page_offset, write_page, write_offset)
+            attn = sparse_latent_attention(q_row, q_index, weights, pool.kv, batch.page_table + page_offset, batch,
+                                           value_dim=r, topk=c.index_topk, sm_scale=c.sm_scale)  # [Tl, heads, r]
+            out = jnp.einsum("thr,rhv->thv", attn.astype(dtype), w_uv.astype(dtype), preferred_element_type=jnp.float32)
+            return self._row_parallel(out.astype(dtype).reshape(Tl, heads * vd), w["o_proj"]), pool
+
         def absorbed(pool):
             attn, pool = write_latent_and_attend(  # [Tl, heads, r]: sum_s p_h(t, s) c(s)
                 q_row, row, pool, page_offset, write_page, write_offset, batch, value_dim=r, sm_scale=c.sm_scale,
@@ -138,3 +164,20 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         runs_expanded, flash = expanded_prefill(batch, Tl, step.query_block, kernels)
         out, pool = absorbed(pool) if runs_expanded is False else jax.lax.cond(runs_expanded, expanded, absorbed, pool)
         return self._row_parallel(out.astype(dtype).reshape(Tl, heads * vd), w["o_proj"]), pool
+
+    def indexer(self, w: dict, h, q_a, cos, sin):
+        """DeepSeek sparse attention's indexer for h [Tl, H] (q_a: the normed low-rank query
+        [Tl, q_rank]): (its queries [Tl, Hi, Di], each token's key [Tl, Di], both with RoPE on their
+        first rope dims; each head's weight [Tl, Hi] float32, times Hi ** -0.5)."""
+        c, kernels, dtype = self.config, self.kernels, h.dtype
+        Hi, Di, rope = c.index_heads, c.index_head_dim, c.rotary_dim
+        q = matmul(q_a, w["index_wq"], kernels).astype(dtype).reshape(h.shape[0], Hi, Di)
+        k = layer_norm(matmul(h, w["index_wk"], kernels).astype(dtype), w["index_k_norm"], w["index_k_norm_bias"],
+                       INDEX_KEY_NORM_EPS)  # [Tl, Di]
+        q_rot, k_rot = q[..., :rope], k[:, None, :rope]
+        if c.index_rope_interleave:  # GLM-5's pairs (the same permutation of q and k: their dot products stand)
+            q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
+        q = jnp.concatenate([apply_rope(q_rot, cos, sin), q[..., rope:]], axis=-1)
+        k = jnp.concatenate([apply_rope(k_rot, cos, sin)[:, 0], k[:, rope:]], axis=-1)
+        weights = matmul(h, w["index_weights"], kernels) * Hi**-0.5  # [Tl, Hi]
+        return q, k, weights

@@ -66,6 +66,14 @@ def add_rms_norm(x: jax.Array, residual: jax.Array, weight: jax.Array, eps: floa
     return kernels.add_rms_norm(x, residual, weight, eps=eps)
 
 
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm over the last axis (mean and variance), computed in float32, returned in x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis, computed in float32 as HF does, returned in x's dtype."""
     xf = x.astype(jnp.float32)

@@ -212,6 +212,8 @@ def _mla_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         kv_a_norm [L, r]
         kv_b_proj [L, r, Hq*(nope + v)]   each head's key (nope) and value up-projections
         o_proj [L, Hq*v, H]
+        with sparse attention, the indexer: index_wq [L, q_rank, Hi*Di], index_wk [L, H, Di],
+        index_k_norm and index_k_norm_bias [L, Di] (a LayerNorm), index_weights [L, H, Hi]
 
     The head-major columns of q and kv_b (and o_proj's rows) split over the tensor shards by heads."""
     L, H, Hq, r = c.num_layers, c.hidden_size, c.num_heads, c.kv_lora_rank
@@ -223,6 +225,11 @@ def _mla_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
                        "layers.q_b_proj": (L, c.q_lora_rank, Hq * qk)})
     else:
         shapes["layers.q_proj"] = (L, H, Hq * qk)
+    if c.index_topk:  # DeepSeek sparse attention's indexer, whole on every tensor shard
+        Hi, Di = c.index_heads, c.index_head_dim
+        shapes.update({"layers.index_wq": (L, c.q_lora_rank, Hi * Di), "layers.index_wk": (L, H, Di),
+                       "layers.index_k_norm": (L, Di), "layers.index_k_norm_bias": (L, Di),
+                       "layers.index_weights": (L, H, Hi)})
     return shapes
 
 
@@ -281,6 +288,11 @@ _AXES = {
     "layers.kv_a_proj": ("layers", "embed", None),
     "layers.kv_a_norm": ("layers", None),
     "layers.kv_b_proj": ("layers", None, "heads"),
+    "layers.index_wq": ("layers", None, None),
+    "layers.index_wk": ("layers", "embed", None),
+    "layers.index_k_norm": ("layers", None),
+    "layers.index_k_norm_bias": ("layers", None),
+    "layers.index_weights": ("layers", "embed", None),
     "layers.mtp_enorm": ("layers", "embed"),
     "layers.mtp_hnorm": ("layers", "embed"),
     "layers.mtp_eh_proj": ("layers", None, "embed"),

@@ -36,6 +36,8 @@ MODEL_CLASSES: dict[str, type[Decoder]] = {
     "llama4": Llama4ForCausalLM,  # a multimodal folder's text decoder
     "deepseek_v2": DeepseekForCausalLM,
     "deepseek_v3": DeepseekForCausalLM,
+    "deepseek_v32": DeepseekForCausalLM,  # with the sparse-attention indexer (ModelConfig.index_topk)
+    "glm_moe_dsa": DeepseekForCausalLM,
 }
 
 

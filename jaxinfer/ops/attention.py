@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -214,6 +215,52 @@ def write_latent_and_attend(
     out = kernels.mla_attention((q.astype(jnp.float32) @ rotation).astype(q.dtype), pool.kv, page_table, batch, value_dim=D,
                                 scales=pool.kv_scale, **options)  # [T, Hq, D], turned
     return (out.astype(jnp.float32) @ rotation.T)[..., :value_dim].astype(q.dtype), pool
+
+
+SPARSE_QUERY_BLOCK = 16  # queries per block of sparse_latent_attention: [block, context, row] gathered at a time
+
+
+def sparse_latent_attention(
+    q: jax.Array,  # [T, Hq, D]: absorbed queries [q_latent | q_rope], RoPE applied
+    q_index: jax.Array,  # [T, Hi, Di]: the indexer's queries, RoPE applied
+    index_weights: jax.Array,  # [T, Hi] float32: each indexer head's weight (times Hi ** -0.5)
+    pages: jax.Array,  # [pages, page_size, W]: latent rows [c | k_rope | k_index | padding], written
+    page_table: jax.Array,  # [S, P]: each sequence's pages, as indices of `pages`
+    batch: RaggedBatch,
+    *,
+    value_dim: int,
+    topk: int,
+    sm_scale: float,
+) -> jax.Array:
+    """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) over a latent pool, in XLA: each query
+    scores every earlier position of its sequence with the indexer,
+
+        index(t, s) = sum_h weight_h(t) * relu(q_index_h(t) . k_index(s) / sqrt(Di)),
+
+    keeps its `topk` best (causal), and attends over those rows only (the MLA score of
+    `write_latent_and_attend`; values: the rows' first value_dim dims). Returns [T, Hq, value_dim]
+    float32. Queries go SPARSE_QUERY_BLOCK at a time, each block gathering its sequences' whole
+    contexts [block, P * page_size, W]: memory linear in the context, time quadratic over a prefill."""
+    T, D = q.shape[0], q.shape[-1]
+    Di, S = q_index.shape[-1], page_table.shape[0]
+    context = page_table.shape[1] * pages.shape[1]
+    block = math.gcd(T, SPARSE_QUERY_BLOCK)
+    seq = jnp.minimum(jnp.searchsorted(batch.cu_q_lens[1:], jnp.arange(T), side="right"), S - 1)  # [T]
+
+    def attend(args):
+        q, q_index, weights, seq, position = args  # one block of queries
+        rows = pages[page_table[seq]].reshape(block, context, pages.shape[-1])  # [block, C, W]
+        causal = jnp.arange(context)[None] <= position[:, None]  # [block, C]
+        index = jnp.einsum("thd,tcd->thc", q_index.astype(jnp.float32), rows[..., D : D + Di].astype(jnp.float32))
+        index = jnp.einsum("th,thc->tc", weights, jax.nn.relu(index * Di**-0.5))
+        _, picked = jax.lax.top_k(jnp.where(causal, index, -jnp.inf), min(topk, context))  # [block, k]
+        keep = jnp.zeros((block, context), bool).at[jnp.arange(block)[:, None], picked].set(True) & causal
+        scores = jnp.einsum("thd,tcd->thc", q, rows[..., :D], preferred_element_type=jnp.float32) * sm_scale
+        p = jax.nn.softmax(jnp.where(keep[:, None], scores, -jnp.inf), axis=-1)  # [block, Hq, C]
+        return jnp.einsum("thc,tcv->thv", p, rows[..., :value_dim].astype(jnp.float32))
+
+    blocks = [a.reshape(T // block, block, *a.shape[1:]) for a in (q, q_index, index_weights, seq, batch.positions)]
+    return jax.lax.map(attend, blocks).reshape(T, q.shape[1], value_dim)
 
 
 def write_latent_rows(pool: KVCache, rows, layer_page_offset, write_page, write_offset) -> KVCache:
