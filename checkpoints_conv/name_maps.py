@@ -228,6 +228,26 @@ DEEPSEEK_V32_NAMES = ArchNames(
     per_expert=QWEN3_MOE_NAMES.per_expert,
 )
 
+# Qwen3-Next and Qwen3.5: full attention with a gate on its output (the q projection's second half
+# per head, split off by checkpoints_conv.views as self_attn.gate_proj) every few layers, Gated
+# DeltaNet layers between (Qwen3-Next's fused in_proj_qkvz / in_proj_ba read as Qwen3.5's four
+# projections, and each kind's layers numbered among themselves, by the views); Qwen3-Next's MoE is
+# Qwen2-MoE's.
+_GATED_DELTANET = {
+    "self_attn.gate_proj.weight": Dest("layers.attn_gate", True),
+    "linear_attn.in_proj_qkv.weight": Dest("layers.lin_qkv", True),
+    "linear_attn.in_proj_z.weight": Dest("layers.lin_z", True),
+    "linear_attn.in_proj_b.weight": Dest("layers.lin_b", True),
+    "linear_attn.in_proj_a.weight": Dest("layers.lin_a", True),
+    "linear_attn.conv1d.weight": Dest("layers.lin_conv", True),  # [C, K] (the view drops the 1) -> [K, C]
+    "linear_attn.dt_bias": Dest("layers.lin_dt_bias", False),
+    "linear_attn.A_log": Dest("layers.lin_a_log", False),
+    "linear_attn.norm.weight": Dest("layers.lin_norm", False),
+    "linear_attn.out_proj.weight": Dest("layers.lin_out", True),
+}
+QWEN3_5_NAMES = replace(LLAMA_NAMES, per_layer={**LLAMA_NAMES.per_layer, **_GATED_DELTANET})
+QWEN3_NEXT_NAMES = replace(QWEN2_MOE_NAMES, per_layer={**QWEN2_MOE_NAMES.per_layer, **_GATED_DELTANET})
+
 # Gemma 2 / 3: a norm before and after each branch (Llama's post_attention_layernorm is the norm
 # *after* attention here, and pre_feedforward_layernorm the one before the MLP); Gemma 3's q/k norms.
 GEMMA_NAMES = ArchNames(
@@ -360,6 +380,9 @@ HF_NAME_MAPS: dict[str, ArchNames] = {
     "deepseek_v2": DEEPSEEK_V3_NAMES,  # (the same tensor names)
     "deepseek_v3": DEEPSEEK_V3_NAMES,
     "deepseek_v32": DEEPSEEK_V32_NAMES,
+    "qwen3_next": QWEN3_NEXT_NAMES,
+    "qwen3_5_text": QWEN3_5_NAMES,
+    "qwen3_5": QWEN3_5_NAMES,  # a multimodal folder's text decoder (checkpoints_conv.views)
     "glm_moe_dsa": DEEPSEEK_V32_NAMES,
     "llama4_text": LLAMA4_NAMES,
     "llama4": LLAMA4_NAMES,

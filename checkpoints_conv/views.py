@@ -385,9 +385,84 @@ def gemma4_views(source: TensorSource, config: dict) -> TensorSource:
     return ViewSource(source, views, hidden, renamed)
 
 
+_QWEN3_NEXT_LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn|linear_attn)\.(.+)")
+
+
+def hybrid_layer_types(text: dict) -> list[str]:
+    """A Qwen3-Next / Qwen3.5 text config's layer types, as transformers settles them."""
+    n, interval = int(text["num_hidden_layers"]), int(text.get("full_attention_interval", 4))
+    return list(text.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                            for i in range(n)])
+
+
+def qwen3_next_views(source: TensorSource, config: dict) -> TensorSource:
+    """Qwen3-Next's and Qwen3.5's tensors as the name map reads them:
+
+    - a multimodal Qwen3.5 folder's text decoder (model.language_model.*) under the text model's
+      names; its vision tower (model.visual.*) and multi-token-prediction layers (mtp.*) hidden;
+    - each full-attention layer's q_proj [Hq * 2D, H], per head [q | gate], as q_proj and gate_proj;
+    - Qwen3-Next's fused Gated DeltaNet projections, grouped per key head g ([q_g | k_g | v_g | z_g]
+      and [b_g | a_g], g's value heads together), as Qwen3.5's in_proj_qkv ([all q | all k | all v]),
+      in_proj_z, in_proj_b and in_proj_a; the convolution's weight [C, 1, K] as [C, K];
+    - the full-attention layers' tensors numbered among themselves, likewise the linear ones'
+      (param_layout.stack_of: each kind's weights stack over its own layers)."""
+    text = config.get("text_config") or config
+    types = hybrid_layer_types(text)
+    ordinal = {}
+    for kind in ("full_attention", "linear_attention"):
+        for j, i in enumerate(i for i, t in enumerate(types) if t == kind):
+            ordinal[i] = j
+    heads, head_dim = int(text["num_attention_heads"]), int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
+    hk, hv = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
+    dk, dv, r = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"]), hv // hk
+    shapes = dict(source.listing())
+    views: dict[str, View] = {}
+    renamed, hidden = {}, set()
+
+    def rows_view(inner: str, rows: np.ndarray) -> View:
+        return (len(rows), shapes[inner][1]), lambda: source.read(inner)[rows]
+
+    group = 2 * dk + 2 * r * dv  # rows of one key head's block of in_proj_qkvz
+    qkvz = {part: np.concatenate([np.arange(g * group + start, g * group + start + width) for g in range(hk)])
+            for part, start, width in (("q", 0, dk), ("k", dk, dk), ("v", 2 * dk, r * dv), ("z", 2 * dk + r * dv, r * dv))}
+    ba = {part: np.concatenate([np.arange(g * 2 * r + start, g * 2 * r + start + r) for g in range(hk)])
+          for part, start in (("b", 0), ("a", r))}
+    q_rows = np.concatenate([np.arange(2 * head_dim * h, 2 * head_dim * h + head_dim) for h in range(heads)])
+    for stored, _ in source.listing():
+        name = stored.replace("model.language_model.", "model.", 1)
+        if name.startswith(("model.visual.", "mtp.")):
+            hidden.add(stored)
+            continue
+        m = _QWEN3_NEXT_LAYER.fullmatch(name)
+        if m is None:
+            if name != stored:  # (a multimodal folder's)
+                renamed[name] = stored
+                hidden.add(stored)
+            continue
+        hidden.add(stored)
+        layer, module, rest = int(m.group(1)), m.group(2), m.group(3)
+        prefix = f"model.layers.{ordinal[layer]}.{module}"
+        if module == "self_attn" and rest == "q_proj.weight":
+            views[f"{prefix}.q_proj.weight"] = rows_view(stored, q_rows)
+            views[f"{prefix}.gate_proj.weight"] = rows_view(stored, q_rows + head_dim)
+        elif rest == "in_proj_qkvz.weight":
+            views[f"{prefix}.in_proj_qkv.weight"] = rows_view(stored, np.concatenate([qkvz["q"], qkvz["k"], qkvz["v"]]))
+            views[f"{prefix}.in_proj_z.weight"] = rows_view(stored, qkvz["z"])
+        elif rest == "in_proj_ba.weight":
+            views[f"{prefix}.in_proj_b.weight"] = rows_view(stored, ba["b"])
+            views[f"{prefix}.in_proj_a.weight"] = rows_view(stored, ba["a"])
+        elif rest == "conv1d.weight":
+            channels, _, taps = shapes[stored]
+            views[f"{prefix}.conv1d.weight"] = ((channels, taps), lambda stored=stored: source.read(stored)[:, 0, :])
+        else:
+            renamed[f"{prefix}.{rest}"] = stored
+    return ViewSource(source, views, hidden, renamed)
+
+
 # HF model_type -> the views its checkpoints need
 VIEWS = {"gpt_oss": lambda source, config: gpt_oss_views(source), "phi3": phi3_views, "gemma3": gemma3_views,
-         "glm4_moe": glm4_moe_views, "deepseek_v2": glm4_moe_views, "deepseek_v3": glm4_moe_views, "deepseek_v32": glm4_moe_views, "glm_moe_dsa": glm4_moe_views, "gemma4_text": gemma4_views, "gemma4": gemma4_views, **{model_type: llama4_views for model_type in QK_ROWS_REORDERED}}
+         "glm4_moe": glm4_moe_views, "deepseek_v2": glm4_moe_views, "deepseek_v3": glm4_moe_views, "deepseek_v32": glm4_moe_views, "glm_moe_dsa": glm4_moe_views, "gemma4_text": gemma4_views, "gemma4": gemma4_views, **{model_type: llama4_views for model_type in QK_ROWS_REORDERED},
+         **{model_type: qwen3_next_views for model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5")}}
 
 
 def mtp_views(source: TensorSource, config: dict, index: int = 0) -> TensorSource:

@@ -34,7 +34,7 @@ from checkpoints_conv.views import gemma4_layer_plan
 
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "minimax_m2", "glm4_moe", "llama4_text", "llama4",
-                   "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+                   "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_next")
 # multi-head latent attention (jaxinfer.models.deepseek); the last two with DeepSeek sparse attention
 # (an indexer picks the index_topk past tokens each query attends to)
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
@@ -42,10 +42,12 @@ SPARSE_ATTENTION_MODEL_TYPES = {"deepseek_v32": "DeepSeek-V3.2", "glm_moe_dsa": 
 # The families of issue 35, each with its own model file (jaxinfer.models.registry).
 NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2",
                           "glm4_moe", "llama4_text", "llama4", "gemma4_text", "gemma4", "deepseek_v2", "deepseek_v3",
-                          "deepseek_v32", "glm_moe_dsa")
+                          "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_text", "qwen3_5")
+# hybrids of Gated DeltaNet (linear attention) layers and full-attention ones (jaxinfer.models.qwen3_next)
+LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5")
 SUPPORTED_MODEL_TYPES = LLAMA_MODEL_TYPES + NEW_FAMILY_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "freq_factors", "proportional")
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "gemma4_text", "gemma4")
 
 _ARCHITECTURE_TO_MODEL_TYPE = {
@@ -74,6 +76,9 @@ _ARCHITECTURE_TO_MODEL_TYPE = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "DeepseekV32ForCausalLM": "deepseek_v32",
     "GlmMoeDsaForCausalLM": "glm_moe_dsa",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
 }
 
 
@@ -117,7 +122,9 @@ class LayerKind:
     rope: "global" (the model's RoPE), "local" (the sliding layers' own base, Gemma 3) or None
     (no position embedding at all: a NoPE layer).
     head_dim, kv_heads: the layer's own when they differ from the model's (Gemma 4's global layers;
-    None: the model's). k_eq_v: its values come from the key projection (Gemma 4's global layers)."""
+    None: the model's). k_eq_v: its values come from the key projection (Gemma 4's global layers).
+    linear: a Gated DeltaNet layer (Qwen3-Next, Qwen3.5): no keys are kept, a recurrent state per
+    sequence instead (jaxinfer.models.qwen3_next)."""
 
     window: int | None = None
     rope: str | None = "global"
@@ -125,6 +132,7 @@ class LayerKind:
     head_dim: int | None = None
     kv_heads: int | None = None
     k_eq_v: bool = False
+    linear: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +211,15 @@ class ModelConfig:
     index_heads: int = 0
     index_head_dim: int = 0
     index_rope_interleave: bool = False  # the indexer's rope dims as interleaved pairs (GLM-5), else halves (V3.2)
+    # Gated DeltaNet layers (layer_types "linear_attention": Qwen3-Next, Qwen3.5): q and k in linear_key_heads
+    # heads of linear_key_head_dim, v in linear_value_heads of linear_value_head_dim, a causal depthwise
+    # convolution of linear_conv_kernel taps over q | k | v; 0: none
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    attn_output_gate: bool = False  # full attention's output times sigmoid(a gate the q projection also gives) (Qwen3-Next)
     # DeepSeek-V3's multi-token-prediction module (the checkpoint's layer num_hidden_layers), run as
     # a one-layer model that also reads the target's hidden states (models.deepseek_mtp); set by
     # the engine for speculative method "mtp", never read from a config.json
@@ -227,6 +244,15 @@ class ModelConfig:
         return self.num_experts > 0
 
     @property
+    def has_linear_layers(self) -> bool:
+        """Some layers are Gated DeltaNet (linear attention): each sequence also carries a recurrent state."""
+        return self.linear_conv_kernel > 0
+
+    @property
+    def num_linear_layers(self) -> int:
+        return sum(kind.linear for kind in self.layer_kinds())
+
+    @property
     def is_mla(self) -> bool:
         """Multi-head latent attention (DeepSeek): the cache holds one latent row per token."""
         return self.kv_lora_rank > 0
@@ -244,6 +270,8 @@ class ModelConfig:
     def layer_kind(self, layer: int) -> LayerKind:
         """Layer `layer`'s attention kind (its window and RoPE table)."""
         layer_type = self.layer_types[layer] if self.layer_types else None
+        if layer_type == "linear_attention":
+            return LayerKind(rope=None, linear=True)
         sliding = layer_type == "sliding_attention" if layer_type else self.sliding_window is not None
         window = self.sliding_window if sliding else None
         chunk = self.attention_chunk_size if layer_type == "chunked_attention" else None
@@ -297,7 +325,7 @@ class ModelConfig:
                     f"architectures={archs!r}; jaxinfer supports model_type in {SUPPORTED_MODEL_TYPES}"
                 )
 
-        if model_type in ("gemma3", "llama4", "gemma4") and isinstance(d.get("text_config"), dict):
+        if model_type in ("gemma3", "llama4", "gemma4", "qwen3_5") and isinstance(d.get("text_config"), dict):
             # Gemma 3's and Llama 4's multimodal folders: the text decoder's config nests in text_config
             # (the vision tower is not run here; the checkpoint's vision tensors are skipped)
             top = {k: d[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in d}
@@ -384,7 +412,7 @@ class ModelConfig:
             o_bias=o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm=(model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "gemma4_text", "gemma4", "olmo2", "olmo3",
-                                    "minimax_m2")
+                                    "minimax_m2", *LINEAR_ATTENTION_MODEL_TYPES)
                      or (model_type == "glm4_moe" and bool(d.get("use_qk_norm", False)))),
             sliding_window=int(sliding_window) if sliding_window else None,
             bos_token_id=d.get("bos_token_id"),
@@ -491,7 +519,7 @@ def _parse_moe(d: dict[str, Any], model_type: str, source: str) -> dict[str, Any
     if not width:
         raise ConfigError(f"{source} is missing required field 'moe_intermediate_size' (model_type={model_type})")
     shared = 0
-    if model_type == "qwen2_moe":
+    if model_type in ("qwen2_moe", "qwen3_next"):
         shared = int(d.get("shared_expert_intermediate_size") or 0)
     elif model_type in ("glm4_moe", *MLA_MODEL_TYPES):  # n_shared_experts experts' worth of width, always on
         shared = int(width) * int(d.get("n_shared_experts", 1))
@@ -517,7 +545,8 @@ _NEWER_FIELDS = ("layer_types", "nope_layers", "local_rope_theta", "local_rope_s
                  "attn_temperature_floor", "global_head_dim", "global_kv_heads", "global_k_eq_v", "value_norm",
                  "kv_shared_layers", "wide_shared_mlp", "per_layer_input_size", "per_layer_vocab_size", "dense_and_experts",
                  "layer_scalar", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim", "rope_interleave",
-                 "index_topk", "index_heads", "index_head_dim", "index_rope_interleave")
+                 "index_topk", "index_heads", "index_head_dim", "index_rope_interleave", "linear_key_heads",
+                 "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel", "attn_output_gate")
 
 
 def _to_json(value):
@@ -647,6 +676,22 @@ def _sparse_attention_fields(d: dict[str, Any], index_rope_interleave: bool) -> 
     return dict(_deepseek_v3_fields(d), **fields)
 
 
+def _gated_deltanet_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next and Qwen3.5: Gated DeltaNet layers between full-attention ones (every
+    full_attention_interval-th layer unless layer_types says), norms as 1 + w, q/k norms per head, a
+    sigmoid gate on full attention's output."""
+    heads = {name: int(d[key]) for name, key in (
+        ("linear_key_heads", "linear_num_key_heads"), ("linear_value_heads", "linear_num_value_heads"),
+        ("linear_key_head_dim", "linear_key_head_dim"), ("linear_value_head_dim", "linear_value_head_dim"),
+        ("linear_conv_kernel", "linear_conv_kernel_dim"))}
+    if heads["linear_value_heads"] % heads["linear_key_heads"]:
+        raise ConfigError(f"linear_num_value_heads={heads['linear_value_heads']} is not a multiple of "
+                          f"linear_num_key_heads={heads['linear_key_heads']}")
+    interval = int(d.get("full_attention_interval", 4))
+    return dict(heads, norm_weight_offset=1.0, attn_output_gate=True, default_layer_types=lambda n: [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)])
+
+
 def _deepseek_v2_fields(d: dict[str, Any]) -> dict[str, Any]:
     """DeepSeek-V2 / V2-Lite: MLA (rope dims as interleaved pairs, transformers' complex rotation)
     and softmax routing: the k best experts ("greedy"), or the k best of the topk_group groups
@@ -743,6 +788,7 @@ _FAMILY_FIELDS = {
     "deepseek_v3": lambda d: _deepseek_v3_fields(d),
     "deepseek_v32": lambda d: _sparse_attention_fields(d, index_rope_interleave=False),
     "glm_moe_dsa": lambda d: _sparse_attention_fields(d, index_rope_interleave=True),
+    **{t: _gated_deltanet_fields for t in LINEAR_ATTENTION_MODEL_TYPES},
     "llama4_text": lambda d: _llama4_fields(d),
     "llama4": lambda d: _llama4_fields(d),
     "gemma4_text": _gemma4_fields,

@@ -38,6 +38,10 @@ tokens side by side in each page. Gemma-4-31B: sliding rows 16 x 256, global 4 x
 so a global page holds twice the tokens. The block manager counts each group's pages in its own
 page size.
 
+**Linear-attention layers** (Gated DeltaNet: Qwen3-Next, Qwen3.5) keep no K/V at all: the groups
+are made from the other layers, and a linear layer's slot is its index among the linear layers,
+its row of the per-sequence recurrent states (jaxinfer.ops.linear_state).
+
 **KV-shared layers** (Gemma 4's last `kv_shared_layers`) write no K/V: each attends over the
 pages of the last earlier layer of its kind (`ModelConfig.kv_source`), so it takes that layer's
 group and slot and the groups are made from the other layers.
@@ -126,7 +130,9 @@ def window_pages(spec: KVSpec, num_tokens: int, page_size: int, chunk: int = 1) 
 def kv_groups(config: ModelConfig) -> KVGroups:
     """The layer groups of a model (see the module docstring)."""
     c = config
-    owners = [i for i in range(c.num_layers) if not c.is_kv_shared(i)]  # the layers that write K/V
+    kinds_all = c.layer_kinds()
+    # the layers that write K/V: not Gemma 4's KV-shared ones, not linear-attention ones (a state instead)
+    owners = [i for i in range(c.num_layers) if not c.is_kv_shared(i) and not kinds_all[i].linear]
     kinds = tuple(c.layer_kinds()[i] for i in owners)
     period = layer_period(kinds)
     keys = [(kv_spec(kinds[j]), c.kind_kv_heads(kinds[j]), c.kind_head_dim(kinds[j])) for j in range(period)]
@@ -144,6 +150,9 @@ def kv_groups(config: ModelConfig) -> KVGroups:
                 group_of_position[j], offset_of_position[j] = len(windows) - 1, offset
     group = {l: group_of_position[n % period] for n, l in enumerate(owners)}
     slot = {l: (n // period) * m + offset_of_position[n % period] for n, l in enumerate(owners)}
+    linear = [l for l in range(c.num_layers) if kinds_all[l].linear]
+    group.update({l: 0 for l in linear})  # a linear layer's "slot" is its row of the recurrent states
+    slot.update({l: n for n, l in enumerate(linear)})
     layers = range(c.num_layers)
     return KVGroups(
         windows=tuple(windows),

@@ -30,7 +30,7 @@ class PagedModel:
         source = resolve_model(model_dir)
         self.config = read_config(source)
         graphdef, self.params = load_params(source, self.config, jnp.float32, jnp.float32, progress=False)
-        self.kv = KVCache.create(self.config, num_pages, page_size)
+        self.kv = KVCache.create(self.config, num_pages, page_size, state_slots=16)  # (the states: hybrid models')
         self.step = StepFunction(graphdef, num_top_logprobs=0)
         self.page_size = page_size
         groups = kv_groups(self.config)
@@ -62,7 +62,7 @@ class PagedModel:
     def unowned_pages_untouched(self) -> bool:
         """Pages never handed out (other than the scratch page 0) must still be all zeros."""
         unowned = np.array(sorted(set(range(1, self.kv.num_pages)) - self.owned))
-        return not any(np.any(np.asarray(pages)[:, unowned]) for pages in jax.tree.leaves(self.kv))  # K and V, or latent rows
+        return not any(np.any(np.asarray(pages)[:, unowned]) for pages in jax.tree.leaves(self.kv.page_arrays()))  # K and V, or latent rows
 
 
 def hf_logprobs(hf_model, tokens: list[int], chunks: list[int]) -> np.ndarray:
@@ -71,8 +71,10 @@ def hf_logprobs(hf_model, tokens: list[int], chunks: list[int]) -> np.ndarray:
     must see the tokens in the same chunks as we do; for the other families chunking is moot)."""
     from transformers import DynamicCache
 
-    # sparse attention's indexer keeps its keys in cache layers of their own, made from the config
-    cache = DynamicCache(config=hf_model.config) if getattr(hf_model.config, "index_topk", None) else DynamicCache()
+    # sparse attention's indexer and linear attention keep their keys / states in cache layers of
+    # their own, made from the config
+    own_layers = getattr(hf_model.config, "index_topk", None) or "linear_attention" in (hf_model.config.layer_types or [])
+    cache = DynamicCache(config=hf_model.config) if own_layers else DynamicCache()
     out, start = [], 0
     with torch.no_grad():
         for n in chunks:
@@ -111,7 +113,9 @@ def test_parity(family_model, page_size):
 
     # (a) a ragged batch prefilling four prompts of different lengths in one step; every row checked
     pages = [model.allocate(len(s) + 8) for s in seqs]
-    outs = model.run([SequenceChunk(s[:n], 0, p, list(range(n))) for s, n, p in zip(seqs, prompt_lens, pages)])
+    # (a hybrid model's sequence i continues its recurrent state in slot i + 1)
+    outs = model.run([SequenceChunk(s[:n], 0, p, list(range(n)), state_slot=i + 1)
+                      for i, (s, n, p) in enumerate(zip(seqs, prompt_lens, pages))])
     for out, t, n in zip(outs, truth, prompt_lens):
         np.testing.assert_array_less(np.abs(out - t[:n]).max(), TOL)
 
@@ -119,7 +123,7 @@ def test_parity(family_model, page_size):
     pos = list(prompt_lens)
     while any(p < len(s) for p, s in zip(pos, seqs)):
         live = [i for i, (p, s) in enumerate(zip(pos, seqs)) if p < len(s)]
-        outs = model.run([SequenceChunk([seqs[i][pos[i]]], pos[i], pages[i], [0]) for i in live])
+        outs = model.run([SequenceChunk([seqs[i][pos[i]]], pos[i], pages[i], [0], state_slot=i + 1) for i in live])
         for i, out in zip(live, outs):
             np.testing.assert_array_less(np.abs(out[0] - truth[i][pos[i]]).max(), TOL)
             pos[i] += 1
@@ -133,8 +137,8 @@ def test_parity(family_model, page_size):
     start = 0
     for n, num_riders in zip((5, 3, 11, 14), (1, 4, 1, 4)):
         piece = long_seq[start : start + n]
-        riders = [SequenceChunk([seqs[i][0]], 0, [row[:1] for row in pages[i]], [0]) for i in range(num_riders)]
-        out, *rider_outs = model.run([SequenceChunk(piece, start, chunk_pages, list(range(n)))] + riders)
+        riders = [SequenceChunk([seqs[i][0]], 0, [row[:1] for row in pages[i]], [0], state_slot=i + 1) for i in range(num_riders)]
+        out, *rider_outs = model.run([SequenceChunk(piece, start, chunk_pages, list(range(n)), state_slot=10)] + riders)
         np.testing.assert_array_less(np.abs(out - chunk_truth[start : start + n]).max(), TOL)
         for i, rider_out in enumerate(rider_outs):
             np.testing.assert_array_less(np.abs(rider_out[0] - truth[i][0]).max(), TOL)

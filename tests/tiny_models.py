@@ -133,6 +133,17 @@ FAMILIES = {
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
         routed_scaling_factor=2.5, index_topk=4, index_n_heads=16, index_head_dim=16)),
+    # Qwen3-Next: three Gated DeltaNet layers (2 key heads of 16 serving 4 value heads of 8, a
+    # convolution of 4 taps) then one full-attention layer (gated output, q/k norms, a quarter of
+    # each head rotated), every MLP a mixture of experts with a gated shared one
+    "qwen3_next": (transformers.Qwen3NextConfig, _common(
+        num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48)),
+    # Qwen3.5: the same layers with a dense MLP, its projections stored apart
+    "qwen3_5_text": (transformers.Qwen3_5TextConfig, _common(
+        num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4)),
     # Llama 4 (Maverick's layout): chunks of 8 on three RoPE layers (L2 q/k norms), a NoPE layer
     # with attention temperature tuning (floor_scale 4: the prompts reach its steps), experts in
     # every other layer (top 2 of 4, weighing their inputs, beside a shared expert), dense layers
@@ -161,7 +172,8 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # The families with their own model file (jaxinfer.models.registry): one-token pages are the
 # Llama families' test, the attention kinds these add are tested on pages of 16.
 LAYER_KIND_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2", "glm4_moe",
-                       "llama4", "gemma4", "deepseek_v2", "deepseek_v3", "glm_moe_dsa", "deepseek_v32")
+                       "llama4", "gemma4", "deepseek_v2", "deepseek_v3", "glm_moe_dsa", "deepseek_v32",
+                       "qwen3_next", "qwen3_5_text")
 
 
 def build_hf_model(family: str, seed: int = 0, **overrides):
@@ -172,9 +184,12 @@ def build_hf_model(family: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
+        # Qwen3-Next / Qwen3.5 scale by 1 + w (zeros by default): norms near 1 there too, but for
+        # the Gated DeltaNet's own norm, a plain w
+        offset = config.model_type in ("qwen3_next", "qwen3_5_text")
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                p.copy_((0.0 if offset and "linear_attn" not in name else 1.0) + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
             else:

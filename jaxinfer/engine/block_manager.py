@@ -90,6 +90,7 @@ class SeqPages:
     hashes: list[bytes] = dataclasses.field(default_factory=list)  # chain keys of its first full pages
     salt: bytes = b""
     first_held: list[int] = dataclasses.field(default_factory=list)  # per group: pages before it were given back
+    state_slot: int = 0  # its slot of the recurrent states (hybrid models; 0: none)
 
 
 @dataclasses.dataclass
@@ -112,7 +113,9 @@ def page_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True,
-                 windows: Sequence[int | None] = (None,), page_factors: Sequence[int] | None = None):
+                 windows: Sequence[int | None] = (None,), page_factors: Sequence[int] | None = None, num_state_slots: int = 0):
+        """`num_state_slots`: a hybrid model's recurrent-state slots (jaxinfer.ops.linear_state),
+        slot 0 the scratch one: each sequence holding pages also holds a slot of its own."""
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"need num_pages >= 2 (page 0 is scratch) and page_size >= 1, got {num_pages}, {page_size}")
         if not windows or any(w is not None and span_tokens(w) < 1 for w in windows):
@@ -135,6 +138,8 @@ class BlockManager:
         self.pages_in_use = [0] * len(self.windows)  # per group: pages held by some sequence
         self.seqs: dict[Hashable, SeqPages] = {}
         self.stats = PrefixCacheStats()
+        self.num_state_slots = num_state_slots
+        self._free_state_slots = list(range(num_state_slots - 1, 0, -1))  # (pop() hands out 1 first)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -292,6 +297,8 @@ class BlockManager:
                 f"sequence {seq_id!r}: needs {num_new} new pages for {len(token_ids)} tokens "
                 f"({num_hit} pages cached), only {available} available"
             )
+        if self.num_state_slots and not self._free_state_slots:
+            raise OutOfPagesError(f"sequence {seq_id!r}: every one of the {self.num_state_slots - 1} recurrent-state slots is held")
         # commit (nothing below can fail)
         self.stats.queries += self._num_lookup(len(token_ids), max_cached_tokens)
         self.stats.hits += num_hit
@@ -303,8 +310,15 @@ class BlockManager:
         for g, w in enumerate(self.windows):
             rows[g] += [self._take_page(g) for _ in range(self.pages_needed(len(token_ids) if w is None else end, g) - len(rows[g]))]
         first_held = [self._first_kept(g, cached) for g in range(self.num_groups)]
-        self.seqs[seq_id] = SeqPages(rows, len(token_ids), cached, keys[:num_hit], salt, first_held)
+        self.seqs[seq_id] = SeqPages(rows, len(token_ids), cached, keys[:num_hit], salt, first_held, self._take_state_slot())
         return cached
+
+    def _take_state_slot(self) -> int:
+        return self._free_state_slots.pop() if self.num_state_slots else 0
+
+    def state_slot(self, seq_id: Hashable) -> int:
+        """The sequence's recurrent-state slot (0 without a hybrid model)."""
+        return self.seqs[seq_id].state_slot
 
     def _written_shared(self, seq: SeqPages, end: int) -> list[tuple[int, int]]:
         """(group, page index) of the shared pages a computation of slots num_computed..end-1 writes."""
@@ -423,13 +437,17 @@ class BlockManager:
             for page in row:
                 if page != SCRATCH_PAGE:
                     self._hold(page, g)
+        if self.num_state_slots and not self._free_state_slots:
+            raise OutOfPagesError(f"sequence {child_id!r}: every recurrent-state slot is held")
         self.seqs[child_id] = dataclasses.replace(parent, pages=[list(row) for row in parent.pages], hashes=list(parent.hashes),
-                                                  first_held=list(parent.first_held))
+                                                  first_held=list(parent.first_held), state_slot=self._take_state_slot())
 
     def free(self, seq_id: Hashable) -> None:
         """Drop a sequence's references (finished or aborted). Its pages are released tail
         first, so a prefix's later pages are evicted before its earlier ones."""
         seq = self.seqs.pop(seq_id)
+        if seq.state_slot:
+            self._free_state_slots.append(seq.state_slot)
         for row in seq.pages:
             for page in reversed(row):
                 if page != SCRATCH_PAGE:
@@ -475,6 +493,9 @@ class BlockManager:
                 for page in live:
                     assert group_of.setdefault(page, g) == g, f"page {page} is used by groups {group_of[page]} and {g}"
                 held.update(live)
+        if self.num_state_slots:  # every slot but scratch either free or held by exactly one sequence
+            held_slots = [seq.state_slot for seq in self.seqs.values()]
+            assert sorted(held_slots + self._free_state_slots) == list(range(1, self.num_state_slots)), "state slots leaked"
         free = set(self._free)
         assert len(free) == len(self._free), "free list holds a page twice"
         assert self.ref_counts[SCRATCH_PAGE] == 0 and SCRATCH_PAGE not in free and SCRATCH_PAGE not in self._evictable

@@ -42,7 +42,7 @@ from jaxinfer.ops.kv_cache import KVCache, combined_pool, is_quantized
 from jaxinfer.ops.quantization import cast_scales, default_group_size, quantize_model
 from jaxinfer.runtime.kernel_selfcheck import checked_kernels, step_shapes, with_kernels
 from jaxinfer.runtime.loading import abstract_model, load_params, read_config, resolve_model
-from jaxinfer.runtime.placement import kv_partition_spec, param_partition_specs, put_global
+from jaxinfer.runtime.placement import kv_partition_spec, linear_state_spec, param_partition_specs, put_global
 from jaxinfer.runtime.step import StepFunction
 from jaxinfer.startup import PhaseClock
 from jaxinfer.tokenizer import cache_root, load_tokenizer
@@ -182,10 +182,13 @@ def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights:
     """A model's runner on `mesh`: its placed weights and a KV pool of the (resolved) config's page geometry."""
     parallel = config.parallel(model_config)
     specs = kv_partition_spec(quantized=is_quantized(config.kv_dtype), combined=combined_pool(model_config, config.kernels))
+    state_sharding = jax.tree.map(lambda spec: jax.sharding.NamedSharding(mesh, spec), linear_state_spec(),
+                                  is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     kv = KVCache.create(model_config, config.num_pages * parallel.num_replicas, config.page_size, config.kv_dtype,
                         tp=parallel.tp, sharding=jax.sharding.NamedSharding(mesh, specs.pages),
                         scale_sharding=jax.sharding.NamedSharding(mesh, specs.scales) if specs.scales else None,
-                        kernels=config.kernels)
+                        kernels=config.kernels, state_slots=state_slots(config, parallel),
+                        state_dtype=config.activation_dtype, state_sharding=state_sharding)
     groups = kv_groups(model_config)
     return ModelRunner(weights.graphdef, weights.params, kv, config.buckets(parallel, groups.num_groups),
                        num_top_logprobs=num_top_logprobs, mesh=mesh, param_specs=weights.param_specs,
@@ -263,6 +266,12 @@ def load_draft_weights(spec: SpeculativeConfig, model_config: ModelConfig, confi
     return draft_config, place_weights(draft_config, config, mesh, weights, quantization=spec.quantization)
 
 
+def state_slots(config: EngineConfig, parallel: ParallelConfig) -> int:
+    """Recurrent-state slots of a hybrid model's cache (jaxinfer.ops.linear_state): each replica's
+    max_num_seqs and its scratch slot."""
+    return (config.max_num_seqs + 1) * parallel.num_replicas
+
+
 MTP_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")  # checkpoints whose multi-token-prediction layer jaxinfer runs
 
 
@@ -306,10 +315,13 @@ def pages_from_device_memory(config: EngineConfig, model_config: ModelConfig, me
 
     def pool(model: ModelConfig, pages: int):  # pages per replica
         return abstract_pool(model, pages * replicas, config.page_size, config.kv_dtype, tp=parallel.tp,
-                             kernels=config.kernels, mesh=mesh)
+                             kernels=config.kernels, mesh=mesh, state_slots=state_slots(config, parallel),
+                             state_dtype=config.activation_dtype)
 
-    weight_bytes = bytes_per_device([w.params for _, w in models])
-    page_bytes = sum(bytes_per_device(pool(m, 1)) for m, _ in models)
+    # (a hybrid model's recurrent states are a fixed cost beside the weights, whatever the pages)
+    state_bytes = sum(bytes_per_device(pool(m, 1).state) for m, _ in models if m.has_linear_layers)
+    weight_bytes = bytes_per_device([w.params for _, w in models]) + state_bytes
+    page_bytes = sum(bytes_per_device(pool(m, 1).page_arrays()) for m, _ in models)
     groups = kv_groups(model_config)
     buckets = config.buckets(parallel, groups.num_groups)
     one_sequence = groups.pages_held(config.max_model_len, config.page_size, buckets.max_tokens,

@@ -232,6 +232,10 @@ class EngineConfig:
         if model_config.index_topk and is_quantized(self.kv_dtype):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} with {model_config.model_type}'s sparse attention, which "
                              "reads a float latent pool; leave kv_cache_dtype at 'auto'")
+        enable_prefix_caching = self.enable_prefix_caching
+        if model_config.has_linear_layers:
+            self._check_linear_attention(model_config)
+            enable_prefix_caching = False  # a cached prefix's pages carry no recurrent state (not yet)
         groups = kv_groups(model_config)
         if self.preemption_mode == "swap" and groups.windows != (None,):
             raise ValueError(f"preemption_mode='swap' with {model_config.model_type}'s sliding-window or chunked layers: their "
@@ -247,7 +251,21 @@ class EngineConfig:
             page_bytes = KVCache.page_bytes(model_config, self.page_size, self.kv_dtype, tp=self.tensor_parallel_size,
                                             kernels=self.kernels)
             num_pages = pages_for_bytes(kv_bytes, page_bytes, self.max_num_seqs * pages_per_seq + 1)
-        return dataclasses.replace(self, max_model_len=max_model_len, num_pages=num_pages)
+        return dataclasses.replace(self, max_model_len=max_model_len, num_pages=num_pages,
+                                   enable_prefix_caching=enable_prefix_caching)
+
+    def _check_linear_attention(self, model_config: ModelConfig) -> None:
+        """What a hybrid model's recurrent states (Gated DeltaNet layers) do not run with yet."""
+        what = f"{model_config.model_type}'s Gated DeltaNet (linear attention) layers"
+        refused = [(self.preemption_mode == "swap", "preemption_mode='swap' (their recurrent states are not swapped)"),
+                   (self.speculative_config is not None, "speculative_config (rejected drafts would need the states rolled back)"),
+                   (self.enable_lora, "enable_lora"),
+                   (is_quantized(self.kv_dtype), f"kv_cache_dtype={self.kv_cache_dtype!r}"),
+                   (self.tensor_parallel_size > 1 or self.sequence_parallel_size > 1,
+                    "tensor_parallel_size / sequence_parallel_size > 1 (data and expert parallelism run)")]
+        for at_fault, setting in refused:
+            if at_fault:
+                raise ValueError(f"{setting} with {what} is not supported yet")
 
     def buckets(self, parallel: ParallelConfig, num_groups: int = 1) -> Buckets:
         """The shape buckets every step is padded to (a resolved config), with a page-table row for

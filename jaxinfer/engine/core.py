@@ -99,7 +99,8 @@ class EngineCore:
                              f"which share its slots (at least one each)")
         for _ in range(runner.num_replicas):
             bm = BlockManager(runner.pages_per_replica, runner.page_size, enable_prefix_caching=config.enable_prefix_caching,
-                              windows=runner.kv_windows, page_factors=runner.kv_page_factors)
+                              windows=runner.kv_windows, page_factors=runner.kv_page_factors,
+                              num_state_slots=runner.state_slots_per_replica)
             self.replicas.append(Replica(bm, Scheduler(bm, max_num_batched_tokens=config.max_num_batched_tokens,
                                                        max_num_seqs=config.max_num_seqs, preemption_mode=config.preemption_mode,
                                                        max_loras=lora_share)))
@@ -266,6 +267,7 @@ class EngineCore:
             for s in plan.scheduled:
                 try:
                     s.chunk = plan_chunk(s, *replica.block_manager.held_rows(s.seq.seq_id), self.output.eos_token_ids)
+                    s.chunk.chunk.state_slot = replica.block_manager.state_slot(s.seq.seq_id)
                 except Exception as error:  # noqa: BLE001 - this request's own failure
                     self._fail(s.seq.request, error, advanced)
         if copies:
@@ -423,6 +425,9 @@ class EngineCore:
                 child = Sequence(request, j, seq.token_ids[:end] + [row.token], child_seed(request.seed, j), num_computed=end)
                 child.grammar = seq.grammar.copy() if seq.grammar is not None else None  # before seq takes its token
                 replica.block_manager.fork(seq.seq_id, child.seq_id)
+                if self.runner.state_slots_per_replica:  # its recurrent states start as the parent's
+                    bm = replica.block_manager
+                    self.runner.copy_states([(request.replica, (bm.state_slot(seq.seq_id), bm.state_slot(child.seq_id)))])
                 # its own draft length; the hidden row it came from; nothing in a draft model's cache yet
                 child.spec = dataclasses.replace(seq.spec, draft=[], draft_src=[], draft_computed=0) if seq.spec else None
                 request.seqs.append(child)

@@ -41,7 +41,8 @@ from jaxinfer.engine.model_runner import empty_inputs, every_processor_sampling
 from jaxinfer.ops.batch import BucketKey, Buckets
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.kv_cache import KVCache, combined_pool, is_quantized
-from jaxinfer.runtime.placement import kv_partition_spec
+from jaxinfer.ops.linear_state import LinearState
+from jaxinfer.runtime.placement import kv_partition_spec, linear_state_spec
 from jaxinfer.runtime.step import StepFunction
 from pallas_kernels.ragged_paged_attention.reference import storage_dtype
 from sharding import rules
@@ -100,9 +101,22 @@ def bytes_per_device(tree) -> int:
 
 
 def abstract_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, *, tp: int, kernels: Kernels,
-                  mesh) -> KVCache:
-    """The KV pool `KVCache.create` would place (`num_pages` over every replica), as
-    ShapeDtypeStructs with their shardings on `mesh`: nothing allocated."""
+                  mesh, state_slots: int = 0, state_dtype=None) -> KVCache:
+    """The KV pool `KVCache.create` would place (`num_pages` over every replica; a hybrid model's
+    `state_slots` recurrent states too), as ShapeDtypeStructs with their shardings on `mesh`:
+    nothing allocated."""
+    pool = _abstract_pages(config, num_pages, page_size, dtype, tp=tp, kernels=kernels, mesh=mesh)
+    if not config.has_linear_layers:
+        return pool
+    conv, recurrent = LinearState.shapes(config, state_slots)
+    spec = linear_state_spec()
+    return dataclasses.replace(pool, state=LinearState(
+        conv=jax.ShapeDtypeStruct(conv, state_dtype or dtype, sharding=NamedSharding(mesh, spec.conv)),
+        recurrent=jax.ShapeDtypeStruct(recurrent, jnp.float32, sharding=NamedSharding(mesh, spec.recurrent))))
+
+
+def _abstract_pages(config: ModelConfig, num_pages: int, page_size: int, dtype, *, tp: int, kernels: Kernels,
+                    mesh) -> KVCache:
     shape = KVCache.shape(config, num_pages, page_size, dtype, tp=tp, kernels=kernels)
     combined = combined_pool(config, kernels)
     specs = kv_partition_spec(is_quantized(dtype), combined)

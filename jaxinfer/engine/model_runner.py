@@ -370,7 +370,25 @@ class ModelRunner:
         dst = np.zeros(n, np.int32)
         for i, (replica, (s, d)) in enumerate(copies):
             src[i], dst[i] = self._global_pages(replica, [s, d])
-        self.kv = page_ops(self.step_fn.mesh, self.kv.quantized, self.kv.combined).copy(self.kv, src, dst)
+        self.kv = self._page_ops().copy(self.kv, src, dst)
+
+    @property
+    def state_slots_per_replica(self) -> int:
+        """A hybrid model's recurrent-state slots per replica, scratch included (0: no states)."""
+        return self.kv.state.num_slots // self.num_replicas if self.kv.state is not None else 0
+
+    def copy_states(self, copies: Sequence[tuple[int, tuple[int, int]]]) -> None:
+        """Copies recurrent-state slots src -> dst (a forked sequence continues its parent's
+        state), in place; `copies`: (replica, (src, dst)) pairs of that replica's slots."""
+        if not copies:
+            return
+        n = self.state_slots_per_replica
+        src = np.array([r * n + a for r, (a, _) in copies], np.int32)
+        dst = np.array([r * n + b for r, (_, b) in copies], np.int32)
+        self.kv = _copy_states(self.kv, src, dst)
+
+    def _page_ops(self) -> "PageOps":
+        return page_ops(self.step_fn.mesh, self.kv.quantized, self.kv.combined, self.kv.state is not None)
 
     def read_pages(self, replica: int, pages: Sequence[int]) -> KVCache:
         """A replica's pages, all layers, on the host: a KVCache of numpy arrays, k and v
@@ -379,7 +397,7 @@ class ModelRunner:
         a power of two with the scratch page, as `copy_pages` does."""
         padded = np.zeros(_power_of_two(len(pages)), np.int32)
         padded[: len(pages)] = pages
-        saved = page_ops(self.step_fn.mesh, self.kv.quantized, self.kv.combined).read(self.kv, self._global_pages(replica, padded))
+        saved = self._page_ops().read(self.kv, self._global_pages(replica, padded))
         return jax.tree.map(lambda a: np.asarray(a)[:, : len(pages)], saved)
 
     def write_pages(self, replica: int, pages: Sequence[int], saved: KVCache) -> None:
@@ -389,7 +407,7 @@ class ModelRunner:
         padded = np.zeros(n, np.int32)
         padded[: len(pages)] = pages
         saved = jax.tree.map(lambda a: np.pad(a, [(0, 0), (0, n - a.shape[1])] + [(0, 0)] * (a.ndim - 2)), saved)
-        self.kv = page_ops(self.step_fn.mesh, self.kv.quantized, self.kv.combined).write(self.kv, self._global_pages(replica, padded), saved)
+        self.kv = self._page_ops().write(self.kv, self._global_pages(replica, padded), saved)
 
     def warmup_page_ops(self, *, max_copies: int, max_swapped: int = 0) -> None:
         """Compiles the page programs for every padded size: copies of up to `max_copies` pages
@@ -459,7 +477,8 @@ def sampling_tensors(num_rows: int, scheduled, rows_of_chunk, max_history: int, 
             raise ValueError(f"{max_banned} banned ids in one row; the sampler holds at most {MAX_BANNED_IDS}")
         st.banned_ids = np.full((R, MAX_BANNED_IDS), -1, np.int32)
         for s, rows in zip(scheduled, rows_of_chunk):
-            st.banned_ids[np.asarray(rows)[:, None], np.arange(len(s.sampling.banned_ids))] = s.sampling.banned_ids
+            # (rows as ints: a prefill chunk short of its prompt's end has none)
+            st.banned_ids[np.asarray(rows, np.int64)[:, None], np.arange(len(s.sampling.banned_ids))] = s.sampling.banned_ids
     if penalties:
         H = max_history
         st.history_ids = np.full((R, H), -1, np.int32)
@@ -496,6 +515,7 @@ def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int, with_lor
         logits_indices=np.zeros(R, np.int32),
         token_src=np.full(T, -1, np.int32),
         lora_slots=np.zeros(S, np.int32) if with_lora else None,
+        state_slots=np.zeros(S, np.int32),
     )
     return jax.tree.map(lambda a: np.stack([a] * num_replicas), batch)
 
@@ -552,21 +572,28 @@ class PageOps(NamedTuple):
     read: Callable  # (kv, pages [n]) -> KVCache of [L, n, ...], replicated so every process can fetch it: swap-out
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _copy_states(kv: KVCache, src, dst) -> KVCache:
+    state = jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), kv.state)
+    return dataclasses.replace(kv, state=state)
+
+
 @functools.cache
-def page_ops(mesh, quantized: bool, combined: bool = False) -> PageOps:
-    """Every array of the cache (K, V and a quantized pool's scales) shares the [L, P] leading
-    axes, so each operation is the same on all of them."""
-    kv_sharding = kv_shardings(mesh, quantized, combined)
+def page_ops(mesh, quantized: bool, combined: bool = False, linear: bool = False) -> PageOps:
+    """Every page array of the cache (K, V and a quantized pool's scales) shares the [L, P] leading
+    axes, so each operation is the same on all of them; a hybrid model's recurrent states
+    (`linear`) stay as they are."""
+    kv_sharding = kv_shardings(mesh, quantized, combined, linear)
     everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def copy(kv: KVCache, src, dst) -> KVCache:
-        return jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), kv)
+        return kv.map_pages(lambda a: a.at[:, dst].set(a[:, src]))
 
     def write(kv: KVCache, pages, saved: KVCache) -> KVCache:
-        return jax.tree.map(lambda a, b: a.at[:, pages].set(b.astype(a.dtype)), kv, saved)
+        return kv.map_pages(lambda a, b: a.at[:, pages].set(b.astype(a.dtype)), saved)
 
     def read(kv: KVCache, pages) -> KVCache:
-        return jax.tree.map(lambda a: a[:, pages], kv)
+        return jax.tree.map(lambda a: a[:, pages], kv.page_arrays())
 
     return PageOps(copy=jax.jit(copy, donate_argnums=0, out_shardings=kv_sharding),
                    write=jax.jit(write, donate_argnums=0, out_shardings=kv_sharding),

@@ -349,6 +349,9 @@ class Decoder(nnx.Module):
                 step.write_offset[layer.group], layer.batch_view(step.batch), parallel=par, **options)
             pool = view.like(pool)
         attn = attn.reshape(Tl, num_heads * D)
+        if c.attn_output_gate:  # Qwen3-Next / Qwen3.5: each query head's output times sigmoid(its gate)
+            gate = matmul(h, w["attn_gate"], kernels)  # [Tl, Hq * D] (this shard's heads)
+            attn = (attn.astype(jnp.float32) * jax.nn.sigmoid(gate)).astype(attn.dtype)
         delta = kernels.lora_delta(attn, lw["o_a"], [lw["o_b"]], step.lora_slot) if lw is not None else None
         return self._row_parallel(attn, w["o_proj"], w.get("o_bias"), delta), pool
 

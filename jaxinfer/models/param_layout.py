@@ -73,6 +73,11 @@ DENSE_MLP_PARAMS = frozenset(f"layers.{n}" for n in ("gate_up_proj", "down_proj"
 # layers' double-wide dense MLP ("wide_").
 GLOBAL_ATTENTION_PARAMS = ("qkv_proj", "o_proj", "q_norm", "k_norm")
 WIDE_MLP_PARAMS = ("gate_up_proj", "down_proj")
+# Hybrid models (Qwen3-Next, Qwen3.5): attention's weights stack over the full-attention layers, a
+# Gated DeltaNet's over the linear-attention layers
+ATTENTION_PARAMS = frozenset(f"layers.{n}" for n in ("qkv_proj", "o_proj", "q_norm", "k_norm", "qkv_bias", "o_bias", "attn_gate"))
+LINEAR_ATTENTION_PARAMS = frozenset(f"layers.{n}" for n in (
+    "lin_qkv", "lin_z", "lin_b", "lin_a", "lin_conv", "lin_dt_bias", "lin_a_log", "lin_norm", "lin_out"))
 
 
 def has_experts(config: ModelConfig, layer: int) -> bool:
@@ -101,6 +106,10 @@ def stack_of(config: ModelConfig, name: str, layer: int) -> str | None:
     None when the layer has no such weight: a MoE parameter stacks over the MoE layers, a dense
     MLP's over the dense ones (every layer where experts run beside it: Gemma 4), Gemma 4's global
     attention and wide MLPs over those layers, every other one over all layers."""
+    if f"layers.{name}" in LINEAR_ATTENTION_PARAMS:
+        return f"layers.{name}" if config.layer_kind(layer).linear else None
+    if f"layers.{name}" in ATTENTION_PARAMS and config.layer_kind(layer).linear:
+        return None
     if f"layers.{name}" in MOE_PARAMS:
         return f"layers.{name}" if has_experts(config, layer) else None
     if f"layers.{name}" in DENSE_MLP_PARAMS:
@@ -196,11 +205,30 @@ def param_shapes(config: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]
         shapes["layers.layer_scalar"] = (L, 1)
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (H, V)
+    if c.attn_output_gate:  # the gate of full attention's output, per query head
+        shapes["layers.attn_gate"] = (_stack_size(c, "layers.qkv_proj"), H, c.num_heads * c.head_dim)
+    if c.has_linear_layers:
+        shapes.update(_linear_attention_shapes(c))
     if c.mtp_module:  # the MTP module's input: eh_proj([enorm(embedding) | hnorm(target's hidden state)])
         shapes.update({"layers.mtp_enorm": (L, H), "layers.mtp_hnorm": (L, H), "layers.mtp_eh_proj": (L, 2 * H, H)})
     if c.o_bias:
         shapes["layers.o_bias"] = (L, H)
     return shapes
+
+
+def _linear_attention_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet's weights (Qwen3-Next, Qwen3.5), over the n linear layers:
+
+        lin_qkv [n, H, 2*Kd + Vd]   q | k | v, the convolution's channels (Kd = key heads x key dim,
+                                    Vd = value heads x value dim)
+        lin_z [n, H, Vd]            the output gate      lin_b, lin_a [n, H, Hv]: beta's and the decay's
+        lin_conv [n, K, 2*Kd + Vd]  the depthwise causal convolution's K taps per channel
+        lin_dt_bias, lin_a_log [n, Hv]    lin_norm [n, Dv] (the gated RMSNorm's weight)    lin_out [n, Vd, H]"""
+    n, H, Hv = _stack_size(c, "layers.lin_qkv"), c.hidden_size, c.linear_value_heads
+    kd, vd = c.linear_key_heads * c.linear_key_head_dim, Hv * c.linear_value_head_dim
+    return {"layers.lin_qkv": (n, H, 2 * kd + vd), "layers.lin_z": (n, H, vd), "layers.lin_b": (n, H, Hv),
+            "layers.lin_a": (n, H, Hv), "layers.lin_conv": (n, c.linear_conv_kernel, 2 * kd + vd), "layers.lin_dt_bias": (n, Hv),
+            "layers.lin_a_log": (n, Hv), "layers.lin_norm": (n, c.linear_value_head_dim), "layers.lin_out": (n, vd, H)}
 
 
 def _mla_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -293,6 +321,17 @@ _AXES = {
     "layers.index_k_norm": ("layers", None),
     "layers.index_k_norm_bias": ("layers", None),
     "layers.index_weights": ("layers", "embed", None),
+    "layers.attn_gate": ("layers", "embed", "heads"),
+    # a Gated DeltaNet whole on every tensor shard (its heads are not split yet)
+    "layers.lin_qkv": ("layers", "embed", None),
+    "layers.lin_z": ("layers", "embed", None),
+    "layers.lin_b": ("layers", "embed", None),
+    "layers.lin_a": ("layers", "embed", None),
+    "layers.lin_conv": ("layers", None, None),
+    "layers.lin_dt_bias": ("layers", None),
+    "layers.lin_a_log": ("layers", None),
+    "layers.lin_norm": ("layers", None),
+    "layers.lin_out": ("layers", None, "embed"),
     "layers.mtp_enorm": ("layers", "embed"),
     "layers.mtp_hnorm": ("layers", "embed"),
     "layers.mtp_eh_proj": ("layers", None, "embed"),

@@ -18,6 +18,7 @@ from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.models.llama4 import Llama4ForCausalLM
 from jaxinfer.models.minimax_m2 import MiniMaxM2ForCausalLM
 from jaxinfer.models.olmo import OlmoForCausalLM
+from jaxinfer.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_CLASSES: dict[str, type[Decoder]] = {
     **{t: LlamaForCausalLM for t in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3",
@@ -38,6 +39,7 @@ MODEL_CLASSES: dict[str, type[Decoder]] = {
     "deepseek_v3": DeepseekForCausalLM,
     "deepseek_v32": DeepseekForCausalLM,  # with the sparse-attention indexer (ModelConfig.index_topk)
     "glm_moe_dsa": DeepseekForCausalLM,
+    **{t: Qwen3NextForCausalLM for t in ("qwen3_next", "qwen3_5_text", "qwen3_5")},
 }
 
 

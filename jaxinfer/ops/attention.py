@@ -91,15 +91,16 @@ def write_rows(pool: KVCache, pages, offsets, k, v, lane_blocks: int = 1) -> KVC
     dtype = pool.pages.dtype
     (k, k_scale), (v, v_scale) = quantize_kv(k, dtype), quantize_kv(v, dtype)  # entries [n, Hkv, D], scales [n, Hkv]
     if not pool.combined:
-        return KVCache(k=pool.k.at[pages, offsets].set(k), v=pool.v.at[pages, offsets].set(v),
-                       k_scale=pool.k_scale.at[pages, offsets].set(k_scale), v_scale=pool.v_scale.at[pages, offsets].set(v_scale))
+        return dataclasses.replace(pool, k=pool.k.at[pages, offsets].set(k), v=pool.v.at[pages, offsets].set(v),
+                                   k_scale=pool.k_scale.at[pages, offsets].set(k_scale),
+                                   v_scale=pool.v_scale.at[pages, offsets].set(v_scale))
     n, Hkv = k_scale.shape
     page_size = pool.kv.shape[1]  # a folded pool: [slots * P, page_size, ...]
     # scales run (head, K|V, token) within a page: token `offset`'s 2 Hkv of them are page_size apart
     slot = offsets[:, None] + page_size * jnp.arange(2 * Hkv)[None, :]  # [n, 2 Hkv]
     scales = jnp.stack([k_scale, v_scale], axis=-1).reshape(n, 2 * Hkv)  # (head, K|V) order
-    return KVCache(kv=write_page_rows(pool.kv, pages, offsets, combine_kv(k, v)),
-                   kv_scale=pool.kv_scale.at[pages[:, None], slot].set(scales))
+    return dataclasses.replace(pool, kv=write_page_rows(pool.kv, pages, offsets, combine_kv(k, v)),
+                               kv_scale=pool.kv_scale.at[pages[:, None], slot].set(scales))
 
 
 def write_page_rows(pages_array: jax.Array, pages, offsets, rows) -> jax.Array:
@@ -272,8 +273,8 @@ def write_latent_rows(pool: KVCache, rows, layer_page_offset, write_page, write_
         return dataclasses.replace(pool, kv=write_page_rows(pool.kv, pages, write_offset, rows))
     entries, scales = quantize_kv(rows.astype(jnp.float32) @ kv_rotation(rows.shape[-1]), pool.kv.dtype)  # [T, D], [T]
     entries = jnp.pad(entries, ((0, 0), (0, width - entries.shape[-1])))
-    return KVCache(kv=write_page_rows(pool.kv, pages, write_offset, entries),
-                   kv_scale=pool.kv_scale.at[pages, write_offset].set(scales))
+    return dataclasses.replace(pool, kv=write_page_rows(pool.kv, pages, write_offset, entries),
+                               kv_scale=pool.kv_scale.at[pages, write_offset].set(scales))
 
 
 def takes_flash_path(batch: RaggedBatch, num_tokens: int, *, query_block: int, kernels: Kernels) -> jax.Array | bool:

@@ -18,6 +18,8 @@ buckets, so the step compiles once per bucket.
                                      this token (a token still on the device: see step.py)
     hidden_src      [T]              optional: the row of a stream of hidden states on the device
                                      that is each token's input beside its id (models.deepseek_mtp)
+    state_slots     [S]              each sequence's slot of the recurrent states (hybrid models:
+                                     jaxinfer.ops.linear_state; 0 = the scratch slot)
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class RaggedBatch:
     token_src: jax.Array
     lora_slots: jax.Array | None = None  # [S] int32: each sequence's LoRA adapter slot (0 = none); None: no LoRA
     hidden_src: jax.Array | None = None  # [T] int32: each token's row of the input stream; None: no hidden input
+    state_slots: jax.Array | None = None  # [S] int32: each sequence's recurrent-state slot (hybrid models)
 
 
 @dataclasses.dataclass
@@ -63,6 +66,7 @@ class SequenceChunk:
     # per token, its row of the stream of hidden states the step reads beside the ids (a
     # multi-token-prediction module's input: jaxinfer.engine.mtp); () = none
     hidden_src: Sequence[int] = ()
+    state_slot: int = 0  # its slot of the recurrent states (a hybrid model's: jaxinfer.ops.linear_state; 0 = none)
     # per group, the index in the full row where `pages` starts (the entries before are the scratch
     # page: a sliding group's pages behind its window, given back); () = every row from 0
     page_offsets: Sequence[int] = ()
@@ -252,6 +256,7 @@ def pack_batch(
     positions = np.zeros(T, np.int32)
     cu_q_lens = np.zeros(S + 1, np.int32)
     kv_lens = np.zeros(S, np.int32)
+    state_slots = np.zeros(S, np.int32)
     G = buckets.num_groups
     page_sizes = (page_size,) * G if isinstance(page_size, int) else tuple(page_size)
     page_table = np.full((G, S, buckets.pages_per_seq), SCRATCH_PAGE, np.int32)
@@ -284,6 +289,7 @@ def pack_batch(
         positions[t : t + n] = np.arange(c.start_pos, end)
         cu_q_lens[s + 1] = t + n
         kv_lens[s] = end
+        state_slots[s] = c.state_slot
         rows = []
         for off in c.logits_rows:
             logits_indices[r] = t + off
@@ -301,6 +307,7 @@ def pack_batch(
         num_seqs=np.array([len(chunks)], np.int32),
         logits_indices=logits_indices,
         token_src=token_src,
+        state_slots=state_slots,
     )
     if with_hidden:
         batch.hidden_src = hidden_src

@@ -78,6 +78,7 @@ import jax.numpy as jnp
 from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.kv_groups import KVGroups, kv_groups
 from jaxinfer.ops.kernels import Kernels
+from jaxinfer.ops.linear_state import LinearState
 from pallas_kernels.mla_attention.tpu import padded_row
 from pallas_kernels.ragged_paged_attention.combined import row_width
 from pallas_kernels.ragged_paged_attention.reference import QUANTIZED_KV_DTYPES, storage_dtype
@@ -151,13 +152,31 @@ class KVCache:
     v_scale: jax.Array | None = None
     kv: jax.Array | None = None  # [slots, P, page_size, Hkv * 2 * Ds]: combined layout (TPU kernels)
     kv_scale: jax.Array | None = None  # [slots, P, Hkv * 2 * page_size] float32: a quantized combined pool's
+    # a hybrid model's per-sequence recurrent states (Gated DeltaNet layers: jaxinfer.ops.linear_state),
+    # beside the pages; page operations never touch them
+    state: LinearState | None = None
 
     @staticmethod
     def create(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, *, tp: int = 1,
-               sharding=None, scale_sharding=None, kernels: Kernels = Kernels()) -> "KVCache":
+               sharding=None, scale_sharding=None, kernels: Kernels = Kernels(), state_slots: int = 0,
+               state_dtype=None, state_sharding=None) -> "KVCache":
         """Zeroed pages in the kernels' layout (and scales when `dtype` is int8 / e4m3).
         `sharding` (a jax Sharding for the page arrays; `scale_sharding` for the scales) places
-        each device's part directly, nothing whole anywhere."""
+        each device's part directly, nothing whole anywhere. A hybrid model's cache also holds
+        `state_slots` recurrent states (its convolutions' in `state_dtype`, default `dtype`),
+        placed with `state_sharding` (jaxinfer.ops.linear_state)."""
+        pool = KVCache._create_pages(config, num_pages, page_size, dtype, tp=tp, sharding=sharding,
+                                     scale_sharding=scale_sharding, kernels=kernels)
+        if not config.has_linear_layers:
+            return pool
+        if state_slots < 2:
+            raise ValueError(f"a {config.model_type} cache needs recurrent-state slots (state_slots={state_slots})")
+        state = LinearState.create(config, state_slots, state_dtype or dtype, sharding=state_sharding)
+        return dataclasses.replace(pool, state=state)
+
+    @staticmethod
+    def _create_pages(config: ModelConfig, num_pages: int, page_size: int, dtype, *, tp: int, sharding, scale_sharding,
+                      kernels: Kernels) -> "KVCache":
         shape = KVCache.shape(config, num_pages, page_size, dtype, tp=tp, kernels=kernels)
         zeros = jax.jit(lambda: jnp.zeros(shape, storage_dtype(dtype)), out_shardings=sharding)
         combined = combined_pool(config, kernels)
@@ -211,9 +230,18 @@ class KVCache:
         """The (first) scale array of a quantized pool: kv_scale, or k_scale."""
         return self.kv_scale if self.combined else self.k_scale
 
+    def page_arrays(self) -> "KVCache":
+        """The cache without its recurrent states: what page operations (copy, swap, fold) act on."""
+        return dataclasses.replace(self, state=None)
+
+    def map_pages(self, fn, *others: "KVCache") -> "KVCache":
+        """fn over every page array (and the matching arrays of `others`), the states kept."""
+        pages = jax.tree.map(fn, self.page_arrays(), *(other.page_arrays() for other in others))
+        return dataclasses.replace(pages, state=self.state)
+
     def fold_slots(self) -> "KVCache":
-        """Every array with its slot axis folded into the page axis: [slots * P, ...] (a free reshape)."""
-        return jax.tree.map(lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), self)
+        """Every page array with its slot axis folded into the page axis: [slots * P, ...] (a free reshape)."""
+        return self.map_pages(lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]))
 
     def group_view(self, factor: int, kv_heads: int, head_dim: int) -> "KVCache":
         """A folded separate pool as a layer group of another shape sees it (jaxinfer.kv_groups):
@@ -227,14 +255,14 @@ class KVCache:
         shape = (self.k.shape[0], self.k.shape[1] * factor, kv_heads, head_dim)
         if shape == self.k.shape:
             return self
-        return KVCache(k=self.k.reshape(shape), v=self.v.reshape(shape))  # (never quantized: KVCache.create)
+        return dataclasses.replace(self, k=self.k.reshape(shape), v=self.v.reshape(shape))  # (never quantized: KVCache.create)
 
     def like(self, pool: "KVCache") -> "KVCache":
         """This (group) view back in `pool`'s shapes."""
-        return jax.tree.map(lambda a, b: a.reshape(b.shape), self, pool)
+        return self.map_pages(lambda a, b: a.reshape(b.shape), pool)
 
     def unfold_slots(self, num_slots: int) -> "KVCache":
-        return jax.tree.map(lambda a: a.reshape((num_slots, a.shape[0] // num_slots) + a.shape[1:]), self)
+        return self.map_pages(lambda a: a.reshape((num_slots, a.shape[0] // num_slots) + a.shape[1:]))
 
     @staticmethod
     def shape(config: ModelConfig, num_pages: int, page_size: int, dtype, *, tp: int = 1,
@@ -263,4 +291,5 @@ class KVCache:
         return self.pages.shape[2]
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in jax.tree.leaves(self))
+        """The pages' bytes (and their scales'), not the recurrent states'."""
+        return sum(a.nbytes for a in jax.tree.leaves(self.page_arrays()))

@@ -17,6 +17,7 @@ from jaxinfer.models.lora import LORA_AXES
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.param_layout import param_axes, param_shapes, quantized_axes
 from jaxinfer.ops.kv_cache import KVCache
+from jaxinfer.ops.linear_state import LinearState
 from sharding import rules
 
 
@@ -66,22 +67,37 @@ def param_shardings(config: ModelConfig, mesh: Mesh, tp: int | None = None, spec
     return out
 
 
-def kv_partition_spec(quantized: bool = False, combined: bool = False) -> KVCache:
+def kv_partition_spec(quantized: bool = False, combined: bool = False, linear: bool = False) -> KVCache:
     """The KV cache's spec: pages split over the replica axes, KV heads over "tensor" (a
     quantized pool's scales, [L, P, page_size, Hkv], likewise; a combined pool's rows
-    [L, P, page_size, Hkv * 2 * Ds] split into runs of whole heads)."""
+    [L, P, page_size, Hkv * 2 * Ds] split into runs of whole heads); `linear`: with a hybrid
+    model's recurrent states, their slots split over the replica axes like pages, whole on every
+    tensor shard."""
+    state = linear_state_spec() if linear else None
     spec = rules.logical_to_spec(rules.KV_CACHE_AXES)
     if combined:  # rows [L, P, page_size, Hkv * 2 * Ds] and scales [L, P, Hkv * 2 * page_size], head-major
         rows = rules.logical_to_spec(rules.KV_CACHE_AXES[:-1])
-        return KVCache(kv=rows, kv_scale=rules.logical_to_spec(("layers", "pages", "kv_heads")) if quantized else None)
+        return KVCache(kv=rows, kv_scale=rules.logical_to_spec(("layers", "pages", "kv_heads")) if quantized else None,
+                       state=state)
     if not quantized:
-        return KVCache(k=spec, v=spec)
+        return KVCache(k=spec, v=spec, state=state)
     scale_spec = rules.logical_to_spec(rules.KV_CACHE_AXES[:-1])
-    return KVCache(k=spec, v=spec, k_scale=scale_spec, v_scale=scale_spec)
+    return KVCache(k=spec, v=spec, k_scale=scale_spec, v_scale=scale_spec, state=state)
 
 
-def kv_shardings(mesh: Mesh, quantized: bool = False, combined: bool = False) -> KVCache:
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_partition_spec(quantized, combined),
+def linear_state_spec() -> LinearState:
+    """Recurrent states (jaxinfer.ops.linear_state): [L_lin, slots, ...] split on slots over the replica axes."""
+    return LinearState(conv=rules.logical_to_spec(("layers", "pages", None, None)),
+                       recurrent=rules.logical_to_spec(("layers", "pages", None, None, None)))
+
+
+def cache_spec(kv: KVCache) -> KVCache:
+    """The spec of this cache (`kv_partition_spec` of its kind)."""
+    return kv_partition_spec(kv.quantized, kv.combined, kv.state is not None)
+
+
+def kv_shardings(mesh: Mesh, quantized: bool = False, combined: bool = False, linear: bool = False) -> KVCache:
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_partition_spec(quantized, combined, linear),
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 

@@ -52,7 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.ops.kv_cache import KVCache
 from jaxinfer.ops.sampling import LOGITS_PROCESSORS, SampleOutput, sample, without_processors
-from jaxinfer.runtime.placement import kv_partition_spec, per_replica_specs, put_global
+from jaxinfer.runtime.placement import cache_spec, per_replica_specs, put_global
 from sharding import rules
 from sharding.mesh import ParallelConfig, make_mesh
 
@@ -131,7 +131,7 @@ class StepFunction:
         def model(params, kv, batch, prev_tokens, *prev_stream, query_block: int, spec_block: int = 0):
             self.num_compiles += 1  # runs only while tracing, i.e. once per compiled variant
             self.num_model_compiles += 1
-            kv_specs = kv_partition_spec(kv.quantized, kv.combined)
+            kv_specs = cache_spec(kv)
             return jax.shard_map(
                 lambda *a: per_device_model(*a, query_block=query_block, spec_block=spec_block), mesh=self.mesh,
                 in_specs=(self._specs(params), kv_specs, per_replica_specs(batch), rules.per_replica(2),
@@ -174,7 +174,7 @@ class StepFunction:
         def forward(params, kv, batch, *, query_block: int, spec_block: int = 0):
             """The raw logits [replicas, R, V] (for tests and scoring; with return_hidden also the
             rows' hidden states [replicas, R, H]); not the serving path."""
-            kv_specs = kv_partition_spec(kv.quantized, kv.combined)
+            kv_specs = cache_spec(kv)
             return jax.shard_map(
                 lambda *a: per_device_forward(*a, query_block, spec_block), mesh=self.mesh,
                 in_specs=(self._specs(params), kv_specs, per_replica_specs(batch)),

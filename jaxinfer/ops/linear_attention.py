@@ -1,0 +1,110 @@
+"""Gated DeltaNet over a ragged batch: each sequence's tokens continue its own recurrent state.
+
+A step holds decodes (one token each) and at most MAX_PREFILL_CHUNKS multi-token chunks
+(jaxinfer.ops.batch). Both pieces of a Gated DeltaNet layer run per sequence:
+
+- `ragged_causal_conv`: the depthwise causal convolution over the q | k | v channels, each
+  token's window reaching back into its sequence's saved inputs (the state's `conv` rows) where
+  the chunk does not; the last K - 1 inputs of each sequence become its new saved inputs;
+- `ragged_delta_rule`: the gated delta rule (pallas_kernels.gated_delta_rule.reference), the
+  one-token step for every decode, vectorised over the sequences, and the chunked form for each
+  multi-token chunk (its tokens gathered and padded to the step's T with tokens that change
+  nothing), each from its sequence's state, the final states written back to their slots.
+
+A sequence whose chunk starts at position 0 starts from zeros, whatever its slot holds. States
+are per replica: `slots` index this replica's part of the table (jaxinfer.ops.linear_state).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.ops.batch import MAX_PREFILL_CHUNKS, RaggedBatch
+from pallas_kernels.gated_delta_rule import reference as delta_rule
+
+CHUNK_SIZE = 64  # the chunked form's chunk (transformers' and FLA's)
+
+
+def sequence_layout(batch: RaggedBatch, T: int):
+    """Per token: (its sequence [T], its offset in its chunk [T]); per sequence: (its chunk's
+    first row [S], length [S], whether it starts at position 0 [S])."""
+    cu, kv_lens = jnp.asarray(batch.cu_q_lens), jnp.asarray(batch.kv_lens)
+    first, q_lens = cu[:-1], cu[1:] - cu[:-1]
+    seq = jnp.minimum(jnp.searchsorted(cu[1:], jnp.arange(T), side="right"), kv_lens.shape[0] - 1)
+    return seq, jnp.arange(T) - first[seq], first, q_lens, kv_lens - q_lens == 0
+
+
+def ragged_causal_conv(x: jax.Array, saved: jax.Array, weight: jax.Array, batch: RaggedBatch):
+    """x [T, C] (one layer's conv inputs), saved [N, K - 1, C] (each slot's last inputs), weight
+    [K, C] -> (out [T, C] = sum_j weight[j] * x[t - (K - 1) + j] per sequence (before the
+    activation), saved with each sequence's last K - 1 inputs written to its slot)."""
+    T, C = x.shape
+    K = weight.shape[0]
+    seq, offset, first, q_lens, fresh = sequence_layout(batch, T)
+    slots = jnp.asarray(batch.state_slots)  # [S]
+    before = jnp.where(fresh[:, None, None], 0, saved[slots]).astype(x.dtype)  # [S, K - 1, C]: inputs before each chunk
+
+    def tap(s, o):  # the input at offset o of sequence s's chunk (o < 0: saved before it)
+        return jnp.where((o >= 0)[..., None], x[jnp.clip(first[s] + o, 0, T - 1)], before[s, jnp.clip(o + K - 1, 0, K - 2)])
+
+    out = sum(tap(seq, offset - (K - 1) + j).astype(jnp.float32) * weight[j].astype(jnp.float32) for j in range(K))
+    # each sequence's last K - 1 inputs: chunk offsets q_len - (K - 1) .. q_len - 1
+    o = q_lens[:, None] - (K - 1) + jnp.arange(K - 1)[None, :]  # [S, K - 1]
+    last = tap(jnp.arange(slots.shape[0])[:, None], o)  # [S, K - 1, C]
+    in_use = jnp.arange(slots.shape[0]) < batch.num_seqs[0]
+    saved = saved.at[jnp.where(in_use, slots, saved.shape[0])].set(last.astype(saved.dtype), mode="drop")
+    return out.astype(x.dtype), saved
+
+
+def ragged_delta_rule(q, k, v, g, beta, recurrent: jax.Array, batch: RaggedBatch, *, chunks: bool):
+    """The gated delta rule of every sequence of the step: q, k [T, Hv, Dk] (prepared:
+    `delta_rule.prepare_qk`), v [T, Hv, Dv], g and beta [T, Hv], recurrent [N, Hv, Dk, Dv] (the
+    slots' states) -> (out [T, Hv, Dv] float32, recurrent with each sequence's final state in its
+    slot). `chunks`: the step may hold multi-token chunks (not a decode bucket)."""
+    T = q.shape[0]
+    N = recurrent.shape[0]
+    _, _, first, q_lens, fresh = sequence_layout(batch, T)
+    slots, S = jnp.asarray(batch.state_slots), q_lens.shape[0]
+    in_use = jnp.arange(S) < batch.num_seqs[0]
+    start = jnp.where(fresh[:, None, None, None], 0.0, recurrent[slots])  # [S, Hv, Dk, Dv]
+
+    # decodes: one step each, vectorised over the sequences (their one token at row `first`)
+    row = jnp.clip(first, 0, T - 1)
+    out_1, state_1 = delta_rule.step(q[row], k[row], v[row], g[row], beta[row], start)
+    decode = in_use & (q_lens == 1)
+    out = jnp.zeros(v.shape, jnp.float32).at[jnp.where(decode, row, T)].set(out_1, mode="drop")
+    recurrent = recurrent.at[jnp.where(decode, slots, N)].set(state_1, mode="drop")
+    if not chunks:
+        return out, recurrent
+
+    # multi-token chunks: each gathered into T rows (past its length: g = beta = 0, k = 0, no change)
+    long = in_use & (q_lens > 1)
+    (which,) = jnp.nonzero(long, size=MAX_PREFILL_CHUNKS, fill_value=0)
+    present = jnp.arange(MAX_PREFILL_CHUNKS) < jnp.sum(long)
+
+    def one_chunk(args):
+        s, present = args
+        rows = first[s] + jnp.arange(T)
+        valid = present & (jnp.arange(T) < q_lens[s])
+        take = jnp.clip(rows, 0, T - 1)
+        mask = valid[:, None]
+        o, final = jax.lax.cond(present, lambda: delta_rule.chunked(
+            q[take], jnp.where(mask[..., None], k[take], 0.0), v[take], jnp.where(mask, g[take], 0.0),
+            jnp.where(mask, beta[take], 0.0), start[s], chunk_size=CHUNK_SIZE),
+            lambda: (jnp.zeros(v.shape, jnp.float32), start[s]))
+        return o, final, jnp.where(valid, rows, T)
+
+    outs, finals, targets = jax.lax.map(one_chunk, (which, present))
+    out = out.at[targets.reshape(-1)].set(outs.reshape(-1, *outs.shape[2:]), mode="drop")
+    recurrent = recurrent.at[jnp.where(present, slots[which], N)].set(finals, mode="drop")
+    return out, recurrent
+
+
+def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm of each head's x [..., Dv] (weight [Dv], no offset) times silu(gate), in float32
+    (transformers' Qwen3NextRMSNormGated); returned in gate's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    y = weight.astype(jnp.float32) * xf.astype(gate.dtype).astype(jnp.float32)
+    return (y * jax.nn.silu(gate.astype(jnp.float32))).astype(gate.dtype)

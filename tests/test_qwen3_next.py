@@ -1,0 +1,68 @@
+"""Qwen3-Next and Qwen3.5 (Gated DeltaNet layers between full-attention ones) through the engine.
+
+Tiny random models (tests/tiny_models.py; their logits are tests/test_model_parity.py's). Each
+running sequence carries its recurrent states in a slot of its own beside the full-attention
+layers' pages: greedy text equals transformers' `generate` batched with prompts of different
+lengths prefilled in chunks, alone, under preemption (the states start over with the recompute),
+and for forked completions (a child starts from its parent's states); on a data-parallel mesh each
+replica holds its own slots. What the states do not support yet is refused by name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.ops.linear_state import LinearState
+from test_model_families import hf_greedy
+from tiny_models import save_hf_model
+
+# min_tokens as transformers' min_new_tokens: the end-of-text token cannot win before the 8th
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
+SMALL = dict(max_model_len=32, page_size=4, max_num_batched_tokens=8, max_num_seqs=4, progress=False)
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text"])
+def hybrid(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    hf = save_hf_model(request.param, directory)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(3, 250, n)] for n in (3, 9, 17, 6)]
+    return directory, prompts, [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+
+
+def test_greedy_text_equals_transformers_batched_alone_preempted_and_forked(hybrid):
+    directory, prompts, want = hybrid
+    # one full-attention layer, pages of 4 tokens: 7 pages cannot hold the four sequences at once
+    llm = LLM(str(directory), num_pages=8, **SMALL)
+    kv = llm.runner.kv
+    assert kv.pages.shape[0] == 1 and llm.engine_config.enable_prefix_caching is False  # K/V of the one full layer
+    assert kv.state.recurrent.shape == (3, 5, 4, 16, 8) and kv.state.conv.shape == (3, 5, 3, 2 * 32 + 32)
+    assert LinearState.bytes_per_slot(llm.config, np.float32) == 3 * (3 * 96 + 4 * 16 * 8) * 4
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+    assert llm.engine.get_stats().num_preemptions > 0
+    assert [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts] == want
+    forked = llm.generate([prompts[1]], SamplingParams(n=3, temperature=0.0, max_tokens=8, min_tokens=8),
+                          use_tqdm=False)[0]
+    assert [c.token_ids for c in forked.outputs] == [want[1]] * 3
+    for replica in llm.engine.core.replicas:
+        replica.block_manager.check_invariants()  # every state slot free again
+
+
+def test_data_parallel_replicas_hold_their_own_state_slots(hybrid):
+    directory, prompts, want = hybrid
+    llm = LLM(str(directory), num_pages=64, data_parallel_size=2, **SMALL)
+    assert llm.runner.state_slots_per_replica == 5
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(preemption_mode="swap"), "preemption_mode='swap'"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
+    (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
+    (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+])
+def test_what_the_recurrent_states_do_not_run_with_yet_is_refused_by_name(hybrid, setting, message):
+    with pytest.raises(ValueError, match=f"{message}.*Gated DeltaNet"):
+        LLM(str(hybrid[0]), num_pages=16, **SMALL, **setting)
