@@ -50,6 +50,18 @@ def test_greedy_text_equals_transformers_batched_alone_preempted_and_forked(hybr
         replica.block_manager.check_invariants()  # every state slot free again
 
 
+def test_swap_preemption_saves_and_restores_the_recurrent_states(hybrid):
+    """Swapped out, a sequence's states go to the host with its pages and come back into whatever
+    slot it holds when it resumes (no recompute)."""
+    directory, prompts, want = hybrid
+    llm = LLM(str(directory), num_pages=8, preemption_mode="swap", **SMALL)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+    stats = llm.engine.get_stats()
+    assert stats.num_preemptions > 0
+    for replica in llm.engine.core.replicas:
+        replica.block_manager.check_invariants()
+
+
 def test_data_parallel_replicas_hold_their_own_state_slots(hybrid):
     directory, prompts, want = hybrid
     llm = LLM(str(directory), num_pages=64, data_parallel_size=2, **SMALL)
@@ -58,7 +70,6 @@ def test_data_parallel_replicas_hold_their_own_state_slots(hybrid):
 
 
 @pytest.mark.parametrize("setting, message", [
-    (dict(preemption_mode="swap"), "preemption_mode='swap'"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
     (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
     (dict(tensor_parallel_size=2), "tensor_parallel_size"),

@@ -257,8 +257,7 @@ class EngineConfig:
     def _check_linear_attention(self, model_config: ModelConfig) -> None:
         """What a hybrid model's recurrent states (Gated DeltaNet layers) do not run with yet."""
         what = f"{model_config.model_type}'s Gated DeltaNet (linear attention) layers"
-        refused = [(self.preemption_mode == "swap", "preemption_mode='swap' (their recurrent states are not swapped)"),
-                   (self.speculative_config is not None, "speculative_config (rejected drafts would need the states rolled back)"),
+        refused = [(self.speculative_config is not None, "speculative_config (rejected drafts would need the states rolled back)"),
                    (self.enable_lora, "enable_lora"),
                    (is_quantized(self.kv_dtype), f"kv_cache_dtype={self.kv_cache_dtype!r}"),
                    (self.tensor_parallel_size > 1 or self.sequence_parallel_size > 1,

@@ -224,7 +224,7 @@ class EngineCore:
         message = f"the engine step failed: {type(error).__name__}: {error}"
         self._inflight, self._draft_buffer = None, None
         in_play = [s.seq.request for plans in self._in_play for plan in plans for s in plan.scheduled]
-        in_play += [seq.request for plans in self._in_play for plan in plans for seq, _, _ in plan.swap_out
+        in_play += [seq.request for plans in self._in_play for plan in plans for seq, *_ in plan.swap_out
                     if seq.swapped is None]  # preempted to host memory, but its pages were never read
         self._in_play = []
         failed = [request for request in in_play if self._fail(request, message, advanced)]
@@ -257,10 +257,13 @@ class EngineCore:
         of the step cannot be built fails alone (`_fail`); None if no request is left to run."""
         copies = []
         for r, (plan, replica) in enumerate(zip(plans, self.replicas)):
-            for seq, pages, num_computed in plan.swap_out:  # before anything can overwrite the freed pages
-                seq.swapped = SwappedKV(self.runner.read_pages(r, pages), num_computed)
+            for seq, pages, num_computed, state_slot in plan.swap_out:  # before anything can overwrite the freed pages
+                state = self.runner.read_state(r, state_slot) if state_slot else None  # (a hybrid model's)
+                seq.swapped = SwappedKV(self.runner.read_pages(r, pages), num_computed, state)
             for seq, first, pages in plan.swap_in:
                 self.runner.write_pages(r, pages, jax.tree.map(lambda a: a[:, first : first + len(pages)], seq.swapped.pages))
+                if seq.swapped.state is not None:  # its recurrent states, into the slot it holds now
+                    self.runner.write_state(r, replica.block_manager.state_slot(seq.seq_id), seq.swapped.state)
                 replica.block_manager.mark_computed(seq.seq_id, seq.num_computed, seq.token_ids)
                 seq.swapped = None
             copies += [(r, copy) for copy in plan.page_copies]

@@ -387,6 +387,14 @@ class ModelRunner:
         dst = np.array([r * n + b for r, (_, b) in copies], np.int32)
         self.kv = _copy_states(self.kv, src, dst)
 
+    def read_state(self, replica: int, slot: int):
+        """One sequence slot's recurrent states, every linear layer, on the host (numpy arrays [L_lin, 1, ...])."""
+        return jax.device_get(_read_state(self.kv, np.int32(replica * self.state_slots_per_replica + slot)))
+
+    def write_state(self, replica: int, slot: int, saved) -> None:
+        """Writes host states (as read_state returns them) into a sequence slot, in place."""
+        self.kv = _write_state(self.kv, np.int32(replica * self.state_slots_per_replica + slot), saved)
+
     def _page_ops(self) -> "PageOps":
         return page_ops(self.step_fn.mesh, self.kv.quantized, self.kv.combined, self.kv.state is not None)
 
@@ -575,6 +583,17 @@ class PageOps(NamedTuple):
 @functools.partial(jax.jit, donate_argnums=0)
 def _copy_states(kv: KVCache, src, dst) -> KVCache:
     state = jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), kv.state)
+    return dataclasses.replace(kv, state=state)
+
+
+@jax.jit
+def _read_state(kv: KVCache, slot):
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), kv.state)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_state(kv: KVCache, slot, saved) -> KVCache:
+    state = jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), slot, axis=1), kv.state, saved)
     return dataclasses.replace(kv, state=state)
 
 

@@ -68,6 +68,7 @@ class SwappedKV:
 
     pages: object
     num_computed: int
+    state: object = None  # a hybrid model's recurrent states of its slot (ModelRunner.read_state), or None
 
 
 @dataclasses.dataclass

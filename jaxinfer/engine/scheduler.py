@@ -61,8 +61,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     page_copies: list[tuple[int, int]]  # (src, dst) device page copies to do before the step
     preempted: list[Sequence]
-    # swap mode: (seq, its computed pages, tokens computed): copy to host before anything writes
-    swap_out: list[tuple[Sequence, list[int], int]] = dataclasses.field(default_factory=list)
+    # swap mode: (seq, its computed pages, tokens computed, its recurrent-state slot or 0): copy to host before anything writes
+    swap_out: list[tuple[Sequence, list[int], int, int]] = dataclasses.field(default_factory=list)
     # swap mode: (seq, index of its first page to restore, the pages to restore its saved K/V into)
     swap_in: list[tuple[Sequence, int, list[int]]] = dataclasses.field(default_factory=list)
 
@@ -128,7 +128,7 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
-        swap_out: list[tuple[Sequence, list[int], int]] = []
+        swap_out: list[tuple[Sequence, list[int], int, int]] = []
         swap_in: list[tuple[Sequence, int, list[int]]] = []
 
         # decodes first, then prefill chunks; best priority first within each group
@@ -150,7 +150,7 @@ class Scheduler:
                 victim = max(queue + [seq], key=priority_order)
                 if self.preemption_mode == "swap" and victim.num_computed > 0:  # one full-attention group (EngineConfig)
                     pages = bm.page_table(victim.seq_id)[0][: bm.pages_needed(victim.num_computed)]
-                    swap_out.append((victim, pages, victim.num_computed))
+                    swap_out.append((victim, pages, victim.num_computed, bm.state_slot(victim.seq_id)))
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
