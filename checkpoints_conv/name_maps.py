@@ -235,11 +235,13 @@ DEEPSEEK_V32_NAMES = ArchNames(
 # Qwen2-MoE's.
 _GATED_DELTANET = {
     "self_attn.gate_proj.weight": Dest("layers.attn_gate", True),
-    "linear_attn.in_proj_qkv.weight": Dest("layers.lin_qkv", True),
+    # (in_proj_qkv [q | k | v] and the convolution's channels, read in parts by the views: each
+    # tensor shard holds its own key and value heads' columns, shard-major like qkv_proj)
+    **{f"linear_attn.in_proj_{p}.weight": Dest("layers.lin_qkv", True, p) for p in "qkv"},
+    **{f"linear_attn.conv1d_{p}.weight": Dest("layers.lin_conv", True, p) for p in "qkv"},
     "linear_attn.in_proj_z.weight": Dest("layers.lin_z", True),
     "linear_attn.in_proj_b.weight": Dest("layers.lin_b", True),
     "linear_attn.in_proj_a.weight": Dest("layers.lin_a", True),
-    "linear_attn.conv1d.weight": Dest("layers.lin_conv", True),  # [C, K] (the view drops the 1) -> [K, C]
     "linear_attn.dt_bias": Dest("layers.lin_dt_bias", False),
     "linear_attn.A_log": Dest("layers.lin_a_log", False),
     "linear_attn.norm.weight": Dest("layers.lin_norm", False),

@@ -401,9 +401,10 @@ def qwen3_next_views(source: TensorSource, config: dict) -> TensorSource:
     - a multimodal Qwen3.5 folder's text decoder (model.language_model.*) under the text model's
       names; its vision tower (model.visual.*) and multi-token-prediction layers (mtp.*) hidden;
     - each full-attention layer's q_proj [Hq * 2D, H], per head [q | gate], as q_proj and gate_proj;
-    - Qwen3-Next's fused Gated DeltaNet projections, grouped per key head g ([q_g | k_g | v_g | z_g]
-      and [b_g | a_g], g's value heads together), as Qwen3.5's in_proj_qkv ([all q | all k | all v]),
-      in_proj_z, in_proj_b and in_proj_a; the convolution's weight [C, 1, K] as [C, K];
+    - the Gated DeltaNet's q | k | v projection and the convolution over those channels ([C, 1, K]
+      read as [C, K]) in their q, k and v parts (in_proj_q / _k / _v, conv1d_q / _k / _v), Qwen3-Next's
+      fused projections, grouped per key head g ([q_g | k_g | v_g | z_g] and [b_g | a_g], g's value
+      heads together), likewise, its z, b and a as Qwen3.5's in_proj_z, in_proj_b and in_proj_a;
     - the full-attention layers' tensors numbered among themselves, likewise the linear ones'
       (param_layout.stack_of: each kind's weights stack over its own layers)."""
     text = config.get("text_config") or config
@@ -421,6 +422,17 @@ def qwen3_next_views(source: TensorSource, config: dict) -> TensorSource:
 
     def rows_view(inner: str, rows: np.ndarray) -> View:
         return (len(rows), shapes[inner][1]), lambda: source.read(inner)[rows]
+
+    def qkv_parts(prefix: str, name: str, inner: str, q_rows, k_rows, v_rows, squeeze: bool = False) -> None:
+        for part, rows in (("q", q_rows), ("k", k_rows), ("v", v_rows)):
+            if squeeze:  # the convolution's [C, 1, K]
+                views[f"{prefix}.{name}_{part}.weight"] = ((len(rows), shapes[inner][2]),
+                                                           lambda inner=inner, rows=rows: source.read(inner)[rows, 0, :])
+            else:
+                views[f"{prefix}.{name}_{part}.weight"] = rows_view(inner, rows)
+
+    kd, vd = hk * dk, hv * dv
+    plain = (np.arange(kd), np.arange(kd, 2 * kd), np.arange(2 * kd, 2 * kd + vd))  # Qwen3.5's [q | k | v] rows
 
     group = 2 * dk + 2 * r * dv  # rows of one key head's block of in_proj_qkvz
     qkvz = {part: np.concatenate([np.arange(g * group + start, g * group + start + width) for g in range(hk)])
@@ -446,14 +458,15 @@ def qwen3_next_views(source: TensorSource, config: dict) -> TensorSource:
             views[f"{prefix}.q_proj.weight"] = rows_view(stored, q_rows)
             views[f"{prefix}.gate_proj.weight"] = rows_view(stored, q_rows + head_dim)
         elif rest == "in_proj_qkvz.weight":
-            views[f"{prefix}.in_proj_qkv.weight"] = rows_view(stored, np.concatenate([qkvz["q"], qkvz["k"], qkvz["v"]]))
+            qkv_parts(prefix, "in_proj", stored, qkvz["q"], qkvz["k"], qkvz["v"])
             views[f"{prefix}.in_proj_z.weight"] = rows_view(stored, qkvz["z"])
+        elif rest == "in_proj_qkv.weight":
+            qkv_parts(prefix, "in_proj", stored, *plain)
         elif rest == "in_proj_ba.weight":
             views[f"{prefix}.in_proj_b.weight"] = rows_view(stored, ba["b"])
             views[f"{prefix}.in_proj_a.weight"] = rows_view(stored, ba["a"])
         elif rest == "conv1d.weight":
-            channels, _, taps = shapes[stored]
-            views[f"{prefix}.conv1d.weight"] = ((channels, taps), lambda stored=stored: source.read(stored)[:, 0, :])
+            qkv_parts(prefix, "conv1d", stored, *plain, squeeze=True)
         else:
             renamed[f"{prefix}.{rest}"] = stored
     return ViewSource(source, views, hidden, renamed)

@@ -20,7 +20,7 @@ from jaxinfer.ops.batch import BucketKey, Buckets, SequenceChunk, pack_batch, st
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.kv_cache import KVCache, combined_pool, page_factors
 from jaxinfer.runtime.loading import load_params, read_config, resolve_model
-from jaxinfer.runtime.placement import kv_partition_spec, param_partition_specs
+from jaxinfer.runtime.placement import kv_partition_spec, linear_state_spec, param_partition_specs
 from jaxinfer.runtime.step import StepFunction
 from sharding.mesh import ParallelConfig, make_mesh
 
@@ -45,8 +45,10 @@ class MeshModel:
         self.step = StepFunction(graphdef, 0, mesh=self.mesh, param_specs=param_partition_specs(self.params, config))
         self.replicas = parallel.num_replicas
         sharding = jax.sharding.NamedSharding(self.mesh, kv_partition_spec(combined=combined_pool(self.config, kernels)).pages)
+        state_sharding = jax.tree.map(lambda spec: jax.sharding.NamedSharding(self.mesh, spec), linear_state_spec(),
+                                      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
         self.kv = KVCache.create(config, PAGES_PER_REPLICA * self.replicas, PAGE_SIZE, tp=parallel.tp, sharding=sharding,
-                                 kernels=kernels)
+                                 kernels=kernels, state_slots=8 * self.replicas, state_sharding=state_sharding)  # (hybrids')
         self.next_page = [1] * self.replicas  # page 0 of every replica is its scratch page
         groups = kv_groups(config)
         self.num_groups = groups.num_groups
@@ -86,13 +88,16 @@ def run_scenario(model: MeshModel) -> list[np.ndarray]:
     replica = lambda i: i % model.replicas  # noqa: E731
     pages = [model.allocate(replica(i), len(p) + len(e)) for i, (p, e) in enumerate(zip(prompts, extra))]
     late_pages = model.allocate(replica(4), len(late))
-    out = model.run([(replica(i), SequenceChunk(p, 0, pages[i], list(range(len(p))))) for i, p in enumerate(prompts)])
+    # (a hybrid model's sequence i keeps its recurrent states in slot i + 1 of its replica)
+    out = model.run([(replica(i), SequenceChunk(p, 0, pages[i], list(range(len(p))), state_slot=i + 1))
+                     for i, p in enumerate(prompts)])
     for t in range(3):
-        decodes = [(replica(i), SequenceChunk([extra[i][t]], len(p) + t, pages[i], [0])) for i, p in enumerate(prompts)]
+        decodes = [(replica(i), SequenceChunk([extra[i][t]], len(p) + t, pages[i], [0], state_slot=i + 1))
+                   for i, p in enumerate(prompts)]
         if t == 1:
-            decodes.append((replica(4), SequenceChunk(late[:6], 0, late_pages, list(range(6)))))
+            decodes.append((replica(4), SequenceChunk(late[:6], 0, late_pages, list(range(6)), state_slot=5)))
         if t == 2:
-            decodes.append((replica(4), SequenceChunk(late[6:], 6, late_pages, list(range(5)))))
+            decodes.append((replica(4), SequenceChunk(late[6:], 6, late_pages, list(range(5)), state_slot=5)))
         out += model.run(decodes)
     return out
 

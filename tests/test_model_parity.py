@@ -73,7 +73,7 @@ def hf_logprobs(hf_model, tokens: list[int], chunks: list[int]) -> np.ndarray:
 
     # sparse attention's indexer and linear attention keep their keys / states in cache layers of
     # their own, made from the config
-    own_layers = getattr(hf_model.config, "index_topk", None) or "linear_attention" in (hf_model.config.layer_types or [])
+    own_layers = getattr(hf_model.config, "index_topk", None) or "linear_attention" in (getattr(hf_model.config, "layer_types", None) or [])
     cache = DynamicCache(config=hf_model.config) if own_layers else DynamicCache()
     out, start = [], 0
     with torch.no_grad():

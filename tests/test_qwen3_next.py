@@ -62,9 +62,11 @@ def test_swap_preemption_saves_and_restores_the_recurrent_states(hybrid):
         replica.block_manager.check_invariants()
 
 
-def test_data_parallel_replicas_hold_their_own_state_slots(hybrid):
+def test_data_parallel_replicas_hold_their_own_state_slots_split_over_tensor_shards(hybrid):
+    """Two replicas (each with its own slots), each over two tensor shards (a shard's key and value
+    heads, and its part of every state)."""
     directory, prompts, want = hybrid
-    llm = LLM(str(directory), num_pages=64, data_parallel_size=2, **SMALL)
+    llm = LLM(str(directory), num_pages=64, data_parallel_size=2, tensor_parallel_size=2, **SMALL)
     assert llm.runner.state_slots_per_replica == 5
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
 
@@ -72,7 +74,7 @@ def test_data_parallel_replicas_hold_their_own_state_slots(hybrid):
 @pytest.mark.parametrize("setting, message", [
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
     (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
-    (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(tensor_parallel_size=4), "tensor_parallel_size=4"),
 ])
 def test_what_the_recurrent_states_do_not_run_with_yet_is_refused_by_name(hybrid, setting, message):
     with pytest.raises(ValueError, match=f"{message}.*Gated DeltaNet"):

@@ -81,6 +81,10 @@ def test_moe_model_on_a_mesh_matches_one_device(moe_dir, moe_truth, parallel):
     ("deepseek_v3", ParallelConfig(tp=2, ep=2)),
     ("deepseek_v2", ParallelConfig(tp=2)),  # one q_proj (no q_lora_rank), split by heads
     ("glm_moe_dsa", ParallelConfig(tp=2, dp=2)),  # sparse attention: the indexer whole on every shard, the same picks
+    # Gated DeltaNet: key and value heads (and their convolution channels, recurrent states) split
+    # over the shards, each replica's state slots its own; experts split
+    ("qwen3_next", ParallelConfig(tp=2, ep=2)),
+    ("qwen3_5_text", ParallelConfig(tp=2, dp=2)),
 ], ids=lambda x: x if isinstance(x, str) else mesh_id(x))
 def test_newer_families_on_a_mesh_match_one_device(tmp_path, family, parallel):
     extra = dict(num_key_value_heads=4) if family == "olmo2" else {}

@@ -131,8 +131,8 @@ class Plan:
     def decode_estimate(self, context: int) -> tuple[int, float, float]:
         """(sequences per replica, seconds per decode step, tokens/s over all replicas) for the
         largest decode batch the compiled pool holds at `context` tokens each: per chip, the
-        weights plus those sequences' K and V are read once per step, at the chip's HBM
-        bandwidth. An estimate."""
+        weights plus those sequences' K and V are read once per step (a hybrid model's recurrent
+        states read and written), at the chip's HBM bandwidth. An estimate."""
         s = self.step
         decode = [b.key.num_seqs for b in self.buckets if b.kind == "decode"] or [s.shape.max_num_seqs]
         held = s.pages_held(context)  # a sequence's pages, all groups
@@ -141,6 +141,8 @@ class Plan:
         # a sliding group reads its window (a chunked one at most its chunk)
         read = sum(min(span_tokens(w) or context, context) * page / (s.shape.page_size * f)
                    for w, f in zip(s.windows, s.page_factors))
+        if s.kv.state is not None:  # a hybrid model's recurrent states: each sequence's read and written once
+            read += 2 * s.state_bytes_per_chip() / s.kv.state.num_slots * s.parallel.num_replicas
         step_bytes = s.weight_bytes_per_chip() + seqs * read
         seconds = step_bytes / self.target.chip.hbm_bytes_per_second
         return seqs, seconds, seqs * s.parallel.num_replicas / seconds
@@ -172,7 +174,7 @@ def size_pool(step: AbstractStep) -> PoolSizing:
     docstring), from one compile of the largest bucket: over the pool given when it leaves room,
     else over a pool of one sequence (the scratch does not grow with the pool)."""
     shape, target = step.shape, step.target
-    weights = step.weight_bytes_per_chip()
+    weights = step.weight_bytes_per_chip() + step.state_bytes_per_chip()  # (a hybrid model's states: a fixed cost)
     page_bytes = step.kv_bytes_per_page_per_chip()
     given, sized_by = shape.num_pages, "num_pages"
     if given is None and shape.kv_cache_memory_bytes is not None:
@@ -317,6 +319,8 @@ def format_plan(plan: Plan) -> str:
         "|---|---:|",
         f"| weights | {_gib(s.weight_bytes_per_chip())} |",
         f"| KV pool compiled ({s.num_pages} pages per replica) | {_gib(s.kv_bytes_per_chip())} |",
+        *([f"| recurrent states ({s.kv.state.num_slots // replicas} slots per replica: max_num_seqs + 1) | "
+           f"{_gib(s.state_bytes_per_chip())} |"] if s.kv.state is not None else []),
         f"| largest step scratch | {_gib(max(b.temp_bytes for b in plan.buckets))} |",
         f"| peak of the largest bucket | {_gib(peak)} ({100 * peak / t.chip.hbm_bytes:.0f}% of HBM) |",
         "",

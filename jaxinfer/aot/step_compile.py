@@ -164,9 +164,10 @@ class AbstractStep:
         groups = kv_groups(config)
         factors = page_factors(groups, tp=parallel.tp, combined=kernels.combines_kv)
         num_pages = shape.num_pages or shape.pages_needed(groups.windows, factors)  # plan.size_pool resizes it
+        max_num_seqs = min(shape.max_num_seqs, shape.max_num_batched_tokens)
         kv = abstract_pool(config, num_pages * parallel.num_replicas, shape.page_size, kv_dtype, tp=parallel.tp,
-                           kernels=kernels, mesh=mesh)
-        buckets = Buckets.default(shape.max_num_batched_tokens, min(shape.max_num_seqs, shape.max_num_batched_tokens),
+                           kernels=kernels, mesh=mesh, state_slots=(max_num_seqs + 1) * parallel.num_replicas, state_dtype=dtype)
+        buckets = Buckets.default(shape.max_num_batched_tokens, max_num_seqs,
                                   shape.pages_per_seq, token_multiple=parallel.sp, num_groups=groups.num_groups)
         step = StepFunction(graphdef, NUM_TOP_LOGPROBS, max_rows=buckets.max_tokens, mesh=mesh, param_specs=specs)
         return cls(config, target, parallel, shape, mesh, step, params, kv, buckets, num_pages)
@@ -174,8 +175,8 @@ class AbstractStep:
     def with_num_pages(self, num_pages: int) -> "AbstractStep":
         """The same step over a KV pool of `num_pages` pages per replica."""
         shape = dataclasses.replace(self.shape, num_pages=num_pages)
-        kv = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], num_pages * self.parallel.num_replicas) + a.shape[2:],
-                                                         a.dtype, sharding=a.sharding), self.kv)
+        kv = self.kv.map_pages(lambda a: jax.ShapeDtypeStruct((a.shape[0], num_pages * self.parallel.num_replicas) + a.shape[2:],
+                                                              a.dtype, sharding=a.sharding))
         return dataclasses.replace(self, shape=shape, kv=kv, num_pages=num_pages)
 
     # ------------------------------------------------------------------ per chip
@@ -183,7 +184,11 @@ class AbstractStep:
         return bytes_per_device(self.params)
 
     def kv_bytes_per_chip(self) -> int:
-        return bytes_per_device(self.kv)  # K, V and a quantized pool's scales
+        return bytes_per_device(self.kv.page_arrays())  # K, V and a quantized pool's scales
+
+    def state_bytes_per_chip(self) -> int:
+        """A hybrid model's recurrent states (max_num_seqs + 1 slots per replica), whatever the pages."""
+        return bytes_per_device(self.kv.state) if self.kv.state is not None else 0
 
     @property
     def windows(self) -> tuple:

@@ -260,8 +260,9 @@ class EngineConfig:
         refused = [(self.speculative_config is not None, "speculative_config (rejected drafts would need the states rolled back)"),
                    (self.enable_lora, "enable_lora"),
                    (is_quantized(self.kv_dtype), f"kv_cache_dtype={self.kv_cache_dtype!r}"),
-                   (self.tensor_parallel_size > 1 or self.sequence_parallel_size > 1,
-                    "tensor_parallel_size / sequence_parallel_size > 1 (data and expert parallelism run)")]
+                   (self.sequence_parallel_size > 1, "sequence_parallel_size > 1"),
+                   (model_config.linear_key_heads % self.tensor_parallel_size, f"tensor_parallel_size="
+                    f"{self.tensor_parallel_size} (it must divide the {model_config.linear_key_heads} linear key heads)")]
         for at_fault, setting in refused:
             if at_fault:
                 raise ValueError(f"{setting} with {what} is not supported yet")

@@ -322,16 +322,16 @@ _AXES = {
     "layers.index_k_norm_bias": ("layers", None),
     "layers.index_weights": ("layers", "embed", None),
     "layers.attn_gate": ("layers", "embed", "heads"),
-    # a Gated DeltaNet whole on every tensor shard (its heads are not split yet)
-    "layers.lin_qkv": ("layers", "embed", None),
-    "layers.lin_z": ("layers", "embed", None),
-    "layers.lin_b": ("layers", "embed", None),
-    "layers.lin_a": ("layers", "embed", None),
-    "layers.lin_conv": ("layers", None, None),
-    "layers.lin_dt_bias": ("layers", None),
-    "layers.lin_a_log": ("layers", None),
+    # a Gated DeltaNet's key and value heads split over the tensor shards (its channels shard-major)
+    "layers.lin_qkv": ("layers", "embed", "qkv"),
+    "layers.lin_z": ("layers", "embed", "heads"),
+    "layers.lin_b": ("layers", "embed", "heads"),
+    "layers.lin_a": ("layers", "embed", "heads"),
+    "layers.lin_conv": ("layers", None, "qkv"),
+    "layers.lin_dt_bias": ("layers", "heads"),
+    "layers.lin_a_log": ("layers", "heads"),
     "layers.lin_norm": ("layers", None),
-    "layers.lin_out": ("layers", None, "embed"),
+    "layers.lin_out": ("layers", "heads", "embed"),
     "layers.mtp_enorm": ("layers", "embed"),
     "layers.mtp_hnorm": ("layers", "embed"),
     "layers.mtp_eh_proj": ("layers", None, "embed"),
@@ -388,6 +388,10 @@ def param_columns(config: ModelConfig, tp: int = 1) -> dict[str, tuple[Segment, 
         columns["layers.experts_gate_up"] = columns["layers.experts_gate_up_bias"] = tuple(gate_up(c.moe_intermediate_size))
         if c.shared_expert_intermediate_size:
             columns["layers.shared_gate_up"] = tuple(gate_up(c.shared_expert_intermediate_size))
+    if c.has_linear_layers:  # a Gated DeltaNet's q | k | v channels: each shard its key and value heads'
+        kd, vd = c.linear_key_heads * c.linear_key_head_dim // tp, c.linear_value_heads * c.linear_value_head_dim // tp
+        channels = tuple(seg for t in range(tp) for seg in (("q", t * kd, kd), ("k", t * kd, kd), ("v", t * vd, vd)))
+        columns["layers.lin_qkv"] = columns["layers.lin_conv"] = channels
     columns["layers.gate_up_proj"] = columns["layers.gate_up_bias"] = tuple(gate_up(c.intermediate_size))
     columns["layers.wide_gate_up_proj"] = tuple(gate_up(2 * c.intermediate_size))
     shapes = param_shapes(c, tp)

@@ -50,11 +50,12 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
     def gated_deltanet(self, step: StepInputs, layer: LayerRef, w: dict, h, pool):
         """A Gated DeltaNet over h [T, H], each sequence from its state slot: (out [T, H], pool)."""
-        c, kernels, dtype = self.config, self.kernels, h.dtype
-        if self.parallel.tp > 1 or self.parallel.sp > 1:
-            raise ValueError(f"{c.model_type}: Gated DeltaNet layers run without tensor or sequence parallelism yet")
+        c, kernels, dtype, tp = self.config, self.kernels, h.dtype, self.parallel.tp
+        if self.parallel.sp > 1:
+            raise ValueError(f"{c.model_type}: Gated DeltaNet layers run without sequence parallelism")
         T = h.shape[0]
-        Hk, Hv, Dk, Dv = c.linear_key_heads, c.linear_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        Hk, Hv = c.linear_key_heads // tp, c.linear_value_heads // tp  # this shard's heads
+        Dk, Dv = c.linear_key_head_dim, c.linear_value_head_dim
         state, row = pool.state, layer.slot  # this layer's row of the states
         mixed, conv = ragged_causal_conv(matmul(h, w["lin_qkv"], kernels).astype(dtype), state.conv[row], w["lin_conv"],
                                          step.batch)
@@ -67,5 +68,5 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         z = matmul(h, w["lin_z"], kernels).astype(dtype).reshape(T, Hv, Dv)
         out = gated_rms_norm(out.astype(dtype), z, w["lin_norm"], c.rms_norm_eps).reshape(T, Hv * Dv)
         state = LinearState(conv=state.conv.at[row].set(conv), recurrent=state.recurrent.at[row].set(recurrent))
-        return matmul(out, w["lin_out"], kernels).astype(dtype), dataclasses.replace(pool, state=state)
+        return self._row_parallel(out, w["lin_out"]).astype(dtype), dataclasses.replace(pool, state=state)
 

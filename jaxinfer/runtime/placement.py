@@ -71,8 +71,8 @@ def kv_partition_spec(quantized: bool = False, combined: bool = False, linear: b
     """The KV cache's spec: pages split over the replica axes, KV heads over "tensor" (a
     quantized pool's scales, [L, P, page_size, Hkv], likewise; a combined pool's rows
     [L, P, page_size, Hkv * 2 * Ds] split into runs of whole heads); `linear`: with a hybrid
-    model's recurrent states, their slots split over the replica axes like pages, whole on every
-    tensor shard."""
+    model's recurrent states, their slots split over the replica axes like pages, their channels and
+    value heads over "tensor" like the projections that make them."""
     state = linear_state_spec() if linear else None
     spec = rules.logical_to_spec(rules.KV_CACHE_AXES)
     if combined:  # rows [L, P, page_size, Hkv * 2 * Ds] and scales [L, P, Hkv * 2 * page_size], head-major
@@ -87,8 +87,8 @@ def kv_partition_spec(quantized: bool = False, combined: bool = False, linear: b
 
 def linear_state_spec() -> LinearState:
     """Recurrent states (jaxinfer.ops.linear_state): [L_lin, slots, ...] split on slots over the replica axes."""
-    return LinearState(conv=rules.logical_to_spec(("layers", "pages", None, None)),
-                       recurrent=rules.logical_to_spec(("layers", "pages", None, None, None)))
+    return LinearState(conv=rules.logical_to_spec(("layers", "pages", None, "qkv")),
+                       recurrent=rules.logical_to_spec(("layers", "pages", "heads", None, None)))
 
 
 def cache_spec(kv: KVCache) -> KVCache:
