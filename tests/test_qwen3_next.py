@@ -79,3 +79,28 @@ def test_data_parallel_replicas_hold_their_own_state_slots_split_over_tensor_sha
 def test_what_the_recurrent_states_do_not_run_with_yet_is_refused_by_name(hybrid, setting, message):
     with pytest.raises(ValueError, match=f"{message}.*Gated DeltaNet"):
         LLM(str(hybrid[0]), num_pages=16, **SMALL, **setting)
+
+
+def test_a_multimodal_qwen3_5_folder_runs_its_text_decoder(tmp_path):
+    """A Qwen3_5ForConditionalGeneration folder (model_type qwen3_5): its text decoder under
+    model.language_model, M-RoPE sections in its rope parameters (text positions: plain RoPE),
+    the vision tower skipped; greedy text equals the same decoder's as a text-only model."""
+    import torch
+    import transformers
+
+    from tiny_models import FAMILIES, build_hf_model, byte_tokenizer
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    text = build_hf_model("qwen3_5_text")
+    torch.manual_seed(0)
+    folder = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=FAMILIES["qwen3_5_text"][1],
+                                                                                      vision_config=vision)).eval()
+    folder.load_state_dict({k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+                            for k, v in text.state_dict().items()}, strict=False)
+    folder.save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 250, 7)]
+    llm = LLM(str(tmp_path), num_pages=32, **SMALL)
+    assert llm.config.model_type == "qwen3_5"
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(text, prompt, GREEDY.max_tokens)

@@ -70,7 +70,8 @@ def chunked(q, k, v, g, beta, state, chunk_size: int = 64):
 
     Within chunk c (positions i, j; G_i = sum of g up to i in the chunk):
         A      = strictly_lower(beta_i k_i . k_j exp(G_i - G_j))            UT system
-        U      = (I + A)^-1 (beta v)          W = (I + A)^-1 (beta k exp(G))
+        U      = (I + A)^-1 (beta v)          W = (I + A)^-1 (beta k exp(G))   (the inverse by matmuls:
+                                                                              `unit_lower_inverse`)
         new_v  = U - W S                      the values the chunk writes, less what S predicts
         out    = (q exp(G)) S + tril(q_i . k_j exp(G_i - G_j)) new_v
         S      = exp(G_last) S + (k exp(G_last - G))^T new_v
@@ -88,9 +89,8 @@ def chunked(q, k, v, g, beta, state, chunk_size: int = 64):
     decay = jnp.exp(jnp.where(causal, G[..., :, None] - G[..., None, :], -jnp.inf))  # [n, H, C, C]
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     system = jnp.where(causal & ~jnp.eye(chunk_size, dtype=bool), k_beta @ k.swapaxes(-1, -2) * decay, 0.0)
-    eye = jnp.eye(chunk_size, dtype=jnp.float32)
-    solve = lambda b: jax.scipy.linalg.solve_triangular(system + eye, b, lower=True, unit_diagonal=True)  # noqa: E731
-    u, w = solve(v_beta), solve(k_beta * jnp.exp(G)[..., None])
+    inverse = unit_lower_inverse(system)  # (I + A)^-1
+    u, w = inverse @ v_beta, inverse @ (k_beta * jnp.exp(G)[..., None])
     intra = (q @ k.swapaxes(-1, -2)) * decay  # [n, H, C, C]
     q_decayed = q * jnp.exp(G)[..., None]
     k_to_end = k * jnp.exp(G[..., -1:] - G)[..., None]
@@ -105,6 +105,18 @@ def chunked(q, k, v, g, beta, state, chunk_size: int = 64):
     state, out = jax.lax.scan(one_chunk, state.astype(jnp.float32), (u, w, intra, q_decayed, k_to_end, chunk_decay))
     out = out.swapaxes(1, 2).reshape(n * chunk_size, H, -1)[:T]
     return out, state
+
+
+def unit_lower_inverse(a: jax.Array) -> jax.Array:
+    """(I + a)^-1 for strictly lower-triangular a [..., C, C] (C a power of two), by matmuls only:
+    a is nilpotent (a^C = 0), so (I + a)^-1 = sum_j (-a)^j = (I - a)(I + a^2)(I + a^4)...(I + a^(C/2))."""
+    C = a.shape[-1]
+    eye = jnp.eye(C, dtype=a.dtype)
+    inverse, power = eye - a, a @ a
+    for _ in range(max(0, C.bit_length() - 2)):  # the factors (I + a^2), (I + a^4), ..., (I + a^(C/2))
+        inverse = inverse @ (eye + power)
+        power = power @ power
+    return inverse
 
 
 def decay_and_rate(a: jax.Array, b: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
