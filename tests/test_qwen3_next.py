@@ -40,6 +40,7 @@ def test_greedy_text_equals_transformers_batched_alone_preempted_and_forked(hybr
     assert kv.pages.shape[0] == 1 and llm.engine_config.enable_prefix_caching is False  # K/V of the one full layer
     assert kv.state.recurrent.shape == (3, 5, 4, 16, 8) and kv.state.conv.shape == (3, 5, 3, 2 * 32 + 32)
     assert LinearState.bytes_per_slot(llm.config, np.float32) == 3 * (3 * 96 + 4 * 16 * 8) * 4
+    assert "recurrent states 9.4 KiB per sequence" in llm.engine.kv_cache_summary
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
     assert llm.engine.get_stats().num_preemptions > 0
     assert [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts] == want

@@ -39,6 +39,7 @@ from jaxinfer.engine.spec_decode import NgramProposer, SpeculativeConfig
 from jaxinfer.kv_groups import kv_groups
 from jaxinfer.models.draft_heads import load_heads
 from jaxinfer.ops.kv_cache import KVCache, combined_pool, is_quantized
+from jaxinfer.ops.linear_state import LinearState
 from jaxinfer.ops.quantization import cast_scales, default_group_size, quantize_model
 from jaxinfer.runtime.kernel_selfcheck import checked_kernels, step_shapes, with_kernels
 from jaxinfer.runtime.loading import abstract_model, load_params, read_config, resolve_model
@@ -97,7 +98,8 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
         clock.mark("KV cache size (the largest bucket compiled once)")
     groups = kv_groups(model_config)
     summary = PoolSummary(config.num_pages, config.page_size, config.max_model_len, parallel.num_replicas, sized_by,
-                          groups.windows, config.kv_page_factors(model_config))
+                          groups.windows, config.kv_page_factors(model_config),
+                          LinearState.bytes_per_slot(model_config, config.activation_dtype) if model_config.has_linear_layers else 0)
     logger.info("%s", summary)
     runner = build_runner(model_config, config, mesh, placed, num_top_logprobs=config.max_logprobs,
                           return_hidden=return_hidden, return_stream=return_stream)

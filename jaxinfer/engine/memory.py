@@ -195,6 +195,7 @@ class PoolSummary:
     sized_by: str  # "num_gpu_blocks_override", "kv_cache_memory_bytes=...", "gpu_memory_utilization=0.9 of ..."
     windows: tuple = (None,)  # each KV layer group's sliding window (None: full attention)
     page_factors: tuple = ()  # each group's pages hold page_size times this many tokens (() : 1 each)
+    state_bytes_per_sequence: int = 0  # a hybrid model's recurrent states, one slot (jaxinfer.ops.linear_state)
 
     @property
     def group_page_sizes(self) -> tuple[int, ...]:
@@ -216,5 +217,8 @@ class PoolSummary:
             size = (f"{pages} pages x {self.page_size} tokens{per_replica} shared by {len(self.windows)} layer groups "
                     f"({kinds}); a sequence of max_model_len holds {self.pages_per_sequence()} pages, "
                     f"{sum(-(-self.max_model_len // ps) for ps in self.group_page_sizes)} if every layer kept it whole")
+        b = self.state_bytes_per_sequence
+        amount = f"{b / 2**20:.1f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB"
+        states = f"; recurrent states {amount} per sequence (a slot each, max_num_seqs of them)" if b else ""
         return (f"KV cache: {size}; max concurrency at max_model_len {self.max_model_len}: {sequences} sequences "
-                f"({self.sized_by})")
+                f"({self.sized_by}){states}")

@@ -420,11 +420,16 @@ class ModelRunner:
     def warmup_page_ops(self, *, max_copies: int, max_swapped: int = 0) -> None:
         """Compiles the page programs for every padded size: copies of up to `max_copies` pages
         (copy-on-write: a step copies at most a page per sequence) and, with swapping, reads and
-        writes of up to `max_swapped` pages (a sequence's). Each runs once on the scratch page."""
+        writes of up to `max_swapped` pages (a sequence's). Each runs once on the scratch page. A
+        hybrid model's state programs too (a fork's copy, a swap's read and write), on the scratch slot."""
         for n in _powers_of_two_to(max_copies):
             self.copy_pages([(0, (0, 0))] * n)
         for n in _powers_of_two_to(max_swapped):
             self.write_pages(0, [0] * n, self.read_pages(0, [0] * n))
+        if self.kv.state is not None:
+            self.copy_states([(0, (0, 0))])
+            if max_swapped:
+                self.write_state(0, 0, self.read_state(0, 0))
 
 
 def _power_of_two(n: int) -> int:
