@@ -493,6 +493,16 @@ class ModelConfig:
             )
             if self.model_type in ("mixtral", "gpt_oss", "minimax_m2"):
                 d["intermediate_size"] = self.moe_intermediate_size
+        if self.is_mla:  # the latent attention's HF fields (and DeepSeek's shared experts, counted in experts)
+            d.update(kv_lora_rank=self.kv_lora_rank, q_lora_rank=self.q_lora_rank or None, qk_nope_head_dim=self.qk_nope_head_dim,
+                     qk_rope_head_dim=self.rotary_dim, v_head_dim=self.v_head_dim, first_k_dense_replace=self.first_dense_layers,
+                     n_shared_experts=self.shared_expert_intermediate_size // max(self.moe_intermediate_size, 1))
+        if self.index_topk:
+            d.update(index_topk=self.index_topk, index_n_heads=self.index_heads, index_head_dim=self.index_head_dim)
+        if self.has_linear_layers:
+            d.update(linear_num_key_heads=self.linear_key_heads, linear_num_value_heads=self.linear_value_heads,
+                     linear_key_head_dim=self.linear_key_head_dim, linear_value_head_dim=self.linear_value_head_dim,
+                     linear_conv_kernel_dim=self.linear_conv_kernel)
         return d
 
 

@@ -147,3 +147,15 @@ def test_a_quantized_latent_cache_holds_a_row_and_a_scale_and_scores_as_transfor
     truth = hf_logprobs(hf, ids, [len(ids)])
     err = max(abs(out.prompt_logprobs[p][ids[p]].logprob - truth[p - 1][ids[p]]) for p in range(1, len(ids)))
     assert err < (0.1 if kv_cache_dtype == "int8" else 0.6), err
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"])
+def test_a_converted_folders_config_reads_back_equal(family):
+    """`jaxinfer convert` writes ModelConfig.to_hf_dict: the latent attention's fields, the
+    indexer's, DeepSeek's shared experts and dense first layers read back into an equal config."""
+    from jaxinfer.config import ModelConfig
+    from tiny_models import FAMILIES
+
+    cls, kw = FAMILIES[family]
+    config = ModelConfig.from_hf_dict(cls(**kw).to_dict())
+    assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
