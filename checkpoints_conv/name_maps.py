@@ -385,6 +385,8 @@ HF_NAME_MAPS: dict[str, ArchNames] = {
     "qwen3_next": QWEN3_NEXT_NAMES,
     "qwen3_5_text": QWEN3_5_NAMES,
     "qwen3_5": QWEN3_5_NAMES,  # a multimodal folder's text decoder (checkpoints_conv.views)
+    "qwen3_5_moe_text": QWEN3_NEXT_NAMES,  # (Qwen3-Next's experts, Qwen3.5's projections: the views read both alike)
+    "qwen3_5_moe": QWEN3_NEXT_NAMES,
     "glm_moe_dsa": DEEPSEEK_V32_NAMES,
     "llama4_text": LLAMA4_NAMES,
     "llama4": LLAMA4_NAMES,

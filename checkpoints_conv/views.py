@@ -390,7 +390,7 @@ _QWEN3_NEXT_LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn|linear_attn)\.
 
 def hybrid_layer_types(text: dict) -> list[str]:
     """A Qwen3-Next / Qwen3.5 text config's layer types, as transformers settles them."""
-    n, interval = int(text["num_hidden_layers"]), int(text.get("full_attention_interval", 4))
+    n, interval = int(text["num_hidden_layers"]), int(text.get("full_attention_interval") or 4)
     return list(text.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                                             for i in range(n)])
 
@@ -475,7 +475,8 @@ def qwen3_next_views(source: TensorSource, config: dict) -> TensorSource:
 # HF model_type -> the views its checkpoints need
 VIEWS = {"gpt_oss": lambda source, config: gpt_oss_views(source), "phi3": phi3_views, "gemma3": gemma3_views,
          "glm4_moe": glm4_moe_views, "deepseek_v2": glm4_moe_views, "deepseek_v3": glm4_moe_views, "deepseek_v32": glm4_moe_views, "glm_moe_dsa": glm4_moe_views, "gemma4_text": gemma4_views, "gemma4": gemma4_views, **{model_type: llama4_views for model_type in QK_ROWS_REORDERED},
-         **{model_type: qwen3_next_views for model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5")}}
+         **{model_type: qwen3_next_views for model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text",
+                                                            "qwen3_5_moe")}}
 
 
 def mtp_views(source: TensorSource, config: dict, index: int = 0) -> TensorSource:

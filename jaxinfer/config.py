@@ -34,7 +34,7 @@ from checkpoints_conv.views import gemma4_layer_plan
 
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "minimax_m2", "glm4_moe", "llama4_text", "llama4",
-                   "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_next")
+                   "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
 # multi-head latent attention (jaxinfer.models.deepseek); the last two with DeepSeek sparse attention
 # (an indexer picks the index_topk past tokens each query attends to)
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
@@ -42,9 +42,10 @@ SPARSE_ATTENTION_MODEL_TYPES = {"deepseek_v32": "DeepSeek-V3.2", "glm_moe_dsa": 
 # The families of issue 35, each with its own model file (jaxinfer.models.registry).
 NEW_FAMILY_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2",
                           "glm4_moe", "llama4_text", "llama4", "gemma4_text", "gemma4", "deepseek_v2", "deepseek_v3",
-                          "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_text", "qwen3_5")
+                          "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text",
+                          "qwen3_5_moe")
 # hybrids of Gated DeltaNet (linear attention) layers and full-attention ones (jaxinfer.models.qwen3_next)
-LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5")
+LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 SUPPORTED_MODEL_TYPES = LLAMA_MODEL_TYPES + NEW_FAMILY_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "freq_factors", "proportional")
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
@@ -79,6 +80,8 @@ _ARCHITECTURE_TO_MODEL_TYPE = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
 
 
@@ -325,11 +328,13 @@ class ModelConfig:
                     f"architectures={archs!r}; jaxinfer supports model_type in {SUPPORTED_MODEL_TYPES}"
                 )
 
-        if model_type in ("gemma3", "llama4", "gemma4", "qwen3_5") and isinstance(d.get("text_config"), dict):
+        if model_type in ("gemma3", "llama4", "gemma4", "qwen3_5", "qwen3_5_moe") and isinstance(d.get("text_config"), dict):
             # Gemma 3's and Llama 4's multimodal folders: the text decoder's config nests in text_config
             # (the vision tower is not run here; the checkpoint's vision tensors are skipped)
             top = {k: d[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in d}
             d = {**d["text_config"], **top, "model_type": model_type}
+        if model_type in ("qwen3_5_moe_text", "qwen3_5_moe"):  # every layer's MLP is experts: no dense width,
+            d = {"intermediate_size": d.get("moe_intermediate_size"), "norm_topk_prob": True, **d}  # the top k renormalised
         if model_type in ("llama4_text", "llama4") and "intermediate_size_mlp" in d:
             # Llama 4 names the experts' width intermediate_size and the dense layers' intermediate_size_mlp
             d = {**d, "intermediate_size": d["intermediate_size_mlp"], "moe_intermediate_size": d["intermediate_size"]}
@@ -529,7 +534,7 @@ def _parse_moe(d: dict[str, Any], model_type: str, source: str) -> dict[str, Any
     if not width:
         raise ConfigError(f"{source} is missing required field 'moe_intermediate_size' (model_type={model_type})")
     shared = 0
-    if model_type in ("qwen2_moe", "qwen3_next"):
+    if model_type in ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"):
         shared = int(d.get("shared_expert_intermediate_size") or 0)
     elif model_type in ("glm4_moe", *MLA_MODEL_TYPES):  # n_shared_experts experts' worth of width, always on
         shared = int(width) * int(d.get("n_shared_experts", 1))
@@ -697,7 +702,7 @@ def _gated_deltanet_fields(d: dict[str, Any]) -> dict[str, Any]:
     if heads["linear_value_heads"] % heads["linear_key_heads"]:
         raise ConfigError(f"linear_num_value_heads={heads['linear_value_heads']} is not a multiple of "
                           f"linear_num_key_heads={heads['linear_key_heads']}")
-    interval = int(d.get("full_attention_interval", 4))
+    interval = int(d.get("full_attention_interval") or 4)
     return dict(heads, norm_weight_offset=1.0, attn_output_gate=True, default_layer_types=lambda n: [
         "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)])
 

@@ -4,7 +4,7 @@ layers' K/V pages (`KVCache.page_bytes`, whole pages) plus a fixed recurrent sta
 (`LinearState.bytes_per_slot`: each linear layer's convolution inputs and its [Hv, Dk, Dv]
 float32 state).
 
-    python scripts/hybrid_memory.py                     # Qwen3.5-27B and Qwen3-Next-80B-A3B, bf16
+    python scripts/hybrid_memory.py                     # Qwen3.5-27B, Qwen3.5-35B-A3B, Qwen3-Next-80B-A3B, bf16
     python scripts/hybrid_memory.py --contexts 4096 32768 131072 262144
 
 Bytes are over the whole model (every chip together, tp = 1). The same figures come out of
@@ -46,7 +46,7 @@ def all_full_attention(config: ModelConfig) -> ModelConfig:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["qwen3.5-27b", "qwen3-next-80b-a3b"])
+    parser.add_argument("--models", nargs="+", default=["qwen3.5-27b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b"])
     parser.add_argument("--contexts", nargs="+", type=int, default=[4096, 32768, 131072])
     args = parser.parse_args()
     dtype = jnp.bfloat16

@@ -144,6 +144,11 @@ FAMILIES = {
     "qwen3_5_text": (transformers.Qwen3_5TextConfig, _common(
         num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=8, linear_conv_kernel_dim=4)),
+    # Qwen3.5-MoE: Qwen3.5's layers with Qwen3-Next's experts (a gated shared one) in every layer
+    "qwen3_5_moe_text": (transformers.Qwen3_5MoeTextConfig, _common(
+        num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48)),
     # Llama 4 (Maverick's layout): chunks of 8 on three RoPE layers (L2 q/k norms), a NoPE layer
     # with attention temperature tuning (floor_scale 4: the prompts reach its steps), experts in
     # every other layer (top 2 of 4, weighing their inputs, beside a shared expert), dense layers
@@ -173,7 +178,7 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # Llama families' test, the attention kinds these add are tested on pages of 16.
 LAYER_KIND_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "gpt_oss", "phi3", "minimax_m2", "glm4_moe",
                        "llama4", "gemma4", "deepseek_v2", "deepseek_v3", "glm_moe_dsa", "deepseek_v32",
-                       "qwen3_next", "qwen3_5_text")
+                       "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 def build_hf_model(family: str, seed: int = 0, **overrides):
@@ -186,7 +191,7 @@ def build_hf_model(family: str, seed: int = 0, **overrides):
     with torch.no_grad():
         # Qwen3-Next / Qwen3.5 scale by 1 + w (zeros by default): norms near 1 there too, but for
         # the Gated DeltaNet's own norm, a plain w
-        offset = config.model_type in ("qwen3_next", "qwen3_5_text")
+        offset = config.model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.copy_((0.0 if offset and "linear_attn" not in name else 1.0) + 0.2 * torch.randn_like(p))

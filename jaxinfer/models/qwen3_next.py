@@ -1,4 +1,5 @@
-"""Qwen3-Next (qwen3_next) and Qwen3.5 (qwen3_5_text, and a multimodal folder's text decoder):
+"""Qwen3-Next (qwen3_next), Qwen3.5 (qwen3_5_text) and Qwen3.5-MoE (qwen3_5_moe_text; the text
+decoder of either's multimodal folder):
 Gated DeltaNet (linear attention) layers between full-attention ones.
 
     per layer (Llama's pre-norm block; every norm scales by 1 + w):

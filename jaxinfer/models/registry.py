@@ -39,7 +39,7 @@ MODEL_CLASSES: dict[str, type[Decoder]] = {
     "deepseek_v3": DeepseekForCausalLM,
     "deepseek_v32": DeepseekForCausalLM,  # with the sparse-attention indexer (ModelConfig.index_topk)
     "glm_moe_dsa": DeepseekForCausalLM,
-    **{t: Qwen3NextForCausalLM for t in ("qwen3_next", "qwen3_5_text", "qwen3_5")},
+    **{t: Qwen3NextForCausalLM for t in ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")},
 }
 
 
