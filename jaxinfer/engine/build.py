@@ -77,8 +77,10 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
     spec = config.speculative_config
     return_hidden = spec is not None and spec.method in ("eagle", "medusa")
     return_stream = spec is not None and spec.method == "mtp"  # the MTP module reads every token's stream
-    draft = load_draft_weights(spec, model_config, config, mesh, placed) if spec is not None and spec.method == "draft_model" else None
-    if return_stream:
+    draft = None  # (config, weights) of a model drafting beside the target: a draft model's, or the MTP module's
+    if spec is not None and spec.method == "draft_model":
+        draft = load_draft_weights(spec, model_config, config, mesh, placed)
+    elif return_stream:
         draft = load_mtp_weights(source, model_config, config, mesh, placed)
     clock.mark("weights")
     config, placed = check_kernels_on_device(config, model_config, parallel, placed, clock)
@@ -103,13 +105,13 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
     logger.info("%s", summary)
     runner = build_runner(model_config, config, mesh, placed, num_top_logprobs=config.max_logprobs,
                           return_hidden=return_hidden, return_stream=return_stream)
-    if draft is not None and return_stream:
+    if draft is not None:
         draft_config, draft_weights = draft
-        proposer = MTPProposer(build_runner(draft_config, config, mesh, draft_weights, num_top_logprobs=1, return_stream=True))
-    elif draft is not None:
-        draft_config, draft_weights = draft
-        check_draft_groups(model_config, draft_config)
-        proposer = DraftModelProposer(build_runner(draft_config, config, mesh, draft_weights, num_top_logprobs=1))
+        if return_stream:
+            proposer = MTPProposer(build_runner(draft_config, config, mesh, draft_weights, num_top_logprobs=1, return_stream=True))
+        else:
+            check_draft_groups(model_config, draft_config)
+            proposer = DraftModelProposer(build_runner(draft_config, config, mesh, draft_weights, num_top_logprobs=1))
     else:
         proposer = make_proposer(spec, model_config, config, runner) if spec is not None else None
     eos = set(model_config.eos_token_ids)

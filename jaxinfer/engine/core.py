@@ -424,18 +424,20 @@ class EngineCore:
         if not samples:
             return
         if not request.forked:  # the prompt is done: make the n completions, sharing its pages
+            state_copies = []  # (a hybrid model's: each child's recurrent states start as the parent's)
             for j, row in enumerate(samples[1:], start=1):
                 child = Sequence(request, j, seq.token_ids[:end] + [row.token], child_seed(request.seed, j), num_computed=end)
                 child.grammar = seq.grammar.copy() if seq.grammar is not None else None  # before seq takes its token
                 replica.block_manager.fork(seq.seq_id, child.seq_id)
-                if self.runner.state_slots_per_replica:  # its recurrent states start as the parent's
-                    bm = replica.block_manager
-                    self.runner.copy_states([(request.replica, (bm.state_slot(seq.seq_id), bm.state_slot(child.seq_id)))])
+                if self.runner.state_slots_per_replica:
+                    state_copies.append((request.replica, (replica.block_manager.state_slot(seq.seq_id),
+                                                           replica.block_manager.state_slot(child.seq_id))))
                 # its own draft length; the hidden row it came from; nothing in a draft model's cache yet
                 child.spec = dataclasses.replace(seq.spec, draft=[], draft_src=[], draft_computed=0) if seq.spec else None
                 request.seqs.append(child)
                 replica.scheduler.add_running(child)
                 self._on_token(child, row, end, now)
+            self.runner.copy_states(state_copies)  # (one program for every child; none without states)
             request.forked = True
         self._on_token(seq, samples[0], end, now)
         if seq.finished:

@@ -207,11 +207,9 @@ class ModelRunner:
         packed = [pack_batch([s.chunk for s in chunks], self.buckets, page_sizes, key, with_lora=with_lora,
                              with_hidden=with_hidden) for chunks in scheduled]
         rows_of_chunk = [rows for _, _, rows in packed]
-        for chunks, replica_rows in zip(scheduled, rows_of_chunk):
-            first = 0
-            for s, rows in zip(chunks, replica_rows):
-                s.rows, s.first_token = rows, first
-                first += len(s.chunk.token_ids)
+        for chunks, (_, replica_batch, replica_rows) in zip(scheduled, packed):
+            for s, rows, first in zip(chunks, replica_rows, replica_batch.cu_q_lens):
+                s.rows, s.first_token = rows, int(first)
         batch = stack_replicas([b for _, b, _ in packed])
         everything = [s for chunks in scheduled for s in chunks]  # the optional sampling features are per step
         num_banned = max((len(s.sampling.banned_ids) for s in everything), default=0)
@@ -245,13 +243,13 @@ class ModelRunner:
         self.keys_seen.add(key)
         compiles_before = self.step_fn.num_compiles
         t0 = time.perf_counter()
-        out, self.token_buffer, self.kv = self.step_fn(
+        out, self.token_buffer, self.kv, new_stream = self.step_fn(
             self.params, self.kv, batch, sampling, self.token_buffer, *(() if stream is None else (stream,)),
             query_block=key.query_block, spec_block=key.spec_block,
         )
         if self.step_fn.num_compiles != compiles_before:  # tracing and compiling happen at dispatch
             self.compile_seconds[key] = time.perf_counter() - t0
-        return InFlightStep(out, packed.chunks, packed.want_logprobs, self.step_fn.stream)
+        return InFlightStep(out, packed.chunks, packed.want_logprobs, new_stream)
 
     def recover(self) -> "Recovered":
         """After a step (or a page copy, or a LoRA slot write) that failed: re-creates what the

@@ -90,12 +90,11 @@ class StepFunction:
         the step's SampleOutput also carries the logits rows' hidden states (`hidden` [R, H]).
         `return_stream`: the model program also returns every token's residual stream before the
         final norm, [replicas, max_rows, H] (rows past the batch's tokens: padding), left on the
-        device for the next program that reads it (`stream` below; models.deepseek_mtp)."""
+        device for the next program that reads it (`__call__`'s fourth result; models.deepseek_mtp)."""
         self.num_compiles = 0  # programs traced (each compiled variant of each program)
         self.num_model_compiles = 0  # of which model programs (one per bucket and LoRA switch)
         self.return_hidden = return_hidden
         self.return_stream = return_stream
-        self.stream = None  # with return_stream: the last model program's streams [replicas, max_rows, H]
         self.max_rows = max_rows  # size of each replica's token buffer handed from one step to the next
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig(), jax.devices()[:1])
         if param_specs is None and self.mesh.size > 1:
@@ -200,15 +199,15 @@ class StepFunction:
         return put_global(tree, per_replica_specs(tree), self.mesh)
 
     def __call__(self, params, kv, batch, sampling, prev_tokens, *prev_stream, query_block: int,
-                 spec_block: int = 0) -> tuple[SampleOutput, jax.Array, KVCache]:
-        """One step. `prev_stream`: with a batch whose `hidden_src` is set, the stream
-        [replicas, max_rows, H] its rows point into (another step's `stream`)."""
+                 spec_block: int = 0) -> tuple[SampleOutput, jax.Array, KVCache, jax.Array | None]:
+        """One step: (SampleOutput, token_buffer, kv, the stream [replicas, max_rows, H] with
+        return_stream, else None). `prev_stream`: with a batch whose `hidden_src` is set, the stream
+        its rows point into (another step's)."""
         logits, kv, *extras = self._model(params, kv, batch, prev_tokens, *prev_stream, query_block=query_block,
                                           spec_block=spec_block)
-        if self.return_stream:
-            self.stream = extras.pop()
+        stream = extras.pop() if self.return_stream else None
         out, token_buffer = self.sample(logits, sampling, *extras)
-        return out, token_buffer, kv
+        return out, token_buffer, kv, stream
 
     def sample(self, logits: jax.Array, sampling, *hidden) -> tuple[SampleOutput, jax.Array]:
         """The sampling half of a step: the logits processors `sampling` switches on, each its own
