@@ -33,6 +33,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="TPU / GPU: the share of each device's memory for weights, step scratch and KV pool (default 0.9)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--num-prefix-states", type=int, default=None,
+                   help="hybrid models (Qwen3.5, Qwen3-Next): recurrent states the prefix cache saves per replica "
+                        "(default: max-num-seqs; 0: no prefix caching)")
     p.add_argument("--kv-cache-dtype", default=None, help="KV pages: float32 | bfloat16 | int8 | fp8 (default: the compute dtype)")
     p.add_argument("--quantization", default=None, help="weight quantization: none | int8 | int4 | fp8 | w8a8 (int8 weights and activations)")
     p.add_argument("--quantization-group-size", type=int, default=None, help="int4: 32 | 64 | 128 (default 128); int8: per group")
@@ -120,7 +123,7 @@ def _llm(args, **extra):
         num_pages=args.num_pages, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+        num_prefix_states=args.num_prefix_states, tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         sequence_parallel_size=args.sequence_parallel_size, expert_parallel_size=args.expert_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, sequence_parallel_attention=args.sequence_parallel_attention,
         speculative_config=args.speculative_config, progress=_is_main_process(), **extra,
@@ -324,6 +327,7 @@ def cmd_aot(args) -> int:
     parallel = ParallelConfig(dp=args.data_parallel_size, tp=args.tensor_parallel_size, ep=args.expert_parallel_size)
     shape = ServingShape(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
+                         num_prefix_states=args.num_prefix_states,
                          kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
                          dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                          group_size=args.group_size, keep_checkpoint_quantization=args.keep_checkpoint_quantization)
@@ -429,6 +433,8 @@ def main(argv=None) -> int:
     a.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
     a.add_argument("--max-model-len", type=int, required=True)
     a.add_argument("--max-num-seqs", type=int, default=64)
+    a.add_argument("--num-prefix-states", type=int, default=None,
+                   help="hybrid models: the prefix cache's saved recurrent states per replica (default: max-num-seqs)")
     a.add_argument("--max-num-batched-tokens", type=int, default=512)
     a.add_argument("--page-size", type=int, default=16)
     a.add_argument("--num-pages", "--num-gpu-blocks-override", dest="num_pages", type=int, default=None,

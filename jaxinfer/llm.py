@@ -89,6 +89,9 @@ class LLM:
       max_num_batched_tokens / max_num_seqs: per-step token and sequence budgets; the token
         budget is also the largest shape bucket.
       enable_prefix_caching: share the KV pages of common prompt prefixes (on by default).
+      num_prefix_states: a hybrid model's (Qwen3.5, Qwen3-Next) prefix cache also needs the
+        recurrent states at a hit's end: it keeps this many saved states per replica (default
+        max_num_seqs; each as large as a running sequence's states; 0 turns its prefix caching off).
       preemption_mode: when the KV pool runs dry, "recompute" a preempted sequence's cache on
         readmission (default) or "swap" its pages to host memory and back.
       log_stats_interval: seconds between engine stats lines on the "jaxinfer" logger (None: off).

@@ -256,15 +256,16 @@ def test_glm5s_sparse_attention_step_compiles_for_tpu_and_gpu(v6e, h100):
 def test_a_hybrid_models_step_with_its_recurrent_states_compiles_for_tpu_and_gpu(v6e, h100):
     """Qwen3.5's Gated DeltaNet layers (the chunked form in XLA, states beside the pages) compile
     for a v6e over two chips (each its key and value heads) and an H100; the states are their own
-    line of the per-chip memory: max_num_seqs + 1 slots."""
+    line of the per-chip memory: max_num_seqs + 1 slots and as many saved prefix states."""
     config = ModelConfig.from_hf_dict(dict(
         model_type="qwen3_5_text", hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=128, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,
         linear_value_head_dim=128, linear_conv_kernel_dim=4, vocab_size=1024, max_position_embeddings=4096), source="test")
     for target, parallel, pick in ((v6e, ParallelConfig(tp=2), max), (h100, ParallelConfig(), min)):  # prefill chunks, decodes
         plan = AbstractStep.build(config, target, parallel, SHAPE)
-        # 3 linear layers x 9 slots x (8 heads x 128 x 128 float32 + 3 inputs x 2048 channels in bf16), per chip
-        assert plan.state_bytes_per_chip() == 3 * 9 * (8 * 128 * 128 * 4 + 3 * 2048 * 2) // parallel.tp
+        # 3 linear layers x 17 slots (scratch, 8 sequences, 8 saved prefix states) x (8 heads x 128 x 128 float32
+        # + 3 inputs x 2048 channels in bf16), per chip
+        assert plan.state_bytes_per_chip() == 3 * 17 * (8 * 128 * 128 * 4 + 3 * 2048 * 2) // parallel.tp
         plan.compile(pick(plan.buckets.all_keys(), key=lambda k: (k.num_tokens, k.query_block)))
 
 

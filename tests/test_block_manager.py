@@ -496,3 +496,79 @@ def test_groups_of_another_shape_count_their_own_longer_pages_and_hit_on_whole_o
     sliding, full = bm.page_table("b")
     assert sliding[:3] == [0] * 3 and sliding[3] != 0 and 0 not in full
     bm.check_invariants()
+
+
+# ---------------------------------------------------------------------- saved recurrent states (hybrid models)
+def hybrid_manager(num_prefix_states=2, num_pages=32):
+    """State slots: 0 scratch, 1-3 sequences, 4.. saved states."""
+    return BlockManager(num_pages, PS, num_state_slots=4, num_prefix_states=num_prefix_states)
+
+
+def compute_in_chunks(bm, sid, tokens, copies):
+    """Compute a sequence the way the scheduler chunks it (ending a chunk at each checkpoint),
+    saving its state where asked; `copies` collects the (slot, saved slot) copies."""
+    seq = bm.seqs[sid]
+    while seq.num_computed < len(tokens):
+        end = bm.next_checkpoint(sid) or len(tokens)
+        bm.mark_computed(sid, end, tokens)
+        copies += [c for c in [bm.save_state(sid, end, tokens)] if c]
+    bm.check_invariants()
+
+
+def test_a_hybrid_prefix_hits_only_where_a_state_was_saved_and_resumes_from_it():
+    bm, copies = hybrid_manager(), []
+    shared = list(range(100, 110))  # two full pages and a half
+    a, b, c = (shared + [t] * 5 for t in (1, 2, 3))  # 15 tokens each: 3 full pages before the last token
+    assert bm.allocate("a", a) == 0 and bm.seqs["a"].checkpoints == [12]  # the prompt's last full page
+    compute_in_chunks(bm, "a", a, copies)
+    assert copies == [(bm.state_slot("a"), 4)] and bm.stats.states_saved == 1
+    bm.free("a")
+    # the same prompt resumes at 12 from the saved state; nothing more to save
+    assert bm.allocate("a2", a) == 12 and bm.restore_slot("a2") == 4 and bm.seqs["a2"].checkpoints == []
+    bm.free("a2")
+    # another prompt sharing two pages: they are cached but no state ends there, so it starts from
+    # zeros and saves one where the prompts part (8) as well as at its own last full page (12)
+    assert bm.allocate("b", b) == 0 and bm.restore_slot("b") == 0 and bm.seqs["b"].checkpoints == [8, 12]
+    compute_in_chunks(bm, "b", b, copies)
+    bm.free("b")
+    assert bm.stats.states_saved == 3 and bm.stats.state_evictions == 1  # two saved slots: "a"'s went (least recent)
+    assert bm.allocate("c", c) == 8 and bm.restore_slot("c") == copies[1][1]  # the third resumes where they part
+    assert bm.num_cached_prefix_pages(a) == 2  # "a"'s own state at 12 is gone
+    bm.check_invariants()
+
+
+def test_a_saved_state_goes_with_the_page_its_key_names_and_with_a_reset():
+    bm, copies = hybrid_manager(num_pages=5), []  # 4 usable pages: a 15-token prompt takes all of them
+    a = list(range(15))
+    bm.allocate("a", a)
+    compute_in_chunks(bm, "a", a, copies)
+    bm.free("a")
+    assert bm.num_cached_prefix_pages(a) == 3
+    bm.allocate("x", list(range(50, 59)))  # 3 pages: the least recently released ("a"'s last ones) are evicted
+    assert bm.num_cached_prefix_pages(a) == 0 and bm.stats.state_evictions == 1
+    bm.check_invariants()
+    bm.free("x")
+    bm.allocate("a", a)
+    compute_in_chunks(bm, "a", a, copies)
+    bm.free("a")
+    bm.reset_prefix_cache()
+    assert bm.num_cached_prefix_pages(a) == 0 and not bm._saved_state
+    bm.check_invariants()
+
+
+def test_a_fork_inherits_no_checkpoints_and_without_saved_states_a_hybrid_never_hits():
+    bm = BlockManager(32, PS, num_state_slots=4)  # prefix caching on, no saved states
+    a = list(range(15))
+    prefill(bm, "a", a)
+    bm.free("a")
+    assert bm.allocate("b", a) == 0 and bm.seqs["b"].checkpoints == []
+    bm.free("b")
+    bm, copies = hybrid_manager(), []
+    bm.allocate("a", a)
+    bm.mark_computed("a", 8, a)  # mid-prompt: a checkpoint still ahead
+    bm.reserve("a", 15)
+    bm.mark_computed("a", 15, a)
+    bm.fork("a", "child")
+    assert bm.seqs["child"].checkpoints == [] and bm.seqs["child"].restore_slot == 0
+    with pytest.raises(ValueError, match="saved recurrent states need state slots"):
+        BlockManager(32, PS, num_prefix_states=2)

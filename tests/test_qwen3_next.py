@@ -37,10 +37,12 @@ def test_greedy_text_equals_transformers_batched_alone_preempted_and_forked(hybr
     # one full-attention layer, pages of 4 tokens: 7 pages cannot hold the four sequences at once
     llm = LLM(str(directory), num_pages=8, **SMALL)
     kv = llm.runner.kv
-    assert kv.pages.shape[0] == 1 and llm.engine_config.enable_prefix_caching is False  # K/V of the one full layer
-    assert kv.state.recurrent.shape == (3, 5, 4, 16, 8) and kv.state.conv.shape == (3, 5, 3, 2 * 32 + 32)
+    assert kv.pages.shape[0] == 1  # K/V of the one full layer
+    # slots: scratch, 4 sequences, 4 saved states of the prefix cache (a readmitted sequence may resume one)
+    assert kv.state.recurrent.shape == (3, 9, 4, 16, 8) and kv.state.conv.shape == (3, 9, 3, 2 * 32 + 32)
     assert LinearState.bytes_per_slot(llm.config, np.float32) == 3 * (3 * 96 + 4 * 16 * 8) * 4
-    assert "recurrent states 9.4 KiB per sequence" in llm.engine.kv_cache_summary
+    assert "recurrent states 9.4 KiB per sequence (a slot each, max_num_seqs of them) and per saved prefix state (4 of them)" \
+        in llm.engine.kv_cache_summary
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
     assert llm.engine.get_stats().num_preemptions > 0
     assert [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts] == want
@@ -68,8 +70,35 @@ def test_data_parallel_replicas_hold_their_own_state_slots_split_over_tensor_sha
     heads, and its part of every state)."""
     directory, prompts, want = hybrid
     llm = LLM(str(directory), num_pages=64, data_parallel_size=2, tensor_parallel_size=2, **SMALL)
-    assert llm.runner.state_slots_per_replica == 5
+    assert llm.runner.state_slots_per_replica == 9  # scratch, 4 sequences, 4 saved prefix states
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+
+
+def test_prefix_hits_resume_saved_recurrent_states_and_give_the_fresh_runs_tokens(tmp_path):
+    """A hybrid model's prefix cache hits only where a recurrent state was saved: the end of a
+    prompt's last full page, and where prompts sharing cached pages part. Each hit's text equals
+    transformers' run of the whole prompt; so do prompts running side by side that share a prefix
+    (one saves the state while another may already resume it), and a second turn of a conversation."""
+    hf = save_hf_model("qwen3_5_text", tmp_path)
+    rng = np.random.default_rng(1)
+    shared = [int(t) for t in rng.integers(3, 250, 10)]  # two full pages of 4 and a half
+    a, b, c, d, e = (shared + [int(t) for t in rng.integers(3, 250, 5)] for _ in range(5))
+    llm = LLM(str(tmp_path), num_pages=64, num_prefix_states=8, **SMALL)  # (room for every state saved here)
+    bm = llm.engine.core.replicas[0].block_manager
+
+    def run(*prompts):
+        return [o.outputs[0].token_ids for o in llm.generate(list(prompts), GREEDY, use_tqdm=False)]
+
+    want_a = hf_greedy(hf, a, 8)
+    assert run(a) == [want_a] and bm.stats.hits == 0 and bm.stats.states_saved == 1  # at 12: a's last full page
+    assert run(a) == [want_a] and bm.stats.hits == 3  # resumed at 12
+    assert run(b) == [hf_greedy(hf, b, 8)] and bm.stats.hits == 3  # its 2 shared pages have no state: saved at 8 (and 12)
+    assert run(c) == [hf_greedy(hf, c, 8)] and bm.stats.hits == 5  # resumed at 8, where they part
+    assert run(d, e) == [hf_greedy(hf, d, 8), hf_greedy(hf, e, 8)] and bm.stats.hits == 9
+    second_turn = a + want_a[:4] + [5, 6, 7]  # a's pages up to 16 are this prompt's too, its state at 12
+    hits = bm.stats.hits
+    assert run(second_turn) == [hf_greedy(hf, second_turn, 8)] and bm.stats.hits == hits + 3
+    bm.check_invariants()
 
 
 @pytest.mark.parametrize("setting, message", [

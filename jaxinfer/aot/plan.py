@@ -319,7 +319,8 @@ def format_plan(plan: Plan) -> str:
         "|---|---:|",
         f"| weights | {_gib(s.weight_bytes_per_chip())} |",
         f"| KV pool compiled ({s.num_pages} pages per replica) | {_gib(s.kv_bytes_per_chip())} |",
-        *([f"| recurrent states ({s.kv.state.num_slots // replicas} slots per replica: max_num_seqs + 1) | "
+        *([f"| recurrent states ({s.kv.state.num_slots // replicas} slots per replica: max_num_seqs + 1, and the prefix "
+           f"cache's saved states) | "
            f"{_gib(s.state_bytes_per_chip())} |"] if s.kv.state is not None else []),
         f"| largest step scratch | {_gib(max(b.temp_bytes for b in plan.buckets))} |",
         f"| peak of the largest bucket | {_gib(peak)} ({100 * peak / t.chip.hbm_bytes:.0f}% of HBM) |",

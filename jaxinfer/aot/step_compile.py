@@ -80,6 +80,7 @@ class ServingShape:
     max_num_seqs: int
     max_num_batched_tokens: int = 512
     page_size: int = 16
+    num_prefix_states: int | None = None  # a hybrid model's saved recurrent states per replica (None: max_num_seqs)
     # The KV pool per replica, as the engine sizes it (jaxinfer.engine.memory; aot.plan.size_pool):
     # num_pages > kv_cache_memory_bytes > gpu_memory_utilization of the chip's HBM.
     num_pages: int | None = None
@@ -96,6 +97,11 @@ class ServingShape:
     def __post_init__(self):
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: expected a fraction in (0, 1]")
+
+    def state_slots(self, max_num_seqs: int) -> int:
+        """A hybrid model's recurrent-state slots per replica, as the engine makes them: the
+        scratch slot, one per sequence and the prefix cache's saved states."""
+        return 1 + max_num_seqs + (max_num_seqs if self.num_prefix_states is None else self.num_prefix_states)
 
     def keeps_stored_weights(self, config: ModelConfig) -> bool:
         """Whether weights load as the checkpoint stores them (mxfp4 experts, fp8), not as `dtype`."""
@@ -166,7 +172,8 @@ class AbstractStep:
         num_pages = shape.num_pages or shape.pages_needed(groups.windows, factors)  # plan.size_pool resizes it
         max_num_seqs = min(shape.max_num_seqs, shape.max_num_batched_tokens)
         kv = abstract_pool(config, num_pages * parallel.num_replicas, shape.page_size, kv_dtype, tp=parallel.tp,
-                           kernels=kernels, mesh=mesh, state_slots=(max_num_seqs + 1) * parallel.num_replicas, state_dtype=dtype)
+                           kernels=kernels, mesh=mesh, state_slots=shape.state_slots(max_num_seqs) * parallel.num_replicas,
+                           state_dtype=dtype)
         buckets = Buckets.default(shape.max_num_batched_tokens, max_num_seqs,
                                   shape.pages_per_seq, token_multiple=parallel.sp, num_groups=groups.num_groups)
         step = StepFunction(graphdef, NUM_TOP_LOGPROBS, max_rows=buckets.max_tokens, mesh=mesh, param_specs=specs)
@@ -187,7 +194,7 @@ class AbstractStep:
         return bytes_per_device(self.kv.page_arrays())  # K, V and a quantized pool's scales
 
     def state_bytes_per_chip(self) -> int:
-        """A hybrid model's recurrent states (max_num_seqs + 1 slots per replica), whatever the pages."""
+        """A hybrid model's recurrent states (`ServingShape.state_slots` per replica), whatever the pages."""
         return bytes_per_device(self.kv.state) if self.kv.state is not None else 0
 
     @property

@@ -60,6 +60,20 @@ is in the group's own pages. Prefix-cache keys stay per page_size tokens; group 
 registered under the key of the last page_size block it holds (block (i + 1) * f_g - 1), and a hit
 is a prefix of whole pages in every group: a multiple of lcm(f_g) blocks.
 
+Recurrent states (hybrid models: jaxinfer.ops.linear_state). Each sequence holding pages also
+holds a state slot (`num_state_slots`, slot 0 the scratch one). Pages alone cannot resume a
+Gated DeltaNet layer: it needs its state at the hit's end. So with `num_prefix_states` > 0 the
+manager keeps that many *saved states* (slots num_state_slots.. of the table), each a copy of a
+sequence's state at a page boundary, registered under the chain key of the page ending there; a
+prefix hit is then the longest prefix whose pages are cached AND whose end has a saved state
+(`allocate` names the saved slot to copy into the sequence's own: `restore_slot`). A sequence
+saves its state where a later prompt is likely to stop (`checkpoints`): the end of its prompt's
+last full page (what the same prompt, or a longer one starting with it, will hit) and, when its
+pages were cached further than any saved state, the end of those cached pages (the point where
+prompts sharing a prefix part: the next one like it hits there). The scheduler ends a chunk at
+each such position; the engine copies the slot after the step (`save_state`). Saved states are
+evicted least recently used first when the slots run out, and with the page whose key they carry.
+
 Stats count prefix-cache queries and hits in prompt pages (tokens = pages * page_size).
 """
 
@@ -91,6 +105,8 @@ class SeqPages:
     salt: bytes = b""
     first_held: list[int] = dataclasses.field(default_factory=list)  # per group: pages before it were given back
     state_slot: int = 0  # its slot of the recurrent states (hybrid models; 0: none)
+    restore_slot: int = 0  # a saved state its prefix hit resumes from, to copy into state_slot first (0: none)
+    checkpoints: list[int] = dataclasses.field(default_factory=list)  # positions to save its state at (ascending)
 
 
 @dataclasses.dataclass
@@ -98,6 +114,8 @@ class PrefixCacheStats:
     queries: int = 0  # full prompt pages looked up
     hits: int = 0  # of those, pages found and reused
     evictions: int = 0  # cached pages whose content was dropped to be reused
+    states_saved: int = 0  # recurrent states saved at page boundaries (hybrid models)
+    state_evictions: int = 0  # of those, dropped to make room (or with their page)
 
     @property
     def hit_rate(self) -> float:
@@ -113,9 +131,12 @@ def page_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True,
-                 windows: Sequence[int | None] = (None,), page_factors: Sequence[int] | None = None, num_state_slots: int = 0):
+                 windows: Sequence[int | None] = (None,), page_factors: Sequence[int] | None = None, num_state_slots: int = 0,
+                 num_prefix_states: int = 0):
         """`num_state_slots`: a hybrid model's recurrent-state slots (jaxinfer.ops.linear_state),
-        slot 0 the scratch one: each sequence holding pages also holds a slot of its own."""
+        slot 0 the scratch one: each sequence holding pages also holds a slot of its own.
+        `num_prefix_states`: saved states for its prefix cache (slots num_state_slots.. of the
+        table; module docstring); a hybrid model's prefix cache hits only where one is saved."""
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"need num_pages >= 2 (page 0 is scratch) and page_size >= 1, got {num_pages}, {page_size}")
         if not windows or any(w is not None and span_tokens(w) < 1 for w in windows):
@@ -140,6 +161,11 @@ class BlockManager:
         self.stats = PrefixCacheStats()
         self.num_state_slots = num_state_slots
         self._free_state_slots = list(range(num_state_slots - 1, 0, -1))  # (pop() hands out 1 first)
+        if num_prefix_states and (not num_state_slots or self.windows != (None,) or self.page_factors != (1,)):
+            raise ValueError("num_prefix_states: saved recurrent states need state slots and one full-attention layer group")
+        self.num_prefix_states = num_prefix_states
+        self._free_saved_slots = list(range(num_state_slots + num_prefix_states - 1, num_state_slots - 1, -1))
+        self._saved_state: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # page key -> slot, LRU first
 
     # ------------------------------------------------------------------ queries
     @property
@@ -229,7 +255,13 @@ class BlockManager:
 
         while n and not all_agree(n):
             n -= self._hit_blocks
+        if self.num_state_slots:  # a hybrid model resumes only where a state was saved
+            n = next((m for m in range(n, 0, -1) if keys[m - 1] in self._saved_state), 0)
         return n, keys
+
+    def _cached_pages(self, keys: list[bytes]) -> int:
+        """How many of the looked-up pages are cached, from the first (one full group)."""
+        return next((i for i, key in enumerate(keys) if (0, key) not in self._page_of_key), len(keys))
 
     def num_cached_prefix_pages(self, token_ids: Sequence[int], *, salt: bytes = b"",
                                 max_cached_tokens: int | None = None) -> int:
@@ -243,7 +275,9 @@ class BlockManager:
             page = self._free.popleft()
         else:
             page, _ = self._evictable.popitem(last=False)  # least recently released
-            del self._page_of_key[self._key_of_page.pop(page)]
+            cached_as = self._key_of_page.pop(page)  # (its group, its key)
+            del self._page_of_key[cached_as]
+            self._drop_saved_state(cached_as[1])  # (its prefix cannot be hit any more)
             self.stats.evictions += 1
         self.ref_counts[page] = 1
         self._group_of_page[page] = group
@@ -310,7 +344,14 @@ class BlockManager:
         for g, w in enumerate(self.windows):
             rows[g] += [self._take_page(g) for _ in range(self.pages_needed(len(token_ids) if w is None else end, g) - len(rows[g]))]
         first_held = [self._first_kept(g, cached) for g in range(self.num_groups)]
-        self.seqs[seq_id] = SeqPages(rows, len(token_ids), cached, keys[:num_hit], salt, first_held, self._take_state_slot())
+        seq = SeqPages(rows, len(token_ids), cached, keys[:num_hit], salt, first_held, self._take_state_slot())
+        if self.num_prefix_states:
+            if num_hit:
+                seq.restore_slot = self._saved_state[keys[num_hit - 1]]
+                self._saved_state.move_to_end(keys[num_hit - 1])  # most recently used
+            ends = {self._cached_pages(keys), len(keys)}  # where shared pages stop; the prompt's last full page
+            seq.checkpoints = sorted(n * self.page_size for n in ends if n > num_hit and keys[n - 1] not in self._saved_state)
+        self.seqs[seq_id] = seq
         return cached
 
     def _take_state_slot(self) -> int:
@@ -319,6 +360,43 @@ class BlockManager:
     def state_slot(self, seq_id: Hashable) -> int:
         """The sequence's recurrent-state slot (0 without a hybrid model)."""
         return self.seqs[seq_id].state_slot
+
+    def restore_slot(self, seq_id: Hashable) -> int:
+        """The saved state a newly allocated sequence resumes from (copy it into its slot before
+        its first chunk), or 0: it starts from zeros."""
+        return self.seqs[seq_id].restore_slot
+
+    def next_checkpoint(self, seq_id: Hashable) -> int | None:
+        """The next position the sequence saves its state at (a chunk must end there), if any."""
+        seq = self.seqs.get(seq_id)
+        return next((p for p in seq.checkpoints if p > seq.num_computed), None) if seq is not None else None
+
+    def save_state(self, seq_id: Hashable, position: int, token_ids: Sequence[int]) -> tuple[int, int] | None:
+        """Once a step has computed the sequence up to `position`: if that is one of its checkpoints,
+        a saved-state slot (the least recently used one's, if none is free) is registered under the
+        key of the page ending there. Returns (its state slot, the saved slot) for the caller to
+        copy on the device after the step, or None."""
+        seq = self.seqs[seq_id]
+        if position not in seq.checkpoints:
+            return None
+        seq.checkpoints.remove(position)
+        key = seq.salt
+        for i in range(position // self.page_size):
+            key = seq.hashes[i] if i < len(seq.hashes) else page_key(key, token_ids[i * self.page_size : (i + 1) * self.page_size])
+        if key in self._saved_state:  # saved meanwhile by a sequence with the same prefix
+            return None
+        if not self._free_saved_slots:
+            self._drop_saved_state(next(iter(self._saved_state)))
+        slot = self._free_saved_slots.pop()
+        self._saved_state[key] = slot
+        self.stats.states_saved += 1
+        return seq.state_slot, slot
+
+    def _drop_saved_state(self, key: bytes) -> None:
+        slot = self._saved_state.pop(key, None)
+        if slot is not None:
+            self._free_saved_slots.append(slot)
+            self.stats.state_evictions += 1
 
     def _written_shared(self, seq: SeqPages, end: int) -> list[tuple[int, int]]:
         """(group, page index) of the shared pages a computation of slots num_computed..end-1 writes."""
@@ -440,7 +518,8 @@ class BlockManager:
         if self.num_state_slots and not self._free_state_slots:
             raise OutOfPagesError(f"sequence {child_id!r}: every recurrent-state slot is held")
         self.seqs[child_id] = dataclasses.replace(parent, pages=[list(row) for row in parent.pages], hashes=list(parent.hashes),
-                                                  first_held=list(parent.first_held), state_slot=self._take_state_slot())
+                                                  first_held=list(parent.first_held), state_slot=self._take_state_slot(),
+                                                  restore_slot=0, checkpoints=[])
 
     def free(self, seq_id: Hashable) -> None:
         """Drop a sequence's references (finished or aborted). Its pages are released tail
@@ -454,7 +533,10 @@ class BlockManager:
                     self._release(page)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every evictable cached page (pages in use keep their entries)."""
+        """Forget every evictable cached page (pages in use keep their entries) and every saved
+        recurrent state."""
+        for key in list(self._saved_state):
+            self._drop_saved_state(key)
         for page in self._evictable:
             del self._page_of_key[self._key_of_page.pop(page)]
             self._free.append(page)
@@ -496,6 +578,8 @@ class BlockManager:
         if self.num_state_slots:  # every slot but scratch either free or held by exactly one sequence
             held_slots = [seq.state_slot for seq in self.seqs.values()]
             assert sorted(held_slots + self._free_state_slots) == list(range(1, self.num_state_slots)), "state slots leaked"
+            saved = sorted(self._free_saved_slots + list(self._saved_state.values()))
+            assert saved == list(range(self.num_state_slots, self.num_state_slots + self.num_prefix_states)), "saved states leaked"
         free = set(self._free)
         assert len(free) == len(self._free), "free list holds a page twice"
         assert self.ref_counts[SCRATCH_PAGE] == 0 and SCRATCH_PAGE not in free and SCRATCH_PAGE not in self._evictable

@@ -101,7 +101,8 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
     groups = kv_groups(model_config)
     summary = PoolSummary(config.num_pages, config.page_size, config.max_model_len, parallel.num_replicas, sized_by,
                           groups.windows, config.kv_page_factors(model_config),
-                          LinearState.bytes_per_slot(model_config, config.activation_dtype) if model_config.has_linear_layers else 0)
+                          LinearState.bytes_per_slot(model_config, config.activation_dtype) if model_config.has_linear_layers else 0,
+                          config.num_prefix_states or 0)
     logger.info("%s", summary)
     runner = build_runner(model_config, config, mesh, placed, num_top_logprobs=config.max_logprobs,
                           return_hidden=return_hidden, return_stream=return_stream)
@@ -272,8 +273,8 @@ def load_draft_weights(spec: SpeculativeConfig, model_config: ModelConfig, confi
 
 def state_slots(config: EngineConfig, parallel: ParallelConfig) -> int:
     """Recurrent-state slots of a hybrid model's cache (jaxinfer.ops.linear_state): each replica's
-    max_num_seqs and its scratch slot."""
-    return (config.max_num_seqs + 1) * parallel.num_replicas
+    max_num_seqs, its scratch slot and its prefix cache's saved states (a resolved config)."""
+    return (config.max_num_seqs + 1 + (config.num_prefix_states or 0)) * parallel.num_replicas
 
 
 MTP_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")  # checkpoints whose multi-token-prediction layer jaxinfer runs

@@ -16,7 +16,7 @@ jaxinfer's own: `page_size` (vLLM's `block_size`), `num_pages` (= `num_gpu_block
 per data-parallel replica), `compute_dtype`,
 `quantization_group_size`, `quantization_symmetric`, `keep_checkpoint_quantization`, `kernel_impl` (alias `attention_impl`),
 `check_kernels`, `xla_kernels`, `sequence_parallel_size`,
-`expert_parallel_size`, `sequence_parallel_attention`, `warmup`, `log_stats_interval`.
+`expert_parallel_size`, `sequence_parallel_attention`, `warmup`, `log_stats_interval`, `num_prefix_states`.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_logprobs: int = 20
     enable_prefix_caching: bool = True
+    num_prefix_states: int | None = None  # a hybrid model's saved recurrent states per replica (None: max_num_seqs)
     preemption_mode: str = "recompute"
     log_stats_interval: float | None = None
     seed: int = 0
@@ -152,6 +153,8 @@ class EngineConfig:
         for field in ("max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
+        if self.num_prefix_states is not None and (not isinstance(self.num_prefix_states, int) or self.num_prefix_states < 0):
+            raise ValueError(f"num_prefix_states={self.num_prefix_states!r} must be an int >= 0")
         set_("max_num_seqs", min(self.max_num_seqs, self.max_num_batched_tokens))  # a sequence needs a token
         if isinstance(self.speculative_config, dict) or self.speculative_config is None:
             set_("speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
@@ -232,10 +235,12 @@ class EngineConfig:
         if model_config.index_topk and is_quantized(self.kv_dtype):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} with {model_config.model_type}'s sparse attention, which "
                              "reads a float latent pool; leave kv_cache_dtype at 'auto'")
-        enable_prefix_caching = self.enable_prefix_caching
-        if model_config.has_linear_layers:
+        enable_prefix_caching, num_prefix_states = self.enable_prefix_caching, 0
+        if model_config.has_linear_layers:  # its prefix hits resume saved recurrent states (engine.block_manager)
             self._check_linear_attention(model_config)
-            enable_prefix_caching = False  # a cached prefix's pages carry no recurrent state (not yet)
+            num_prefix_states = self.max_num_seqs if self.num_prefix_states is None else self.num_prefix_states
+            enable_prefix_caching = enable_prefix_caching and num_prefix_states > 0
+            num_prefix_states *= enable_prefix_caching
         groups = kv_groups(model_config)
         if self.preemption_mode == "swap" and groups.windows != (None,):
             raise ValueError(f"preemption_mode='swap' with {model_config.model_type}'s sliding-window or chunked layers: their "
@@ -252,7 +257,7 @@ class EngineConfig:
                                             kernels=self.kernels)
             num_pages = pages_for_bytes(kv_bytes, page_bytes, self.max_num_seqs * pages_per_seq + 1)
         return dataclasses.replace(self, max_model_len=max_model_len, num_pages=num_pages,
-                                   enable_prefix_caching=enable_prefix_caching)
+                                   enable_prefix_caching=enable_prefix_caching, num_prefix_states=num_prefix_states)
 
     def _check_linear_attention(self, model_config: ModelConfig) -> None:
         """What a hybrid model's recurrent states (Gated DeltaNet layers) do not run with yet."""

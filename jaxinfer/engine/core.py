@@ -98,9 +98,10 @@ class EngineCore:
             raise ValueError(f"max_loras={config.max_loras} is below the {runner.num_replicas} data-parallel replicas, "
                              f"which share its slots (at least one each)")
         for _ in range(runner.num_replicas):
+            sequence_slots = config.max_num_seqs + 1 if runner.state_slots_per_replica else 0  # (a hybrid model's)
             bm = BlockManager(runner.pages_per_replica, runner.page_size, enable_prefix_caching=config.enable_prefix_caching,
-                              windows=runner.kv_windows, page_factors=runner.kv_page_factors,
-                              num_state_slots=runner.state_slots_per_replica)
+                              windows=runner.kv_windows, page_factors=runner.kv_page_factors, num_state_slots=sequence_slots,
+                              num_prefix_states=max(0, runner.state_slots_per_replica - sequence_slots))
             self.replicas.append(Replica(bm, Scheduler(bm, max_num_batched_tokens=config.max_num_batched_tokens,
                                                        max_num_seqs=config.max_num_seqs, preemption_mode=config.preemption_mode,
                                                        max_loras=lora_share)))
@@ -256,6 +257,8 @@ class EngineCore:
         """Page copies and swaps, then one step for every replica's plan. A request whose own part
         of the step cannot be built fails alone (`_fail`); None if no request is left to run."""
         copies = []
+        # prefix hits' saved recurrent states into their sequences' slots (before a swap-in's own)
+        self.runner.copy_states([(r, copy) for r, plan in enumerate(plans) for copy in plan.state_restores])
         for r, (plan, replica) in enumerate(zip(plans, self.replicas)):
             for seq, pages, num_computed, state_slot in plan.swap_out:  # before anything can overwrite the freed pages
                 state = self.runner.read_state(r, state_slot) if state_slot else None  # (a hybrid model's)
@@ -294,12 +297,24 @@ class EngineCore:
             return None
         handle = self.runner.launch(packed, self._draft_buffer)
         self.num_steps += 1
+        self._save_states(plans)
         inflight = _InFlight(plans, handle)
         for plan, replica in zip(plans, self.replicas):
             speculates = self._speculates(replica)
             for s in plan.scheduled:
                 inflight.must_sync |= self._dispatched(s, speculates)
         return inflight
+
+    def _save_states(self, plans: list[SchedulerOutput]) -> None:
+        """A hybrid model's prefix cache: each chunk that ends where its sequence saves its state
+        (`BlockManager.save_state`) has its slot copied to a saved one, after the step that computes it."""
+        saves = []
+        for r, (plan, replica) in enumerate(zip(plans, self.replicas)):
+            for s in plan.scheduled:
+                if replica.block_manager.num_prefix_states and s.seq.seq_id in replica.block_manager.seqs:
+                    copy = replica.block_manager.save_state(s.seq.seq_id, s.start + s.num_tokens, s.seq.token_ids)
+                    saves += [(r, copy)] if copy else []
+        self.runner.copy_states(saves)
 
     def _pack(self, plans: list[SchedulerOutput], advanced: dict[str, Request]):
         """The step's host arrays (ModelRunner.pack). If packing fails, each chunk is packed

@@ -196,6 +196,7 @@ class PoolSummary:
     windows: tuple = (None,)  # each KV layer group's sliding window (None: full attention)
     page_factors: tuple = ()  # each group's pages hold page_size times this many tokens (() : 1 each)
     state_bytes_per_sequence: int = 0  # a hybrid model's recurrent states, one slot (jaxinfer.ops.linear_state)
+    num_prefix_states: int = 0  # a hybrid model's saved states for its prefix cache, per replica
 
     @property
     def group_page_sizes(self) -> tuple[int, ...]:
@@ -220,5 +221,7 @@ class PoolSummary:
         b = self.state_bytes_per_sequence
         amount = f"{b / 2**20:.1f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB"
         states = f"; recurrent states {amount} per sequence (a slot each, max_num_seqs of them)" if b else ""
+        if b and self.num_prefix_states:
+            states += f" and per saved prefix state ({self.num_prefix_states} of them)"
         return (f"KV cache: {size}; max concurrency at max_model_len {self.max_model_len}: {sequences} sequences "
                 f"({self.sized_by}){states}")

@@ -381,8 +381,10 @@ class ModelRunner:
         if not copies:
             return
         n = self.state_slots_per_replica
-        src = np.array([r * n + a for r, (a, _) in copies], np.int32)
-        dst = np.array([r * n + b for r, (_, b) in copies], np.int32)
+        src = np.zeros(_power_of_two(len(copies)), np.int32)  # (padded with scratch-to-scratch copies: few sizes compile)
+        dst = np.zeros_like(src)
+        for i, (r, (a, b)) in enumerate(copies):
+            src[i], dst[i] = r * n + a, r * n + b
         self.kv = _copy_states(self.kv, src, dst)
 
     def read_state(self, replica: int, slot: int):
@@ -425,7 +427,8 @@ class ModelRunner:
         for n in _powers_of_two_to(max_swapped):
             self.write_pages(0, [0] * n, self.read_pages(0, [0] * n))
         if self.kv.state is not None:
-            self.copy_states([(0, (0, 0))])
+            for n in _powers_of_two_to(max_copies):  # forks, prefix hits' restores and saves
+                self.copy_states([(0, (0, 0))] * n)
             if max_swapped:
                 self.write_state(0, 0, self.read_state(0, 0))
 

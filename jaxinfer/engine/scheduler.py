@@ -16,6 +16,11 @@ Each call to `schedule()` decides what one step computes, within two budgets:
    that had to preempt. With LoRA, a sequence whose adapter would make more than `max_loras`
    distinct adapters run at once waits, and those behind it may go first.
 
+A hybrid model (recurrent states beside the pages) resumes a cached prefix only where a state was
+saved: a sequence's chunk ends at each position its state is to be saved at
+(`BlockManager.next_checkpoint`), and a prefix hit's saved state is copied into the sequence's
+slot before its first chunk (`SchedulerOutput.state_restores`).
+
 Speculative decoding: a decoding sequence holding drafted tokens (`seq.draft`) contributes its
 newest token plus the drafts (what the budget leaves of them), and pages for all of them; such
 verification chunks do not count against `max_prefill_chunks` (they are short and have an
@@ -65,6 +70,8 @@ class SchedulerOutput:
     swap_out: list[tuple[Sequence, list[int], int, int]] = dataclasses.field(default_factory=list)
     # swap mode: (seq, index of its first page to restore, the pages to restore its saved K/V into)
     swap_in: list[tuple[Sequence, int, list[int]]] = dataclasses.field(default_factory=list)
+    # a hybrid model's prefix hits: (saved-state slot, the sequence's slot) copies to do before the step
+    state_restores: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +137,7 @@ class Scheduler:
         preempted: list[Sequence] = []
         swap_out: list[tuple[Sequence, list[int], int, int]] = []
         swap_in: list[tuple[Sequence, int, list[int]]] = []
+        state_restores: list[tuple[int, int]] = []
 
         # decodes first, then prefill chunks; best priority first within each group
         queue = sorted((s for s in self.running if not s.hold), key=lambda s: (s.is_prefill, priority_order(s)))
@@ -180,6 +188,8 @@ class Scheduler:
                 except OutOfPagesError:
                     break
                 adapters |= {seq.lora_id} - {0}
+                if bm.restore_slot(seq.seq_id):  # its prefix hit resumes a saved recurrent state
+                    state_restores.append((bm.restore_slot(seq.seq_id), bm.state_slot(seq.seq_id)))
                 restored = self._swapped_tokens(seq)
                 if restored > seq.num_computed:
                     # restore its saved K/V instead of recomputing them; prefix-cache hits (shared,
@@ -197,7 +207,7 @@ class Scheduler:
                 num_chunks += n > 1
                 budget -= n
                 rows_left -= self._logits_rows(seq, n)
-        return SchedulerOutput(scheduled, copies, preempted, swap_out, swap_in)
+        return SchedulerOutput(scheduled, copies, preempted, swap_out, swap_in, state_restores)
 
     def _admission_rows(self, seq: Sequence, budget: int, rows_left: int) -> int:
         """Logits rows of a waiting sequence's first chunk, were it admitted now (its cached prefix
@@ -231,6 +241,9 @@ class Scheduler:
         n = min(seq.num_uncomputed, budget)
         if seq.request.wants_prompt_logprobs:
             n = min(n, max(1, rows_left - self._forks(seq)))
+        checkpoint = self.block_manager.next_checkpoint(seq.seq_id)  # a hybrid model saves its state there
+        if checkpoint is not None:
+            n = min(n, checkpoint - seq.num_computed)
         return n
 
     def _logits_rows(self, seq: Sequence, n: int, num_draft: int = 0) -> int:
