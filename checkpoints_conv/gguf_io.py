@@ -7,11 +7,14 @@ GGUF stores a [out, in] matrix with dims (in, out); `gguf_file` reverses them, s
 arrays here already have HF's layout ([out, in] for linear weights, [V, H] for token_embd).
 llama.cpp's converter permuted the rows of attn_q / attn_k of llama-arch models (interleaved
 rotary pairs); `unpermute_qk` undoes that, as transformers' GGUF loader does, so the tensors equal
-the original HF ones up to quantization error.
+the original HF ones up to quantization error. Likewise the norms stored as 1 + w (Gemma, Qwen3-Next,
+Qwen3.5) and what the converter did to the Gated DeltaNet layers of Qwen3-Next and Qwen3.5
+(`_GatedDeltaNetLayout`).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -74,8 +77,9 @@ def read_gguf_config(path: str | Path) -> dict:
     ...}, max_position_embeddings, tie_word_embeddings, bos_token_id, eos_token_id (the last two
     only when the file has them); for gemma2 / gemma3 / olmo2 files also what their HF config says
     of the attention kinds (layer_types, sliding_window, rope_parameters per layer type,
-    query_pre_attn_scalar, soft caps, hidden_activation: `_FAMILY_CONFIG`). Unknown
-    general.architecture -> CheckpointError naming it.
+    query_pre_attn_scalar, soft caps, hidden_activation: `_FAMILY_CONFIG`); for qwen3next / qwen35
+    / qwen35moe the Gated DeltaNet's heads, dims and taps and the layer kinds (`_gated_deltanet_config`).
+    Unknown general.architecture -> CheckpointError naming it.
     """
     header = read_gguf_header(path)
     meta = header.metadata
@@ -98,7 +102,7 @@ def read_gguf_config(path: str | Path) -> dict:
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(first(meta.get(f"{arch_name}.attention.head_count_kv", n_heads))),
         "head_dim": int(head_dim) if head_dim else hidden // n_heads,
-        "intermediate_size": int(first(need("feed_forward_length"))),
+        "intermediate_size": int(first(_feed_forward_length(meta, arch_name, need))),
         "vocab_size": _vocab_size(header, arch_name),
         "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
         "rope_parameters": _rope_parameters(meta, arch_name),
@@ -218,6 +222,15 @@ def _olmo2_config(meta: dict, arch_name: str, config: dict, tensor_names: set[st
         "layer_types": _layer_types(meta, arch_name, config["num_hidden_layers"], period=4),
         "rope_parameters": _rope_per_layer_type(meta, arch_name, config["rope_parameters"]["rope_theta"]),
     }
+
+
+def _feed_forward_length(meta: dict, arch_name: str, need) -> Any:
+    """`{arch}.feed_forward_length`; a mixture of experts without a dense width (Qwen3.5-MoE's config
+    has no intermediate_size, so its converter writes none) takes its experts' width."""
+    width = meta.get(f"{arch_name}.feed_forward_length")
+    if width is None and meta.get(f"{arch_name}.expert_count"):
+        width = meta.get(f"{arch_name}.expert_feed_forward_length")
+    return need("feed_forward_length") if width is None else width
 
 
 def _moe_config(meta: dict, arch_name: str, arch: GgufArch) -> dict:
@@ -342,9 +355,56 @@ def _gemma4_config(meta: dict, arch_name: str, config: dict, tensor_names: set[s
     return out
 
 
+def _gated_deltanet_config(meta: dict, arch_name: str, config: dict, tensor_names: set[str], header: GgufHeader) -> dict:
+    """Qwen3-Next / Qwen3.5 / Qwen3.5-MoE as Qwen3NextModel.set_gguf_parameters writes them: the
+    Gated DeltaNet's shapes under llama.cpp's Mamba names (ssm.group_count: key heads, ssm.state_size:
+    the key head dim, ssm.time_step_rank: value heads, ssm.inner_size: value heads x their dim,
+    ssm.conv_kernel: the convolution's taps); which layers are linear from attention.recurrent_layers
+    (one flag per layer) or else full_attention_interval (4 unless the file says); the rotated share
+    of each head from rope.dimension_count; block_count counting the multi-token-prediction layers
+    (nextn_predict_layers, after the model's: not run here). The experts' top-k weights are
+    renormalised (llama.cpp's fixed choice for these, as in their HF configs). Qwen3.5's M-RoPE
+    sections (rope.dimension_sections) need no key: text positions turn every section alike."""
+    def ssm(key: str) -> int:
+        value = meta.get(f"{arch_name}.ssm.{key}")
+        if value is None:
+            raise CheckpointError(f"GGUF metadata lacks {arch_name}.ssm.{key}")
+        return int(value)
+
+    nextn = int(meta.get(f"{arch_name}.nextn_predict_layers", 0) or 0)
+    n = config["num_hidden_layers"] - nextn
+    value_heads, inner = ssm("time_step_rank"), ssm("inner_size")
+    if value_heads <= 0 or inner % value_heads:
+        raise CheckpointError(f"GGUF metadata {arch_name}.ssm.inner_size={inner} does not split into "
+                              f"{arch_name}.ssm.time_step_rank={value_heads} value heads")
+    out: dict[str, Any] = {
+        "num_hidden_layers": n,
+        "linear_num_key_heads": ssm("group_count"), "linear_key_head_dim": ssm("state_size"),
+        "linear_num_value_heads": value_heads, "linear_value_head_dim": inner // value_heads,
+        "linear_conv_kernel_dim": ssm("conv_kernel"),
+        "rope_parameters": {**config["rope_parameters"], "partial_rotary_factor": _rotary_factor(meta, arch_name, config)},
+    }
+    recurrent = meta.get(f"{arch_name}.attention.recurrent_layers")
+    if recurrent is not None:
+        if not isinstance(recurrent, list) or len(recurrent) < n:
+            raise CheckpointError(f"GGUF metadata {arch_name}.attention.recurrent_layers has "
+                                  f"{len(recurrent) if isinstance(recurrent, list) else 'no list of'} flags for {n} layers")
+        out["layer_types"] = ["linear_attention" if flag else "full_attention" for flag in recurrent[:n]]
+    else:
+        interval = int(meta.get(f"{arch_name}.full_attention_interval", 4))
+        out["full_attention_interval"] = interval
+        out["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    if nextn:
+        out["mtp_num_hidden_layers"] = nextn
+    if config.get("num_experts"):
+        out["norm_topk_prob"] = True
+    return out
+
+
 _FAMILY_CONFIG = {"gemma2": _gemma2_config, "gemma3": _gemma3_config, "olmo2": _olmo2_config, "gpt-oss": _gpt_oss_config,
                   "glm4moe": _glm4_moe_config, "minimax-m2": _minimax_m2_config, "llama4": _llama4_config,
-                  "gemma4": _gemma4_config}
+                  "gemma4": _gemma4_config, "qwen3next": _gated_deltanet_config, "qwen35": _gated_deltanet_config,
+                  "qwen35moe": _gated_deltanet_config}
 
 
 def _optional_f32(value) -> float | None:
@@ -381,6 +441,145 @@ def unpermute_qk(weight: np.ndarray, n_heads: int, name: str = "") -> np.ndarray
 
 # HF row vectors [1, H] that llama.cpp stores as [H] (Qwen2-MoE's shared expert gate).
 _ROW_VECTORS = (".mlp.shared_expert_gate.weight",)
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def tiled_to_grouped(array: np.ndarray, axis: int, key_heads: int, value_heads: int, head_dim: int) -> np.ndarray:
+    """Undo llama.cpp's value-head reorder of Qwen3.5's Gated DeltaNet along `axis` (value heads of
+    `head_dim` entries each). HF groups the value heads by the key head they share, head g r + j
+    being key head g's j-th (r = value_heads / key_heads); the converter
+    (_LinearAttentionVReorderBase._reorder_v_heads) stores them tiled, j hk + g, so that ggml can
+    broadcast the key heads. This puts them back in HF's order."""
+    r = value_heads // key_heads
+    moved = np.moveaxis(array, axis, 0)
+    grouped = moved.reshape(r, key_heads, head_dim, *moved.shape[1:]).swapaxes(0, 1).reshape(moved.shape)
+    return np.moveaxis(grouped, 0, axis)
+
+
+class _GatedDeltaNetLayout:
+    """What llama.cpp's converter did to a Qwen3-Next / Qwen3.5 file's tensors, and how to undo it
+    (convert_hf_to_gguf.py: Qwen3NextModel.modify_tensors, _LinearAttentionVReorderBase):
+
+    - A_log stored as ssm_a = -exp(A_log): read back as log(-ssm_a);
+    - the convolution [C, 1, K] squeezed to [C, K]: listed as [C, 1, K] again;
+    - every norm but the gated one (ssm_norm) stored as 1 + w: GgufArch.norm_shift;
+    - Qwen3-Next's in_proj_qkvz split into attn_qkv (q | k | v, each over all heads) and attn_gate (z):
+      read as Qwen3.5's in_proj_qkv and in_proj_z (an older file's whole ssm_in as HF's in_proj_qkvz);
+    - Qwen3.5 with fewer key heads than value heads (GgufArch.tiled_value_heads): the value heads
+      of attn_qkv's v rows, attn_gate, ssm_beta, ssm_alpha, ssm_a, ssm_dt, the convolution's v
+      channels and ssm_out's columns reordered from grouped to tiled: `tiled_to_grouped`.
+
+    Its multi-token-prediction layers (block_count past num_hidden_layers) are hidden; a
+    full-attention layer's fused attn_qkv (llama.cpp's create_tensor_qkv takes one) reads as its q
+    (query and gate), k and v projections; `check` names a missing or misshapen tensor."""
+
+    def __init__(self, config: dict, tiled: bool):
+        c = config
+        self.layers = int(c["num_hidden_layers"])
+        self.types = list(c["layer_types"])
+        self.hidden = int(c["hidden_size"])
+        self.heads, self.kv_heads = int(c["num_attention_heads"]), int(c.get("num_key_value_heads") or c["num_attention_heads"])
+        self.head_dim = int(c.get("head_dim") or self.hidden // self.heads)
+        self.hk, self.hv = int(c["linear_num_key_heads"]), int(c["linear_num_value_heads"])
+        self.dk, self.dv = int(c["linear_key_head_dim"]), int(c["linear_value_head_dim"])
+        self.kernel = int(c["linear_conv_kernel_dim"])
+        self.experts = int(c.get("num_experts") or 0)
+        self.reorder = tiled and self.hk != self.hv
+
+    def layer(self, gguf_name: str) -> tuple[int, str] | None:
+        m = _BLOCK.fullmatch(gguf_name)
+        return None if m is None else (int(m.group(1)), m.group(2))
+
+    def is_mtp(self, gguf_name: str) -> bool:
+        where = self.layer(gguf_name)
+        return where is not None and where[0] >= self.layers
+
+    def attention_qkv_rows(self) -> list[tuple[str, slice]]:
+        """A full-attention layer's fused attn_qkv: [q_proj (Hq x 2D: query | gate per head) | k | v] rows."""
+        q, kv = self.heads * 2 * self.head_dim, self.kv_heads * self.head_dim
+        return [("self_attn.q_proj.weight", slice(0, q)), ("self_attn.k_proj.weight", slice(q, q + kv)),
+                ("self_attn.v_proj.weight", slice(q + kv, q + 2 * kv))]
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        """The linear layers' tensors (numpy shapes, GGUF names without the layer) and their shapes."""
+        H, kd, vd = self.hidden, self.hk * self.dk, self.hv * self.dv
+        return {"attn_qkv.weight": (2 * kd + vd, H), "attn_gate.weight": (vd, H), "ssm_in.weight": (2 * kd + 2 * vd, H),
+                "ssm_ba.weight": (2 * self.hv, H), "ssm_beta.weight": (self.hv, H), "ssm_alpha.weight": (self.hv, H),
+                "ssm_conv1d.weight": (2 * kd + vd, self.kernel), "ssm_a": (self.hv,), "ssm_dt.bias": (self.hv,),
+                "ssm_norm.weight": (self.dv,), "ssm_out.weight": (H, vd)}
+
+    def check(self, path: Path, tensors: dict[str, GgufTensorInfo]) -> None:
+        """CheckpointError naming the first misshapen or missing tensor of the model's layers."""
+        expected = self.expected()
+        for name, info in tensors.items():
+            where = self.layer(name)
+            if where is None or where[0] >= self.layers:
+                continue
+            layer, rest = where
+            shape = tuple(info.shape)
+            if self.types[layer] == "linear_attention" and rest in expected:
+                want = expected[rest]
+                if rest == "ssm_conv1d.weight" and shape == (want[0], 1, want[1]):
+                    continue  # (not squeezed)
+            elif self.types[layer] == "full_attention" and rest == "attn_qkv.weight":
+                want = (self.attention_qkv_rows()[-1][1].stop, self.hidden)
+            else:
+                continue  # (the loader checks the others' shapes, under their HF names)
+            if shape != want:
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} has shape {shape}, expected {want} (layer {layer}, a {self.types[layer]} "
+                    f"layer: {self.hk} key heads of {self.dk}, {self.hv} value heads of {self.dv}, {self.kernel} taps, "
+                    f"hidden size {self.hidden}, from the file's metadata)")
+        missing = [name for layer in range(self.layers) for name in self._required(layer, tensors)]
+        if missing:
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing: {', '.join(missing[:8])}{more}")
+
+    def _required(self, layer: int, tensors: dict) -> list[str]:
+        """The tensors of `layer` that are not in `tensors` (one of each alternative llama.cpp takes)."""
+        def have(*names: str) -> bool:
+            return all(f"blk.{layer}.{n}" in tensors for n in names)
+
+        need = ["attn_norm.weight", "post_attention_norm.weight"]
+        if self.types[layer] == "linear_attention":
+            need += ["ssm_conv1d.weight", "ssm_a", "ssm_dt.bias", "ssm_norm.weight", "ssm_out.weight"]
+            need += [] if have("ssm_in.weight") else ["attn_qkv.weight", "attn_gate.weight"]
+            need += [] if have("ssm_ba.weight") else ["ssm_beta.weight", "ssm_alpha.weight"]
+        else:
+            need += ["attn_output.weight", "attn_q_norm.weight", "attn_k_norm.weight"]
+            need += [] if have("attn_qkv.weight") else ["attn_q.weight", "attn_k.weight", "attn_v.weight"]
+        if self.experts:
+            need += ["ffn_gate_inp.weight", "ffn_down_exps.weight"]
+            need += [] if have("ffn_gate_up_exps.weight") else ["ffn_gate_exps.weight", "ffn_up_exps.weight"]
+        else:
+            need += ["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
+        return [f"blk.{layer}.{n}" for n in need if f"blk.{layer}.{n}" not in tensors]
+
+    def transforms(self, gguf_name: str) -> bool:
+        """Whether `fix` changes this tensor (it is then read as floats, never as its stored grid)."""
+        where = self.layer(gguf_name)
+        if where is None or where[0] >= self.layers or self.types[where[0]] != "linear_attention":
+            return False
+        rest = where[1]
+        return rest in ("ssm_a", "ssm_conv1d.weight") or (self.reorder and rest in (
+            "attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight", "ssm_dt.bias", "ssm_out.weight"))
+
+    def fix(self, gguf_name: str, array: np.ndarray) -> np.ndarray:
+        """The stored (float) tensor `gguf_name` as HF has it, but for its name and the squeeze."""
+        if not self.transforms(gguf_name):
+            return array
+        rest = self.layer(gguf_name)[1]
+        if rest == "ssm_a":  # -exp(A_log)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                array = np.log(-array).astype(np.float32)
+        if not self.reorder:
+            return array
+        qk = 2 * self.hk * self.dk
+        if rest in ("attn_qkv.weight", "ssm_conv1d.weight"):  # only the v rows / channels
+            return np.concatenate([array[:qk], tiled_to_grouped(array[qk:], 0, self.hk, self.hv, self.dv)])
+        if rest in ("ssm_beta.weight", "ssm_alpha.weight", "ssm_a", "ssm_dt.bias"):
+            return tiled_to_grouped(array, 0, self.hk, self.hv, 1)
+        return tiled_to_grouped(array, 1 if rest == "ssm_out.weight" else 0, self.hk, self.hv, self.dv)
 
 
 class GgufSource(TensorSource):
@@ -390,11 +589,14 @@ class GgufSource(TensorSource):
 
     `config` is the dict read_gguf_config returned (its head counts undo the llama Q/K
     permutation). A mixture of experts' stacked tensors (`ffn_*_exps` [E, ...]) are listed one per
-    expert, under the per-expert HF names, each read as its slice of the stacked tensor. A tensor whose name has no HF equivalent is listed under its GGUF name, for the
-    loader to report as unexpected. Quantized blocks run along rows, so a read dequantizes the
-    whole tensor and slices it; the last few tensors are kept, so the blocks of several devices
-    cost one dequantization. A type outside SUPPORTED_TYPES raises CheckpointError naming the
-    tensor and the type when it is read.
+    expert, under the per-expert HF names, each read as its slice of the stacked tensor (a fused
+    `ffn_gate_up_exps` [E, 2I, H], as the converter's --fuse-gate-up-exps writes it, as each expert's
+    gate and up rows). Qwen3-Next's and Qwen3.5's Gated DeltaNet tensors are read as HF has them
+    (`_GatedDeltaNetLayout`). A tensor whose name has no HF equivalent is listed under its GGUF
+    name, for the loader to report as unexpected. Quantized blocks run along rows, so a read
+    dequantizes the whole tensor and slices it; the last few tensors are kept, so the blocks of
+    several devices cost one dequantization. A type outside SUPPORTED_TYPES raises CheckpointError
+    naming the tensor and the type when it is read.
     """
 
     CACHED_TENSORS = 4  # enough for q, k and v of one layer
@@ -404,13 +606,33 @@ class GgufSource(TensorSource):
         _, self.arch = _architecture(self.header)
         self.q_heads = int(config["num_attention_heads"])
         self.kv_heads = int(config.get("num_key_value_heads", self.q_heads))
+        self.hybrid: _GatedDeltaNetLayout | None = None
+        if self.arch.gated_deltanet:
+            full = config if "linear_num_key_heads" in config and "layer_types" in config else read_gguf_config(path)
+            self.hybrid = _GatedDeltaNetLayout(full, self.arch.tiled_value_heads)
+            self.hybrid.check(self.header.path, {t.name: t for t in self.header.tensors})
         self._info: dict[str, GgufTensorInfo] = {}
         self._expert: dict[str, int] = {}  # a stacked experts tensor's per-expert names -> the expert
+        self._rows: dict[str, slice] = {}  # a fused tensor's parts -> its rows (of the expert's matrix, for experts)
         for info in self.header.tensors:
-            if info.name == ROPE_FREQS_TENSOR:
+            if info.name == ROPE_FREQS_TENSOR or (self.hybrid is not None and self.hybrid.is_mtp(info.name)):
                 continue
             name = self.arch.hf_name(info.name) or info.name
-            if name != info.name and info.name.split(".")[-2] in self.arch.stacked_experts:
+            block = _BLOCK.fullmatch(info.name)
+            rest = block.group(2) if block else ""
+            if block and rest == "ffn_gate_up_exps.weight" and "ffn_gate_exps" in self.arch.stacked_experts:
+                # [E, 2I, H]: gate the first I rows of each expert, up the rest
+                width = info.shape[1] // 2
+                for part, rows in (("ffn_gate_exps", slice(0, width)), ("ffn_up_exps", slice(width, 2 * width))):
+                    module, proj = self.arch.per_layer[part].rsplit(".", 1)
+                    for e in range(info.shape[0]):
+                        expert_name = f"model.layers.{block.group(1)}.{module}.{e}.{proj}.weight"
+                        self._info[expert_name], self._expert[expert_name], self._rows[expert_name] = info, e, rows
+            elif (block and rest == "attn_qkv.weight" and self.hybrid is not None
+                  and self.hybrid.types[int(block.group(1))] == "full_attention"):
+                for hf, rows in self.hybrid.attention_qkv_rows():
+                    self._info[f"model.layers.{block.group(1)}.{hf}"], self._rows[f"model.layers.{block.group(1)}.{hf}"] = info, rows
+            elif name != info.name and info.name.split(".")[-2] in self.arch.stacked_experts:
                 # [E, ...] -> one tensor per expert: model.layers.i.mlp.experts.gate_proj.weight -> ...experts.{e}.gate_proj.weight
                 module, proj, suffix = name.rsplit(".", 2)
                 for e in range(info.shape[0]):
@@ -426,7 +648,12 @@ class GgufSource(TensorSource):
     def _shape(self, name: str) -> tuple[int, ...]:
         shape = tuple(self._info[name].shape)
         if name in self._expert:
-            return shape[1:]
+            shape = shape[1:]
+        if name in self._rows:
+            rows = self._rows[name]
+            return (rows.stop - rows.start, *shape[1:])
+        if self.hybrid is not None and name.endswith(".linear_attn.conv1d.weight") and len(shape) == 2:
+            return (shape[0], 1, shape[1])  # HF's [C, 1, K], squeezed by the converter
         return (1, *shape) if name.endswith(_ROW_VECTORS) and len(shape) == 1 else shape
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
@@ -436,12 +663,15 @@ class GgufSource(TensorSource):
                 del self._cache[next(iter(self._cache))]  # the oldest
             self._cache[info.name] = self._load(name)
         array = self._cache[info.name]
-        array = array[self._expert[name]] if name in self._expert else array.reshape(self._shape(name))
+        if name in self._expert:
+            array = array[self._expert[name]]
+        array = array[self._rows[name]] if name in self._rows else array.reshape(self._shape(name))
         return array if index is None else array[index]
 
     def quantized(self) -> dict[str, QuantLayout]:
         return {name: TYPE_LAYOUTS[info.ggml_type] for name, info in self._info.items()
-                if info.ggml_type in GRID_TYPES and len(info.shape) == 2 and name not in self._expert}
+                if info.ggml_type in GRID_TYPES and len(info.shape) == 2 and name not in self._expert
+                and name not in self._rows and not (self.hybrid is not None and self.hybrid.transforms(info.name))}
 
     def read_grid(self, name: str) -> Grid:
         info = self._info[name]
@@ -455,8 +685,11 @@ class GgufSource(TensorSource):
     def _load(self, name: str) -> np.ndarray:
         info = self._info[name]
         array = self._unpermute(name, info, _dequantize(self.header.path, info))
-        if self.arch.norm_shift and name != info.name and name.endswith("norm.weight"):
-            array = array - np.float32(self.arch.norm_shift)  # Gemma: the file holds 1 + w (GgufArch.norm_shift)
+        if (self.arch.norm_shift and name != info.name and name.endswith("norm.weight")
+                and not name.endswith(self.arch.norm_shift_skip)):
+            array = array - np.float32(self.arch.norm_shift)  # Gemma, Qwen3-Next: the file holds 1 + w (GgufArch.norm_shift)
+        if self.hybrid is not None:
+            array = self.hybrid.fix(info.name, array)
         return array
 
     def _unpermute(self, name: str, info: GgufTensorInfo, rows: np.ndarray) -> np.ndarray:

@@ -448,16 +448,25 @@ class GgufArch:
     # for a bias): their HF module name has no expert index, which GgufSource inserts per expert
     stacked_experts: frozenset = frozenset({"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"})
     moe_model_type: str | None = None  # the model_type of a file of this architecture with experts (llama -> mixtral)
-    # GGUF `base.suffix` -> HF name after `model.layers.{i}.`, where HF's name is no module + suffix
+    # GGUF `base.suffix` (or a bare `base`: llama.cpp's ssm_a) -> HF name after `model.layers.{i}.`, where HF's
+    # name is no module + suffix
     exact: Mapping[str, str] = field(default_factory=dict)
+    # HF names (their ends) that `norm_shift` leaves alone: Qwen3-Next's gated norm multiplies by w itself
+    norm_shift_skip: tuple[str, ...] = ()
+    # Gated DeltaNet layers between full-attention ones (Qwen3-Next, Qwen3.5): gguf_io.GgufSource undoes
+    # what llama.cpp's converter did to them (ssm_a = -exp(A_log), the squeezed convolution, and with
+    # `tiled_value_heads` Qwen3.5's value heads reordered from grouped by key head to tiled)
+    gated_deltanet: bool = False
+    tiled_value_heads: bool = False
     _layer_re: re.Pattern = field(init=False, repr=False, compare=False, default=re.compile(r"blk\.(\d+)\.(.+)"))
 
     def hf_name(self, gguf_name: str) -> str | None:
         """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
         base, dot, suffix = gguf_name.rpartition(".")
         m = self._layer_re.fullmatch(base)
-        if m and f"{m.group(2)}.{suffix}" in self.exact:
-            return f"model.layers.{m.group(1)}.{self.exact[f'{m.group(2)}.{suffix}']}"
+        whole = self._layer_re.fullmatch(gguf_name)
+        if whole and whole.group(2) in self.exact:
+            return f"model.layers.{whole.group(1)}.{self.exact[whole.group(2)]}"
         if not dot or suffix not in ("weight", "bias"):
             return None
         if base in self.globals:
@@ -566,6 +575,37 @@ _GEMMA4_GGUF_EXACT = {"ffn_gate_inp.scale": "router.scale", "ffn_down_exps.scale
                       "layer_output_scale.weight": "layer_scalar", "ffn_gate_up_exps.weight": "experts.gate_up_proj",
                       "ffn_down_exps.weight": "experts.down_proj"}
 
+# Qwen3-Next ("qwen3next"), Qwen3.5 ("qwen35") and Qwen3.5-MoE ("qwen35moe"), as convert_hf_to_gguf.py's
+# Qwen3NextModel / Qwen3_5TextModel / Qwen3_5MoeTextModel write them (gguf.constants MODEL_TENSORS): the norm
+# before the MLP is post_attention_norm; full attention's q_proj (query and gate per head) as attn_q; a Gated
+# DeltaNet layer's q | k | v projection as attn_qkv and its z as attn_gate (Qwen3-Next's fused in_proj_qkvz
+# split so by the converter; files older than llama.cpp PR #18683 keep it whole as ssm_in), Qwen3-Next's
+# in_proj_ba as ssm_ba, Qwen3.5's in_proj_b / in_proj_a as ssm_beta / ssm_alpha, the convolution as
+# ssm_conv1d, dt_bias renamed dt_proj.bias (ssm_dt.bias), -exp(A_log) as a bare ssm_a, the gated norm as
+# ssm_norm, out_proj as ssm_out; Qwen2-MoE's experts and gated shared expert.
+_GATED_DELTANET_GGUF_PER_LAYER = {
+    **{k: v for k, v in _QWEN_MOE_GGUF_PER_LAYER.items() if k != "ffn_norm"},
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_in": "linear_attn.in_proj_qkvz",
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+_GATED_DELTANET_GGUF_EXACT = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
+
+
+def _gated_deltanet_arch(model_type: str, tiled_value_heads: bool) -> GgufArch:
+    """Every norm but the Gated DeltaNet's own stored as 1 + w (Qwen3NextModel.modify_tensors)."""
+    return GgufArch(model_type, _LLAMA_GGUF_GLOBALS, _GATED_DELTANET_GGUF_PER_LAYER, norm_shift=1.0,
+                    norm_shift_skip=(".linear_attn.norm.weight",), gated_deltanet=True,
+                    tiled_value_heads=tiled_value_heads, exact=_GATED_DELTANET_GGUF_EXACT)
+
+
 # GGUF general.architecture -> how to read it. Mistral GGUFs say "llama". llama.cpp permutes the
 # q/k rows of llama-style (interleaved-pair RoPE) archs only; gemma2 / gemma3 / olmo2 run NeoX-style
 # RoPE (HF's half-split order) and are stored as HF has them. An "olmo2" file with a sliding window
@@ -590,6 +630,9 @@ GGUF_ARCHS: dict[str, GgufArch] = {
                        _GEMMA4_GGUF_PER_LAYER, stacked_experts=frozenset(), exact=_GEMMA4_GGUF_EXACT),
     "minimax-m2": GgufArch("minimax_m2", _LLAMA_GGUF_GLOBALS, _MINIMAX_M2_GGUF_PER_LAYER,
                            exact={"exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias"}),
+    "qwen3next": _gated_deltanet_arch("qwen3_next", tiled_value_heads=False),
+    "qwen35": _gated_deltanet_arch("qwen3_5_text", tiled_value_heads=True),
+    "qwen35moe": _gated_deltanet_arch("qwen3_5_moe_text", tiled_value_heads=True),
 }
 
 

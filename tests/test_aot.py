@@ -254,9 +254,10 @@ def test_glm5s_sparse_attention_step_compiles_for_tpu_and_gpu(v6e, h100):
 
 
 def test_a_hybrid_models_step_with_its_recurrent_states_compiles_for_tpu_and_gpu(v6e, h100):
-    """Qwen3.5's Gated DeltaNet layers (the chunked form in XLA, states beside the pages) compile
-    for a v6e over two chips (each its key and value heads) and an H100; the states are their own
-    line of the per-chip memory: max_num_seqs + 1 slots and as many saved prefix states."""
+    """Qwen3.5's Gated DeltaNet layers (prefill chunks through the platform's gated delta rule kernel,
+    states beside the pages) compile for a v6e over two chips (each its key and value heads) and an
+    H100; the states are their own line of the per-chip memory: max_num_seqs + 1 slots and as many
+    saved prefix states."""
     config = ModelConfig.from_hf_dict(dict(
         model_type="qwen3_5_text", hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=128, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,
@@ -300,6 +301,19 @@ def test_the_grouped_mxfp4_matmul_compiles_at_gpt_oss_120b_shapes(chip, request)
     target = request.getfixturevalue(chip)
     [(case, fn, args)] = [(case, fn, args) for kernel, case, fn, args in kernel_check.kernel_cases(
         target, kernel_check.FAMILY_SHAPES["gpt-oss-120b"]) if kernel == "grouped_matmul" and "rows=2048" in case and "->5760" in case]
+    marker = {"tpu": "tpu_custom_call", "gpu": "xla.gpu.triton"}[target.platform]
+    assert marker in kernel_check.compile_for(target, fn, args).as_text(), case
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "h100"])
+def test_the_gated_delta_rule_compiles_at_qwen3_5_shapes(chip, request):
+    """Qwen3.5-27B's Gated DeltaNet prefill chunk (pallas_kernels.gated_delta_rule): 48 value heads
+    of 128, 2048 tokens in chunks of 64, float32; Mosaic reads each head as a 128-lane column block
+    with the state in VMEM, Triton runs 4 programs of 32 value columns per head."""
+    target = request.getfixturevalue(chip)
+    [(case, fn, args)] = [(case, fn, args) for kernel, case, fn, args in kernel_check.kernel_cases(
+        target, kernel_check.FAMILY_SHAPES["qwen3.5-27b"]) if kernel == "gated_delta_rule"]
+    assert case == "prefill T=2048 Hv=48 Dk=128 Dv=128 chunk=64"
     marker = {"tpu": "tpu_custom_call", "gpu": "xla.gpu.triton"}[target.platform]
     assert marker in kernel_check.compile_for(target, fn, args).as_text(), case
 

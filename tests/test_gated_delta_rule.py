@@ -60,9 +60,60 @@ def test_a_ragged_step_continues_each_sequence_from_its_slot():
               SequenceChunk([0] * 12, 7, [[6, 7, 8, 9, 10]], [11], state_slot=4)]
     _, batch, _ = pack_batch(chunks, Buckets((32,), max_num_seqs=4, pages_per_seq=5), page_size=4)
     rows = [(0, 1), (1, 10), (10, 22)]
-    out, new = ragged_delta_rule(*(jnp.asarray(a[:32]) for a in (qq, kk, v, g, beta)), jnp.asarray(table), batch, chunks=True)
+    out, new, _ = ragged_delta_rule(*(jnp.asarray(a[:32]) for a in (qq, kk, v, g, beta)), jnp.asarray(table), batch, chunks=True)
     for (first, end), start in zip(rows, (table[2], np.zeros_like(state), table[4])):
         want, want_state = delta_rule.recurrent(qq[first:end], kk[first:end], v[first:end], g[first:end], beta[first:end], start)
         np.testing.assert_allclose(np.asarray(out)[first:end], np.asarray(want), atol=2e-5)
     np.testing.assert_allclose(np.asarray(new)[4], np.asarray(want_state), atol=2e-5)
     np.testing.assert_array_equal(np.asarray(new)[1], table[1])  # a slot no sequence holds
+
+
+def test_a_verifying_chunk_keeps_its_inputs_and_the_commit_advances_its_slot_by_the_tokens_kept():
+    """Speculative decoding's short path (spec_block 4): a decode, a chunk of 4 verifying drafts,
+    a short prefill chunk of 3 and a long one of 9 in one step each equal their sequence run alone;
+    the verifying chunk's slot (its convolution's inputs and its recurrent state) stays as it was,
+    and `commit_drafts` with 2 tokens kept gives the state after exactly those 2."""
+    import jax.numpy as jnp
+
+    from jaxinfer.ops.batch import Buckets, SequenceChunk, pack_batch
+    from jaxinfer.ops.linear_attention import ragged_causal_conv, ragged_delta_rule
+    from jaxinfer.ops.linear_state import DraftInputs, LinearState, commit_drafts
+
+    B, K, C = 4, 4, 6
+    q, k, v, g, beta, state = inputs(2)
+    qq, kk = (np.asarray(a) for a in delta_rule.prepare_qk(q, k, HV))
+    table = np.zeros((5, HV, DK, DV), np.float32)
+    table[1], table[2], table[3] = state, 2 * state, -state
+    chunks = [SequenceChunk([0], 6, [[1, 2]], [0], state_slot=1),
+              SequenceChunk([0] * 4, 5, [[3, 4, 5]], [0, 1, 2, 3], state_slot=2, verifies=True),
+              SequenceChunk([0] * 3, 7, [[6, 7, 8]], [2], state_slot=3),
+              SequenceChunk([0] * 9, 0, [[9, 10, 11]], [8], state_slot=4)]
+    _, batch, _ = pack_batch(chunks, Buckets((32,), max_num_seqs=4, pages_per_seq=5, spec_block=B), page_size=4)
+    rows = [(0, 1), (1, 5), (5, 8), (8, 17)]
+    zeros = lambda *shape: jnp.zeros((5, B, *shape), jnp.float32)  # noqa: E731
+    drafts = (zeros(HV, DK), zeros(HV, DV), zeros(HV), zeros(HV))
+    out, new, drafts = ragged_delta_rule(*(jnp.asarray(a[:32]) for a in (qq, kk, v, g, beta)), jnp.asarray(table), batch,
+                                         chunks=True, spec_block=B, drafts=drafts)
+    for (first, end), slot in zip(rows, (1, 2, 3, None)):
+        start = table[slot] if slot else np.zeros_like(state)
+        want, want_state = delta_rule.recurrent(qq[first:end], kk[first:end], v[first:end], g[first:end], beta[first:end], start)
+        np.testing.assert_allclose(np.asarray(out)[first:end], np.asarray(want), atol=2e-5)
+        if slot != 2:
+            np.testing.assert_allclose(np.asarray(new)[slot or 4], np.asarray(want_state), atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(new)[2], table[2])  # the verifying chunk advanced nothing
+
+    x = np.random.default_rng(3).normal(size=(32, C)).astype(np.float32)  # the convolution's inputs
+    saved = np.random.default_rng(4).normal(size=(5, K - 1, C)).astype(np.float32)
+    conv_out, conv_saved, conv_drafts = ragged_causal_conv(jnp.asarray(x), jnp.asarray(saved), jnp.ones((K, C)), batch,
+                                                           jnp.zeros((5, B, C)))
+    np.testing.assert_array_equal(np.asarray(conv_saved)[2], saved[2])
+    np.testing.assert_array_equal(np.asarray(conv_drafts)[2], x[1:5])
+    window = np.concatenate([saved[2], x[1:5]])  # the verifying chunk's outputs read its saved inputs, then its own
+    np.testing.assert_allclose(np.asarray(conv_out)[1:5], [window[i : i + K].sum(0) for i in range(4)], atol=1e-5)
+
+    states = LinearState(conv=conv_saved[None], recurrent=new[None], drafts=DraftInputs(conv_drafts[None], *(d[None] for d in drafts)))
+    committed = commit_drafts(states, jnp.array([2, 0]), jnp.array([2, 0]))  # (slot 0: padding, nothing kept)
+    _, want_state = delta_rule.recurrent(qq[1:3], kk[1:3], v[1:3], g[1:3], beta[1:3], table[2])
+    np.testing.assert_allclose(np.asarray(committed.recurrent[0, 2]), np.asarray(want_state), atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(committed.conv[0, 2]), window[2:5])  # the last K - 1 inputs up to the 2 kept
+    np.testing.assert_array_equal(np.asarray(committed.recurrent[0, 0]), np.asarray(new)[0])

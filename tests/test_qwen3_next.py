@@ -101,8 +101,47 @@ def test_prefix_hits_resume_saved_recurrent_states_and_give_the_fresh_runs_token
     bm.check_invariants()
 
 
+class OracleProposer:
+    """Drafts the text's true next tokens, the last of each draft wrong: every verification keeps
+    some drafts and rejects one."""
+
+    on_device = False
+
+    def __init__(self, texts: dict):
+        self.texts = texts  # prompt -> its greedy continuation
+
+    def propose(self, ctx, asked):
+        from jaxinfer.engine.spec_decode import Drafts
+
+        drafts = []
+        for seq, k in asked:
+            done = len(seq.token_ids) - len(seq.request.prompt_token_ids)
+            true = self.texts[tuple(seq.request.prompt_token_ids)][done : done + k]
+            drafts.append(true[:-1] + [(true[-1] + 1) % 250] if len(true) > 1 else true)
+        return Drafts(drafts)
+
+
+def test_speculative_decoding_keeps_the_texts_the_states_advancing_by_the_kept_tokens_only(hybrid):
+    """A verifying chunk leaves its slot as it was and keeps its inputs; the slot advances by the
+    tokens kept once they are known. With drafts partly right (some kept, one rejected each time)
+    greedy text equals the plain engine's, batched with chunked prefills and under preemption
+    (the verification chunks outnumber the prefill chunks a step may hold)."""
+    directory, prompts, _ = hybrid
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)  # (no min_tokens: it holds drafts back)
+    plain = LLM(str(directory), num_pages=64, **SMALL)  # (the first test: its texts are transformers')
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(str(directory), num_pages=10, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **SMALL)
+    assert llm.runner.kv.state.drafts.k.shape[2] == 4  # a verification chunk's 1 + 3 tokens
+    llm.engine.proposer = OracleProposer({tuple(p): w for p, w in zip(prompts, want)})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+    core = llm.engine.core
+    assert 0 < core.num_accepted_tokens < core.num_draft_tokens and llm.engine.get_stats().num_preemptions > 0
+    for replica in core.replicas:
+        replica.block_manager.check_invariants()
+
+
 @pytest.mark.parametrize("setting, message", [
-    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
+    (dict(speculative_config={"method": "draft_model", "num_speculative_tokens": 2}), "drafting with the model itself"),
     (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
     (dict(tensor_parallel_size=4), "tensor_parallel_size=4"),
 ])

@@ -20,6 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxinfer.aot.targets import Target, compile_target
 from pallas_kernels.flash_attention import flash_attention_gpu, flash_attention_tpu
 from pallas_kernels.fused_rms_norm import add_rms_norm_gpu, add_rms_norm_tpu
+from pallas_kernels.gated_delta_rule import gpu as gdn_gpu
+from pallas_kernels.gated_delta_rule import tpu as gdn_tpu
 from pallas_kernels.grouped_matmul import gpu as gmm_gpu
 from pallas_kernels.grouped_matmul import tpu as gmm_tpu
 from pallas_kernels.lora_sgmv import gpu as lora_gpu
@@ -39,11 +41,13 @@ from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu, swiglu_matmul_tpu
 TPU_KERNELS = dict(flash_attention=flash_attention_tpu, add_rms_norm=add_rms_norm_tpu, quantized_matmul=qmm_tpu.quantized_matmul,
                    ragged_paged_attention=rpa_tpu.ragged_paged_attention,
                    swiglu_matmul=swiglu_matmul_tpu, lora_sgmv_shrink=lora_tpu.sgmv_shrink, lora_sgmv_expand=lora_tpu.sgmv_expand,
-                   grouped_matmul=gmm_tpu.grouped_quantized_matmul, mla_attention=mla_tpu.mla_attention)
+                   grouped_matmul=gmm_tpu.grouped_quantized_matmul, mla_attention=mla_tpu.mla_attention,
+                   gated_delta_rule=gdn_tpu.chunked)
 GPU_KERNELS = dict(flash_attention=flash_attention_gpu, add_rms_norm=add_rms_norm_gpu, quantized_matmul=qmm_gpu.quantized_matmul,
                    ragged_paged_attention=rpa_gpu.ragged_paged_attention, rope_kv_write=rope_kv_write_gpu,
                    swiglu_matmul=swiglu_matmul_gpu, lora_sgmv_shrink=lora_gpu.sgmv_shrink, lora_sgmv_expand=lora_gpu.sgmv_expand,
-                   grouped_matmul=gmm_gpu.grouped_quantized_matmul, mla_attention=mla_gpu.mla_attention)
+                   grouped_matmul=gmm_gpu.grouped_quantized_matmul, mla_attention=mla_gpu.mla_attention,
+                   gated_delta_rule=gdn_gpu.chunked)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +68,7 @@ class FamilyShape:
     experts_per_token: int = 0
     expert_parallel: int = 1  # the expert-parallel degree the plan uses (a chip's rows: ep x tokens x k)
     latent: int = 0  # multi-head latent attention: the latent row's values (its attention is the MLA kernel's)
+    linear: tuple[int, int, int] | None = None  # Gated DeltaNet layers: (value heads, Dk, Dv) of the gated delta rule
 
 
 FAMILY_SHAPES = {
@@ -91,6 +96,11 @@ FAMILY_SHAPES = {
     # DeepSeek-V3's latent attention (jaxinfer.models.deepseek): 128 query heads (one chip's, tp = 1)
     # over one latent row per token, the latent 512 and the RoPE key 64 (pallas_kernels.mla_attention)
     "deepseek-v3": FamilyShape(128, 1, 576, 7168, 18432, latent=512),
+    # Qwen3.5 / Qwen3-Next: full-attention layers (head_dim 256) between Gated DeltaNet ones, whose
+    # chunked delta rule runs over 48 / 32 value heads of 128 (pallas_kernels.gated_delta_rule)
+    "qwen3.5-27b": FamilyShape(24, 4, 256, 5120, 17408, linear=(48, 128, 128)),
+    "qwen3.5-35b-a3b": FamilyShape(16, 2, 256, 2048, 512, linear=(32, 128, 128)),  # (an expert's width; and
+    # qwen3-next-80b-a3b's shapes: the same heads, hidden size and experts)
 }
 
 PAGE_SIZE = 16
@@ -99,6 +109,7 @@ NUM_PAGES = 2048
 PAGES_PER_SEQ = 256  # 4096 tokens of context
 # (bucket, tokens, sequences, query block): the engine's bucket kinds (jaxinfer.ops.batch.Buckets)
 ATTENTION_BUCKETS = (("decode", 64, 64, 1), ("prefill", 512, 4, 64), ("mixed", 256, 64, 64))
+DELTA_RULE_TOKENS, DELTA_RULE_CHUNK = 2048, 64  # a prefill step's rows (each chunk runs over them all), FLA's chunk
 MATMUL_TOKENS = 256
 LORA_SLOTS, LORA_RANK = 9, 16  # 8 adapters (+ slot 0), rank 16
 
@@ -138,6 +149,12 @@ def kernel_cases(target: Target, shape: FamilyShape):
             args = (spec((T, Hq, D), bf16), spec((NUM_PAGES, PAGE_SIZE, width), bf16), spec((S,), i32),
                     spec((S, PAGES_PER_SEQ), i32), spec((S + 1,), i32), spec((1,), i32))
             yield "mla_attention", f"{bucket} T={T} S={S} latent[{PAGE_SIZE}, {width}] values {shape.latent}", fn, args
+    if shape.linear:  # one prefill chunk's delta rule, float32 as the model prepares it (jaxinfer.ops.linear_attention)
+        (Hv, Dk, Dv), T, f32 = shape.linear, DELTA_RULE_TOKENS, jnp.float32
+        yield ("gated_delta_rule", f"prefill T={T} Hv={Hv} Dk={Dk} Dv={Dv} chunk={DELTA_RULE_CHUNK}",
+               functools.partial(k["gated_delta_rule"], chunk_size=DELTA_RULE_CHUNK),
+               (spec((T, Hv, Dk), f32), spec((T, Hv, Dk), f32), spec((T, Hv, Dv), f32), spec((T, Hv), f32), spec((T, Hv), f32),
+                spec((Hv, Dk, Dv), f32)))
     for name, kv_dtype, scales in kv_dtypes:
         page_size, pages_per_seq, scale_pool = PAGE_SIZE, PAGES_PER_SEQ, ()
         lanes = {}

@@ -187,13 +187,14 @@ def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights:
     """A model's runner on `mesh`: its placed weights and a KV pool of the (resolved) config's page geometry."""
     parallel = config.parallel(model_config)
     specs = kv_partition_spec(quantized=is_quantized(config.kv_dtype), combined=combined_pool(model_config, config.kernels))
-    state_sharding = jax.tree.map(lambda spec: jax.sharding.NamedSharding(mesh, spec), linear_state_spec(),
+    spec_block = draft_inputs_block(config, model_config, parallel)
+    state_sharding = jax.tree.map(lambda spec: jax.sharding.NamedSharding(mesh, spec), linear_state_spec(spec_block > 0),
                                   is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     kv = KVCache.create(model_config, config.num_pages * parallel.num_replicas, config.page_size, config.kv_dtype,
                         tp=parallel.tp, sharding=jax.sharding.NamedSharding(mesh, specs.pages),
                         scale_sharding=jax.sharding.NamedSharding(mesh, specs.scales) if specs.scales else None,
                         kernels=config.kernels, state_slots=state_slots(config, parallel),
-                        state_dtype=config.activation_dtype, state_sharding=state_sharding)
+                        state_dtype=config.activation_dtype, state_sharding=state_sharding, spec_block=spec_block)
     groups = kv_groups(model_config)
     return ModelRunner(weights.graphdef, weights.params, kv, config.buckets(parallel, groups.num_groups),
                        num_top_logprobs=num_top_logprobs, mesh=mesh, param_specs=weights.param_specs,
@@ -244,6 +245,10 @@ def check_draft_groups(model_config: ModelConfig, draft_config: ModelConfig) -> 
             raise ValueError(f"speculative_config method 'draft_model': the {role} model ({c.model_type}) has sliding-window "
                              f"or chunked layers, whose pages are given back as the window moves; a draft model needs both models "
                              f"with full attention in every layer (ngram, eagle and medusa speculation work here)")
+    if draft_config.has_linear_layers:
+        raise ValueError(f"speculative_config method 'draft_model': the draft model ({draft_config.model_type}) has Gated "
+                         f"DeltaNet layers, whose recurrent states a draft cannot roll back yet; draft with a full-attention "
+                         f"model, or use ngram, eagle or medusa speculation")
 
 
 def load_draft_weights(spec: SpeculativeConfig, model_config: ModelConfig, config: EngineConfig, mesh,
@@ -269,6 +274,12 @@ def load_draft_weights(spec: SpeculativeConfig, model_config: ModelConfig, confi
                              f"{draft_config.num_layers} layers")
         draft_config, weights = first_layers(draft_config, weights, spec.num_layers, config, parallel)
     return draft_config, place_weights(draft_config, config, mesh, weights, quantization=spec.quantization)
+
+
+def draft_inputs_block(config: EngineConfig, model_config: ModelConfig, parallel: ParallelConfig) -> int:
+    """Tokens of a verification chunk a hybrid model keeps the linear layers' inputs of, to advance
+    its states by the accepted ones (jaxinfer.ops.linear_state.DraftInputs); 0: none kept."""
+    return config.buckets(parallel).spec_block if model_config.has_linear_layers else 0
 
 
 def state_slots(config: EngineConfig, parallel: ParallelConfig) -> int:
@@ -321,7 +332,7 @@ def pages_from_device_memory(config: EngineConfig, model_config: ModelConfig, me
     def pool(model: ModelConfig, pages: int):  # pages per replica
         return abstract_pool(model, pages * replicas, config.page_size, config.kv_dtype, tp=parallel.tp,
                              kernels=config.kernels, mesh=mesh, state_slots=state_slots(config, parallel),
-                             state_dtype=config.activation_dtype)
+                             state_dtype=config.activation_dtype, spec_block=draft_inputs_block(config, model, parallel))
 
     # (a hybrid model's recurrent states are a fixed cost beside the weights, whatever the pages)
     state_bytes = sum(bytes_per_device(pool(m, 1).state) for m, _ in models if m.has_linear_layers)

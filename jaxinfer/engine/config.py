@@ -262,7 +262,10 @@ class EngineConfig:
     def _check_linear_attention(self, model_config: ModelConfig) -> None:
         """What a hybrid model's recurrent states (Gated DeltaNet layers) do not run with yet."""
         what = f"{model_config.model_type}'s Gated DeltaNet (linear attention) layers"
-        refused = [(self.speculative_config is not None, "speculative_config (rejected drafts would need the states rolled back)"),
+        spec = self.speculative_config
+        refused = [(spec is not None and spec.method == "draft_model" and spec.model is None,
+                    "speculative_config method 'draft_model' drafting with the model itself (a draft model cannot roll "
+                    "back recurrent states yet; ngram, eagle and medusa speculation, or a full-attention draft model, work)"),
                    (self.enable_lora, "enable_lora"),
                    (is_quantized(self.kv_dtype), f"kv_cache_dtype={self.kv_cache_dtype!r}"),
                    (self.sequence_parallel_size > 1, "sequence_parallel_size > 1"),

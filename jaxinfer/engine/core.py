@@ -274,6 +274,7 @@ class EngineCore:
                 try:
                     s.chunk = plan_chunk(s, *replica.block_manager.held_rows(s.seq.seq_id), self.output.eos_token_ids)
                     s.chunk.chunk.state_slot = replica.block_manager.state_slot(s.seq.seq_id)
+                    s.chunk.chunk.verifies = s.num_draft > 0  # (a hybrid model keeps its inputs: `_verified` commits)
                 except Exception as error:  # noqa: BLE001 - this request's own failure
                     self._fail(s.seq.request, error, advanced)
         if copies:
@@ -373,7 +374,7 @@ class EngineCore:
         must_sync = speculates and seq.spec is not None and seq.spec.drafts_next_step  # its next draft needs the tokens
         must_sync |= seq.grammar is not None  # its next allowed tokens depend on this step's
         if s.num_draft:  # verification: num_computed and tokens are settled when it is read
-            return must_sync
+            return must_sync or bool(self.runner.state_slots_per_replica)  # (a hybrid model's states: committed then)
         seq.num_computed += s.num_tokens
         if not s.samples:
             return must_sync
@@ -393,18 +394,20 @@ class EngineCore:
         self.last_hidden = inflight.handle.out.hidden
         now = time.time()
         touched: dict[str, Request] = {}
+        commits = []  # a hybrid model's verified chunks: (replica, (state slot, tokens kept))
         for plan in inflight.plans:
             for s in plan.scheduled:
                 if s.seq.finished:  # finished or aborted after this step was dispatched
                     continue
                 try:
                     if s.num_draft:
-                        self._verified(s, now)
+                        self._verified(s, now, commits)
                     else:
                         self._advance(s, now)
                 except Exception as error:  # noqa: BLE001 - reading this request's results failed: it alone fails
                     self._fail(s.seq.request, error, advanced)
                 touched[s.seq.request.request_id] = s.seq.request
+        self.runner.commit_drafts(commits)  # (before anything reads those slots: the next step is not out yet)
         for request in touched.values():
             if request.finished:
                 request.metrics.finished_time = now
@@ -459,9 +462,10 @@ class EngineCore:
             del seq.token_ids[end + 1 :]  # drop tokens of steps dispatched after the one that ended it
             seq.pending.clear()
 
-    def _verified(self, s: ScheduledSeq, now: float) -> None:
+    def _verified(self, s: ScheduledSeq, now: float, commits: list) -> None:
         """A verification chunk's results: keep the accepted drafts and the sampled token after
-        them, rewind the sequence's length past them (the rejected drafts' K/V are dropped)."""
+        them, rewind the sequence's length past them (the rejected drafts' K/V are dropped; a
+        hybrid model's states are to advance by the newest token and the accepted drafts: `commits`)."""
         seq, spec, rows = s.seq, s.seq.spec, s.chunk.results
         draft = spec.draft[: s.num_draft]
         accepted = next((i for i, row in enumerate(rows[: s.num_draft]) if not row.accepted), s.num_draft)
@@ -470,6 +474,8 @@ class EngineCore:
         if seq.seq_id in bm.seqs:  # not preempted meanwhile
             bm.truncate(seq.seq_id, computed)
             seq.num_computed = computed
+            if self.runner.state_slots_per_replica:  # a hybrid model's states advance by the tokens kept
+                commits.append((seq.request.replica, (bm.state_slot(seq.seq_id), 1 + accepted)))
             emitted = draft[:accepted] + [rows[accepted].token]
             bm.mark_computed(seq.seq_id, computed, seq.token_ids + emitted)
         else:

@@ -41,7 +41,7 @@ from jaxinfer.engine.model_runner import empty_inputs, every_processor_sampling
 from jaxinfer.ops.batch import BucketKey, Buckets
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.kv_cache import KVCache, combined_pool, is_quantized
-from jaxinfer.ops.linear_state import LinearState
+from jaxinfer.ops.linear_state import DraftInputs, LinearState
 from jaxinfer.runtime.placement import kv_partition_spec, linear_state_spec
 from jaxinfer.runtime.step import StepFunction
 from pallas_kernels.ragged_paged_attention.reference import storage_dtype
@@ -101,18 +101,23 @@ def bytes_per_device(tree) -> int:
 
 
 def abstract_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, *, tp: int, kernels: Kernels,
-                  mesh, state_slots: int = 0, state_dtype=None) -> KVCache:
+                  mesh, state_slots: int = 0, state_dtype=None, spec_block: int = 0) -> KVCache:
     """The KV pool `KVCache.create` would place (`num_pages` over every replica; a hybrid model's
-    `state_slots` recurrent states too), as ShapeDtypeStructs with their shardings on `mesh`:
-    nothing allocated."""
+    `state_slots` recurrent states too, and with `spec_block` > 0 its verification chunks'
+    inputs), as ShapeDtypeStructs with their shardings on `mesh`: nothing allocated."""
     pool = _abstract_pages(config, num_pages, page_size, dtype, tp=tp, kernels=kernels, mesh=mesh)
     if not config.has_linear_layers:
         return pool
     conv, recurrent = LinearState.shapes(config, state_slots)
-    spec = linear_state_spec()
+    spec = linear_state_spec(drafts=spec_block > 0)
+    struct = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))  # noqa: E731
+    drafts = None
+    if spec_block:  # verification chunks' inputs (jaxinfer.ops.linear_state.DraftInputs)
+        shapes = LinearState.draft_shapes(config, state_slots, spec_block)
+        drafts = DraftInputs(**{f: struct(getattr(shapes, f), (state_dtype or dtype) if f == "conv" else jnp.float32,
+                                          getattr(spec.drafts, f)) for f in ("conv", "k", "v", "g", "beta")})
     return dataclasses.replace(pool, state=LinearState(
-        conv=jax.ShapeDtypeStruct(conv, state_dtype or dtype, sharding=NamedSharding(mesh, spec.conv)),
-        recurrent=jax.ShapeDtypeStruct(recurrent, jnp.float32, sharding=NamedSharding(mesh, spec.recurrent))))
+        conv=struct(conv, state_dtype or dtype, spec.conv), recurrent=struct(recurrent, jnp.float32, spec.recurrent), drafts=drafts))
 
 
 def _abstract_pages(config: ModelConfig, num_pages: int, page_size: int, dtype, *, tp: int, kernels: Kernels,

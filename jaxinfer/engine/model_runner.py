@@ -35,6 +35,7 @@ import numpy as np
 
 from jaxinfer.ops.batch import BucketKey, Buckets, RaggedBatch, SequenceChunk, pack_batch, shared_key, stack_replicas
 from jaxinfer.ops.kv_cache import KVCache
+from jaxinfer.ops.linear_state import commit_drafts
 from jaxinfer.ops.sampling import MAX_BANNED_IDS, SampleOutput, SamplingTensors
 from jaxinfer.runtime.placement import kv_shardings
 from jaxinfer.runtime.step import StepFunction
@@ -387,6 +388,19 @@ class ModelRunner:
             src[i], dst[i] = r * n + a, r * n + b
         self.kv = _copy_states(self.kv, src, dst)
 
+    def commit_drafts(self, commits: Sequence[tuple[int, tuple[int, int]]]) -> None:
+        """Advances the slots of verified chunks by the tokens kept (jaxinfer.ops.linear_state.
+        commit_drafts), in place; `commits`: (replica, (slot, tokens kept)). Padded to a power of
+        two with scratch-slot entries that keep nothing."""
+        if not commits:
+            return
+        n = self.state_slots_per_replica
+        slots = np.zeros(_power_of_two(len(commits)), np.int32)
+        kept = np.zeros_like(slots)
+        for i, (r, (slot, count)) in enumerate(commits):
+            slots[i], kept[i] = r * n + slot, count
+        self.kv = _commit_drafts(self.kv, slots, kept)
+
     def read_state(self, replica: int, slot: int):
         """One sequence slot's recurrent states, every linear layer, on the host (numpy arrays [L_lin, 1, ...])."""
         return jax.device_get(_read_state(self.kv, np.int32(replica * self.state_slots_per_replica + slot)))
@@ -396,7 +410,9 @@ class ModelRunner:
         self.kv = _write_state(self.kv, np.int32(replica * self.state_slots_per_replica + slot), saved)
 
     def _page_ops(self) -> "PageOps":
-        return page_ops(self.step_fn.mesh, self.kv.quantized, self.kv.combined, self.kv.state is not None)
+        state = self.kv.state
+        return page_ops(self.step_fn.mesh, self.kv.quantized, self.kv.combined, state is not None,
+                        state is not None and state.drafts is not None)
 
     def read_pages(self, replica: int, pages: Sequence[int]) -> KVCache:
         """A replica's pages, all layers, on the host: a KVCache of numpy arrays, k and v
@@ -427,8 +443,10 @@ class ModelRunner:
         for n in _powers_of_two_to(max_swapped):
             self.write_pages(0, [0] * n, self.read_pages(0, [0] * n))
         if self.kv.state is not None:
-            for n in _powers_of_two_to(max_copies):  # forks, prefix hits' restores and saves
+            for n in _powers_of_two_to(max_copies):  # forks, prefix hits' restores and saves; verified drafts
                 self.copy_states([(0, (0, 0))] * n)
+                if self.kv.state.drafts is not None:
+                    self.commit_drafts([(0, (0, 0))] * n)
             if max_swapped:
                 self.write_state(0, 0, self.read_state(0, 0))
 
@@ -530,6 +548,7 @@ def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int, with_lor
         token_src=np.full(T, -1, np.int32),
         lora_slots=np.zeros(S, np.int32) if with_lora else None,
         state_slots=np.zeros(S, np.int32),
+        verifies=np.zeros(S, bool),
     )
     return jax.tree.map(lambda a: np.stack([a] * num_replicas), batch)
 
@@ -592,6 +611,11 @@ def _copy_states(kv: KVCache, src, dst) -> KVCache:
     return dataclasses.replace(kv, state=state)
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _commit_drafts(kv: KVCache, slots, kept) -> KVCache:
+    return dataclasses.replace(kv, state=commit_drafts(kv.state, slots, kept))
+
+
 @jax.jit
 def _read_state(kv: KVCache, slot):
     return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), kv.state)
@@ -604,11 +628,11 @@ def _write_state(kv: KVCache, slot, saved) -> KVCache:
 
 
 @functools.cache
-def page_ops(mesh, quantized: bool, combined: bool = False, linear: bool = False) -> PageOps:
+def page_ops(mesh, quantized: bool, combined: bool = False, linear: bool = False, drafts: bool = False) -> PageOps:
     """Every page array of the cache (K, V and a quantized pool's scales) shares the [L, P] leading
     axes, so each operation is the same on all of them; a hybrid model's recurrent states
     (`linear`) stay as they are."""
-    kv_sharding = kv_shardings(mesh, quantized, combined, linear)
+    kv_sharding = kv_shardings(mesh, quantized, combined, linear, drafts)
     everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def copy(kv: KVCache, src, dst) -> KVCache:

@@ -36,7 +36,7 @@ from jaxinfer.models.decoder import LayerRef, StepInputs
 from jaxinfer.models.layers import matmul
 from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.ops.linear_attention import gated_rms_norm, ragged_causal_conv, ragged_delta_rule
-from jaxinfer.ops.linear_state import LinearState
+from jaxinfer.ops.linear_state import DraftInputs, LinearState
 from pallas_kernels.gated_delta_rule.reference import decay_and_rate, prepare_qk
 
 
@@ -58,16 +58,23 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         Hk, Hv = c.linear_key_heads // tp, c.linear_value_heads // tp  # this shard's heads
         Dk, Dv = c.linear_key_head_dim, c.linear_value_head_dim
         state, row = pool.state, layer.slot  # this layer's row of the states
-        mixed, conv = ragged_causal_conv(matmul(h, w["lin_qkv"], kernels).astype(dtype), state.conv[row], w["lin_conv"],
-                                         step.batch)
+        drafts = state.drafts  # (speculative decoding: verifying chunks keep their inputs there)
+        mixed, conv, draft_conv = ragged_causal_conv(matmul(h, w["lin_qkv"], kernels).astype(dtype), state.conv[row],
+                                                     w["lin_conv"], step.batch, drafts.conv[row] if drafts is not None else None)
         mixed = jax.nn.silu(mixed.astype(jnp.float32)).astype(dtype)  # [T, 2 Hk Dk + Hv Dv]
         q, k = prepare_qk(mixed[:, : Hk * Dk].reshape(T, Hk, Dk), mixed[:, Hk * Dk : 2 * Hk * Dk].reshape(T, Hk, Dk), Hv)
         v = mixed[:, 2 * Hk * Dk :].reshape(T, Hv, Dv).astype(jnp.float32)
         g, beta = decay_and_rate(matmul(h, w["lin_a"], kernels), matmul(h, w["lin_b"], kernels), w["lin_a_log"],
                                  w["lin_dt_bias"])
-        out, recurrent = ragged_delta_rule(q, k, v, g, beta, state.recurrent[row], step.batch, chunks=step.query_block > 1)
+        draft_rows = (drafts.k[row], drafts.v[row], drafts.g[row], drafts.beta[row]) if drafts is not None else None
+        out, recurrent, draft_rows = ragged_delta_rule(q, k, v, g, beta, state.recurrent[row], step.batch,
+                                                       chunks=step.query_block > 1, spec_block=step.spec_block, drafts=draft_rows,
+                                                       kernels=kernels)
         z = matmul(h, w["lin_z"], kernels).astype(dtype).reshape(T, Hv, Dv)
         out = gated_rms_norm(out.astype(dtype), z, w["lin_norm"], c.rms_norm_eps).reshape(T, Hv * Dv)
-        state = LinearState(conv=state.conv.at[row].set(conv), recurrent=state.recurrent.at[row].set(recurrent))
+        if drafts is not None:
+            drafts = DraftInputs(*(a.at[row].set(b) for a, b in zip((drafts.conv, drafts.k, drafts.v, drafts.g, drafts.beta),
+                                                                   (draft_conv, *draft_rows))))
+        state = LinearState(conv=state.conv.at[row].set(conv), recurrent=state.recurrent.at[row].set(recurrent), drafts=drafts)
         return self._row_parallel(out, w["lin_out"]).astype(dtype), dataclasses.replace(pool, state=state)
 

@@ -20,6 +20,8 @@ buckets, so the step compiles once per bucket.
                                      that is each token's input beside its id (models.deepseek_mtp)
     state_slots     [S]              each sequence's slot of the recurrent states (hybrid models:
                                      jaxinfer.ops.linear_state; 0 = the scratch slot)
+    verifies        [S]              the sequence's chunk verifies drafted tokens: a hybrid model
+                                     keeps its inputs rather than advancing its states
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class RaggedBatch:
     lora_slots: jax.Array | None = None  # [S] int32: each sequence's LoRA adapter slot (0 = none); None: no LoRA
     hidden_src: jax.Array | None = None  # [T] int32: each token's row of the input stream; None: no hidden input
     state_slots: jax.Array | None = None  # [S] int32: each sequence's recurrent-state slot (hybrid models)
+    verifies: jax.Array | None = None  # [S] bool: its chunk verifies drafts (hybrid models: linear_state.DraftInputs)
 
 
 @dataclasses.dataclass
@@ -67,6 +70,7 @@ class SequenceChunk:
     # multi-token-prediction module's input: jaxinfer.engine.mtp); () = none
     hidden_src: Sequence[int] = ()
     state_slot: int = 0  # its slot of the recurrent states (a hybrid model's: jaxinfer.ops.linear_state; 0 = none)
+    verifies: bool = False  # it verifies drafted tokens (a hybrid model keeps their inputs, advancing no state)
     # per group, the index in the full row where `pages` starts (the entries before are the scratch
     # page: a sliding group's pages behind its window, given back); () = every row from 0
     page_offsets: Sequence[int] = ()
@@ -257,6 +261,7 @@ def pack_batch(
     cu_q_lens = np.zeros(S + 1, np.int32)
     kv_lens = np.zeros(S, np.int32)
     state_slots = np.zeros(S, np.int32)
+    verifies = np.zeros(S, bool)
     G = buckets.num_groups
     page_sizes = (page_size,) * G if isinstance(page_size, int) else tuple(page_size)
     page_table = np.full((G, S, buckets.pages_per_seq), SCRATCH_PAGE, np.int32)
@@ -290,6 +295,7 @@ def pack_batch(
         cu_q_lens[s + 1] = t + n
         kv_lens[s] = end
         state_slots[s] = c.state_slot
+        verifies[s] = c.verifies
         rows = []
         for off in c.logits_rows:
             logits_indices[r] = t + off
@@ -308,6 +314,7 @@ def pack_batch(
         logits_indices=logits_indices,
         token_src=token_src,
         state_slots=state_slots,
+        verifies=verifies,
     )
     if with_hidden:
         batch.hidden_src = hidden_src

@@ -159,19 +159,20 @@ class KVCache:
     @staticmethod
     def create(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, *, tp: int = 1,
                sharding=None, scale_sharding=None, kernels: Kernels = Kernels(), state_slots: int = 0,
-               state_dtype=None, state_sharding=None) -> "KVCache":
+               state_dtype=None, state_sharding=None, spec_block: int = 0) -> "KVCache":
         """Zeroed pages in the kernels' layout (and scales when `dtype` is int8 / e4m3).
         `sharding` (a jax Sharding for the page arrays; `scale_sharding` for the scales) places
         each device's part directly, nothing whole anywhere. A hybrid model's cache also holds
         `state_slots` recurrent states (its convolutions' in `state_dtype`, default `dtype`),
-        placed with `state_sharding` (jaxinfer.ops.linear_state)."""
+        placed with `state_sharding` (jaxinfer.ops.linear_state; with `spec_block` > 0 also the
+        inputs of verification chunks of that many tokens)."""
         pool = KVCache._create_pages(config, num_pages, page_size, dtype, tp=tp, sharding=sharding,
                                      scale_sharding=scale_sharding, kernels=kernels)
         if not config.has_linear_layers:
             return pool
         if state_slots < 2:
             raise ValueError(f"a {config.model_type} cache needs recurrent-state slots (state_slots={state_slots})")
-        state = LinearState.create(config, state_slots, state_dtype or dtype, sharding=state_sharding)
+        state = LinearState.create(config, state_slots, state_dtype or dtype, sharding=state_sharding, spec_block=spec_block)
         return dataclasses.replace(pool, state=state)
 
     @staticmethod

@@ -13,6 +13,13 @@ A step holds decodes (one token each) and at most MAX_PREFILL_CHUNKS multi-token
 
 A sequence whose chunk starts at position 0 starts from zeros, whatever its slot holds. States
 are per replica: `slots` index this replica's part of the table (jaxinfer.ops.linear_state).
+
+With speculative decoding (a step's `spec_block` > 0) short chunks, of 2 to spec_block tokens,
+run the one-token step spec_block times, vectorised over the sequences, beside the decodes: a
+step may hold one verification chunk per sequence, far more than MAX_PREFILL_CHUNKS. A chunk
+that verifies drafts (`batch.verifies`) leaves its slot as it was and keeps its inputs instead
+(`drafts`: linear_state.DraftInputs), for `linear_state.commit_drafts` to advance the slot by the
+tokens the host keeps.
 """
 
 from __future__ import annotations
@@ -35,10 +42,11 @@ def sequence_layout(batch: RaggedBatch, T: int):
     return seq, jnp.arange(T) - first[seq], first, q_lens, kv_lens - q_lens == 0
 
 
-def ragged_causal_conv(x: jax.Array, saved: jax.Array, weight: jax.Array, batch: RaggedBatch):
+def ragged_causal_conv(x: jax.Array, saved: jax.Array, weight: jax.Array, batch: RaggedBatch, drafts: jax.Array | None = None):
     """x [T, C] (one layer's conv inputs), saved [N, K - 1, C] (each slot's last inputs), weight
     [K, C] -> (out [T, C] = sum_j weight[j] * x[t - (K - 1) + j] per sequence (before the
-    activation), saved with each sequence's last K - 1 inputs written to its slot)."""
+    activation), saved with each sequence's last K - 1 inputs written to its slot, drafts).
+    drafts [N, B, C] (speculative decoding): a verifying chunk's inputs go there instead."""
     T, C = x.shape
     K = weight.shape[0]
     seq, offset, first, q_lens, fresh = sequence_layout(batch, T)
@@ -53,15 +61,25 @@ def ragged_causal_conv(x: jax.Array, saved: jax.Array, weight: jax.Array, batch:
     o = q_lens[:, None] - (K - 1) + jnp.arange(K - 1)[None, :]  # [S, K - 1]
     last = tap(jnp.arange(slots.shape[0])[:, None], o)  # [S, K - 1, C]
     in_use = jnp.arange(slots.shape[0]) < batch.num_seqs[0]
-    saved = saved.at[jnp.where(in_use, slots, saved.shape[0])].set(last.astype(saved.dtype), mode="drop")
-    return out.astype(x.dtype), saved
+    verifies = in_use & batch.verifies if drafts is not None else jnp.zeros_like(in_use)
+    saved = saved.at[jnp.where(in_use & ~verifies, slots, saved.shape[0])].set(last.astype(saved.dtype), mode="drop")
+    if drafts is not None:  # a verifying chunk's inputs, in its slot's row (past its length: zeros)
+        offsets = jnp.arange(drafts.shape[1])[None, :]  # [1, B]
+        rows = jnp.where((offsets < q_lens[:, None])[..., None], x[jnp.clip(first[:, None] + offsets, 0, T - 1)], 0)
+        drafts = drafts.at[jnp.where(verifies, slots, drafts.shape[0])].set(rows.astype(drafts.dtype), mode="drop")
+    return out.astype(x.dtype), saved, drafts
 
 
-def ragged_delta_rule(q, k, v, g, beta, recurrent: jax.Array, batch: RaggedBatch, *, chunks: bool):
+def ragged_delta_rule(q, k, v, g, beta, recurrent: jax.Array, batch: RaggedBatch, *, chunks: bool, spec_block: int = 0,
+                      drafts: tuple | None = None, kernels=None):
     """The gated delta rule of every sequence of the step: q, k [T, Hv, Dk] (prepared:
     `delta_rule.prepare_qk`), v [T, Hv, Dv], g and beta [T, Hv], recurrent [N, Hv, Dk, Dv] (the
     slots' states) -> (out [T, Hv, Dv] float32, recurrent with each sequence's final state in its
-    slot). `chunks`: the step may hold multi-token chunks (not a decode bucket)."""
+    slot, drafts). `chunks`: the step may hold multi-token chunks (not a decode bucket);
+    `spec_block` > 0: chunks of up to that many tokens run the short path (module docstring), and
+    `drafts` (the slots' k, v, g, beta rows [N, B, ...] of linear_state.DraftInputs) keep a
+    verifying chunk's inputs in place of its final state. `kernels`: the kernel table whose
+    `gated_delta_rule` runs the multi-token chunks (jaxinfer.ops.kernels; None: the reference)."""
     T = q.shape[0]
     N = recurrent.shape[0]
     _, _, first, q_lens, fresh = sequence_layout(batch, T)
@@ -76,12 +94,15 @@ def ragged_delta_rule(q, k, v, g, beta, recurrent: jax.Array, batch: RaggedBatch
     out = jnp.zeros(v.shape, jnp.float32).at[jnp.where(decode, row, T)].set(out_1, mode="drop")
     recurrent = recurrent.at[jnp.where(decode, slots, N)].set(state_1, mode="drop")
     if not chunks:
-        return out, recurrent
+        return out, recurrent, drafts
+    if spec_block:
+        out, recurrent, drafts = _short_chunks(q, k, v, g, beta, out, recurrent, start, batch, spec_block, drafts)
 
     # multi-token chunks: each gathered into T rows (past its length: g = beta = 0, k = 0, no change)
-    long = in_use & (q_lens > 1)
+    long = in_use & (q_lens > max(1, spec_block))
     (which,) = jnp.nonzero(long, size=MAX_PREFILL_CHUNKS, fill_value=0)
     present = jnp.arange(MAX_PREFILL_CHUNKS) < jnp.sum(long)
+    chunked = delta_rule.chunked if kernels is None else kernels.gated_delta_rule
 
     def one_chunk(args):
         s, present = args
@@ -89,7 +110,7 @@ def ragged_delta_rule(q, k, v, g, beta, recurrent: jax.Array, batch: RaggedBatch
         valid = present & (jnp.arange(T) < q_lens[s])
         take = jnp.clip(rows, 0, T - 1)
         mask = valid[:, None]
-        o, final = jax.lax.cond(present, lambda: delta_rule.chunked(
+        o, final = jax.lax.cond(present, lambda: chunked(
             q[take], jnp.where(mask[..., None], k[take], 0.0), v[take], jnp.where(mask, g[take], 0.0),
             jnp.where(mask, beta[take], 0.0), start[s], chunk_size=CHUNK_SIZE),
             lambda: (jnp.zeros(v.shape, jnp.float32), start[s]))
@@ -98,7 +119,33 @@ def ragged_delta_rule(q, k, v, g, beta, recurrent: jax.Array, batch: RaggedBatch
     outs, finals, targets = jax.lax.map(one_chunk, (which, present))
     out = out.at[targets.reshape(-1)].set(outs.reshape(-1, *outs.shape[2:]), mode="drop")
     recurrent = recurrent.at[jnp.where(present, slots[which], N)].set(finals, mode="drop")
-    return out, recurrent
+    return out, recurrent, drafts
+
+
+def _short_chunks(q, k, v, g, beta, out, recurrent, start, batch: RaggedBatch, B: int, drafts):
+    """Chunks of 2..B tokens (verifications, short prefills): B one-token steps, vectorised over
+    the sequences, from their states `start` [S, Hv, Dk, Dv]; each row's output into `out`, the
+    final state into the slot (a verifying chunk: its inputs into `drafts` instead)."""
+    T, N = q.shape[0], recurrent.shape[0]
+    _, _, first, q_lens, _ = sequence_layout(batch, T)
+    slots = jnp.asarray(batch.state_slots)
+    in_use = jnp.arange(slots.shape[0]) < batch.num_seqs[0]
+    short = in_use & (q_lens > 1) & (q_lens <= B)
+    rows = jnp.clip(first[:, None] + jnp.arange(B)[None, :], 0, T - 1)  # [S, B]
+    state = start
+    for j in range(B):
+        o, advanced = delta_rule.step(q[rows[:, j]], k[rows[:, j]], v[rows[:, j]], g[rows[:, j]], beta[rows[:, j]], state)
+        valid = short & (j < q_lens)
+        out = out.at[jnp.where(valid, rows[:, j], T)].set(o, mode="drop")
+        state = jnp.where(valid[:, None, None, None], advanced, state)
+    verifies = short & batch.verifies if drafts is not None else jnp.zeros_like(short)
+    recurrent = recurrent.at[jnp.where(short & ~verifies, slots, N)].set(state, mode="drop")
+    if drafts is not None:
+        kept = (jnp.arange(B)[None, :] < q_lens[:, None])  # [S, B]: rows past a chunk's length are zeros
+        target = jnp.where(verifies, slots, N)
+        drafts = tuple(d.at[target].set(jnp.where(kept.reshape(kept.shape + (1,) * (a.ndim - 1)), a[rows], 0.0), mode="drop")
+                       for d, a in zip(drafts, (k, v, g, beta)))
+    return out, recurrent, drafts
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -64,9 +64,11 @@ from jaxinfer.ops.attention import FLASH_MIN_TOKENS
 from jaxinfer.ops.batch import Buckets, SequenceChunk, pack_batch
 from jaxinfer.ops.kernels import OPERATIONS, Kernels
 from jaxinfer.ops.kv_cache import is_quantized, latent_row_width
+from jaxinfer.ops.linear_attention import CHUNK_SIZE
 from jaxinfer.ops.quantization import QuantizedWeight
 from jaxinfer.tree import nested_to_flat
 from pallas_kernels.flash_attention import flash_attention_reference
+from pallas_kernels.gated_delta_rule.reference import l2_normalize
 from pallas_kernels.quantized_matmul.reference import stored_rows
 from pallas_kernels.ragged_paged_attention.combined import combine_kv, combine_scales
 from pallas_kernels.ragged_paged_attention.reference import quantize_kv, storage_dtype
@@ -76,12 +78,13 @@ logger = logging.getLogger("jaxinfer")
 
 # Checked in this order, stage by stage (the attention's verdict decides the pool layout).
 STAGES = (("ragged_attention", "flash_attention"),
-          ("rope_kv_write", "add_rms_norm", "swiglu_matmul", "quantized_matmul", "lora_delta"))
+          ("rope_kv_write", "add_rms_norm", "swiglu_matmul", "quantized_matmul", "lora_delta", "gated_delta_rule"))
 # Largest difference allowed, relative to the largest entry of the XLA path's output (at least
 # 1), by the least precise dtype of the case (bfloat16: the kernels keep float32 accumulators
 # where the XLA path may round an intermediate; float32: room for TF32 dots on a GPU).
 TOLERANCE = {"float32": 5e-3, "float16": 1e-2, "bfloat16": 3e-2}
 TOKENS = 8  # the small batch of the norm, matmul and KV-write checks
+DELTA_RULE_TOKENS = 135  # a prefill chunk of two whole chunks of 64 and a padded one (jaxinfer.ops.linear_attention)
 LORA_TOKENS = 16
 
 
@@ -159,6 +162,7 @@ class StepShapes:
     grouped: tuple[QuantizedMatrix, ...] = ()  # quantized expert stacks [E, K', N] (GPT-OSS's mxfp4)
     lora: tuple[LoraSite, ...] = ()
     latent: tuple[int, int] | None = None  # MLA (DeepSeek): (value dims r, rope dims) of the latent rows
+    linear: tuple[int, int, int] | None = None  # Gated DeltaNet layers: (value heads on this device, Dk, Dv)
 
 
 def step_shapes(config: ModelConfig, params, *, parallel: ParallelConfig = ParallelConfig(), dtype, kv_dtype,
@@ -201,6 +205,8 @@ def step_shapes(config: ModelConfig, params, *, parallel: ParallelConfig = Paral
     norm = flat["final_norm"]
     heads, kv_heads, head_dim, latent = config.num_heads // parallel.tp, kv_heads_per_shard(config.num_kv_heads, parallel.tp), \
         config.head_dim, None
+    linear = ((config.linear_value_heads // parallel.tp, config.linear_key_head_dim, config.linear_value_head_dim)
+              if config.has_linear_layers else None)  # the gated delta rule's heads on one device
     if config.is_mla:  # MLA's own attention over latent rows; its flash path sees each head's K and V (models.deepseek)
         kv_heads, head_dim, latent = heads, config.qk_nope_head_dim + config.rotary_dim, (config.kv_lora_rank, config.rotary_dim)
     return StepShapes(
@@ -211,6 +217,7 @@ def step_shapes(config: ModelConfig, params, *, parallel: ParallelConfig = Paral
         spec_block=spec_block, paged_attention=not (ring or (quantized_pool and page_size % 128) or config.is_mla),
         flash_attention=not ring and max_tokens // parallel.sp >= FLASH_MIN_TOKENS,
         kv_write=parallel.sp == 1 and not quantized_pool and not config.is_mla, latent=latent, swiglu=tuple(swiglu), quantized=tuple(quantized), grouped=tuple(grouped), lora=tuple(lora),
+        linear=linear,
     )
 
 
@@ -458,6 +465,22 @@ def _lora_case(kernels: Kernels, xla: Kernels, s: StepShapes, site: LoraSite) ->
                 _tolerance(s.dtype, site.a.dtype))
 
 
+def _gated_delta_rule_case(kernels: Kernels, xla: Kernels, s: StepShapes) -> Case:
+    """One prefill chunk's delta rule from a saved state, its inputs as the model prepares them
+    (q, k L2-normalised, q scaled; log decays <= 0, rates in (0, 1)), float32."""
+    (Hv, Dk, Dv), T = s.linear, DELTA_RULE_TOKENS
+
+    def inputs(rng):
+        keys = jax.random.split(rng, 6)
+        q, k = (l2_normalize(_random(r, (T, Hv, Dk), jnp.float32)) for r in keys[:2])
+        return (q * Dk**-0.5, k, _random(keys[2], (T, Hv, Dv), jnp.float32), -0.3 * jnp.abs(_random(keys[3], (T, Hv), jnp.float32)),
+                jax.nn.sigmoid(_random(keys[4], (T, Hv), jnp.float32)), _random(keys[5], (Hv, Dk, Dv), jnp.float32, scale=0.3))
+
+    return Case("gated_delta_rule", f"prefill chunk T={T} Hv={Hv} Dk={Dk} Dv={Dv} chunk={CHUNK_SIZE} float32", inputs,
+                functools.partial(kernels.gated_delta_rule, chunk_size=CHUNK_SIZE),
+                functools.partial(xla.gated_delta_rule, chunk_size=CHUNK_SIZE), _tolerance(jnp.float32))
+
+
 def kernel_cases(kernels: Kernels, shapes: StepShapes, operations: Collection[str] = OPERATIONS) -> Iterator[Case]:
     """Every check of `operations` the step runs with `kernels` at `shapes`: the operations whose
     entry is not the XLA path already, each at the shapes the step gives it."""
@@ -488,6 +511,8 @@ def kernel_cases(kernels: Kernels, shapes: StepShapes, operations: Collection[st
     if runs_kernel("lora_delta"):
         for site in s.lora:
             yield _lora_case(kernels, xla, s, site)
+    if runs_kernel("gated_delta_rule") and s.linear is not None:
+        yield _gated_delta_rule_case(kernels, xla, s)
 
 
 # ----------------------------------------------------------------------------- running them

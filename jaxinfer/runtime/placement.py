@@ -17,7 +17,7 @@ from jaxinfer.models.lora import LORA_AXES
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.param_layout import param_axes, param_shapes, quantized_axes
 from jaxinfer.ops.kv_cache import KVCache
-from jaxinfer.ops.linear_state import LinearState
+from jaxinfer.ops.linear_state import DraftInputs, LinearState
 from sharding import rules
 
 
@@ -67,13 +67,14 @@ def param_shardings(config: ModelConfig, mesh: Mesh, tp: int | None = None, spec
     return out
 
 
-def kv_partition_spec(quantized: bool = False, combined: bool = False, linear: bool = False) -> KVCache:
+def kv_partition_spec(quantized: bool = False, combined: bool = False, linear: bool = False, drafts: bool = False) -> KVCache:
     """The KV cache's spec: pages split over the replica axes, KV heads over "tensor" (a
     quantized pool's scales, [L, P, page_size, Hkv], likewise; a combined pool's rows
     [L, P, page_size, Hkv * 2 * Ds] split into runs of whole heads); `linear`: with a hybrid
     model's recurrent states, their slots split over the replica axes like pages, their channels and
-    value heads over "tensor" like the projections that make them."""
-    state = linear_state_spec() if linear else None
+    value heads over "tensor" like the projections that make them (`drafts`: with the inputs of
+    verification chunks, likewise)."""
+    state = linear_state_spec(drafts) if linear else None
     spec = rules.logical_to_spec(rules.KV_CACHE_AXES)
     if combined:  # rows [L, P, page_size, Hkv * 2 * Ds] and scales [L, P, Hkv * 2 * page_size], head-major
         rows = rules.logical_to_spec(rules.KV_CACHE_AXES[:-1])
@@ -85,19 +86,27 @@ def kv_partition_spec(quantized: bool = False, combined: bool = False, linear: b
     return KVCache(k=spec, v=spec, k_scale=scale_spec, v_scale=scale_spec, state=state)
 
 
-def linear_state_spec() -> LinearState:
-    """Recurrent states (jaxinfer.ops.linear_state): [L_lin, slots, ...] split on slots over the replica axes."""
+def linear_state_spec(drafts: bool = False) -> LinearState:
+    """Recurrent states (jaxinfer.ops.linear_state): [L_lin, slots, ...] split on slots over the
+    replica axes (and `drafts`, the verification chunks' inputs, as the states they advance)."""
+    inputs = None
+    if drafts:
+        per_head = rules.logical_to_spec(("layers", "pages", None, "heads", None))
+        gates = rules.logical_to_spec(("layers", "pages", None, "heads"))
+        inputs = DraftInputs(conv=rules.logical_to_spec(("layers", "pages", None, "qkv")), k=per_head, v=per_head,
+                             g=gates, beta=gates)
     return LinearState(conv=rules.logical_to_spec(("layers", "pages", None, "qkv")),
-                       recurrent=rules.logical_to_spec(("layers", "pages", "heads", None, None)))
+                       recurrent=rules.logical_to_spec(("layers", "pages", "heads", None, None)), drafts=inputs)
 
 
 def cache_spec(kv: KVCache) -> KVCache:
     """The spec of this cache (`kv_partition_spec` of its kind)."""
-    return kv_partition_spec(kv.quantized, kv.combined, kv.state is not None)
+    return kv_partition_spec(kv.quantized, kv.combined, kv.state is not None, kv.state is not None and kv.state.drafts is not None)
 
 
-def kv_shardings(mesh: Mesh, quantized: bool = False, combined: bool = False, linear: bool = False) -> KVCache:
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_partition_spec(quantized, combined, linear),
+def kv_shardings(mesh: Mesh, quantized: bool = False, combined: bool = False, linear: bool = False,
+                 drafts: bool = False) -> KVCache:
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_partition_spec(quantized, combined, linear, drafts),
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 

@@ -43,13 +43,19 @@ def prepare_qk(q: jax.Array, k: jax.Array, num_value_heads: int) -> tuple[jax.Ar
     return q * q.shape[-1] ** -0.5, k
 
 
+def update(k, v, g, beta, state):
+    """The state after one token: k [..., Hv, Dk], v [..., Hv, Dv], g and beta [..., Hv], state
+    [..., Hv, Dk, Dv] (g = beta = 0: unchanged), float32."""
+    state = state * jnp.exp(g)[..., None, None]
+    predicted = jnp.einsum("...hkv,...hk->...hv", state, k)
+    delta = (v - predicted) * beta[..., None]
+    return state + k[..., :, None] * delta[..., None, :]
+
+
 def step(q, k, v, g, beta, state):
     """One token per sequence: q, k [N, Hv, Dk], v [N, Hv, Dv], g and beta [N, Hv], state
     [N, Hv, Dk, Dv] -> (out [N, Hv, Dv], the new state), float32."""
-    state = state * jnp.exp(g)[..., None, None]
-    predicted = jnp.einsum("nhkv,nhk->nhv", state, k)
-    delta = (v - predicted) * beta[..., None]
-    state = state + k[..., :, None] * delta[..., None, :]
+    state = update(k, v, g, beta, state)
     return jnp.einsum("nhkv,nhk->nhv", state, q), state
 
 
