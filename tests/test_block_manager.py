@@ -269,16 +269,23 @@ BASES = [[7, 7, 7, 1, 2, 3, 4, 5, 6, 8, 9, 10], [7, 7, 7, 1, 9, 9, 9, 9, 5, 5], 
 
 class BlockManagerMachine(RuleBasedStateMachine):
     """Drives the manager against a simulated device: every page holds token ids in its slots.
-    Hits must return pages whose content is the prompt's; writes must only touch private pages."""
+    Hits must return pages whose content is the prompt's; writes must only touch private pages.
+    `hybrid`: recurrent-state slots and two saved states for the prefix cache, each slot's
+    simulated state the tokens it has consumed: a hit must resume the state of exactly its prefix."""
 
     # (windows, page factors): groups of another shape (Gemma 4) hold f times the tokens per page
     @initialize(num_pages=st.integers(2, 14), page_size=st.integers(1, 4), caching=st.booleans(),
                 groups=st.sampled_from([((None,), None), ((None,), None), ((3,), None), ((None, 2), None), ((5, None, 5), None),
                                         ((None, 1), None), ((Chunk(3), None), None), ((Chunk(4), Chunk(4), None), None),
-                                        ((5, 5, None), (2, 2, 1)), ((None, 3), (1, 2)), ((None, None), (1, 2))]))
-    def setup(self, num_pages, page_size, caching, groups):
+                                        ((5, 5, None), (2, 2, 1)), ((None, 3), (1, 2)), ((None, None), (1, 2))]),
+                hybrid=st.booleans())
+    def setup(self, num_pages, page_size, caching, groups, hybrid):
         windows, factors = groups
-        self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=caching, windows=windows, page_factors=factors)
+        self.hybrid = hybrid and windows == (None,)
+        states = dict(num_state_slots=64, num_prefix_states=2) if self.hybrid else {}
+        self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=caching, windows=windows, page_factors=factors,
+                               **states)
+        self.state = {}  # hybrid: slot -> the tokens its state has consumed
         self.ps = page_size
         self.page_sizes = self.bm.page_sizes  # each group's tokens per page
         self.device = {p: [None] * max(self.page_sizes) for p in range(num_pages)}
@@ -287,13 +294,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _write(self, sid, start, end):
         seq = self.bm.seqs[sid]
-        for row, ps in zip(seq.pages, self.page_sizes):
-            for pos in range(start, end):
-                page = row[pos // ps]
-                assert page != 0, f"write into the scratch page at position {pos}"
-                assert self.bm.ref_counts[page] == 1, f"write into shared page {page}"
-                self.device[page][pos % ps] = self.tokens[sid][pos]
-        self.bm.mark_computed(sid, end, self.tokens[sid])
+        while start < end:  # (a hybrid's chunks end where it saves its state)
+            stop = min(end, self.bm.next_checkpoint(sid) or end)
+            for row, ps in zip(seq.pages, self.page_sizes):
+                for pos in range(start, stop):
+                    page = row[pos // ps]
+                    assert page != 0, f"write into the scratch page at position {pos}"
+                    assert self.bm.ref_counts[page] == 1, f"write into shared page {page}"
+                    self.device[page][pos % ps] = self.tokens[sid][pos]
+            self.bm.mark_computed(sid, stop, self.tokens[sid])
+            if self.hybrid:
+                slot = self.bm.state_slot(sid)
+                assert start == 0 or self.state[slot] == tuple(self.tokens[sid][:start]), "a chunk continues another state"
+                self.state[slot] = tuple(self.tokens[sid][:stop])
+                saved = self.bm.save_state(sid, stop, self.tokens[sid])
+                if saved:
+                    self.state[saved[1]] = self.state[saved[0]]
+            start = stop
 
     def _held_positions(self, g, seq):
         """Positions whose K/V group g still holds for seq (a sliding group: its window's)."""
@@ -320,6 +337,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         assert cached % max(self.page_sizes) == 0 and cached < len(prompt)
         seq = self.bm.seqs[sid]
+        if self.hybrid:  # a hit resumes the state saved at its end, which consumed exactly its prefix
+            restore = self.bm.restore_slot(sid)
+            assert bool(restore) == bool(cached)
+            if restore:
+                assert self.state[restore] == tuple(prompt[:cached])
+                self.state[seq.state_slot] = self.state[restore]
         for g, row in enumerate(seq.pages):  # a hit really holds this prompt's K/V
             ps = self.page_sizes[g]
             for pos in self._held_positions(g, seq):
@@ -369,6 +392,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         self.bm.fork(sid, child)
         self.tokens[child] = list(self.tokens[sid])
+        if self.hybrid:  # the engine copies the parent's state into the child's slot
+            self.state[self.bm.state_slot(child)] = self.state[self.bm.state_slot(sid)]
 
     @precondition(lambda self: self.bm.seqs)
     @rule(data=st.data())
