@@ -36,6 +36,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prefix-states", type=int, default=None,
                    help="hybrid models (Qwen3.5, Qwen3-Next): recurrent states the prefix cache saves per replica "
                         "(default: max-num-seqs; 0: no prefix caching)")
+    p.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                   help="GiB of host memory keeping prefix pages the device evicts, loaded back on a prefix hit (default: off)")
+    p.add_argument("--kv-offloading-dir", default=None, metavar="DIR",
+                   help="also write those pages to files here, for later hits and later processes (needs --kv-offloading-size)")
+    p.add_argument("--kv-offloading-disk-size", type=float, default=None, metavar="GIB",
+                   help="bound of --kv-offloading-dir in GiB, least recently used pages deleted first (default: unbounded)")
     p.add_argument("--kv-cache-dtype", default=None, help="KV pages: float32 | bfloat16 | int8 | fp8 (default: the compute dtype)")
     p.add_argument("--quantization", default=None, help="weight quantization: none | int8 | int4 | fp8 | w8a8 (int8 weights and activations)")
     p.add_argument("--quantization-group-size", type=int, default=None, help="int4: 32 | 64 | 128 (default 128); int8: per group")
@@ -123,7 +129,9 @@ def _llm(args, **extra):
         num_pages=args.num_pages, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        num_prefix_states=args.num_prefix_states, tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+        num_prefix_states=args.num_prefix_states, kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_dir=args.kv_offloading_dir, kv_offloading_disk_size=args.kv_offloading_disk_size,
+        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         sequence_parallel_size=args.sequence_parallel_size, expert_parallel_size=args.expert_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, sequence_parallel_attention=args.sequence_parallel_attention,
         speculative_config=args.speculative_config, progress=_is_main_process(), **extra,
@@ -257,16 +265,24 @@ def cmd_serve(args) -> int:
         return 0
     allow_lora_updating = args.allow_runtime_lora_updating or _env_flag("JAXINFER_ALLOW_RUNTIME_LORA_UPDATING")
     try:
+        kv_transfer = None
+        if args.kv_role is not None:
+            from jaxinfer.server.kv_transfer import KVTransfer
+
+            kv_transfer = KVTransfer(args.kv_role, llm.runner, llm.config.model_type, host=args.kv_transfer_host,
+                                     port=args.kv_transfer_port, timeout_s=args.kv_transfer_timeout)
         app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get("JAXINFER_API_KEY"),
                         max_queue=args.max_queue, request_timeout=args.request_timeout,
                         publisher=Publisher() if jax.process_count() > 1 else None, tool_call_parser=args.tool_call_parser,
                         lora_modules=lora_modules, allow_runtime_lora_updating=allow_lora_updating,
                         chat_template=args.chat_template, generation_config=args.generation_config,
-                        max_request_bytes=args.max_request_bytes)
+                        max_request_bytes=args.max_request_bytes, kv_transfer=kv_transfer)
     except ValueError as e:
         print(f"jaxinfer serve: {e}", file=sys.stderr)
         return 2
     print(f"jaxinfer: {llm.engine.kv_cache_summary}", file=sys.stderr)
+    if kv_transfer is not None:
+        print(f"jaxinfer: {args.kv_role} instance, KV transfer server at {kv_transfer.address}", file=sys.stderr)
     print(f"jaxinfer: serving {app.state.model_name!r} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     # SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for shutdown_timeout seconds,
     # then cancel them (each aborts its request); the engine thread stops with the app; exit 0.
@@ -278,6 +294,15 @@ def cmd_serve(args) -> int:
         signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
     server.run()
     return 0
+
+
+def cmd_router(args) -> int:
+    import os
+
+    from jaxinfer.server.router import run_router
+
+    return run_router(args.prefill, args.decode, host=args.host, port=args.port, timeout=args.request_timeout,
+                      api_key=args.api_key or os.environ.get("JAXINFER_API_KEY"))
 
 
 def cmd_convert(args) -> int:
@@ -398,7 +423,25 @@ def main(argv=None) -> int:
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds in-flight requests get to finish before they are aborted")
     s.add_argument("--warmup", action="store_true", help="compile every shape bucket before accepting requests")
+    kv = s.add_argument_group("prefill/decode disaggregation (behind `jaxinfer router`)")
+    kv.add_argument("--kv-role", choices=("prefill", "decode"), default=None,
+                    help="prefill: compute prompts and offer their KV pages; decode: pull them and generate")
+    kv.add_argument("--kv-transfer-host", default="127.0.0.1", help="the address the KV transfer server binds and advertises")
+    kv.add_argument("--kv-transfer-port", type=int, default=0, help="the KV transfer server's port (default 0: any free one)")
+    kv.add_argument("--kv-transfer-timeout", type=float, default=60.0,
+                    help="seconds an offered prompt's pages wait to be pulled, and a pull may take (default 60)")
     s.set_defaults(func=cmd_serve)
+
+    r = sub.add_parser("router", help="an OpenAI-compatible front over prefill and decode instances (jaxinfer serve --kv-role)")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=8000)
+    r.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances (http://host:port)")
+    r.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances (http://host:port)")
+    r.add_argument("--request-timeout", type=float, default=120.0,
+                   help="seconds for an instance to answer (a prefill's whole answer; a decode's first bytes) (default 120)")
+    r.add_argument("--api-key", default=None, help="sent to the instances as 'Authorization: Bearer <key>' "
+                                                   "(default: the JAXINFER_API_KEY environment variable)")
+    r.set_defaults(func=cmd_router)
 
     q = sub.add_parser("quantize", help="quantize a model's weights (RTN, GPTQ or AWQ from calibration text) into a checkpoint")
     q.add_argument("model", nargs="?", default=None, help="HF folder, .gguf or converted folder (default: embedded SmolLM2)")

@@ -94,6 +94,15 @@ class LLM:
         max_num_seqs; each as large as a running sequence's states; 0 turns its prefix caching off).
       preemption_mode: when the KV pool runs dry, "recompute" a preempted sequence's cache on
         readmission (default) or "swap" its pages to host memory and back.
+      kv_offloading_size: GiB of host memory keeping the prefix-cache pages the device pool evicts
+        (vLLM's name; None or 0: off). A prompt whose next pages are there has them copied back
+        instead of computed (jaxinfer.engine.kv_tiers; stats: prefix_cache_host_hits).
+      kv_offloading_dir: a directory every page reaching host memory is also written to (one file
+        per page, by a background thread; the interpreter's exit writes what is queued, `close()`
+        also the pages still cached on the device), read back after host memory, and by later
+        processes of the same model and settings. Needs kv_offloading_size. `kv_offloading_disk_size`: its bound in GiB, least
+        recently used files deleted first (default: unbounded). Not with hybrid (Gated DeltaNet) or
+        sliding-window models; the disk not with enable_lora nor on several processes.
       log_stats_interval: seconds between engine stats lines on the "jaxinfer" logger (None: off).
       seed: seeds the per-request seeds of requests that give none.
       warmup: compile now, rather than on first use, every program serving can run: the step of
@@ -121,7 +130,8 @@ class LLM:
             runner = engine.runner
             runner.warmup(drafts=config.speculative_config is not None)
             runner.warmup_page_ops(max_copies=runner.buckets.max_num_seqs * runner.num_replicas,
-                                   max_swapped=runner.buckets.pages_per_seq if config.preemption_mode == "swap" else 0)
+                                   max_swapped=runner.buckets.pages_per_seq if config.preemption_mode == "swap" else 0,
+                                   max_offloaded=runner.buckets.pages_per_seq if config.kv_offloading_size else 0)
             clock.mark("warmup (compiling every bucket and sampling program)")
         # Seconds per phase of this constructor (config, weights, tokenizer, KV cache and engine, warmup);
         # tokenizer_seconds is the tokenizer's own time, spent in a thread beside the weights.
@@ -172,6 +182,18 @@ class LLM:
         """The draft model of speculative decoding (method "draft_model"); see engine.build."""
         spec = SpeculativeConfig.from_dict(spec) if isinstance(spec, dict) else spec
         return build_draft_runner(spec, self.config, self.engine_config, self.runner)
+
+    def close(self) -> None:
+        """With kv_offloading_dir: writes the device's cached prefix pages and those queued to the
+        directory and stops its writer (the queued ones are also written at the interpreter's
+        exit); the LLM still generates afterwards, without writing to disk."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ public API
     def get_tokenizer(self):

@@ -41,6 +41,7 @@ class RequestOutput:
     finished: bool
     metrics: Any = None  # engine.request.RequestMetrics: arrival, first token, finish; ttft / tpot / e2e
     error: str | None = None  # set when the engine failed the request (finish_reason "error"): why
+    kv_handoff: Any = None  # a prefill instance's: its prompt's pages (engine.kv_handoff.KVHandoff)
 
 
 class RequestFailedError(RuntimeError):

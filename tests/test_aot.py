@@ -318,6 +318,19 @@ def test_the_gated_delta_rule_compiles_at_qwen3_5_shapes(chip, request):
     assert marker in kernel_check.compile_for(target, fn, args).as_text(), case
 
 
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "h100"])
+def test_the_causal_conv_compiles_at_qwen3_5_shapes(chip, request):
+    """Qwen3.5-27B's Gated DeltaNet causal conv of a prefill chunk (pallas_kernels.causal_conv): 2048
+    rows of the 10240 q | k | v channels in bf16, 4 taps, the chunk's length traced; Mosaic carries
+    the rows before each token block in a VMEM scratch, Triton loads each tap at its row offset."""
+    target = request.getfixturevalue(chip)
+    [(case, fn, args)] = [(case, fn, args) for kernel, case, fn, args in kernel_check.kernel_cases(
+        target, kernel_check.FAMILY_SHAPES["qwen3.5-27b"]) if kernel == "causal_conv"]
+    assert case == "prefill T=2048 C=10240 K=4 bf16"
+    marker = {"tpu": "tpu_custom_call", "gpu": "xla.gpu.triton"}[target.platform]
+    assert marker in kernel_check.compile_for(target, fn, args).as_text(), case
+
+
 @pytest.mark.parametrize("target", ["v6e", "h100"])
 def test_a_lora_step_compiles_for_a_tpu_and_a_gpu(v6e, target):
     """enable_lora's slot table (4 adapters, rank 16), tensor-parallel over two TPU chips or one

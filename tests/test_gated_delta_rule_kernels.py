@@ -5,9 +5,9 @@ a multiple of the chunk (padding tokens that change nothing), a state carried in
 of sizes no chip tiles (the TPU kernel's transposed layout, the GPU kernel's padding to powers of
 two); then the kernel table's entry where Gated DeltaNet layers call it (a ragged step of a
 decode, a fresh chunk and a continued one), a tiny Qwen3.5 whose prompt log-probabilities are
-the reference's with the kernel in place, and the on-device check's case for it
-(jaxinfer.runtime.kernel_selfcheck). (libtpu and the CUDA plugin compile the kernels at Qwen3.5's
-shapes in tests/test_aot.py.)
+the reference's with the kernel in place (and the causal conv's: tests/test_causal_conv_kernels.py),
+and the on-device check's case for it (jaxinfer.runtime.kernel_selfcheck). (libtpu and the CUDA
+plugin compile the kernels at Qwen3.5's shapes in tests/test_aot.py.)
 """
 
 from __future__ import annotations
@@ -122,10 +122,11 @@ def test_a_ragged_step_runs_its_chunks_through_the_kernel_table(platform):
     assert_close(run(kernels)(q, k, v, g, beta), run(None)(q, k, v, g, beta))
 
 
-def test_a_tiny_qwen3_5_gives_the_reference_prompt_logprobs_with_the_tpu_kernel(tmp_path):
-    """Two prompts prefilled in chunks of 8 tokens (the second continues its first chunk's state):
-    every prompt token's log-probability with the TPU kernel (interpret mode; the other operations
-    on their XLA paths) equals the reference model's."""
+def test_a_tiny_qwen3_5_gives_the_reference_prompt_logprobs_with_the_tpu_kernels(tmp_path):
+    """Two prompts prefilled in chunks of 8 tokens (the second continues its first chunk's state and
+    saved conv inputs): every prompt token's log-probability with the TPU's Gated DeltaNet kernels,
+    the delta rule and the causal conv (interpret mode; the other operations on their XLA paths),
+    equals the reference model's."""
     from jaxinfer import LLM, SamplingParams
     from tiny_models import save_hf_model
 
@@ -140,7 +141,7 @@ def test_a_tiny_qwen3_5_gives_the_reference_prompt_logprobs_with_the_tpu_kernel(
         return [[next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]]
                 for out in llm.generate(prompts, params, use_tqdm=False)]
 
-    others = tuple(op for op in OPERATIONS if op != "gated_delta_rule")
+    others = tuple(op for op in OPERATIONS if op not in ("gated_delta_rule", "causal_conv"))
     got = prompt_logprobs(kernel_impl="pallas-tpu", xla_kernels=others)
     want = prompt_logprobs(kernel_impl="reference")
     assert [len(p) for p in got] == [12, 5]

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.aot.targets import Target, compile_target
+from pallas_kernels.causal_conv import gpu as conv_gpu
+from pallas_kernels.causal_conv import tpu as conv_tpu
 from pallas_kernels.flash_attention import flash_attention_gpu, flash_attention_tpu
 from pallas_kernels.fused_rms_norm import add_rms_norm_gpu, add_rms_norm_tpu
 from pallas_kernels.gated_delta_rule import gpu as gdn_gpu
@@ -42,12 +44,12 @@ TPU_KERNELS = dict(flash_attention=flash_attention_tpu, add_rms_norm=add_rms_nor
                    ragged_paged_attention=rpa_tpu.ragged_paged_attention,
                    swiglu_matmul=swiglu_matmul_tpu, lora_sgmv_shrink=lora_tpu.sgmv_shrink, lora_sgmv_expand=lora_tpu.sgmv_expand,
                    grouped_matmul=gmm_tpu.grouped_quantized_matmul, mla_attention=mla_tpu.mla_attention,
-                   gated_delta_rule=gdn_tpu.chunked)
+                   gated_delta_rule=gdn_tpu.chunked, causal_conv=conv_tpu.causal_conv)
 GPU_KERNELS = dict(flash_attention=flash_attention_gpu, add_rms_norm=add_rms_norm_gpu, quantized_matmul=qmm_gpu.quantized_matmul,
                    ragged_paged_attention=rpa_gpu.ragged_paged_attention, rope_kv_write=rope_kv_write_gpu,
                    swiglu_matmul=swiglu_matmul_gpu, lora_sgmv_shrink=lora_gpu.sgmv_shrink, lora_sgmv_expand=lora_gpu.sgmv_expand,
                    grouped_matmul=gmm_gpu.grouped_quantized_matmul, mla_attention=mla_gpu.mla_attention,
-                   gated_delta_rule=gdn_gpu.chunked)
+                   gated_delta_rule=gdn_gpu.chunked, causal_conv=conv_gpu.causal_conv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,7 @@ class FamilyShape:
     expert_parallel: int = 1  # the expert-parallel degree the plan uses (a chip's rows: ep x tokens x k)
     latent: int = 0  # multi-head latent attention: the latent row's values (its attention is the MLA kernel's)
     linear: tuple[int, int, int] | None = None  # Gated DeltaNet layers: (value heads, Dk, Dv) of the gated delta rule
+    conv: tuple[int, int] | None = None  # and their causal conv: (channels 2 Hk Dk + Hv Dv, taps K)
 
 
 FAMILY_SHAPES = {
@@ -97,10 +100,11 @@ FAMILY_SHAPES = {
     # over one latent row per token, the latent 512 and the RoPE key 64 (pallas_kernels.mla_attention)
     "deepseek-v3": FamilyShape(128, 1, 576, 7168, 18432, latent=512),
     # Qwen3.5 / Qwen3-Next: full-attention layers (head_dim 256) between Gated DeltaNet ones, whose
-    # chunked delta rule runs over 48 / 32 value heads of 128 (pallas_kernels.gated_delta_rule)
-    "qwen3.5-27b": FamilyShape(24, 4, 256, 5120, 17408, linear=(48, 128, 128)),
-    "qwen3.5-35b-a3b": FamilyShape(16, 2, 256, 2048, 512, linear=(32, 128, 128)),  # (an expert's width; and
-    # qwen3-next-80b-a3b's shapes: the same heads, hidden size and experts)
+    # chunked delta rule runs over 48 / 32 value heads of 128 (pallas_kernels.gated_delta_rule), after a
+    # causal conv of 4 taps over q | k | v: 16 key heads of 128 twice and the values (pallas_kernels.causal_conv)
+    "qwen3.5-27b": FamilyShape(24, 4, 256, 5120, 17408, linear=(48, 128, 128), conv=(2 * 16 * 128 + 48 * 128, 4)),
+    # (an expert's width; and qwen3-next-80b-a3b's shapes: the same heads, hidden size and experts)
+    "qwen3.5-35b-a3b": FamilyShape(16, 2, 256, 2048, 512, linear=(32, 128, 128), conv=(2 * 16 * 128 + 32 * 128, 4)),
 }
 
 PAGE_SIZE = 16
@@ -155,6 +159,10 @@ def kernel_cases(target: Target, shape: FamilyShape):
                functools.partial(k["gated_delta_rule"], chunk_size=DELTA_RULE_CHUNK),
                (spec((T, Hv, Dk), f32), spec((T, Hv, Dk), f32), spec((T, Hv, Dv), f32), spec((T, Hv), f32), spec((T, Hv), f32),
                 spec((Hv, Dk, Dv), f32)))
+    if shape.conv:  # one prefill chunk's causal conv over q | k | v, in the model's dtype, its length traced
+        (C, K), T = shape.conv, DELTA_RULE_TOKENS
+        yield ("causal_conv", f"prefill T={T} C={C} K={K} bf16", k["causal_conv"],
+               (spec((T, C), bf16), spec((K - 1, C), bf16), spec((K, C), bf16), spec((), i32)))
     for name, kv_dtype, scales in kv_dtypes:
         page_size, pages_per_seq, scale_pool = PAGE_SIZE, PAGES_PER_SEQ, ()
         lanes = {}

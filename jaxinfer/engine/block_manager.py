@@ -74,7 +74,19 @@ prompts sharing a prefix part: the next one like it hits there). The scheduler e
 each such position; the engine copies the slot after the step (`save_state`). Saved states are
 evicted least recently used first when the slots run out, and with the page whose key they carry.
 
-Stats count prefix-cache queries and hits in prompt pages (tokens = pages * page_size).
+Lower tiers (`lower_tiers`: jaxinfer.engine.kv_tiers.KVTiers, or anything with its `contains(key)`
+and `fetch(key) -> (tier name, content) | None`). With them, a cached page evicted by `_take_page`
+is reported in `evicted` as (page, key): the caller reads its content to the tiers before anything
+writes the page, and clears the list. `allocate`'s look-up goes on past the device's hits: each next
+page is the device's (a later page still cached) or fetched from a lower tier, up to the first found
+nowhere; a fetched page gets a fresh page, registered in the prefix cache as computed at once and
+listed in `pending_loads` as (page, key, content) for the caller to write before the step that reads
+it (and clear the list). Admission checks pages as if every fetch after the first lower-tier page
+failed, so a fetch that fails at commit (a bad disk file) only shortens the hit. One full-attention
+group and no recurrent states (the tiers hold one page per key).
+
+Stats count prefix-cache queries and hits in prompt pages (tokens = pages * page_size): `hits`
+on the device, `host_hits` / `disk_hits` loaded back from the lower tiers.
 """
 
 from __future__ import annotations
@@ -112,7 +124,9 @@ class SeqPages:
 @dataclasses.dataclass
 class PrefixCacheStats:
     queries: int = 0  # full prompt pages looked up
-    hits: int = 0  # of those, pages found and reused
+    hits: int = 0  # of those, pages found and reused on the device
+    host_hits: int = 0  # of those, pages loaded back from the host tier (lower_tiers)
+    disk_hits: int = 0  # of those, pages loaded back from the disk tier
     evictions: int = 0  # cached pages whose content was dropped to be reused
     states_saved: int = 0  # recurrent states saved at page boundaries (hybrid models)
     state_evictions: int = 0  # of those, dropped to make room (or with their page)
@@ -132,11 +146,12 @@ def page_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
 class BlockManager:
     def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True,
                  windows: Sequence[int | None] = (None,), page_factors: Sequence[int] | None = None, num_state_slots: int = 0,
-                 num_prefix_states: int = 0):
+                 num_prefix_states: int = 0, lower_tiers=None):
         """`num_state_slots`: a hybrid model's recurrent-state slots (jaxinfer.ops.linear_state),
         slot 0 the scratch one: each sequence holding pages also holds a slot of its own.
         `num_prefix_states`: saved states for its prefix cache (slots num_state_slots.. of the
-        table; module docstring); a hybrid model's prefix cache hits only where one is saved."""
+        table; module docstring); a hybrid model's prefix cache hits only where one is saved.
+        `lower_tiers`: where evicted prefix pages go and prefix look-ups go on (module docstring)."""
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"need num_pages >= 2 (page 0 is scratch) and page_size >= 1, got {num_pages}, {page_size}")
         if not windows or any(w is not None and span_tokens(w) < 1 for w in windows):
@@ -166,6 +181,12 @@ class BlockManager:
         self.num_prefix_states = num_prefix_states
         self._free_saved_slots = list(range(num_state_slots + num_prefix_states - 1, num_state_slots - 1, -1))
         self._saved_state: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # page key -> slot, LRU first
+        if lower_tiers is not None and (self.windows != (None,) or self.page_factors != (1,) or num_state_slots
+                                        or not enable_prefix_caching):
+            raise ValueError("lower_tiers: the KV tiers need prefix caching, one full-attention layer group and no recurrent states")
+        self.lower_tiers = lower_tiers
+        self.evicted: list[tuple[int, bytes]] = []  # (page, key) evicted since the caller last read them (lower_tiers)
+        self.pending_loads: list[tuple[int, bytes, object]] = []  # (page, key, content) to write before the next step
 
     # ------------------------------------------------------------------ queries
     @property
@@ -263,11 +284,30 @@ class BlockManager:
         """How many of the looked-up pages are cached, from the first (one full group)."""
         return next((i for i, key in enumerate(keys) if (0, key) not in self._page_of_key), len(keys))
 
+    def cached_pages(self) -> list[tuple[int, bytes]]:
+        """(page, key) of every page whose content the prefix cache holds (one full group)."""
+        return [(page, key) for page, (_, key) in self._key_of_page.items()]
+
     def num_cached_prefix_pages(self, token_ids: Sequence[int], *, salt: bytes = b"",
                                 max_cached_tokens: int | None = None) -> int:
-        """How many leading pages of a prompt `allocate` would find in the prefix cache now (a
-        read-only look-up: no stats, no state change)."""
-        return self._lookup(token_ids, salt, max_cached_tokens)[0]
+        """How many leading pages of a prompt `allocate` would find in the prefix cache now, the
+        lower tiers' included (a read-only look-up: no stats, no state change)."""
+        num_hit, keys = self._lookup(token_ids, salt, max_cached_tokens)
+        return num_hit + len(self._lower_walk(keys, num_hit))
+
+    def _lower_walk(self, keys: list[bytes], start: int) -> list[tuple[int | None, bool]]:
+        """Past the device's hits (lower tiers only): for each next page, (its device page, False)
+        when still cached there, (None, True) when a lower tier holds it, up to the first found
+        nowhere (nothing is fetched)."""
+        found = []
+        if self.lower_tiers is None:
+            return found
+        for key in keys[start:]:
+            page = self._page_of_key.get((0, key))
+            if page is None and not self.lower_tiers.contains(key):
+                break
+            found.append((page, page is None))
+        return found
 
     # ------------------------------------------------------------------ page pool
     def _take_page(self, group: int) -> int:
@@ -279,6 +319,8 @@ class BlockManager:
             del self._page_of_key[cached_as]
             self._drop_saved_state(cached_as[1])  # (its prefix cannot be hit any more)
             self.stats.evictions += 1
+            if self.lower_tiers is not None:
+                self.evicted.append((page, cached_as[1]))  # its content goes down a tier before it is overwritten
         self.ref_counts[page] = 1
         self._group_of_page[page] = group
         self.pages_in_use[group] += 1
@@ -317,6 +359,10 @@ class BlockManager:
         if len(token_ids) == 0:
             raise ValueError(f"sequence {seq_id!r}: empty prompt")
         num_hit, keys = self._lookup(token_ids, salt, max_cached_tokens)  # (blocks of page_size tokens)
+        lower = self._lower_walk(keys, num_hit)  # (lower tiers: the pages after the device's hits)
+        # pages counted as if every lower-tier fetch failed: a device page after one may then not be reused
+        surely_reused = num_hit + next((i for i, (_, fetched) in enumerate(lower) if fetched), len(lower))
+        lower_held = [page for page, _ in lower if page is not None and page in self._evictable]
         cached = num_hit * self.page_size
         end = len(token_ids) if lookahead is None else min(len(token_ids), cached + lookahead)
         hits: list[list[tuple[int, int]]] = []  # per group: (page index, page) reused
@@ -325,7 +371,8 @@ class BlockManager:
             first = self._first_kept(g, cached)
             hits.append([(i, self._page_of_key[(g, keys[(i + 1) * f - 1])]) for i in range(first, num_hit // f)])
             num_new += self.pages_needed(len(token_ids) if w is None else end, g) - num_hit // f
-        available = self.num_free_pages - sum(1 for row in hits for _, p in row if p in self._evictable)
+        num_new -= surely_reused - num_hit
+        available = self.num_free_pages - sum(1 for row in hits for _, p in row if p in self._evictable) - len(lower_held)
         if num_new > available:
             raise OutOfPagesError(
                 f"sequence {seq_id!r}: needs {num_new} new pages for {len(token_ids)} tokens "
@@ -341,6 +388,9 @@ class BlockManager:
             for i, page in hits[g]:
                 self._hold(page, g)
                 row[i] = page
+        if lower:
+            num_hit = self._take_lower_hits(rows[0], keys, lower)
+            cached = num_hit * self.page_size
         for g, w in enumerate(self.windows):
             rows[g] += [self._take_page(g) for _ in range(self.pages_needed(len(token_ids) if w is None else end, g) - len(rows[g]))]
         first_held = [self._first_kept(g, cached) for g in range(self.num_groups)]
@@ -353,6 +403,36 @@ class BlockManager:
             seq.checkpoints = sorted(n * self.page_size for n in ends if n > num_hit and keys[n - 1] not in self._saved_state)
         self.seqs[seq_id] = seq
         return cached
+
+    def _take_lower_hits(self, row: list[int], keys: list[bytes], lower: list[tuple[int | None, bool]]) -> int:
+        """`allocate`'s pages past the device's hits (one full group): fetches the lower tiers'
+        pages in order, up to the first fetch that fails; holds the device's pages among them, then
+        gives each fetched one a fresh page registered under its key (`pending_loads`). Returns the
+        pages now cached in the row."""
+        start, fetched = len(row), []  # fetched: per page found, (tier, content), or None: the device's
+        for i, (page, lower_tier) in enumerate(lower, start=start):
+            hit = self.lower_tiers.fetch(keys[i]) if lower_tier else None
+            if lower_tier and hit is None:
+                break
+            fetched.append(hit)
+        for page, _ in lower[: len(fetched)]:  # held before a page is taken (which may evict)
+            if page is not None:
+                self._hold(page, 0)
+        for i, ((page, _), hit) in enumerate(zip(lower, fetched), start=start):
+            if hit is not None:
+                tier, content = hit
+                page = self._take_page(0)
+                self._page_of_key[(0, keys[i])] = page
+                self._key_of_page[page] = (0, keys[i])
+                self.pending_loads.append((page, keys[i], content))
+                if tier == "host":
+                    self.stats.host_hits += 1
+                else:
+                    self.stats.disk_hits += 1
+            else:
+                self.stats.hits += 1
+            row.append(page)
+        return len(row)
 
     def _take_state_slot(self) -> int:
         return self._free_state_slots.pop() if self.num_state_slots else 0
@@ -600,3 +680,5 @@ class BlockManager:
             assert self._page_of_key[key] == page, f"hash table and page {page} disagree"
         if not self.enable_prefix_caching:
             assert not self._key_of_page and not self._evictable
+        for page, key, _ in self.pending_loads:  # registered and held until the caller writes them
+            assert self._key_of_page.get(page) == (0, key) and held[page], f"page {page} to load is not held under its key"

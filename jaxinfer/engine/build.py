@@ -34,6 +34,7 @@ from checkpoints_conv import read_checkpoint_config
 from jaxinfer.models.lora import LoraSlots, LoraTable, lora_shapes
 from jaxinfer.models.param_layout import stack_slots
 from jaxinfer.engine.engine import LLMEngine
+from jaxinfer.engine.kv_tiers import GiB, DiskTier, HostTier, KVTiers, PageLayout, fingerprint
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.spec_decode import NgramProposer, SpeculativeConfig
 from jaxinfer.kv_groups import kv_groups
@@ -120,8 +121,9 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
         eos.add(tokenizer.eos_token_id)
     lora = (LoraManager(runner, model_config, max_loras=config.max_loras, max_rank=config.max_lora_rank, tp=parallel.tp)
             if config.enable_lora else None)
+    kv_tiers = build_kv_tiers(config, model_config, source, runner) if config.kv_offloading_size else None
     engine = LLMEngine(config, runner, tokenizer, vocab_size=model_config.vocab_size, eos_token_ids=sorted(eos),
-                       proposer=proposer, lora=lora)
+                       proposer=proposer, lora=lora, kv_tiers=kv_tiers)
     engine.model_config, engine.mesh, engine.parallel, engine.source = model_config, mesh, parallel, source
     engine.tokenizer_seconds = tokenizer_seconds
     engine.kv_cache_summary = str(summary)  # the start-up line: pages, tokens, sequences at max_model_len
@@ -134,6 +136,48 @@ class PlacedWeights:
     graphdef: nnx.GraphDef
     params: nnx.State  # on the mesh, each parameter with its sharding
     param_specs: object  # their PartitionSpecs (runtime.placement.param_partition_specs)
+
+
+def build_kv_tiers(config: EngineConfig, model_config: ModelConfig, source, runner: ModelRunner) -> KVTiers:
+    """The KV tiers of config.kv_offloading_size / kv_offloading_dir (engine/kv_tiers.py), for the
+    runner's page layout; the disk tier's files carry the fingerprint of this model and geometry."""
+    layout = PageLayout.of_pool(runner.kv)
+    host_bytes = int(config.kv_offloading_size * GiB)
+    if host_bytes < layout.nbytes:
+        raise ValueError(f"kv_offloading_size={config.kv_offloading_size} GiB holds no KV page of {layout.nbytes} bytes")
+    disk = None
+    if config.kv_offloading_dir is not None:
+        if jax.process_count() > 1:
+            raise ValueError("kv_offloading_dir on several processes: each would need the same files; use the host tier "
+                             "alone (kv_offloading_size)")
+        disk_bytes = int(config.kv_offloading_disk_size * GiB) if config.kv_offloading_disk_size else None
+        description = kv_tiers_description(config, model_config, source, layout)
+        disk = DiskTier(config.kv_offloading_dir, layout, fingerprint(description), capacity_bytes=disk_bytes)
+    logger.info("KV tiers: %.2f GiB of host memory (%d pages of %d bytes)%s", host_bytes / GiB, host_bytes // layout.nbytes,
+                layout.nbytes, f", written through to {config.kv_offloading_dir}" if disk else "")
+    return KVTiers(HostTier(host_bytes), disk)
+
+
+def kv_tiers_description(config: EngineConfig, model_config: ModelConfig, source, layout: PageLayout) -> dict:
+    """What a page file's fingerprint covers (engine/kv_tiers.py): the model (its config, and each
+    file of its checkpoint by name, size and modification time, wherever the folder is: other
+    weights, or the same ones written again, are another model), the settings that change its K/V (dtypes, quantization)
+    and the page geometry."""
+    path = source.path
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())[:4096]
+    return {
+        "model": {"kind": source.kind,
+                  "files": [[str(p.relative_to(path)) if p != path else p.name, p.stat().st_size, p.stat().st_mtime_ns]
+                            for p in files]},
+        "model_config": dataclasses.asdict(model_config),
+        "settings": {"dtype": str(config.param_dtype), "compute_dtype": str(config.activation_dtype),
+                     "kv_dtype": str(config.kv_dtype), "quantization": config.quantization,
+                     "quantization_group_size": config.quantization_group_size,
+                     "quantization_symmetric": config.quantization_symmetric,
+                     "keeps_checkpoint_quantization": config.keeps_checkpoint_quantization},
+        "page_size": config.page_size,
+        "arrays": layout.describe(),
+    }
 
 
 def place_weights(model_config: ModelConfig, config: EngineConfig, mesh, weights: tuple[nnx.GraphDef, nnx.State], *,

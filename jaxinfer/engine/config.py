@@ -11,12 +11,13 @@ build_engine measures once the weights are placed). The names are vLLM's where v
 `max_logprobs`, `enable_prefix_caching`, `preemption_mode`, `seed`, `tensor_parallel_size`,
 `data_parallel_size`, `enable_expert_parallel`, `speculative_config`, `kv_cache_memory_bytes`,
 `gpu_memory_utilization`, `num_gpu_blocks_override`, `revision`, `enable_lora`, `max_loras`,
-`max_lora_rank`);
+`max_lora_rank`, `kv_offloading_size`);
 jaxinfer's own: `page_size` (vLLM's `block_size`), `num_pages` (= `num_gpu_blocks_override`,
 per data-parallel replica), `compute_dtype`,
 `quantization_group_size`, `quantization_symmetric`, `keep_checkpoint_quantization`, `kernel_impl` (alias `attention_impl`),
 `check_kernels`, `xla_kernels`, `sequence_parallel_size`,
-`expert_parallel_size`, `sequence_parallel_attention`, `warmup`, `log_stats_interval`, `num_prefix_states`.
+`expert_parallel_size`, `sequence_parallel_attention`, `warmup`, `log_stats_interval`, `num_prefix_states`,
+`kv_offloading_dir`, `kv_offloading_disk_size`.
 """
 
 from __future__ import annotations
@@ -91,6 +92,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_prefix_states: int | None = None  # a hybrid model's saved recurrent states per replica (None: max_num_seqs)
     preemption_mode: str = "recompute"
+    # KV tiers (engine/kv_tiers.py): GiB of host memory keeping prefix pages the device evicts (None / 0: off),
+    # a directory every such page is also written to (needs the host tier), and that directory's bound in GiB
+    kv_offloading_size: float | None = None
+    kv_offloading_dir: str | os.PathLike | None = None
+    kv_offloading_disk_size: float | None = None  # None: unbounded
     log_stats_interval: float | None = None
     seed: int = 0
     warmup: bool = False
@@ -156,12 +162,39 @@ class EngineConfig:
         if self.num_prefix_states is not None and (not isinstance(self.num_prefix_states, int) or self.num_prefix_states < 0):
             raise ValueError(f"num_prefix_states={self.num_prefix_states!r} must be an int >= 0")
         set_("max_num_seqs", min(self.max_num_seqs, self.max_num_batched_tokens))  # a sequence needs a token
+        self._check_kv_offloading()
         if isinstance(self.speculative_config, dict) or self.speculative_config is None:
             set_("speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         if self.enable_lora:
             for field in ("max_loras", "max_lora_rank"):
                 if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
                     raise ValueError(f"{field}={getattr(self, field)!r} must be an integer >= 1")
+
+    def _check_kv_offloading(self) -> None:
+        """The KV tiers' settings (engine/kv_tiers.py), alone and against the others."""
+        for field in ("kv_offloading_size", "kv_offloading_disk_size"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0
+                                      or value == float("inf")):
+                raise ValueError(f"{field}={value!r}: expected a size in GiB (a number >= 0; None or 0: off)")
+        if not self.kv_offloading_size:
+            object.__setattr__(self, "kv_offloading_size", None)
+        if self.kv_offloading_disk_size == 0:
+            object.__setattr__(self, "kv_offloading_disk_size", None)
+        if self.kv_offloading_dir is not None and self.kv_offloading_size is None:
+            raise ValueError(f"kv_offloading_dir={str(self.kv_offloading_dir)!r}: the disk tier sits behind the host tier; "
+                             f"give kv_offloading_size (GiB of host memory) too")
+        if self.kv_offloading_disk_size is not None and self.kv_offloading_dir is None:
+            raise ValueError(f"kv_offloading_disk_size={self.kv_offloading_disk_size}: bounds the disk tier, which needs "
+                             f"kv_offloading_dir")
+        if self.kv_offloading_size is None:
+            return
+        if not self.enable_prefix_caching:
+            raise ValueError(f"kv_offloading_size={self.kv_offloading_size}: the KV tiers keep prefix-cache pages; "
+                             f"it needs enable_prefix_caching=True")
+        if self.kv_offloading_dir is not None and self.enable_lora:
+            raise ValueError(f"kv_offloading_dir with enable_lora: an adapter's pages are keyed by its lora_int_id, which "
+                             f"another process may give another adapter; use the host tier alone (kv_offloading_size)")
 
     # ------------------------------------------------------------------ what follows from the settings
     @property
@@ -242,6 +275,11 @@ class EngineConfig:
             enable_prefix_caching = enable_prefix_caching and num_prefix_states > 0
             num_prefix_states *= enable_prefix_caching
         groups = kv_groups(model_config)
+        if self.kv_offloading_size is not None and (model_config.has_linear_layers or groups.windows != (None,)):
+            kind = ("Gated DeltaNet (linear attention) layers, whose prefix hits also need recurrent states"
+                    if model_config.has_linear_layers else "sliding-window or chunked layers, whose pages are given back as the window moves")
+            raise ValueError(f"kv_offloading_size with {model_config.model_type}'s {kind}: the KV tiers keep one "
+                             f"full-attention page per prefix key; not supported yet")
         if self.preemption_mode == "swap" and groups.windows != (None,):
             raise ValueError(f"preemption_mode='swap' with {model_config.model_type}'s sliding-window or chunked layers: their "
                              f"pages are given back as the window moves, and swapping keeps one full page-table row; use "

@@ -19,6 +19,11 @@ Structured outputs: a constrained sequence's sampling rows carry the bitmask of 
 grammar allows next (`GrammarBackend`), computed when its step is planned; the step before must
 have been read, so a batch holding constrained sequences runs without the pipelining above.
 
+KV tiers (engine.kv_tiers): with kv_offloading_size the block managers report the cached pages
+they evict and the pages their prefix hits found in host memory or on disk; `_move_tier_pages`
+reads the former to the tiers and writes the latter, after the step's swap-out reads and before
+anything else of the step writes a page.
+
 Speculative decoding: before scheduling, each sequence that speculates gets drafts from the
 proposer, which sees the core only through `DraftContext` (page tables, slot reservation, the
 last hidden states). Its chunk is its newest token plus the drafts; the rows verify them on the
@@ -54,6 +59,7 @@ import numpy as np
 from jaxinfer.engine.block_manager import BlockManager, OutOfPagesError
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.grammar import GrammarBackend
+from jaxinfer.engine.kv_handoff import KVHandoff
 from jaxinfer.engine.lora import LoraManager
 from jaxinfer.engine.model_runner import InFlightStep, ModelRunner, RowResult
 from jaxinfer.engine.output_processor import OutputProcessor
@@ -85,8 +91,9 @@ class _InFlight:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: ModelRunner, output: OutputProcessor, proposer=None, *,
-                 grammar: GrammarBackend | None = None, lora: LoraManager | None = None):
+                 grammar: GrammarBackend | None = None, lora: LoraManager | None = None, kv_tiers=None):
         self.config = config
+        self.kv_tiers = kv_tiers  # jaxinfer.engine.kv_tiers.KVTiers: evicted prefix pages in host memory / on disk
         self.grammar = grammar  # computes the allowed-token bitmasks of constrained sequences
         self.runner = runner
         self.output = output
@@ -101,7 +108,7 @@ class EngineCore:
             sequence_slots = config.max_num_seqs + 1 if runner.state_slots_per_replica else 0  # (a hybrid model's)
             bm = BlockManager(runner.pages_per_replica, runner.page_size, enable_prefix_caching=config.enable_prefix_caching,
                               windows=runner.kv_windows, page_factors=runner.kv_page_factors, num_state_slots=sequence_slots,
-                              num_prefix_states=max(0, runner.state_slots_per_replica - sequence_slots))
+                              num_prefix_states=max(0, runner.state_slots_per_replica - sequence_slots), lower_tiers=kv_tiers)
             self.replicas.append(Replica(bm, Scheduler(bm, max_num_batched_tokens=config.max_num_batched_tokens,
                                                        max_num_seqs=config.max_num_seqs, preemption_mode=config.preemption_mode,
                                                        max_loras=lora_share)))
@@ -189,6 +196,8 @@ class EngineCore:
                     seq.spec.draft_computed = 0  # its pages are gone, the draft model's too
         if any(plan.scheduled for plan in plans):
             self._inflight = self._dispatch(plans, advanced)
+        for r in range(len(self.replicas)):  # (done in _dispatch; a step that runs nothing has none)
+            self._move_tier_pages(r)
         if previous is not None:
             self._process(previous, advanced)
         self._in_play = []
@@ -239,14 +248,61 @@ class EngineCore:
         draft_lost = draft_runner is not None and draft_runner.recover().pool
         if recovered.pool:
             logger.error("the KV cache was lost with the failed step: re-created, running sequences recomputed")
-            for replica in self.replicas:
+        for replica in self.replicas:
+            bm = replica.block_manager
+            if recovered.pool or bm.pending_loads:  # (KV tiers: pages given to lower-tier hits, never written)
                 replica.scheduler.requeue_running()
-                replica.block_manager.reset_prefix_cache()
+                bm.reset_prefix_cache()
+            bm.evicted.clear()
+            bm.pending_loads.clear()
         if recovered.pool or draft_lost:
             for replica in self.replicas:
                 for seq in replica.scheduler.running + replica.scheduler.waiting:
                     if seq.spec is not None:
                         seq.spec.draft_computed = 0
+
+    # ------------------------------------------------------------------ KV tiers (engine.kv_tiers)
+    def _move_tier_pages(self, replica: int) -> None:
+        """A replica's pages, before anything else of this step writes one (swap-outs read already):
+        the prefix pages its block manager evicted are read to host memory (the tiers keep them),
+        then the pages its prefix hits found in the tiers are written into the fresh pages they
+        were given."""
+        self._offload_evicted(replica)
+        loads = self.replicas[replica].block_manager.pending_loads
+        if loads:
+            self.runner.write_pages_from_host(replica, [page for page, _, _ in loads], [content for *_, content in loads])
+            loads.clear()
+
+    def save_cached_pages(self) -> int:
+        """Every page the device's prefix caches hold that the disk tier lacks, written to it (at
+        shutdown, so that a later process finds them too); returns how many."""
+        disk = self.kv_tiers.disk if self.kv_tiers is not None else None
+        if disk is None:
+            return 0
+        saved = 0
+        with self._lock:
+            for r, replica in enumerate(self.replicas):
+                missing = [(page, key) for page, key in replica.block_manager.cached_pages() if key not in disk]
+                most = self.runner.buckets.pages_per_seq
+                for chunk in (missing[i : i + most] for i in range(0, len(missing), most)):
+                    for (_, key), content in zip(chunk, self.runner.read_pages_to_host(r, [page for page, _ in chunk])):
+                        disk.put(key, content)
+                    disk.flush()  # (the writer's queue is bounded)
+                    saved += len(chunk)
+        return saved
+
+    def _offload_evicted(self, replica: int) -> None:
+        """The pages a replica's block manager evicted since last asked, to the KV tiers (one read,
+        dispatched behind every step so far and before anything later writes them)."""
+        bm = self.replicas[replica].block_manager
+        if self.kv_tiers is None or not bm.evicted:
+            return
+        wanted = [(page, key) for page, key in bm.evicted if self.kv_tiers.wants(key)]
+        bm.evicted.clear()
+        if wanted:
+            contents = self.runner.read_pages_to_host(replica, [page for page, _ in wanted])
+            for (_, key), content in zip(wanted, contents):
+                self.kv_tiers.offload(key, content)
 
     @staticmethod
     def _drop_failed(plans: list[SchedulerOutput]) -> None:
@@ -263,6 +319,7 @@ class EngineCore:
             for seq, pages, num_computed, state_slot in plan.swap_out:  # before anything can overwrite the freed pages
                 state = self.runner.read_state(r, state_slot) if state_slot else None  # (a hybrid model's)
                 seq.swapped = SwappedKV(self.runner.read_pages(r, pages), num_computed, state)
+            self._move_tier_pages(r)  # (KV tiers: evicted pages read, then lower-tier hits written)
             for seq, first, pages in plan.swap_in:
                 self.runner.write_pages(r, pages, jax.tree.map(lambda a: a[:, first : first + len(pages)], seq.swapped.pages))
                 if seq.swapped.state is not None:  # its recurrent states, into the slot it holds now
@@ -496,7 +553,20 @@ class EngineCore:
     def _on_token(self, seq: Sequence, row: RowResult, index: int, now: float) -> None:
         self.output.on_token(seq, row, index, now)
         if seq.finish_reason is not None:
+            if seq.request.export_kv and seq.finish_reason not in ("abort", "error"):
+                self._export_kv(seq)
             self._scheduler(seq).finish(seq)
+
+    def _export_kv(self, seq: Sequence) -> None:
+        """A prefill instance's request is done: the K/V of its prompt but the last token, gathered
+        from its pages into arrays of their own before the pages are freed (engine.kv_handoff; the
+        gather runs on the device after every step dispatched so far, before any later one)."""
+        request = seq.request
+        bm = self.replicas[request.replica].block_manager
+        num_tokens = len(request.prompt_token_ids) - 1
+        pages = bm.page_table(seq.seq_id)[0][: bm.pages_needed(num_tokens)]
+        request.exported_kv = KVHandoff(self.runner.gather_pages(request.replica, pages) if pages else None, num_tokens,
+                                        list(request.prompt_token_ids))
 
     # ------------------------------------------------------------------ speculative decoding
     def _propose_drafts(self) -> None:
@@ -562,6 +632,7 @@ class CoreDraftContext:
             copies = [(r, copy) for copy in bm.prepare_append(seq.seq_id, extra)]
         except OutOfPagesError:
             return None
+        self._core._offload_evicted(r)  # (KV tiers: before a copy can overwrite a page it evicted)
         if copies:
             self._core.runner.copy_pages(copies)
         return copies

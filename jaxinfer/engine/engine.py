@@ -21,11 +21,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.core import EngineCore
 from jaxinfer.engine.grammar import GrammarBackend
 from jaxinfer.engine.input_processor import InputProcessor
+from jaxinfer.engine.kv_handoff import KVHandoff, prepare_handoff
 from jaxinfer.engine.lora import LoraManager
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.output_processor import OutputProcessor
@@ -54,6 +56,21 @@ class EngineStats:
     num_accepted_tokens: int = 0
     # per KV layer group (jaxinfer.kv_groups), pages held by sequences, all replicas together
     kv_pages_in_use_by_group: tuple[int, ...] = ()
+    # prefix cache in pages: looked up, and loaded back from the KV tiers (engine.kv_tiers) rather than computed
+    prefix_cache_queries: int = 0
+    prefix_cache_host_hits: int = 0
+    prefix_cache_disk_hits: int = 0
+    kv_offloaded_pages: int = 0  # evicted device pages kept in the host tier
+
+    @property
+    def prefix_cache_host_hit_rate(self) -> float:
+        """Pages loaded back from host memory / pages looked up."""
+        return self.prefix_cache_host_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def prefix_cache_disk_hit_rate(self) -> float:
+        """Pages loaded back from disk / pages looked up."""
+        return self.prefix_cache_disk_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -68,10 +85,10 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer, *, vocab_size: int, eos_token_ids,
-                 proposer=None, lora: LoraManager | None = None):
+                 proposer=None, lora: LoraManager | None = None, kv_tiers=None):
         """`config` with max_model_len set (EngineConfig.resolved); `proposer` drafts for
-        config.speculative_config, `lora` serves LoRA adapters with enable_lora (jaxinfer.engine.build
-        makes both)."""
+        config.speculative_config, `lora` serves LoRA adapters with enable_lora, `kv_tiers` keeps
+        evicted prefix pages with kv_offloading_size (jaxinfer.engine.build makes them)."""
         if config.max_model_len is None:
             raise ValueError("LLMEngine needs an EngineConfig with max_model_len set (EngineConfig.resolved)")
         self.config = config
@@ -83,17 +100,27 @@ class LLMEngine:
                                     grammar=self.grammar, lora=lora, eos_token_ids=eos_token_ids,
                                     kv_windows=runner.kv_windows, kv_page_factors=runner.kv_page_factors)
         self.output = OutputProcessor(tokenizer, eos_token_ids=eos_token_ids, max_model_len=config.max_model_len)
-        self.core = EngineCore(config, runner, self.output, proposer, grammar=self.grammar, lora=lora)
+        self.core = EngineCore(config, runner, self.output, proposer, grammar=self.grammar, lora=lora, kv_tiers=kv_tiers)
+        if kv_tiers is not None:  # (its disk writer's queue is written out when the engine goes, at the latest at exit)
+            weakref.finalize(self, kv_tiers.close)
         self._last_log = time.time()
 
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict, params: SamplingParams | None = None, *,
-                    priority: int = 0, arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> Request:
+                    priority: int = 0, arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                    export_kv: bool = False, kv_handoff: KVHandoff | None = None) -> Request:
         """Queues a request (with `lora_request`: under that adapter). A bad one raises ValueError
-        naming it; nothing else is affected."""
+        naming it; nothing else is affected. Disaggregation (engine.kv_handoff): `export_kv` hands
+        its prompt's pages off when it finishes (its RequestOutput.kv_handoff); `kv_handoff` starts
+        it from another engine's pages."""
         request = self.input.make_request(request_id, prompt, params, priority=priority, arrival_time=arrival_time,
                                           lora_request=lora_request)
+        try:
+            prepare_handoff(request, export_kv, kv_handoff)
+        except ValueError:
+            self.discard(request)
+            raise
         self.core.add(request)
         return request
 
@@ -114,6 +141,15 @@ class LLMEngine:
         outputs = [self.output.output(request) for request in self.core.step()]
         self._maybe_log()
         return outputs
+
+    def shutdown(self) -> None:
+        """With kv_offloading_dir: writes the pages the device's prefix cache holds (which only
+        evicted pages reach otherwise) and what the disk writer has queued to the directory, and
+        stops the writer (what is queued is also written when the engine is collected or the
+        interpreter exits). The engine still runs afterwards, without writing pages to disk."""
+        if self.core.kv_tiers is not None:
+            self.core.save_cached_pages()
+            self.core.kv_tiers.close()
 
     # ------------------------------------------------------------------ views
     @property
@@ -173,6 +209,10 @@ class LLMEngine:
             num_draft_tokens=core.num_draft_tokens,
             num_accepted_tokens=core.num_accepted_tokens,
             kv_pages_in_use_by_group=tuple(map(sum, zip(*(bm.pages_in_use for bm in bms)))),
+            prefix_cache_queries=queries,
+            prefix_cache_host_hits=sum(bm.stats.host_hits for bm in bms),
+            prefix_cache_disk_hits=sum(bm.stats.disk_hits for bm in bms),
+            kv_offloaded_pages=core.kv_tiers.stats.offloaded if core.kv_tiers is not None else 0,
         )
 
     def _maybe_log(self) -> None:
@@ -181,6 +221,9 @@ class LLMEngine:
             return
         self._last_log = time.time()
         s = self.get_stats()
+        if self.core.kv_tiers is not None:
+            logger.info("KV tiers: %d pages offloaded, prefix hit rate host %.1f%%, disk %.1f%%", s.kv_offloaded_pages,
+                        100 * s.prefix_cache_host_hit_rate, 100 * s.prefix_cache_disk_hit_rate)
         logger.info(
             "running %d, waiting %d, KV cache %.1f%%, prefix hit rate %.1f%%, preemptions %d, compiles %d, "
             "generated %d tokens in %d steps",

@@ -37,7 +37,7 @@ from jaxinfer.ops.batch import BucketKey, Buckets, RaggedBatch, SequenceChunk, p
 from jaxinfer.ops.kv_cache import KVCache
 from jaxinfer.ops.linear_state import commit_drafts
 from jaxinfer.ops.sampling import MAX_BANNED_IDS, SampleOutput, SamplingTensors
-from jaxinfer.runtime.placement import kv_shardings
+from jaxinfer.runtime.placement import kv_partition_spec, kv_shardings
 from jaxinfer.runtime.step import StepFunction
 from jaxinfer.sampling_params import SamplingParams
 
@@ -424,24 +424,78 @@ class ModelRunner:
         saved = self._page_ops().read(self.kv, self._global_pages(replica, padded))
         return jax.tree.map(lambda a: np.asarray(a)[:, : len(pages)], saved)
 
+    def gather_pages(self, replica: int, pages: Sequence[int]) -> KVCache:
+        """A replica's pages, all layers, as new device arrays (read_pages without the trip to the
+        host: a prefill instance's handoff, engine.kv_handoff)."""
+        padded = np.zeros(_power_of_two(len(pages)), np.int32)
+        padded[: len(pages)] = pages
+        saved = self._page_ops().read(self.kv, self._global_pages(replica, padded))
+        return jax.tree.map(lambda a: a[:, : len(pages)], saved)
+
     def write_pages(self, replica: int, pages: Sequence[int], saved: KVCache) -> None:
-        """Writes host pages (as read_pages returns them) into a replica's pages, in place (the
-        list padded to a power of two with writes of zeros to the scratch page)."""
+        """Writes pages (as read_pages or gather_pages return them: host or device arrays) into a
+        replica's pages, in place (the list padded to a power of two with writes of zeros to the
+        scratch page)."""
         n = _power_of_two(len(pages))
         padded = np.zeros(n, np.int32)
         padded[: len(pages)] = pages
-        saved = jax.tree.map(lambda a: np.pad(a, [(0, 0), (0, n - a.shape[1])] + [(0, 0)] * (a.ndim - 2)), saved)
+        everywhere = jax.sharding.NamedSharding(self.step_fn.mesh, jax.sharding.PartitionSpec())
+
+        def pad(a):  # device arrays stay on the devices: on this mesh's (another engine's handoff)
+            if isinstance(a, jax.Array):
+                return jnp.pad(jax.device_put(a, everywhere), [(0, 0), (0, n - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
+            return np.pad(a, [(0, 0), (0, n - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
+
+        saved = jax.tree.map(pad, saved)
         self.kv = self._page_ops().write(self.kv, self._global_pages(replica, padded), saved)
 
-    def warmup_page_ops(self, *, max_copies: int, max_swapped: int = 0) -> None:
+    # ------------------------------------------------------------------ single pages to and from host memory (engine.kv_tiers)
+    @functools.cached_property
+    def reads_to_pinned_host(self) -> bool:
+        """Whether `read_pages_to_host` leaves pages in pinned host memory without waiting (every
+        device of the mesh offers that memory kind, one process); else it reads to numpy."""
+        return jax.process_count() == 1 and all(
+            any(m.kind == "pinned_host" for m in d.addressable_memories()) for d in self.step_fn.mesh.devices.flat)
+
+    def read_pages_to_host(self, replica: int, pages: Sequence[int]) -> list[dict]:
+        """Each page's arrays (every layer: K and V, a quantized pool's scales) in host memory, one
+        dict per page: array name -> [slots, page_size, ...]. In reads of at most pages_per_seq
+        pages (padded to powers of two: `warmup_page_ops` compiles them); pinned host memory and no
+        waiting where `reads_to_pinned_host`, else numpy (`read_pages`)."""
+        out, most = [], self.buckets.pages_per_seq
+        for chunk in (pages[i : i + most] for i in range(0, len(pages), most)):
+            if not self.reads_to_pinned_host:
+                saved = self.read_pages(replica, chunk)
+                fields = [(f.name, getattr(saved, f.name)) for f in dataclasses.fields(saved) if f.name != "state"]
+                out += [{name: np.ascontiguousarray(a[:, i]) for name, a in fields if a is not None} for i in range(len(chunk))]
+                continue
+            padded = np.zeros(_power_of_two(len(chunk)), np.int32)
+            padded[: len(chunk)] = chunk
+            read = _reader_to_host(self.step_fn.mesh, self.kv.quantized, self.kv.combined, len(padded))
+            out += read(self.kv.page_arrays(), self._global_pages(replica, padded))[: len(chunk)]
+        return out
+
+    def write_pages_from_host(self, replica: int, pages: Sequence[int], contents: Sequence[dict]) -> None:
+        """Writes pages' contents (as read_pages_to_host returns them) into a replica's pages, in
+        place, in writes of at most pages_per_seq pages."""
+        most = self.buckets.pages_per_seq
+        for i in range(0, len(pages), most):
+            chunk = contents[i : i + most]
+            stacked = {name: np.stack([np.asarray(c[name]) for c in chunk], axis=1) for name in chunk[0]}
+            self.write_pages(replica, pages[i : i + most], KVCache(**stacked))
+
+    def warmup_page_ops(self, *, max_copies: int, max_swapped: int = 0, max_offloaded: int = 0) -> None:
         """Compiles the page programs for every padded size: copies of up to `max_copies` pages
         (copy-on-write: a step copies at most a page per sequence) and, with swapping, reads and
-        writes of up to `max_swapped` pages (a sequence's). Each runs once on the scratch page. A
-        hybrid model's state programs too (a fork's copy, a swap's read and write), on the scratch slot."""
+        writes of up to `max_swapped` pages (a sequence's), with the KV tiers reads to host memory
+        of up to `max_offloaded`. Each runs once on the scratch page. A hybrid model's state
+        programs too (a fork's copy, a swap's read and write), on the scratch slot."""
         for n in _powers_of_two_to(max_copies):
             self.copy_pages([(0, (0, 0))] * n)
-        for n in _powers_of_two_to(max_swapped):
+        for n in _powers_of_two_to(max(max_swapped, max_offloaded)):
             self.write_pages(0, [0] * n, self.read_pages(0, [0] * n))
+        for n in _powers_of_two_to(min(max_offloaded, self.buckets.pages_per_seq)):
+            self.read_pages_to_host(0, [0] * n)
         if self.kv.state is not None:
             for n in _powers_of_two_to(max_copies):  # forks, prefix hits' restores and saves; verified drafts
                 self.copy_states([(0, (0, 0))] * n)
@@ -625,6 +679,22 @@ def _read_state(kv: KVCache, slot):
 def _write_state(kv: KVCache, slot, saved) -> KVCache:
     state = jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), slot, axis=1), kv.state, saved)
     return dataclasses.replace(kv, state=state)
+
+
+@functools.cache
+def _reader_to_host(mesh, quantized: bool, combined: bool, n: int) -> Callable:
+    """Jitted (page arrays, pages [n]) -> n dicts, array name -> that page's [slots, page_size, ...]
+    in pinned host memory, each its own buffer, split over the tensor axis as the pool is."""
+    specs = kv_partition_spec(quantized, combined)
+    fields = [(f.name, getattr(specs, f.name)) for f in dataclasses.fields(specs) if f.name != "state"]
+    fields = [(name, tuple(spec)) for name, spec in fields if spec is not None]
+    per_page = {name: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec[:1], *spec[2:]),
+                                                 memory_kind="pinned_host") for name, spec in fields}
+
+    def read(kv: KVCache, pages):
+        return [{name: getattr(kv, name)[:, pages[i]] for name, _ in fields} for i in range(n)]
+
+    return jax.jit(read, out_shardings=[per_page] * n)
 
 
 @functools.cache

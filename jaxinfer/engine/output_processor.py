@@ -124,6 +124,7 @@ class OutputProcessor:
             finished=request.finished,
             metrics=request.metrics,
             error=request.error,
+            kv_handoff=request.exported_kv,
         )
 
 

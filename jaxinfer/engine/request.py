@@ -217,6 +217,9 @@ class Request:
     replica: int = 0  # the data-parallel replica its sequences run on (its pages live there)
     lora: "LoRARequest | None" = None  # the LoRA adapter it runs with (None: the base model)
     error: str | None = None  # why the engine failed it (its sequences' finish_reason is "error")
+    # prefill/decode disaggregation (engine.kv_handoff): hand its prompt's pages off when it finishes
+    export_kv: bool = False
+    exported_kv: object = None  # the KVHandoff made when it finished (export_kv)
 
     def __post_init__(self):
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

@@ -60,7 +60,8 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         state, row = pool.state, layer.slot  # this layer's row of the states
         drafts = state.drafts  # (speculative decoding: verifying chunks keep their inputs there)
         mixed, conv, draft_conv = ragged_causal_conv(matmul(h, w["lin_qkv"], kernels).astype(dtype), state.conv[row],
-                                                     w["lin_conv"], step.batch, drafts.conv[row] if drafts is not None else None)
+                                                     w["lin_conv"], step.batch, drafts.conv[row] if drafts is not None else None,
+                                                     chunks=step.query_block > 1, spec_block=step.spec_block, kernels=kernels)
         mixed = jax.nn.silu(mixed.astype(jnp.float32)).astype(dtype)  # [T, 2 Hk Dk + Hv Dv]
         q, k = prepare_qk(mixed[:, : Hk * Dk].reshape(T, Hk, Dk), mixed[:, Hk * Dk : 2 * Hk * Dk].reshape(T, Hk, Dk), Hv)
         v = mixed[:, 2 * Hk * Dk :].reshape(T, Hv, Dv).astype(jnp.float32)

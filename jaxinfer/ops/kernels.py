@@ -51,6 +51,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.ops.batch import MAX_PREFILL_CHUNKS, RaggedBatch
+from pallas_kernels.causal_conv import gpu as conv_gpu
+from pallas_kernels.causal_conv import reference as conv_reference
+from pallas_kernels.causal_conv import tpu as conv_tpu
 from pallas_kernels.flash_attention import flash_attention_gpu, flash_attention_tpu
 from pallas_kernels.fused_rms_norm import add_rms_norm_gpu, add_rms_norm_reference, add_rms_norm_tpu
 from pallas_kernels.gated_delta_rule import gpu as gdn_gpu
@@ -75,7 +78,7 @@ from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu, swiglu_matmul_tpu
 KERNEL_IMPLS = ("auto", "reference", "pallas", "pallas-tpu", "pallas-gpu")
 # The table's operations (its other entries describe the KV pool's layout and the scale dtype).
 OPERATIONS = ("ragged_attention", "flash_attention", "rope_kv_write", "quantized_matmul", "add_rms_norm", "swiglu_matmul",
-              "lora_delta", "grouped_matmul", "mla_attention", "gated_delta_rule")
+              "lora_delta", "grouped_matmul", "mla_attention", "gated_delta_rule", "causal_conv")
 
 # KV tokens per work item of the XLA split-KV attention, and items per loop iteration (measured
 # on the CPU, 30 layers of SmolLM2's attention). Decodes (one query row per block) contract by
@@ -254,6 +257,9 @@ class Kernels:
     gated_delta_rule(q [T,Hv,Dk], k [T,Hv,Dk], v [T,Hv,Dv], g [T,Hv], beta [T,Hv], state [Hv,Dk,Dv], chunk_size)
         -> (out [T,Hv,Dv], final state), float32: one sequence's chunked gated delta rule (Gated DeltaNet
         prefill chunks, jaxinfer.ops.linear_attention; pallas_kernels.gated_delta_rule)
+    causal_conv(x [T,C], before [K-1,C], weight [K,C], valid_len) -> (out [T,C], last [K-1,C]): one
+        sequence's chunk through Gated DeltaNet's causal depthwise convolution, last = the K-1 inputs
+        ending at valid_len (jaxinfer.ops.linear_attention; pallas_kernels.causal_conv)
     scale_dtype(dtype): the dtype a quantized weight's scales and offsets are placed in for the
         quantized matmul (the TPU kernel cannot load float16: float32 instead)
     """
@@ -272,6 +278,7 @@ class Kernels:
     grouped_matmul: Callable = dataclasses.field(default=None, compare=False, repr=False)
     mla_attention: Callable = dataclasses.field(default=None, compare=False, repr=False)
     gated_delta_rule: Callable = dataclasses.field(default=None, compare=False, repr=False)
+    causal_conv: Callable = dataclasses.field(default=None, compare=False, repr=False)
     scale_dtype: Callable = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -305,7 +312,8 @@ def _xla_table(interpret: bool) -> dict[str, Callable | None]:
     return dict(ragged_attention=xla_ragged_attention, flash_attention=None, rope_kv_write=rope_kv_write_reference,
                 quantized_matmul=xla_quantized_matmul, add_rms_norm=add_rms_norm_reference, swiglu_matmul=xla_swiglu_matmul,
                 lora_delta=lora_delta_xla, grouped_matmul=gmm_reference.grouped_quantized_matmul,
-                mla_attention=xla_mla_attention, gated_delta_rule=gdn_reference.chunked, scale_dtype=same_dtype)
+                mla_attention=xla_mla_attention, gated_delta_rule=gdn_reference.chunked, causal_conv=conv_reference.causal_conv,
+                scale_dtype=same_dtype)
 
 
 def _tpu_table(interpret: bool) -> dict[str, Callable]:
@@ -314,7 +322,8 @@ def _tpu_table(interpret: bool) -> dict[str, Callable]:
                 rope_kv_write=rope_kv_write_reference, quantized_matmul=pallas(qmm_tpu.quantized_matmul),
                 add_rms_norm=pallas(add_rms_norm_tpu), swiglu_matmul=pallas(_tpu_swiglu_matmul), lora_delta=pallas(lora_delta_tpu),
                 grouped_matmul=pallas(gmm_tpu.grouped_quantized_matmul), mla_attention=pallas(_tpu_mla_attention),
-                gated_delta_rule=pallas(gdn_tpu.chunked), scale_dtype=_tpu_scale_dtype)
+                gated_delta_rule=pallas(gdn_tpu.chunked), causal_conv=pallas(conv_tpu.causal_conv),
+                scale_dtype=_tpu_scale_dtype)
 
 
 def _gpu_table(interpret: bool) -> dict[str, Callable]:
@@ -323,7 +332,8 @@ def _gpu_table(interpret: bool) -> dict[str, Callable]:
                 rope_kv_write=pallas(_gpu_rope_kv_write), quantized_matmul=pallas(qmm_gpu.quantized_matmul),
                 add_rms_norm=pallas(add_rms_norm_gpu), swiglu_matmul=pallas(swiglu_matmul_gpu), lora_delta=pallas(lora_delta_gpu),
                 grouped_matmul=pallas(gmm_gpu.grouped_quantized_matmul), mla_attention=pallas(_gpu_mla_attention),
-                gated_delta_rule=pallas(gdn_gpu.chunked), scale_dtype=same_dtype)
+                gated_delta_rule=pallas(gdn_gpu.chunked), causal_conv=pallas(conv_gpu.causal_conv),
+                scale_dtype=same_dtype)
 
 
 _TABLES = {"reference": _xla_table, "tpu": _tpu_table, "gpu": _gpu_table}

@@ -5,7 +5,9 @@ A step holds decodes (one token each) and at most MAX_PREFILL_CHUNKS multi-token
 
 - `ragged_causal_conv`: the depthwise causal convolution over the q | k | v channels, each
   token's window reaching back into its sequence's saved inputs (the state's `conv` rows) where
-  the chunk does not; the last K - 1 inputs of each sequence become its new saved inputs;
+  the chunk does not; the last K - 1 inputs of each sequence become its new saved inputs. Every
+  row at once, vectorised; with a Pallas kernel table, only the decodes' and short chunks' rows,
+  each multi-token chunk through its `causal_conv` (pallas_kernels.causal_conv);
 - `ragged_delta_rule`: the gated delta rule (pallas_kernels.gated_delta_rule.reference), the
   one-token step for every decode, vectorised over the sequences, and the chunked form for each
   multi-token chunk (its tokens gathered and padded to the step's T with tokens that change
@@ -28,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.ops.batch import MAX_PREFILL_CHUNKS, RaggedBatch
+from pallas_kernels.causal_conv import reference as conv_reference
 from pallas_kernels.gated_delta_rule import reference as delta_rule
 
 CHUNK_SIZE = 64  # the chunked form's chunk (transformers' and FLA's)
@@ -42,11 +45,16 @@ def sequence_layout(batch: RaggedBatch, T: int):
     return seq, jnp.arange(T) - first[seq], first, q_lens, kv_lens - q_lens == 0
 
 
-def ragged_causal_conv(x: jax.Array, saved: jax.Array, weight: jax.Array, batch: RaggedBatch, drafts: jax.Array | None = None):
+def ragged_causal_conv(x: jax.Array, saved: jax.Array, weight: jax.Array, batch: RaggedBatch, drafts: jax.Array | None = None,
+                       *, chunks: bool = True, spec_block: int = 0, kernels=None):
     """x [T, C] (one layer's conv inputs), saved [N, K - 1, C] (each slot's last inputs), weight
     [K, C] -> (out [T, C] = sum_j weight[j] * x[t - (K - 1) + j] per sequence (before the
     activation), saved with each sequence's last K - 1 inputs written to its slot, drafts).
-    drafts [N, B, C] (speculative decoding): a verifying chunk's inputs go there instead."""
+    drafts [N, B, C] (speculative decoding): a verifying chunk's inputs go there instead.
+    `kernels`: the kernel table whose `causal_conv` runs each chunk of more than max(1,
+    spec_block) tokens (`chunks`: the step may hold some), as `ragged_delta_rule` picks them;
+    None, or a table whose entry is the reference (which the vectorised rows compute already),
+    computes every row vectorised."""
     T, C = x.shape
     K = weight.shape[0]
     seq, offset, first, q_lens, fresh = sequence_layout(batch, T)
@@ -56,11 +64,15 @@ def ragged_causal_conv(x: jax.Array, saved: jax.Array, weight: jax.Array, batch:
     def tap(s, o):  # the input at offset o of sequence s's chunk (o < 0: saved before it)
         return jnp.where((o >= 0)[..., None], x[jnp.clip(first[s] + o, 0, T - 1)], before[s, jnp.clip(o + K - 1, 0, K - 2)])
 
-    out = sum(tap(seq, offset - (K - 1) + j).astype(jnp.float32) * weight[j].astype(jnp.float32) for j in range(K))
     # each sequence's last K - 1 inputs: chunk offsets q_len - (K - 1) .. q_len - 1
     o = q_lens[:, None] - (K - 1) + jnp.arange(K - 1)[None, :]  # [S, K - 1]
     last = tap(jnp.arange(slots.shape[0])[:, None], o)  # [S, K - 1, C]
     in_use = jnp.arange(slots.shape[0]) < batch.num_seqs[0]
+    conv = None if kernels is None else kernels.causal_conv
+    if chunks and conv is not None and conv is not conv_reference.causal_conv:
+        out, last = _conv_by_chunks(x, before, weight, tap, first, q_lens, in_use, last, spec_block, conv)
+    else:
+        out = sum(tap(seq, offset - (K - 1) + j).astype(jnp.float32) * weight[j].astype(jnp.float32) for j in range(K))
     verifies = in_use & batch.verifies if drafts is not None else jnp.zeros_like(in_use)
     saved = saved.at[jnp.where(in_use & ~verifies, slots, saved.shape[0])].set(last.astype(saved.dtype), mode="drop")
     if drafts is not None:  # a verifying chunk's inputs, in its slot's row (past its length: zeros)
@@ -68,6 +80,36 @@ def ragged_causal_conv(x: jax.Array, saved: jax.Array, weight: jax.Array, batch:
         rows = jnp.where((offsets < q_lens[:, None])[..., None], x[jnp.clip(first[:, None] + offsets, 0, T - 1)], 0)
         drafts = drafts.at[jnp.where(verifies, slots, drafts.shape[0])].set(rows.astype(drafts.dtype), mode="drop")
     return out.astype(x.dtype), saved, drafts
+
+
+def _conv_by_chunks(x, before, weight, tap, first, q_lens, in_use, last, spec_block: int, conv):
+    """`ragged_causal_conv`'s rows with a kernel: the decodes' and short chunks' (up to B =
+    max(1, spec_block) tokens) B rows per sequence vectorised (`tap(s, o)`: the input at offset o
+    of sequence s's chunk), each longer chunk (at most MAX_PREFILL_CHUNKS) gathered into T rows
+    through `conv`, its `last` (the K - 1 inputs ending at its length) replacing the sequence's
+    row of last [S, K - 1, C] (the same values). -> (out [T, C] in x's dtype, last)."""
+    T, C = x.shape
+    K, S, B = weight.shape[0], q_lens.shape[0], max(1, spec_block)
+    offsets = jnp.arange(B)[None, :]  # [1, B]
+    few = sum(tap(jnp.arange(S)[:, None], offsets - (K - 1) + j).astype(jnp.float32) * weight[j].astype(jnp.float32)
+              for j in range(K))  # [S, B, C]
+    short = (in_use & (q_lens <= B))[:, None] & (offsets < q_lens[:, None])
+    out = jnp.zeros((T, C), x.dtype).at[jnp.where(short, first[:, None] + offsets, T)].set(few.astype(x.dtype), mode="drop")
+
+    long = in_use & (q_lens > B)
+    (which,) = jnp.nonzero(long, size=MAX_PREFILL_CHUNKS, fill_value=0)
+    present = jnp.arange(MAX_PREFILL_CHUNKS) < jnp.sum(long)
+
+    def one_chunk(args):
+        s, present = args
+        rows = first[s] + jnp.arange(T)  # past the chunk's length: padding (valid_len)
+        o, chunk_last = jax.lax.cond(present, lambda: conv(x[jnp.clip(rows, 0, T - 1)], before[s], weight, valid_len=q_lens[s]),
+                                     lambda: (jnp.zeros((T, C), x.dtype), before[s]))
+        return o, chunk_last, jnp.where(present & (jnp.arange(T) < q_lens[s]), rows, T)
+
+    outs, lasts, targets = jax.lax.map(one_chunk, (which, present))
+    out = out.at[targets.reshape(-1)].set(outs.reshape(-1, C), mode="drop")
+    return out, last.at[jnp.where(present, which, S)].set(lasts.astype(last.dtype), mode="drop")
 
 
 def ragged_delta_rule(q, k, v, g, beta, recurrent: jax.Array, batch: RaggedBatch, *, chunks: bool, spec_block: int = 0,

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
+from pallas_kernels.gated_delta_rule.reference import update
 
 
 @jax.tree_util.register_dataclass
@@ -100,8 +101,6 @@ def commit_drafts(state: LinearState, slots: jax.Array, kept: jax.Array) -> Line
     slots, kept [n] int32 (kept 0: unchanged). The convolution keeps the last K - 1 of its saved
     inputs followed by the kept ones; the recurrent state takes one delta-rule update per token,
     the tokens past `kept` masked to change nothing (g = beta = 0)."""
-    from pallas_kernels.gated_delta_rule.reference import update
-
     d = state.drafts
     K1, B = state.conv.shape[2], d.conv.shape[2]
     inputs = jnp.concatenate([state.conv[:, slots], d.conv[:, slots]], axis=2)  # [L, n, K - 1 + B, C]

@@ -78,13 +78,14 @@ logger = logging.getLogger("jaxinfer")
 
 # Checked in this order, stage by stage (the attention's verdict decides the pool layout).
 STAGES = (("ragged_attention", "flash_attention"),
-          ("rope_kv_write", "add_rms_norm", "swiglu_matmul", "quantized_matmul", "lora_delta", "gated_delta_rule"))
+          ("rope_kv_write", "add_rms_norm", "swiglu_matmul", "quantized_matmul", "lora_delta", "gated_delta_rule", "causal_conv"))
 # Largest difference allowed, relative to the largest entry of the XLA path's output (at least
 # 1), by the least precise dtype of the case (bfloat16: the kernels keep float32 accumulators
 # where the XLA path may round an intermediate; float32: room for TF32 dots on a GPU).
 TOLERANCE = {"float32": 5e-3, "float16": 1e-2, "bfloat16": 3e-2}
 TOKENS = 8  # the small batch of the norm, matmul and KV-write checks
 DELTA_RULE_TOKENS = 135  # a prefill chunk of two whole chunks of 64 and a padded one (jaxinfer.ops.linear_attention)
+CONV_TOKENS, CONV_VALID = 135, 130  # a prefill chunk's rows, the first 130 its own (the rest: padding)
 LORA_TOKENS = 16
 
 
@@ -163,6 +164,7 @@ class StepShapes:
     lora: tuple[LoraSite, ...] = ()
     latent: tuple[int, int] | None = None  # MLA (DeepSeek): (value dims r, rope dims) of the latent rows
     linear: tuple[int, int, int] | None = None  # Gated DeltaNet layers: (value heads on this device, Dk, Dv)
+    conv: tuple[int, int] | None = None  # and their causal conv: (q | k | v channels on this device, taps)
 
 
 def step_shapes(config: ModelConfig, params, *, parallel: ParallelConfig = ParallelConfig(), dtype, kv_dtype,
@@ -207,6 +209,8 @@ def step_shapes(config: ModelConfig, params, *, parallel: ParallelConfig = Paral
         config.head_dim, None
     linear = ((config.linear_value_heads // parallel.tp, config.linear_key_head_dim, config.linear_value_head_dim)
               if config.has_linear_layers else None)  # the gated delta rule's heads on one device
+    conv = ((2 * config.linear_key_heads * config.linear_key_head_dim + config.linear_value_heads * config.linear_value_head_dim)
+            // parallel.tp, config.linear_conv_kernel) if config.has_linear_layers else None
     if config.is_mla:  # MLA's own attention over latent rows; its flash path sees each head's K and V (models.deepseek)
         kv_heads, head_dim, latent = heads, config.qk_nope_head_dim + config.rotary_dim, (config.kv_lora_rank, config.rotary_dim)
     return StepShapes(
@@ -217,7 +221,7 @@ def step_shapes(config: ModelConfig, params, *, parallel: ParallelConfig = Paral
         spec_block=spec_block, paged_attention=not (ring or (quantized_pool and page_size % 128) or config.is_mla),
         flash_attention=not ring and max_tokens // parallel.sp >= FLASH_MIN_TOKENS,
         kv_write=parallel.sp == 1 and not quantized_pool and not config.is_mla, latent=latent, swiglu=tuple(swiglu), quantized=tuple(quantized), grouped=tuple(grouped), lora=tuple(lora),
-        linear=linear,
+        linear=linear, conv=conv,
     )
 
 
@@ -481,6 +485,26 @@ def _gated_delta_rule_case(kernels: Kernels, xla: Kernels, s: StepShapes) -> Cas
                 functools.partial(xla.gated_delta_rule, chunk_size=CHUNK_SIZE), _tolerance(jnp.float32))
 
 
+def _causal_conv_case(kernels: Kernels, xla: Kernels, s: StepShapes) -> Case:
+    """One prefill chunk's causal conv from saved inputs, in the activations' dtype, its length
+    (CONV_VALID of CONV_TOKENS rows) traced: the outputs of its own rows and its last K - 1 inputs."""
+    (C, K), T = s.conv, CONV_TOKENS
+
+    def inputs(rng):
+        keys = jax.random.split(rng, 3)
+        return (_random(keys[0], (T, C), s.dtype), _random(keys[1], (K - 1, C), s.dtype),
+                _random(keys[2], (K, C), s.dtype, scale=0.5), jnp.int32(CONV_VALID))
+
+    def outputs(fn):
+        def run(*args):
+            out, last = fn(*args[:3], valid_len=args[3])
+            return out[:CONV_VALID], last
+        return run
+
+    return Case("causal_conv", f"prefill chunk T={T} valid {CONV_VALID} C={C} K={K} {s.dtype}", inputs,
+                outputs(kernels.causal_conv), outputs(xla.causal_conv), _tolerance(s.dtype))
+
+
 def kernel_cases(kernels: Kernels, shapes: StepShapes, operations: Collection[str] = OPERATIONS) -> Iterator[Case]:
     """Every check of `operations` the step runs with `kernels` at `shapes`: the operations whose
     entry is not the XLA path already, each at the shapes the step gives it."""
@@ -513,6 +537,8 @@ def kernel_cases(kernels: Kernels, shapes: StepShapes, operations: Collection[st
             yield _lora_case(kernels, xla, s, site)
     if runs_kernel("gated_delta_rule") and s.linear is not None:
         yield _gated_delta_rule_case(kernels, xla, s)
+    if runs_kernel("causal_conv") and s.conv is not None:
+        yield _causal_conv_case(kernels, xla, s)
 
 
 # ----------------------------------------------------------------------------- running them

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import itertools
 import json
@@ -41,6 +42,7 @@ from jaxinfer.lora_request import LoRARequest
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.server import protocol, tools
 from jaxinfer.server.async_engine import AsyncEngine, EngineFailed
+from jaxinfer.server.kv_transfer import KVTransfer, KVTransferCollector
 from jaxinfer.server.lockstep import Publisher
 from jaxinfer.server.metrics import ServerMetrics
 from jaxinfer.server.protocol import ApiError, Parsed
@@ -54,7 +56,7 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
               publisher: Publisher | None = None, tool_call_parser: str | None = None,
               lora_modules: dict[str, str] | None = None, allow_runtime_lora_updating: bool = False,
               chat_template: str | None = None, generation_config: str = "auto",
-              max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = MAX_REQUEST_BYTES, kv_transfer: KVTransfer | None = None) -> FastAPI:
     """The app serving `llm`; its engine thread starts and stops with the app's lifespan. On
     several processes this is process 0's, and `publisher` feeds the others (server.lockstep).
     `tool_call_parser`: "hermes" or "llama3_json" (default: what the chat template suggests).
@@ -63,7 +65,9 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
     the server can read) and unloaded over HTTP, on one process. `chat_template`: a Jinja
     template, or a file holding one, in place of the tokenizer's. `generation_config`: where
     the sampling defaults come from ("auto", "vllm" or a folder; jaxinfer.generation_defaults).
-    `max_request_bytes`: larger request bodies get 413. ValueError for a bad setting, naming it."""
+    `max_request_bytes`: larger request bodies get 413. `kv_transfer`: this instance's role in
+    prefill/decode disaggregation (server.kv_transfer; requests then carry kv_transfer_params).
+    ValueError for a bad setting, naming it."""
     model_name = served_model_name or (llm.source.name if llm.source else "jaxinfer")
     if tool_call_parser is not None and tool_call_parser not in tools.PARSERS:
         raise ValueError(f"tool_call_parser={tool_call_parser!r}: expected one of {tools.PARSERS}")
@@ -77,6 +81,11 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
     for name, path in (lora_modules or {}).items():
         adapters.load(name, path)  # a bad one stops the server from starting, naming it
     metrics = ServerMetrics(llm.engine)
+    if kv_transfer is not None:
+        if publisher is not None:
+            raise ValueError("kv_role: prefill/decode disaggregation serves from one process (the pages arrive on "
+                             "process 0's devices)")
+        metrics.registry.register(KVTransferCollector(kv_transfer))
     engine = AsyncEngine(llm.engine, max_queue=max_queue, on_finished=metrics.observe, publisher=publisher)
 
     @contextlib.asynccontextmanager
@@ -84,6 +93,8 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
         engine.start()
         yield
         engine.stop()
+        if engine.stopped:  # with kv_offloading_dir: the device's cached prefix pages to disk
+            llm.engine.shutdown()
 
     app = FastAPI(title="jaxinfer", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, model_name
@@ -142,6 +153,42 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
         adapters.unload(body.get("lora_name"))
         return {"status": "ok", "lora_name": body.get("lora_name")}
 
+    @app.get("/kv_transfer/info")
+    async def kv_transfer_info():  # what a router checks before pairing instances
+        if kv_transfer is None:
+            raise ApiError("this instance has no KV transfer role (start it with --kv-role)", status=404, type="not_found_error")
+        return {"model": model_name, **kv_transfer.info()}
+
+    async def handoff_of(body: dict, parsed) -> dict:
+        """generate()'s disaggregation arguments for a request's kv_transfer_params: a prefill
+        instance exports its prompt's pages (one token computed), a decode instance pulls them first."""
+        params = body.get("kv_transfer_params")
+        if params is None:
+            return {}
+        if kv_transfer is None:
+            raise ApiError("kv_transfer_params: this instance has no KV transfer role (start it with --kv-role)",
+                           param="kv_transfer_params")
+        if len(parsed.prompts) != 1 or parsed.params.n != 1:
+            raise ApiError("kv_transfer_params: one prompt and n = 1 per disaggregated request", param="kv_transfer_params")
+        if kv_transfer.role == "prefill":
+            if not params.get("do_remote_decode") or parsed.stream:
+                raise ApiError("kv_transfer_params: a prefill instance takes {\"do_remote_decode\": true}, not streamed",
+                               param="kv_transfer_params")
+            parsed.params = dataclasses.replace(parsed.params, max_tokens=1, min_tokens=0)
+            return {"export_kv": True}
+        try:
+            return {"kv_handoff": await asyncio.to_thread(kv_transfer.pull, params)}
+        except ValueError as e:
+            raise ApiError(str(e), param="kv_transfer_params") from None
+        except RuntimeError as e:
+            raise ApiError(str(e), status=502, type="server_error") from None
+
+    def with_offer(response: dict, outputs: list[RequestOutput]) -> dict:
+        """A prefill instance's answer: the offer a decode instance pulls the pages with."""
+        if outputs[0].kv_handoff is not None:
+            response["kv_transfer_params"] = kv_transfer.offer(outputs[0].kv_handoff, outputs[0].prompt_token_ids)
+        return response
+
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
@@ -178,38 +225,42 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
             raise ApiError(f"token id {bad[0]} is outside the vocabulary [0, {llm.config.vocab_size})", param="tokens")
         return {"prompt": await asyncio.to_thread(llm.tokenizer.decode, tokens)}
 
-    def generate(prompt, params, request_id: str, lora: LoRARequest | None) -> AsyncIterator[RequestOutput]:
+    def generate(prompt, params, request_id: str, lora: LoRARequest | None, **handoff) -> AsyncIterator[RequestOutput]:
         """engine.generate, with the adapter pinned while the request lives here (see LoraRegistry.holding)."""
         stream = lambda: engine.generate(prompt, params, request_id=request_id, timeout=request_timeout,  # noqa: E731
-                                         lora_request=lora)
+                                         lora_request=lora, **handoff)
         return adapters.holding(lora, stream) if lora is not None else stream()
 
     @v1.post("/completions")
     async def completions(request: Request):
-        parsed = protocol.parse_completion(await body_of(request), defaults=app.state.sampling_defaults)
+        body = await body_of(request)
+        parsed = protocol.parse_completion(body, defaults=app.state.sampling_defaults)
         lora = adapters.of_model(parsed.model)
+        handoff = await handoff_of(body, parsed)
         request_id = protocol.new_id("cmpl")
-        streams = [generate(p, parsed.params, f"{request_id}-{i}", lora) for i, p in enumerate(parsed.prompts)]
+        streams = [generate(p, parsed.params, f"{request_id}-{i}", lora, **handoff) for i, p in enumerate(parsed.prompts)]
         if parsed.stream:
             return _sse(_completion_chunks(request_id, parsed.model or model_name, parsed, streams))
         outputs = await _until_done(request, [_last(s) for s in streams])
         if outputs is None:
             return _client_left()
-        return protocol.completion_response(request_id, parsed.model or model_name, outputs, parsed)
+        return with_offer(protocol.completion_response(request_id, parsed.model or model_name, outputs, parsed), outputs)
 
     @v1.post("/chat/completions")
     async def chat(request: Request):
-        parsed = protocol.parse_chat(await body_of(request), tool_parser=tool_parser, defaults=app.state.sampling_defaults)
+        body = await body_of(request)
+        parsed = protocol.parse_chat(body, tool_parser=tool_parser, defaults=app.state.sampling_defaults)
         lora = adapters.of_model(parsed.model)
         prompt = await chat_prompt(parsed.prompts[0], tools=parsed.tools if parsed.tool_choice != "none" else None)
+        handoff = await handoff_of(body, parsed)
         request_id = protocol.new_id("chatcmpl")
-        stream = generate(prompt, parsed.params, request_id, lora)
+        stream = generate(prompt, parsed.params, request_id, lora, **handoff)
         if parsed.stream:
             return _sse(_chat_chunks(request_id, parsed.model or model_name, parsed, stream))
         outputs = await _until_done(request, [_last(stream)])
         if outputs is None:
             return _client_left()
-        return protocol.chat_response(request_id, parsed.model or model_name, outputs[0], parsed)
+        return with_offer(protocol.chat_response(request_id, parsed.model or model_name, outputs[0], parsed), outputs)
 
     app.include_router(v1)
     return app

@@ -34,6 +34,7 @@ import time
 from typing import AsyncIterator
 
 from jaxinfer.engine.engine import LLMEngine
+from jaxinfer.engine.kv_handoff import prepare_handoff
 from jaxinfer.engine.request import Request
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
@@ -74,6 +75,11 @@ class AsyncEngine:
             self._stop.set()
             self._posted.notify_all()
         self._thread.join(timeout)
+
+    @property
+    def stopped(self) -> bool:
+        """The engine thread has ended (stop() joined it): the engine is this thread's to use."""
+        return not self._thread.is_alive()
 
     @property
     def healthy(self) -> bool:
@@ -168,9 +174,11 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ the handlers' side
     async def generate(self, prompt, params: SamplingParams, *, request_id: str | None = None,
-                       timeout: float | None = None, lora_request=None) -> AsyncIterator[RequestOutput]:
+                       timeout: float | None = None, lora_request=None, export_kv: bool = False,
+                       kv_handoff=None) -> AsyncIterator[RequestOutput]:
         """The request's RequestOutputs as it advances (the last one finished). Raises ApiError:
-        400 for a request the engine cannot run, 429 past max_queue, 504 past `timeout` seconds."""
+        400 for a request the engine cannot run, 429 past max_queue, 504 past `timeout` seconds.
+        `export_kv` / `kv_handoff`: prefill/decode disaggregation (engine.kv_handoff)."""
         if self.max_queue is not None and self.num_waiting >= self.max_queue:
             raise ApiError(f"the server's queue is full ({self.max_queue} requests waiting); retry later", status=429,
                            type="rate_limit_error", headers={"Retry-After": "1"})
@@ -184,6 +192,11 @@ class AsyncEngine:
             request = await asyncio.shield(making)
         except ValueError as e:
             raise ApiError(str(e)) from None
+        try:
+            prepare_handoff(request, export_kv, kv_handoff)
+        except ValueError as e:
+            self.engine.discard(request)
+            raise ApiError(f"kv_transfer_params: {e}", param="kv_transfer_params") from None
         except asyncio.CancelledError:
             making.add_done_callback(lambda f: f.cancelled() or f.exception() or self.engine.discard(f.result()))
             raise

@@ -3,8 +3,8 @@
 Latency histograms are observed as each request finishes, from its `RequestMetrics`: time to
 first token, mean inter-token latency (per generated token), end to end, and queue time
 (arrival to first scheduled step). Gauges and counters are read from the engine's stats when
-scraped: running / waiting / swapped requests, KV cache usage, prefix cache hit rate,
-preemptions, speculative acceptance, compiles, tokens.
+scraped: running / waiting / swapped requests, KV cache usage, prefix cache hit rate (the KV
+tiers': host and disk, engine.kv_tiers), preemptions, speculative acceptance, compiles, tokens.
 """
 
 from __future__ import annotations
@@ -63,6 +63,9 @@ class _EngineCollector:
             ("num_requests_swapped", "Waiting sequences whose KV pages sit in host memory", swapped),
             ("kv_cache_usage_perc", "Fraction of KV pages held by sequences", s.kv_cache_usage),
             ("prefix_cache_hit_rate", "Cached prefix pages found / pages looked up", s.prefix_cache_hit_rate),
+            ("prefix_cache_host_hit_rate", "Prefix pages loaded back from host memory / pages looked up",
+             s.prefix_cache_host_hit_rate),
+            ("prefix_cache_disk_hit_rate", "Prefix pages loaded back from disk / pages looked up", s.prefix_cache_disk_hit_rate),
             ("spec_decode_acceptance_rate", "Accepted / drafted speculative tokens", s.acceptance_rate),
         ):
             yield GaugeMetricFamily(f"jaxinfer:{name}", doc, value=value)
@@ -77,6 +80,9 @@ class _EngineCollector:
             ("num_compiles", "Step programs compiled (model buckets and sampling variants)", s.num_compiles),
             ("generation_tokens", "Tokens generated", s.num_generated_tokens),
             ("prompt_tokens_computed", "Prompt tokens computed in prefill chunks", s.num_prompt_tokens_computed),
+            ("prefix_cache_host_hits", "Prefix pages loaded back from the host memory tier", s.prefix_cache_host_hits),
+            ("prefix_cache_disk_hits", "Prefix pages loaded back from the disk tier", s.prefix_cache_disk_hits),
+            ("kv_offloaded_pages", "Evicted prefix pages kept in the host memory tier", s.kv_offloaded_pages),
             ("spec_decode_num_draft_tokens", "Speculative tokens drafted", s.num_draft_tokens),
             ("spec_decode_num_accepted_tokens", "Speculative tokens accepted", s.num_accepted_tokens),
         ):

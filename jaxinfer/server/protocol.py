@@ -67,7 +67,9 @@ _SAMPLING = {
 _INT_BOUNDS = {"seed": (-(2**63), 2**63 - 1)}
 _CONSTRAINTS = {"response_format": (dict,), "structured_outputs": (dict,), "guided_json": (dict, str),
                 "guided_regex": (str,), "guided_choice": (list,), "guided_grammar": (str,)}
-_COMMON = {"model": (str,), "stream": (bool,), "stream_options": (dict,), "user": (str,), **_CONSTRAINTS}
+# kv_transfer_params: prefill/decode disaggregation (server.kv_transfer), as vLLM's connectors name it
+_COMMON = {"model": (str,), "stream": (bool,), "stream_options": (dict,), "user": (str,), "kv_transfer_params": (dict,),
+           **_CONSTRAINTS}
 COMPLETION_FIELDS = {**_COMMON, "prompt": (str, list), "echo": (bool,), "logprobs": (int,), **{k: v[0] for k, v in _SAMPLING.items()}}
 CHAT_FIELDS = {**_COMMON, "messages": (list,), "logprobs": (bool,), "top_logprobs": (int,), "max_completion_tokens": (int,),
                "tools": (list,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,),
