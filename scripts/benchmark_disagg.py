@@ -7,8 +7,8 @@ Starts, one setup after the other, each alone on the machine:
 - co-located: one `jaxinfer serve` on both cores (taskset -c 0,1);
 - disaggregated: `jaxinfer serve --kv-role prefill` on core 0, `--kv-role decode` on core 1 and
   `jaxinfer router` in front (on both: it only relays bytes);
-all on the default model (SmolLM2-135M's GGUF, or --model), warmed up (--warmup: no run pays a
-compile). The workload mixes long prompts with few new tokens (documents to summarize: the shared
+all on the default model (SmolLM2-135M's GGUF, or --model), warmed up (--warmup, and four
+requests sent before measuring: no run pays a compile or a first connection). The workload mixes long prompts with few new tokens (documents to summarize: the shared
 CPU workload's prompts of 256+ tokens, 16 new tokens) and short chats (its prompts under 256
 tokens, 64-128 new tokens), streamed at Poisson rates (seeded: both setups get the same stream;
 scripts/benchmark_serving.py measures each request). Prints TTFT and TPOT p50 / p99 per rate and
@@ -75,6 +75,8 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def measure(url: str, requests: list[dict], rates: list[float], max_seconds: float, seed: int) -> list[dict]:
+    # first uses (programs --warmup does not cover, the router's connections) before anything is measured
+    asyncio.run(run_stream(url, "jaxinfer", requests[:4], float("inf"), max_seconds, "model", seed))
     rows = []
     for rate in rates:
         run = asyncio.run(run_stream(url, "jaxinfer", requests, rate, max_seconds, "model", seed))

@@ -121,6 +121,7 @@ class OracleProposer:
         return Drafts(drafts)
 
 
+@pytest.mark.parametrize("hybrid", ["qwen3_5_text"], indirect=True)  # (one family: the states' code is shared)
 def test_speculative_decoding_keeps_the_texts_the_states_advancing_by_the_kept_tokens_only(hybrid):
     """A verifying chunk leaves its slot as it was and keeps its inputs; the slot advances by the
     tokens kept once they are known. With drafts partly right (some kept, one rejected each time)

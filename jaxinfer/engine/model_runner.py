@@ -477,11 +477,17 @@ class ModelRunner:
 
     def write_pages_from_host(self, replica: int, pages: Sequence[int], contents: Sequence[dict]) -> None:
         """Writes pages' contents (as read_pages_to_host returns them) into a replica's pages, in
-        place, in writes of at most pages_per_seq pages."""
+        place, in writes of at most pages_per_seq pages. Contents in pinned host memory are copied
+        to the devices asynchronously (the copies overlap a step still running there; the write
+        waits for them, the next step for the write); numpy contents are sent as the write starts."""
         most = self.buckets.pages_per_seq
+        on_devices = jax.sharding.NamedSharding(self.step_fn.mesh, jax.sharding.PartitionSpec())
         for i in range(0, len(pages), most):
             chunk = contents[i : i + most]
-            stacked = {name: np.stack([np.asarray(c[name]) for c in chunk], axis=1) for name in chunk[0]}
+            if all(isinstance(a, jax.Array) for c in chunk for a in c.values()):
+                stacked = {name: jnp.stack([jax.device_put(c[name], on_devices) for c in chunk], axis=1) for name in chunk[0]}
+            else:
+                stacked = {name: np.stack([np.asarray(c[name]) for c in chunk], axis=1) for name in chunk[0]}
             self.write_pages(replica, pages[i : i + most], KVCache(**stacked))
 
     def warmup_page_ops(self, *, max_copies: int, max_swapped: int = 0, max_offloaded: int = 0) -> None:
