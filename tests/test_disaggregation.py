@@ -16,6 +16,7 @@ import sys
 import time
 
 import httpx
+import jax
 import pytest
 
 from jaxinfer import LLM, SamplingParams
@@ -78,6 +79,29 @@ def test_an_engine_resumes_the_prompt_pages_another_engine_handed_off(colocated,
     with pytest.raises(ValueError, match="n > 1"):
         prefill.engine.add_request("n2", PROMPTS[0], SamplingParams(n=2, max_tokens=1), export_kv=True)
     assert not colocated.engine.has_unfinished_requests() and not prefill.engine.has_unfinished_requests()
+
+
+def test_a_pull_fails_in_bounded_time_when_the_offer_is_gone_and_params_are_checked(colocated, model_dir):
+    """Two transfer servers in this process: an offer pulled once gives the pages; pulling it
+    again (or an id never offered) is a RuntimeError after the timeout, not a hang; params that do
+    not fit this instance are a ValueError naming the mismatch."""
+    from jaxinfer.server.kv_transfer import KVTransfer
+
+    prefill = KVTransfer("prefill", colocated.runner, "qwen3", timeout_s=1.0)
+    decode = KVTransfer("decode", colocated.runner, "qwen3", timeout_s=1.0)
+    colocated.engine.add_request("offer", PROMPTS[0], SamplingParams(temperature=0, max_tokens=1), export_kv=True)
+    handoff = finished(colocated.engine)[0].kv_handoff
+    params = prefill.offer(handoff, handoff.prompt_token_ids)
+    pulled = decode.pull(params)
+    assert all((a == b).all() for a, b in zip(jax.tree.leaves(pulled.pages), jax.tree.leaves(handoff.pages)))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="no pages within 1.0 s"):
+        decode.pull(params)  # pulled already
+    assert time.monotonic() - start < 10
+    with pytest.raises(ValueError, match="do not fit this instance"):
+        decode.pull({**params, "num_pages": 10**6})
+    with pytest.raises(ValueError, match="differ from this instance's"):
+        decode.pull({**params, "geometry": {**params["geometry"], "page_size": 8}})
 
 
 # ----------------------------------------------------------------------------- real processes
@@ -162,6 +186,9 @@ def test_the_router_answers_as_one_colocated_server_streamed_or_not(cluster, col
         assert metric(url, "jaxinfer:kv_cache_usage_perc") == 0 and metric(url, "jaxinfer:num_requests_running") == 0
     assert metric(router, "jaxinfer_router:requests_total") == 10
 
+    # the prefill leg drops what does not fit one token (min_tokens, echo, logprobs)
+    body = {"model": model, "prompt": PROMPTS[0], **GREEDY, "min_tokens": 5}
+    assert httpx.post(router + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == want[0]
     # a request the instances reject comes back as their 400; the router refuses instances in the wrong roles
     bad = httpx.post(router + "/v1/completions", json={"model": model, "prompt": "x", "n": 2}, timeout=60)
     assert bad.status_code == 400 and "n = 1" in bad.json()["error"]["message"]

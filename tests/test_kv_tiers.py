@@ -3,6 +3,7 @@ never changing what a request generates."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -63,8 +64,9 @@ def test_page_file_round_trip_and_a_restart_reads_the_directory(tmp_path):
         disk.put(key(i), page(i))
     assert key(0) in disk  # queued pages count as present (and are read from the queue)
     disk.close()
-    assert sorted(os.listdir(tmp_path)) == sorted(key(i).hex() for i in range(3))  # one file per page, named by its key
-    data = (tmp_path / key(1).hex()).read_bytes()
+    # one file per page, named by its key, in the model's own subdirectory
+    assert disk.directory == tmp_path / FP[:16] and sorted(os.listdir(disk.directory)) == sorted(key(i).hex() for i in range(3))
+    data = (disk.directory / key(1).hex()).read_bytes()
     assert data[:8] == b"JXKVPAGE" and json.loads(data[16 : 16 + int.from_bytes(data[12:16], "little")])["key"] == key(1).hex()
     again = DiskTier(tmp_path, LAYOUT, FP)  # a new process: the index comes from the directory
     assert len(again) == 3 and all(same(again.get(key(i)), page(i)) for i in range(3))
@@ -77,7 +79,7 @@ def test_corrupt_truncated_and_foreign_files_are_misses_logged_once(tmp_path, ca
     for i in range(6):
         disk.put(key(i), page(i))
     disk.flush()
-    path = lambda i: tmp_path / key(i).hex()  # noqa: E731
+    path = lambda i: disk.directory / key(i).hex()  # noqa: E731
     data = bytearray(path(0).read_bytes())
     data[200] ^= 1
     path(0).write_bytes(bytes(data))  # a flipped bit: checksum
@@ -86,7 +88,11 @@ def test_corrupt_truncated_and_foreign_files_are_misses_logged_once(tmp_path, ca
     other = PageLayout((("k", (2, 8, 1, 16), np.dtype(np.float32)), ("v", (2, 8, 1, 16), np.dtype(np.float32))))
     path(3).write_bytes(encode_page(key(3), FP, other, {n: np.zeros(s, d) for n, s, d in other.arrays}))  # another page size
     path(4).write_bytes(path(5).read_bytes())  # another key's page under this name
-    (tmp_path / key(6).hex()).write_bytes(b"not a page at all" * 10)  # (found by the restart below)
+    path(6).write_bytes(b"not a page at all" * 10)  # (found by the restart below)
+    header = b"[]"  # a well-formed file whose header is not an object
+    body = b"JXKVPAGE" + (1).to_bytes(4, "little") + len(header).to_bytes(4, "little") + header + bytes(LAYOUT.nbytes)
+    (disk.directory / key(8).hex()).write_bytes(body + hashlib.sha256(body).digest())  # (found by the restart too)
+    (disk.directory / f".{key(7).hex()}.123.tmp").write_bytes(b"half written")  # (a crashed writer's: the restart deletes it)
     with caplog.at_level(logging.DEBUG, logger="jaxinfer"):
         assert all(disk.get(key(i)) is None for i in range(5))
         assert same(disk.get(key(5)), page(5))
@@ -94,8 +100,12 @@ def test_corrupt_truncated_and_foreign_files_are_misses_logged_once(tmp_path, ca
     assert sorted(warnings) == ["corrupt", "foreign", "truncated"]  # each kind warned once, then at debug level
     assert disk.bad_files == 5 and all(key(i) not in disk for i in range(5))  # dropped: never read again
     restarted = DiskTier(tmp_path, LAYOUT, FP)
-    assert restarted.get(key(6)) is None and restarted.get(key(0)) is None
+    assert restarted.get(key(6)) is None and restarted.get(key(0)) is None and restarted.get(key(8)) is None
+    assert not any(name.endswith(".tmp") for name in os.listdir(disk.directory))
     restarted.close()
+    other_model = DiskTier(tmp_path, LAYOUT, "ef" * 32)  # another model sharing the directory sees none of these
+    assert len(other_model) == 0 and other_model.get(key(5)) is None
+    other_model.close()
     disk.put(key(0), page(0))  # a later write of the key replaces the bad file
     disk.close()
     again = DiskTier(tmp_path, LAYOUT, FP)
@@ -120,7 +130,7 @@ def test_disk_tier_bound_deletes_least_recently_used_files(tmp_path):
     assert disk.get(key(0)) is not None  # 0 becomes the most recently used
     disk.put(key(2), page(2))
     disk.close()
-    assert sorted(os.listdir(tmp_path)) == sorted([key(0).hex(), key(2).hex()]) and disk.deletions == 1
+    assert sorted(os.listdir(disk.directory)) == sorted([key(0).hex(), key(2).hex()]) and disk.deletions == 1
 
 
 # ---------------------------------------------------------------------- block manager with lower tiers
@@ -270,7 +280,8 @@ def test_pages_evicted_from_a_small_host_tier_hit_the_disk_tier_with_identical_o
     stats, directory = disk_run
     assert stats.prefix_cache_disk_hits > 0
     # every full page of the last turn's prompts is on disk: written through when evicted, or by close()
-    assert len(os.listdir(directory)) >= sum((len(p) - 1) // 4 for p in conversations[-1][0])
+    (model_files,) = [d for d in directory.iterdir() if d.is_dir()]  # (the model's own subdirectory)
+    assert len(os.listdir(model_files)) >= sum((len(p) - 1) // 4 for p in conversations[-1][0])
 
 
 def test_a_new_process_hits_the_disk_tier_with_identical_outputs(model_dir, conversations, disk_run):

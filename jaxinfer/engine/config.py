@@ -176,7 +176,8 @@ class EngineConfig:
             value = getattr(self, field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0
                                       or value == float("inf")):
-                raise ValueError(f"{field}={value!r}: expected a size in GiB (a number >= 0; None or 0: off)")
+                raise ValueError(f"{field}={value!r}: expected a size in GiB (a number >= 0; None or 0: off for "
+                                 f"kv_offloading_size, unbounded for kv_offloading_disk_size)")
         if not self.kv_offloading_size:
             object.__setattr__(self, "kv_offloading_size", None)
         if self.kv_offloading_disk_size == 0:

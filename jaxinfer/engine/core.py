@@ -280,15 +280,15 @@ class EngineCore:
         if disk is None:
             return 0
         saved = 0
+        # reads of what the writer's bounded queue takes at once, each flushed before the next
+        most = max(1, min(self.runner.buckets.pages_per_seq, disk.max_pending_bytes // disk.layout.nbytes))
         with self._lock:
             for r, replica in enumerate(self.replicas):
                 missing = [(page, key) for page, key in replica.block_manager.cached_pages() if key not in disk]
-                most = self.runner.buckets.pages_per_seq
                 for chunk in (missing[i : i + most] for i in range(0, len(missing), most)):
                     for (_, key), content in zip(chunk, self.runner.read_pages_to_host(r, [page for page, _ in chunk])):
-                        disk.put(key, content)
-                    disk.flush()  # (the writer's queue is bounded)
-                    saved += len(chunk)
+                        saved += disk.put(key, content)
+                    disk.flush()
         return saved
 
     def _offload_evicted(self, replica: int) -> None:

@@ -10,8 +10,9 @@ LoRA salt):
 
   * device: the block manager's prefix cache (evictable pages in the KV pool);
   * host:   `HostTier`, an LRU of page contents bounded by bytes (kv_offloading_size GiB);
-  * disk:   `DiskTier`, one file per page under kv_offloading_dir, bounded by bytes
-            (kv_offloading_disk_size GiB; None: unbounded), least recently used deleted first.
+  * disk:   `DiskTier`, one file per page under kv_offloading_dir/<the fingerprint's first 16 hex
+            digits>/, bounded by bytes (kv_offloading_disk_size GiB; None: unbounded), least
+            recently used deleted first.
 
 Flow. When the block manager evicts a cached page to reuse it, it reports (page, key); before
 anything of that step writes the page, the engine core reads it to host memory
@@ -26,8 +27,7 @@ chain, so page i + 1 is only looked up when page i was found somewhere.
 Page content: a dict, array name (the `KVCache` page field: k, v, k_scale, v_scale, kv, kv_scale)
 -> that page's array [slots, page_size, ...] of every layer (`PageLayout` lists them). Host
 entries are jax arrays in `pinned_host` memory where the device offers it (the eviction read then
-costs the host nothing), numpy otherwise; an entry is turned into numpy the first time it is
-fetched (the write back takes numpy).
+costs the host nothing, and the write back is an asynchronous copy), numpy otherwise.
 
 Disk file format (version 1; one file per page, named by the hex of its chain key; the host's
 byte order, which must be little-endian):
@@ -47,8 +47,9 @@ half-written one. A file that is short, corrupt (checksum), of another format ve
 another model or page geometry (fingerprint, arrays), or named for another key is a miss: logged
 (a warning the first time for each kind of problem), dropped from the index and never read
 again by this process (a later write of the same key replaces it); never an error, never data
-used. Several models may share a directory (their files are misses to each other, and count
-toward each other's size limit).
+used. Several models may share a directory: each model and page geometry keeps its files in a
+subdirectory of its own (its fingerprint's first 16 hex digits), with its own size bound. A
+temporary file a crashed writer left is deleted when the directory is next read.
 
 Not supported (refused by name in EngineConfig / build_engine): hybrid models' recurrent states,
 sliding-window or chunked layer groups (the tiers hold one full-attention page per key), the disk
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -72,6 +74,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Mapping
 
+import jax
 import numpy as np
 
 logger = logging.getLogger("jaxinfer")
@@ -188,20 +191,19 @@ class HostTier:
             self.evictions += 1
 
     def get(self, key: bytes) -> PageContent | None:
-        """The page's content as numpy (the entry keeps that form), most recently used; None when
-        absent, or when the read that made it failed (a step that failed on the device)."""
+        """The page's content, most recently used (arrays in pinned host memory stay there: their
+        copy back to the devices is asynchronous); None when absent, or when the read that made it
+        failed (a step that failed on the device)."""
         entry = self._entries.get(key)
         if entry is None:
             return None
-        content, size = entry
+        content, _ = entry
         try:
-            content = as_numpy(content)
+            jax.block_until_ready([a for a in content.values() if isinstance(a, jax.Array)])  # (a failed read raises)
         except Exception as error:  # noqa: BLE001 - a read from a failed step: a miss
             self._warn("failed read", "KV host tier: a page read from the device failed (%s); dropped", error)
             self._drop(key)
             return None
-        self._entries[key] = (content, content_bytes(content))
-        self.num_bytes += self._entries[key][1] - size
         self.touch(key)
         return content
 
@@ -251,6 +253,8 @@ def decode_page(data: bytes, key: bytes, fingerprint_hex: str, layout: PageLayou
         header = json.loads(data[_FIXED.size : _FIXED.size + header_len])
     except (ValueError, UnicodeDecodeError) as error:
         raise PageFileError("corrupt", f"unreadable header: {error}") from None
+    if not isinstance(header, dict):
+        raise PageFileError("corrupt", f"the header is a JSON {type(header).__name__}, not an object")
     if header.get("fingerprint") != fingerprint_hex:
         raise PageFileError("foreign", "written for another model or page geometry (fingerprint)")
     if header.get("arrays") != layout.describe():
@@ -288,7 +292,9 @@ class DiskTier:
             raise ValueError("kv_offloading_dir: the page file format is little-endian; this host is not")
         if capacity_bytes is not None and capacity_bytes < 1:
             raise ValueError(f"the disk tier needs a positive size (or None: unbounded), got {capacity_bytes} bytes")
-        self.directory = Path(directory)
+        # one subdirectory per model and page geometry: models sharing `directory` never see (nor
+        # evict, nor overwrite) each other's pages, whose chain keys depend on the tokens alone
+        self.directory = Path(directory) / fingerprint_hex[:16]
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -319,6 +325,12 @@ class DiskTier:
         found = []
         with os.scandir(self.directory) as entries:
             for entry in entries:
+                if entry.name.startswith(".") and entry.name.endswith(".tmp") and entry.is_file():
+                    try:  # a write a crashed process left half done
+                        os.remove(entry.path)
+                    except OSError:
+                        pass
+                    continue
                 key = _key_of_file_name(entry.name)
                 if key is None or not entry.is_file():
                     continue
@@ -355,7 +367,7 @@ class DiskTier:
         try:
             data = path.read_bytes()
             content = decode_page(data, key, self.fingerprint, self.layout)
-        except (OSError, PageFileError) as error:
+        except Exception as error:  # noqa: BLE001 - whatever a file holds, it is a miss, never a failed step
             kind = error.kind if isinstance(error, PageFileError) else "unreadable"
             self._warn(kind, "KV disk tier: %s is a miss (%s: %s)", path, kind, error)
             with self._lock:
@@ -373,18 +385,20 @@ class DiskTier:
         return content
 
     # ------------------------------------------------------------------ writing (background)
-    def put(self, key: bytes, content: PageContent) -> None:
-        """Queues a page for writing unless it is on disk or queued already."""
+    def put(self, key: bytes, content: PageContent) -> bool:
+        """Queues a page for writing unless it is on disk or queued already; False when the queue
+        is full (or the tier closed): the page is not written."""
         size = self.layout.nbytes
         with self._lock:
             if key in self._index or key in self._pending:
-                return
+                return True
             if self._closed or self._pending_bytes + size > self.max_pending_bytes:
                 self.dropped_writes += 1
-                return
+                return False
             self._pending[key] = content
             self._pending_bytes += size
         self._queue.put(key)
+        return True
 
     def _run(self) -> None:
         while True:
@@ -411,9 +425,14 @@ class DiskTier:
             data = encode_page(key, self.fingerprint, self.layout, content)
             path = self._path(key)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                raise
             with self._lock:
                 self.num_bytes += len(data) - self._index.pop(key, 0)
                 self._index[key] = len(data)

@@ -192,14 +192,14 @@ class AsyncEngine:
             request = await asyncio.shield(making)
         except ValueError as e:
             raise ApiError(str(e)) from None
+        except asyncio.CancelledError:
+            making.add_done_callback(lambda f: f.cancelled() or f.exception() or self.engine.discard(f.result()))
+            raise
         try:
             prepare_handoff(request, export_kv, kv_handoff)
         except ValueError as e:
             self.engine.discard(request)
             raise ApiError(f"kv_transfer_params: {e}", param="kv_transfer_params") from None
-        except asyncio.CancelledError:
-            making.add_done_callback(lambda f: f.cancelled() or f.exception() or self.engine.discard(f.result()))
-            raise
         with self._lock:
             taken = request_id in self._streams
             if not taken:

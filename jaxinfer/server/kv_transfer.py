@@ -21,7 +21,7 @@ Both sides count pages, bytes and seconds (the `kv_transfer` Prometheus metrics)
 from __future__ import annotations
 
 import datetime
-import random
+import secrets
 import threading
 import time
 
@@ -50,7 +50,6 @@ class KVTransfer:
         self.server = transfer.start_transfer_server(self.device.client, f"{host}:{port}", [f"{host}:0"])
         self.address = self.server.address()
         self.geometry = page_geometry(runner, model_type)
-        self._next_uuid = random.getrandbits(48) << 8  # ids unique to this server's life
         self._connections: dict[str, object] = {}
         self._lock = threading.Lock()
         self.pages = self.bytes = self.transfers = 0  # totals: offered (prefill) or pulled (decode)
@@ -62,9 +61,7 @@ class KVTransfer:
     def offer(self, handoff: KVHandoff, prompt_token_ids: list[int]) -> dict:
         """Makes a handoff's pages pullable once (for timeout_s) and returns the kv_transfer_params
         a decode instance needs to fetch them."""
-        with self._lock:
-            self._next_uuid += 1
-            uuid = self._next_uuid
+        uuid = secrets.randbits(63)  # (not guessable: the transfer server has no other access control)
         if handoff.pages is not None:
             arrays = jax.tree.leaves(jax.device_put(handoff.pages, self.device))
             self.server.await_pull(uuid, arrays, timeout=_deadline(self.timeout_s))
@@ -88,6 +85,10 @@ class KVTransfer:
             raise ValueError(f"kv_transfer_params: the prefill instance's pages {params.get('geometry')} differ from this "
                              f"instance's {self.geometry} (the same model, page size and KV cache dtype are needed)")
         prompt_token_ids = params.get("prompt_token_ids")
+        if not (isinstance(num_tokens, int) and isinstance(num_pages, int) and 0 <= num_tokens
+                and num_pages == -(-num_tokens // self.runner.page_size) <= self.runner.buckets.pages_per_seq):
+            raise ValueError(f"kv_transfer_params: {num_pages} pages for {num_tokens} tokens do not fit this instance "
+                             f"(pages of {self.runner.page_size} tokens, at most {self.runner.buckets.pages_per_seq})")
         if not num_pages:  # (a one-token prompt: nothing to move)
             with self._lock:
                 self.transfers += 1
@@ -96,7 +97,13 @@ class KVTransfer:
         start = time.perf_counter()
         try:
             leaves = self._connection(address).pull(uuid, jax.tree.leaves(specs), timeout=_deadline(self.timeout_s))
-            jax.block_until_ready(leaves)
+            # (the pull returns at once; an offer that is gone never completes: wait with a deadline)
+            while not all(leaf.is_ready() for leaf in leaves):
+                if time.perf_counter() - start > self.timeout_s:
+                    raise TimeoutError(f"no pages within {self.timeout_s} s (the offer expired, was pulled already, "
+                                       f"or the prefill instance is gone)")
+                time.sleep(0.002)
+            jax.block_until_ready(leaves)  # (raises a transfer's error)
         except Exception as e:  # noqa: BLE001 - the transport's errors are runtime errors of many kinds
             with self._lock:
                 self._connections.pop(address, None)  # (a restarted peer needs a new connection)

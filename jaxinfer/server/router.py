@@ -95,7 +95,9 @@ class Router:
 
     async def run_prefill(self, path: str, body: dict) -> dict | Response:
         """The prefill answer's kv_transfer_params (or the instance's 4xx answer for the client)."""
-        prefill_body = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
+        # (one token, no stream: fields about the output's length, echo or logprobs would not fit it)
+        dropped = ("stream_options", "max_completion_tokens", "min_tokens", "echo", "logprobs", "top_logprobs")
+        prefill_body = {k: v for k, v in body.items() if k not in dropped}
         prefill_body.update(stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         failures = []
         for inst in self._by_load(self.prefill):
@@ -118,7 +120,10 @@ class Router:
                 failures.append(f"{inst.url}: HTTP {r.status_code} {r.text[:200]}")
                 self.prefill_failures.inc()
                 continue
-            params = r.json().get("kv_transfer_params")
+            try:
+                params = r.json().get("kv_transfer_params")
+            except (ValueError, AttributeError):
+                params = None
             if params is None:
                 raise RouterError(f"{inst.url} answered without kv_transfer_params: is it a prefill instance?")
             return params
@@ -129,17 +134,20 @@ class Router:
         """The decode instance's answer, streamed through as it comes."""
         inst = self._by_load(self.decode)[0]
         inst.in_flight += 1
+        sent = False
         try:
             request = self.client.build_request("POST", f"{inst.url}{path}", json={**body, "kv_transfer_params": params})
             upstream = await self.client.send(request, stream=True)
+            sent = True
         except httpx.TimeoutException:
-            inst.in_flight -= 1
             self.decode_failures.inc()
             raise RouterError(f"decode instance {inst.url}: no answer within {self.timeout} s", 504) from None
         except httpx.HTTPError as e:
-            inst.in_flight -= 1
             self.decode_failures.inc()
             raise RouterError(f"decode instance {inst.url}: {type(e).__name__}: {e}") from None
+        finally:
+            if not sent:  # (cancelled too: the client left)
+                inst.in_flight -= 1
 
         async def done():
             inst.in_flight -= 1
