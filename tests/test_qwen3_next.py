@@ -65,6 +65,34 @@ def test_swap_preemption_saves_and_restores_the_recurrent_states(hybrid):
         replica.block_manager.check_invariants()
 
 
+def test_swapped_sequences_resume_past_their_saved_state_positions(tmp_path):
+    """Swap preemption with the prefix cache's saved states: a readmitted sequence restores more
+    tokens than its prefix hit, past positions its state is saved at; its next chunk starts after
+    them (no empty or negative chunk), and the text equals a run that never preempts."""
+    from jaxinfer.engine import scheduler
+
+    save_hf_model("qwen3_5_text", tmp_path)
+    settings = dict(max_model_len=64, page_size=4, max_num_batched_tokens=8, max_num_seqs=4, progress=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(3, 250, n)] for n in rng.integers(3, 20, 5)]
+    want = [o.outputs[0].token_ids for o in LLM(str(tmp_path), num_pages=128, **settings).generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(str(tmp_path), num_pages=14, preemption_mode="swap", **settings)
+    sizes, schedule = [], scheduler.Scheduler.schedule
+
+    def recording(self):
+        plan = schedule(self)
+        sizes.extend(s.num_tokens for s in plan.scheduled)
+        return plan
+
+    scheduler.Scheduler.schedule = recording
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+    finally:
+        scheduler.Scheduler.schedule = schedule
+    assert llm.engine.get_stats().num_preemptions > 0 and min(sizes) >= 1
+
+
 def test_data_parallel_replicas_hold_their_own_state_slots_split_over_tensor_shards(hybrid):
     """Two replicas (each with its own slots), each over two tensor shards (a shard's key and value
     heads, and its part of every state)."""

@@ -446,10 +446,15 @@ class BlockManager:
         its first chunk), or 0: it starts from zeros."""
         return self.seqs[seq_id].restore_slot
 
-    def next_checkpoint(self, seq_id: Hashable) -> int | None:
-        """The next position the sequence saves its state at (a chunk must end there), if any."""
+    def next_checkpoint(self, seq_id: Hashable, after: int | None = None) -> int | None:
+        """The next position past `after` (default: what the sequence has computed; the scheduler
+        passes its own count, ahead of this one after a swap-in) the sequence saves its state at (a
+        chunk must end there), if any."""
         seq = self.seqs.get(seq_id)
-        return next((p for p in seq.checkpoints if p > seq.num_computed), None) if seq is not None else None
+        if seq is None:
+            return None
+        after = seq.num_computed if after is None else after
+        return next((p for p in seq.checkpoints if p > after), None)
 
     def save_state(self, seq_id: Hashable, position: int, token_ids: Sequence[int]) -> tuple[int, int] | None:
         """Once a step has computed the sequence up to `position`: if that is one of its checkpoints,
@@ -591,12 +596,12 @@ class BlockManager:
                 f"sequence {parent_id!r}: cannot fork with reserved but uncomputed slots "
                 f"({parent.num_computed} of {parent.num_tokens} computed)"
             )
+        if self.num_state_slots and not self._free_state_slots:  # (before any page is held: nothing to undo)
+            raise OutOfPagesError(f"sequence {child_id!r}: every recurrent-state slot is held")
         for g, row in enumerate(parent.pages):
             for page in row:
                 if page != SCRATCH_PAGE:
                     self._hold(page, g)
-        if self.num_state_slots and not self._free_state_slots:
-            raise OutOfPagesError(f"sequence {child_id!r}: every recurrent-state slot is held")
         self.seqs[child_id] = dataclasses.replace(parent, pages=[list(row) for row in parent.pages], hashes=list(parent.hashes),
                                                   first_held=list(parent.first_held), state_slot=self._take_state_slot(),
                                                   restore_slot=0, checkpoints=[])

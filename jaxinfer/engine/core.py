@@ -372,7 +372,10 @@ class EngineCore:
                 if replica.block_manager.num_prefix_states and s.seq.seq_id in replica.block_manager.seqs:
                     copy = replica.block_manager.save_state(s.seq.seq_id, s.start + s.num_tokens, s.seq.token_ids)
                     saves += [(r, copy)] if copy else []
-        self.runner.copy_states(saves)
+        # one copy per saved slot, the last: a save may have evicted a slot an earlier one of this
+        # step took (few saved states), and a scatter's duplicate indices have no defined winner
+        last = {(r, dst): (r, (src, dst)) for r, (src, dst) in saves}
+        self.runner.copy_states(list(last.values()))
 
     def _pack(self, plans: list[SchedulerOutput], advanced: dict[str, Request]):
         """The step's host arrays (ModelRunner.pack). If packing fails, each chunk is packed
@@ -451,7 +454,7 @@ class EngineCore:
         self.last_hidden = inflight.handle.out.hidden
         now = time.time()
         touched: dict[str, Request] = {}
-        commits = []  # a hybrid model's verified chunks: (replica, (state slot, tokens kept))
+        commits = []  # a hybrid model's verified chunks: (replica, (sequence, its state slot, tokens kept))
         for plan in inflight.plans:
             for s in plan.scheduled:
                 if s.seq.finished:  # finished or aborted after this step was dispatched
@@ -464,7 +467,11 @@ class EngineCore:
                 except Exception as error:  # noqa: BLE001 - reading this request's results failed: it alone fails
                     self._fail(s.seq.request, error, advanced)
                 touched[s.seq.request.request_id] = s.seq.request
-        self.runner.commit_drafts(commits)  # (before anything reads those slots: the next step is not out yet)
+        # (before anything reads those slots: the next step is not out yet). A sequence that finished
+        # since gave its slot back, maybe to a fork made in this loop: its commit is dropped
+        self.runner.commit_drafts([(r, (slot, kept)) for r, (seq, slot, kept) in commits
+                                   if not seq.finished and seq.seq_id in self.replicas[r].block_manager.seqs
+                                   and self.replicas[r].block_manager.state_slot(seq.seq_id) == slot])
         for request in touched.values():
             if request.finished:
                 request.metrics.finished_time = now
@@ -532,7 +539,7 @@ class EngineCore:
             bm.truncate(seq.seq_id, computed)
             seq.num_computed = computed
             if self.runner.state_slots_per_replica:  # a hybrid model's states advance by the tokens kept
-                commits.append((seq.request.replica, (bm.state_slot(seq.seq_id), 1 + accepted)))
+                commits.append((seq.request.replica, (seq, bm.state_slot(seq.seq_id), 1 + accepted)))
             emitted = draft[:accepted] + [rows[accepted].token]
             bm.mark_computed(seq.seq_id, computed, seq.token_ids + emitted)
         else:

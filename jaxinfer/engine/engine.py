@@ -117,7 +117,7 @@ class LLMEngine:
         request = self.input.make_request(request_id, prompt, params, priority=priority, arrival_time=arrival_time,
                                           lora_request=lora_request)
         try:
-            prepare_handoff(request, export_kv, kv_handoff)
+            prepare_handoff(request, export_kv, kv_handoff, recurrent_states=self.runner.kv.state is not None)
         except ValueError:
             self.discard(request)
             raise

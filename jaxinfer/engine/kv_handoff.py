@@ -66,7 +66,7 @@ def handoff_specs(runner, num_pages: int, device) -> KVCache:
                         pool)
 
 
-def prepare_handoff(request, export_kv: bool, handoff: KVHandoff | None) -> None:
+def prepare_handoff(request, export_kv: bool, handoff: KVHandoff | None, *, recurrent_states: bool = False) -> None:
     """A newly made request (before it is queued): with `export_kv` it hands its prompt's pages
     off when done; with `handoff` its sequence restores another instance's pages on admission, as
     a swapped-out one would. ValueError for what a handoff cannot do (several completions, prompt
@@ -74,6 +74,8 @@ def prepare_handoff(request, export_kv: bool, handoff: KVHandoff | None) -> None
     last token."""
     if not (export_kv or handoff is not None):
         return
+    if recurrent_states:
+        raise ValueError("a hybrid model's recurrent states are not handed off (prefill/decode disaggregation moves pages)")
     if request.params.n != 1 or request.params.prompt_logprobs is not None:
         raise ValueError("n > 1 and prompt_logprobs are not supported with prefill/decode disaggregation")
     request.export_kv = export_kv

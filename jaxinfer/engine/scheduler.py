@@ -241,7 +241,7 @@ class Scheduler:
         n = min(seq.num_uncomputed, budget)
         if seq.request.wants_prompt_logprobs:
             n = min(n, max(1, rows_left - self._forks(seq)))
-        checkpoint = self.block_manager.next_checkpoint(seq.seq_id)  # a hybrid model saves its state there
+        checkpoint = self.block_manager.next_checkpoint(seq.seq_id, seq.num_computed)  # a hybrid model saves its state there
         if checkpoint is not None:
             n = min(n, checkpoint - seq.num_computed)
         return n

@@ -196,7 +196,7 @@ class AsyncEngine:
             making.add_done_callback(lambda f: f.cancelled() or f.exception() or self.engine.discard(f.result()))
             raise
         try:
-            prepare_handoff(request, export_kv, kv_handoff)
+            prepare_handoff(request, export_kv, kv_handoff, recurrent_states=self.engine.runner.kv.state is not None)
         except ValueError as e:
             self.engine.discard(request)
             raise ApiError(f"kv_transfer_params: {e}", param="kv_transfer_params") from None
