@@ -3,10 +3,21 @@
 - `siglip`: Gemma 3's SigLIP vision tower and multimodal projector (`load_gemma3_vision`,
   `image_features`: pixel_values [N, 3, H, W] -> soft tokens [N, mm_tokens_per_image, E]);
 - `preprocess`: images (PIL, numpy, files, bytes, data: URIs) -> pixel_values through the folder's
-  Gemma3ImageProcessor (numpy / Pillow).
+  Gemma3ImageProcessor (numpy / Pillow);
+- `qwen_vl`: Qwen2.5-VL's vision transformer and patch merger (`load_qwen2_5_vl_vision`;
+  `qwen_vl.image_features`: pixel_values [sum t*h*w, C*T*P*P], image_grid_thw [N, 3] ->
+  [sum t*h*w / merge**2, out_hidden_size]) and its Qwen2VLImageProcessor preprocessing
+  (`preprocess_qwen_images`).
 """
 
 from jaxinfer.models.vision.preprocess import load_image, load_image_processor, preprocess_images
+from jaxinfer.models.vision.qwen_vl import (
+    Qwen2_5_VisionConfig,
+    Qwen2_5_VisionTransformer,
+    load_qwen2_5_vl_vision,
+    load_qwen_image_processor,
+    preprocess_qwen_images,
+)
 from jaxinfer.models.vision.siglip import (
     Gemma3MultiModalProjector,
     Gemma3VisionConfig,
@@ -21,11 +32,16 @@ __all__ = [
     "Gemma3MultiModalProjector",
     "Gemma3VisionConfig",
     "Gemma3VisionEncoder",
+    "Qwen2_5_VisionConfig",
+    "Qwen2_5_VisionTransformer",
     "SiglipVisionConfig",
     "SiglipVisionTower",
     "image_features",
     "load_gemma3_vision",
     "load_image",
     "load_image_processor",
+    "load_qwen2_5_vl_vision",
+    "load_qwen_image_processor",
     "preprocess_images",
+    "preprocess_qwen_images",
 ]
