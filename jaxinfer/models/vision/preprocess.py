@@ -33,16 +33,22 @@ ImageInput = Union[PIL.Image.Image, np.ndarray, str, os.PathLike, bytes]
 _DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, PIL.Image.DecompressionBombError)
 
 
-def load_image_processor(model_dir: str | os.PathLike) -> Gemma3ImageProcessorPil:
-    """The folder's saved image processor (preprocessor_config.json), as transformers' numpy /
-    Pillow Gemma3ImageProcessor. Never downloads: `model_dir` must be a local folder."""
+def load_processor(model_dir: str | os.PathLike, processor_class):
+    """The folder's saved image processor (preprocessor_config.json) as `processor_class` (one of
+    transformers' numpy / Pillow processors). Never downloads: `model_dir` must be a local folder."""
     path = Path(model_dir)
     if not path.is_dir():
         raise ValueError(f"{model_dir}: not a folder (the image processor is read from the model's folder)")
     try:
-        processor = Gemma3ImageProcessorPil.from_pretrained(str(path), local_files_only=True)
+        return processor_class.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:
         raise ValueError(f"{model_dir}: cannot read the image processor (preprocessor_config.json): {e}") from e
+
+
+def load_image_processor(model_dir: str | os.PathLike) -> Gemma3ImageProcessorPil:
+    """The folder's saved image processor (preprocessor_config.json), as transformers' numpy /
+    Pillow Gemma3ImageProcessor. Never downloads: `model_dir` must be a local folder."""
+    processor = load_processor(model_dir, Gemma3ImageProcessorPil)
     if processor.do_pan_and_scan:
         raise ValueError(f"{model_dir}: the image processor asks for pan-and-scan crops (do_pan_and_scan), "
                          "which are not supported yet")

@@ -43,7 +43,6 @@ import dataclasses
 import functools
 import os
 import re
-from pathlib import Path
 from typing import Sequence
 
 import jax
@@ -52,9 +51,9 @@ import numpy as np
 from flax import nnx
 from transformers import Qwen2VLImageProcessorPil
 
-from checkpoints_conv import CheckpointError, SafetensorsSource, read_hf_config
-from jaxinfer.models.vision.preprocess import ImageInput, describe, load_image
-from jaxinfer.tree import flat_to_nested
+from checkpoints_conv import read_hf_config
+from jaxinfer.models.vision import weights
+from jaxinfer.models.vision.preprocess import ImageInput, describe, load_image, load_processor
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -424,48 +423,17 @@ def to_param(param: str, array: np.ndarray, cfg: Qwen2_5_VisionConfig) -> np.nda
 
 def stored_names(names) -> dict[str, str]:
     """Canonical HF name (`visual.*`) -> the name a checkpoint stores it under."""
-    found: dict[str, str] = {}
-    for name in names:
-        m = _STORED.match(name)
-        if m is None:
-            continue
-        canonical = m.group(1)
-        if canonical in found:
-            raise CheckpointError(f"tensors {found[canonical]!r} and {name!r} are both {canonical!r}")
-        found[canonical] = name
-    return found
+    return weights.stored_names(names, _STORED, lambda m: m.group(1))
 
 
 def read_params(source, cfg: Qwen2_5_VisionConfig, param_dtype=jnp.float32, where: str = "checkpoint") -> dict[str, jax.Array]:
     """Flat parameter name -> array, from a checkpoints_conv tensor source (listing/read by HF name).
     Every missing tensor, unexpected tower tensor and wrong shape is reported at once, by name,
     before any data is read."""
-    listing = dict(source.listing())
-    stored = stored_names(listing)
-    wanted: dict[str, list[str]] = {}
-    for param, hf in HF_NAMES.items():
-        wanted[param] = [hf.format(i=i) for i in range(cfg.depth)] if "{i}" in hf else [hf]
-    expected = {name for names in wanted.values() for name in names}
-    problems = []
-    missing = sorted(n for n in expected if n not in stored)
-    if missing:
-        problems.append(f"missing tensors ({len(missing)}): {missing[:12]}{' ...' if len(missing) > 12 else ''}")
-    unexpected = sorted(stored[n] for n in stored if n not in expected)
-    if unexpected:
-        problems.append(f"tensors the Qwen2.5-VL vision tower does not know ({len(unexpected)}): {unexpected[:12]}")
-    for param, names in wanted.items():
-        shape = hf_shape(param, cfg)
-        for name in names:
-            if name in stored and tuple(listing[stored[name]]) != shape:
-                problems.append(f"tensor {stored[name]!r} has shape {list(listing[stored[name]])}, expected {list(shape)}")
-    if problems:
-        raise CheckpointError(f"{where}: Qwen2.5-VL vision tower: " + "; ".join(problems))
-    flat = {}
-    for param, names in wanted.items():
-        arrays = [to_param(param, np.asarray(source.read(stored[name])), cfg) for name in names]
-        array = np.stack(arrays) if param.startswith("blocks.") else arrays[0]
-        flat[param] = jnp.asarray(array.astype(np.float32) if array.dtype.kind != "f" else array, param_dtype)
-    return flat
+    return weights.read_tower_params(
+        source, stored_names(dict(source.listing())), HF_NAMES, depth=cfg.depth,
+        shape_of=lambda param: hf_shape(param, cfg), convert=lambda param, a: to_param(param, a, cfg),
+        stacked="blocks.", param_dtype=param_dtype, where=where, what="Qwen2.5-VL vision tower")
 
 
 def load_qwen2_5_vl_vision(model_dir: str | os.PathLike, *, param_dtype=jnp.float32) -> Qwen2_5_VisionTransformer:
@@ -473,14 +441,8 @@ def load_qwen2_5_vl_vision(model_dir: str | os.PathLike, *, param_dtype=jnp.floa
     weights cast to `param_dtype`. CheckpointError names a missing, unexpected or misshapen tensor;
     ValueError a config field the tower does not support."""
     cfg = Qwen2_5_VisionConfig.from_hf_dict(read_hf_config(model_dir))
-    source = SafetensorsSource(model_dir)
-    try:
-        flat = read_params(source, cfg, param_dtype, where=str(model_dir))
-    finally:
-        source.close()
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen2_5_VisionTransformer(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(0))))
-    nnx.replace_by_pure_dict(state, flat_to_nested(flat))
-    return nnx.merge(graphdef, state)
+    return weights.load_tower(model_dir, lambda: Qwen2_5_VisionTransformer(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(0)),
+                              lambda source: read_params(source, cfg, param_dtype, where=str(model_dir)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -491,13 +453,7 @@ def load_qwen2_5_vl_vision(model_dir: str | os.PathLike, *, param_dtype=jnp.floa
 def load_qwen_image_processor(model_dir: str | os.PathLike) -> Qwen2VLImageProcessorPil:
     """The folder's saved image processor (preprocessor_config.json), as transformers' numpy /
     Pillow Qwen2VLImageProcessor. Never downloads: `model_dir` must be a local folder."""
-    path = Path(model_dir)
-    if not path.is_dir():
-        raise ValueError(f"{model_dir}: not a folder (the image processor is read from the model's folder)")
-    try:
-        return Qwen2VLImageProcessorPil.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{model_dir}: cannot read the image processor (preprocessor_config.json): {e}") from e
+    return load_processor(model_dir, Qwen2VLImageProcessorPil)
 
 
 def preprocess_qwen_images(images: Sequence[ImageInput], processor: Qwen2VLImageProcessorPil) -> tuple[np.ndarray, np.ndarray]:

@@ -40,8 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from checkpoints_conv import CheckpointError, SafetensorsSource, read_hf_config
-from jaxinfer.tree import flat_to_nested
+from checkpoints_conv import read_hf_config
+from jaxinfer.models.vision import weights
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -384,49 +384,17 @@ def to_param(param: str, array: np.ndarray, cfg: Gemma3VisionConfig) -> np.ndarr
 def stored_names(names) -> dict[str, str]:
     """Canonical HF name (`vision_tower.*` without `vision_model.`, `multi_modal_projector.*`) ->
     the name a checkpoint stores it under, for the tensors of the tower and the projector."""
-    found: dict[str, str] = {}
-    for name in names:
-        m = _STORED.match(name)
-        if m is None:
-            continue
-        canonical = f"{m.group(1) or m.group(2)}.{m.group(3)}"
-        if canonical in found:
-            raise CheckpointError(f"tensors {found[canonical]!r} and {name!r} are both {canonical!r}")
-        found[canonical] = name
-    return found
+    return weights.stored_names(names, _STORED, lambda m: f"{m.group(1) or m.group(2)}.{m.group(3)}")
 
 
 def read_params(source, cfg: Gemma3VisionConfig, param_dtype=jnp.float32, where: str = "checkpoint") -> dict[str, jax.Array]:
     """Flat parameter name -> array, from a checkpoints_conv tensor source (listing/read by HF name).
     Every missing tensor, unexpected tower tensor and wrong shape is reported at once, by name,
     before any data is read."""
-    listing = dict(source.listing())
-    stored = stored_names(listing)
-    L = cfg.vision.num_hidden_layers
-    wanted: dict[str, list[str]] = {}  # param -> its canonical HF names (a layer each, for stacked ones)
-    for param, hf in HF_NAMES.items():
-        wanted[param] = [hf.format(i=i) for i in range(L)] if "{i}" in hf else [hf]
-    expected = {name for names in wanted.values() for name in names}
-    problems = []
-    missing = sorted(n for n in expected if n not in stored)
-    if missing:
-        problems.append(f"missing tensors ({len(missing)}): {missing[:12]}{' ...' if len(missing) > 12 else ''}")
-    unexpected = sorted(stored[n] for n in stored if n not in expected and not n.startswith(UNUSED_PREFIXES))
-    if unexpected:
-        problems.append(f"tensors the Gemma 3 vision encoder does not know ({len(unexpected)}): {unexpected[:12]}")
-    for param, names in wanted.items():
-        shape = hf_shape(param, cfg)
-        for name in names:
-            if name in stored and tuple(listing[stored[name]]) != shape:
-                problems.append(f"tensor {stored[name]!r} has shape {list(listing[stored[name]])}, expected {list(shape)}")
-    if problems:
-        raise CheckpointError(f"{where}: Gemma 3 vision tower: " + "; ".join(problems))
-    flat = {}
-    for param, names in wanted.items():
-        arrays = [to_param(param, np.asarray(source.read(stored[name])), cfg) for name in names]
-        array = np.stack(arrays) if param.startswith("tower.layers.") else arrays[0]
-        flat[param] = jnp.asarray(array.astype(np.float32) if array.dtype.kind != "f" else array, param_dtype)
-    return flat
+    return weights.read_tower_params(
+        source, stored_names(dict(source.listing())), HF_NAMES, depth=cfg.vision.num_hidden_layers,
+        shape_of=lambda param: hf_shape(param, cfg), convert=lambda param, a: to_param(param, a, cfg),
+        stacked="tower.layers.", param_dtype=param_dtype, where=where, what="Gemma 3 vision tower", ignored=UNUSED_PREFIXES)
 
 
 def load_gemma3_vision(model_dir: str | os.PathLike, *, param_dtype=jnp.float32) -> Gemma3VisionEncoder:
@@ -434,11 +402,5 @@ def load_gemma3_vision(model_dir: str | os.PathLike, *, param_dtype=jnp.float32)
     weights cast to `param_dtype`. CheckpointError names a missing, unexpected or misshapen tensor;
     ValueError a config field the encoder does not support."""
     cfg = Gemma3VisionConfig.from_hf_dict(read_hf_config(model_dir))
-    source = SafetensorsSource(model_dir)
-    try:
-        flat = read_params(source, cfg, param_dtype, where=str(model_dir))
-    finally:
-        source.close()
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Gemma3VisionEncoder(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(0))))
-    nnx.replace_by_pure_dict(state, flat_to_nested(flat))
-    return nnx.merge(graphdef, state)
+    return weights.load_tower(model_dir, lambda: Gemma3VisionEncoder(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(0)),
+                              lambda source: read_params(source, cfg, param_dtype, where=str(model_dir)))
