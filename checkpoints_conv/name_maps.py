@@ -276,6 +276,11 @@ GEMMA3_MULTIMODAL_NAMES = ArchNames(
     ignored_prefixes=("model.vision_tower.", "model.multi_modal_projector."),
 )
 
+# Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration): a Qwen2 text decoder under Llama's names (transformers
+# 5 saves it so; model.language_model.* read so through checkpoints_conv.views); the vision tower
+# (visual.* or model.visual.*, jaxinfer.models.vision.qwen_vl) is skipped.
+QWEN2_5_VL_NAMES = replace(LLAMA_NAMES, ignored_prefixes=("visual.", "model.visual."))
+
 # OLMo 2 / 3: norms after each branch only; q/k norms over the whole projection.
 OLMO_NAMES = ArchNames(
     globals=LLAMA_NAMES.globals,
@@ -396,6 +401,7 @@ HF_NAME_MAPS: dict[str, ArchNames] = {
     "gemma2": GEMMA_NAMES,
     "gemma3_text": GEMMA_NAMES,
     "gemma3": GEMMA3_MULTIMODAL_NAMES,
+    "qwen2_5_vl": QWEN2_5_VL_NAMES,
     "gemma4_text": GEMMA4_NAMES,
     "gemma4": GEMMA4_NAMES,
     "olmo2": OLMO_NAMES,

@@ -11,6 +11,7 @@ Supported families and what distinguishes them:
 | llama      | attention_bias | attention_bias | no | Llama 2 / 3 / 3.1 / 3.2, SmolLM2       |
 | mistral    | no        | no     | no          | sliding_window                          |
 | qwen2      | yes       | no     | no          | Qwen2 / 2.5; optional sliding window    |
+| qwen2_5_vl | yes       | no     | no          | Qwen2.5-VL's text decoder: Qwen2 with M-RoPE (mrope_section) |
 | qwen3      | attention_bias | attention_bias | yes | explicit head_dim                  |
 | mixtral    | no        | no     | no          | MoE: num_local_experts, top-k renormalised |
 | qwen2_moe  | qkv_bias (yes) | no | no          | MoE + a shared expert behind a sigmoid gate |
@@ -20,6 +21,10 @@ Mixture-of-experts models replace every layer's MLP by `num_experts` SwiGLU expe
 `moe_intermediate_size`; a router picks `num_experts_per_tok` of them per token (softmax over all
 experts, top-k, renormalised over the k when `norm_topk_prob`). Configs that mix dense and
 sparse layers (`decoder_sparse_step` > 1, `mlp_only_layers`) are refused.
+
+Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`) runs its text decoder here: `text_config`
+(transformers 5) or the top-level fields (the released configs), the rope's `mrope_section` kept as
+`ModelConfig.mrope_section` (jaxinfer.models.mrope); its vision tower is jaxinfer.models.vision.qwen_vl.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from typing import Any
 
 from checkpoints_conv.views import gemma4_layer_plan
 
-LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "qwen2_5_vl")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "minimax_m2", "glm4_moe", "llama4_text", "llama4",
                    "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
 # multi-head latent attention (jaxinfer.models.deepseek); the last two with DeepSeek sparse attention
@@ -55,6 +60,7 @@ _ARCHITECTURE_TO_MODEL_TYPE = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
@@ -172,6 +178,9 @@ class ModelConfig:
     local_rope_theta: float | None = None  # sliding layers' own RoPE base (Gemma 3); None: the global one
     local_rope_scaling: RopeScaling = RopeScaling()  # sliding layers' own scaling when local_rope_theta is set
     rotary_dim: int = 0  # RoPE turns the first rotary_dim dims of a head (partial_rotary_factor); 0 = all
+    # M-RoPE (Qwen2.5-VL): the rotary frequencies in sections (temporal, height, width) of these sizes,
+    # summing to rope_dim // 2, each turned by its own position (jaxinfer.models.mrope); None: plain RoPE
+    mrope_section: tuple[int, ...] | None = None
     attention_scale: float | None = None  # the score scale (Gemma: query_pre_attn_scalar ** -0.5); None: D ** -0.5
     attn_logit_softcap: float | None = None  # scores become cap * tanh(s / cap) (Gemma 2)
     final_logit_softcap: float | None = None  # logits likewise
@@ -328,8 +337,9 @@ class ModelConfig:
                     f"architectures={archs!r}; jaxinfer supports model_type in {SUPPORTED_MODEL_TYPES}"
                 )
 
-        if model_type in ("gemma3", "llama4", "gemma4", "qwen3_5", "qwen3_5_moe") and isinstance(d.get("text_config"), dict):
-            # Gemma 3's and Llama 4's multimodal folders: the text decoder's config nests in text_config
+        if (model_type in ("gemma3", "llama4", "gemma4", "qwen3_5", "qwen3_5_moe", "qwen2_5_vl")
+                and isinstance(d.get("text_config"), dict)):
+            # Gemma 3's, Llama 4's, Qwen2.5-VL's multimodal folders: the text decoder's config nests in text_config
             # (the vision tower is not run here; the checkpoint's vision tensors are skipped)
             top = {k: d[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in d}
             d = {**d["text_config"], **top, "model_type": model_type}
@@ -361,9 +371,12 @@ class ModelConfig:
             d = {"partial_rotary_factor": 0.5, **d}
         num_layers = int(need("num_hidden_layers"))
 
+        mrope_section = None
+        if model_type == "qwen2_5_vl":  # M-RoPE: its sections beside an otherwise default rope ("mrope" in older configs)
+            d, mrope_section = _pop_mrope_section(d)
         rope_theta, rope_scaling, rotary_factor, local_rope = _parse_rope(d, source)
         attention_bias = bool(d.get("attention_bias", False))
-        qkv_bias = {"qwen2": True, "mistral": False, "mixtral": False, "qwen2_moe": bool(d.get("qkv_bias", True)),
+        qkv_bias = {"qwen2": True, "qwen2_5_vl": True, "mistral": False, "mixtral": False, "qwen2_moe": bool(d.get("qkv_bias", True)),
                     "phi3": False, **{t: False for t in GEMMA_MODEL_TYPES}}.get(model_type, attention_bias)
         o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", "olmo2", "olmo3", "gpt_oss", "llama4_text",
                                                   "llama4") else False
@@ -385,14 +398,14 @@ class ModelConfig:
                 raise ConfigError(f"{source}: layer_types has chunked_attention layers but attention_chunk_size={chunk_size!r}")
             if "sliding_attention" in layer_types and not sliding_window:
                 raise ConfigError(f"{source}: layer_types has sliding_attention layers but sliding_window={sliding_window!r}")
-            if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral") and len(set(layer_types)) > 1:
+            if model_type in ("qwen2", "qwen2_5_vl", "qwen3", "qwen2_moe", "qwen3_moe", "mistral") and len(set(layer_types)) > 1:
                 raise ConfigError(f"{source}: layer_types mixes {sorted(set(layer_types))}; a {model_type} model with "
                                   "per-layer attention kinds is not supported")
             if set(layer_types) == {"full_attention"}:
                 sliding_window, layer_types = None, ()
             elif set(layer_types) == {"sliding_attention"}:
                 layer_types = ()
-        elif model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3") and not d.get("use_sliding_window", False):
+        elif model_type in ("qwen2", "qwen2_5_vl", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3") and not d.get("use_sliding_window", False):
             sliding_window = None
 
         if local_rope is not None and not has_sliding_layers:
@@ -426,6 +439,7 @@ class ModelConfig:
             local_rope_theta=local_rope[0] if local_rope else None,
             local_rope_scaling=local_rope[1] if local_rope else RopeScaling(),
             rotary_dim=int(head_dim * rotary_factor) if rotary_factor != 1.0 else 0,
+            mrope_section=mrope_section,
             hidden_act=hidden_act,
             **moe,
             **family,
@@ -439,6 +453,9 @@ class ModelConfig:
             config = dataclasses.replace(config, **{name: _from_json(name, v) for name, v in d[JAXINFER_FIELDS].items()})
         if config.rotary_dim % 2:
             raise ConfigError(f"{source}: partial_rotary_factor={rotary_factor} turns an odd number of dims ({config.rotary_dim})")
+        if config.mrope_section is not None and sum(config.mrope_section) != config.rope_dim // 2:
+            raise ConfigError(f"{source}: mrope_section={list(config.mrope_section)} must sum to half the rotary dims "
+                              f"({config.rope_dim // 2})")
         for name, rs in (("rope", config.rope_scaling), ("local rope", config.local_rope_scaling)):
             for factors in (rs.short_factor, rs.long_factor, rs.freq_factors):
                 if factors and len(factors) != config.rope_dim // 2:
@@ -461,6 +478,8 @@ class ModelConfig:
         rope = {"rope_type": rs.rope_type, "rope_theta": self.rope_theta}
         if rs.rope_type != "default":
             rope.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(rs).items()})
+        if self.mrope_section is not None:
+            rope["mrope_section"] = list(self.mrope_section)
         d = {
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
@@ -474,7 +493,7 @@ class ModelConfig:
             "rope_parameters": rope,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.o_bias or (self.qkv_bias and self.model_type != "qwen2"),
+            "attention_bias": self.o_bias or (self.qkv_bias and self.model_type not in ("qwen2", "qwen2_5_vl")),
             "mlp_bias": self.mlp_bias,
             "hidden_act": "silu",
             "bos_token_id": self.bos_token_id,
@@ -848,6 +867,23 @@ def _parse_activation(d: dict[str, Any], model_type: str, source: str) -> str:
 
 def _optional_float(x) -> float | None:
     return None if x is None else float(x)
+
+
+def _pop_mrope_section(d: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
+    """(d without M-RoPE's marks, mrope_section) from `rope_parameters` (transformers 5) or
+    `rope_scaling` (the released configs: {"type": "mrope", "mrope_section": [16, 24, 24]}); a
+    Qwen2.5-VL config without one has transformers' default, [16, 24, 24]."""
+    section, d = None, dict(d)
+    for key in ("rope_scaling", "rope_parameters"):  # (the latter wins, as in _parse_rope)
+        spec = d.get(key)
+        if isinstance(spec, dict) and ("mrope_section" in spec or "mrope" in (spec.get("rope_type"), spec.get("type"))):
+            spec = dict(spec)
+            section = spec.pop("mrope_section", section)
+            for name in ("rope_type", "type"):
+                if spec.get(name) == "mrope":  # M-RoPE over otherwise default frequencies
+                    spec[name] = "default"
+            d[key] = spec
+    return d, tuple(int(x) for x in (section or (16, 24, 24)))  # (transformers' default)
 
 
 def _parse_rope(d: dict[str, Any], source: str):

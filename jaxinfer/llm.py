@@ -13,6 +13,7 @@ from jaxinfer.beam_search import BeamSearchParams, beam_search
 from jaxinfer.engine.build import build_draft_runner, build_engine, make_proposer
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.model_runner import ModelRunner
+from jaxinfer.engine.multimodal import split_images
 from jaxinfer.engine.spec_decode import SpeculativeConfig
 from jaxinfer.generation_defaults import generation_defaults
 from jaxinfer.lora_request import LoRARequest
@@ -300,9 +301,11 @@ class LLM:
         loras = loras or [None] * len(prompts)
         tokenized = []
         for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
-            text, ids = self.engine.tokenize(prompt, f"prompt {i}")
+            text, ids, images = self.engine.process(prompt, f"prompt {i}")  # (images: decoded and preprocessed once)
             self.engine.validate(ids, p, f"prompt {i}", lora)
-            tokenized.append({"prompt": text, "prompt_token_ids": ids})
+            if images is not None:
+                self.engine.input.validate_images(images, f"prompt {i}")
+            tokenized.append({"prompt": text, "prompt_token_ids": ids, "mm_inputs": images})
         return [self.engine.add_request(None, t, p, lora_request=lora).request_id for t, p, lora in zip(tokenized, params, loras)]
 
     @staticmethod
@@ -324,7 +327,10 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation (a list of {"role", "content"}
-        dicts) or a list of conversations, and generates the assistant's replies."""
+        dicts) or a list of conversations, and generates the assistant's replies. A vision
+        model's messages may hold OpenAI image parts in their content lists
+        ({"type": "image_url", "image_url": {"url": "data:..." or a file path}}, or {"type":
+        "image", "image": a PIL image / array / path / bytes})."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt(conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
                    for conv in conversations]
@@ -335,8 +341,11 @@ class LLM:
         """One conversation rendered by the chat template, as a prompt `generate` and `stream` take:
         {"prompt": text, "prompt_token_ids": ids}. `tools`: OpenAI-style function definitions the
         template shows the model."""
+        messages, images = split_images(messages)
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
             **({"tools": tools} if tools else {}),
         )
+        if images:  # tokenized once its image placeholders are expanded (engine.multimodal)
+            return {"prompt": text, "multi_modal_data": {"image": images}, "add_special_tokens": False}
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}

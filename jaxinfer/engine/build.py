@@ -47,6 +47,7 @@ from jaxinfer.runtime.loading import abstract_model, load_params, read_config, r
 from jaxinfer.runtime.placement import kv_partition_spec, linear_state_spec, param_partition_specs, put_global
 from jaxinfer.runtime.step import StepFunction
 from jaxinfer.startup import PhaseClock
+from jaxinfer.engine.multimodal import MAX_IMAGES_PER_PROMPT, ImageEncoder, PromptImages
 from jaxinfer.tokenizer import cache_root, load_tokenizer
 from jaxinfer.tree import flat_to_nested, nested_to_flat
 from sharding.mesh import ParallelConfig, ShardingError, make_mesh
@@ -122,13 +123,30 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
     lora = (LoraManager(runner, model_config, max_loras=config.max_loras, max_rank=config.max_lora_rank, tp=parallel.tp)
             if config.enable_lora else None)
     kv_tiers = build_kv_tiers(config, model_config, source, runner) if config.kv_offloading_size else None
+    images, image_encoder = build_images(config, source, tokenizer, parallel)
     engine = LLMEngine(config, runner, tokenizer, vocab_size=model_config.vocab_size, eos_token_ids=sorted(eos),
-                       proposer=proposer, lora=lora, kv_tiers=kv_tiers)
+                       proposer=proposer, lora=lora, kv_tiers=kv_tiers, images=images, image_encoder=image_encoder)
     engine.model_config, engine.mesh, engine.parallel, engine.source = model_config, mesh, parallel, source
     engine.tokenizer_seconds = tokenizer_seconds
     engine.kv_cache_summary = str(summary)  # the start-up line: pages, tokens, sequences at max_model_len
     clock.mark("KV cache and engine")
     return engine
+
+
+def build_images(config: EngineConfig, source, tokenizer, parallel) -> tuple[PromptImages | None, ImageEncoder | None]:
+    """A vision model's prompt processing and image encoder (jaxinfer.engine.multimodal); (None, None) for text models."""
+    if source is None or source.kind == "gguf":
+        return None, None
+    limit = (config.limit_mm_per_prompt or {}).get("image", MAX_IMAGES_PER_PROMPT)
+    images = PromptImages.for_model(source.path, tokenizer, max_images=limit, allowed_media_domains=config.allowed_media_domains)
+    if images is None:
+        return None, None
+    if parallel.sp > 1:
+        raise ValueError("images with sequence_parallel_size > 1 are not supported")
+    cache_rows = config.encoder_cache_size or max(4096, 4 * config.max_num_batched_tokens)
+    encoder = ImageEncoder(images.kind, images.folder, param_dtype=config.param_dtype, cache_rows=cache_rows)
+    logger.info("images: %s vision tower loaded (encoder cache %d rows)", images.kind, cache_rows)
+    return images, encoder
 
 
 @dataclasses.dataclass
@@ -240,10 +258,12 @@ def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights:
                         kernels=config.kernels, state_slots=state_slots(config, parallel),
                         state_dtype=config.activation_dtype, state_sharding=state_sharding, spec_block=spec_block)
     groups = kv_groups(model_config)
-    return ModelRunner(weights.graphdef, weights.params, kv, config.buckets(parallel, groups.num_groups),
-                       num_top_logprobs=num_top_logprobs, mesh=mesh, param_specs=weights.param_specs,
-                       return_hidden=return_hidden, return_stream=return_stream, kv_windows=groups.windows,
-                       kv_page_factors=config.kv_page_factors(model_config))
+    runner = ModelRunner(weights.graphdef, weights.params, kv, config.buckets(parallel, groups.num_groups),
+                         num_top_logprobs=num_top_logprobs, mesh=mesh, param_specs=weights.param_specs,
+                         return_hidden=return_hidden, return_stream=return_stream, kv_windows=groups.windows,
+                         kv_page_factors=config.kv_page_factors(model_config))
+    runner.with_rope_positions = getattr(model_config, "mrope_section", None) is not None
+    return runner
 
 
 def make_proposer(spec: SpeculativeConfig | dict, model_config: ModelConfig, config: EngineConfig, runner: ModelRunner):

@@ -17,7 +17,8 @@ per data-parallel replica), `compute_dtype`,
 `quantization_group_size`, `quantization_symmetric`, `keep_checkpoint_quantization`, `kernel_impl` (alias `attention_impl`),
 `check_kernels`, `xla_kernels`, `sequence_parallel_size`,
 `expert_parallel_size`, `sequence_parallel_attention`, `warmup`, `log_stats_interval`, `num_prefix_states`,
-`kv_offloading_dir`, `kv_offloading_disk_size`.
+`kv_offloading_dir`, `kv_offloading_disk_size`; for images vLLM's `limit_mm_per_prompt`,
+`max_num_encoder_input_tokens`, `encoder_cache_size`, `allowed_media_domains`.
 """
 
 from __future__ import annotations
@@ -112,6 +113,11 @@ class EngineConfig:
     enable_lora: bool = False  # LoRA adapters per request (LoRARequest), in a slot table on the device
     max_loras: int = 4  # adapters the table holds at once (the batch's distinct adapters at most)
     max_lora_rank: int = 16  # every adapter's rank is padded to this
+    # images (a vision model: jaxinfer.engine.multimodal)
+    limit_mm_per_prompt: dict | None = None  # {"image": N}: images one prompt may hold (default 16)
+    max_num_encoder_input_tokens: int | None = None  # image tokens encoded per step (default max_num_batched_tokens)
+    encoder_cache_size: int | None = None  # encoder rows kept by image hash (default max(4096, 4 x max_num_batched_tokens))
+    allowed_media_domains: tuple[str, ...] = ()  # domains an image URL may be fetched from (default: none)
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
@@ -136,6 +142,14 @@ class EngineConfig:
                              f"quantization ({self.quantization!r}) nor a dtype ({self.dtype!r}) of its own")
         if self.kernel_impl not in KERNEL_IMPLS:
             raise ValueError(f"kernel_impl={self.kernel_impl!r}: expected one of {', '.join(map(repr, KERNEL_IMPLS))}")
+        set_("allowed_media_domains", (self.allowed_media_domains,) if isinstance(self.allowed_media_domains, str)
+             else tuple(self.allowed_media_domains))
+        if self.limit_mm_per_prompt is not None and (not isinstance(self.limit_mm_per_prompt, dict) or set(self.limit_mm_per_prompt) - {"image"}
+                                                     or not all(isinstance(v, int) and v >= 0 for v in self.limit_mm_per_prompt.values())):
+            raise ValueError(f"limit_mm_per_prompt={self.limit_mm_per_prompt!r}: expected {{'image': N}} with N >= 0")
+        for field in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            if getattr(self, field) is not None and getattr(self, field) < 1:
+                raise ValueError(f"{field}={getattr(self, field)!r}: expected a positive number of tokens")
         set_("xla_kernels", (self.xla_kernels,) if isinstance(self.xla_kernels, str) else tuple(self.xla_kernels))
         if set(self.xla_kernels) - set(OPERATIONS):
             raise ValueError(f"xla_kernels={self.xla_kernels!r}: expected names among {', '.join(map(repr, OPERATIONS))}")

@@ -62,6 +62,7 @@ from jaxinfer.engine.grammar import GrammarBackend
 from jaxinfer.engine.kv_handoff import KVHandoff
 from jaxinfer.engine.lora import LoraManager
 from jaxinfer.engine.model_runner import InFlightStep, ModelRunner, RowResult
+from jaxinfer.engine.multimodal import ImageEncoder, attach_image_inputs
 from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.engine.request import PENDING, Request, Sequence, SwappedKV
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -91,8 +92,10 @@ class _InFlight:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: ModelRunner, output: OutputProcessor, proposer=None, *,
-                 grammar: GrammarBackend | None = None, lora: LoraManager | None = None, kv_tiers=None):
+                 grammar: GrammarBackend | None = None, lora: LoraManager | None = None, kv_tiers=None,
+                 image_encoder: ImageEncoder | None = None):
         self.config = config
+        self.image_encoder = image_encoder  # a vision model's encoder and its cache (jaxinfer.engine.multimodal)
         self.kv_tiers = kv_tiers  # jaxinfer.engine.kv_tiers.KVTiers: evicted prefix pages in host memory / on disk
         self.grammar = grammar  # computes the allowed-token bitmasks of constrained sequences
         self.runner = runner
@@ -111,7 +114,9 @@ class EngineCore:
                               num_prefix_states=max(0, runner.state_slots_per_replica - sequence_slots), lower_tiers=kv_tiers)
             self.replicas.append(Replica(bm, Scheduler(bm, max_num_batched_tokens=config.max_num_batched_tokens,
                                                        max_num_seqs=config.max_num_seqs, preemption_mode=config.preemption_mode,
-                                                       max_loras=lora_share)))
+                                                       max_loras=lora_share,
+                                                       max_num_encoder_input_tokens=config.max_num_encoder_input_tokens,
+                                                       is_encoded=image_encoder.cache.__contains__ if image_encoder else None)))
         self.lora = lora  # with enable_lora: which table slot holds which adapter
         self.requests: dict[str, Request] = {}
         self._lock = threading.RLock()
@@ -131,7 +136,7 @@ class EngineCore:
             if request.request_id in self.requests:
                 self.release(request)
                 raise ValueError(f"request {request.request_id!r}: a request with this id is already running")
-            request.replica = self._pick_replica(request.prompt_token_ids, request.seqs[0].prefix_salt)
+            request.replica = self._pick_replica(request.seqs[0].cache_ids(), request.seqs[0].prefix_salt)
             self.requests[request.request_id] = request
             for seq in request.seqs:
                 self.replicas[request.replica].scheduler.add(seq)
@@ -324,7 +329,7 @@ class EngineCore:
                 self.runner.write_pages(r, pages, jax.tree.map(lambda a: a[:, first : first + len(pages)], seq.swapped.pages))
                 if seq.swapped.state is not None:  # its recurrent states, into the slot it holds now
                     self.runner.write_state(r, replica.block_manager.state_slot(seq.seq_id), seq.swapped.state)
-                replica.block_manager.mark_computed(seq.seq_id, seq.num_computed, seq.token_ids)
+                replica.block_manager.mark_computed(seq.seq_id, seq.num_computed, seq.cache_ids())
                 seq.swapped = None
             copies += [(r, copy) for copy in plan.page_copies]
             for s in plan.scheduled:
@@ -332,6 +337,7 @@ class EngineCore:
                     s.chunk = plan_chunk(s, *replica.block_manager.held_rows(s.seq.seq_id), self.output.eos_token_ids)
                     s.chunk.chunk.state_slot = replica.block_manager.state_slot(s.seq.seq_id)
                     s.chunk.chunk.verifies = s.num_draft > 0  # (a hybrid model keeps its inputs: `_verified` commits)
+                    attach_image_inputs(s.chunk.chunk, s.seq.request, s.start, s.num_tokens, self.image_encoder)
                 except Exception as error:  # noqa: BLE001 - this request's own failure
                     self._fail(s.seq.request, error, advanced)
         if copies:
@@ -370,7 +376,7 @@ class EngineCore:
         for r, (plan, replica) in enumerate(zip(plans, self.replicas)):
             for s in plan.scheduled:
                 if replica.block_manager.num_prefix_states and s.seq.seq_id in replica.block_manager.seqs:
-                    copy = replica.block_manager.save_state(s.seq.seq_id, s.start + s.num_tokens, s.seq.token_ids)
+                    copy = replica.block_manager.save_state(s.seq.seq_id, s.start + s.num_tokens, s.seq.cache_ids())
                     saves += [(r, copy)] if copy else []
         # one copy per saved slot, the last: a save may have evicted a slot an earlier one of this
         # step took (few saved states), and a scatter's duplicate indices have no defined winner
@@ -500,7 +506,7 @@ class EngineCore:
             seq.pending.pop(end, None)
         replica = self.replicas[request.replica]
         if seq.seq_id in replica.block_manager.seqs and seq.num_computed >= end:  # not preempted meanwhile
-            replica.block_manager.mark_computed(seq.seq_id, end, seq.token_ids)
+            replica.block_manager.mark_computed(seq.seq_id, end, seq.cache_ids())
         if s.num_tokens > 1:
             self.num_prompt_tokens_computed += s.num_tokens
         if not samples:
@@ -541,7 +547,7 @@ class EngineCore:
             if self.runner.state_slots_per_replica:  # a hybrid model's states advance by the tokens kept
                 commits.append((seq.request.replica, (seq, bm.state_slot(seq.seq_id), 1 + accepted)))
             emitted = draft[:accepted] + [rows[accepted].token]
-            bm.mark_computed(seq.seq_id, computed, seq.token_ids + emitted)
+            bm.mark_computed(seq.seq_id, computed, seq.cache_ids(seq.token_ids + emitted))
         else:
             emitted = []
         spec.hidden_row, spec.hidden_step = s.chunk.rows[accepted], self.num_processed  # the row y came from

@@ -85,7 +85,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer, *, vocab_size: int, eos_token_ids,
-                 proposer=None, lora: LoraManager | None = None, kv_tiers=None):
+                 proposer=None, lora: LoraManager | None = None, kv_tiers=None, images=None, image_encoder=None):
         """`config` with max_model_len set (EngineConfig.resolved); `proposer` drafts for
         config.speculative_config, `lora` serves LoRA adapters with enable_lora, `kv_tiers` keeps
         evicted prefix pages with kv_offloading_size (jaxinfer.engine.build makes them)."""
@@ -98,9 +98,10 @@ class LLMEngine:
         self.lora = lora
         self.input = InputProcessor(config, tokenizer, vocab_size=vocab_size, pages_per_replica=runner.pages_per_replica,
                                     grammar=self.grammar, lora=lora, eos_token_ids=eos_token_ids,
-                                    kv_windows=runner.kv_windows, kv_page_factors=runner.kv_page_factors)
+                                    kv_windows=runner.kv_windows, kv_page_factors=runner.kv_page_factors, images=images)
         self.output = OutputProcessor(tokenizer, eos_token_ids=eos_token_ids, max_model_len=config.max_model_len)
-        self.core = EngineCore(config, runner, self.output, proposer, grammar=self.grammar, lora=lora, kv_tiers=kv_tiers)
+        self.core = EngineCore(config, runner, self.output, proposer, grammar=self.grammar, lora=lora, kv_tiers=kv_tiers,
+                               image_encoder=image_encoder)
         if kv_tiers is not None:  # (its disk writer's queue is written out when the engine goes, at the latest at exit)
             weakref.finalize(self, kv_tiers.close)
         self._last_log = time.time()
@@ -184,6 +185,10 @@ class LLMEngine:
 
     def tokenize(self, prompt, label: str) -> tuple[str | None, list[int]]:
         return self.input.tokenize(prompt, label)
+
+    def process(self, prompt, label: str):
+        """(text, token ids, images or None): `tokenize`, and a prompt's multi_modal_data processed."""
+        return self.input.process(prompt, label)
 
     def validate(self, ids: list[int], params: SamplingParams, label: str, lora_request: LoRARequest | None = None) -> None:
         self.input.validate(ids, params, label, lora_request)

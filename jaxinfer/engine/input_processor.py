@@ -22,6 +22,7 @@ import numpy as np
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.grammar import GrammarBackend, GrammarError
 from jaxinfer.engine.lora import LoraManager
+from jaxinfer.engine.multimodal import MultiModalInputs, PromptImages, prompt_key_ids
 from jaxinfer.engine.request import Request, RequestMetrics, Sequence, SpecState
 from jaxinfer.engine.seeds import sampler_seed
 from jaxinfer.kv_groups import window_pages
@@ -33,8 +34,9 @@ from jaxinfer.sampling_params import SamplingParams, is_integer
 class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer, *, vocab_size: int, pages_per_replica: int,
                  grammar: GrammarBackend | None = None, lora: LoraManager | None = None, eos_token_ids=(),
-                 kv_windows: tuple = (None,), kv_page_factors: tuple = ()):
+                 kv_windows: tuple = (None,), kv_page_factors: tuple = (), images: PromptImages | None = None):
         self.config = config
+        self.images = images  # a vision model's prompt processing (jaxinfer.engine.multimodal); None: text only
         self.eos_token_ids = set(eos_token_ids)  # held back with the stop ids until min_tokens
         self.grammar = grammar  # compiles structured_outputs constraints (None: refused)
         self.lora = lora  # reads a request's LoRA adapter (None: the engine has no LoRA table)
@@ -64,8 +66,10 @@ class InputProcessor:
         if pinned:
             self.lora.pin(lora_request.lora_int_id)
         try:
-            text, ids = self.tokenize(prompt, label)
+            text, ids, mm = self.process(prompt, label)
             self.validate(ids, params, label, lora_request)
+            if mm is not None:
+                self.validate_images(mm, label)
             if seed is None and params.seed is not None:
                 seed = sampler_seed(params.seed)
             elif seed is None:
@@ -75,11 +79,14 @@ class InputProcessor:
             limit = max_model_len if params.max_tokens is None else min(max_model_len, len(ids) + params.max_tokens)
             request = Request(request_id, text, ids, params, seed, limit, priority,
                               RequestMetrics(arrival_time if arrival_time is not None else time.time()), lora=lora_request)
+            if mm is not None:
+                request.images, request.cache_key_ids = mm.images, prompt_key_ids(ids, mm.images)
+                request.rope_positions, request.rope_delta = mm.rope_positions, mm.rope_delta
             seq = Sequence(request, 0, list(ids), seed)
             if params.structured_outputs is not None:  # compiled by validate: a cache hit here
                 grammar = self.grammar.compile(params.structured_outputs)
                 seq.grammar = self._grammar_errors(label, lambda: self.grammar.matcher(grammar))
-            k = self.draft_length(params)
+            k = self.draft_length(params) if mm is None or not mm.images else 0  # (drafts see no images)
             if k:
                 seq.spec = SpecState(max_k=k, k=k)
             request.seqs.append(seq)
@@ -88,6 +95,38 @@ class InputProcessor:
             if pinned:
                 self.lora.unpin(lora_request.lora_int_id)
             raise
+
+    def process(self, prompt, label: str) -> tuple[str | None, list[int], MultiModalInputs | None]:
+        """(text or None, token ids, its images or None) of a prompt; `tokenize` for text, and a
+        dict with "multi_modal_data" (its text holding one placeholder per image) through the
+        model's image processing. A dict a former `process` made ("mm_inputs") is taken as is."""
+        if isinstance(prompt, dict) and prompt.get("mm_inputs") is not None:
+            return prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"], label), prompt["mm_inputs"]
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            if self.images is None:
+                raise ValueError(f"{label}: multi_modal_data given, but this model takes no images")
+            text = prompt.get("prompt")
+            if not isinstance(text, str) or "prompt_token_ids" in prompt:
+                raise ValueError(f"{label}: a prompt with multi_modal_data must be given as text ('prompt'), holding one "
+                                 f"{self.images.placeholder!r} per image")
+            ids, images, rope = self.images.process(text, prompt["multi_modal_data"], label,
+                                                    add_special_tokens=prompt.get("add_special_tokens", True))
+            delta = int(rope.max()) + 1 - len(ids) if rope is not None else 0
+            return text, ids, MultiModalInputs(images, rope, delta)
+        text, ids = self.tokenize(prompt, label)
+        return text, ids, None
+
+    def validate_images(self, mm: "MultiModalInputs", label: str) -> None:
+        """Images the scheduler could never run: an image over the encoder's per-step budget, or
+        (attended both ways, so computed in one chunk) over the step's token budget."""
+        c = self.config
+        for i, image in enumerate(mm.images):
+            limit = c.max_num_encoder_input_tokens or c.max_num_batched_tokens
+            if image.length > limit:
+                raise ValueError(f"{label}: image {i} is {image.length} tokens, over max_num_encoder_input_tokens={limit}")
+            if image.both_ways and image.length > c.max_num_batched_tokens:
+                raise ValueError(f"{label}: image {i} is {image.length} tokens, computed in one step, over "
+                                 f"max_num_batched_tokens={c.max_num_batched_tokens}")
 
     def tokenize(self, prompt, label: str) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt given as a string, token ids, or a dict."""

@@ -154,6 +154,7 @@ class ModelRunner:
         self._lora_layout = ({name: _layout(var.get_value()) for name, var in params["lora"].items()}
                              if self.lora_enabled else {})
         self._write_lora = None
+        self.with_rope_positions = False  # every batch carries M-RoPE positions (a Qwen2.5-VL model: build_runner)
 
     def write_lora_slot(self, slot: int, arrays: dict[str, np.ndarray]) -> None:
         """Puts one adapter (`models.lora.fuse_adapter`'s arrays, name -> [L, ...]) into slot
@@ -205,8 +206,13 @@ class ModelRunner:
         # LoRA only in steps where some sequence has an adapter (the others run the base variant)
         with_lora = self.lora_enabled and any(s.chunk.lora_slot for chunks in scheduled for s in chunks)
         page_sizes = [self.page_size * f for f in self.kv_page_factors]  # each group's tokens per page
+        # images only in steps where some chunk reaches image tokens (the others run the text variant)
+        chunks_of_step = [s.chunk for chunks in scheduled for s in chunks]
+        mm_width = max((rows.shape[1] for c in chunks_of_step for _, rows in c.mm_rows), default=0)
+        span_end = any(c.span_ends for c in chunks_of_step)
         packed = [pack_batch([s.chunk for s in chunks], self.buckets, page_sizes, key, with_lora=with_lora,
-                             with_hidden=with_hidden) for chunks in scheduled]
+                             with_hidden=with_hidden, mm_width=mm_width, with_span_end=span_end,
+                             with_rope_positions=self.with_rope_positions) for chunks in scheduled]
         rows_of_chunk = [rows for _, _, rows in packed]
         for chunks, (_, replica_batch, replica_rows) in zip(scheduled, packed):
             for s, rows, first in zip(chunks, replica_rows, replica_batch.cu_q_lens):
@@ -303,7 +309,8 @@ class ModelRunner:
         """`empty_inputs` as `dispatch` passes a batch (host arrays, or placed on the mesh): the
         jitted model keys its compiled variants on that too."""
         with_lora = self.lora_enabled if with_lora is None else with_lora
-        batch = empty_inputs(key, self.buckets.pages_per_seq, self.num_replicas, with_lora, self.buckets.num_groups)
+        batch = empty_inputs(key, self.buckets.pages_per_seq, self.num_replicas, with_lora, self.buckets.num_groups,
+                             with_rope_positions=self.with_rope_positions)
         return batch if self.pass_host_inputs else self._put(batch)
 
     def warmup(self, keys: Sequence[BucketKey] | None = None, *, drafts: bool = False) -> None:
@@ -592,7 +599,7 @@ def sampling_tensors(num_rows: int, scheduled, rows_of_chunk, max_history: int, 
 
 
 def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int, with_lora: bool = False,
-                 num_groups: int = 1) -> RaggedBatch:
+                 num_groups: int = 1, *, with_rope_positions: bool = False) -> RaggedBatch:
     """A host batch of the key's shapes with no sequences in it (every token writes to scratch),
     stacked over the replicas: what warm-up compiles the model for and what ahead-of-time
     compiles take the shapes of."""
@@ -609,6 +616,7 @@ def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int, with_lor
         lora_slots=np.zeros(S, np.int32) if with_lora else None,
         state_slots=np.zeros(S, np.int32),
         verifies=np.zeros(S, bool),
+        rope_positions=np.zeros((3, T), np.int32) if with_rope_positions else None,
     )
     return jax.tree.map(lambda a: np.stack([a] * num_replicas), batch)
 

@@ -156,6 +156,13 @@ class Sequence:
         """Its request's LoRA adapter id (0: the base model)."""
         return self.request.lora.lora_int_id if self.request.lora is not None else 0
 
+    def cache_ids(self, token_ids: list[int] | None = None) -> list[int]:
+        """Its tokens (or `token_ids`, its tokens plus more) as prefix-cache keys read them: a
+        prompt's image tokens stand for their image (multimodal.PromptImage.key_ids)."""
+        ids = self.token_ids if token_ids is None else token_ids
+        keys = self.request.cache_key_ids
+        return ids if keys is None else keys + ids[len(keys):]
+
     @property
     def prefix_salt(self) -> bytes:
         """What its prefix-cache keys chain from: pages computed under another adapter differ."""
@@ -220,6 +227,11 @@ class Request:
     # prefill/decode disaggregation (engine.kv_handoff): hand its prompt's pages off when it finishes
     export_kv: bool = False
     exported_kv: object = None  # the KVHandoff made when it finished (export_kv)
+    # images (jaxinfer.engine.multimodal): each image's run of tokens in the prompt and its pixels
+    images: list = dataclasses.field(default_factory=list)
+    cache_key_ids: list[int] | None = None  # the prompt as prefix-cache keys read it (images: their hashes)
+    rope_positions: "np.ndarray | None" = None  # [3, prompt length]: M-RoPE positions of the prompt (Qwen2.5-VL)
+    rope_delta: int = 0  # a generated token at position p has M-RoPE position p + rope_delta (all three)
 
     def __post_init__(self):
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

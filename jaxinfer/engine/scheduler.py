@@ -85,7 +85,7 @@ def priority_order(seq: Sequence) -> tuple:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_batched_tokens: int, max_num_seqs: int,
                  preemption_mode: str = "recompute", max_prefill_chunks: int = MAX_PREFILL_CHUNKS,
-                 max_loras: int | None = None):
+                 max_loras: int | None = None, max_num_encoder_input_tokens: int | None = None, is_encoded=None):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode={preemption_mode!r}: expected 'recompute' or 'swap'")
         self.preemption_mode = preemption_mode
@@ -94,6 +94,12 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_prefill_chunks = max_prefill_chunks  # multi-token chunks per step (see batch.py)
         self.max_loras = max_loras  # distinct LoRA adapters running at once (None: no LoRA)
+        # images: image tokens the vision encoder may compute per step, and whether an image's rows
+        # are cached (by its hash: jaxinfer.engine.multimodal)
+        self.max_num_encoder_input_tokens = max_num_encoder_input_tokens or max_num_batched_tokens
+        self.is_encoded = is_encoded or (lambda key: False)
+        self._encoder_left = self.max_num_encoder_input_tokens  # this step's (schedule)
+        self._encoding: set[bytes] = set()  # images this step encodes
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -138,6 +144,7 @@ class Scheduler:
         swap_out: list[tuple[Sequence, list[int], int, int]] = []
         swap_in: list[tuple[Sequence, int, list[int]]] = []
         state_restores: list[tuple[int, int]] = []
+        self._encoder_left, self._encoding = self.max_num_encoder_input_tokens, set()
 
         # decodes first, then prefill chunks; best priority first within each group
         queue = sorted((s for s in self.running if not s.hold), key=lambda s: (s.is_prefill, priority_order(s)))
@@ -147,6 +154,8 @@ class Scheduler:
             seq = queue.pop(0)
             num_draft = 0 if seq.is_prefill else max(0, min(len(seq.draft), budget - 1, rows_left - 1))
             n = self._chunk_size(seq, budget, rows_left) + num_draft
+            if n == 0:
+                continue  # its next image does not fit this step
             rows = self._logits_rows(seq, n, num_draft)
             if rows > rows_left:
                 continue  # waits for a later step
@@ -167,6 +176,7 @@ class Scheduler:
             if seq in preempted:
                 continue
             copies += bm.reserve(seq.seq_id, end)
+            self._encode(seq, n)
             scheduled.append(ScheduledSeq(seq, n, num_draft))
             budget -= n
             rows_left -= rows
@@ -183,7 +193,7 @@ class Scheduler:
                 if num_chunks >= self.max_prefill_chunks or self._admission_rows(seq, budget, rows_left) > rows_left:
                     break
                 try:
-                    seq.num_computed = bm.allocate(seq.seq_id, seq.token_ids, salt=seq.prefix_salt,
+                    seq.num_computed = bm.allocate(seq.seq_id, seq.cache_ids(), salt=seq.prefix_salt,
                                                    max_cached_tokens=seq.max_cached_tokens, lookahead=budget)
                 except OutOfPagesError:
                     break
@@ -203,6 +213,9 @@ class Scheduler:
                 self.running.append(seq)
                 occupied += slots
                 n = self._chunk_size(seq, budget, rows_left)
+                if n == 0:
+                    continue  # admitted; its next image does not fit this step
+                self._encode(seq, n)
                 scheduled.append(ScheduledSeq(seq, n))
                 num_chunks += n > 1
                 budget -= n
@@ -213,7 +226,7 @@ class Scheduler:
         """Logits rows of a waiting sequence's first chunk, were it admitted now (its cached prefix
         and swapped-out K/V are not recomputed)."""
         bm = self.block_manager
-        start = bm.num_cached_prefix_pages(seq.token_ids, salt=seq.prefix_salt,
+        start = bm.num_cached_prefix_pages(seq.cache_ids(), salt=seq.prefix_salt,
                                            max_cached_tokens=seq.max_cached_tokens) * bm.page_size
         start = max(start, self._swapped_tokens(seq))
         saved, seq.num_computed = seq.num_computed, start
@@ -244,7 +257,34 @@ class Scheduler:
         checkpoint = self.block_manager.next_checkpoint(seq.seq_id, seq.num_computed)  # a hybrid model saves its state there
         if checkpoint is not None:
             n = min(n, checkpoint - seq.num_computed)
+        if seq.request.images:
+            n = self._image_cut(seq, n)
         return n
+
+    def _image_cut(self, seq: Sequence, n: int) -> int:
+        """A chunk of n tokens from seq.num_computed, cut where an image must wait: one the encoder's
+        budget left this step cannot encode, one attended both ways that would not end in the chunk
+        (its tokens must be computed together). 0: nothing of it runs this step."""
+        start = seq.num_computed
+        end, left = start + n, self._encoder_left
+        for image in seq.request.images:
+            if image.end <= start or image.offset >= end:
+                continue
+            if not (self.is_encoded(image.key) or image.key in self._encoding):
+                if image.length > left:
+                    return max(image.offset - start, 0)
+                left -= image.length
+            if image.both_ways and end < image.end:
+                return max(image.offset - start, 0)
+        return n
+
+    def _encode(self, seq: Sequence, n: int) -> None:
+        """Counts the images a scheduled chunk reaches against this step's encoder budget."""
+        start = seq.num_computed
+        for image in seq.request.images:
+            if image.offset < start + n and image.end > start and not (self.is_encoded(image.key) or image.key in self._encoding):
+                self._encoding.add(image.key)
+                self._encoder_left -= image.length
 
     def _logits_rows(self, seq: Sequence, n: int, num_draft: int = 0) -> int:
         """Logits rows a chunk of n tokens (num_draft of them drafts) asks the step for."""

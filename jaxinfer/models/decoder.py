@@ -208,6 +208,10 @@ class Decoder(nnx.Module):
         if return_stream and par.sp > 1:
             raise ValueError("the residual stream of every token is returned without sequence parallelism only")
         x = self.step_input(token_ids, batch.positions, input_hidden)  # [Tl, H]
+        if batch.mm_embeds is not None:  # image tokens read their encoder rows instead of their ids' embeddings
+            if par.sp > 1:
+                raise ValueError("image inputs with sequence parallelism are not supported")
+            x = jnp.where(batch.mm_mask[:, None], batch.mm_embeds.astype(x.dtype), x)
         if max(self.lane_blocks) > 1:  # a lane-block group's table names its pages' lane blocks (page_factors)
             batch = dataclasses.replace(batch, page_table=jnp.stack(
                 [lane_block_table(table, f) for table, f in zip(batch.page_table, self.lane_blocks)]))
@@ -216,7 +220,7 @@ class Decoder(nnx.Module):
         write_page = jnp.stack([page for page, _ in locations])  # [G, T]: every token's page and offset in each group
         write_offset = jnp.stack([offset for _, offset in locations])
         seq_of_token = jnp.minimum(jnp.searchsorted(batch.cu_q_lens[1:], jnp.arange(T), side="right"), S - 1)
-        rope = rope_tables(c, batch.positions, batch.kv_lens[seq_of_token])  # kind -> [T, rotary_dim] each
+        rope = rope_tables(c, batch.positions, batch.kv_lens[seq_of_token], batch.rope_positions)  # kind -> [T, rotary_dim] each
         slot = None  # LoRA: each of this device's tokens' adapter slot
         if getattr(self, "lora", None) is not None and batch.lora_slots is not None:
             slot_of_token = jnp.where(jnp.arange(T) < batch.cu_q_lens[-1], batch.lora_slots[seq_of_token], 0)  # padding: none

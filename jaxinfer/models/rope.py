@@ -21,6 +21,11 @@ Scalings, as transformers computes them (frequencies in float64 on the host, the
   original_max_position_embeddings and the long ones past it (per sequence, from `seq_lens`),
   cos / sin scaled by sqrt(1 + ln(factor) / ln(original)).
 
+M-RoPE (Qwen2.5-VL, `ModelConfig.mrope_section`; jaxinfer.models.mrope): given a step's
+`rope_positions` [3, T] (temporal, height, width per token), frequency i of a section j takes its
+angle from rope_positions[j] rather than `positions`, as transformers' recomposition of the
+(t, h, w) frequencies does; without them (text only, the three positions equal) `positions` rotate.
+
 Partial rotary embeddings (`ModelConfig.rotary_dim` < head_dim) give tables of rotary_dim
 columns; `pallas_kernels.rope_kv_write.apply_rope` turns the first rotary_dim dims of each head
 and passes the rest through.
@@ -35,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig, RopeScaling, yarn_mscale
+from jaxinfer.models.mrope import section_of_frequency
 
 
 def inv_freq(theta: float, rs: RopeScaling, dim: int) -> tuple[np.ndarray, float]:
@@ -104,9 +110,11 @@ def _longrope_scale(rs: RopeScaling) -> float:
     return math.sqrt(1 + math.log(rs.factor) / math.log(rs.original_max_position_embeddings))
 
 
-def cos_sin(theta: float, rs: RopeScaling, dim: int, positions: jax.Array, seq_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+def cos_sin(theta: float, rs: RopeScaling, dim: int, positions: jax.Array, seq_lens: jax.Array,
+            rope_positions: jax.Array | None = None, mrope_section: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
     """cos, sin [T, dim] (float32) for token positions [T]; seq_lens [T] is each token's sequence
-    length after this step (read by dynamic NTK and longrope)."""
+    length after this step (read by dynamic NTK and longrope). With `rope_positions` [3, T] and
+    `mrope_section`, each frequency's angle comes from its section's row (M-RoPE)."""
     inv, scale = inv_freq(theta, rs, dim)
     if rs.rope_type == "dynamic":
         max_pos = rs.original_max_position_embeddings
@@ -120,21 +128,29 @@ def cos_sin(theta: float, rs: RopeScaling, dim: int, positions: jax.Array, seq_l
         inv_t = jnp.where(is_long, jnp.asarray(long_inv, jnp.float32)[None], jnp.asarray(inv, jnp.float32)[None])
     else:
         inv_t = jnp.asarray(inv, jnp.float32)[None, :]
-    freqs = positions.astype(jnp.float32)[:, None] * inv_t  # [T, dim/2]
+    if rope_positions is not None and mrope_section is not None:  # each frequency's position: its section's
+        angle_pos = rope_positions[section_of_frequency(mrope_section)].T.astype(jnp.float32)  # [T, dim/2]
+    else:
+        angle_pos = positions.astype(jnp.float32)[:, None]  # [T, 1]
+    freqs = angle_pos * inv_t  # [T, dim/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb) * scale, jnp.sin(emb) * scale
 
 
-def rope_tables(config: ModelConfig, positions: jax.Array, seq_lens: jax.Array) -> dict[str | None, tuple[jax.Array, jax.Array]]:
+def rope_tables(config: ModelConfig, positions: jax.Array, seq_lens: jax.Array,
+                rope_positions: jax.Array | None = None) -> dict[str | None, tuple[jax.Array, jax.Array]]:
     """Every table this model's layers use: LayerKind.rope -> (cos, sin) [T, rotary_dim] each (the
-    rotary dims of the layers using it: Gemma 4's global layers have a head dim of their own)."""
+    rotary dims of the layers using it: Gemma 4's global layers have a head dim of their own).
+    positions, seq_lens [T]; rope_positions [3, T] or None: M-RoPE's (t, h, w) positions, read when
+    the config has an `mrope_section`."""
     c = config
     dims = {kind.rope: c.rotary_dim or c.kind_head_dim(kind) for kind in c.layer_kinds()}
+    mrope = (rope_positions, c.mrope_section)
     tables = {}
     if "global" in dims:
-        tables["global"] = cos_sin(c.rope_theta, c.rope_scaling, dims["global"], positions, seq_lens)
+        tables["global"] = cos_sin(c.rope_theta, c.rope_scaling, dims["global"], positions, seq_lens, *mrope)
     if "local" in dims:
-        tables["local"] = cos_sin(c.local_rope_theta, c.local_rope_scaling, dims["local"], positions, seq_lens)
+        tables["local"] = cos_sin(c.local_rope_theta, c.local_rope_scaling, dims["local"], positions, seq_lens, *mrope)
     if None in dims:  # NoPE: the identity rotation
         T = positions.shape[0]
         tables[None] = (jnp.ones((T, dims[None]), jnp.float32), jnp.zeros((T, dims[None]), jnp.float32))

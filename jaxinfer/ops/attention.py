@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.ops.batch import RaggedBatch
+from jaxinfer.ops.batch import MAX_PREFILL_CHUNKS, RaggedBatch
 from jaxinfer.ops.kernels import PREFILL_KV_TOKENS_PER_ITEM, Kernels
 from jaxinfer.ops.kv_cache import KVCache
 from jaxinfer.ops.quantization import hadamard, random_orthogonal
@@ -319,24 +319,63 @@ def paged_attention(q, k, v, pool: KVCache, layer_page_offset, batch: RaggedBatc
     page_table = batch.page_table + layer_page_offset
     lanes = {"lane_blocks": lane_blocks} if lane_blocks > 1 else {}  # (the TPU kernel's option)
 
-    def paged():
+    def on_pages(attend, q, **extra):  # attend(q, ...) over the pages, a quantized pool's rotation undone around it
+        options = dict(num_kv_heads=k.shape[1], sm_scale=sm_scale, sliding_window=sliding_window,
+                       attention_chunk=attention_chunk, soft_cap=soft_cap, sinks=sinks, **extra)
         if not pool.quantized:
-            return kernels.ragged_attention(q, pool.pages, pool.v, page_table, batch, num_kv_heads=k.shape[1], sm_scale=sm_scale,
-                                            sliding_window=sliding_window, attention_chunk=attention_chunk, query_block=query_block,
-                                            spec_block=spec_block, soft_cap=soft_cap, sinks=sinks, **lanes)
+            return attend(q, pool.pages, pool.v, page_table, batch, **options)
         rotation = kv_rotation(q.shape[-1])  # the pool holds K and V turned: turn q, and the output back
-        out = kernels.ragged_attention((q.astype(jnp.float32) @ rotation).astype(q.dtype), pool.pages, pool.v, page_table,
-                                       batch, num_kv_heads=k.shape[1], sm_scale=sm_scale, sliding_window=sliding_window,
-                                       attention_chunk=attention_chunk, query_block=query_block, spec_block=spec_block, soft_cap=soft_cap, sinks=sinks, k_scale=pool.scales,
-                                       v_scale=pool.v_scale)
+        out = attend((q.astype(jnp.float32) @ rotation).astype(q.dtype), pool.pages, pool.v, page_table, batch,
+                     k_scale=pool.scales, v_scale=pool.v_scale, **options)
         return (out.astype(jnp.float32) @ rotation.T).astype(q.dtype)
+
+    def paged():
+        return on_pages(kernels.ragged_attention, q, query_block=query_block, spec_block=spec_block, **lanes)
 
     fresh_prefill = takes_flash_path(batch, q.shape[0], query_block=query_block, kernels=kernels)
     if not flash or fresh_prefill is False or sinks is not None:
-        return paged()  # (the flash kernels have no attention sinks)
-    flash = lambda: kernels.flash_attention(q, k, v, batch.cu_q_lens, batch.num_seqs, causal=True, sm_scale=sm_scale,  # noqa: E731
-                                            sliding_window=sliding_window, soft_cap=soft_cap, attention_chunk=attention_chunk)
-    return jax.lax.cond(fresh_prefill, flash, paged)
+        out = paged()  # (the flash kernels have no attention sinks)
+    else:
+        flash = lambda: kernels.flash_attention(q, k, v, batch.cu_q_lens, batch.num_seqs, causal=True, sm_scale=sm_scale,  # noqa: E731
+                                                sliding_window=sliding_window, soft_cap=soft_cap, attention_chunk=attention_chunk)
+        out = jax.lax.cond(fresh_prefill, flash, paged)
+    if batch.span_end is not None:
+        if lane_blocks > 1:
+            raise ValueError("images attended both ways over pages held as lane blocks are not supported")
+        out = attend_images_both_ways(out, q, batch, lambda q, seq_mask: on_pages(
+            _xla_span_attention, q, query_block=query_block, seq_mask=seq_mask))
+    return out
+
+
+def attend_images_both_ways(out: jax.Array, q: jax.Array, batch: RaggedBatch, attend_spans) -> jax.Array:
+    """Gemma 3's image tokens see every token of their own image, later ones too (the mask is
+    causal OR same-image; a sliding window still bounds it from below). The kernels attend
+    causally; the rows of image tokens whose image goes on past them are then attended again by
+    the XLA split-KV path with each query's span ending at `batch.span_end` (its image's last
+    position), and replace the causal rows. The step holds each such image whole (the scheduler
+    never cuts one), so its keys are all in the pages. out, q: [T, Hq, D]."""
+    T, S = q.shape[0], batch.kv_lens.shape[0]
+    sees_ahead = batch.span_end > batch.positions  # [T]
+    seq_of_token = jnp.minimum(jnp.searchsorted(batch.cu_q_lens[1:], jnp.arange(T), side="right"), S - 1)
+    in_batch = jnp.arange(T) < batch.cu_q_lens[-1]
+    seq_has_image = jnp.zeros(S, bool).at[seq_of_token].max(sees_ahead & in_batch)  # [S]
+    both_ways = attend_spans(q, seq_mask=seq_has_image)
+    return jnp.where(sees_ahead[:, None, None], both_ways, out)
+
+
+def _xla_span_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale, sliding_window,
+                        attention_chunk, soft_cap, sinks, query_block: int, seq_mask, k_scale=None, v_scale=None) -> jax.Array:
+    """The split-KV attention of the sequences in seq_mask [S], each query seeing keys up to its span_end."""
+    del num_kv_heads
+    page_size = k_pages.shape[1]
+    T, S = q.shape[0], batch.kv_lens.shape[0]
+    q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
+    return split_kv.ragged_paged_attention(
+        q, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, sm_scale=sm_scale,
+        sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale,
+        v_scale=v_scale, num_queries_per_block=query_block, num_kv_pages_per_block=max(1, PREFILL_KV_TOKENS_PER_ITEM // page_size), items_per_step=8,
+        seq_mask=seq_mask & (q_lens > 1), max_query_blocks=min(T, -(-T // query_block) + min(S, MAX_PREFILL_CHUNKS)),
+        q_span_end=batch.span_end)
 
 
 # ----------------------------------------------------------------------------- sequence parallelism

@@ -22,6 +22,14 @@ buckets, so the step compiles once per bucket.
                                      jaxinfer.ops.linear_state; 0 = the scratch slot)
     verifies        [S]              the sequence's chunk verifies drafted tokens: a hybrid model
                                      keeps its inputs rather than advancing its states
+    rope_positions  [3, T]           optional: each token's (temporal, height, width) RoPE
+                                     positions (M-RoPE: Qwen2.5-VL); None: `positions` rotate
+    mm_embeds       [T, H]           optional (steps holding image tokens): the input row of each
+                                     token whose `mm_mask` is set, in place of its id's embedding
+    mm_mask         [T]              optional: the token's input is its `mm_embeds` row
+    span_end        [T]              optional (images attended both ways: Gemma 3): the last
+                                     position the token's query sees (its own position, or its
+                                     image's last one)
 """
 
 from __future__ import annotations
@@ -52,6 +60,10 @@ class RaggedBatch:
     hidden_src: jax.Array | None = None  # [T] int32: each token's row of the input stream; None: no hidden input
     state_slots: jax.Array | None = None  # [S] int32: each sequence's recurrent-state slot (hybrid models)
     verifies: jax.Array | None = None  # [S] bool: its chunk verifies drafts (hybrid models: linear_state.DraftInputs)
+    rope_positions: jax.Array | None = None  # [3, T] int32: M-RoPE positions (t, h, w) per token; None: positions
+    mm_embeds: jax.Array | None = None  # [T, H]: image-token input rows (steps holding image tokens)
+    mm_mask: jax.Array | None = None  # [T] bool: the token reads its mm_embeds row
+    span_end: jax.Array | None = None  # [T] int32: last key position its query sees (bidirectional images)
 
 
 @dataclasses.dataclass
@@ -74,6 +86,13 @@ class SequenceChunk:
     # per group, the index in the full row where `pages` starts (the entries before are the scratch
     # page: a sliding group's pages behind its window, given back); () = every row from 0
     page_offsets: Sequence[int] = ()
+    # image tokens (jaxinfer.engine.multimodal): (offset, rows [k, H]) - tokens offset .. offset + k
+    # read those rows instead of their ids' embeddings
+    mm_rows: Sequence[tuple[int, np.ndarray]] = ()
+    # (first offset, end offset, position): those tokens' queries see up to that position (their
+    # image's last: images attended both ways)
+    span_ends: Sequence[tuple[int, int, int]] = ()
+    rope_positions: np.ndarray | None = None  # [3, n]: its tokens' M-RoPE positions (None: its positions, thrice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,11 +255,15 @@ def stack_replicas(batches: Sequence[RaggedBatch]) -> RaggedBatch:
 
 def pack_batch(
     chunks: Sequence[SequenceChunk], buckets: Buckets, page_size: int | Sequence[int], key: BucketKey | None = None, *,
-    with_lora: bool = False, with_hidden: bool | None = None,
+    with_lora: bool = False, with_hidden: bool | None = None, mm_width: int = 0, with_span_end: bool = False,
+    with_rope_positions: bool = False,
 ) -> tuple[BucketKey, RaggedBatch, list[list[int]]]:
     """Flattens chunks into a padded RaggedBatch (numpy arrays), in the bucket `key` (default:
     the smallest that holds them); `with_lora`: with each sequence's LoRA slot (`lora_slots`);
-    `with_hidden`: with each token's `hidden_src` (default: when some chunk has them).
+    `with_hidden`: with each token's `hidden_src` (default: when some chunk has them);
+    `mm_width` > 0: with image rows of that width (`mm_embeds`, `mm_mask`: chunks' `mm_rows`);
+    `with_span_end`: with each query's last visible position (`span_end`: chunks' `span_ends`);
+    `with_rope_positions`: with M-RoPE positions (`rope_positions`).
     page_size: tokens per page, or per KV layer group (groups of another shape: jaxinfer.kv_groups).
 
     Returns the bucket key, the batch, and for each chunk the indices (into the R logits rows)
@@ -270,6 +293,10 @@ def pack_batch(
     with_hidden = any(c.hidden_src for c in chunks) if with_hidden is None else with_hidden
     hidden_src = np.zeros(T, np.int32)
     rows_of_chunk: list[list[int]] = []
+    if mm_width:
+        mm_embeds = np.zeros((T, mm_width), np.float32)
+        mm_mask = np.zeros(T, bool)
+    rope_positions = np.zeros((3, T), np.int32)
 
     t = r = 0
     for s, c in enumerate(chunks):
@@ -292,6 +319,12 @@ def pack_batch(
                 raise ValueError(f"sequence slot {s}: {len(c.hidden_src)} hidden-state rows for {n} tokens")
             hidden_src[t : t + n] = c.hidden_src
         positions[t : t + n] = np.arange(c.start_pos, end)
+        rope_positions[:, t : t + n] = positions[t : t + n] if c.rope_positions is None else c.rope_positions
+        if c.mm_rows and not mm_width:
+            raise ValueError(f"sequence slot {s}: image rows in a batch packed without them (mm_width=0)")
+        for off, rows in c.mm_rows:
+            mm_embeds[t + off : t + off + len(rows)] = rows
+            mm_mask[t + off : t + off + len(rows)] = True
         cu_q_lens[s + 1] = t + n
         kv_lens[s] = end
         state_slots[s] = c.state_slot
@@ -318,6 +351,17 @@ def pack_batch(
     )
     if with_hidden:
         batch.hidden_src = hidden_src
+    if with_rope_positions:
+        batch.rope_positions = rope_positions
+    if mm_width:
+        batch.mm_embeds, batch.mm_mask = mm_embeds, mm_mask
+    if with_span_end:
+        span_end = positions.copy()
+        for s, c in enumerate(chunks):
+            first = cu_q_lens[s]
+            for lo, hi, last in c.span_ends:
+                span_end[first + lo : first + hi] = last
+        batch.span_end = span_end
     if with_lora:
         batch.lora_slots = np.zeros(S, np.int32)
         batch.lora_slots[: len(chunks)] = [c.lora_slot for c in chunks]

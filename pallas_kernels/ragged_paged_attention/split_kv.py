@@ -96,6 +96,7 @@ def ragged_paged_attention(
     seq_mask: jax.Array | None = None,  # [S] bool: serve only these sequences (others' rows come out 0)
     max_query_blocks: int | None = None,  # static bound on query blocks, when the caller knows a smaller one
     kv_end: jax.Array | None = None,  # [S] int32: sequence s sees only cache positions < kv_end[s]
+    q_span_end: jax.Array | None = None,  # [T] int32: the last key position each query row sees (default: its own)
     return_lse: bool = False,  # also return lse [T, Hq] float32 (log-sum-exp of the visible scores)
     contraction: str = "dot",  # "dot" | "reduce": see the module docstring
     sinks: jax.Array | None = None,  # [Hq] float32: attention sinks (reference.py)
@@ -147,7 +148,12 @@ def ragged_paged_attention(
 
     qb = q[jnp.minimum(rows, T - 1)].reshape(NB, Bq, Hkv, G, D)
     qb = qb.transpose(0, 2, 1, 3, 4).reshape(NB, Hkv, Bq * G, D)  # row r: query r // G, head r % G
+    if q_span_end is not None:  # a query may see keys past its own position (an image's tokens see each other)
+        q_end = jnp.maximum(q_pos, jnp.where(row_valid, q_span_end[jnp.minimum(rows, T - 1)], q_pos))  # [NB, Bq]
+    else:
+        q_end = q_pos
     q_pos_rows = jnp.repeat(q_pos, G, axis=1)  # [NB, Bq*G]
+    q_end_rows = jnp.repeat(q_end, G, axis=1)
     row_valid_rows = jnp.repeat(row_valid, G, axis=1)
 
     # ---- the KV blocks each query block needs: [first_kv_block, last_kv_block]
@@ -155,7 +161,7 @@ def ragged_paged_attention(
     first_pos = block_kv_len - block_q_len + q_offset
     lo = span_start(first_pos, sliding_window=sliding_window, attention_chunk=attention_chunk)
     first_kv_block = lo // kv_block
-    hi = last_pos  # last position any query of the block may see
+    hi = last_pos if q_span_end is None else jnp.max(jnp.where(row_valid, q_end, 0), axis=1)  # last key any query of the block sees
     sees_keys = block_valid
     if kv_end is not None:
         hi = jnp.minimum(hi, kv_visible_end - 1)
@@ -202,7 +208,7 @@ def ragged_paged_attention(
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = kv_blk[:, None] * kv_block + jnp.arange(kv_block)[None, :]  # [W, kv_block]
         qp = q_pos_rows[item_block]  # [W, Bq*G]
-        mask = (kv_pos[:, None, :] <= qp[:, :, None]) & (kv_pos[:, None, :] < kv_visible_end[item_block][:, None, None])
+        mask = (kv_pos[:, None, :] <= q_end_rows[item_block][:, :, None]) & (kv_pos[:, None, :] < kv_visible_end[item_block][:, None, None])
         if limits_span(sliding_window, attention_chunk):
             mask &= kv_pos[:, None, :] >= span_start(qp, sliding_window=sliding_window, attention_chunk=attention_chunk)[:, :, None]
         mask &= row_valid_rows[item_block][:, :, None] & item_valid[:, None, None]
