@@ -78,6 +78,8 @@ def prepare_handoff(request, export_kv: bool, handoff: KVHandoff | None, *, recu
         raise ValueError("a hybrid model's recurrent states are not handed off (prefill/decode disaggregation moves pages)")
     if request.params.n != 1 or request.params.prompt_logprobs is not None:
         raise ValueError("n > 1 and prompt_logprobs are not supported with prefill/decode disaggregation")
+    if request.images:
+        raise ValueError("prompts with images are not supported with prefill/decode disaggregation")
     request.export_kv = export_kv
     if handoff is None:
         return

@@ -206,7 +206,13 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
         if "messages" in body:
             if not isinstance(body["messages"], list):
                 raise ApiError("'messages' must be an array", param="messages")
-            ids = (await chat_prompt(body["messages"]))["prompt_token_ids"]
+            prompt = await chat_prompt(body["messages"])
+            if "prompt_token_ids" not in prompt:  # images: tokenized once their placeholders are expanded
+                try:
+                    prompt = {"prompt_token_ids": (await asyncio.to_thread(llm.engine.process, prompt, "messages"))[1]}
+                except ValueError as e:
+                    raise ApiError(str(e), param="messages") from None
+            ids = prompt["prompt_token_ids"]
         elif isinstance(body.get("prompt"), str):
             ids = await asyncio.to_thread(llm.tokenizer.encode, body["prompt"],
                                           add_special_tokens=body.get("add_special_tokens", True))

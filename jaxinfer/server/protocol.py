@@ -219,12 +219,13 @@ def parse_chat(body: Any, *, tool_parser: str = "hermes", defaults: dict | None 
             _check_tool_call_message(m, i)
             if content is None:
                 m["content"] = content = ""
-        if isinstance(content, list):  # OpenAI's content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise ApiError(f"messages[{i}].content: only text parts are supported", param="messages")
-            m["content"] = "".join(p["text"] for p in content)
+        if isinstance(content, list):  # OpenAI's content parts: text, and image_url for a vision model
+            for j, part in enumerate(content):
+                _check_content_part(part, f"messages[{i}].content[{j}]")
+            if all(part["type"] == "text" for part in content):
+                m["content"] = "".join(p["text"] for p in content)
         elif not isinstance(content, str):
-            raise ApiError(f"messages[{i}].content must be a string or an array of text parts", param="messages")
+            raise ApiError(f"messages[{i}].content must be a string or an array of content parts", param="messages")
     if body.get("top_logprobs") is not None and not body.get("logprobs"):
         raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
     logprobs = body.get("top_logprobs", 0) if body.get("logprobs") else None
@@ -234,6 +235,19 @@ def parse_chat(body: Any, *, tool_parser: str = "hermes", defaults: dict | None 
                               constraint=_constraint(body, forced), defaults=defaults)
     return Parsed([messages], params, bool(body.get("stream")), _stream_options(body), False, body.get("model"),
                   tools, tool_choice, tool_parser)
+
+
+def _check_content_part(part, where: str) -> None:
+    """A text part, or an image_url part whose url is a data: URI or an http(s) URL (a path is
+    never read from the server's disk; a URL only from a domain the server allows)."""
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return
+    if not (isinstance(part, dict) and part.get("type") == "image_url"):
+        raise ApiError(f"{where}: expected a text or an image_url part", param="messages")
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, dict) else image
+    if not isinstance(url, str) or not url.lower().startswith(("data:", "http://", "https://")):
+        raise ApiError(f"{where}: image_url.url must be a data: URI or an http(s) URL", param="messages")
 
 
 def _check_tool_call_message(m: dict, i: int) -> None:
