@@ -21,6 +21,11 @@ saved: a sequence's chunk ends at each position its state is to be saved at
 (`BlockManager.next_checkpoint`), and a prefix hit's saved state is copied into the sequence's
 slot before its first chunk (`SchedulerOutput.state_restores`).
 
+Images (jaxinfer.engine.multimodal): a chunk stops before an image the step's encoder budget
+(`max_num_encoder_input_tokens`, images already cached cost nothing) cannot take, and before an
+image attended both ways (Gemma 3) that would not end inside it; a chunk that would start there
+waits for a later step.
+
 Speculative decoding: a decoding sequence holding drafted tokens (`seq.draft`) contributes its
 newest token plus the drafts (what the budget leaves of them), and pages for all of them; such
 verification chunks do not count against `max_prefill_chunks` (they are short and have an
