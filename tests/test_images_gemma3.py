@@ -15,6 +15,7 @@ import torch
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.multimodal import PromptImage, prompt_key_ids
 from tiny_models import byte_tokenizer
 
 IMAGE = 32  # pixels per side, patches of 4: 8 x 8, pooled to 2 x 2 = 4 image tokens
@@ -177,3 +178,13 @@ def test_a_corrupt_image_fails_its_request_alone(llm):
     out = llm.generate({"prompt": "<start_of_image>ok", "multi_modal_data": {"image": picture(7)}},
                        SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_prefix_keys_of_image_tokens_come_from_the_image_hash():
+    """An image's tokens (256 for Gemma 3) stand as distinct negative ids derived from its hash in
+    the prefix-cache keys: the same image gives the same ids, another image other ids."""
+    a, b = (PromptImage(bytes([i]) * 16, 2, 256, np.zeros(1)) for i in (1, 2))
+    ids = prompt_key_ids([5] * 260, [a])
+    assert ids[:2] == [5, 5] and ids[258:] == [5, 5] and len(ids) == 260
+    assert all(k < 0 for k in ids[2:258]) and len(set(ids[2:258])) == 256
+    assert a.key_ids() == ids[2:258] and not set(b.key_ids()) & set(a.key_ids())

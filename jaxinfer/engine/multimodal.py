@@ -68,8 +68,9 @@ class PromptImage:
     def key_ids(self) -> list[int]:
         """Stand-ins for its tokens in prefix-cache keys: negative (never a token id), one per
         token, derived from the image's hash."""
-        digest = hashlib.blake2b(self.key, digest_size=4 * self.length).digest()
-        return [-1 - (v & 0x7FFFFFFF) for v in np.frombuffer(digest, "<u4").tolist()]
+        blocks = [hashlib.blake2b(self.key + b.to_bytes(4, "little"), digest_size=64).digest()  # 16 ids per block
+                  for b in range(-(-self.length // 16))]
+        return [-1 - (v & 0x7FFFFFFF) for v in np.frombuffer(b"".join(blocks), "<u4")[: self.length].tolist()]
 
 
 def prompt_key_ids(prompt_ids: Sequence[int], images: Sequence[PromptImage]) -> list[int]:
