@@ -278,7 +278,7 @@ GEMMA3_MULTIMODAL_NAMES = ArchNames(
 
 # Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration): a Qwen2 text decoder under Llama's names (transformers
 # 5 saves it so; model.language_model.* read so through checkpoints_conv.views); the vision tower
-# (visual.* or model.visual.*, jaxinfer.models.vision.qwen_vl) is skipped.
+# (visual.* or model.visual.*, jaxinfer.models.vision.qwen_vl) is skipped. Qwen3-VL's folders alike.
 QWEN2_5_VL_NAMES = replace(LLAMA_NAMES, ignored_prefixes=("visual.", "model.visual."))
 
 # OLMo 2 / 3: norms after each branch only; q/k norms over the whole projection.
@@ -402,6 +402,7 @@ HF_NAME_MAPS: dict[str, ArchNames] = {
     "gemma3_text": GEMMA_NAMES,
     "gemma3": GEMMA3_MULTIMODAL_NAMES,
     "qwen2_5_vl": QWEN2_5_VL_NAMES,
+    "qwen3_vl": QWEN2_5_VL_NAMES,  # Qwen3-VL: a Qwen3 decoder (q/k norms) under the same names
     "gemma4_text": GEMMA4_NAMES,
     "gemma4": GEMMA4_NAMES,
     "olmo2": OLMO_NAMES,

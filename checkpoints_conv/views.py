@@ -213,8 +213,8 @@ def gemma3_views(source: TensorSource, config: dict) -> TensorSource:
 
 
 def qwen2_5_vl_views(source: TensorSource, config: dict) -> TensorSource:
-    """Qwen2.5-VL folders that name the text decoder model.language_model.* (transformers 5's module
-    names) read under the names transformers saves (model.*); the vision tower is left as it is."""
+    """Qwen2.5-VL (and Qwen3-VL) folders that name the text decoder model.language_model.* (transformers
+    5's module names) read under the names transformers saves (model.*); the vision tower is left as it is."""
     renamed = {"model." + name[len("model.language_model."):]: name
                for name, _ in source.listing() if name.startswith("model.language_model.")}
     return source if not renamed else ViewSource(source, {}, set(renamed.values()), renamed)
@@ -481,7 +481,7 @@ def qwen3_next_views(source: TensorSource, config: dict) -> TensorSource:
 
 
 # HF model_type -> the views its checkpoints need
-VIEWS = {"gpt_oss": lambda source, config: gpt_oss_views(source), "phi3": phi3_views, "gemma3": gemma3_views, "qwen2_5_vl": qwen2_5_vl_views,
+VIEWS = {"gpt_oss": lambda source, config: gpt_oss_views(source), "phi3": phi3_views, "gemma3": gemma3_views, "qwen2_5_vl": qwen2_5_vl_views, "qwen3_vl": qwen2_5_vl_views,
          "glm4_moe": glm4_moe_views, "deepseek_v2": glm4_moe_views, "deepseek_v3": glm4_moe_views, "deepseek_v32": glm4_moe_views, "glm_moe_dsa": glm4_moe_views, "gemma4_text": gemma4_views, "gemma4": gemma4_views, **{model_type: llama4_views for model_type in QK_ROWS_REORDERED},
          **{model_type: qwen3_next_views for model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text",
                                                             "qwen3_5_moe")}}

@@ -13,6 +13,7 @@ Supported families and what distinguishes them:
 | qwen2      | yes       | no     | no          | Qwen2 / 2.5; optional sliding window    |
 | qwen2_5_vl | yes       | no     | no          | Qwen2.5-VL's text decoder: Qwen2 with M-RoPE (mrope_section) |
 | qwen3      | attention_bias | attention_bias | yes | explicit head_dim                  |
+| qwen3_vl   | attention_bias | attention_bias | yes | Qwen3-VL's text decoder: Qwen3 with interleaved M-RoPE |
 | mixtral    | no        | no     | no          | MoE: num_local_experts, top-k renormalised |
 | qwen2_moe  | qkv_bias (yes) | no | no          | MoE + a shared expert behind a sigmoid gate |
 | qwen3_moe  | attention_bias | attention_bias | yes | MoE                                |
@@ -25,6 +26,8 @@ sparse layers (`decoder_sparse_step` > 1, `mlp_only_layers`) are refused.
 Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`) runs its text decoder here: `text_config`
 (transformers 5) or the top-level fields (the released configs), the rope's `mrope_section` kept as
 `ModelConfig.mrope_section` (jaxinfer.models.mrope); its vision tower is jaxinfer.models.vision.qwen_vl.
+Qwen3-VL (`Qwen3VLForConditionalGeneration`) likewise, its sections interleaved
+(`ModelConfig.mrope_interleaved`); its vision tower (and deepstack) is jaxinfer.models.vision.qwen3_vl.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from typing import Any
 
 from checkpoints_conv.views import gemma4_layer_plan
 
-LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "qwen2_5_vl")
+LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "qwen2_5_vl",
+                     "qwen3_vl")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "minimax_m2", "glm4_moe", "llama4_text", "llama4",
                    "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
 # multi-head latent attention (jaxinfer.models.deepseek); the last two with DeepSeek sparse attention
@@ -62,6 +66,7 @@ _ARCHITECTURE_TO_MODEL_TYPE = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -181,6 +186,7 @@ class ModelConfig:
     # M-RoPE (Qwen2.5-VL): the rotary frequencies in sections (temporal, height, width) of these sizes,
     # summing to rope_dim // 2, each turned by its own position (jaxinfer.models.mrope); None: plain RoPE
     mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False  # Qwen3-VL: frequency i turns by position i % 3 (within the h / w sections' reach)
     attention_scale: float | None = None  # the score scale (Gemma: query_pre_attn_scalar ** -0.5); None: D ** -0.5
     attn_logit_softcap: float | None = None  # scores become cap * tanh(s / cap) (Gemma 2)
     final_logit_softcap: float | None = None  # logits likewise
@@ -337,9 +343,9 @@ class ModelConfig:
                     f"architectures={archs!r}; jaxinfer supports model_type in {SUPPORTED_MODEL_TYPES}"
                 )
 
-        if (model_type in ("gemma3", "llama4", "gemma4", "qwen3_5", "qwen3_5_moe", "qwen2_5_vl")
+        if (model_type in ("gemma3", "llama4", "gemma4", "qwen3_5", "qwen3_5_moe", "qwen2_5_vl", "qwen3_vl")
                 and isinstance(d.get("text_config"), dict)):
-            # Gemma 3's, Llama 4's, Qwen2.5-VL's multimodal folders: the text decoder's config nests in text_config
+            # Gemma 3's, Llama 4's, Qwen2.5-VL's, Qwen3-VL's multimodal folders: the text decoder's config nests in text_config
             # (the vision tower is not run here; the checkpoint's vision tensors are skipped)
             top = {k: d[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in d}
             d = {**d["text_config"], **top, "model_type": model_type}
@@ -372,13 +378,13 @@ class ModelConfig:
         num_layers = int(need("num_hidden_layers"))
 
         mrope_section = None
-        if model_type == "qwen2_5_vl":  # M-RoPE: its sections beside an otherwise default rope ("mrope" in older configs)
-            d, mrope_section = _pop_mrope_section(d)
+        if model_type in ("qwen2_5_vl", "qwen3_vl"):  # M-RoPE: its sections beside an otherwise default rope
+            d, mrope_section = _pop_mrope_section(d, default=(16, 24, 24) if model_type == "qwen2_5_vl" else (24, 20, 20))
         rope_theta, rope_scaling, rotary_factor, local_rope = _parse_rope(d, source)
         attention_bias = bool(d.get("attention_bias", False))
         qkv_bias = {"qwen2": True, "qwen2_5_vl": True, "mistral": False, "mixtral": False, "qwen2_moe": bool(d.get("qkv_bias", True)),
                     "phi3": False, **{t: False for t in GEMMA_MODEL_TYPES}}.get(model_type, attention_bias)
-        o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_moe", "smollm3", "olmo2", "olmo3", "gpt_oss", "llama4_text",
+        o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_vl", "qwen3_moe", "smollm3", "olmo2", "olmo3", "gpt_oss", "llama4_text",
                                                   "llama4") else False
         moe = _parse_moe(d, model_type, source) if model_type in MOE_MODEL_TYPES else {}
         family = _FAMILY_FIELDS.get(model_type, lambda d: {})(d)
@@ -398,14 +404,14 @@ class ModelConfig:
                 raise ConfigError(f"{source}: layer_types has chunked_attention layers but attention_chunk_size={chunk_size!r}")
             if "sliding_attention" in layer_types and not sliding_window:
                 raise ConfigError(f"{source}: layer_types has sliding_attention layers but sliding_window={sliding_window!r}")
-            if model_type in ("qwen2", "qwen2_5_vl", "qwen3", "qwen2_moe", "qwen3_moe", "mistral") and len(set(layer_types)) > 1:
+            if model_type in ("qwen2", "qwen2_5_vl", "qwen3", "qwen3_vl", "qwen2_moe", "qwen3_moe", "mistral") and len(set(layer_types)) > 1:
                 raise ConfigError(f"{source}: layer_types mixes {sorted(set(layer_types))}; a {model_type} model with "
                                   "per-layer attention kinds is not supported")
             if set(layer_types) == {"full_attention"}:
                 sliding_window, layer_types = None, ()
             elif set(layer_types) == {"sliding_attention"}:
                 layer_types = ()
-        elif model_type in ("qwen2", "qwen2_5_vl", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3") and not d.get("use_sliding_window", False):
+        elif model_type in ("qwen2", "qwen2_5_vl", "qwen3", "qwen3_vl", "qwen2_moe", "qwen3_moe", "smollm3") and not d.get("use_sliding_window", False):
             sliding_window = None
 
         if local_rope is not None and not has_sliding_layers:
@@ -429,7 +435,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=(model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "gemma4_text", "gemma4", "olmo2", "olmo3",
+            qk_norm=(model_type in ("qwen3", "qwen3_vl", "qwen3_moe", "gemma3_text", "gemma3", "gemma4_text", "gemma4", "olmo2", "olmo3",
                                     "minimax_m2", *LINEAR_ATTENTION_MODEL_TYPES)
                      or (model_type == "glm4_moe" and bool(d.get("use_qk_norm", False)))),
             sliding_window=int(sliding_window) if sliding_window else None,
@@ -440,6 +446,7 @@ class ModelConfig:
             local_rope_scaling=local_rope[1] if local_rope else RopeScaling(),
             rotary_dim=int(head_dim * rotary_factor) if rotary_factor != 1.0 else 0,
             mrope_section=mrope_section,
+            mrope_interleaved=model_type == "qwen3_vl",  # (transformers 5 interleaves whatever mrope_interleaved says)
             hidden_act=hidden_act,
             **moe,
             **family,
@@ -869,21 +876,23 @@ def _optional_float(x) -> float | None:
     return None if x is None else float(x)
 
 
-def _pop_mrope_section(d: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
+def _pop_mrope_section(d: dict[str, Any], default: tuple[int, ...]) -> tuple[dict[str, Any], tuple[int, ...]]:
     """(d without M-RoPE's marks, mrope_section) from `rope_parameters` (transformers 5) or
-    `rope_scaling` (the released configs: {"type": "mrope", "mrope_section": [16, 24, 24]}); a
-    Qwen2.5-VL config without one has transformers' default, [16, 24, 24]."""
+    `rope_scaling` (the released configs: {"type": "mrope", "mrope_section": [16, 24, 24]}; Qwen3-VL's
+    {"mrope_interleaved": true, "mrope_section": [24, 20, 20]}); a config without one has
+    transformers' `default` (Qwen2.5-VL [16, 24, 24], Qwen3-VL [24, 20, 20])."""
     section, d = None, dict(d)
     for key in ("rope_scaling", "rope_parameters"):  # (the latter wins, as in _parse_rope)
         spec = d.get(key)
         if isinstance(spec, dict) and ("mrope_section" in spec or "mrope" in (spec.get("rope_type"), spec.get("type"))):
             spec = dict(spec)
             section = spec.pop("mrope_section", section)
+            spec.pop("mrope_interleaved", None)
             for name in ("rope_type", "type"):
                 if spec.get(name) == "mrope":  # M-RoPE over otherwise default frequencies
                     spec[name] = "default"
             d[key] = spec
-    return d, tuple(int(x) for x in (section or (16, 24, 24)))  # (transformers' default)
+    return d, tuple(int(x) for x in (section or default))
 
 
 def _parse_rope(d: dict[str, Any], source: str):

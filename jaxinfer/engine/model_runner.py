@@ -208,10 +208,11 @@ class ModelRunner:
         page_sizes = [self.page_size * f for f in self.kv_page_factors]  # each group's tokens per page
         # images only in steps where some chunk reaches image tokens (the others run the text variant)
         chunks_of_step = [s.chunk for chunks in scheduled for s in chunks]
-        mm_width = max((rows.shape[1] for c in chunks_of_step for _, rows in c.mm_rows), default=0)
+        mm_width = max((rows.shape[1] for c in chunks_of_step for _, rows, _ in c.mm_rows), default=0)
+        mm_deepstack = max((len(ds) for c in chunks_of_step for _, _, ds in c.mm_rows if ds is not None), default=0)
         span_end = any(c.span_ends for c in chunks_of_step)
         packed = [pack_batch([s.chunk for s in chunks], self.buckets, page_sizes, key, with_lora=with_lora,
-                             with_hidden=with_hidden, mm_width=mm_width, with_span_end=span_end,
+                             with_hidden=with_hidden, mm_width=mm_width, mm_deepstack=mm_deepstack, with_span_end=span_end,
                              with_rope_positions=self.with_rope_positions) for chunks in scheduled]
         rows_of_chunk = [rows for _, _, rows in packed]
         for chunks, (_, replica_batch, replica_rows) in zip(scheduled, packed):

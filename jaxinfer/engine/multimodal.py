@@ -7,7 +7,7 @@ encoder runs once per image, and each step's image tokens read their encoder row
    decoded and preprocessed by the folder's image processor (numpy / Pillow); each image
    placeholder the prompt text holds (the chat template writes one per image content part) is
    expanded as transformers' processor does (Gemma 3: "\\n\\n<start_of_image>" + 256 soft tokens
-   + "<end_of_image>\\n\\n"; Qwen2.5-VL: one <|image_pad|> per merged patch), then tokenized. Each
+   + "<end_of_image>\\n\\n"; Qwen2.5-VL, Qwen3-VL: one <|image_pad|> per merged patch), then tokenized. Each
    image's run of image tokens becomes a `PromptImage`: where it sits in the prompt, how many
    tokens, its pixels and a content hash.
 2. The scheduler never cuts an image a model attends both ways (Gemma 3) across two chunks, and
@@ -16,8 +16,9 @@ encoder runs once per image, and each step's image tokens read their encoder row
 3. `ImageEncoder` runs the vision tower for the images a step's chunks reach that its cache does
    not hold (`EncoderCache`: by content hash, LRU, bounded in rows) and gives each chunk the rows
    of its image tokens (`chunk_inputs`), which the step scatters over their embeddings
-   (RaggedBatch.mm_embeds / mm_mask); with bidirectional images each image token's query also
-   sees up to its image's last position (RaggedBatch.span_end).
+   (RaggedBatch.mm_embeds / mm_mask); Qwen3-VL's deepstack rows too, which the first decoder
+   layers add to those tokens (RaggedBatch.mm_deepstack); with bidirectional images each image
+   token's query also sees up to its image's last position (RaggedBatch.span_end).
 4. Prefix caching keys a page by token ids; image tokens are all the same id, so the key of each
    image token is derived from its image's hash instead (`PromptImage.key_ids`): two prompts
    share cached pages only where their images are the same.
@@ -40,14 +41,17 @@ import numpy as np
 
 from jaxinfer.models.mrope import mrope_positions
 from jaxinfer.models.vision import (image_features, load_gemma3_vision, load_image_processor, load_qwen2_5_vl_vision,
-                                    load_qwen_image_processor, preprocess_images, preprocess_qwen_images, qwen_vl)
+                                    load_qwen3_vl_vision, load_qwen_image_processor, preprocess_images,
+                                    preprocess_qwen_images, qwen3_vl, qwen_vl)
 from jaxinfer.models.vision.preprocess import describe, load_image
 
 # An image over this many pixels is refused before preprocessing (Pillow warns past ~89 M).
 MAX_IMAGE_PIXELS = 50_000_000
 MAX_IMAGES_PER_PROMPT = 16  # default of LLM(limit_mm_per_prompt={"image": N})
 
-SUPPORTED = {"gemma3": "Gemma3ForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+SUPPORTED = {"gemma3": "Gemma3ForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+             "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+MROPE_KINDS = ("qwen2_5_vl", "qwen3_vl")  # the Qwen VL models: patch grids, <|image_pad|> per merged patch, M-RoPE
 
 
 @dataclasses.dataclass(eq=False)
@@ -57,8 +61,8 @@ class PromptImage:
     key: bytes  # content hash of the preprocessed pixels (and grid)
     offset: int  # position of its first image token in the prompt
     length: int  # image tokens = rows the encoder gives
-    pixels: np.ndarray  # Gemma 3: [3, H, W]; Qwen2.5-VL: [t*h*w, C*T*P*P] patches
-    grid: tuple[int, int, int] | None = None  # Qwen2.5-VL: (t, h, w) patches
+    pixels: np.ndarray  # Gemma 3: [3, H, W]; Qwen2.5-VL, Qwen3-VL: [t*h*w, C*T*P*P] patches
+    grid: tuple[int, int, int] | None = None  # Qwen2.5-VL, Qwen3-VL: (t, h, w) patches
     both_ways: bool = False  # its tokens attend to each other in both directions (Gemma 3)
 
     @property
@@ -115,7 +119,7 @@ class PromptImages:
             self.placeholder = boi  # what the chat template writes per image
             self.expansion = lambda grid: f"\n\n{boi}{token(self.image_token_id) * self.tokens_per_image}{eoi}\n\n"  # noqa: E731
             self.both_ways = True
-        elif kind == "qwen2_5_vl":
+        elif kind in MROPE_KINDS:
             self.processor = load_qwen_image_processor(folder)
             self.image_token_id = int(hf_config.get("image_token_id", 151655))
             self.placeholder = token(self.image_token_id)  # <|image_pad|>
@@ -213,7 +217,7 @@ class PromptImages:
         prompt_images = [PromptImage(_image_hash(pixels, grid), start, n, pixels, grid, self.both_ways)
                          for (start, n), (pixels, grid) in zip(runs, processed)]
         rope = None
-        if self.kind == "qwen2_5_vl":
+        if self.kind in MROPE_KINDS:
             rope, _ = mrope_positions(ids, [image.grid for image in prompt_images], image_token_id=self.image_token_id,
                                       spatial_merge_size=self.merge)
         return ids, prompt_images, rope
@@ -240,12 +244,21 @@ def _runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
     return runs
 
 
+Encoded = tuple[np.ndarray, "np.ndarray | None"]  # an image's rows [n, H] and deepstack rows [K, n, H] (Qwen3-VL) or None
+
+
+def _num_rows(entry: Encoded) -> int:
+    rows, deepstack = entry
+    return len(rows) * (1 + (0 if deepstack is None else len(deepstack)))
+
+
 class EncoderCache:
-    """Encoder outputs by image hash, least recently used first out, at most `max_rows` rows."""
+    """Encoder outputs by image hash, least recently used first out, at most `max_rows` rows
+    (deepstack rows counted too)."""
 
     def __init__(self, max_rows: int):
         self.max_rows = max_rows
-        self._rows: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
+        self._rows: collections.OrderedDict[bytes, Encoded] = collections.OrderedDict()
         self._size = 0
         self.hits = self.misses = 0
         self._lock = threading.Lock()
@@ -253,51 +266,57 @@ class EncoderCache:
     def __contains__(self, key: bytes) -> bool:
         return key in self._rows
 
-    def get(self, key: bytes) -> np.ndarray | None:
+    def get(self, key: bytes) -> Encoded | None:
         with self._lock:
             rows = self._rows.get(key)
             if rows is not None:
                 self._rows.move_to_end(key)
             return rows
 
-    def put(self, key: bytes, rows: np.ndarray) -> None:
+    def put(self, key: bytes, entry: Encoded) -> None:
         with self._lock:
             if key in self._rows:
                 return
-            self._rows[key] = rows
-            self._size += len(rows)
+            self._rows[key] = entry
+            self._size += _num_rows(entry)
             while self._size > self.max_rows and len(self._rows) > 1:
                 _, dropped = self._rows.popitem(last=False)
-                self._size -= len(dropped)
+                self._size -= _num_rows(dropped)
 
 
 class ImageEncoder:
     """The vision tower of a model folder, run once per image (its rows cached by content hash)."""
 
+    LOADERS = {"gemma3": load_gemma3_vision, "qwen2_5_vl": load_qwen2_5_vl_vision, "qwen3_vl": load_qwen3_vl_vision}
+
     def __init__(self, kind: str, folder: Path, *, param_dtype, cache_rows: int):
         self.kind = kind
-        self.model = (load_gemma3_vision(folder, param_dtype=param_dtype) if kind == "gemma3"
-                      else load_qwen2_5_vl_vision(folder, param_dtype=param_dtype))
+        self.model = self.LOADERS[kind](folder, param_dtype=param_dtype)
         self.cache = EncoderCache(cache_rows)
         self.images_encoded = 0
 
-    def rows(self, image: PromptImage) -> np.ndarray:
-        """Its encoder rows [length, H] float32 (computed now unless cached)."""
-        rows = self.cache.get(image.key)
-        if rows is not None:
+    def encode(self, image: PromptImage) -> Encoded:
+        """Its encoder rows [length, H] float32 and (Qwen3-VL) deepstack rows [K, length, H], else
+        None (computed now unless cached)."""
+        entry = self.cache.get(image.key)
+        if entry is not None:
             self.cache.hits += 1
-            return rows
+            return entry
         self.cache.misses += 1
+        deepstack = None
         if self.kind == "gemma3":
             out = image_features(self.model, image.pixels[None])[0]  # [tokens, H]
+        elif self.kind == "qwen3_vl":
+            out, deepstack = qwen3_vl.image_features(self.model, image.pixels, np.asarray([image.grid]))
+            deepstack = np.asarray(deepstack, np.float32)
         else:
             out = qwen_vl.image_features(self.model, image.pixels, np.asarray([image.grid]))
         rows = np.asarray(out, np.float32)
         if rows.shape[0] != image.length:
             raise ValueError(f"the encoder gave {rows.shape[0]} rows for an image of {image.length} tokens")
         self.images_encoded += 1
-        self.cache.put(image.key, rows)
-        return rows
+        self.cache.put(image.key, (rows, deepstack))
+        return rows, deepstack
 
 
 @dataclasses.dataclass
@@ -305,7 +324,7 @@ class MultiModalInputs:
     """A processed prompt's images (PromptImages.process), as the Request keeps them."""
 
     images: list[PromptImage]
-    rope_positions: np.ndarray | None = None  # [3, prompt length]: M-RoPE positions (Qwen2.5-VL), else None
+    rope_positions: np.ndarray | None = None  # [3, prompt length]: M-RoPE positions (Qwen2.5-VL, Qwen3-VL), else None
     rope_delta: int = 0  # generated tokens' M-RoPE position - their position
 
 
@@ -313,7 +332,8 @@ class MultiModalInputs:
 class ChunkImageInputs:
     """What a chunk's image tokens bring to the step (batch.SequenceChunk's fields of the same names)."""
 
-    mm_rows: list[tuple[int, np.ndarray]]  # (offset in the chunk, rows [k, H]) per image piece
+    # (offset in the chunk, rows [k, H], deepstack rows [K, k, H] or None) per image piece
+    mm_rows: list[tuple[int, np.ndarray, np.ndarray | None]]
     span_ends: list[tuple[int, int, int]]  # (first offset, end offset, last position seen) per both-ways piece
 
 
@@ -325,7 +345,9 @@ def chunk_inputs(images: Sequence[PromptImage], start: int, num_tokens: int, enc
         lo, hi = max(start, image.offset), min(end, image.end)
         if lo >= hi:
             continue
-        rows.append((lo - start, encoder.rows(image)[lo - image.offset : hi - image.offset]))
+        image_rows, deepstack = encoder.encode(image)
+        piece = slice(lo - image.offset, hi - image.offset)
+        rows.append((lo - start, image_rows[piece], None if deepstack is None else deepstack[:, piece]))
         if image.both_ways:
             spans.append((lo - start, hi - start, image.end - 1))
     return ChunkImageInputs(rows, spans) if rows else None
@@ -342,7 +364,8 @@ def chunk_rope_positions(prompt_rope: np.ndarray, delta: int, start: int, num_to
 
 
 def attach_image_inputs(chunk, request, start: int, num_tokens: int, encoder: ImageEncoder | None) -> None:
-    """Sets a SequenceChunk's image rows, both-ways spans and M-RoPE positions from its request's images."""
+    """Sets a SequenceChunk's image rows (with their deepstack rows), both-ways spans and M-RoPE
+    positions from its request's images."""
     if request.images:
         inputs = chunk_inputs(request.images, start, num_tokens, encoder)
         if inputs is not None:

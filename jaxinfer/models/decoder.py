@@ -249,7 +249,9 @@ class Decoder(nnx.Module):
         return self._embed(token_ids)
 
     def run_layers(self, step: StepInputs, carry):
-        """carry = (hidden, residual, pool) through every layer (the period loop of the module docstring)."""
+        """carry = (hidden, residual, pool) through every layer (the period loop of the module docstring);
+        with `batch.mm_deepstack` [K, T, H] (Qwen3-VL's deepstack) layer j < K's output at the image
+        tokens gains row j (added to hidden: the stream is hidden + residual)."""
         c, groups = self.config, self.kv_groups
         stacked = self.layers.stacked()
         # what a layer's code specialises on: its attention kind, its KV group, which stacks hold its
@@ -264,12 +266,19 @@ class Decoder(nnx.Module):
         slot_of_layer = jnp.asarray(groups.slot_of_layer, jnp.int32)
         slots = {name: jnp.asarray(stack_slots(c, f"layers.{name}"), jnp.int32) for name in stacked}  # [L] each
         lora = self.lora.stacked() if step.lora_slot is not None else None
+        deepstack = step.batch.mm_deepstack  # [K, T, H] or None (Qwen3-VL's image steps)
 
         def layer(i, static, carry):  # layer i (traced in the loop), its static facts
             kind, group, names, shared = static
             w = {base: jax.tree.map(lambda a: a[slots[name][i]], stacked[name]) for base, name in names}  # layer i's weights
             lw = {name: a[i] for name, a in lora.items()} if lora is not None else None  # [N, ...] each
-            return self.block(step, LayerRef(i, group, slot_of_layer[i], shared), kind, w, lw, *carry)
+            carry = self.block(step, LayerRef(i, group, slot_of_layer[i], shared), kind, w, lw, *carry)
+            if deepstack is not None:  # after layer i < K, the image tokens' stream gains deepstack row i
+                hidden = carry[0]
+                row = jax.lax.dynamic_index_in_dim(deepstack, jnp.minimum(i, deepstack.shape[0] - 1), keepdims=False)  # [T, H]
+                add = (i < deepstack.shape[0]) & step.batch.mm_mask[:, None]  # [T, 1]
+                carry = (jnp.where(add, hidden + row.astype(hidden.dtype), hidden), *carry[1:])
+            return carry
 
         def run(start, end, carry):  # layers start..end-1: a loop over their period, the rest unrolled
             run_statics = statics[start:end]

@@ -1,12 +1,14 @@
-"""M-RoPE, the multimodal rotary position embedding of Qwen2.5-VL's text decoder.
+"""M-RoPE, the multimodal rotary position embedding of Qwen2.5-VL's and Qwen3-VL's text decoders.
 
 Each token has three positions, (temporal, height, width), rather than one. RoPE's rope_dim / 2
 frequencies are cut into consecutive sections of `ModelConfig.mrope_section` sizes (Qwen2.5-VL:
-[16, 24, 24] of 64): a frequency in section j turns by the token's position j (`section_of_frequency`;
-`models.rope` builds the tables). A text token's three positions are equal, so on text alone
-M-RoPE is plain RoPE.
+[16, 24, 24] of 64): a frequency in section j turns by the token's position j; Qwen3-VL
+interleaves them (`ModelConfig.mrope_interleaved`, [24, 20, 20] of 64: t h w t h w ... then t),
+see `section_of_frequency`; `models.rope` builds the tables. A text token's three positions are
+equal, so on text alone M-RoPE is plain RoPE.
 
-A prompt's positions (`mrope_positions`, transformers' `get_rope_index` for images):
+A prompt's positions (`mrope_positions`, transformers' `get_rope_index` for images, the same for
+Qwen2.5-VL and Qwen3-VL: an image is one frame, t = 1):
 
 - text tokens count on one by one from the position after what came before;
 - an image whose patch grid is (t, h, w), its patches merged in spatial_merge_size^2 blocks, is
@@ -26,10 +28,18 @@ from typing import Sequence
 import numpy as np
 
 
-def section_of_frequency(mrope_section: Sequence[int]) -> np.ndarray:
-    """[sum(mrope_section)] int32: which of the (t, h, w) positions turns each frequency (as
-    transformers: section j reads position j % 3)."""
-    return np.repeat(np.arange(len(mrope_section)) % 3, mrope_section).astype(np.int32)
+def section_of_frequency(mrope_section: Sequence[int], interleaved: bool = False) -> np.ndarray:
+    """[sum(mrope_section)] int32: which of the (t, h, w) positions turns each frequency, as
+    transformers: consecutive sections (section j reads position j % 3) or, `interleaved`
+    (Qwen3-VL), frequency i reads h when i % 3 == 1 and i < 3 * mrope_section[1], w when
+    i % 3 == 2 and i < 3 * mrope_section[2], else t (t h w t h w ... t t)."""
+    if not interleaved:
+        return np.repeat(np.arange(len(mrope_section)) % 3, mrope_section).astype(np.int32)
+    i = np.arange(sum(mrope_section))
+    rows = np.zeros(len(i), np.int32)
+    for axis in (1, 2):
+        rows[(i % 3 == axis) & (i < 3 * mrope_section[axis])] = axis
+    return rows
 
 
 def mrope_positions(token_ids: Sequence[int], image_grid_thw: Sequence[tuple[int, int, int]], *,

@@ -24,6 +24,7 @@ MODEL_CLASSES: dict[str, type[Decoder]] = {
     **{t: LlamaForCausalLM for t in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3",
                                                "phi3")},
     "qwen2_5_vl": LlamaForCausalLM,  # Qwen2.5-VL's text decoder (Qwen2 with M-RoPE: models.mrope)
+    "qwen3_vl": LlamaForCausalLM,  # Qwen3-VL's text decoder (Qwen3 with interleaved M-RoPE; deepstack: models.decoder)
     "gemma2": GemmaForCausalLM,
     "gemma3_text": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,  # a multimodal folder's text decoder

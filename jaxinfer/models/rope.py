@@ -21,10 +21,11 @@ Scalings, as transformers computes them (frequencies in float64 on the host, the
   original_max_position_embeddings and the long ones past it (per sequence, from `seq_lens`),
   cos / sin scaled by sqrt(1 + ln(factor) / ln(original)).
 
-M-RoPE (Qwen2.5-VL, `ModelConfig.mrope_section`; jaxinfer.models.mrope): given a step's
-`rope_positions` [3, T] (temporal, height, width per token), frequency i of a section j takes its
-angle from rope_positions[j] rather than `positions`, as transformers' recomposition of the
-(t, h, w) frequencies does; without them (text only, the three positions equal) `positions` rotate.
+M-RoPE (Qwen2.5-VL, Qwen3-VL: `ModelConfig.mrope_section`, `mrope_interleaved`; jaxinfer.models.mrope):
+given a step's `rope_positions` [3, T] (temporal, height, width per token), frequency i takes its
+angle from the row of rope_positions its section names rather than from `positions`, as
+transformers' recomposition of the (t, h, w) frequencies does; without them (text only, the three
+positions equal) `positions` rotate.
 
 Partial rotary embeddings (`ModelConfig.rotary_dim` < head_dim) give tables of rotary_dim
 columns; `pallas_kernels.rope_kv_write.apply_rope` turns the first rotary_dim dims of each head
@@ -111,7 +112,8 @@ def _longrope_scale(rs: RopeScaling) -> float:
 
 
 def cos_sin(theta: float, rs: RopeScaling, dim: int, positions: jax.Array, seq_lens: jax.Array,
-            rope_positions: jax.Array | None = None, mrope_section: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
+            rope_positions: jax.Array | None = None, mrope_section: tuple[int, ...] | None = None,
+            mrope_interleaved: bool = False) -> tuple[jax.Array, jax.Array]:
     """cos, sin [T, dim] (float32) for token positions [T]; seq_lens [T] is each token's sequence
     length after this step (read by dynamic NTK and longrope). With `rope_positions` [3, T] and
     `mrope_section`, each frequency's angle comes from its section's row (M-RoPE)."""
@@ -129,7 +131,7 @@ def cos_sin(theta: float, rs: RopeScaling, dim: int, positions: jax.Array, seq_l
     else:
         inv_t = jnp.asarray(inv, jnp.float32)[None, :]
     if rope_positions is not None and mrope_section is not None:  # each frequency's position: its section's
-        angle_pos = rope_positions[section_of_frequency(mrope_section)].T.astype(jnp.float32)  # [T, dim/2]
+        angle_pos = rope_positions[section_of_frequency(mrope_section, mrope_interleaved)].T.astype(jnp.float32)  # [T, dim/2]
     else:
         angle_pos = positions.astype(jnp.float32)[:, None]  # [T, 1]
     freqs = angle_pos * inv_t  # [T, dim/2]
@@ -145,7 +147,7 @@ def rope_tables(config: ModelConfig, positions: jax.Array, seq_lens: jax.Array,
     the config has an `mrope_section`."""
     c = config
     dims = {kind.rope: c.rotary_dim or c.kind_head_dim(kind) for kind in c.layer_kinds()}
-    mrope = (rope_positions, c.mrope_section)
+    mrope = (rope_positions, c.mrope_section, c.mrope_interleaved)
     tables = {}
     if "global" in dims:
         tables["global"] = cos_sin(c.rope_theta, c.rope_scaling, dims["global"], positions, seq_lens, *mrope)

@@ -27,6 +27,8 @@ buckets, so the step compiles once per bucket.
     mm_embeds       [T, H]           optional (steps holding image tokens): the input row of each
                                      token whose `mm_mask` is set, in place of its id's embedding
     mm_mask         [T]              optional: the token's input is its `mm_embeds` row
+    mm_deepstack    [K, T, H]        optional (Qwen3-VL's deepstack): added to the `mm_mask`
+                                     tokens' residual stream after decoder layer j < K (row j)
     span_end        [T]              optional (images attended both ways: Gemma 3): the last
                                      position the token's query sees (its own position, or its
                                      image's last one)
@@ -63,6 +65,7 @@ class RaggedBatch:
     rope_positions: jax.Array | None = None  # [3, T] int32: M-RoPE positions (t, h, w) per token; None: positions
     mm_embeds: jax.Array | None = None  # [T, H]: image-token input rows (steps holding image tokens)
     mm_mask: jax.Array | None = None  # [T] bool: the token reads its mm_embeds row
+    mm_deepstack: jax.Array | None = None  # [K, T, H]: image tokens' stream += row j after layer j (Qwen3-VL)
     span_end: jax.Array | None = None  # [T] int32: last key position its query sees (bidirectional images)
 
 
@@ -86,9 +89,10 @@ class SequenceChunk:
     # per group, the index in the full row where `pages` starts (the entries before are the scratch
     # page: a sliding group's pages behind its window, given back); () = every row from 0
     page_offsets: Sequence[int] = ()
-    # image tokens (jaxinfer.engine.multimodal): (offset, rows [k, H]) - tokens offset .. offset + k
-    # read those rows instead of their ids' embeddings
-    mm_rows: Sequence[tuple[int, np.ndarray]] = ()
+    # image tokens (jaxinfer.engine.multimodal): (offset, rows [n, H], deepstack [K, n, H] or None) -
+    # tokens offset .. offset + n read those rows instead of their ids' embeddings (and, with
+    # deepstack, add row j to their stream after decoder layer j: Qwen3-VL)
+    mm_rows: Sequence[tuple[int, np.ndarray, np.ndarray | None]] = ()
     # (first offset, end offset, position): those tokens' queries see up to that position (their
     # image's last: images attended both ways)
     span_ends: Sequence[tuple[int, int, int]] = ()
@@ -255,13 +259,14 @@ def stack_replicas(batches: Sequence[RaggedBatch]) -> RaggedBatch:
 
 def pack_batch(
     chunks: Sequence[SequenceChunk], buckets: Buckets, page_size: int | Sequence[int], key: BucketKey | None = None, *,
-    with_lora: bool = False, with_hidden: bool | None = None, mm_width: int = 0, with_span_end: bool = False,
-    with_rope_positions: bool = False,
+    with_lora: bool = False, with_hidden: bool | None = None, mm_width: int = 0, mm_deepstack: int = 0,
+    with_span_end: bool = False, with_rope_positions: bool = False,
 ) -> tuple[BucketKey, RaggedBatch, list[list[int]]]:
     """Flattens chunks into a padded RaggedBatch (numpy arrays), in the bucket `key` (default:
     the smallest that holds them); `with_lora`: with each sequence's LoRA slot (`lora_slots`);
     `with_hidden`: with each token's `hidden_src` (default: when some chunk has them);
     `mm_width` > 0: with image rows of that width (`mm_embeds`, `mm_mask`: chunks' `mm_rows`);
+    `mm_deepstack` > 0: with that many deepstack rows per image token (`mm_deepstack`: theirs);
     `with_span_end`: with each query's last visible position (`span_end`: chunks' `span_ends`);
     `with_rope_positions`: with M-RoPE positions (`rope_positions`).
     page_size: tokens per page, or per KV layer group (groups of another shape: jaxinfer.kv_groups).
@@ -296,6 +301,7 @@ def pack_batch(
     if mm_width:
         mm_embeds = np.zeros((T, mm_width), np.float32)
         mm_mask = np.zeros(T, bool)
+        deepstack = np.zeros((mm_deepstack, T, mm_width), np.float32)
     rope_positions = np.zeros((3, T), np.int32)
 
     t = r = 0
@@ -322,9 +328,14 @@ def pack_batch(
         rope_positions[:, t : t + n] = positions[t : t + n] if c.rope_positions is None else c.rope_positions
         if c.mm_rows and not mm_width:
             raise ValueError(f"sequence slot {s}: image rows in a batch packed without them (mm_width=0)")
-        for off, rows in c.mm_rows:
+        for off, rows, rows_deepstack in c.mm_rows:
             mm_embeds[t + off : t + off + len(rows)] = rows
             mm_mask[t + off : t + off + len(rows)] = True
+            if (rows_deepstack is None) != (mm_deepstack == 0):
+                raise ValueError(f"sequence slot {s}: image rows {'without' if rows_deepstack is None else 'with'} deepstack "
+                                 f"rows in a batch packed with mm_deepstack={mm_deepstack}")
+            if rows_deepstack is not None:
+                deepstack[:, t + off : t + off + len(rows)] = rows_deepstack
         cu_q_lens[s + 1] = t + n
         kv_lens[s] = end
         state_slots[s] = c.state_slot
@@ -355,6 +366,8 @@ def pack_batch(
         batch.rope_positions = rope_positions
     if mm_width:
         batch.mm_embeds, batch.mm_mask = mm_embeds, mm_mask
+        if mm_deepstack:
+            batch.mm_deepstack = deepstack
     if with_span_end:
         span_end = positions.copy()
         for s, c in enumerate(chunks):

@@ -7,10 +7,14 @@
 - `qwen_vl`: Qwen2.5-VL's vision transformer and patch merger (`load_qwen2_5_vl_vision`;
   `qwen_vl.image_features`: pixel_values [sum t*h*w, C*T*P*P], image_grid_thw [N, 3] ->
   [sum t*h*w / merge**2, out_hidden_size]) and its Qwen2VLImageProcessor preprocessing
-  (`preprocess_qwen_images`).
+  (`preprocess_qwen_images`);
+- `qwen3_vl`: Qwen3-VL's vision transformer, patch merger and deepstack mergers
+  (`load_qwen3_vl_vision`; `qwen3_vl.image_features`: the same inputs -> ([n, out_hidden_size],
+  deepstack [K, n, out_hidden_size])), preprocessed as Qwen2.5-VL's images.
 """
 
 from jaxinfer.models.vision.preprocess import load_image, load_image_processor, preprocess_images
+from jaxinfer.models.vision.qwen3_vl import Qwen3VisionConfig, Qwen3VisionTransformer, load_qwen3_vl_vision
 from jaxinfer.models.vision.qwen_vl import (
     Qwen2_5_VisionConfig,
     Qwen2_5_VisionTransformer,
@@ -34,6 +38,8 @@ __all__ = [
     "Gemma3VisionEncoder",
     "Qwen2_5_VisionConfig",
     "Qwen2_5_VisionTransformer",
+    "Qwen3VisionConfig",
+    "Qwen3VisionTransformer",
     "SiglipVisionConfig",
     "SiglipVisionTower",
     "image_features",
@@ -41,6 +47,7 @@ __all__ = [
     "load_image",
     "load_image_processor",
     "load_qwen2_5_vl_vision",
+    "load_qwen3_vl_vision",
     "load_qwen_image_processor",
     "preprocess_images",
     "preprocess_qwen_images",

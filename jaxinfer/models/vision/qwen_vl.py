@@ -68,7 +68,7 @@ ACTIVATIONS = {
 RMS_EPS = 1e-6  # transformers fixes the vision RMSNorms' eps
 
 
-def _positive(value, key: str) -> int:
+def positive(value, key: str) -> int:
     if isinstance(value, (list, tuple)):  # patch sizes may be given as an equal pair
         if len(value) != 2 or value[0] != value[1]:
             raise ValueError(f"vision_config.{key}={value!r}: only square sizes are supported")
@@ -99,7 +99,7 @@ class Qwen2_5_VisionConfig:
     def __post_init__(self):
         for key in ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
                     "temporal_patch_size", "spatial_merge_size", "window_size", "out_hidden_size"):
-            _positive(getattr(self, key), key)
+            positive(getattr(self, key), key)
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
             raise ValueError(f"vision_config.hidden_size={self.hidden_size} / num_heads={self.num_heads} must be a "
                              "multiple of 4 (the head splits into row and column rotary halves)")
@@ -153,7 +153,7 @@ class Qwen2_5_VisionConfig:
             values["in_channels"] = hf["in_chans"]
         for key in ("patch_size", "temporal_patch_size"):
             if key in values:
-                values[key] = _positive(values[key], key)
+                values[key] = positive(values[key], key)
         if "fullatt_block_indexes" in values:
             values["fullatt_block_indexes"] = tuple(values["fullatt_block_indexes"])
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -168,6 +168,16 @@ class Qwen2_5_VisionConfig:
 # ----------------------------------------------------------------------------------------------
 
 
+def merge_order_positions(t: int, h: int, w: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, cols) [t*h*w]: each patch's grid row / column, patches in spatial-merge order
+    (t, h/m, w/m, m, m) as the processor lays them out (each run of m*m patches one merged token)."""
+    if h % m or w % m:
+        raise ValueError(f"image grid {t} x {h} x {w}: h and w must be multiples of spatial_merge_size {m}")
+    r, c = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    order = lambda a: np.tile(a.reshape(h // m, m, w // m, m).transpose(0, 2, 1, 3).reshape(-1), t)  # noqa: E731
+    return order(r), order(c)
+
+
 @functools.lru_cache(maxsize=64)
 def grid_indices(cfg: Qwen2_5_VisionConfig, t: int, h: int, w: int):
     """For one image of t x h x w patches (h, w multiples of m), as transformers'
@@ -180,13 +190,8 @@ def grid_indices(cfg: Qwen2_5_VisionConfig, t: int, h: int, w: int):
         frame [S]         its frame: the blocks of full-attention layers
     """
     m, U, k = cfg.spatial_merge_size, cfg.merge_unit, cfg.window_tokens
-    if h % m or w % m:
-        raise ValueError(f"image grid {t} x {h} x {w}: h and w must be multiples of spatial_merge_size {m}")
+    r, c = merge_order_positions(t, h, w, m)  # [S]
     hm, wm = h // m, w // m  # merged tokens per column / row
-    # Patch positions in spatial-merge order (t, h/m, w/m, m, m), as the processor lays patches out.
-    r, c = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-    r = np.tile(r.reshape(hm, m, wm, m).transpose(0, 2, 1, 3).reshape(-1), t)  # [S]
-    c = np.tile(c.reshape(hm, m, wm, m).transpose(0, 2, 1, 3).reshape(-1), t)
     # Windows of k x k merged tokens over each frame's (hm x wm) grid, the last row / column of
     # windows cut short; merged tokens taken window by window, row-major inside each.
     ids = np.arange(t * hm * wm).reshape(t, hm, wm)
@@ -229,17 +234,22 @@ def rotate_half(x: jax.Array) -> jax.Array:
 
 
 def attention(x: jax.Array, w: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
-    """x [S, D]; cos, sin [S, Dh]; mask [S, S] (True: may attend) -> [S, D]."""
-    h = rms_norm(x, w["norm1"])
+    """x [S, D]; cos, sin [S, Dh]; mask [S, S] (True: may attend) -> [S, D] (pre-RMSNorm norm1)."""
+    return self_attention(rms_norm(x, w["norm1"]), w, cos, sin, mask)
+
+
+def self_attention(h: jax.Array, w: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+    """The attention of normed patches h [S, D] (weights qkv [D, 3, H, Dh], qkv_bias, proj
+    [H, Dh, D], proj_bias), rotary q / k in float32 -> [S, D]."""
     qkv = jnp.einsum("sd,dthk->tshk", h, w["qkv"]) + w["qkv_bias"][:, None]  # [3, S, H, Dh]
     q, k, v = qkv[0], qkv[1], qkv[2]
     c, s = cos[:, None, :], sin[:, None, :]  # [S, 1, Dh]
     qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
-    q = (qf * c + rotate_half(qf) * s).astype(x.dtype)
-    k = (kf * c + rotate_half(kf) * s).astype(x.dtype)
+    q = (qf * c + rotate_half(qf) * s).astype(h.dtype)
+    k = (kf * c + rotate_half(kf) * s).astype(h.dtype)
     scores = jnp.einsum("shk,thk->hst", q, k).astype(jnp.float32) * q.shape[-1] ** -0.5  # [H, S, S]
     scores = jnp.where(mask[None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    probs = jax.nn.softmax(scores, axis=-1).astype(h.dtype)
     o = jnp.einsum("hst,thk->shk", probs, v)  # [S, H, Dh]
     return jnp.einsum("shk,hkd->sd", o, w["proj"]) + w["proj_bias"]  # [S, D]
 
@@ -256,11 +266,11 @@ def mlp(x: jax.Array, w: dict, act) -> jax.Array:
 
 
 def _init(name: str, shape: tuple[int, ...], dtype, rngs: nnx.Rngs) -> nnx.Param:
-    """Random weights for a model built without a checkpoint (RMSNorm weights 1, biases 0)."""
-    if name.startswith("norm") or name == "ln_q":
-        return nnx.Param(jnp.ones(shape, dtype))
+    """Random weights for a model built without a checkpoint (norm weights 1, biases 0)."""
     if name.endswith("_bias"):
         return nnx.Param(jnp.zeros(shape, dtype))
+    if name.startswith("norm") or name == "ln_q":
+        return nnx.Param(jnp.ones(shape, dtype))
     return nnx.Param((0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
 
 
@@ -345,9 +355,9 @@ def _apply(graphdef: nnx.GraphDef, state: nnx.State, pixels: jax.Array, grid: tu
     return nnx.merge(graphdef, state)(pixels, grid)
 
 
-def image_features(model: Qwen2_5_VisionTransformer, pixel_values, image_grid_thw) -> jax.Array:
-    """The jitted tower over a processor batch (one compile per grid size): pixel_values
-    [sum t*h*w, C*T*P*P], image_grid_thw [N, 3] -> [sum t*h*w / U, E], images in order."""
+def per_image(model: nnx.Module, pixel_values, image_grid_thw) -> list:
+    """The jitted tower on each image of a processor batch in turn (one compile per grid size):
+    pixel_values [sum t*h*w, C*T*P*P], image_grid_thw [N, 3] -> N outputs of `model(pixels, grid)`."""
     grids = np.asarray(image_grid_thw).reshape(-1, 3).astype(np.int64)
     pixel_values = np.asarray(pixel_values)
     total = int(grids.prod(-1).sum())
@@ -360,7 +370,12 @@ def image_features(model: Qwen2_5_VisionTransformer, pixel_values, image_grid_th
         n = t * h * w
         out.append(_apply(graphdef, state, jnp.asarray(pixel_values[start:start + n], jnp.float32), (t, h, w)))
         start += n
-    return jnp.concatenate(out)
+    return out
+
+
+def image_features(model: Qwen2_5_VisionTransformer, pixel_values, image_grid_thw) -> jax.Array:
+    """pixel_values [sum t*h*w, C*T*P*P], image_grid_thw [N, 3] -> [sum t*h*w / U, E], images in order."""
+    return jnp.concatenate(per_image(model, pixel_values, image_grid_thw))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -431,9 +446,9 @@ def read_params(source, cfg: Qwen2_5_VisionConfig, param_dtype=jnp.float32, wher
     Every missing tensor, unexpected tower tensor and wrong shape is reported at once, by name,
     before any data is read."""
     return weights.read_tower_params(
-        source, stored_names(dict(source.listing())), HF_NAMES, depth=cfg.depth,
+        source, stored_names(dict(source.listing())), HF_NAMES, stacks={"blocks.": cfg.depth},
         shape_of=lambda param: hf_shape(param, cfg), convert=lambda param, a: to_param(param, a, cfg),
-        stacked="blocks.", param_dtype=param_dtype, where=where, what="Qwen2.5-VL vision tower")
+        param_dtype=param_dtype, where=where, what="Qwen2.5-VL vision tower")
 
 
 def load_qwen2_5_vl_vision(model_dir: str | os.PathLike, *, param_dtype=jnp.float32) -> Qwen2_5_VisionTransformer:

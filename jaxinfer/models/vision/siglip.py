@@ -392,9 +392,9 @@ def read_params(source, cfg: Gemma3VisionConfig, param_dtype=jnp.float32, where:
     Every missing tensor, unexpected tower tensor and wrong shape is reported at once, by name,
     before any data is read."""
     return weights.read_tower_params(
-        source, stored_names(dict(source.listing())), HF_NAMES, depth=cfg.vision.num_hidden_layers,
+        source, stored_names(dict(source.listing())), HF_NAMES, stacks={"tower.layers.": cfg.vision.num_hidden_layers},
         shape_of=lambda param: hf_shape(param, cfg), convert=lambda param, a: to_param(param, a, cfg),
-        stacked="tower.layers.", param_dtype=param_dtype, where=where, what="Gemma 3 vision tower", ignored=UNUSED_PREFIXES)
+        param_dtype=param_dtype, where=where, what="Gemma 3 vision tower", ignored=UNUSED_PREFIXES)
 
 
 def load_gemma3_vision(model_dir: str | os.PathLike, *, param_dtype=jnp.float32) -> Gemma3VisionEncoder:

@@ -32,16 +32,20 @@ def stored_names(names, stored: re.Pattern, canonical: Callable[[re.Match], str]
     return found
 
 
-def read_tower_params(source, stored: dict[str, str], hf_names: dict[str, str], *, depth: int,
+def read_tower_params(source, stored: dict[str, str], hf_names: dict[str, str], *, stacks: dict[str, int],
                       shape_of: Callable[[str], tuple[int, ...]], convert: Callable[[str, np.ndarray], np.ndarray],
-                      stacked: str, param_dtype, where: str, what: str, ignored: tuple[str, ...] = ()) -> dict[str, jax.Array]:
+                      param_dtype, where: str, what: str, ignored: tuple[str, ...] = ()) -> dict[str, jax.Array]:
     """Flat parameter name -> array. `stored`: canonical HF name -> stored name (`stored_names`);
-    `hf_names`: parameter -> its canonical HF name ("{i}" in a per-layer one, `depth` layers, stacked
-    for the parameters starting with `stacked`); `shape_of` its stored shape, `convert` it to the
-    parameter's layout; stored names starting with `ignored` are not the tower's. Every problem is
-    reported at once, by name, before any data is read."""
+    `hf_names`: parameter -> its canonical HF name ("{i}" in a stacked one: a parameter starting
+    with a `stacks` prefix stacks that many tensors, i = 0 ..); `shape_of` its stored shape,
+    `convert` it to the parameter's layout; stored names starting with `ignored` are not the
+    tower's. Every problem is reported at once, by name, before any data is read."""
     listing = dict(source.listing())
-    wanted = {param: [hf.format(i=i) for i in range(depth)] if "{i}" in hf else [hf] for param, hf in hf_names.items()}
+
+    def count(param: str) -> int:
+        return next(n for prefix, n in stacks.items() if param.startswith(prefix))
+
+    wanted = {param: [hf.format(i=i) for i in range(count(param))] if "{i}" in hf else [hf] for param, hf in hf_names.items()}
     expected = {name for names in wanted.values() for name in names}
     problems = []
     missing = sorted(n for n in expected if n not in stored)
@@ -60,7 +64,7 @@ def read_tower_params(source, stored: dict[str, str], hf_names: dict[str, str], 
     flat = {}
     for param, names in wanted.items():
         arrays = [convert(param, np.asarray(source.read(stored[name]))) for name in names]
-        array = np.stack(arrays) if param.startswith(stacked) else arrays[0]
+        array = np.stack(arrays) if param.startswith(tuple(stacks)) else arrays[0]
         flat[param] = jnp.asarray(array.astype(np.float32) if array.dtype.kind != "f" else array, param_dtype)
     return flat
 
