@@ -130,6 +130,8 @@ class LLM:
         if config.warmup:
             runner = engine.runner
             runner.warmup(drafts=config.speculative_config is not None)
+            if engine.core.image_encoder is not None:
+                engine.core.image_encoder.warmup()
             runner.warmup_page_ops(max_copies=runner.buckets.max_num_seqs * runner.num_replicas,
                                    max_swapped=runner.buckets.pages_per_seq if config.preemption_mode == "swap" else 0,
                                    max_offloaded=runner.buckets.pages_per_seq if config.kv_offloading_size else 0)

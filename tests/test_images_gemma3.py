@@ -188,3 +188,15 @@ def test_prefix_keys_of_image_tokens_come_from_the_image_hash():
     assert ids[:2] == [5, 5] and ids[258:] == [5, 5] and len(ids) == 260
     assert all(k < 0 for k in ids[2:258]) and len(set(ids[2:258])) == 256
     assert a.key_ids() == ids[2:258] and not set(b.key_ids()) & set(a.key_ids())
+
+
+def test_warmup_compiles_the_image_steps(gemma3):
+    """With warmup, each prefill bucket's image variant (and the encoder) is compiled at start-up:
+    a prompt with an image then compiles no step program."""
+    llm = LLM(str(gemma3[0]), max_model_len=64, max_num_batched_tokens=8, max_num_seqs=2, num_pages=24, page_size=4,
+              warmup=True, progress=False)
+    compiles = llm.engine.runner.step_fn.num_compiles
+    out = llm.generate({"prompt": "0123456789<start_of_image>ab", "multi_modal_data": {"image": picture(8)}},
+                       SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3
+    assert llm.engine.runner.step_fn.num_compiles == compiles

@@ -124,6 +124,8 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
             if config.enable_lora else None)
     kv_tiers = build_kv_tiers(config, model_config, source, runner) if config.kv_offloading_size else None
     images, image_encoder = build_images(config, source, tokenizer, parallel)
+    if image_encoder is not None:  # the shapes of its image steps' extra inputs (warm-up compiles them)
+        runner.image_inputs = (model_config.hidden_size, image_encoder.deepstack_rows, images.both_ways)
     engine = LLMEngine(config, runner, tokenizer, vocab_size=model_config.vocab_size, eos_token_ids=sorted(eos),
                        proposer=proposer, lora=lora, kv_tiers=kv_tiers, images=images, image_encoder=image_encoder)
     engine.model_config, engine.mesh, engine.parallel, engine.source = model_config, mesh, parallel, source

@@ -155,6 +155,8 @@ class ModelRunner:
                              if self.lora_enabled else {})
         self._write_lora = None
         self.with_rope_positions = False  # every batch carries M-RoPE positions (a Qwen2.5-VL model: build_runner)
+        # a vision model's image steps: (rows' width, deepstack rows, span_end) of their batches (build_engine)
+        self.image_inputs: tuple[int, int, bool] | None = None
 
     def write_lora_slot(self, slot: int, arrays: dict[str, np.ndarray]) -> None:
         """Puts one adapter (`models.lora.fuse_adapter`'s arrays, name -> [L, ...]) into slot
@@ -306,12 +308,19 @@ class ModelRunner:
         """The longest a sequence can be: the penalties' history width."""
         return self.buckets.pages_per_seq * self.kv.page_size
 
-    def _empty_batch(self, key: BucketKey, with_lora: bool | None = None) -> RaggedBatch:
+    def _empty_batch(self, key: BucketKey, with_lora: bool | None = None, with_images: bool = False) -> RaggedBatch:
         """`empty_inputs` as `dispatch` passes a batch (host arrays, or placed on the mesh): the
-        jitted model keys its compiled variants on that too."""
+        jitted model keys its compiled variants on that too. `with_images`: the image variant
+        (`image_inputs`' fields, zeros)."""
         with_lora = self.lora_enabled if with_lora is None else with_lora
         batch = empty_inputs(key, self.buckets.pages_per_seq, self.num_replicas, with_lora, self.buckets.num_groups,
                              with_rope_positions=self.with_rope_positions)
+        if with_images:
+            width, deepstack, span_end = self.image_inputs
+            T, n = key.num_tokens, self.num_replicas
+            batch.mm_embeds, batch.mm_mask = np.zeros((n, T, width), np.float32), np.zeros((n, T), bool)
+            batch.mm_deepstack = np.zeros((n, deepstack, T, width), np.float32) if deepstack else None
+            batch.span_end = np.zeros((n, T), np.int32) if span_end else None
         return batch if self.pass_host_inputs else self._put(batch)
 
     def warmup(self, keys: Sequence[BucketKey] | None = None, *, drafts: bool = False) -> None:
@@ -324,21 +333,23 @@ class ModelRunner:
         batch cost ~4 s over the default buckets on 2 cores). Then, for each count of logits rows, the sampling programs, run once on zero
         logits: every logits processor (penalties, held-back ids, the structured-output mask) and
         the sampler; with `drafts` also the sampler that verifies drafted tokens (proposers with
-        one-hot drafts: n-gram, EAGLE, Medusa). With LoRA, also the program that loads an adapter."""
+        one-hot drafts: n-gram, EAGLE, Medusa). With LoRA, also the program that loads an adapter.
+        A vision model's prefill and mixed buckets also compile their image variant (`image_inputs`)."""
         keys = list(keys or self.buckets.all_keys())
         if self.lora_enabled:  # the program that writes an adapter into a slot: zeros into slot 0 (no adapter)
             self.write_lora_slot(0, {f"lora.{name}": np.zeros(a.shape[:1] + a.shape[2:], np.float32)
                                      for name, a in self._lora_layout.items()})
 
-        def compile_model(job: tuple[BucketKey, bool]):
-            key, with_lora = job
-            batch = self._empty_batch(key, with_lora)
+        def compile_model(job: tuple[BucketKey, bool, bool]):
+            key, with_lora, with_images = job
+            batch = self._empty_batch(key, with_lora, with_images)
             t0 = time.perf_counter()
             lowered = self.step_fn.lower(self.params, self.kv, batch, self.token_buffer, key)
             lowered.compile()
             return key, time.perf_counter() - t0, lowered.out_info
 
-        jobs = [(key, with_lora) for key in keys for with_lora in ((False, True) if self.lora_enabled else (False,))]
+        jobs = [(key, with_lora, with_images) for key in keys for with_lora in ((False, True) if self.lora_enabled else (False,))
+                for with_images in ((False, True) if self.image_inputs and key.query_block > 1 else (False,))]
         after_model = {}  # R -> (a bucket with R logits rows, the model program's logits and hidden states)
         # XLA compiles outside the GIL: one thread per core (at most 8: each holds a compile's host
         # memory) compiles that many buckets at once

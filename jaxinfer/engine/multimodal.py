@@ -295,6 +295,18 @@ class ImageEncoder:
         self.cache = EncoderCache(cache_rows)
         self.images_encoded = 0
 
+    @property
+    def deepstack_rows(self) -> int:
+        """Deepstack rows per image token (Qwen3-VL), else 0."""
+        return len(self.model.cfg.deepstack_visual_indexes) if self.kind == "qwen3_vl" else 0
+
+    def warmup(self) -> None:
+        """Compiles the encoder where an image's shape is fixed (Gemma 3: the processor's size); a
+        Qwen ViT compiles per image grid, on first use."""
+        if self.kind == "gemma3":
+            side = self.model.cfg.vision.image_size
+            image_features(self.model, np.zeros((1, 3, side, side), np.float32)).block_until_ready()
+
     def encode(self, image: PromptImage) -> Encoded:
         """Its encoder rows [length, H] float32 and (Qwen3-VL) deepstack rows [K, length, H], else
         None (computed now unless cached)."""
