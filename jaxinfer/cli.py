@@ -339,15 +339,18 @@ def cmd_aot(args) -> int:
 
     jax.config.update("jax_platforms", "cpu")  # the target is described, not opened: no plugin may look for a chip
     from jaxinfer.aot.plan import format_plan, plan_deployment
-    from jaxinfer.aot.presets import read_model_config
+    from jaxinfer.aot.presets import read_hf_dict, read_model_config
     from jaxinfer.aot.step_compile import ServingShape
     from jaxinfer.aot.targets import compile_target
+    from jaxinfer.aot.vision_compile import vision_spec
     from sharding.mesh import ParallelConfig
 
     if args.cache_dir:
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     config = read_model_config(args.model)
+    image_size = tuple(int(v) for v in args.image_size.lower().split("x")) if args.image_size else None
+    vision = vision_spec(read_hf_dict(args.model), args.images_per_step, image_size)  # None: text only
     target = compile_target(args.topology)
     parallel = ParallelConfig(dp=args.data_parallel_size, tp=args.tensor_parallel_size, ep=args.expert_parallel_size)
     shape = ServingShape(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -361,7 +364,9 @@ def cmd_aot(args) -> int:
     def progress(b):
         print(f"  {b.kind} T={b.key.num_tokens} S={b.key.num_seqs} R={b.key.num_logits}: {b.seconds:.1f} s", file=sys.stderr, flush=True)
 
-    print(format_plan(plan_deployment(config, target, parallel, shape, jobs=args.jobs, on_bucket=progress)))
+    if vision is not None:
+        print(f"  image encoder: {vision.describe()} ...", file=sys.stderr, flush=True)
+    print(format_plan(plan_deployment(config, target, parallel, shape, jobs=args.jobs, on_bucket=progress, vision=vision)))
     return 0
 
 
@@ -469,7 +474,7 @@ def main(argv=None) -> int:
     a.add_argument("--model", required=True,
                    help="a config.json, model folder or .gguf (only the config is read), or a preset: "
                         "llama-3.1-8b, llama-3.1-70b, llama-3.2-1b, mistral-7b, qwen2.5-7b, qwen3-8b, mixtral-8x7b, smollm2-135m, "
-                        "gemma-3-27b, gpt-oss-120b, gpt-oss-20b, llama-4-scout, gemma-4-31b, deepseek-v3")
+                        "gemma-3-27b, gemma-3-27b-it, gpt-oss-120b, gpt-oss-20b, llama-4-scout, gemma-4-31b, deepseek-v3")
     a.add_argument("--topology", required=True, help="v5e:2x4, v6e:2x2, v5p:2x2x1, v6e:1 (chips), h100, h200")
     a.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     a.add_argument("--data-parallel-size", "-dp", type=int, default=1)
@@ -494,6 +499,11 @@ def main(argv=None) -> int:
                    help="experts a checkpoint stores mxfp4 (GPT-OSS) stay 4-bit, as a TPU / GPU loads them (default); "
                         "--no-keep-checkpoint-quantization plans them in --dtype")
     a.add_argument("--jobs", "-j", type=int, default=os.cpu_count() or 1, help="programs compiled at once (default: one per CPU core; XLA compiles outside the GIL)")
+    a.add_argument("--images-per-step", type=int, default=1,
+                   help="a model with a vision tower (Gemma 3, Qwen2.5-VL): images per image-encoder call, compiled for "
+                        "the target beside the step (default 1; 0: text only)")
+    a.add_argument("--image-size", default=None, metavar="HxW",
+                   help="Qwen2.5-VL: the image size compiled, in pixels (default 896x896); Gemma 3 takes its processor's only")
     a.add_argument("--cache-dir", default=None,
                    help="also write each compiled bucket into this JAX compilation cache (experimental: see docs/aot.md)")
     a.set_defaults(func=cmd_aot, coordinator=None, num_processes=None, process_id=None, multihost=False)

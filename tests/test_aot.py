@@ -396,6 +396,70 @@ def test_aot_prints_a_table_of_every_bucket_with_memory_and_a_decode_estimate(tm
     assert "largest that fits" in out and "HBM roofline" in out and "TPU v6 lite" in out
 
 
+# A tiny Gemma 3 with a vision tower: SigLIP of 2 layers over 64 px images in patches of 8 (64 patches),
+# pooled to 4 soft tokens of the text model's 256.
+TINY_GEMMA3 = dict(
+    model_type="gemma3", mm_tokens_per_image=4, bos_token_id=2, eos_token_id=1,
+    text_config=dict(model_type="gemma3_text", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=1024, sliding_window=64,
+                     sliding_window_pattern=2, query_pre_attn_scalar=128, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                     hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+    vision_config=dict(model_type="siglip_vision_model", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=2, image_size=64, patch_size=8, vision_use_head=False),
+)
+
+
+def test_aot_compiles_a_gemma3_image_encoder_beside_the_step(tmp_path, capsys):
+    """A config with a vision_config: `jaxinfer aot` also compiles the image encoder (SigLIP +
+    projector, 2 images per step) for the chip and reports its weights, compiled memory and HLO
+    FLOPs (the layer loop counted at its depth: within 25% of the matmuls' and attention's FLOPs),
+    and its weights join the step's per chip."""
+    import json
+
+    from jaxinfer.aot.presets import read_hf_dict
+    from jaxinfer.aot.vision_compile import compile_vision, vision_spec
+    from jaxinfer.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_GEMMA3))
+    args = ["aot", "--model", str(tmp_path / "config.json"), "--topology", "v6e:1", "--max-model-len", "256",
+            "--max-num-seqs", "2", "--max-num-batched-tokens", "2", "--images-per-step", "2", "-j", "2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("image encoder:"))
+    assert "Gemma 3 SigLIP (2 layers, 2 heads of 64, 64 patches) + projector to 256" in line
+    assert "2 images of 64x64 per step -> 4 soft tokens each" in line and "TFLOP per step (HLO" in line
+    assert "| image encoder weights (replicated) |" in out and "the image encoder weights included" in out
+
+    spec = vision_spec(read_hf_dict(str(tmp_path / "config.json")), images=2)
+    encoder = compile_vision(spec, compile_target("v6e:1").mesh(("x",), (1,)), "bfloat16")
+    D, F, L, S, N, E, C = 128, 256, 2, 64, 2, 256, 3 * 8 * 8
+    params = C * D + D + S * D + L * (4 * D + 4 * (D * D + D) + D * F + F + F * D + D) + 2 * D + D + D * E
+    assert encoder.weight_bytes == 2 * params  # bf16
+    assert encoder.argument_bytes >= encoder.weight_bytes + N * 3 * 64 * 64 * 4  # float32 pixels (and the chip's tile padding)
+    assert encoder.output_bytes == N * 4 * E * 2 and encoder.scratch_bytes >= encoder.output_bytes
+    matmuls = N * (2 * S * C * D + L * (8 * S * D * D + 4 * S * S * D + 4 * S * D * F) + 2 * 4 * D * E)
+    assert 0.95 * matmuls < encoder.flops < 1.25 * matmuls, (encoder.flops, matmuls)
+    with pytest.raises(ValueError, match="Gemma 3's encoder takes 64x64 images"):
+        vision_spec(TINY_GEMMA3, images=1, image_size=(32, 32))
+    assert vision_spec(TINY_GEMMA3, images=0) is None and vision_spec(TINY_GEMMA3["text_config"]) is None
+
+
+def test_a_qwen2_5_vl_image_encoder_compiles_for_a_tpu():
+    """Qwen2.5-VL's ViT + merger at an image size given (56 x 84 pixels: 4 x 6 patches, 6 soft
+    tokens), one program per image: FLOPs of 3 images are 3 calls'."""
+    from jaxinfer.aot.vision_compile import compile_vision, vision_spec
+
+    hf = dict(model_type="qwen2_5_vl", vision_config=dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=2,
+                                                          out_hidden_size=256, fullatt_block_indexes=[1]))
+    with pytest.raises(ValueError, match="multiples of 28 pixels"):
+        vision_spec(hf, images=1, image_size=(56, 80))
+    spec = vision_spec(hf, images=3, image_size=(56, 84))
+    assert spec.grid == (1, 4, 6) and spec.soft_tokens == 6
+    one = compile_vision(vision_spec(hf, images=1, image_size=(56, 84)), compile_target("v6e:1").mesh(("x",), (1,)))
+    three = compile_vision(spec, compile_target("v6e:1").mesh(("x",), (1,)))
+    assert three.flops == 3 * one.flops > 0 and three.peak_bytes == one.peak_bytes and three.output_bytes >= 6 * 256 * 2  # (tile padding)
+
+
 def test_llama_8b_on_one_v6e_gets_a_pool_that_fills_85_to_90_percent_of_its_hbm_at_the_default_utilization(v6e):
     """One v6e chip (32 GB): the step's scratch measured by compiling its largest bucket once (64
     tokens, to keep the compile short), the pool sized as the engine sizes it at

@@ -26,6 +26,7 @@ import time
 from jaxinfer.kv_groups import describe, span_tokens
 from jaxinfer.aot.step_compile import AbstractStep, ServingShape
 from jaxinfer.aot.targets import Target
+from jaxinfer.aot.vision_compile import VisionCompile, VisionSpec, compile_vision, format_vision
 from jaxinfer.engine.memory import kv_pool_pages, largest_bucket, pages_for_bytes, step_scratch_bytes
 from jaxinfer.ops.batch import BucketKey
 from jaxinfer.config import ModelConfig
@@ -97,6 +98,7 @@ class PoolSizing:
     sized_by: str
     largest_pages: int  # the largest pool that fits at all (1 - HBM_HEADROOM of the HBM)
     sampling: SamplingCompile | None = None  # the sampling programs of the most logits rows, compiled while sizing
+    vision_bytes: int = 0  # per chip: the image encoder's weights (included in weight_bytes)
 
     def chip_bytes(self, pages: int) -> int:
         """Weights + pool of `pages` + step scratch, per chip."""
@@ -110,6 +112,7 @@ class Plan:
     sizing: PoolSizing
     sampling: list[SamplingCompile] = dataclasses.field(default_factory=list)
     wall_seconds: float = 0.0  # the whole plan, sizing included
+    vision: VisionCompile | None = None  # the image encoder, for a multimodal model
 
     @property
     def compile_seconds(self) -> float:
@@ -169,12 +172,15 @@ def _compile_bucket(step: AbstractStep, key: BucketKey) -> BucketCompile:
                          m.alias_size_in_bytes, copies, scratch)
 
 
-def size_pool(step: AbstractStep) -> PoolSizing:
+def size_pool(step: AbstractStep, vision: VisionCompile | None = None) -> PoolSizing:
     """The KV pool the engine would allocate on the target for `step.shape` (see the module
     docstring), from one compile of the largest bucket: over the pool given when it leaves room,
-    else over a pool of one sequence (the scratch does not grow with the pool)."""
+    else over a pool of one sequence (the scratch does not grow with the pool). `vision`: a
+    multimodal model's image encoder, its weights held beside the step's and its scratch (it runs
+    between steps) counted as the step's when larger."""
     shape, target = step.shape, step.target
-    weights = step.weight_bytes_per_chip() + step.state_bytes_per_chip()  # (a hybrid model's states: a fixed cost)
+    vision_bytes = vision.weight_bytes if vision else 0
+    weights = step.weight_bytes_per_chip() + step.state_bytes_per_chip() + vision_bytes  # (a hybrid model's states: a fixed cost)
     page_bytes = step.kv_bytes_per_page_per_chip()
     given, sized_by = shape.num_pages, "num_pages"
     if given is None and shape.kv_cache_memory_bytes is not None:
@@ -191,34 +197,38 @@ def size_pool(step: AbstractStep) -> PoolSizing:
         sampling_compile = pool.submit(_compile_sampling, step, max(k.num_logits for k in step.buckets.all_keys()))
         probe = _compile_bucket(step.with_num_pages(probe_pages), largest_bucket(step.buckets.all_keys()))
         sampling = sampling_compile.result()
-    scratch = max(probe.scratch_bytes, sampling.peak_bytes)
+    scratch = max(probe.scratch_bytes, sampling.peak_bytes, vision.scratch_bytes if vision else 0)
     fit = dict(capacity_bytes=target.chip.hbm_bytes, weight_bytes=weights, scratch_bytes=scratch,
                page_bytes=page_bytes)
     if given is None:
         given = kv_pool_pages(utilization=shape.gpu_memory_utilization, **fit)
         sized_by = f"gpu_memory_utilization={shape.gpu_memory_utilization}"
     return PoolSizing(probe, probe_pages, weights, scratch, page_bytes, given, sized_by,
-                      kv_pool_pages(utilization=1 - HBM_HEADROOM, **fit), sampling)
+                      kv_pool_pages(utilization=1 - HBM_HEADROOM, **fit), sampling, vision_bytes)
 
 
 def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfig, shape: ServingShape, *,
-                    jobs: int = 1, on_bucket=None) -> Plan:
-    """Compiles every bucket for the target (see the module docstring). DoesNotFit when the
-    weights, or the weights and one sequence at max_model_len, do not fit a chip."""
+                    jobs: int = 1, on_bucket=None, vision: VisionSpec | None = None) -> Plan:
+    """Compiles every bucket for the target (see the module docstring), and `vision`'s image
+    encoder first when given (jaxinfer.aot.vision_compile: its weights join the step's on every
+    chip). DoesNotFit when the weights, or the weights and one sequence at max_model_len, do not
+    fit a chip."""
     if parallel.num_devices > target.num_chips:
         raise DoesNotFit(f"{parallel.describe()} needs {parallel.num_devices} chips; {target.name} has {target.num_chips}")
     parallel.check_model(config)
     start = time.perf_counter()
     step = AbstractStep.build(config, target, parallel, shape)
     capacity = target.chip.hbm_bytes * (1 - HBM_HEADROOM)
-    weights = step.weight_bytes_per_chip()
+    encoder = compile_vision(vision, step.mesh, shape.dtype) if vision is not None else None
+    weights = step.weight_bytes_per_chip() + (encoder.weight_bytes if encoder else 0)
     if weights > capacity:
         raise DoesNotFit(
-            f"the weights need {weights / GiB:.1f} GiB per chip ({parallel.describe()}, {shape.weights_name(config)}) "
+            f"the weights need {weights / GiB:.1f} GiB per chip ({parallel.describe()}, {shape.weights_name(config)}"
+            f"{', the image encoder included' if encoder else ''}) "
             f"and a {target.chip.kind} holds {target.chip.hbm_bytes / GiB:.1f} GiB: {weights / capacity:.2f}x too much. "
             f"Use more chips (-tp) or smaller weights (--quantization int8 / int4)"
         )
-    sizing = size_pool(step)
+    sizing = size_pool(step, encoder)
     one_sequence = shape.sequence_pages(step.windows, step.page_factors) + 1
     if sizing.largest_pages < one_sequence:
         raise DoesNotFit(
@@ -257,7 +267,7 @@ def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfi
             if on_bucket:
                 on_bucket(result)
     sampling.sort(key=lambda c: c.rows)
-    return Plan(step, [results[k] for k in keys], sizing, sampling, time.perf_counter() - start)
+    return Plan(step, [results[k] for k in keys], sizing, sampling, time.perf_counter() - start, encoder)
 
 
 # ----------------------------------------------------------------------------- the table
@@ -307,7 +317,8 @@ def format_plan(plan: Plan) -> str:
     lines += ["", f"Compile: {len(plan.buckets)} buckets and {sum(c.programs for c in plan.sampling)} sampling programs, "
               f"{plan.compile_seconds:.0f} s summed over the programs; this plan, sizing included, took "
               f"{plan.wall_seconds:.0f} s of wall time."]
-    peak = max(b.peak_bytes for b in plan.buckets)
+    encoder = plan.vision
+    peak = max(b.peak_bytes for b in plan.buckets) + (encoder.weight_bytes if encoder else 0)  # held beside the step's
     replicas = s.parallel.num_replicas
     tokens_fit = (plan.largest_pool_pages - 1) * shape.page_size
     tokens_asked = (plan.pages_requested - 1) * shape.page_size
@@ -322,8 +333,13 @@ def format_plan(plan: Plan) -> str:
         *([f"| recurrent states ({s.kv.state.num_slots // replicas} slots per replica: max_num_seqs + 1, and the prefix "
            f"cache's saved states) | "
            f"{_gib(s.state_bytes_per_chip())} |"] if s.kv.state is not None else []),
+        *([f"| image encoder weights (replicated) | {_gib(encoder.weight_bytes)} |",
+           f"| image encoder scratch (temporaries, pixels, soft tokens; between steps) | {_gib(encoder.scratch_bytes)} |"]
+          if encoder else []),
         f"| largest step scratch | {_gib(max(b.temp_bytes for b in plan.buckets))} |",
-        f"| peak of the largest bucket | {_gib(peak)} ({100 * peak / t.chip.hbm_bytes:.0f}% of HBM) |",
+        f"| peak of the largest bucket{' (the image encoder weights included)' if encoder else ''} | {_gib(peak)} "
+        f"({100 * peak / t.chip.hbm_bytes:.0f}% of HBM) |",
+        *(["", format_vision(encoder, GiB)] if encoder else []),
         "",
         f"KV pool ({plan.sizing.sized_by}, as the engine sizes it): {plan.pages_requested} pages per replica = "
         f"{tokens_asked} tokens = {(plan.pages_requested - 1) // held} sequences at max_model_len "

@@ -7,6 +7,7 @@ config.json, a model folder or a .gguf file works as well.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from jaxinfer.config import ModelConfig
@@ -121,6 +122,27 @@ PRESETS: dict[str, dict] = {
                         quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                              "weight_block_size": [128, 128]}),
 }
+# Gemma-3-27B-it as released (Gemma3ForConditionalGeneration): the text decoder above, SigLIP so400m
+# at 896 pixels and its projector to 256 soft tokens per image
+PRESETS["gemma-3-27b-it"] = dict(
+    model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"], mm_tokens_per_image=256,
+    boi_token_index=255999, eoi_token_index=256000, image_token_index=262144, bos_token_id=2, eos_token_id=[1, 106],
+    text_config={k: v for k, v in PRESETS["gemma-3-27b"].items() if k not in ("bos_token_id", "eos_token_id")},
+    vision_config=dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                       num_attention_heads=16, image_size=896, patch_size=14, vision_use_head=False))
+
+
+def read_hf_dict(model: str) -> dict | None:
+    """The Hugging Face config dict behind a preset, a config.json or a model folder (None for a
+    .gguf file, which carries no vision tower): what `read_model_config` parses, whole."""
+    if model.lower() in PRESETS:
+        return PRESETS[model.lower()]
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file() and path.name.endswith(".json"):
+        return json.loads(path.read_text())
+    return None
 
 
 def read_model_config(model: str):
