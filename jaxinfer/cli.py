@@ -59,6 +59,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                      help="as in vLLM: the data-parallel replicas split the experts (ep = dp)")
     p.add_argument("--speculative-config", type=_json_dict, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    img = p.add_argument_group("images (Gemma 3, Qwen2.5-VL, Qwen3-VL)")
+    img.add_argument("--limit-mm-per-prompt", type=_json_dict, default=None,
+                     help='images one prompt may hold, e.g. \'{"image": 4}\' (default 16)')
+    img.add_argument("--allowed-media-domains", nargs="+", default=(), metavar="DOMAIN",
+                     help="domains an image URL may be fetched from (default: none; data: URIs always work)")
+    img.add_argument("--max-num-encoder-input-tokens", type=int, default=None,
+                     help="image tokens the vision encoder computes per step (default: --max-num-batched-tokens)")
+    img.add_argument("--encoder-cache-size", type=int, default=None,
+                     help="encoder output rows kept by image hash (default: max(4096, 4 x --max-num-batched-tokens))")
     _add_distributed_args(p)
 
 
@@ -134,7 +143,9 @@ def _llm(args, **extra):
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         sequence_parallel_size=args.sequence_parallel_size, expert_parallel_size=args.expert_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, sequence_parallel_attention=args.sequence_parallel_attention,
-        speculative_config=args.speculative_config, progress=_is_main_process(), **extra,
+        speculative_config=args.speculative_config, limit_mm_per_prompt=args.limit_mm_per_prompt,
+        allowed_media_domains=tuple(args.allowed_media_domains), max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
+        encoder_cache_size=args.encoder_cache_size, progress=_is_main_process(), **extra,
     )
 
 
