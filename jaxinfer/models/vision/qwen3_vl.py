@@ -43,7 +43,7 @@ from flax import nnx
 
 from checkpoints_conv import read_hf_config
 from jaxinfer.models.vision import qwen_vl, weights
-from jaxinfer.models.vision.qwen_vl import ACTIVATIONS, merge_order_positions, positive, rope_cos_sin, self_attention
+from jaxinfer.models.vision.qwen_vl import ACTIVATIONS, Blocks, merge_order_positions, positive, rope_cos_sin, self_attention
 
 LN_EPS = 1e-6  # transformers fixes the vision LayerNorms' eps
 
@@ -246,12 +246,12 @@ class Qwen3VisionTransformer(nnx.Module):
         pos = (self.pos_embed[...][jnp.asarray(taps)].astype(jnp.float32) * jnp.asarray(tap_weights)[..., None]).sum(1)
         x = x + pos.astype(dtype)  # [S, D]
         cos, sin = (jnp.asarray(a) for a in rope_cos_sin(cfg, rows, cols))  # [S, Dh]
-        mask = jnp.asarray(frame[:, None] == frame[None, :])  # [S, S]
+        frames = Blocks.of(frame)  # [t, h * w]: each frame attends to itself
         act = ACTIVATIONS[cfg.hidden_act]
         blocks, deepstack = self.blocks.get(), self.deepstack.get()
 
         def layer(x, w):
-            x = x + self_attention(layer_norm(x, w["norm1"], w["norm1_bias"]), w, cos, sin, mask)
+            x = x + self_attention(layer_norm(x, w["norm1"], w["norm1_bias"]), w, cos, sin, frames)
             return x + mlp(x, w, act), None
 
         features, start = [], 0

@@ -27,9 +27,13 @@ grid_thw=image_grid_thw).pooler_output` is (`get_image_features` splits it per i
 Qwen2.5-VL 3B..72B: P 14, T 2, m 2, D 1280, 32 layers of 16 heads, F 3420, window 112 pixels
 (4 x 4 merged tokens), full attention in layers 7, 15, 23, 31.
 
-Attention is plain jnp over one image's patches with a [S, S] block mask (same window / same frame),
-so an image costs O(S^2) memory per head: fine for the image sizes the processor's default
-max_pixels allows (S <= 5120); each image is encoded on its own, one compile per grid size.
+Attention is plain jnp within blocks of consecutive patches (`Blocks`, static shapes from the
+grid): a window layer gathers the patches (already in window order) into [windows, longest window,
+...] (8 x 8 = 64 patches a window; an edge window, cut short, is padded and its padding keys
+masked), attends per window and puts the patches back in order; a full-attention layer is the same with one block
+per frame (no padding). Window layers thus cost O(S * 64) scores, full layers O(S^2) per head:
+fine for the image sizes the processor's default max_pixels allows (S <= 5120). Each image is
+encoded on its own, one compile per grid size.
 
 Weights load from a Hugging Face folder (`load_qwen2_5_vl_vision`): its `config.json`'s
 `vision_config` (`Qwen2_5_VisionConfig.from_hf_dict`) and the tensors under `visual.` (the released
@@ -206,6 +210,54 @@ def grid_indices(cfg: Qwen2_5_VisionConfig, t: int, h: int, w: int):
     return perm, np.argsort(window_index), r[perm], c[perm], window, frame
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Blocks:
+    """S patches cut into B attention blocks, each a run of consecutive patches (a window, or a
+    frame): a patch attends to its own block's patches only. Attention runs on [B, L, ...] arrays,
+    L the longest block's length, a shorter block padded at its end. Static (numpy, from the grid):
+
+        index [B, L]   the patch in each slot (a padding slot repeats its block's first patch)
+        valid [B, L]   False at padding slots: keys there are masked, queries there dropped
+        slot [S]       each patch's slot in the flattened [B * L]
+
+    Blocks all of one length (the usual image: every window whole, or one frame) need no padding:
+    `split` / `join` are then reshapes.
+    """
+
+    index: np.ndarray
+    valid: np.ndarray
+    slot: np.ndarray
+
+    @classmethod
+    def of(cls, block: np.ndarray) -> Blocks:
+        """From each patch's block id [S] (`grid_indices`' window or frame), equal ids consecutive."""
+        block = np.asarray(block)
+        starts = np.flatnonzero(np.r_[True, block[1:] != block[:-1]])  # [B]: where each run begins
+        if len(starts) != len(np.unique(block)):
+            raise ValueError("attention blocks must be runs of consecutive patches")
+        lengths = np.diff(np.r_[starts, len(block)])  # [B]
+        j = np.arange(lengths.max())  # [L]
+        valid = j < lengths[:, None]  # [B, L]
+        index = starts[:, None] + np.where(valid, j, 0)
+        slot = (np.arange(len(starts))[:, None] * len(j) + j)[valid]  # row-major: block by block, in patch order
+        return cls(index, valid, slot)
+
+    @property
+    def padded(self) -> bool:
+        return not self.valid.all()
+
+    def split(self, x: jax.Array) -> jax.Array:
+        """[S, ...] -> [B, L, ...]."""
+        if self.padded:
+            return x[jnp.asarray(self.index)]
+        return x.reshape(*self.index.shape, *x.shape[1:])
+
+    def join(self, y: jax.Array) -> jax.Array:
+        """[B, L, ...] -> [S, ...] (padding slots dropped)."""
+        y = y.reshape(-1, *y.shape[2:])
+        return y[jnp.asarray(self.slot)] if self.padded else y
+
+
 def rope_cos_sin(cfg: Qwen2_5_VisionConfig, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[S, Dh] each: angles (rows * f, cols * f, rows * f, cols * f), f the Dh/4 frequencies."""
     quarter = cfg.head_dim // 2
@@ -233,24 +285,27 @@ def rotate_half(x: jax.Array) -> jax.Array:
     return jnp.concatenate([-x2, x1], axis=-1)
 
 
-def attention(x: jax.Array, w: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
-    """x [S, D]; cos, sin [S, Dh]; mask [S, S] (True: may attend) -> [S, D] (pre-RMSNorm norm1)."""
-    return self_attention(rms_norm(x, w["norm1"]), w, cos, sin, mask)
+def attention(x: jax.Array, w: dict, cos: jax.Array, sin: jax.Array, blocks: Blocks) -> jax.Array:
+    """x [S, D]; cos, sin [S, Dh]; attending within `blocks` -> [S, D] (pre-RMSNorm norm1)."""
+    return self_attention(rms_norm(x, w["norm1"]), w, cos, sin, blocks)
 
 
-def self_attention(h: jax.Array, w: dict, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+def self_attention(h: jax.Array, w: dict, cos: jax.Array, sin: jax.Array, blocks: Blocks) -> jax.Array:
     """The attention of normed patches h [S, D] (weights qkv [D, 3, H, Dh], qkv_bias, proj
-    [H, Dh, D], proj_bias), rotary q / k in float32 -> [S, D]."""
+    [H, Dh, D], proj_bias), each patch over its block's patches, rotary q / k in float32 -> [S, D].
+    B blocks of up to L patches (`Blocks`)."""
     qkv = jnp.einsum("sd,dthk->tshk", h, w["qkv"]) + w["qkv_bias"][:, None]  # [3, S, H, Dh]
     q, k, v = qkv[0], qkv[1], qkv[2]
     c, s = cos[:, None, :], sin[:, None, :]  # [S, 1, Dh]
     qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
     q = (qf * c + rotate_half(qf) * s).astype(h.dtype)
     k = (kf * c + rotate_half(kf) * s).astype(h.dtype)
-    scores = jnp.einsum("shk,thk->hst", q, k).astype(jnp.float32) * q.shape[-1] ** -0.5  # [H, S, S]
-    scores = jnp.where(mask[None], scores, -jnp.inf)
+    q, k, v = (blocks.split(a) for a in (q, k, v))  # [B, L, H, Dh]
+    scores = jnp.einsum("bshk,bthk->bhst", q, k).astype(jnp.float32) * q.shape[-1] ** -0.5  # [B, H, L, L]
+    if blocks.padded:  # a padding slot is no key
+        scores = jnp.where(jnp.asarray(blocks.valid)[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(h.dtype)
-    o = jnp.einsum("hst,thk->shk", probs, v)  # [S, H, Dh]
+    o = blocks.join(jnp.einsum("bhst,bthk->bshk", probs, v))  # [S, H, Dh]
     return jnp.einsum("shk,hkd->sd", o, w["proj"]) + w["proj_bias"]  # [S, D]
 
 
@@ -334,15 +389,15 @@ class Qwen2_5_VisionTransformer(nnx.Module):
         dtype = self.patch_embed[...].dtype
         x = pixels.astype(dtype)[perm] @ self.patch_embed[...]  # [S, D], window order
         cos, sin = (jnp.asarray(a) for a in rope_cos_sin(cfg, rows, cols))  # [S, Dh]
-        window_mask = jnp.asarray(window[:, None] == window[None, :])  # [S, S]
-        frame_mask = jnp.asarray(frame[:, None] == frame[None, :])
+        windows = Blocks.of(window)  # [windows, up to (window_tokens * m)^2 patches]
+        frames = Blocks.of(frame)  # [t, h * w]: full attention
         full = jnp.asarray([i in cfg.fullatt_block_indexes for i in range(cfg.depth)])  # [L]
         act = ACTIVATIONS[cfg.hidden_act]
 
         def layer(x, xs):
             w, is_full = xs
-            mask = jnp.where(is_full, frame_mask, window_mask)
-            x = x + attention(x, w, cos, sin, mask)
+            x = x + jax.lax.cond(is_full, lambda: attention(x, w, cos, sin, frames),
+                                 lambda: attention(x, w, cos, sin, windows))
             x = x + mlp(x, w, act)
             return x, None
 
