@@ -429,6 +429,11 @@ def test_aot_compiles_a_gemma3_image_encoder_beside_the_step(tmp_path, capsys):
     assert "Gemma 3 SigLIP (2 layers, 2 heads of 64, 64 patches) + projector to 256" in line
     assert "2 images of 64x64 per step -> 4 soft tokens each" in line and "TFLOP per step (HLO" in line
     assert "| image encoder weights (replicated) |" in out and "the image encoder weights included" in out
+    # the image variant of the largest prefill bucket: the image inputs and the both-ways pass compile for the chip
+    step = next(line for line in out.splitlines() if line.startswith("image step:"))
+    assert re.search(r"prefill bucket T=2 S=2 R=2 with image inputs \(mm_embeds \[2, 256\], mm_mask \[2\], span_end \[2\], "
+                     r"zeros\); images attended both ways .*: compile \d+\.\d s, peak \d+\.\d\d GiB per chip", step), step
+    assert step.endswith("pool copies 0") and "mm_deepstack" not in step and "rope_positions" not in step
 
     spec = vision_spec(read_hf_dict(str(tmp_path / "config.json")), images=2)
     encoder = compile_vision(spec, compile_target("v6e:1").mesh(("x",), (1,)), "bfloat16")
@@ -458,6 +463,25 @@ def test_a_qwen2_5_vl_image_encoder_compiles_for_a_tpu():
     one = compile_vision(vision_spec(hf, images=1, image_size=(56, 84)), compile_target("v6e:1").mesh(("x",), (1,)))
     three = compile_vision(spec, compile_target("v6e:1").mesh(("x",), (1,)))
     assert three.flops == 3 * one.flops > 0 and three.peak_bytes == one.peak_bytes and three.output_bytes >= 6 * 256 * 2  # (tile padding)
+
+
+def test_a_qwen3_vl_image_encoder_compiles_for_a_tpu_with_its_deepstack():
+    """Qwen3-VL's ViT + merger + deepstack mergers (64 x 96 pixels: 4 x 6 patches of 16, 6 soft
+    tokens), one program per image; the step's image variant carries one deepstack row per merger."""
+    from jaxinfer.aot.vision_compile import compile_vision, vision_spec
+
+    hf = dict(model_type="qwen3_vl", vision_config=dict(depth=3, hidden_size=128, intermediate_size=256, num_heads=2,
+                                                        out_hidden_size=256, num_position_embeddings=16,
+                                                        deepstack_visual_indexes=[0, 1]))
+    with pytest.raises(ValueError, match="Qwen3-VL takes .* multiples of 32 pixels"):
+        vision_spec(hf, images=1, image_size=(64, 80))
+    spec = vision_spec(hf, images=2, image_size=(64, 96))
+    assert spec.grid == (1, 4, 6) and spec.soft_tokens == 6 and spec.image_inputs(512) == (512, 2, False)
+    assert "Qwen3-VL ViT (3 layers, 2 heads of 64, 24 patches) + merger and 2 deepstack mergers to 256" == spec.describe()
+    one = compile_vision(vision_spec(hf, images=1, image_size=(64, 96)), compile_target("v6e:1").mesh(("x",), (1,)))
+    two = compile_vision(spec, compile_target("v6e:1").mesh(("x",), (1,)))
+    assert two.flops == 2 * one.flops > 0 and two.peak_bytes == one.peak_bytes
+    assert one.output_bytes >= 3 * 6 * 256 * 2  # soft tokens and two deepstack rows each (bf16; tile padding)
 
 
 def test_llama_8b_on_one_v6e_gets_a_pool_that_fills_85_to_90_percent_of_its_hbm_at_the_default_utilization(v6e):

@@ -15,6 +15,11 @@ compiling every bucket of the serving step for the target, with no chip and no w
    must be updated in place).
 4. A decode estimate from bytes moved per step over the chip's HBM bandwidth: an HBM roofline,
    labelled as an estimate, not a measurement.
+5. A vision model (a `VisionSpec`): its image encoder (jaxinfer.aot.vision_compile), and the image
+   variant of the step for the largest prefill bucket, the batch with the image inputs (zeros) as
+   the engine's warm-up compiles it (`mm_embeds`, `mm_mask`; Gemma 3's `span_end` and its
+   both-ways image attention pass, Qwen3-VL's `mm_deepstack`): one line of its compile seconds
+   and peak memory per chip.
 """
 
 from __future__ import annotations
@@ -113,6 +118,8 @@ class Plan:
     sampling: list[SamplingCompile] = dataclasses.field(default_factory=list)
     wall_seconds: float = 0.0  # the whole plan, sizing included
     vision: VisionCompile | None = None  # the image encoder, for a multimodal model
+    image_step: BucketCompile | None = None  # the largest prefill bucket's image variant, for a multimodal model
+    image_inputs: tuple[int, int, bool] | None = None  # its image fields: (width, deepstack rows, span_end)
 
     @property
     def compile_seconds(self) -> float:
@@ -151,12 +158,12 @@ class Plan:
         return seqs, seconds, seqs * s.parallel.num_replicas / seconds
 
 
-def _compile_bucket(step: AbstractStep, key: BucketKey) -> BucketCompile:
-    """`key`'s step compiled for the target, with its memory per chip; DoesNotFit when the compiler
-    runs out of HBM."""
+def _compile_bucket(step: AbstractStep, key: BucketKey, image_inputs: tuple[int, int, bool] | None = None) -> BucketCompile:
+    """`key`'s step (its image variant with `image_inputs`: `VisionSpec.image_inputs`) compiled for
+    the target, with its memory per chip; DoesNotFit when the compiler runs out of HBM."""
     start = time.perf_counter()
     try:
-        compiled = step.compile(key)
+        compiled = step.compile(key, image_inputs)
     except Exception as e:  # noqa: BLE001
         if isinstance(e, ValueError) and str(e).startswith("SMEM"):  # the attention kernel's page table (tpu.py)
             raise DoesNotFit(f"bucket {key}: {e}") from e
@@ -252,22 +259,54 @@ def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfi
             on_bucket(sizing.probe)
     rest = [k for k in keys if k not in results]  # the largest again when the pool grew: with the rest
     rows = sorted({k.num_logits for k in keys} - {sizing.sampling.rows})
+    # a vision model: the image variant of the largest prefill bucket (the engine's warm-up compiles
+    # one per prefill and mixed bucket)
+    prefills = [k for k in keys if k.query_block > 1]
+    image_inputs = vision.image_inputs(config.hidden_size) if vision is not None and prefills else None
+    images = [("image", largest_bucket(prefills))] if image_inputs else []
     # One pool for the buckets and the sampling programs, the longest first (the most tokens, then
     # a sampling set of ~10 s on 2 cores) so that the last to finish are short.
-    tasks = sorted([("bucket", k) for k in rest] + [("sampling", r) for r in rows],
-                   key=lambda t: -(t[1].num_tokens if t[0] == "bucket" else 128))
-    compile_one = lambda t: _compile_bucket(step, t[1]) if t[0] == "bucket" else _compile_sampling(step, t[1])  # noqa: E731
-    sampling = [sizing.sampling]
+    tasks = sorted([("bucket", k) for k in rest] + images + [("sampling", r) for r in rows],
+                   key=lambda t: -(128 if t[0] == "sampling" else t[1].num_tokens))
+
+    def compile_one(task):
+        kind, what = task
+        if kind == "sampling":
+            return _compile_sampling(step, what)
+        return _compile_bucket(step, what, image_inputs if kind == "image" else None)
+
+    sampling, image_step = [sizing.sampling], None
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
         for (kind, what), result in zip(tasks, pool.map(compile_one, tasks)):
             if kind == "sampling":
                 sampling.append(result)
                 continue
+            if kind == "image":
+                image_step = result
+                continue
             results[what] = result
             if on_bucket:
                 on_bucket(result)
     sampling.sort(key=lambda c: c.rows)
-    return Plan(step, [results[k] for k in keys], sizing, sampling, time.perf_counter() - start, encoder)
+    return Plan(step, [results[k] for k in keys], sizing, sampling, time.perf_counter() - start, encoder,
+                image_step, image_inputs)
+
+
+def format_image_step(plan: Plan) -> str:
+    """One line: the image variant of the largest prefill bucket, its compile and memory per chip."""
+    b, (width, deepstack, span_end) = plan.image_step, plan.image_inputs
+    T = b.key.num_tokens
+    fields = [f"mm_embeds [{T}, {width}]", f"mm_mask [{T}]", *([f"span_end [{T}]"] if span_end else []),
+              *([f"mm_deepstack [{deepstack}, {T}, {width}]"] if deepstack else []),
+              *([f"rope_positions [3, {T}]"] if plan.step.with_rope_positions else [])]
+    text = next((t for t in plan.buckets if t.key == b.key), None)
+    versus = f", {(b.peak_bytes - text.peak_bytes) / GiB:+.2f} GiB against its text step" if text else ""
+    attention = "; images attended both ways (the split-KV pass after the kernel)" if span_end else ""
+    hbm = plan.target.chip.hbm_bytes
+    return (f"image step: {b.kind} bucket T={T} S={b.key.num_seqs} R={b.key.num_logits} with image inputs "
+            f"({', '.join(fields)}, zeros){attention}: compile {b.seconds:.1f} s, peak {_gib(b.peak_bytes)} GiB per chip "
+            f"({100 * b.peak_bytes / hbm:.0f}% of HBM; arguments {_gib(b.argument_bytes)} + temporaries "
+            f"{_gib(b.temp_bytes)}{versus}), pool copies {b.pool_copies}")
 
 
 # ----------------------------------------------------------------------------- the table
@@ -340,6 +379,7 @@ def format_plan(plan: Plan) -> str:
         f"| peak of the largest bucket{' (the image encoder weights included)' if encoder else ''} | {_gib(peak)} "
         f"({100 * peak / t.chip.hbm_bytes:.0f}% of HBM) |",
         *(["", format_vision(encoder, GiB)] if encoder else []),
+        *([format_image_step(plan)] if plan.image_step else []),
         "",
         f"KV pool ({plan.sizing.sized_by}, as the engine sizes it): {plan.pages_requested} pages per replica = "
         f"{tokens_asked} tokens = {(plan.pages_requested - 1) // held} sequences at max_model_len "
@@ -363,6 +403,6 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"| {context} | {seqs} | {seconds * 1e3:.2f} | {tokens_per_second:,.0f} |")
     if replicas > 1:
         lines.append(f"({replicas} replicas, each with its own batch and KV pool)")
-    if any(b.pool_copies for b in plan.buckets):
+    if any(b.pool_copies for b in plan.buckets + ([plan.image_step] if plan.image_step else [])):
         lines.append("WARNING: some bucket copies the whole KV pool every step (pool copies > 0)")
     return "\n".join(lines)

@@ -219,16 +219,23 @@ class AbstractStep:
         return math.prod(self.kv.pages.sharding.shard_shape(self.kv.pages.shape))
 
     # ------------------------------------------------------------------ compiling
-    def inputs(self, key: BucketKey):
-        """(batch, prev_tokens) of bucket `key`, abstract and sharded as the model program takes them."""
-        return abstract_inputs(self.step, key, self.buckets, with_lora=self.shape.max_loras > 0)
+    @property
+    def with_rope_positions(self) -> bool:
+        """Every batch carries M-RoPE positions (`rope_positions`): a Qwen2.5-VL / Qwen3-VL model, as the engine builds it."""
+        return getattr(self.config, "mrope_section", None) is not None
 
-    def lower(self, key: BucketKey) -> jax.stages.Lowered:
+    def inputs(self, key: BucketKey, image_inputs: tuple[int, int, bool] | None = None):
+        """(batch, prev_tokens) of bucket `key`, abstract and sharded as the model program takes them;
+        `image_inputs` (width, deepstack rows, span_end; `VisionSpec.image_inputs`): its image variant."""
+        return abstract_inputs(self.step, key, self.buckets, with_lora=self.shape.max_loras > 0,
+                               with_rope_positions=self.with_rope_positions, image_inputs=image_inputs)
+
+    def lower(self, key: BucketKey, image_inputs: tuple[int, int, bool] | None = None) -> jax.stages.Lowered:
         with jax.set_mesh(self.mesh):  # Pallas asks the mesh's chip for its facts (VMEM, generation)
-            return self.step.lower(self.params, self.kv, *self.inputs(key), key)
+            return self.step.lower(self.params, self.kv, *self.inputs(key, image_inputs), key)
 
-    def compile(self, key: BucketKey) -> jax.stages.Compiled:
-        lowered = self.lower(key)
+    def compile(self, key: BucketKey, image_inputs: tuple[int, int, bool] | None = None) -> jax.stages.Compiled:
+        lowered = self.lower(key, image_inputs)
         with jax.set_mesh(self.mesh):
             return lowered.compile()
 

@@ -13,6 +13,8 @@ with its NamedSharding on the target's mesh, and the program is the one `image_f
 - Qwen2.5-VL ("qwen2_5_vl"): the ViT + merger over one image of `image_size` (H x W pixels,
   multiples of patch * merge); `image_features` runs one program per image, so `images` images are
   that many calls of it, one after another: memory is one call's, FLOPs `images` calls'.
+- Qwen3-VL ("qwen3_vl"): as Qwen2.5-VL (one program per image), its ViT + merger and the deepstack
+  mergers (soft tokens [n, E] and deepstack features [K, n, E]).
 
 The encoder's weights are replicated on every chip (the step's tensor-parallel layout does not
 cover them; a SigLIP so400m is 0.8 GB in bf16). XLA's cost analysis counts a loop's body once
@@ -21,7 +23,11 @@ layer compiled alone times the depth: HLO FLOPs = program + (depth - 1) x layer.
 two kinds of layer (attending per window, or over the whole image), chosen per layer by a
 conditional that the cost analysis counts as its costlier branch (measured): its program counts
 one full-attention layer (one window layer if it has none), and each kind's other layers are added
-at that kind's count compiled alone.
+at that kind's count compiled alone. Qwen3-VL's layers run as one loop per deepstack merger (and
+one after the last): the program counts one layer per loop.
+
+`VisionSpec.image_inputs` gives the shapes of the step's image variant (the batch fields that carry
+the soft tokens: jaxinfer.aot.plan compiles it for the largest prefill bucket).
 """
 
 from __future__ import annotations
@@ -35,22 +41,36 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.engine.memory import bytes_per_device
-from jaxinfer.models.vision import qwen_vl, siglip
+from jaxinfer.models.vision import qwen3_vl, qwen_vl, siglip
 
-VISION_MODEL_TYPES = ("gemma3", "qwen2_5_vl")
+VISION_MODEL_TYPES = ("gemma3", "qwen2_5_vl", "qwen3_vl")
 
 
 @dataclasses.dataclass(frozen=True)
 class VisionSpec:
     """Which encoder to compile and over what: `images` per step, Qwen2.5-VL's `image_size` (H, W)."""
 
-    config: siglip.Gemma3VisionConfig | qwen_vl.Qwen2_5_VisionConfig
+    config: siglip.Gemma3VisionConfig | qwen_vl.Qwen2_5_VisionConfig | qwen3_vl.Qwen3VisionConfig
     images: int = 1
     image_size: tuple[int, int] | None = None
 
     @property
     def is_gemma(self) -> bool:
         return isinstance(self.config, siglip.Gemma3VisionConfig)
+
+    @property
+    def is_qwen3(self) -> bool:
+        return isinstance(self.config, qwen3_vl.Qwen3VisionConfig)
+
+    @property
+    def deepstack_rows(self) -> int:
+        """Deepstack rows per image token the step takes (Qwen3-VL), else 0."""
+        return len(self.config.deepstack_visual_indexes) if self.is_qwen3 else 0
+
+    def image_inputs(self, hidden_size: int) -> tuple[int, int, bool]:
+        """The step's image variant, as `ModelRunner.image_inputs`: (soft-token width, deepstack
+        rows, whether images attend both ways: Gemma 3's `span_end`)."""
+        return hidden_size, self.deepstack_rows, self.is_gemma
 
     @property
     def pixels(self) -> tuple[int, int]:
@@ -81,6 +101,9 @@ class VisionSpec:
             return (f"Gemma 3 SigLIP ({v.num_hidden_layers} layers, {v.num_attention_heads} heads of {v.head_dim}, "
                     f"{v.num_patches} patches) + projector to {self.config.text_hidden_size}")
         c = self.config
+        if self.is_qwen3:
+            return (f"Qwen3-VL ViT ({c.depth} layers, {c.num_heads} heads of {c.head_dim}, {self.grid[1] * self.grid[2]} "
+                    f"patches) + merger and {self.deepstack_rows} deepstack mergers to {c.out_hidden_size}")
         return (f"Qwen2.5-VL ViT ({c.depth} layers, {c.num_heads} heads of {c.head_dim}, {self.grid[1] * self.grid[2]} "
                 f"patches) + merger to {c.out_hidden_size}")
 
@@ -98,11 +121,12 @@ def vision_spec(hf: dict | None, images: int = 1, image_size: tuple[int, int] | 
             raise ValueError(f"image size {image_size[0]}x{image_size[1]}: Gemma 3's encoder takes {side}x{side} images "
                              f"(its processor's size; the position embeddings are not interpolated)")
         return VisionSpec(config, images)
-    config = qwen_vl.Qwen2_5_VisionConfig.from_hf_dict(hf)
+    qwen3 = hf["model_type"] == "qwen3_vl"
+    config = (qwen3_vl.Qwen3VisionConfig if qwen3 else qwen_vl.Qwen2_5_VisionConfig).from_hf_dict(hf)
     image_size = tuple(image_size or (896, 896))
     unit = config.patch_size * config.spatial_merge_size
     if len(image_size) != 2 or any(s <= 0 or s % unit for s in image_size):
-        raise ValueError(f"image size {'x'.join(map(str, image_size))}: Qwen2.5-VL takes heights and widths that are "
+        raise ValueError(f"image size {'x'.join(map(str, image_size))}: {'Qwen3-VL' if qwen3 else 'Qwen2.5-VL'} takes heights and widths that are "
                          f"multiples of {unit} pixels (patch {config.patch_size} x merge {config.spatial_merge_size})")
     return VisionSpec(config, images, image_size)
 
@@ -155,6 +179,8 @@ def _programs(spec: VisionSpec, dtype):
         x = jax.ShapeDtypeStruct((spec.images, v.num_patches, v.hidden_size), dtype)
         w = {k: jax.ShapeDtypeStruct(s[1:], dtype) for k, s in siglip.layer_shapes(v).items()}
         return model, lambda m, px: m(px), pixels, [(layer, (x, w), v.num_hidden_layers - 1)]
+    if spec.is_qwen3:
+        return _qwen3_programs(spec, dtype)
     model = nnx.eval_shape(lambda: qwen_vl.Qwen2_5_VisionTransformer(cfg, param_dtype=dtype, rngs=nnx.Rngs(0)))
     grid, S = spec.grid, spec.grid[0] * spec.grid[1] * spec.grid[2]
     pixels = jax.ShapeDtypeStruct((S, cfg.patch_dim), jnp.float32)
@@ -177,6 +203,27 @@ def _programs(spec: VisionSpec, dtype):
                                                       (full_layer, inputs, full - (full > 0))]
 
 
+def _qwen3_programs(spec: VisionSpec, dtype):
+    """`_programs` of Qwen3-VL: one loop of layers per deepstack merger and one after the last,
+    each counted once by the cost analysis."""
+    cfg = spec.config
+    model = nnx.eval_shape(lambda: qwen3_vl.Qwen3VisionTransformer(cfg, param_dtype=dtype, rngs=nnx.Rngs(0)))
+    grid, S = spec.grid, spec.grid[0] * spec.grid[1] * spec.grid[2]
+    pixels = jax.ShapeDtypeStruct((S, cfg.patch_dim), jnp.float32)
+    act = qwen_vl.ACTIVATIONS[cfg.hidden_act]
+    frames = qwen_vl.Blocks.of(qwen3_vl.grid_indices(cfg, *grid)[-1])
+
+    def layer(x, w, cos, sin):  # as Qwen3VisionTransformer's scan body
+        x = x + qwen_vl.self_attention(qwen3_vl.layer_norm(x, w["norm1"], w["norm1_bias"]), w, cos, sin, frames)
+        return x + qwen3_vl.mlp(x, w, act)
+
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    w = {k: jax.ShapeDtypeStruct(s[1:], dtype) for k, s in qwen3_vl.shapes(cfg)["blocks"].items()}
+    inputs = (jax.ShapeDtypeStruct((S, cfg.hidden_size), dtype), w, f32(S, cfg.head_dim), f32(S, cfg.head_dim))
+    loops = len(cfg.deepstack_visual_indexes) + (max(cfg.deepstack_visual_indexes) + 1 < cfg.depth)
+    return model, lambda m, px: m(px, grid), pixels, [(layer, inputs, cfg.depth - loops)]
+
+
 def compile_vision(spec: VisionSpec, mesh: jax.sharding.Mesh, dtype: str = "bfloat16") -> VisionCompile:
     """The encoder compiled for the mesh's chips, weights in `dtype` replicated on every chip."""
     start = time.perf_counter()
@@ -192,7 +239,7 @@ def compile_vision(spec: VisionSpec, mesh: jax.sharding.Mesh, dtype: str = "bflo
                 flops += more * _flops(jax.jit(layer).lower(*_abstract(inputs, replicated)).compile())
     seconds = time.perf_counter() - start
     m = compiled.memory_analysis()
-    calls = 1 if spec.is_gemma else spec.images  # Qwen2.5-VL: one program per image
+    calls = 1 if spec.is_gemma else spec.images  # Qwen2.5-VL, Qwen3-VL: one program per image
     flops *= calls
     return VisionCompile(spec, str(jnp.dtype(dtype)), seconds, bytes_per_device(params), m.argument_size_in_bytes,
                          m.temp_size_in_bytes, m.output_size_in_bytes, flops)

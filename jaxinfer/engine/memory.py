@@ -135,10 +135,14 @@ def _abstract_pages(config: ModelConfig, num_pages: int, page_size: int, dtype, 
                    v_scale=scales(specs.v_scale))
 
 
-def abstract_inputs(step: StepFunction, key: BucketKey, buckets: Buckets, with_lora: bool):
-    """(batch, prev_tokens) of bucket `key` (one of `buckets`), abstract and sharded as the model program takes them."""
+def abstract_inputs(step: StepFunction, key: BucketKey, buckets: Buckets, with_lora: bool, *,
+                    with_rope_positions: bool = False, image_inputs: tuple[int, int, bool] | None = None):
+    """(batch, prev_tokens) of bucket `key` (one of `buckets`), abstract and sharded as the model
+    program takes them; `with_rope_positions` (an M-RoPE model's every batch) and `image_inputs`
+    (the image variant) as `empty_inputs`."""
     batch = _abstract(step, empty_inputs(key, buckets.pages_per_seq, step.num_replicas, with_lora=with_lora,
-                                         num_groups=buckets.num_groups))
+                                         num_groups=buckets.num_groups, with_rope_positions=with_rope_positions,
+                                         image_inputs=image_inputs))
     prev_tokens = jax.ShapeDtypeStruct((step.num_replicas, step.max_rows), np.int32,
                                        sharding=NamedSharding(step.mesh, rules.per_replica(2)))
     return batch, prev_tokens

@@ -314,13 +314,8 @@ class ModelRunner:
         (`image_inputs`' fields, zeros)."""
         with_lora = self.lora_enabled if with_lora is None else with_lora
         batch = empty_inputs(key, self.buckets.pages_per_seq, self.num_replicas, with_lora, self.buckets.num_groups,
-                             with_rope_positions=self.with_rope_positions)
-        if with_images:
-            width, deepstack, span_end = self.image_inputs
-            T, n = key.num_tokens, self.num_replicas
-            batch.mm_embeds, batch.mm_mask = np.zeros((n, T, width), np.float32), np.zeros((n, T), bool)
-            batch.mm_deepstack = np.zeros((n, deepstack, T, width), np.float32) if deepstack else None
-            batch.span_end = np.zeros((n, T), np.int32) if span_end else None
+                             with_rope_positions=self.with_rope_positions,
+                             image_inputs=self.image_inputs if with_images else None)
         return batch if self.pass_host_inputs else self._put(batch)
 
     def warmup(self, keys: Sequence[BucketKey] | None = None, *, drafts: bool = False) -> None:
@@ -611,10 +606,12 @@ def sampling_tensors(num_rows: int, scheduled, rows_of_chunk, max_history: int, 
 
 
 def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int, with_lora: bool = False,
-                 num_groups: int = 1, *, with_rope_positions: bool = False) -> RaggedBatch:
+                 num_groups: int = 1, *, with_rope_positions: bool = False,
+                 image_inputs: tuple[int, int, bool] | None = None) -> RaggedBatch:
     """A host batch of the key's shapes with no sequences in it (every token writes to scratch),
     stacked over the replicas: what warm-up compiles the model for and what ahead-of-time
-    compiles take the shapes of."""
+    compiles take the shapes of. `image_inputs` (width, deepstack rows, span_end): the image
+    variant, as `ModelRunner.image_inputs` describes it (its fields, zeros)."""
     T, S, R = key.num_tokens, key.num_seqs, key.num_logits
     batch = RaggedBatch(
         token_ids=np.zeros(T, np.int32),
@@ -630,6 +627,11 @@ def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int, with_lor
         verifies=np.zeros(S, bool),
         rope_positions=np.zeros((3, T), np.int32) if with_rope_positions else None,
     )
+    if image_inputs:
+        width, deepstack, span_end = image_inputs
+        batch.mm_embeds, batch.mm_mask = np.zeros((T, width), np.float32), np.zeros(T, bool)
+        batch.mm_deepstack = np.zeros((deepstack, T, width), np.float32) if deepstack else None
+        batch.span_end = np.zeros(T, np.int32) if span_end else None
     return jax.tree.map(lambda a: np.stack([a] * num_replicas), batch)
 
 
