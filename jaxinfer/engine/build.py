@@ -264,7 +264,7 @@ def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights:
                          num_top_logprobs=num_top_logprobs, mesh=mesh, param_specs=weights.param_specs,
                          return_hidden=return_hidden, return_stream=return_stream, kv_windows=groups.windows,
                          kv_page_factors=config.kv_page_factors(model_config))
-    runner.with_rope_positions = getattr(model_config, "mrope_section", None) is not None
+    runner.with_rope_positions = model_config.mrope_section is not None
     return runner
 
 
@@ -411,7 +411,8 @@ def pages_from_device_memory(config: EngineConfig, model_config: ModelConfig, me
     step = StepFunction(weights.graphdef, config.max_logprobs, max_rows=buckets.max_tokens, mesh=mesh,
                         param_specs=weights.param_specs, return_hidden=return_hidden)
     scratch = measure_step_scratch(step, weights.params, pool(model_config, one_sequence), buckets,
-                                   with_lora=config.enable_lora)
+                                   with_lora=config.enable_lora,
+                                   with_rope_positions=model_config.mrope_section is not None)
     pages = kv_pool_pages(capacity_bytes=capacity_bytes, utilization=config.gpu_memory_utilization,
                           weight_bytes=weight_bytes, scratch_bytes=scratch, page_bytes=page_bytes)
     if pages < one_sequence:

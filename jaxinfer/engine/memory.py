@@ -168,13 +168,15 @@ def step_scratch_bytes(memory, weight_bytes: int, pool_bytes: int) -> int:
     return max(0, peak - weight_bytes - pool_bytes)
 
 
-def measure_step_scratch(step: StepFunction, params, pool: KVCache, buckets: Buckets, *, with_lora: bool) -> int:
+def measure_step_scratch(step: StepFunction, params, pool: KVCache, buckets: Buckets, *, with_lora: bool,
+                         with_rope_positions: bool = False) -> int:
     """`step_scratch_bytes` of the largest bucket's step, compiled for `params` over `pool` (an
     abstract pool: `abstract_pool`, one sequence's pages are enough): the larger of its model
     program's and of its sampling programs' with every logits processor on (they run one after
     the other; the model's logits are the latter's arguments)."""
     key = largest_bucket(buckets.all_keys())
-    lowered = step.lower(params, pool, *abstract_inputs(step, key, buckets, with_lora), key)
+    lowered = step.lower(params, pool, *abstract_inputs(step, key, buckets, with_lora,
+                                                        with_rope_positions=with_rope_positions), key)
     model = step_scratch_bytes(lowered.compile().memory_analysis(), bytes_per_device(params), bytes_per_device(pool))
     logits, _, *hidden = lowered.out_info
     sampling = lower_sampling(step, key.num_logits, logits.shape[-1], buckets.pages_per_seq * pool.page_size,
