@@ -109,10 +109,9 @@ class InputProcessor:
             if not isinstance(text, str) or "prompt_token_ids" in prompt:
                 raise ValueError(f"{label}: a prompt with multi_modal_data must be given as text ('prompt'), holding one "
                                  f"{self.images.placeholder!r} per image")
-            ids, images, rope = self.images.process(text, prompt["multi_modal_data"], label,
-                                                    add_special_tokens=prompt.get("add_special_tokens", True))
-            delta = int(rope.max()) + 1 - len(ids) if rope is not None else 0
-            return text, ids, MultiModalInputs(images, rope, delta)
+            ids, mm = self.images.process(text, prompt["multi_modal_data"], label,
+                                          add_special_tokens=prompt.get("add_special_tokens", True))
+            return text, ids, mm
         text, ids = self.tokenize(prompt, label)
         return text, ids, None
 

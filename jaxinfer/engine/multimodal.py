@@ -48,6 +48,7 @@ from jaxinfer.models.vision.preprocess import describe, load_image
 # An image over this many pixels is refused before preprocessing (Pillow warns past ~89 M).
 MAX_IMAGE_PIXELS = 50_000_000
 MAX_IMAGES_PER_PROMPT = 16  # default of LLM(limit_mm_per_prompt={"image": N})
+MAX_IMAGE_BYTES = 20 * 2**20  # a fetched image's size limit
 
 SUPPORTED = {"gemma3": "Gemma3ForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
              "qwen3_vl": "Qwen3VLForConditionalGeneration"}
@@ -195,8 +196,8 @@ class PromptImages:
         return out
 
     def process(self, text: str, data: Any, label: str, *, add_special_tokens: bool = True
-                ) -> tuple[list[int], list[PromptImage], np.ndarray | None]:
-        """(token ids, images, M-RoPE positions [3, n] or None) of a prompt text holding one
+                ) -> tuple[list[int], "MultiModalInputs"]:
+        """(token ids, images with their M-RoPE positions) of a prompt text holding one
         placeholder per image and its multi_modal_data."""
         images = self.images_of(data, label)
         count = text.count(self.placeholder)
@@ -216,17 +217,14 @@ class PromptImages:
                              f"(runs {[n for _, n in runs]}, expected {lengths})")
         prompt_images = [PromptImage(_image_hash(pixels, grid), start, n, pixels, grid, self.both_ways)
                          for (start, n), (pixels, grid) in zip(runs, processed)]
-        rope = None
-        if self.kind in MROPE_KINDS:
-            rope, _ = mrope_positions(ids, [image.grid for image in prompt_images], image_token_id=self.image_token_id,
+        if self.kind not in MROPE_KINDS:
+            return ids, MultiModalInputs(prompt_images)
+        rope, delta = mrope_positions(ids, [image.grid for image in prompt_images], image_token_id=self.image_token_id,
                                       spatial_merge_size=self.merge)
-        return ids, prompt_images, rope
+        return ids, MultiModalInputs(prompt_images, rope, delta)
 
     def _tokens(self, grid) -> int:
         return self.tokens_per_image if self.kind == "gemma3" else int(np.prod(grid)) // self.merge**2
-
-
-MAX_IMAGE_BYTES = 20 * 2**20  # a fetched image's size limit
 
 
 def _runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
@@ -293,7 +291,6 @@ class ImageEncoder:
         self.kind = kind
         self.model = self.LOADERS[kind](folder, param_dtype=param_dtype)
         self.cache = EncoderCache(cache_rows)
-        self.images_encoded = 0
 
     @property
     def deepstack_rows(self) -> int:
@@ -326,7 +323,6 @@ class ImageEncoder:
         rows = np.asarray(out, np.float32)
         if rows.shape[0] != image.length:
             raise ValueError(f"the encoder gave {rows.shape[0]} rows for an image of {image.length} tokens")
-        self.images_encoded += 1
         self.cache.put(image.key, (rows, deepstack))
         return rows, deepstack
 
@@ -340,17 +336,12 @@ class MultiModalInputs:
     rope_delta: int = 0  # generated tokens' M-RoPE position - their position
 
 
-@dataclasses.dataclass
-class ChunkImageInputs:
-    """What a chunk's image tokens bring to the step (batch.SequenceChunk's fields of the same names)."""
-
-    # (offset in the chunk, rows [k, H], deepstack rows [K, k, H] or None) per image piece
-    mm_rows: list[tuple[int, np.ndarray, np.ndarray | None]]
-    span_ends: list[tuple[int, int, int]]  # (first offset, end offset, last position seen) per both-ways piece
-
-
-def chunk_inputs(images: Sequence[PromptImage], start: int, num_tokens: int, encoder: ImageEncoder) -> ChunkImageInputs | None:
-    """The image rows of chunk [start, start + num_tokens) of a prompt with these images (None: it reaches none)."""
+def chunk_inputs(images: Sequence[PromptImage], start: int, num_tokens: int, encoder: ImageEncoder
+                 ) -> tuple[list[tuple[int, np.ndarray, np.ndarray | None]], list[tuple[int, int, int]]]:
+    """What chunk [start, start + num_tokens) of a prompt with these images brings to the step, as
+    batch.SequenceChunk's `mm_rows` (offset in the chunk, rows [k, H], deepstack rows [K, k, H] or
+    None, per image piece) and `span_ends` (first offset, end offset, last position seen, per
+    both-ways piece)."""
     end = start + num_tokens
     rows, spans = [], []
     for image in images:
@@ -362,7 +353,7 @@ def chunk_inputs(images: Sequence[PromptImage], start: int, num_tokens: int, enc
         rows.append((lo - start, image_rows[piece], None if deepstack is None else deepstack[:, piece]))
         if image.both_ways:
             spans.append((lo - start, hi - start, image.end - 1))
-    return ChunkImageInputs(rows, spans) if rows else None
+    return rows, spans
 
 
 def chunk_rope_positions(prompt_rope: np.ndarray, delta: int, start: int, num_tokens: int) -> np.ndarray:
@@ -379,9 +370,7 @@ def attach_image_inputs(chunk, request, start: int, num_tokens: int, encoder: Im
     """Sets a SequenceChunk's image rows (with their deepstack rows), both-ways spans and M-RoPE
     positions from its request's images."""
     if request.images:
-        inputs = chunk_inputs(request.images, start, num_tokens, encoder)
-        if inputs is not None:
-            chunk.mm_rows, chunk.span_ends = inputs.mm_rows, inputs.span_ends
+        chunk.mm_rows, chunk.span_ends = chunk_inputs(request.images, start, num_tokens, encoder)
     if request.rope_positions is not None:
         chunk.rope_positions = chunk_rope_positions(request.rope_positions, request.rope_delta, start, num_tokens)
 

@@ -302,7 +302,7 @@ def pack_batch(
         mm_embeds = np.zeros((T, mm_width), np.float32)
         mm_mask = np.zeros(T, bool)
         deepstack = np.zeros((mm_deepstack, T, mm_width), np.float32)
-    rope_positions = np.zeros((3, T), np.int32)
+    rope_positions = np.zeros((3, T), np.int32) if with_rope_positions else None
 
     t = r = 0
     for s, c in enumerate(chunks):
@@ -325,7 +325,8 @@ def pack_batch(
                 raise ValueError(f"sequence slot {s}: {len(c.hidden_src)} hidden-state rows for {n} tokens")
             hidden_src[t : t + n] = c.hidden_src
         positions[t : t + n] = np.arange(c.start_pos, end)
-        rope_positions[:, t : t + n] = positions[t : t + n] if c.rope_positions is None else c.rope_positions
+        if with_rope_positions:
+            rope_positions[:, t : t + n] = positions[t : t + n] if c.rope_positions is None else c.rope_positions
         if c.mm_rows and not mm_width:
             raise ValueError(f"sequence slot {s}: image rows in a batch packed without them (mm_width=0)")
         for off, rows, rows_deepstack in c.mm_rows:
@@ -362,8 +363,7 @@ def pack_batch(
     )
     if with_hidden:
         batch.hidden_src = hidden_src
-    if with_rope_positions:
-        batch.rope_positions = rope_positions
+    batch.rope_positions = rope_positions
     if mm_width:
         batch.mm_embeds, batch.mm_mask = mm_embeds, mm_mask
         if mm_deepstack:
