@@ -505,6 +505,27 @@ def mtp_views(source: TensorSource, config: dict, index: int = 0) -> TensorSourc
 
 
 def with_views(source: TensorSource, config: dict) -> TensorSource:
-    """`source` as the name maps of `config`'s model_type expect to read it."""
+    """`source` as the name maps of `config`'s model_type expect to read it (an embedding or
+    classification checkpoint's names first made a decoder's: `pooling_model_views`)."""
+    source = pooling_model_views(source)
     make = VIEWS.get(config.get("model_type"))
     return source if make is None else make(source, config)
+
+
+BARE_MODEL_PREFIXES = ("layers.", "embed_tokens.", "norm.")  # a base model saved alone (transformers' AutoModel)
+CLASSIFIER_TENSORS = ("score.weight", "score.bias")  # *ForSequenceClassification's head
+
+
+def pooling_model_views(source: TensorSource) -> TensorSource:
+    """An embedding or sequence-classification checkpoint as a decoder's name map reads it: a
+    base model saved without its LM head (AutoModel's `layers.*`, `embed_tokens.*`, `norm.*`, as
+    Qwen3-Embedding ships) under `model.*`, and a classification head (`score.*`) left out: the
+    pooler reads it (jaxinfer.engine.pooling). Any other checkpoint is returned as it is."""
+    names = [name for name, _ in source.listing()]
+    head = {name for name in names if name in CLASSIFIER_TENSORS}
+    renamed = {}
+    if not any(name.startswith("model.") for name in names):
+        renamed = {"model." + name: name for name in names if name.startswith(BARE_MODEL_PREFIXES)}
+    if not head and not renamed:
+        return source
+    return ViewSource(source, {}, head | set(renamed.values()), renamed)

@@ -13,6 +13,7 @@ processes replaying its requests step by step (jaxinfer.server.lockstep).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -145,7 +146,8 @@ def _llm(args, **extra):
         enable_expert_parallel=args.enable_expert_parallel, sequence_parallel_attention=args.sequence_parallel_attention,
         speculative_config=args.speculative_config, limit_mm_per_prompt=args.limit_mm_per_prompt,
         allowed_media_domains=tuple(args.allowed_media_domains), max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
-        encoder_cache_size=args.encoder_cache_size, progress=_is_main_process(), **extra,
+        encoder_cache_size=args.encoder_cache_size, progress=_is_main_process(),
+        runner=getattr(args, "runner", "generate"), pooler_config=getattr(args, "pooler_config", None), **extra,
     )
 
 
@@ -414,6 +416,12 @@ def main(argv=None) -> int:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the model folder's)")
+    s.add_argument("--runner", choices=("generate", "pooling"), default="generate",
+                   help="'pooling': serve an embedding or reranking model (/v1/embeddings, /v1/score, /v1/rerank) "
+                        "instead of generating (default generate)")
+    s.add_argument("--pooler-config", type=json.loads, default=None, metavar="JSON",
+                   help='with --runner pooling: the pooling over the model\'s own, e.g. \'{"pooling_type": "MEAN", '
+                        '"normalize": true}\'')
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1 routes and /tokenize, /detokenize "
                         "(default: the JAXINFER_API_KEY environment variable; neither: no key)")

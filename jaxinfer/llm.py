@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any, Sequence
@@ -17,7 +18,9 @@ from jaxinfer.engine.multimodal import split_images
 from jaxinfer.engine.spec_decode import SpeculativeConfig
 from jaxinfer.generation_defaults import generation_defaults
 from jaxinfer.lora_request import LoRARequest
-from jaxinfer.outputs import RequestFailedError, RequestOutput
+from jaxinfer.outputs import (PoolingRequestOutput, RequestFailedError, RequestOutput, ScoringOutput,
+                              ScoringRequestOutput)
+from jaxinfer.pooling_params import PoolingParams
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.startup import PhaseClock
 from jaxinfer.tokenizer import cache_root
@@ -226,12 +229,17 @@ class LLM:
         """
         prompts, params = self._pair(prompts, sampling_params)
         request_ids = self._add_requests(prompts, params, self._loras(lora_request, len(prompts)))
+        return self._run(request_ids, "Generating" if use_tqdm else None)
+
+    def _run(self, request_ids: list[str], progress: str | None) -> list:
+        """Steps the engine until these requests finish; their final outputs, in order. Any error
+        (or an interrupt) leaves none of them queued; a failed one raises RequestFailedError."""
         finished: dict[str, RequestOutput] = {}
         bar = None
-        if use_tqdm:
+        if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(request_ids), desc="Generating", unit="req", leave=False)
+            bar = tqdm(total=len(request_ids), desc=progress, unit="req", leave=False)
         try:
             while len(finished) < len(request_ids):
                 for out in self.engine.step():
@@ -247,6 +255,56 @@ class LLM:
             if bar:
                 bar.close()
         return [finished[r] for r in request_ids]
+
+    # ------------------------------------------------------------------ pooling (runner="pooling")
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Pools each prompt into one vector (an LLM built with runner="pooling"; see
+        jaxinfer.engine.pooling): `outputs.data` per prompt, in order. Prompts as `generate`
+        takes them; `pooling_params` one for all or one per prompt. Each prompt's pages are freed
+        as soon as it is computed."""
+        prompts, params = self._pair(prompts, pooling_params if pooling_params is not None else PoolingParams())
+        return self._run(self._add_requests(prompts, params), "Pooling" if use_tqdm else None)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None, *,
+              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Embeddings (`outputs.embedding`, a list of floats per prompt): the prompt's hidden states
+        pooled as the model's sentence-transformers config says (last token, mean or first),
+        normalized unless it says otherwise; `PoolingParams` may override either and truncate
+        to `dimensions` (models trained for it)."""
+        return self.encode(prompts, dataclasses.replace(pooling_params or PoolingParams(), task="embed"), use_tqdm=use_tqdm)
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], *, use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """A sequence-classification model's label probabilities per prompt (`outputs.probs`)."""
+        return self.encode(prompts, PoolingParams(task="classify"), use_tqdm=use_tqdm)
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], *,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score`: one score per pair, pairing one text with each of several (1 to N)
+        or texts one for one (N to N). A sequence-classification model (a cross-encoder reranker)
+        scores each pair as one prompt, the tokenizer's encoding of the pair (`tokenizer(a, b)`),
+        its first label's probability (a sigmoid of its logit for a one-label reranker); an
+        embedding model gives the cosine similarity of the two texts' embeddings."""
+        first = [data_1] if isinstance(data_1, str) else list(data_1)
+        second = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second) or not second:
+            raise ValueError(f"score: {len(first)} first texts for {len(second)} second texts: give one first text, "
+                             f"or as many as second texts (and at least one)")
+        if self.engine.core.pooler is not None and self.engine.core.pooler.classifier is not None:
+            pairs = [{"prompt_token_ids": self.tokenizer(a, b)["input_ids"]} for a, b in zip(first, second)]
+            outs = self.encode(pairs, PoolingParams(task="classify"), use_tqdm=use_tqdm)
+            return [ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(o.outputs.score)) for o in outs]
+        unique = list(dict.fromkeys(first + second))
+        vectors = dict(zip(unique, (np.asarray(o.outputs.embedding) for o in self.embed(unique, use_tqdm=use_tqdm))))
+        scores = []
+        for i, (a, b) in enumerate(zip(first, second)):
+            u, v = vectors[a], vectors[b]
+            cosine = float(u @ v / max(float(np.linalg.norm(u) * np.linalg.norm(v)), 1e-12))
+            scores.append(ScoringRequestOutput(f"score-{i}", [], ScoringOutput(cosine)))
+        return scores
 
     @staticmethod
     def _raise_if_failed(out: RequestOutput, request_ids: list[str]) -> None:
@@ -289,7 +347,7 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
+        if isinstance(sampling_params, (SamplingParams, PoolingParams)):
             params = [sampling_params] * len(prompts)
         else:
             params = list(sampling_params)

@@ -47,3 +47,52 @@ class RequestOutput:
 class RequestFailedError(RuntimeError):
     """A request the engine failed (its RequestOutput.error); `LLM.generate` raises it after
     aborting its other requests."""
+
+
+@dataclasses.dataclass
+class PoolingOutput:
+    """A pooled vector: `embedding` (task "embed"), or a classifier's `probs` over its labels
+    (task "classify"; `score` is the first label's, what a one-label reranker gives)."""
+
+    data: list[float]
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data
+
+    @property
+    def probs(self) -> list[float]:
+        return self.data
+
+    @property
+    def score(self) -> float:
+        return self.data[0]
+
+
+@dataclasses.dataclass
+class PoolingRequestOutput:
+    """What `LLM.embed` / `LLM.classify` / `LLM.encode` return per prompt (vLLM's shape)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput | None  # None until it finishes (or when it failed)
+    finished: bool
+    metrics: Any = None
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """What `LLM.score` returns per pair: a reranker's relevance, or the cosine similarity of two
+    embeddings."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

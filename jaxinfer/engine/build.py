@@ -30,12 +30,13 @@ from jaxinfer.engine.mtp import MTPProposer
 from jaxinfer.engine.lora import LoraManager
 from jaxinfer.engine.memory import (PoolSummary, abstract_pool, bytes_per_device, device_capacity_bytes, kv_pool_pages,
                                     least_over_processes, measure_step_scratch)
-from checkpoints_conv import read_checkpoint_config
+from checkpoints_conv import read_checkpoint_config, read_hf_config
 from jaxinfer.models.lora import LoraSlots, LoraTable, lora_shapes
 from jaxinfer.models.param_layout import stack_slots
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.kv_tiers import GiB, DiskTier, HostTier, KVTiers, PageLayout, fingerprint
 from jaxinfer.engine.model_runner import ModelRunner
+from jaxinfer.engine.pooling import PoolerConfig
 from jaxinfer.engine.spec_decode import NgramProposer, SpeculativeConfig
 from jaxinfer.kv_groups import kv_groups
 from jaxinfer.models.draft_heads import load_heads
@@ -106,8 +107,9 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
                           LinearState.bytes_per_slot(model_config, config.activation_dtype) if model_config.has_linear_layers else 0,
                           config.num_prefix_states or 0)
     logger.info("%s", summary)
+    pooler = build_pooler(config, source, model_config) if config.runner == "pooling" else None
     runner = build_runner(model_config, config, mesh, placed, num_top_logprobs=config.max_logprobs,
-                          return_hidden=return_hidden, return_stream=return_stream)
+                          return_hidden=return_hidden, return_stream=return_stream, pooling=pooler is not None)
     if draft is not None:
         draft_config, draft_weights = draft
         if return_stream:
@@ -127,12 +129,21 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
     if image_encoder is not None:  # the shapes of its image steps' extra inputs (warm-up compiles them)
         runner.image_inputs = (model_config.hidden_size, image_encoder.deepstack_rows, images.both_ways)
     engine = LLMEngine(config, runner, tokenizer, vocab_size=model_config.vocab_size, eos_token_ids=sorted(eos),
-                       proposer=proposer, lora=lora, kv_tiers=kv_tiers, images=images, image_encoder=image_encoder)
+                       proposer=proposer, lora=lora, kv_tiers=kv_tiers, images=images, image_encoder=image_encoder,
+                       pooler=pooler)
     engine.model_config, engine.mesh, engine.parallel, engine.source = model_config, mesh, parallel, source
     engine.tokenizer_seconds = tokenizer_seconds
     engine.kv_cache_summary = str(summary)  # the start-up line: pages, tokens, sequences at max_model_len
     clock.mark("KV cache and engine")
     return engine
+
+
+def build_pooler(config: EngineConfig, source, model_config: ModelConfig) -> PoolerConfig:
+    """runner="pooling": how the model pools (its folder's sentence-transformers config and
+    classification head, engine.pooling), with config.pooler_config over it."""
+    folder = source.path if source is not None and source.kind != "gguf" else None
+    hf_config = read_hf_config(folder) if folder is not None else {}
+    return PoolerConfig.from_folder(folder, hf_config, model_config.hidden_size, config.pooler_config)
 
 
 def build_images(config: EngineConfig, source, tokenizer, parallel) -> tuple[PromptImages | None, ImageEncoder | None]:
@@ -247,7 +258,7 @@ def add_lora_table(placed: PlacedWeights, model_config: ModelConfig, config: Eng
 
 
 def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights: PlacedWeights, *, num_top_logprobs: int,
-                 return_hidden: bool = False, return_stream: bool = False) -> ModelRunner:
+                 return_hidden: bool = False, return_stream: bool = False, pooling: bool = False) -> ModelRunner:
     """A model's runner on `mesh`: its placed weights and a KV pool of the (resolved) config's page geometry."""
     parallel = config.parallel(model_config)
     specs = kv_partition_spec(quantized=is_quantized(config.kv_dtype), combined=combined_pool(model_config, config.kernels))
@@ -262,7 +273,7 @@ def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights:
     groups = kv_groups(model_config)
     runner = ModelRunner(weights.graphdef, weights.params, kv, config.buckets(parallel, groups.num_groups),
                          num_top_logprobs=num_top_logprobs, mesh=mesh, param_specs=weights.param_specs,
-                         return_hidden=return_hidden, return_stream=return_stream, kv_windows=groups.windows,
+                         return_hidden=return_hidden, return_stream=return_stream, kv_windows=groups.windows, pooling=pooling,
                          kv_page_factors=config.kv_page_factors(model_config))
     runner.with_rope_positions = model_config.mrope_section is not None
     return runner

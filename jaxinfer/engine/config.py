@@ -17,7 +17,8 @@ per data-parallel replica), `compute_dtype`,
 `quantization_group_size`, `quantization_symmetric`, `keep_checkpoint_quantization`, `kernel_impl` (alias `attention_impl`),
 `check_kernels`, `xla_kernels`, `sequence_parallel_size`,
 `expert_parallel_size`, `sequence_parallel_attention`, `warmup`, `log_stats_interval`, `num_prefix_states`,
-`kv_offloading_dir`, `kv_offloading_disk_size`; for images vLLM's `limit_mm_per_prompt`,
+`kv_offloading_dir`, `kv_offloading_disk_size`; vLLM's `runner` ("generate" | "pooling") and
+`pooler_config`; for images vLLM's `limit_mm_per_prompt`,
 `max_num_encoder_input_tokens`, `encoder_cache_size`, `allowed_media_domains`.
 """
 
@@ -43,6 +44,7 @@ from sharding.mesh import ParallelConfig, ShardingError
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 KV_DTYPES = {**DTYPES, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "float8_e4m3fn": jnp.float8_e4m3fn}
 PREEMPTION_MODES = ("recompute", "swap")
+RUNNERS = ("generate", "pooling")
 
 
 def dtype_of(name: str | Any | None, what: str = "dtype", names: dict = DTYPES):
@@ -118,6 +120,9 @@ class EngineConfig:
     max_num_encoder_input_tokens: int | None = None  # image tokens encoded per step (default max_num_batched_tokens)
     encoder_cache_size: int | None = None  # encoder rows kept by image hash (default max(4096, 4 x max_num_batched_tokens))
     allowed_media_domains: tuple[str, ...] = ()  # domains an image URL may be fetched from (default: none)
+    # what the engine runs: "generate" (text) or "pooling" (embeddings and classifier scores, engine.pooling)
+    runner: str = "generate"
+    pooler_config: dict | None = None  # runner="pooling": {"pooling_type", "normalize"} over the model's own
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
@@ -177,12 +182,29 @@ class EngineConfig:
             raise ValueError(f"num_prefix_states={self.num_prefix_states!r} must be an int >= 0")
         set_("max_num_seqs", min(self.max_num_seqs, self.max_num_batched_tokens))  # a sequence needs a token
         self._check_kv_offloading()
+        self._check_runner()
         if isinstance(self.speculative_config, dict) or self.speculative_config is None:
             set_("speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         if self.enable_lora:
             for field in ("max_loras", "max_lora_rank"):
                 if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
                     raise ValueError(f"{field}={getattr(self, field)!r} must be an integer >= 1")
+
+    def _check_runner(self) -> None:
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner={self.runner!r}: expected one of {RUNNERS}")
+        if self.runner != "pooling":
+            if self.pooler_config is not None:
+                raise ValueError("pooler_config applies to runner='pooling'")
+            return
+        if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
+            raise ValueError(f"pooler_config={self.pooler_config!r}: expected a dict with 'pooling_type' and / or 'normalize'")
+        refused = [(self.speculative_config is not None, "speculative_config (nothing is generated)"),
+                   (self.enable_lora, "enable_lora"), (self.kv_offloading_size is not None, "kv_offloading_size"),
+                   (self.sequence_parallel_size > 1, "sequence_parallel_size > 1")]
+        for at_fault, setting in refused:
+            if at_fault:
+                raise ValueError(f"runner='pooling' with {setting} is not supported")
 
     def _check_kv_offloading(self) -> None:
         """The KV tiers' settings (engine/kv_tiers.py), alone and against the others."""

@@ -64,6 +64,7 @@ from jaxinfer.engine.lora import LoraManager
 from jaxinfer.engine.model_runner import InFlightStep, ModelRunner, RowResult
 from jaxinfer.engine.multimodal import ImageEncoder, attach_image_inputs
 from jaxinfer.engine.output_processor import OutputProcessor
+from jaxinfer.engine.pooling import PoolerConfig
 from jaxinfer.engine.request import PENDING, Request, Sequence, SwappedKV
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxinfer.engine.seeds import child_seed
@@ -93,8 +94,9 @@ class _InFlight:
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: ModelRunner, output: OutputProcessor, proposer=None, *,
                  grammar: GrammarBackend | None = None, lora: LoraManager | None = None, kv_tiers=None,
-                 image_encoder: ImageEncoder | None = None):
+                 image_encoder: ImageEncoder | None = None, pooler: PoolerConfig | None = None):
         self.config = config
+        self.pooler = pooler  # runner="pooling": how prompts' hidden states become vectors (engine.pooling)
         self.image_encoder = image_encoder  # a vision model's encoder and its cache (jaxinfer.engine.multimodal)
         self.kv_tiers = kv_tiers  # jaxinfer.engine.kv_tiers.KVTiers: evicted prefix pages in host memory / on disk
         self.grammar = grammar  # computes the allowed-token bitmasks of constrained sequences
@@ -437,6 +439,10 @@ class EngineCore:
         """Advances a sequence past its dispatched chunk (its sampled token PENDING on the device);
         returns whether the step must be read before the next one is scheduled."""
         seq, request, p = s.seq, s.seq.request, s.seq.request.params
+        if request.pooling is not None:  # a prompt to pool, nothing to sample
+            seq.num_computed += s.num_tokens
+            seq.hold = s.samples  # its whole prompt is dispatched: reading this step finishes it
+            return False
         must_sync = speculates and seq.spec is not None and seq.spec.drafts_next_step  # its next draft needs the tokens
         must_sync |= seq.grammar is not None  # its next allowed tokens depend on this step's
         if s.num_draft:  # verification: num_computed and tokens are settled when it is read
@@ -490,6 +496,8 @@ class EngineCore:
     def _advance(self, s: ScheduledSeq, now: float) -> None:
         """A prefill chunk's or a decode's results: prompt logprobs, the sampled token, forks."""
         seq, request, chunk = s.seq, s.seq.request, s.chunk
+        if request.pooling is not None:
+            return self._pooled(s, now)
         if seq.spec is not None:
             seq.spec.draft_computed = min(seq.spec.draft_computed, seq.num_computed)  # its drafts went unverified
             if s.samples:  # the row its next token comes from (every sample row of a fork has the same hidden state)
@@ -531,6 +539,24 @@ class EngineCore:
         if seq.finished:
             del seq.token_ids[end + 1 :]  # drop tokens of steps dispatched after the one that ended it
             seq.pending.clear()
+
+    def _pooled(self, s: ScheduledSeq, now: float) -> None:
+        """A pooling chunk's hidden-state rows, folded into its request's pooling; the chunk that
+        ends the prompt finishes the request (its vector made, its pages freed)."""
+        seq, request = s.seq, s.seq.request
+        hidden = np.stack([row.hidden for row in s.chunk.results]) if s.chunk.results else np.zeros((0, 0), np.float32)
+        request.pooling.add(s.start, s.num_tokens, hidden)
+        end = s.start + s.num_tokens
+        bm = self.replicas[request.replica].block_manager
+        if seq.seq_id in bm.seqs and seq.num_computed >= end:  # not preempted meanwhile
+            bm.mark_computed(seq.seq_id, end, seq.cache_ids())
+        self.num_prompt_tokens_computed += s.num_tokens
+        if not request.pooling.done:
+            return
+        request.pooled = self.pooler.finish(request.pooling)
+        request.metrics.first_token_time = request.metrics.last_token_time = now
+        seq.finish_reason = "stop"
+        self._scheduler(seq).finish(seq)
 
     def _verified(self, s: ScheduledSeq, now: float, commits: list) -> None:
         """A verification chunk's results: keep the accepted drafts and the sampled token after

@@ -31,9 +31,11 @@ from jaxinfer.engine.kv_handoff import KVHandoff, prepare_handoff
 from jaxinfer.engine.lora import LoraManager
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.output_processor import OutputProcessor
+from jaxinfer.engine.pooling import PoolerConfig
 from jaxinfer.engine.request import Request
 from jaxinfer.lora_request import LoRARequest
-from jaxinfer.outputs import RequestOutput
+from jaxinfer.outputs import PoolingRequestOutput, RequestOutput
+from jaxinfer.pooling_params import PoolingParams
 from jaxinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxinfer")
@@ -85,7 +87,8 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer, *, vocab_size: int, eos_token_ids,
-                 proposer=None, lora: LoraManager | None = None, kv_tiers=None, images=None, image_encoder=None):
+                 proposer=None, lora: LoraManager | None = None, kv_tiers=None, images=None, image_encoder=None,
+                 pooler: PoolerConfig | None = None):
         """`config` with max_model_len set (EngineConfig.resolved); `proposer` drafts for
         config.speculative_config, `lora` serves LoRA adapters with enable_lora, `kv_tiers` keeps
         evicted prefix pages with kv_offloading_size (jaxinfer.engine.build makes them)."""
@@ -98,20 +101,23 @@ class LLMEngine:
         self.lora = lora
         self.input = InputProcessor(config, tokenizer, vocab_size=vocab_size, pages_per_replica=runner.pages_per_replica,
                                     grammar=self.grammar, lora=lora, eos_token_ids=eos_token_ids,
-                                    kv_windows=runner.kv_windows, kv_page_factors=runner.kv_page_factors, images=images)
+                                    kv_windows=runner.kv_windows, kv_page_factors=runner.kv_page_factors, images=images,
+                                    pooler=pooler)
         self.output = OutputProcessor(tokenizer, eos_token_ids=eos_token_ids, max_model_len=config.max_model_len)
         self.core = EngineCore(config, runner, self.output, proposer, grammar=self.grammar, lora=lora, kv_tiers=kv_tiers,
-                               image_encoder=image_encoder)
+                               image_encoder=image_encoder, pooler=pooler)
         if kv_tiers is not None:  # (its disk writer's queue is written out when the engine goes, at the latest at exit)
             weakref.finalize(self, kv_tiers.close)
         self._last_log = time.time()
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, request_id: str | None, prompt: str | list[int] | dict, params: SamplingParams | None = None, *,
+    def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
+                    params: SamplingParams | PoolingParams | None = None, *,
                     priority: int = 0, arrival_time: float | None = None, lora_request: LoRARequest | None = None,
                     export_kv: bool = False, kv_handoff: KVHandoff | None = None) -> Request:
-        """Queues a request (with `lora_request`: under that adapter). A bad one raises ValueError
+        """Queues a request (with `lora_request`: under that adapter; PoolingParams on a pooling
+        engine: a prompt to embed or classify, engine.pooling). A bad one raises ValueError
         naming it; nothing else is affected. Disaggregation (engine.kv_handoff): `export_kv` hands
         its prompt's pages off when it finishes (its RequestOutput.kv_handoff); `kv_handoff` starts
         it from another engine's pages."""
@@ -137,7 +143,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Runs one iteration; returns the outputs of the requests it advanced."""
         outputs = [self.output.output(request) for request in self.core.step()]
         self._maybe_log()
@@ -190,7 +196,8 @@ class LLMEngine:
         """(text, token ids, images or None): `tokenize`, and a prompt's multi_modal_data processed."""
         return self.input.process(prompt, label)
 
-    def validate(self, ids: list[int], params: SamplingParams, label: str, lora_request: LoRARequest | None = None) -> None:
+    def validate(self, ids: list[int], params: SamplingParams | PoolingParams, label: str,
+                 lora_request: LoRARequest | None = None) -> None:
         self.input.validate(ids, params, label, lora_request)
 
     # ------------------------------------------------------------------ stats

@@ -7,8 +7,9 @@ the vocabulary, a top_k over the vocabulary (as vLLM), more logprobs or completi
 allows, more ids held back by min_tokens than the sampler's fixed width, a request that cannot
 fit the KV cache, a structured_outputs constraint that does not compile), so a bad request never
 reaches the scheduler and costs no other request anything; `SamplingParams` has already checked
-each field on its own. A request's seed becomes the sampler's (`seeds.sampler_seed`). Runs in
-the caller's thread.
+each field on its own. A request's seed becomes the sampler's (`seeds.sampler_seed`). A pooling
+engine's requests take `PoolingParams` instead (a prompt of up to max_model_len tokens, nothing
+sampled: engine.pooling). Runs in the caller's thread.
 """
 
 from __future__ import annotations
@@ -23,19 +24,23 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.grammar import GrammarBackend, GrammarError
 from jaxinfer.engine.lora import LoraManager
 from jaxinfer.engine.multimodal import MultiModalInputs, PromptImages, prompt_key_ids
+from jaxinfer.engine.pooling import PoolerConfig
 from jaxinfer.engine.request import Request, RequestMetrics, Sequence, SpecState
 from jaxinfer.engine.seeds import sampler_seed
 from jaxinfer.kv_groups import window_pages
 from jaxinfer.lora_request import LoRARequest
 from jaxinfer.ops.sampling import MAX_BANNED_IDS
+from jaxinfer.pooling_params import PoolingParams
 from jaxinfer.sampling_params import SamplingParams, is_integer
 
 
 class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer, *, vocab_size: int, pages_per_replica: int,
                  grammar: GrammarBackend | None = None, lora: LoraManager | None = None, eos_token_ids=(),
-                 kv_windows: tuple = (None,), kv_page_factors: tuple = (), images: PromptImages | None = None):
+                 kv_windows: tuple = (None,), kv_page_factors: tuple = (), images: PromptImages | None = None,
+                 pooler: PoolerConfig | None = None):
         self.config = config
+        self.pooler = pooler  # runner="pooling": requests take PoolingParams (engine.pooling)
         self.images = images  # a vision model's prompt processing (jaxinfer.engine.multimodal); None: text only
         self.eos_token_ids = set(eos_token_ids)  # held back with the stop ids until min_tokens
         self.grammar = grammar  # compiles structured_outputs constraints (None: refused)
@@ -55,7 +60,7 @@ class InputProcessor:
         """A checked Request (one Sequence, for its prompt); ValueError naming it if it cannot run.
         Its seed: `seed` if given (another process's request, replayed), else params.seed as the
         sampler takes it (`sampler_seed`), else drawn."""
-        params = params or SamplingParams()
+        params = params or (PoolingParams() if self.pooler is not None else SamplingParams())
         with self._lock:
             counter = next(self._ids)
         request_id = str(counter) if request_id is None else str(request_id)
@@ -68,6 +73,10 @@ class InputProcessor:
         try:
             text, ids, mm = self.process(prompt, label)
             self.validate(ids, params, label, lora_request)
+            if isinstance(params, PoolingParams):
+                if mm is not None:
+                    raise ValueError(f"{label}: a pooling request takes text, not images")
+                return self._pooling_request(request_id, text, ids, params, priority, arrival_time)
             if mm is not None:
                 self.validate_images(mm, label)
             if seed is None and params.seed is not None:
@@ -95,6 +104,15 @@ class InputProcessor:
             if pinned:
                 self.lora.unpin(lora_request.lora_int_id)
             raise
+
+    def _pooling_request(self, request_id: str, text: str | None, ids: list[int], params: PoolingParams, priority: int,
+                         arrival_time: float | None) -> Request:
+        """A checked pooling request: its prompt computed once, nothing sampled (engine.pooling)."""
+        request = Request(request_id, text, ids, SamplingParams(max_tokens=1, detokenize=False), 0, len(ids), priority,
+                          RequestMetrics(arrival_time if arrival_time is not None else time.time()))
+        request.pooling = self.pooler.state(params, len(ids))
+        request.seqs.append(Sequence(request, 0, list(ids), 0))
+        return request
 
     def process(self, prompt, label: str) -> tuple[str | None, list[int], MultiModalInputs | None]:
         """(text or None, token ids, its images or None) of a prompt; `tokenize` for text, and a
@@ -157,6 +175,8 @@ class InputProcessor:
         c = self.config
         if not ids:
             raise ValueError(f"{label}: the prompt is empty (0 tokens)")
+        if isinstance(p, PoolingParams) or self.pooler is not None:
+            return self._validate_pooling(ids, p, label, lora_request)
         if len(ids) >= c.max_model_len:
             raise ValueError(
                 f"{label}: the prompt has {len(ids)} tokens, over max_model_len={c.max_model_len} "
@@ -212,6 +232,29 @@ class InputProcessor:
                 f"{label}: needs {need} KV pages but the cache has {self.num_usable_pages} (per replica); "
                 f"raise num_pages or lower max_tokens"
             )
+
+    def _validate_pooling(self, ids: list[int], p: PoolingParams, label: str, lora_request: LoRARequest | None) -> None:
+        """`validate` for a pooling engine's requests: PoolingParams, a prompt of at most
+        max_model_len tokens (nothing is generated after it)."""
+        c = self.config
+        if self.pooler is None:
+            raise ValueError(f"{label}: PoolingParams need an engine built with runner='pooling' (LLM(runner='pooling'), "
+                             f"jaxinfer serve --runner pooling)")
+        if not isinstance(p, PoolingParams):
+            raise ValueError(f"{label}: this model runs as a pooling model (runner='pooling'): it embeds and scores "
+                             f"(LLM.embed / LLM.score, /v1/embeddings, /v1/score, /v1/rerank) and does not generate")
+        if lora_request is not None:
+            raise ValueError(f"{label}: LoRA adapters with runner='pooling' are not supported")
+        if len(ids) > c.max_model_len:
+            raise ValueError(f"{label}: the prompt has {len(ids)} tokens, over max_model_len={c.max_model_len}")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{label}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        self.pooler.check(p, label)
+        need = sum(window_pages(w, len(ids), ps, c.max_num_batched_tokens) for w, ps in zip(self.kv_windows, self.kv_page_sizes))
+        if need > self.num_usable_pages:
+            raise ValueError(f"{label}: needs {need} KV pages but the cache has {self.num_usable_pages} (per replica); "
+                             f"raise num_pages")
 
     @staticmethod
     def _grammar_errors(label: str, fn):

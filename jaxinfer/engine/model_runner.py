@@ -94,6 +94,7 @@ class RowResult:
     top_ids: np.ndarray  # [K]
     top_logprobs: np.ndarray  # [K]
     accepted: bool = False  # the row's drafted token was accepted
+    hidden: np.ndarray | None = None  # [H] float32: its final-normed hidden state (a pooling runner's rows)
 
 
 @dataclasses.dataclass
@@ -121,11 +122,12 @@ class InFlightStep:
 class ModelRunner:
     def __init__(self, graphdef, params, kv: KVCache, buckets: Buckets, *, num_top_logprobs: int = 20,
                  mesh=None, param_specs=None, return_hidden: bool = False, return_stream: bool = False,
-                 kv_windows: tuple = (None,), kv_page_factors: tuple = ()):
+                 kv_windows: tuple = (None,), kv_page_factors: tuple = (), pooling: bool = False):
         """kv: the whole cache, [slots, replicas * pages_per_replica, ...], placed on `mesh` (default:
         one device) with the step's KV sharding; kv_windows: each KV layer group's window
         (`jaxinfer.kv_groups`; one entry per page-table row of `buckets`), kv_page_factors: how many
-        times page_size tokens each group's pages hold (default 1 each)."""
+        times page_size tokens each group's pages hold (default 1 each). `pooling`: steps return
+        their rows' hidden states instead of sampling (runner="pooling"; runtime.step)."""
         if len(kv_windows) != buckets.num_groups:
             raise ValueError(f"{len(kv_windows)} KV layer groups but buckets with {buckets.num_groups} page-table rows")
         self.kv_windows = tuple(kv_windows)
@@ -138,7 +140,7 @@ class ModelRunner:
         self.buckets = buckets
         self.num_top_logprobs = num_top_logprobs
         self.step_fn = StepFunction(graphdef, num_top_logprobs, max_rows=buckets.max_tokens, mesh=mesh, param_specs=param_specs,
-                                    return_hidden=return_hidden, return_stream=return_stream)
+                                    return_hidden=return_hidden, return_stream=return_stream, pooling=pooling)
         self.num_replicas = self.step_fn.num_replicas
         if kv.num_pages % self.num_replicas:
             raise ValueError(f"{kv.num_pages} KV pages do not split over {self.num_replicas} replicas")
@@ -283,6 +285,12 @@ class ModelRunner:
         """Waits for a dispatched step and fills each chunk's `results`: one RowResult per logits
         row. Only the sampled tokens (and logprobs when asked for) come to the host."""
         out = step.out
+        if self.step_fn.pooling:  # the rows' hidden states, nothing sampled
+            hidden, none = np.asarray(out.hidden), np.zeros(0)
+            for i, chunks in enumerate(step.chunks):
+                for s in chunks:
+                    s.results = [RowResult(0, 0.0, none, none, hidden=hidden[i, r]) for r in s.rows]
+            return
         if step.want_logprobs:
             tokens, logprobs, top_ids, top_lps = jax.device_get((out.tokens, out.logprobs, out.top_ids, out.top_logprobs))
         else:
@@ -352,6 +360,8 @@ class ModelRunner:
             for key, seconds, out_info in pool.map(compile_model, jobs):
                 self.compile_seconds[key] = self.compile_seconds.get(key, 0.0) + seconds
                 after_model.setdefault(key.num_logits, (key, out_info))
+        if self.step_fn.pooling:
+            return  # (nothing samples)
         for key, (logits, _, *hidden) in after_model.values():
             hidden = hidden[:1] if self.step_fn.return_hidden else []  # (not the stream: the sampler never reads it)
             rows, vocab = key.num_logits, logits.shape[-1]

@@ -19,7 +19,8 @@ from __future__ import annotations
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from jaxinfer.engine.model_runner import RowResult
 from jaxinfer.engine.request import Request, Sequence
-from jaxinfer.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from jaxinfer.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, PositionLogprobs,
+                              RequestOutput)
 
 
 class OutputProcessor:
@@ -104,7 +105,11 @@ class OutputProcessor:
         return entry
 
     @staticmethod
-    def output(request: Request) -> RequestOutput:
+    def output(request: Request) -> RequestOutput | PoolingRequestOutput:
+        if request.pooling is not None:
+            return PoolingRequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                                        PoolingOutput(request.pooled) if request.pooled is not None else None,
+                                        request.finished, request.metrics, request.error)
         p = request.params
         seqs = sorted(request.seqs, key=lambda s: s.index)
         return RequestOutput(

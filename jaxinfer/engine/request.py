@@ -18,6 +18,7 @@ import time
 
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from jaxinfer.engine.grammar import Matcher
+from jaxinfer.engine.pooling import PoolState
 from jaxinfer.lora_request import LoRARequest
 from jaxinfer.outputs import PositionLogprobs
 from jaxinfer.sampling_params import SamplingParams
@@ -175,6 +176,8 @@ class Sequence:
         still collects prompt logprobs, only the tokens before the row that scores the first
         missing entry: a fresh request computes its whole prompt (vLLM skips the prefix-cache
         lookup for it too) and a preempted one resumes where its entries stop."""
+        if self.request.pooling is not None:  # (the rows its pooling still reads must be computed)
+            return self.request.pooling.cached_tokens
         if not self.request.wants_prompt_logprobs:
             return None
         return len(self.request.prompt_logprobs) - 1
@@ -232,6 +235,9 @@ class Request:
     cache_key_ids: list[int] | None = None  # the prompt as prefix-cache keys read it (images: their hashes)
     rope_positions: "np.ndarray | None" = None  # [3, prompt length]: M-RoPE positions of the prompt (Qwen2.5-VL)
     rope_delta: int = 0  # a generated token at position p has M-RoPE position p + rope_delta (all three)
+    # a pooling request (runner="pooling", engine.pooling): its pooling so far, then its vector
+    pooling: "PoolState | None" = None
+    pooled: list[float] | None = None
 
     def __post_init__(self):
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
@@ -240,7 +246,7 @@ class Request:
     @property
     def finished(self) -> bool:
         done = all(s.finished for s in self.seqs)
-        return done and (self.forked or any(s.finish_reason in ("abort", "error") for s in self.seqs))
+        return done and (self.forked or self.pooling is not None or any(s.finish_reason in ("abort", "error") for s in self.seqs))
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -259,6 +259,8 @@ class Scheduler:
         n = min(seq.num_uncomputed, budget)
         if seq.request.wants_prompt_logprobs:
             n = min(n, max(1, rows_left - self._forks(seq)))
+        elif seq.request.pooling is not None and seq.request.pooling.pooling_type == "MEAN":  # a row per token
+            n = min(n, max(1, rows_left))
         checkpoint = self.block_manager.next_checkpoint(seq.seq_id, seq.num_computed)  # a hybrid model saves its state there
         if checkpoint is not None:
             n = min(n, checkpoint - seq.num_computed)
@@ -293,6 +295,8 @@ class Scheduler:
 
     def _logits_rows(self, seq: Sequence, n: int, num_draft: int = 0) -> int:
         """Logits rows a chunk of n tokens (num_draft of them drafts) asks the step for."""
+        if seq.request.pooling is not None:
+            return len(seq.request.pooling.rows(seq.num_computed, n))
         rows = num_draft
         if seq.num_computed + n - num_draft == len(seq.token_ids):  # it reaches the newest token: it samples
             rows += self._forks(seq)

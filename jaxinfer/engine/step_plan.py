@@ -12,7 +12,9 @@ Logits rows of a chunk, in order:
 - verification (speculative decoding): the last num_draft + 1 rows, row i verifying draft i and
   the last one sampling the bonus token;
 - sampling: the last token's row, n times before the request forks into its n completions (one
-  seed each).
+  seed each);
+- pooling (runner="pooling"): the rows whose hidden states the request's pooling reads
+  (engine.pooling.PoolState.rows); nothing samples.
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ def plan_chunk(s: ScheduledSeq, page_offsets: list[int], pages: list[list[int]],
     seq, request = s.seq, s.seq.request
     p = request.params
     start = s.start
+    if request.metrics.first_scheduled_time is None:
+        request.metrics.first_scheduled_time = time.time()
+    if request.pooling is not None:
+        rows = request.pooling.rows(start, s.num_tokens)
+        tokens = seq.token_ids[start : start + s.num_tokens]
+        return ScheduledChunk(SequenceChunk(tokens, start, pages, rows, {}, page_offsets=page_offsets),
+                              RowSampling(target_ids=[-1] * len(rows)))
     rows, targets = [], []
     if request.wants_prompt_logprobs and seq.index == 0:
         have = len(request.prompt_logprobs)  # entries so far (a recompute skips the rows that scored them)
@@ -64,8 +73,6 @@ def plan_chunk(s: ScheduledSeq, page_offsets: list[int], pages: list[list[int]],
     if sampling.uses_penalties:  # history as of the sampled row: everything up to this chunk's end
         sampling.history = seq.token_ids[: start + s.num_tokens]
         sampling.num_prompt_history = min(len(request.prompt_token_ids), start + s.num_tokens)
-    if request.metrics.first_scheduled_time is None:
-        request.metrics.first_scheduled_time = time.time()
     tokens = seq.token_ids[start : start + s.num_tokens - s.num_draft] + seq.draft[: s.num_draft]
     device_tokens = {i: seq.pending[start + i] for i in range(s.num_tokens) if start + i in seq.pending}
     return ScheduledChunk(SequenceChunk(tokens, start, pages, rows, device_tokens, page_offsets=page_offsets), sampling)

@@ -84,16 +84,23 @@ TPU_COMPILER_OPTIONS = {"xla_tpu_enable_offloading_scatter_to_sparsecore": "fals
 
 class StepFunction:
     def __init__(self, graphdef: nnx.GraphDef, num_top_logprobs: int, max_rows: int = 1, *,
-                 mesh: Mesh | None = None, param_specs=None, return_hidden: bool = False, return_stream: bool = False):
+                 mesh: Mesh | None = None, param_specs=None, return_hidden: bool = False, return_stream: bool = False,
+                 pooling: bool = False):
         """`mesh` defaults to one device; `param_specs` (`param_partition_specs`) is needed with a
         mesh of more than one device (on one device every parameter is whole). `return_hidden`:
         the step's SampleOutput also carries the logits rows' hidden states (`hidden` [R, H]).
         `return_stream`: the model program also returns every token's residual stream before the
         final norm, [replicas, max_rows, H] (rows past the batch's tokens: padding), left on the
-        device for the next program that reads it (`__call__`'s fourth result; models.deepseek_mtp)."""
+        device for the next program that reads it (`__call__`'s fourth result; models.deepseek_mtp).
+        `pooling` (runner="pooling"): the step returns the rows' hidden states alone (the
+        SampleOutput's `hidden`, its other fields None): no LM head is computed (XLA drops it, its
+        logits being unused), nothing is sampled, the token buffer passes through unchanged."""
         self.num_compiles = 0  # programs traced (each compiled variant of each program)
         self.num_model_compiles = 0  # of which model programs (one per bucket and LoRA switch)
-        self.return_hidden = return_hidden
+        if pooling and return_stream:
+            raise ValueError("a pooling step returns the rows' hidden states, not every token's stream")
+        self.pooling = pooling
+        self.return_hidden = return_hidden = return_hidden or pooling
         self.return_stream = return_stream
         self.max_rows = max_rows  # size of each replica's token buffer handed from one step to the next
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig(), jax.devices()[:1])
@@ -119,6 +126,8 @@ class StepFunction:
             logits, kv, *extras = nnx.merge(graphdef, params)(
                 kv, batch, query_block=query_block, spec_block=spec_block, return_hidden=return_hidden,
                 return_stream=return_stream, input_hidden=input_hidden)
+            if pooling:  # the hidden rows where the logits would be: the LM head is dead code
+                return extras[0][None].astype(jnp.float32), kv
             out = (logits[None], kv)
             if return_hidden:
                 out += (extras.pop(0)[None].astype(jnp.float32),)
@@ -135,7 +144,8 @@ class StepFunction:
                 lambda *a: per_device_model(*a, query_block=query_block, spec_block=spec_block), mesh=self.mesh,
                 in_specs=(self._specs(params), kv_specs, per_replica_specs(batch), rules.per_replica(2),
                           *(rows_spec for _ in prev_stream)),
-                out_specs=(rows_spec, kv_specs) + ((rows_spec,) if return_hidden else ()) + ((rows_spec,) if return_stream else ()),
+                out_specs=(rows_spec, kv_specs) + ((rows_spec,) if return_hidden and not pooling else ())
+                + ((rows_spec,) if return_stream else ()),
                 check_vma=False,
             )(params, kv, batch, prev_tokens, *prev_stream)
 
@@ -205,6 +215,8 @@ class StepFunction:
         its rows point into (another step's)."""
         logits, kv, *extras = self._model(params, kv, batch, prev_tokens, *prev_stream, query_block=query_block,
                                           spec_block=spec_block)
+        if self.pooling:  # (`logits` holds the rows' hidden states [replicas, R, H])
+            return SampleOutput(None, None, None, None, hidden=logits), prev_tokens, kv, None
         stream = extras.pop() if self.return_stream else None
         out, token_buffer = self.sample(logits, sampling, *extras)
         return out, token_buffer, kv, stream

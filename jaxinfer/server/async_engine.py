@@ -37,6 +37,7 @@ from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.kv_handoff import prepare_handoff
 from jaxinfer.engine.request import Request
 from jaxinfer.outputs import RequestOutput
+from jaxinfer.pooling_params import PoolingParams
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.server.lockstep import Event, Publisher, apply
 from jaxinfer.server.protocol import ApiError
@@ -124,8 +125,8 @@ class AsyncEngine:
 
     def _probe(self) -> Event:
         """A one-token request nobody waits for: the step that runs it clears `healthy`'s error."""
-        request = self.engine.input.make_request(f"health-probe-{next(self._ids)}", [0],
-                                                 SamplingParams(max_tokens=1, temperature=0.0))
+        params = PoolingParams() if self.engine.input.pooler is not None else SamplingParams(max_tokens=1, temperature=0.0)
+        request = self.engine.input.make_request(f"health-probe-{next(self._ids)}", [0], params)
         return Event(request=request)
 
     def _busy(self) -> bool:
