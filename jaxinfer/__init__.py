@@ -18,12 +18,15 @@ _EXPORTS = {
     "build_engine": "jaxinfer.engine.build",
     "SamplingParams": "jaxinfer.sampling_params",
     "StructuredOutputsParams": "jaxinfer.sampling_params",
+    "PoolingParams": "jaxinfer.pooling_params",
     "BeamSearchParams": "jaxinfer.beam_search",
     "LoRARequest": "jaxinfer.lora_request",
     "RequestOutput": "jaxinfer.outputs",
     "CompletionOutput": "jaxinfer.outputs",
     "Logprob": "jaxinfer.outputs",
     "RequestFailedError": "jaxinfer.outputs",
+    "PoolingRequestOutput": "jaxinfer.outputs",
+    "ScoringRequestOutput": "jaxinfer.outputs",
     "ModelConfig": "jaxinfer.config",
 }
 __all__ = list(_EXPORTS)

@@ -117,6 +117,13 @@ class LLM:
         "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} (see
         jaxinfer.engine.spec_decode). Output stays exactly the target model's: token for token
         under greedy decoding, in distribution under sampling.
+      runner: "generate" (default) or "pooling": an embedding or reranking model, which `embed`,
+        `classify`, `score` and `encode` run (and `generate` refuses): each prompt computed once,
+        its final-normed hidden states pooled as the folder's sentence-transformers config says
+        (last token, mean or first; normalized or not; default last token, normalized), a
+        `*ForSequenceClassification` checkpoint's head applied for scores, its pages freed as soon
+        as it is read (jaxinfer.engine.pooling). `pooler_config` ({"pooling_type", "normalize"})
+        overrides the folder's.
 
     The keywords make an `EngineConfig` (jaxinfer.engine.config, vLLM's names), validated before
     anything loads; `engine_config` holds it resolved for the model.

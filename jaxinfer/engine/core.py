@@ -24,6 +24,10 @@ they evict and the pages their prefix hits found in host memory or on disk; `_mo
 reads the former to the tiers and writes the latter, after the step's swap-out reads and before
 anything else of the step writes a page.
 
+Pooling (runner="pooling", engine.pooling): a pooling request's chunks ask for the hidden-state
+rows its pooling reads, nothing samples; reading the chunk that ends its prompt makes its vector
+and finishes it, freeing its pages.
+
 Speculative decoding: before scheduling, each sequence that speculates gets drafts from the
 proposer, which sees the core only through `DraftContext` (page tables, slot reservation, the
 last hidden states). Its chunk is its newest token plus the drafts; the rows verify them on the
