@@ -18,9 +18,13 @@ import os
 import sys
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF folder, .gguf file, converted folder, or a Hugging Face Hub id: "
-                                                "org/name, org/name:file.gguf (default: embedded SmolLM2-135M-Instruct)")
+def _add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
+    p.add_argument("--model", default=None, action="append" if several else "store",
+                   help="HF folder, .gguf file, converted folder, or a Hugging Face Hub id: org/name, org/name:file.gguf "
+                        "(default: embedded SmolLM2-135M-Instruct)" + ("; serve several models, each its own engine and "
+                        "KV pool: --model NAME=PATH[,OPTION=VALUE...] repeated (options: quantization, "
+                        "quantization_group_size, dtype, kv_cache_dtype, max_model_len, num_pages, kv_cache_memory, "
+                        "revision, memory_share), and \"model\": \"auto\" asks --routing-policy" if several else ""))
     p.add_argument("--revision", default=None, help="a Hub id's branch, tag or commit (default: main)")
     p.add_argument("--dtype", default="auto", help="parameter dtype: auto | float32 | bfloat16 | float16")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -261,11 +265,26 @@ def cmd_serve(args) -> int:
     from jaxinfer.server.app import build_app
     from jaxinfer.server.lockstep import Publisher, follow
 
+    from jaxinfer.server.multi_model import is_model_spec
+
+    models = args.model or []
+    if len(models) > 1 or any(is_model_spec(m) for m in models):  # --model NAME=PATH: several models, one server
+        return _serve_several(args)
+    given = [f for f, v in (("--routing-policy", args.routing_policy), ("--route-under-load", args.route_under_load),
+                            ("--adaptive-precision", args.adaptive_precision)) if v]
+    if given:
+        print(f"jaxinfer serve: {given[0]} routes between several models: give --model NAME=PATH for each", file=sys.stderr)
+        return 2
+    args.model = models[0] if models else None
     if args.model_path is not None:
         args.model = args.model_path
     lora_modules = dict(_lora_module(m) for m in args.lora_modules or [])
     if lora_modules and not args.enable_lora:
         print("jaxinfer serve: --lora-modules needs --enable-lora", file=sys.stderr)
+        return 2
+    result_cache_error = _result_cache_error(args)
+    if result_cache_error is not None:
+        print(f"jaxinfer serve: {result_cache_error}", file=sys.stderr)
         return 2
     llm = _llm(args, warmup=args.warmup, **({"enable_lora": True, "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
                                             if args.enable_lora else {}))
@@ -284,16 +303,22 @@ def cmd_serve(args) -> int:
 
             kv_transfer = KVTransfer(args.kv_role, llm.runner, llm.config.model_type, host=args.kv_transfer_host,
                                      port=args.kv_transfer_port, timeout_s=args.kv_transfer_timeout)
+        result_cache = _result_cache(args)
         app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get("JAXINFER_API_KEY"),
                         max_queue=args.max_queue, request_timeout=args.request_timeout,
                         publisher=Publisher() if jax.process_count() > 1 else None, tool_call_parser=args.tool_call_parser,
                         lora_modules=lora_modules, allow_runtime_lora_updating=allow_lora_updating,
                         chat_template=args.chat_template, generation_config=args.generation_config,
-                        max_request_bytes=args.max_request_bytes, kv_transfer=kv_transfer)
+                        max_request_bytes=args.max_request_bytes, kv_transfer=kv_transfer,
+                        reasoning_parser=args.reasoning_parser, result_cache=result_cache)
     except ValueError as e:
         print(f"jaxinfer serve: {e}", file=sys.stderr)
         return 2
     print(f"jaxinfer: {llm.engine.kv_cache_summary}", file=sys.stderr)
+    if result_cache is not None:
+        print(f"jaxinfer: {result_cache.kind} result cache of {result_cache.max_entries} answers for {result_cache.ttl_s:g} s"
+              + (f", similarity >= {result_cache.similarity:g} by {args.embedding_model}" if result_cache.semantic else ""),
+              file=sys.stderr)
     if kv_transfer is not None:
         print(f"jaxinfer: {args.kv_role} instance, KV transfer server at {kv_transfer.address}", file=sys.stderr)
     print(f"jaxinfer: serving {app.state.model_name!r} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
@@ -307,6 +332,115 @@ def cmd_serve(args) -> int:
         signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
     server.run()
     return 0
+
+
+def _serve_several(args) -> int:
+    """`jaxinfer serve --model NAME=PATH --model NAME=PATH ...`: every model in this process, each
+    its own engine and its share of the memory (jaxinfer.server.multi_model), "auto" routed."""
+    import contextlib
+    import os
+    import signal
+
+    import jax
+    import uvicorn  # the serve extra
+
+    from jaxinfer.server.multi_model import build_multi_model_app, model_settings, parse_model_spec
+    from jaxinfer.server.routing import RoutingPolicy
+
+    refused = [(args.model_path is not None, "a positional MODEL (give each model as --model NAME=PATH)"),
+               (args.served_model_name is not None, "--served-model-name (each model is served as its NAME)"),
+               (args.enable_lora or bool(args.lora_modules), "--enable-lora / --lora-modules (adapters of one model)"),
+               (args.kv_role is not None, "--kv-role (prefill/decode disaggregation serves one model)"),
+               (getattr(args, "result_cache", None) is not None, "--result-cache"),
+               (jax.process_count() > 1, "several processes")]
+    for bad, what in refused:
+        if bad:
+            print(f"jaxinfer serve: several --model NAME=PATH: not with {what}", file=sys.stderr)
+            return 2
+    try:
+        specs = [parse_model_spec(m) for m in args.model]
+        settings = model_settings(specs, gpu_memory_utilization=args.gpu_memory_utilization,
+                                  kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+        policy = RoutingPolicy.from_options([spec.name for spec in specs], args.routing_policy, args.route_under_load,
+                                            args.adaptive_precision)
+    except ValueError as e:
+        print(f"jaxinfer serve: {e}", file=sys.stderr)
+        return 2
+    llms = {spec.name: _llm(argparse.Namespace(**{**vars(args), **own}), warmup=args.warmup)
+            for spec, own in zip(specs, settings)}
+    try:
+        app = build_multi_model_app(
+            llms, policy=policy, api_key=args.api_key or os.environ.get("JAXINFER_API_KEY"), max_queue=args.max_queue,
+            request_timeout=args.request_timeout, tool_call_parser=args.tool_call_parser, chat_template=args.chat_template,
+            generation_config=args.generation_config, max_request_bytes=args.max_request_bytes,
+            **({"reasoning_parser": args.reasoning_parser} if getattr(args, "reasoning_parser", None) else {}))
+    except ValueError as e:
+        print(f"jaxinfer serve: {e}", file=sys.stderr)
+        return 2
+    for name, llm in llms.items():
+        print(f"jaxinfer: {name}: {llm.engine.kv_cache_summary}", file=sys.stderr)
+    print(f"jaxinfer: serving {list(llms)} and 'auto' on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    server.capture_signals = contextlib.nullcontext  # SIGTERM drains as cmd_serve's server does
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+    server.run()
+    return 0
+
+
+def _result_cache_error(args) -> str | None:
+    """What is wrong with serve's result cache flags, naming the flag (None: nothing)."""
+    import math
+
+    optional = (("--result-cache-size", args.result_cache_size), ("--result-cache-ttl", args.result_cache_ttl),
+                ("--embedding-model", args.embedding_model), ("--similarity", args.similarity))
+    if args.result_cache is None:
+        given = [flag for flag, value in optional if value is not None]
+        return f"{given[0]} needs --result-cache exact or semantic" if given else None
+    if args.runner == "pooling":
+        return "--result-cache caches generated answers: not with --runner pooling"
+    if args.result_cache_size is not None and args.result_cache_size < 1:
+        return f"--result-cache-size {args.result_cache_size}: expected a positive number of entries"
+    if args.result_cache_ttl is not None and not 0 < args.result_cache_ttl < math.inf:
+        return f"--result-cache-ttl {args.result_cache_ttl}: expected a positive number of seconds"
+    if args.result_cache == "exact":
+        given = [flag for flag, value in optional[2:] if value is not None]
+        return f"{given[0]} needs --result-cache semantic" if given else None
+    if args.embedding_model is None:
+        return "--result-cache semantic needs --embedding-model PATH (an embedding model, loaded with runner='pooling')"
+    if args.similarity is not None and not 0 < args.similarity <= 1:
+        return f"--similarity {args.similarity}: expected a cosine similarity in (0, 1]"
+    import jax
+
+    if jax.process_count() > 1:
+        return "--result-cache semantic: its embedding model runs on one process; use --result-cache exact on several"
+    return None
+
+
+EMBEDDING_MAX_MODEL_LEN = 1024  # tokens of a question the semantic cache embeds (longer ones: exact lookups only)
+EMBEDDING_KV_BYTES = 256 * 2**20  # the embedding model's KV pool, beside the served model's
+
+
+def _result_cache(args):
+    """serve's ResultCache (None without --result-cache); the semantic one loads the embedding
+    model, after the served model: its weights and a 256 MiB pool take what
+    --gpu-memory-utilization leaves on a GPU."""
+    if args.result_cache is None:
+        return None
+    from jaxinfer.server.result_cache import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S, ResultCache, llm_embedder
+
+    size = args.result_cache_size if args.result_cache_size is not None else DEFAULT_MAX_ENTRIES
+    ttl = args.result_cache_ttl if args.result_cache_ttl is not None else DEFAULT_TTL_S
+    if args.result_cache == "exact":
+        return ResultCache(size, ttl)
+    from jaxinfer import LLM
+    from jaxinfer.runtime.loading import read_config, resolve_model
+
+    longest = min(EMBEDDING_MAX_MODEL_LEN, read_config(resolve_model(args.embedding_model)).max_position_embeddings)
+    embedder = LLM(args.embedding_model, runner="pooling", max_model_len=longest, kv_cache_memory_bytes=EMBEDDING_KV_BYTES,
+                   max_num_seqs=8, progress=_is_main_process())
+    return ResultCache(size, ttl, embed=llm_embedder(embedder), similarity=args.similarity)
 
 
 def cmd_router(args) -> int:
@@ -412,7 +546,7 @@ def main(argv=None) -> int:
 
     s = sub.add_parser("serve", help="serve the OpenAI API over HTTP (needs the serve extra: pip install 'jaxinfer[serve]')")
     s.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="the model (or --model)")
-    _add_model_args(s)
+    _add_model_args(s, several=True)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the model folder's)")
@@ -443,10 +577,24 @@ def main(argv=None) -> int:
                    help="request bodies over this many bytes get 413 (default 16 MiB)")
     s.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                    help="the tool-call format of the model's chat template (default: detected from the template)")
+    s.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
+                   help="split a chat reply's <think>...</think> into message.reasoning_content (delta.reasoning_content "
+                        "streamed); a response_format / structured_outputs constraint then applies after </think>")
     s.add_argument("--request-timeout", type=float, default=None, help="seconds a request may take (504 past it)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds in-flight requests get to finish before they are aborted")
     s.add_argument("--warmup", action="store_true", help="compile every shape bucket before accepting requests")
+    mm = s.add_argument_group("several models (--model NAME=PATH repeated; jaxinfer.server.multi_model)")
+    mm.add_argument("--routing-policy", default=None, metavar="KEY=VALUE,...",
+                    help='how "model": "auto" picks: small=NAME,large=NAME (default: the first and the last --model), '
+                         "long_prompt_tokens=N (longer prompts: large), confidence_threshold=X (the small model's mean "
+                         "prompt-token logprob below X: large; costs a prefill on the small model), threshold_min=X, "
+                         "threshold_max=X, feedback_step=X (POST /v1/routing/feedback moves the threshold)")
+    mm.add_argument("--route-under-load", default=None, metavar="high=NAME,low=NAME,queue=N",
+                    help='"auto" requests bound for the high-precision model go to the low-precision one while it '
+                         "holds more than N requests (waiting + running)")
+    mm.add_argument("--adaptive-precision", action="store_true",
+                    help="--route-under-load also moves requests that name the high-precision model")
     kv = s.add_argument_group("prefill/decode disaggregation (behind `jaxinfer router`)")
     kv.add_argument("--kv-role", choices=("prefill", "decode"), default=None,
                     help="prefill: compute prompts and offer their KV pages; decode: pull them and generate")
@@ -454,6 +602,19 @@ def main(argv=None) -> int:
     kv.add_argument("--kv-transfer-port", type=int, default=0, help="the KV transfer server's port (default 0: any free one)")
     kv.add_argument("--kv-transfer-timeout", type=float, default=60.0,
                     help="seconds an offered prompt's pages wait to be pulled, and a pull may take (default 60)")
+    rc = s.add_argument_group("result caches (answers of repeated deterministic requests, the engine bypassed)")
+    rc.add_argument("--result-cache", choices=("exact", "semantic"), default=None,
+                    help="exact: a request equal to an earlier one (temperature 0 or a seed; same model, prompt and "
+                         "parameters) gets its answer; semantic: also a near-duplicate question, by embedding "
+                         "similarity (can answer wrongly: opt-in) (default: off)")
+    rc.add_argument("--result-cache-size", type=int, default=None, help="answers kept, least recently used dropped first "
+                                                                         "(default 1024)")
+    rc.add_argument("--result-cache-ttl", type=float, default=None, metavar="SECONDS",
+                    help="seconds an answer is kept (default 600)")
+    rc.add_argument("--embedding-model", default=None, metavar="PATH",
+                    help="--result-cache semantic: the embedding model (HF folder or Hub id, loaded with runner='pooling')")
+    rc.add_argument("--similarity", type=float, default=None,
+                    help="--result-cache semantic: the least cosine similarity of a hit, in (0, 1] (default 0.95)")
     s.set_defaults(func=cmd_serve)
 
     r = sub.add_parser("router", help="an OpenAI-compatible front over prefill and decode instances (jaxinfer serve --kv-role)")

@@ -26,6 +26,14 @@ class StructuredOutputsParams:
     wandering into runs of spaces); whitespace_pattern: a regex for the whitespace JSON may hold
     between tokens instead.
 
+    reasoning_end (jaxinfer's; set by the server's --reasoning-parser, as vLLM applies structured
+    outputs to the answer after the reasoning): the output first holds free text (a reasoning
+    model's thinking) up to and including this tag, and the constraint applies to what follows
+    (whitespace may come between). reasoning_start: a tag the output may open with, before the
+    reasoning. reasoning_optional: the output may instead be the answer alone, and holds
+    reasoning only when it opens with reasoning_start (Qwen3's non-thinking mode). A tag that is
+    one added token of the tokenizer (Qwen3's <think> and </think>) is matched as that token.
+
     Generation stops when the constraint is complete (EOS is then the only token allowed).
     """
 
@@ -36,6 +44,9 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
+    reasoning_end: str | None = None
+    reasoning_start: str | None = None
+    reasoning_optional: bool = False
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -53,10 +64,16 @@ class StructuredOutputsParams:
                 raise ValueError(f"StructuredOutputsParams.json: not valid JSON ({e})") from None
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ValueError(f"StructuredOutputsParams.json: a JSON schema is an object, got {type(self.json).__name__}")
-        for field in ("regex", "grammar", "whitespace_pattern"):
+        for field in ("regex", "grammar", "whitespace_pattern", "reasoning_end", "reasoning_start"):
             v = getattr(self, field)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"StructuredOutputsParams.{field}: must be a non-empty string")
+        if not isinstance(self.reasoning_optional, bool):
+            raise ValueError("StructuredOutputsParams.reasoning_optional: must be True or False")
+        if self.reasoning_end is None and (self.reasoning_start is not None or self.reasoning_optional):
+            raise ValueError("StructuredOutputsParams: reasoning_start and reasoning_optional need reasoning_end")
+        if self.reasoning_optional and self.reasoning_start is None:
+            raise ValueError("StructuredOutputsParams.reasoning_optional: needs reasoning_start (the tag that opens the reasoning)")
         if self.choice is not None and (
             not isinstance(self.choice, (list, tuple)) or not self.choice or not all(isinstance(c, str) and c for c in self.choice)
         ):
@@ -70,7 +87,8 @@ class StructuredOutputsParams:
 
     def cache_key(self) -> str:
         """The constraint as text: equal constraints share one compiled grammar."""
-        return _json.dumps({k: getattr(self, k) for k in (self.kind, "disable_any_whitespace", "whitespace_pattern")},
+        return _json.dumps({k: getattr(self, k) for k in (self.kind, "disable_any_whitespace", "whitespace_pattern",
+                                                          "reasoning_end", "reasoning_start", "reasoning_optional")},
                            sort_keys=True)
 
 

@@ -99,6 +99,8 @@ class GrammarBackend:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         grammar = self._grammar_text(params)
+        if params.reasoning_end is not None:
+            grammar = self._after_reasoning(grammar, params)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
             raise GrammarError(f"structured_outputs.{params.kind}: {messages[0] if messages else 'invalid'}")
@@ -119,6 +121,37 @@ class GrammarBackend:
         assert out.dtype == np.int32 and out.shape[1] == self.num_words and out.flags["C_CONTIGUOUS"]
         if matchers:
             llguidance.numpy.fill_next_token_bitmask_par(self.executor, [(m._m, i) for i, m in enumerate(matchers)], out)
+
+    def _after_reasoning(self, answer: str, p: StructuredOutputsParams) -> str:
+        """`answer` (a grammar) preceded by free text up to and including p.reasoning_end: a
+        Lark grammar referring to the answer's grammars by name. A tag that is one special
+        token to llguidance (an added token, e.g. Qwen3's </think>) is matched as that token,
+        after text that cannot hold it; a tag of several tokens ends a lazy lexeme (the shortest
+        text that ends with it)."""
+        grammars = json.loads(answer)["grammars"] if answer.lstrip().startswith("{") else [{"lark_grammar": answer}]
+        grammars[0]["name"] = name = grammars[0].get("name") or "answer"
+        start, end = (self._tag(t) if t is not None else None for t in (p.reasoning_start, p.reasoning_end))
+        if end.startswith('"'):  # text: the reasoning ends at the first end tag
+            lines = [f"reasoning_text[lazy]: REASONING_TEXT {end}"]
+            reasoning = "reasoning_text"
+        else:
+            lines, reasoning = [], f"REASONING_TEXT {end}"
+        if p.reasoning_optional:
+            head = f"start: @{name} | {start} {reasoning} WS @{name}"
+        else:
+            head = f"start: {start + '? ' if start else ''}{reasoning} WS @{name}"
+        lark = "\n".join(["%llguidance {}", head, *lines, r"REASONING_TEXT: /(.|\n)*/", r"WS: /[ \t\r\n]*/"]) + "\n"
+        return json.dumps({"grammars": [{"name": "jaxinfer_reasoning", "lark_grammar": lark}, *grammars]})
+
+    def _tag(self, tag: str) -> str:
+        """A reasoning tag in Lark: <[id]> when the tokenizer holds it as one special token, else its text."""
+        try:
+            ids = self._hf_tokenizer.encode(tag, add_special_tokens=False)
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot say: match the text
+            ids = []
+        if len(ids) == 1 and self.tokenizer.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return json.dumps(tag)
 
     @staticmethod
     def _grammar_text(p: StructuredOutputsParams) -> str:

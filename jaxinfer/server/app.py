@@ -7,7 +7,8 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent
 events, "data: [DONE]" last), GET /v1/models, GET /health, POST /tokenize, POST /detokenize,
 GET /metrics (Prometheus); with --allow-runtime-lora-updating, POST /v1/load_lora_adapter and
-/v1/unload_lora_adapter. With an API key (--api-key or JAXINFER_API_KEY) every /v1 route and
+/v1/unload_lora_adapter; a pooling model's server (--runner pooling) POST /v1/embeddings, /v1/score
+and /v1/rerank instead of generating (server.pooling_api). With an API key (--api-key or JAXINFER_API_KEY) every /v1 route and
 /tokenize, /detokenize want `Authorization: Bearer <key>` (401 otherwise; compared in constant
 time); /health and /metrics stay open. Errors are OpenAI's JSON: 400 naming the field at fault,
 401, 404, 409 (unloading an adapter in use), 413 for a body over --max-request-bytes, 429 with
@@ -17,7 +18,9 @@ Retry-After past --max-queue, 500 when the engine step holding the request faile
 Requests get OpenAI's and vLLM's defaults: max_tokens left unset runs to the end of the context,
 and the sampling fields a request leaves unset take the model's generation_config.json values
 (--generation-config auto | vllm | <folder>: jaxinfer.generation_defaults). Chat templating and
-tokenization run in worker threads, never on the event loop.
+tokenization run in worker threads, never on the event loop. With --reasoning-parser, a chat
+reply's <think>...</think> goes to reasoning_content and its constraint applies after it
+(jaxinfer.server.reasoning).
 """
 
 from __future__ import annotations
@@ -45,7 +48,10 @@ from jaxinfer.server.async_engine import AsyncEngine, EngineFailed
 from jaxinfer.server.kv_transfer import KVTransfer, KVTransferCollector
 from jaxinfer.server.lockstep import Publisher
 from jaxinfer.server.metrics import ServerMetrics
+from jaxinfer.server.pooling_api import ClientLeft, add_pooling_routes
 from jaxinfer.server.protocol import ApiError, Parsed
+from jaxinfer.server.reasoning import ReasoningParser
+from jaxinfer.server.result_cache import Lookup, ResultCache, cache_control, cache_key, is_deterministic
 
 
 MAX_REQUEST_BYTES = 16 * 2**20  # a request body's default limit: 16 MiB of JSON
@@ -56,7 +62,8 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
               publisher: Publisher | None = None, tool_call_parser: str | None = None,
               lora_modules: dict[str, str] | None = None, allow_runtime_lora_updating: bool = False,
               chat_template: str | None = None, generation_config: str = "auto",
-              max_request_bytes: int = MAX_REQUEST_BYTES, kv_transfer: KVTransfer | None = None) -> FastAPI:
+              max_request_bytes: int = MAX_REQUEST_BYTES, kv_transfer: KVTransfer | None = None,
+              reasoning_parser: str | None = None, result_cache: ResultCache | None = None) -> FastAPI:
     """The app serving `llm`; its engine thread starts and stops with the app's lifespan. On
     several processes this is process 0's, and `publisher` feeds the others (server.lockstep).
     `tool_call_parser`: "hermes" or "llama3_json" (default: what the chat template suggests).
@@ -67,10 +74,14 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
     the sampling defaults come from ("auto", "vllm" or a folder; jaxinfer.generation_defaults).
     `max_request_bytes`: larger request bodies get 413. `kv_transfer`: this instance's role in
     prefill/decode disaggregation (server.kv_transfer; requests then carry kv_transfer_params).
+    `reasoning_parser`: "qwen3" or "deepseek_r1" splits a chat reply's thinking into
+    reasoning_content, and a request's output constraint then applies after it (server.reasoning).
+    `result_cache`: answers repeated deterministic requests from memory (server.result_cache).
     ValueError for a bad setting, naming it."""
     model_name = served_model_name or (llm.source.name if llm.source else "jaxinfer")
     if tool_call_parser is not None and tool_call_parser not in tools.PARSERS:
         raise ValueError(f"tool_call_parser={tool_call_parser!r}: expected one of {tools.PARSERS}")
+    reasoning = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None  # ValueError naming it
     if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes={max_request_bytes!r}: must be a positive integer")
     chat_template = _checked_chat_template(llm, chat_template)
@@ -86,6 +97,8 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
             raise ValueError("kv_role: prefill/decode disaggregation serves from one process (the pages arrive on "
                              "process 0's devices)")
         metrics.registry.register(KVTransferCollector(kv_transfer))
+    if result_cache is not None:  # jaxinfer:result_cache_hits_total / _misses_total / _entries
+        metrics.registry.register(result_cache)
     engine = AsyncEngine(llm.engine, max_queue=max_queue, on_finished=metrics.observe, publisher=publisher)
 
     @contextlib.asynccontextmanager
@@ -99,6 +112,7 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
     app = FastAPI(title="jaxinfer", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, model_name
     app.state.sampling_defaults = sampling_defaults  # SamplingParams field -> what a request leaving it unset gets
+    app.state.result_cache = result_cache
     expected_authorization = f"Bearer {api_key}".encode() if api_key is not None else None
 
     async def check_api_key(request: Request):
@@ -237,20 +251,69 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
                                          lora_request=lora, **handoff)
         return adapters.holding(lora, stream) if lora is not None else stream()
 
+    async def cache_lookup(request: Request, body: dict, parsed: Parsed, parts: dict | None,
+                           semantic: tuple[dict, str] | None) -> Lookup | None:
+        """The result cache's Lookup of a request (`.response` on a hit; on a miss what `store`
+        takes), keyed on `parts`; `semantic`: (the parts but the question, the question) for a
+        semantic cache. None when the request bypasses the cache: no cache, no `parts`, sampled
+        without a seed, disaggregated, Cache-Control: no-store (no-cache: not looked up, stored)."""
+        if result_cache is None or parts is None or "kv_transfer_params" in body or not is_deterministic(parsed.params):
+            return None
+        look, keep = cache_control(request.headers.get("cache-control"))
+        key = cache_key(parts) if keep else None
+        if key is None:
+            return None
+        partition, question = (cache_key(semantic[0]), semantic[1]) if semantic is not None else (None, None)
+        find = result_cache.lookup if look else result_cache.ticket
+        if result_cache.embeds(question, partition):  # the embedding model runs: off the event loop
+            return await asyncio.to_thread(find, key, partition=partition, text=question)
+        return find(key, partition=partition, text=question)
+
+    def cached_answer(found: Lookup, parsed: Parsed, id_prefix: str) -> Response:
+        """A hit: the stored response with a fresh id and created time, streamed if asked (one
+        chunk per choice)."""
+        response = {**found.response, "id": protocol.new_id(id_prefix), "created": int(time.time())}
+        if parsed.stream:
+            return _cache_headed(found, _sse(_replayed(response, parsed.include_usage)))
+        return _cache_headed(found, JSONResponse(response))
+
+    def store(found: Lookup, outputs: list, respond) -> None:
+        """Stores respond(outputs), the response of a miss, when every choice finished by stop or length."""
+        if all(out is not None and out.finished and all(c.finish_reason in ("stop", "length") for c in out.outputs)
+               for out in outputs):
+            result_cache.insert(found, respond(outputs))
+
     @v1.post("/completions")
     async def completions(request: Request):
         body = await body_of(request)
         parsed = protocol.parse_completion(body, defaults=app.state.sampling_defaults)
         lora = adapters.of_model(parsed.model)
         handoff = await handoff_of(body, parsed)
+        model = parsed.model or model_name
+        parts = {"route": "completions", "model": model, "adapter": _adapter_key(lora), "prompts": parsed.prompts,
+                 "params": parsed.params, "echo": parsed.echo}
+        question = parsed.prompts[0] if len(parsed.prompts) == 1 and isinstance(parsed.prompts[0], str) else None
+        found = await cache_lookup(request, body, parsed, parts, ({**parts, "prompts": None}, question) if question else None)
+        if found is not None and found.hit:
+            return cached_answer(found, parsed, "cmpl")
         request_id = protocol.new_id("cmpl")
         streams = [generate(p, parsed.params, f"{request_id}-{i}", lora, **handoff) for i, p in enumerate(parsed.prompts)]
         if parsed.stream:
-            return _sse(_completion_chunks(request_id, parsed.model or model_name, parsed, streams))
+            if found is None:
+                return _sse(_completion_chunks(request_id, model, parsed, streams))
+            finals: dict[int, RequestOutput] = {}  # each stream's last output: the response stored once all went out
+            chunks = _completion_chunks(request_id, model, parsed, [_recorded(s, finals, i) for i, s in enumerate(streams)])
+            done = lambda: store(found, [finals.get(i) for i in range(len(streams))],  # noqa: E731
+                                 lambda outs: protocol.completion_response(request_id, model, outs, parsed))
+            return _cache_headed(found, _sse(_storing(chunks, done)))
         outputs = await _until_done(request, [_last(s) for s in streams])
         if outputs is None:
             return _client_left()
-        return with_offer(protocol.completion_response(request_id, parsed.model or model_name, outputs, parsed), outputs)
+        response = with_offer(protocol.completion_response(request_id, model, outputs, parsed), outputs)
+        if found is None:
+            return response
+        store(found, outputs, lambda _: response)
+        return _cache_headed(found, JSONResponse(response))
 
     @v1.post("/chat/completions")
     async def chat(request: Request):
@@ -258,21 +321,102 @@ def build_app(llm: LLM, *, served_model_name: str | None = None, api_key: str | 
         parsed = protocol.parse_chat(body, tool_parser=tool_parser, defaults=app.state.sampling_defaults)
         lora = adapters.of_model(parsed.model)
         prompt = await chat_prompt(parsed.prompts[0], tools=parsed.tools if parsed.tool_choice != "none" else None)
+        if reasoning is not None:  # the reply's thinking goes to reasoning_content; a constraint applies after it
+            parsed.reasoning_parser, parsed.reasoning_opened = reasoning, reasoning.opened_by(prompt.get("prompt"))
+            if parsed.params.structured_outputs is not None:
+                parsed.params = dataclasses.replace(parsed.params, structured_outputs=reasoning.constrain(
+                    parsed.params.structured_outputs, parsed.reasoning_opened))
         handoff = await handoff_of(body, parsed)
+        model, messages = parsed.model or model_name, parsed.prompts[0]
+        parts = {"route": "chat", "model": model, "adapter": _adapter_key(lora),
+                 "prompt_token_ids": prompt.get("prompt_token_ids"), "params": parsed.params, "tools": parsed.tools, "tool_choice": parsed.tool_choice,
+                 "tool_parser": parsed.tool_parser, "reasoning_opened": parsed.reasoning_opened}
+        last = messages[-1]  # semantic: the last user message is embedded; all else (earlier messages too) must match
+        question = last["content"] if last.get("role") == "user" and isinstance(last.get("content"), str) else None
+        semantic = ({**parts, "prompt_token_ids": None, "earlier_messages": messages[:-1]}, question) if question else None
+        found = await cache_lookup(request, body, parsed, parts if "prompt_token_ids" in prompt else None, semantic)
+        if found is not None and found.hit:
+            return cached_answer(found, parsed, "chatcmpl")
         request_id = protocol.new_id("chatcmpl")
         stream = generate(prompt, parsed.params, request_id, lora, **handoff)
         if parsed.stream:
-            return _sse(_chat_chunks(request_id, parsed.model or model_name, parsed, stream))
+            if found is None:
+                return _sse(_chat_chunks(request_id, model, parsed, stream))
+            finals: dict[int, RequestOutput] = {}
+            chunks = _chat_chunks(request_id, model, parsed, _recorded(stream, finals, 0))
+            done = lambda: store(found, [finals.get(0)],  # noqa: E731
+                                 lambda outs: protocol.chat_response(request_id, model, outs[0], parsed))
+            return _cache_headed(found, _sse(_storing(chunks, done)))
         outputs = await _until_done(request, [_last(stream)])
         if outputs is None:
             return _client_left()
-        return with_offer(protocol.chat_response(request_id, parsed.model or model_name, outputs[0], parsed), outputs)
+        response = with_offer(protocol.chat_response(request_id, model, outputs[0], parsed), outputs)
+        if found is None:
+            return response
+        store(found, outputs, lambda _: response)
+        return _cache_headed(found, JSONResponse(response))
+
+    if llm.engine.core.pooler is not None:  # --runner pooling: /v1/embeddings, /v1/score, /v1/rerank
+        add_pooling_routes(v1, llm=llm, engine=engine, model_name=model_name, body_of=body_of, until_done=_until_done,
+                           last=_last, request_timeout=request_timeout)
+
+        @app.exception_handler(ClientLeft)
+        async def client_left(request: Request, e: ClientLeft):
+            return _client_left()
 
     app.include_router(v1)
     return app
 
 
 # ----------------------------------------------------------------------------- helpers
+def _adapter_key(lora: LoRARequest | None) -> list | None:
+    """A result cache key's adapter: its id too, so an adapter reloaded under its name is another key."""
+    return None if lora is None else [lora.lora_name, lora.lora_int_id, lora.lora_path]
+
+
+def _cache_headed(found: Lookup, response: Response) -> Response:
+    """X-Result-Cache: exact-hit | semantic-hit | miss (a looked-up request; no-cache ones get none),
+    and a semantic hit's X-Result-Cache-Similarity."""
+    if found.looked_up:
+        response.headers["x-result-cache"] = f"{found.kind}-hit" if found.hit else "miss"
+    if found.similarity is not None:
+        response.headers["x-result-cache-similarity"] = f"{found.similarity:.4f}"
+    return response
+
+
+async def _recorded(stream: AsyncIterator[RequestOutput], finals: dict, i: int) -> AsyncIterator[RequestOutput]:
+    """`stream`'s outputs, the last one kept in finals[i]."""
+    async for out in stream:
+        finals[i] = out
+        yield out
+
+
+async def _storing(chunks: AsyncIterator[dict], store) -> AsyncIterator[dict]:
+    """`chunks`, then store(): only when they all went out (not on an error or a client gone)."""
+    async for chunk in chunks:
+        yield chunk
+    store()
+
+
+async def _replayed(response: dict, include_usage: bool) -> AsyncIterator[dict]:
+    """A cached response as stream chunks: one per choice, holding its whole text (chat: its role,
+    content, reasoning_content and tool calls in one delta), then the usage if asked."""
+    head = {"id": response["id"], "object": "text_completion", "created": response["created"], "model": response["model"]}
+    if response["object"] == "chat.completion":
+        head["object"] = "chat.completion.chunk"
+    for choice in response["choices"]:
+        if "message" in choice:
+            message = choice["message"]
+            delta = {k: v for k, v in message.items() if k != "tool_calls"}
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            choice = {"index": choice["index"], "delta": delta, "logprobs": choice["logprobs"],
+                      "finish_reason": choice["finish_reason"]}
+        yield {**head, "choices": [choice]}
+    if include_usage:
+        yield {**head, "choices": [], "usage": response["usage"]}
+
+
 def _client_left() -> Response:
     return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
@@ -490,11 +634,26 @@ async def _chat_chunks(request_id: str, model: str, parsed: Parsed, stream) -> A
     created, sent, done, final = int(time.time()), {}, set(), None
     chunk = lambda choice: {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,  # noqa: E731
                             "choices": [choice]}
+    splits = {}  # choice index -> its ReasoningStream, with a reasoning parser (server.reasoning)
+
+    def split(c) -> tuple[str, str]:  # (reasoning, content) added to choice c's text since the last call
+        if c.index not in splits:
+            splits[c.index] = parsed.reasoning_parser.stream(parsed.reasoning_opened)
+        return splits[c.index].update(c.text, finished=bool(c.finish_reason))
+
     if parsed.tools and parsed.tool_choice != "none":
-        # a reply that may be a tool call is sent whole when it ends (content or tool_calls)
+        # a reply that may be a tool call is sent whole when it ends (content or tool_calls); its
+        # reasoning, with a reasoning parser, as it comes
         async for out in stream:
             final = out
             for c in out.outputs:
+                if parsed.reasoning_parser is not None and c.index not in done:
+                    reasoning, _ = split(c)
+                    if reasoning:
+                        first = {"role": "assistant"} if c.index not in sent else {}
+                        sent[c.index] = True
+                        yield chunk({"index": c.index, "delta": {**first, "reasoning_content": reasoning}, "logprobs": None,
+                                     "finish_reason": None})
                 if c.finish_reason and c.index not in done:
                     done.add(c.index)
                     message, finish_reason = protocol.chat_message(c.text, c.finish_reason, parsed)
@@ -515,7 +674,11 @@ async def _chat_chunks(request_id: str, model: str, parsed: Parsed, stream) -> A
                              "finish_reason": None})
                 sent[c.index] = (0, 0)
             chars, tokens = sent[c.index]
-            delta = c.text[chars:]
+            if parsed.reasoning_parser is not None:
+                delta = dict(zip(("reasoning_content", "content"), split(c)))
+            else:
+                delta = {"content": c.text[chars:]}
+            delta = {k: v for k, v in delta.items() if v}
             if not (delta or c.finish_reason):
                 continue
             lp = None
@@ -524,8 +687,7 @@ async def _chat_chunks(request_id: str, model: str, parsed: Parsed, stream) -> A
             sent[c.index] = (len(c.text), len(c.token_ids))
             if c.finish_reason:
                 done.add(c.index)
-            yield chunk({"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                         "finish_reason": c.finish_reason})
+            yield chunk({"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason})
         final = out
     if parsed.include_usage and final is not None:
         yield {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],

@@ -87,6 +87,8 @@ class Parsed:
     tools: list = dataclasses.field(default_factory=list)  # chat: the functions the model may call
     tool_choice: str | dict = "none"
     tool_parser: str = "hermes"  # the call format of the model's chat template (server.tools)
+    reasoning_parser: Any = None  # chat: a server.reasoning.ReasoningParser splitting off reasoning_content
+    reasoning_opened: bool = False  # ... and whether the rendered prompt left a think block open
 
 
 def _check_fields(body: Any, fields: dict[str, tuple]) -> dict:
@@ -321,14 +323,19 @@ def completion_response(request_id: str, model: str, outputs: list[RequestOutput
 
 
 def chat_message(text: str, finish_reason: str | None, parsed: Parsed) -> tuple[dict, str | None]:
-    """(the assistant message, the finish reason) of a finished reply: tool calls parsed out of
-    the text when the request offered tools (finish reason "tool_calls" then)."""
-    if parsed.tools and parsed.tool_choice != "none":
+    """(the assistant message, the finish reason) of a finished reply: its reasoning in
+    reasoning_content with a reasoning parser (server.reasoning), and tool calls parsed out of the
+    content when the request offered tools (finish reason "tool_calls" then)."""
+    message: dict = {"role": "assistant", "content": text}
+    if parsed.reasoning_parser is not None:
+        reasoning, message["content"] = parsed.reasoning_parser.extract(text, parsed.reasoning_opened)
+        message["reasoning_content"] = reasoning
+    if parsed.tools and parsed.tool_choice != "none" and message["content"] is not None:
         names = {t["function"]["name"] for t in parsed.tools}
-        content, calls = tool_calls.parse_tool_calls(text, parsed.tool_parser, names)
+        content, calls = tool_calls.parse_tool_calls(message["content"], parsed.tool_parser, names)
         if calls:
-            return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
-    return {"role": "assistant", "content": text}, finish_reason
+            return {**message, "content": content, "tool_calls": calls}, "tool_calls"
+    return message, finish_reason
 
 
 def chat_response(request_id: str, model: str, out: RequestOutput, parsed: Parsed) -> dict:
