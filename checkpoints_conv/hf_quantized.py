@@ -21,6 +21,10 @@ int32 tensors instead of `<m>.weight` [N, K] (N = output features, K = input fea
       <m>.weight_shape       int [2] = (N, K)
       <m>.weight_g_idx       int32 [K]                  act-order only
       w = (v - zp) * s
+    compressed-tensors, format "int-quantized" (llm-compressor's W8A8 int8, SmoothQuant's checkpoints)
+      <m>.weight             int8 [N, K]                v as it is, symmetric (no zero point)
+      <m>.weight_scale       [N, 1]                     per output channel ("channel")
+      w = v * s; input_activations int8 per token, dynamic (or none: int8 weights only)
 
 `QuantizedHFSource` lists each such layer as `<m>.weight` [N, K] (so a float load dequantizes it)
 and hands it out as a `Grid` (checkpoints_conv.quantized): values v and per-group scales and
@@ -33,9 +37,11 @@ grid holds the rows sorted by group (`input_order(name)` is that order, `perm`),
 contiguous again, and the model reads x's columns in the same order: x @ w = x[:, perm] @ w[perm].
 
 Per-column grids (group_size -1, strategy "channel") are one group of K, split into groups the
-kernels run (QuantLayout.runnable). Only 4- and 8-bit integer weights are read; anything else is
-a CheckpointError naming what it found. The writers at the end (`pack_gptq`, `pack_awq`,
-`pack_compressed`) are what `jaxinfer quantize` writes with.
+kernels run (QuantLayout.runnable), except a W8A8 one (int-quantized with int8 activations per
+token): its layout says activations="int8" and keeps one scale per row, for the int8 x int8
+matmul, which quantizes each token's activations as it runs. Only 4- and 8-bit integer weights
+are read; anything else is a CheckpointError naming what it found. The writers at the end (`pack_gptq`, `pack_awq`,
+`pack_compressed`, `pack_int_quantized`) are what `jaxinfer quantize` writes with.
 """
 
 from __future__ import annotations
@@ -54,7 +60,9 @@ SUFFIXES = {  # the tensors of one quantized layer, by format (the first one mar
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
     "awq": ("qweight", "qzeros", "scales"),
     "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
+    "int-quantized": ("weight_scale", "weight"),  # (compressed-tensors' unpacked int8: the scale marks the layer)
 }
+W8A8_ACTIVATIONS = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True, "dynamic": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +74,13 @@ class QuantFormat:
     bits: int
     group_size: int | None
     zeros_minus_one: bool = False
+    unpacked: bool = False  # compressed-tensors' "int-quantized": int8 `weight` and `weight_scale` as they are
+    activations: str | None = None  # "int8": W8A8 (int-quantized, activations int8 per token)
+
+    @property
+    def layout_method(self) -> str:
+        """The tensors' layout (SUFFIXES): the method, or compressed-tensors' int-quantized."""
+        return "int-quantized" if self.unpacked else self.method
 
 
 def read_quantization_config(config: dict, source: str = "config.json") -> QuantFormat | None:
@@ -78,10 +93,12 @@ def read_quantization_config(config: dict, source: str = "config.json") -> Quant
     if method not in FORMATS:
         raise CheckpointError(f"{source}: quantization_config.quant_method={method!r} is not supported "
                               f"(supported: {', '.join(FORMATS)})")
+    if method == "compressed-tensors" and qc.get("format") == "int-quantized":
+        return _int_quantized(qc, source)
     if method == "compressed-tensors":
         if qc.get("format") != "pack-quantized":
             raise CheckpointError(f"{source}: compressed-tensors format {qc.get('format')!r} is not supported "
-                                  f"(supported: 'pack-quantized')")
+                                  f"(supported: 'pack-quantized', 'int-quantized')")
         groups = list((qc.get("config_groups") or {}).values())
         schemes = {json_key(g.get("weights") or {}) for g in groups}
         if len(schemes) != 1:
@@ -103,6 +120,25 @@ def read_quantization_config(config: dict, source: str = "config.json") -> Quant
         raise CheckpointError(f"{source}: {method} group size {group!r} is not a positive integer (or -1)")
     zeros_minus_one = method == "gptq" and qc.get("checkpoint_format", "gptq") == "gptq"
     return QuantFormat(method, bits, None if group in (None, -1) else group, zeros_minus_one)
+
+
+def _int_quantized(qc: dict, source: str) -> QuantFormat:
+    """compressed-tensors' "int-quantized" format: int8 weights per channel, symmetric, unpacked,
+    with input activations int8 per token (dynamic; W8A8) or none."""
+    groups = list((qc.get("config_groups") or {}).values())
+    schemes = {json_key({**(g.get("weights") or {}), "input_activations": json_key(g.get("input_activations") or {})})
+               for g in groups}
+    if len(schemes) != 1:
+        raise CheckpointError(f"{source}: compressed-tensors with {len(schemes)} schemes; one is supported")
+    weights, acts = groups[0].get("weights") or {}, groups[0].get("input_activations")
+    if (weights.get("type", "int"), weights.get("num_bits"), weights.get("strategy"), weights.get("symmetric", True)) != (
+            "int", 8, "channel", True):
+        raise CheckpointError(f"{source}: int-quantized weights {weights}: only symmetric int8 weights per channel are "
+                              f"supported")
+    if acts is not None and any(acts.get(k, v) != v for k, v in W8A8_ACTIVATIONS.items()):
+        raise CheckpointError(f"{source}: int-quantized input_activations {acts}: only int8 per token, symmetric and "
+                              f"dynamic (W8A8) are supported")
+    return QuantFormat("compressed-tensors", 8, None, unpacked=True, activations=None if acts is None else "int8")
 
 
 def json_key(d: dict) -> str:
@@ -170,18 +206,22 @@ class QuantizedHFSource(TensorSource):
     def __init__(self, source: TensorSource, fmt: QuantFormat, path: str = "checkpoint"):
         self.source, self.fmt, self.path = source, fmt, path
         listing = dict(source.listing())
-        marker = SUFFIXES[fmt.method][0]
+        marker = SUFFIXES[fmt.layout_method][0]
         self.layers: dict[str, tuple[int, int]] = {}  # "<m>.weight" -> (N, K)
         for name, shape in listing.items():
             if name.endswith("." + marker):
                 module = name[: -len(marker) - 1]
                 self.layers[f"{module}.weight"] = self._logical_shape(module, shape, listing)
-        self._hidden = {f"{w[:-len('.weight')]}.{s}" for w in self.layers for s in SUFFIXES[fmt.method]}
+        self._hidden = {f"{w[:-len('.weight')]}.{s}" for w in self.layers for s in SUFFIXES[fmt.layout_method]}
         self._listing = [(n, tuple(s)) for n, s in source.listing() if n not in self._hidden]
         self._listing += [(w, shape) for w, shape in self.layers.items()]
 
     def _logical_shape(self, module: str, shape: tuple, listing: dict) -> tuple[int, int]:
         bits, per = self.fmt.bits, 32 // self.fmt.bits
+        if self.fmt.unpacked:
+            if f"{module}.weight" not in listing or len(listing[f"{module}.weight"]) != 2:
+                raise CheckpointError(f"{self.path}: {module}.weight_scale without a 2-D {module}.weight (int-quantized)")
+            return tuple(listing[f"{module}.weight"])
         if self.fmt.method == "gptq":
             return shape[1], shape[0] * per
         if self.fmt.method == "awq":
@@ -213,6 +253,10 @@ class QuantizedHFSource(TensorSource):
 
     def _layout(self, module: str, N: int, K: int) -> QuantLayout:
         """The layout read_grid will return, from the zero points alone (no weight data)."""
+        if self.fmt.unpacked:  # symmetric int8 per row (read_quantization_config checked)
+            scale_dtype = np.dtype(self.source.read(f"{module}.weight_scale").dtype)
+            layout = QuantLayout(8, K, False, scale_dtype, activations=self.fmt.activations)
+            return layout.runnable(K)
         zeros = self._zeros(module, N, K)
         group = self.fmt.group_size or K
         mid = 1 << (self.fmt.bits - 1)
@@ -241,6 +285,8 @@ class QuantizedHFSource(TensorSource):
         N, K = self.layers[name]
         fmt, bits = self.fmt, self.fmt.bits
         group = fmt.group_size or K
+        if fmt.unpacked:
+            return self._int_grid(module, N, K)
         if fmt.method == "gptq":
             q = unpack_rows(self.source.read(f"{module}.qweight"), bits)[:K].T                 # [N, K]
             scales = self.source.read(f"{module}.scales").T                                     # [N, G]
@@ -260,11 +306,26 @@ class QuantizedHFSource(TensorSource):
     def input_order(self, name: str) -> np.ndarray | None:
         """The order of the input rows the grid holds (act-order), or None for their own order."""
         module = name[: -len(".weight")]
+        if self.fmt.unpacked:
+            return None
         g_name = f"{module}.{'weight_g_idx' if self.fmt.method == 'compressed-tensors' else 'g_idx'}"
         if self.fmt.method == "awq" or g_name not in dict(self.source.listing()):
             return None
         N, K = self.layers[name]
         return sort_groups(self.source.read(g_name).astype(np.int64), self.fmt.group_size or K, f"{self.path}: {g_name}")
+
+    def _int_grid(self, module: str, N: int, K: int) -> Grid:
+        """An int-quantized layer: int8 `weight` [N, K] and `weight_scale` [N, 1], w = v * s."""
+        v = self.source.read(f"{module}.weight")
+        scales = self.source.read(f"{module}.weight_scale")
+        if v.dtype != np.int8:
+            raise CheckpointError(f"{self.path}: {module}.weight is {v.dtype}; int-quantized stores int8")
+        if scales.size != N:
+            raise CheckpointError(f"{self.path}: {module}.weight_scale has shape {scales.shape}; expected [{N}, 1] "
+                                  f"(one scale per output channel)")
+        layout = QuantLayout(8, K, False, np.dtype(scales.dtype), activations=self.fmt.activations)
+        grid = Grid(np.ascontiguousarray(v), np.ascontiguousarray(scales.reshape(N, 1)), None, layout)
+        return grid.widen(layout.runnable(K))
 
     def close(self) -> None:
         self.source.close()
@@ -309,6 +370,12 @@ def pack_compressed(v: np.ndarray, scales: np.ndarray, bits: int, zero_points: n
         padded[:N] = zero_points.astype(np.int32) + mid
         out["weight_zero_point"] = pack_rows(padded, bits)
     return _contiguous(out)
+
+
+def pack_int_quantized(v: np.ndarray, scales: np.ndarray) -> dict[str, np.ndarray]:
+    """One layer in compressed-tensors' int-quantized tensors: v [N, K] int8 (symmetric), scales
+    [N] or [N, 1] (one per output channel)."""
+    return _contiguous({"weight": v.astype(np.int8), "weight_scale": scales.reshape(-1, 1)})
 
 
 def _contiguous(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -44,7 +44,11 @@ class QuantLayout:
     `scale_dtype` (float16 or float32; bfloat16 for jaxinfer's own quantizer). `fp4`: the 4-bit
     values are E2M1 floats and the scales E8M0 exponent bytes (MXFP4, groups of 32, scale_dtype
     uint8: GPT-OSS's experts); `fp8`: the 8-bit values are e4m3 floats (float32 scales per group
-    of 128: DeepSeek-V3's block-scaled weights). Float layouts widen to or from no other."""
+    of 128: DeepSeek-V3's block-scaled weights). Float layouts widen to or from no other.
+    `activations="int8"`: a W8A8 matrix (compressed-tensors' int-quantized, input activations
+    int8 per token, dynamic), which the int8 x int8 matmul runs: symmetric int8, one scale per
+    output row (group_size = cols, kept so: `runnable` does not split it into groups), joined only
+    with its like."""
 
     bits: int
     group_size: int
@@ -52,6 +56,7 @@ class QuantLayout:
     scale_dtype: np.dtype
     fp4: bool = False
     fp8: bool = False
+    activations: str | None = None
 
     @property
     def mode(self) -> str:
@@ -71,6 +76,11 @@ class QuantLayout:
             return self
         same = np.dtype(self.scale_dtype) == np.dtype(other.scale_dtype)
         dtype = np.dtype(self.scale_dtype) if same else np.dtype(np.float32)
+        if self.activations or other.activations:
+            if dataclasses.replace(self, scale_dtype=dtype) != dataclasses.replace(other, scale_dtype=dtype):
+                raise CheckpointError(f"tensors stored with {self.activations or 'float'} and {other.activations or 'float'} "
+                                      f"activations (or different inputs) fill one parameter: no layout holds both")
+            return dataclasses.replace(self, scale_dtype=dtype)
         return QuantLayout(max(self.bits, other.bits), min(self.group_size, other.group_size),
                            self.has_offsets or other.has_offsets, dtype)
 
@@ -78,8 +88,8 @@ class QuantLayout:
         """This layout with its groups split into the largest size the kernels run (a grid with
         one group per row of `cols` columns, or groups of 256, widens to 128); CheckpointError
         when no such size divides the group (`cols`: the matrix's, for the message)."""
-        if self.floats:
-            return self  # mxfp4's groups of 32, fp8's of 128: as the kernels run them
+        if self.floats or self.activations:
+            return self  # mxfp4's groups of 32, fp8's of 128, W8A8's rows: as the kernels run them
         for size in RUNNABLE_GROUP_SIZES[self.bits]:
             if self.group_size % size == 0:
                 return dataclasses.replace(self, group_size=size)

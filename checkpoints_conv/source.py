@@ -12,6 +12,7 @@ from checkpoints_conv.gguf_io import GgufSource, iter_gguf_tensors, read_gguf_co
 from checkpoints_conv.hf import SafetensorsSource, iter_safetensors, read_hf_config
 from checkpoints_conv.hf_fp8 import Fp8HFSource, read_fp8_config
 from checkpoints_conv.hf_quantized import QuantizedHFSource, read_quantization_config
+from checkpoints_conv.sparse import SparseHFSource, read_sparsity_config
 from checkpoints_conv.tensor_source import TensorSource
 from checkpoints_conv.views import QK_ROWS_REORDERED, mtp_views, with_views
 
@@ -38,7 +39,8 @@ def iter_checkpoint_tensors(path: str | Path, config: dict) -> Iterator[tuple[st
 
 def open_checkpoint(path: str | Path, config: dict, *, mtp_layer: int | None = None) -> TensorSource:
     """Random access to the tensors of a GGUF file or an HF model directory (see tensor_source);
-    a directory quantized by GPTQ, AWQ or compressed-tensors through `QuantizedHFSource`, one with
+    a directory quantized by GPTQ, AWQ or compressed-tensors through `QuantizedHFSource`, one pruned
+    into compressed-tensors' sparse-bitmask / sparse-24-bitmask through `SparseHFSource`, one with
     block-scaled fp8 weights (quant_method "fp8") through `Fp8HFSource`; the
     stacked or fused tensors of some architectures through their views (checkpoints_conv.views:
     GPT-OSS's experts, MXFP4 ones dequantized as they are read). `mtp_layer`: DeepSeek-V3's
@@ -56,6 +58,9 @@ def open_checkpoint(path: str | Path, config: dict, *, mtp_layer: int | None = N
     if qc.get("quant_method") == "mxfp4" and config.get("model_type") == "gpt_oss":
         config = {k: v for k, v in config.items() if k != "quantization_config"}  # GPT-OSS's experts: views.py reads them
     fp8 = qc.get("quant_method") == "fp8"
+    sparse = read_sparsity_config(config, str(Path(path) / "config.json"))  # compressed-tensors' sparsity (checkpoints_conv.sparse)
+    if sparse is not None and not sparse.quantized:
+        config = {k: v for k, v in config.items() if k != "quantization_config"}  # pruned floats: nothing quantized
     fmt = None if fp8 else read_quantization_config(config, str(Path(path) / "config.json"))
     if (fmt is not None or fp8) and config.get("model_type") in QK_ROWS_REORDERED:
         raise CheckpointError(f"{path}: a {config['model_type']} checkpoint quantized by {config['quantization_config'].get('quant_method')} "
@@ -64,5 +69,8 @@ def open_checkpoint(path: str | Path, config: dict, *, mtp_layer: int | None = N
     if fp8:  # (the views outside: a fused tensor's row ranges read dequantized)
         block = read_fp8_config(config, str(Path(path) / "config.json"))
         return views(Fp8HFSource(SafetensorsSource(path), block, str(path)), config)
-    source = views(SafetensorsSource(path), config)
+    tensors = SafetensorsSource(path)
+    if sparse is not None and sparse.format != "dense":  # sparse-bitmask / sparse-24-bitmask: read dense
+        tensors = SparseHFSource(tensors, sparse, str(path))
+    source = views(tensors, config)
     return source if fmt is None else QuantizedHFSource(source, fmt, str(path))

@@ -1,4 +1,4 @@
-"""`jaxinfer generate | chat | serve | quantize | convert | aot`.
+"""`jaxinfer generate | chat | serve | quantize | prune | convert | aot`.
 
 Parallel runs: `--tensor-parallel-size/-tp`, `--data-parallel-size/-dp`,
 `--sequence-parallel-size/-sp`, `--expert-parallel-size/-ep` (or `--enable-expert-parallel`)
@@ -48,6 +48,9 @@ def _add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     p.add_argument("--kv-offloading-disk-size", type=float, default=None, metavar="GIB",
                    help="bound of --kv-offloading-dir in GiB, least recently used pages deleted first (default: unbounded)")
     p.add_argument("--kv-cache-dtype", default=None, help="KV pages: float32 | bfloat16 | int8 | fp8 (default: the compute dtype)")
+    p.add_argument("--kv-cache-outliers", type=int, default=0, metavar="R",
+                   help="int8 / fp8 KV pages: R slots per page keeping the worst-quantized tokens' residuals in bfloat16 "
+                        "(the first token always; default 0: off; jaxinfer.ops.kv_cache)")
     p.add_argument("--quantization", default=None, help="weight quantization: none | int8 | int4 | fp8 | w8a8 (int8 weights and activations)")
     p.add_argument("--quantization-group-size", type=int, default=None, help="int4: 32 | 64 | 128 (default 128); int8: per group")
     p.add_argument("--keep-checkpoint-quantization", action=argparse.BooleanOptionalAction, default=None,
@@ -136,8 +139,8 @@ def _llm(args, **extra):
     from jaxinfer import LLM
 
     return LLM(
-        args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-        quantization_group_size=args.quantization_group_size,
+        args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_cache_outliers=args.kv_cache_outliers,
+        quantization=args.quantization, quantization_group_size=args.quantization_group_size,
         keep_checkpoint_quantization=args.keep_checkpoint_quantization, kernel_impl=args.kernel_impl,
         max_model_len=args.max_model_len, page_size=args.page_size, revision=args.revision,
         num_pages=args.num_pages, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -476,9 +479,65 @@ def cmd_quantize(args) -> int:
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
     out = quantize(args.model, args.out, method=args.method, bits=args.bits, group_size=args.group_size,
                    symmetric=args.symmetric, act_order=args.act_order, calibration_text=text, num_tokens=args.num_tokens,
-                   seq_len=args.seq_len, log=log)
-    print(f"wrote {out} ({args.method}, {args.bits}-bit, groups of {args.group_size})")
+                   seq_len=args.seq_len, log=log, alpha=args.alpha, **_sensitivity_options(args))
+    if args.method == "smoothquant":
+        print(f"wrote {out} (smoothquant, alpha {args.alpha}: W8A8, int8 weights per column, int8 activations per token)")
+    else:
+        print(f"wrote {out} ({args.method}, {args.bits}-bit, groups of {args.group_size})")
+    _print_kept_layers(out)
     return 0
+
+
+def _sensitivity_options(args) -> dict:
+    text = None
+    if args.sensitivity_file:
+        with open(args.sensitivity_file) as f:
+            text = f.read()
+    return dict(keep_sensitive=args.keep_sensitive, ppl_budget=args.ppl_budget, sensitivity_text=text)
+
+
+def _print_kept_layers(out) -> None:
+    """The layers --keep-sensitive / --ppl-budget kept in floats, as the written config records them."""
+    import json
+    from pathlib import Path
+
+    record = json.loads((Path(out) / "config.json").read_text()).get("jaxinfer_compression")
+    if record:
+        ppl = record["held_out_perplexity"]
+        alone = ppl["one_layer_compressed"]
+        layers = ", ".join(f"{i} ({alone[i]:.3f})" for i in record["kept_float_layers"]) or "none"
+        print(f"kept in floats: layers {layers} (held-out perplexity with only that layer compressed); held-out "
+              f"perplexity {ppl['compressed']:.3f} (float {ppl['float']:.3f})")
+
+
+def cmd_prune(args) -> int:
+    from jaxinfer.calibration import prune
+
+    text = None
+    if args.calibration_file:
+        with open(args.calibration_file) as f:
+            text = f.read()
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
+    out = prune(args.model, args.out, method=args.method, sparsity=args.sparsity, pattern=args.pattern, bits=args.bits,
+                quant_method=args.quant_method, group_size=args.group_size, symmetric=args.symmetric,
+                calibration_text=text, num_tokens=args.num_tokens, seq_len=args.seq_len, log=log, **_sensitivity_options(args))
+    shape = args.pattern or f"{args.sparsity if args.sparsity is not None else 0.5:g} unstructured"
+    quant = f", then {args.quant_method or 'gptq'} {args.bits}-bit groups of {args.group_size}" if args.bits else ""
+    print(f"wrote {out} ({args.method}, {shape}{quant})")
+    _print_kept_layers(out)
+    return 0
+
+
+def _add_sensitivity_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("per-layer sensitivity (jaxinfer.calibration.sensitivity)")
+    g.add_argument("--keep-sensitive", type=int, default=0, metavar="N",
+                   help="keep in floats the N decoder layers whose compression alone costs the most held-out perplexity; "
+                        "written in the checkpoint's config and printed")
+    g.add_argument("--ppl-budget", type=float, default=None, metavar="PCT",
+                   help="keep as few of the most sensitive layers in floats as hold the held-out perplexity within PCT %% "
+                        "of the float model's")
+    g.add_argument("--sensitivity-file", default=None,
+                   help="held-out text for the sensitivity (default: jaxinfer/calibration/sensitivity.txt)")
 
 
 def cmd_aot(args) -> int:
@@ -505,7 +564,8 @@ def cmd_aot(args) -> int:
                          num_prefix_states=args.num_prefix_states,
                          kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
                          dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-                         group_size=args.group_size, keep_checkpoint_quantization=args.keep_checkpoint_quantization)
+                         group_size=args.group_size, keep_checkpoint_quantization=args.keep_checkpoint_quantization,
+                         sparsity=args.sparsity)
     print(f"compiling for {target.name} ({target.num_chips} x {target.chip.kind}) ...", file=sys.stderr, flush=True)
 
     def progress(b):
@@ -628,19 +688,42 @@ def main(argv=None) -> int:
                                                    "(default: the JAXINFER_API_KEY environment variable)")
     r.set_defaults(func=cmd_router)
 
-    q = sub.add_parser("quantize", help="quantize a model's weights (RTN, GPTQ or AWQ from calibration text) into a checkpoint")
+    q = sub.add_parser("quantize", help="quantize a model's weights (RTN, GPTQ, AWQ or SmoothQuant W8A8 from calibration text) into a checkpoint")
     q.add_argument("model", nargs="?", default=None, help="HF folder, .gguf or converted folder (default: embedded SmolLM2)")
     q.add_argument("out", help="the folder to write (GPTQ, AWQ or compressed-tensors layout; LLM(out) loads it)")
-    q.add_argument("--method", choices=("rtn", "gptq", "awq"), default="gptq")
+    q.add_argument("--method", choices=("rtn", "gptq", "awq", "smoothquant"), default="gptq",
+                   help="smoothquant: W8A8 (with --bits 8; int8 weights per column, int8 activations per token)")
     q.add_argument("--bits", type=int, choices=(4, 8), default=4)
     q.add_argument("--group-size", type=int, default=128)
     q.add_argument("--symmetric", action="store_true", help="no zero points (GPTQ, RTN)")
     q.add_argument("--act-order", action="store_true", help="GPTQ: quantize inputs in order of importance (desc_act)")
+    q.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant: how much of the activations' range moves to the weights (0..1)")
     q.add_argument("--calibration-file", default=None, help="text to calibrate on (default: jaxinfer/calibration/calibration.txt)")
     q.add_argument("--num-tokens", type=int, default=512, help="calibration tokens")
     q.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
     q.add_argument("--verbose", "-v", action="store_true", help="print each layer's time")
+    _add_sensitivity_arguments(q)
     q.set_defaults(func=cmd_quantize, coordinator=None, num_processes=None, process_id=None, multihost=False)
+
+    pr = sub.add_parser("prune", help="prune a model's weights (magnitude, Wanda or SparseGPT from calibration text; "
+                                      "unstructured or 2:4) into a compressed-tensors sparse checkpoint")
+    pr.add_argument("model", nargs="?", default=None, help="HF folder, .gguf or converted folder (default: embedded SmolLM2)")
+    pr.add_argument("out", help="the folder to write (compressed-tensors sparse-bitmask / sparse-24-bitmask; LLM(out) loads it)")
+    pr.add_argument("--method", choices=("magnitude", "wanda", "sparsegpt"), default="sparsegpt")
+    pr.add_argument("--sparsity", type=float, default=None, help="the fraction of each matrix pruned (default 0.5)")
+    pr.add_argument("--pattern", choices=("2:4",), default=None,
+                    help="2:4: two of every four consecutive input weights of each output are zero (default: unstructured)")
+    pr.add_argument("--bits", type=int, choices=(4, 8), default=None,
+                    help="then quantize the pruned weights (compressed-tensors pack-quantized, the zeros kept)")
+    pr.add_argument("--quant-method", choices=("gptq", "rtn"), default=None, help="with --bits (default gptq)")
+    pr.add_argument("--group-size", type=int, default=128, help="with --bits")
+    pr.add_argument("--symmetric", action="store_true", help="with --bits: no zero points")
+    pr.add_argument("--calibration-file", default=None, help="text to calibrate on (default: jaxinfer/calibration/calibration.txt)")
+    pr.add_argument("--num-tokens", type=int, default=512, help="calibration tokens")
+    pr.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
+    pr.add_argument("--verbose", "-v", action="store_true", help="print each layer's time")
+    _add_sensitivity_arguments(pr)
+    pr.set_defaults(func=cmd_prune, coordinator=None, num_processes=None, process_id=None, multihost=False)
 
     v = sub.add_parser("convert", help="convert an HF folder, GGUF file or Hub id to a jaxinfer (orbax) folder")
     v.add_argument("src", help="HF folder, .gguf file, or a Hugging Face Hub id (org/name, org/name:file.gguf)")
@@ -675,6 +758,9 @@ def main(argv=None) -> int:
     a.add_argument("--kv-cache-dtype", default=None, help="default: --dtype; int8 or float8_e4m3fn halve the pool")
     a.add_argument("--quantization", choices=("int8", "int4", "fp8", "w8a8"), default=None)
     a.add_argument("--group-size", type=int, default=128, help="int4 group size")
+    a.add_argument("--sparsity", choices=("2:4",), default=None,
+                   help="2:4: plan the projections 2:4 sparse, kept compressed (values + bitmask, ~56%% of bf16) and read "
+                        "by the sparse24_matmul kernel; prints the decode roofline against dense weights")
     a.add_argument("--keep-checkpoint-quantization", action=argparse.BooleanOptionalAction, default=True,
                    help="experts a checkpoint stores mxfp4 (GPT-OSS) stay 4-bit, as a TPU / GPU loads them (default); "
                         "--no-keep-checkpoint-quantization plans them in --dtype")

@@ -128,6 +128,26 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class KVEviction:
+    """KV eviction for unbounded streams (jaxinfer.ops.kv_eviction): which tokens a full-attention
+    layer keeps. Set by the engine (`LLM(kv_eviction=...)`), never read from a config.json.
+
+    method "streaming" (StreamingLLM): the first `keep` tokens (attention sinks) and the last
+    `window`, RoPE on positions inside that cache; "h2o" (Heavy-Hitter Oracle): `keep` slots of
+    the tokens with the largest accumulated attention (per layer and KV head) and the last
+    `window`. `window` counts the query's own token, as a sliding window does."""
+
+    method: str
+    keep: int
+    window: int
+
+    def describe(self) -> str:
+        if self.method == "streaming":
+            return f"streaming ({self.keep} sinks + window {self.window})"
+        return f"h2o ({self.keep} heavy + window {self.window})"
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerKind:
     """What one decoder layer's attention is: the keys it sees and its RoPE table.
 
@@ -256,6 +276,8 @@ class ModelConfig:
     per_layer_vocab_size: int = 0  # the PLE table's rows
     dense_and_experts: bool = False  # every layer runs its dense MLP and the experts side by side, summed
     layer_scalar: bool = False  # each layer's output times a learned scalar
+    # KV eviction (jaxinfer.ops.kv_eviction): set by the engine (LLM(kv_eviction=...)), never read from a config.json
+    kv_eviction: KVEviction | None = None
 
     @property
     def is_moe(self) -> bool:

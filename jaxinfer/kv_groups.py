@@ -45,6 +45,11 @@ its row of the per-sequence recurrent states (jaxinfer.ops.linear_state).
 **KV-shared layers** (Gemma 4's last `kv_shared_layers`) write no K/V: each attends over the
 pages of the last earlier layer of its kind (`ModelConfig.kv_source`), so it takes that layer's
 group and slot and the groups are made from the other layers.
+
+**KV eviction** (`ModelConfig.kv_eviction`, a `KVEviction`: StreamingLLM's sinks or H2O's heavy
+hitters, jaxinfer.ops.kv_eviction) is a spec of its own for the full-attention group: a sliding
+window of `window` positions plus the first `keep` positions' pages, which are never given back
+(`kept_prefix_pages`). The block manager treats it as a sliding group that also holds those pages.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxinfer.config import LayerKind, ModelConfig
+from jaxinfer.config import KVEviction, LayerKind, ModelConfig
 from pallas_kernels.visible_span import span_start
 
 
@@ -64,12 +69,13 @@ class Chunk:
     size: int
 
 
-# What a group keeps: a sliding window of W positions (int), its chunk (Chunk), or everything (None).
-KVSpec = int | Chunk | None
+# What a group keeps: a sliding window of W positions (int), its chunk (Chunk), a window and the first
+# positions' pages (KVEviction), or everything (None).
+KVSpec = int | Chunk | KVEviction | None
 
 
 def kv_spec(kind: LayerKind) -> KVSpec:
-    """What a layer of this kind keeps."""
+    """What a layer of this kind keeps (its model's KV eviction aside: `kv_groups`)."""
     return Chunk(kind.chunk) if kind.chunk is not None else kind.window
 
 
@@ -77,15 +83,26 @@ def first_kept(spec: KVSpec, position: int) -> int:
     """The first position a query at `position` (or any later one) may still read."""
     if isinstance(spec, Chunk):
         return span_start(position, attention_chunk=spec.size)
+    if isinstance(spec, KVEviction):  # (the window's start; the first kept_prefix_pages are held as well)
+        return span_start(position, sliding_window=spec.window)
     return span_start(position, sliding_window=spec)
+
+
+def kept_prefix_pages(spec: KVSpec, page_size: int) -> int:
+    """Leading pages a group holds whatever its window (KV eviction's sinks / heavy-hitter slots), else 0."""
+    return -(-spec.keep // page_size) if isinstance(spec, KVEviction) else 0
 
 
 def span_tokens(spec: KVSpec) -> int | None:
     """The most keys a query of the group reads (None: all of them)."""
+    if isinstance(spec, KVEviction):
+        return spec.keep + spec.window
     return spec.size if isinstance(spec, Chunk) else spec
 
 
 def describe(spec: KVSpec) -> str:
+    if isinstance(spec, KVEviction):
+        return spec.describe()
     return "full" if spec is None else f"chunk {spec.size}" if isinstance(spec, Chunk) else f"window {spec}"
 
 
@@ -123,6 +140,8 @@ def window_pages(spec: KVSpec, num_tokens: int, page_size: int, chunk: int = 1) 
     full = -(-num_tokens // page_size)
     if spec is None:
         return full
+    if isinstance(spec, KVEviction):  # the kept prefix's pages and the window's
+        return min(full, kept_prefix_pages(spec, page_size) + (spec.window + chunk - 2) // page_size + 2)
     window = span_tokens(spec)
     return min(full, (window + chunk - 2) // page_size + 2)
 
@@ -135,7 +154,9 @@ def kv_groups(config: ModelConfig) -> KVGroups:
     owners = [i for i in range(c.num_layers) if not c.is_kv_shared(i) and not kinds_all[i].linear]
     kinds = tuple(c.layer_kinds()[i] for i in owners)
     period = layer_period(kinds)
-    keys = [(kv_spec(kinds[j]), c.kind_kv_heads(kinds[j]), c.kind_head_dim(kinds[j])) for j in range(period)]
+    specs = [kv_spec(kinds[j]) for j in range(period)]
+    specs = [c.kv_eviction if spec is None and c.kv_eviction is not None else spec for spec in specs]  # (full layers only)
+    keys = [(specs[j], c.kind_kv_heads(kinds[j]), c.kind_head_dim(kinds[j])) for j in range(period)]
     counts = {key: keys.count(key) for key in dict.fromkeys(keys)}  # in order of first appearance
     m = math.gcd(*counts.values())
     windows: list[KVSpec] = []

@@ -52,6 +52,10 @@ class LLM:
       compute_dtype: dtype of activations, norms and the residual stream (default: float32 on
         CPU, where bfloat16 elementwise work is slow, bfloat16 elsewhere).
       kv_cache_dtype: dtype of the KV pages (default: compute_dtype).
+      kv_cache_outliers: with kv_cache_dtype "int8" / "fp8", R residual slots per page: a token
+        whose rows quantize among the worst of its last page_size tokens (and the first token of a
+        sequence) keeps its quantization error in bfloat16, added back when attended (default 0:
+        off; the XLA attention reads them, not the TPU kernels; jaxinfer.ops.kv_cache).
       quantization: weight-only quantization of the matmul weights after loading (round to
         nearest): None / "none", "int8" (per output channel, or per group of
         `quantization_group_size` input rows), "int4" (per group, packed two per byte) or "fp8"
@@ -63,7 +67,11 @@ class LLM:
         GPTQ, AWQ, compressed-tensors) in their own integer grid, no float copy made (True), or
         dequantize them at load (False). Default: on TPU / GPU yes, unless a dtype or quantization
         is given; on the CPU no (XLA:CPU dequantizes a whole matrix to float32 before every dot,
-        which makes a Q4_1 decode step 3.8x slower than the float one).
+        which makes a Q4_1 decode step 3.8x slower than the float one), except W8A8 checkpoints
+        (compressed-tensors int-quantized, `jaxinfer quantize --method smoothquant`): their int8 x
+        int8 matmul makes no float copy, so they run as stored on every backend unless False. A
+        sparse-24-bitmask checkpoint's 2:4 projections are kept compressed the same way (True:
+        values + bitmask, the 2:4 matmul kernel on TPU / GPU; jaxinfer.ops.sparsity).
       kernel_impl (alias attention_impl): "auto" (Pallas kernels on TPU and GPU, the XLA paths on
         the CPU), "reference", "pallas" (on the CPU: the TPU kernels in interpret mode, slow), or
         "pallas-tpu" / "pallas-gpu" to pick a platform's kernels (interpret mode elsewhere). Covers
@@ -107,6 +115,19 @@ class LLM:
         processes of the same model and settings. Needs kv_offloading_size. `kv_offloading_disk_size`: its bound in GiB, least
         recently used files deleted first (default: unbounded). Not with hybrid (Gated DeltaNet) or
         sliding-window models; the disk not with enable_lora nor on several processes.
+      kv_eviction: KV eviction for unbounded streams (jaxinfer.ops.kv_eviction; default None: off).
+        "streaming" (StreamingLLM): each sequence keeps its first `kv_eviction_sink_tokens` tokens
+        (default 4, the attention sinks) and its last `kv_eviction_window` (the query's own
+        included), RoPE on positions inside that cache; "h2o" (Heavy-Hitter Oracle):
+        `kv_eviction_heavy_tokens` slots (default the window) of the tokens with the most attention
+        received so far, per layer and KV head, and the last `kv_eviction_window`. Every other page is
+        given back as the sequence runs, so it holds ceil(keep / page_size) + ceil(window /
+        page_size) + 1 pages while decoding, however long. Outputs change (tokens past the window
+        are gone): SmolLM2 on held-out text, window 64: perplexity 22.1 with every token kept, 23.2
+        with 4 sinks, 42.7 with the window alone. Full-attention (Llama-family) models on the XLA
+        attention path only (kernel_impl 'reference' on TPU / GPU); no prefix caching (turned off),
+        quantized KV, LoRA, speculative decoding, sequence parallelism or swap preemption; h2o one
+        completion per request.
       log_stats_interval: seconds between engine stats lines on the "jaxinfer" logger (None: off).
       seed: seeds the per-request seeds of requests that give none.
       warmup: compile now, rather than on first use, every program serving can run: the step of

@@ -69,15 +69,15 @@ def test_every_tpu_kernel_compiles_at_a_gqa_and_a_smollm2_shape(chip, request):
     groups of 128, where the inputs allow), and the GGUF
     grids (int4 with float16 offsets, int8 groups of 32 with float16 scales, of 16 with offsets),
     and LoRA's SGMV shrink and expand at a decode and a prefill bucket (bf16, rank 16) and with a
-    float32 rank-8 table into a KV width."""
+    float32 rank-8 table into a KV width, and the 2:4 sparse matmul of the down projection."""
     results = kernel_check.check_kernels(request.getfixturevalue(chip), families=["llama-3.1-8b", "smollm2-135m"])
-    assert len(results) == 2 * 27 + 1  # the GPU's cases less the RoPE + KV write (XLA on a TPU: pallas_kernels.rope_kv_write)
+    assert len(results) == 2 * 28 + 1  # the GPU's cases less the RoPE + KV write (XLA on a TPU: pallas_kernels.rope_kv_write)
     assert refused(results) == []
 
 
 def test_every_triton_kernel_compiles_for_an_h100(h100):
     results = kernel_check.check_kernels(h100, families=["llama-3.1-8b", "smollm2-135m"])
-    assert len(results) == 2 * 28 + 1  # (fp8 in groups of 128 at Llama's 4096 inputs; SmolLM2's 576 has none)
+    assert len(results) == 2 * 29 + 1  # (fp8 in groups of 128 at Llama's 4096 inputs; SmolLM2's 576 has none)
     assert refused(results) == []
 
 
@@ -344,6 +344,25 @@ def test_a_lora_step_compiles_for_a_tpu_and_a_gpu(v6e, target):
     assert_in_place_with_kernels(plan, decode, "tpu_custom_call" if tpu else "xla.gpu.triton")
     hlo = plan.compile(decode).as_text()
     assert "lora_sgmv_shrink" in hlo and "lora_sgmv_expand" in hlo
+
+
+@pytest.mark.parametrize("target", ["v6e", "h100"])
+def test_a_2_4_sparse_step_compiles_with_its_kernel_for_a_tpu_and_a_gpu(v6e, h100, target):
+    """sparsity="2:4" (`jaxinfer aot --sparsity 2:4`): the projections kept compressed (values
+    [L, 4, K / 8, N] and bitmasks [L, K / 8, N], split over two TPU chips on K for o_proj and
+    down_proj) and read by the platform's sparse24_matmul kernel; the pool stays in place; a
+    bfloat16 projection takes 9 / 16 of its dense bytes."""
+    tpu = target == "v6e"
+    plan = AbstractStep.build(SMALL, v6e if tpu else h100, ParallelConfig(tp=2 if tpu else 1),
+                              dataclasses.replace(SHAPE, sparsity="2:4"))
+    down = plan.params["layers"]["down_proj"].get_value()
+    assert down.values.shape == (2, 4, 1024 // 8, 512) and down.mask.dtype == jnp.uint8
+    if tpu:
+        assert tuple(down.mask.sharding.spec) == (None, "tensor", None)
+    stored, dense = plan.sparse24_bytes_per_chip()
+    assert stored * 16 == dense * 9
+    decode = next(k for k in plan.buckets.all_keys() if k.query_block == 1)
+    assert_in_place_with_kernels(plan, decode, "tpu_custom_call" if tpu else "xla.gpu.triton", "sparse24_matmul")
 
 
 @pytest.mark.parametrize("max_model_len,max_num_seqs", [(131072, 64), (1048576, 4)])

@@ -37,6 +37,8 @@ from pallas_kernels.ragged_paged_attention import tpu as rpa_tpu
 from pallas_kernels.ragged_paged_attention.combined import row_width
 from pallas_kernels.ragged_paged_attention.reference import storage_dtype
 from pallas_kernels.rope_kv_write import gpu_supports, rope_kv_write_gpu
+from pallas_kernels.sparse24_matmul import gpu as s24_gpu
+from pallas_kernels.sparse24_matmul import tpu as s24_tpu
 from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu, swiglu_matmul_tpu
 
 # Each platform's kernels, called directly (not through jaxinfer.ops.kernels: no XLA fallbacks here).
@@ -44,12 +46,12 @@ TPU_KERNELS = dict(flash_attention=flash_attention_tpu, add_rms_norm=add_rms_nor
                    ragged_paged_attention=rpa_tpu.ragged_paged_attention,
                    swiglu_matmul=swiglu_matmul_tpu, lora_sgmv_shrink=lora_tpu.sgmv_shrink, lora_sgmv_expand=lora_tpu.sgmv_expand,
                    grouped_matmul=gmm_tpu.grouped_quantized_matmul, mla_attention=mla_tpu.mla_attention,
-                   gated_delta_rule=gdn_tpu.chunked, causal_conv=conv_tpu.causal_conv)
+                   gated_delta_rule=gdn_tpu.chunked, causal_conv=conv_tpu.causal_conv, sparse24_matmul=s24_tpu.sparse24_matmul)
 GPU_KERNELS = dict(flash_attention=flash_attention_gpu, add_rms_norm=add_rms_norm_gpu, quantized_matmul=qmm_gpu.quantized_matmul,
                    ragged_paged_attention=rpa_gpu.ragged_paged_attention, rope_kv_write=rope_kv_write_gpu,
                    swiglu_matmul=swiglu_matmul_gpu, lora_sgmv_shrink=lora_gpu.sgmv_shrink, lora_sgmv_expand=lora_gpu.sgmv_expand,
                    grouped_matmul=gmm_gpu.grouped_quantized_matmul, mla_attention=mla_gpu.mla_attention,
-                   gated_delta_rule=gdn_gpu.chunked, causal_conv=conv_gpu.causal_conv)
+                   gated_delta_rule=gdn_gpu.chunked, causal_conv=conv_gpu.causal_conv, sparse24_matmul=s24_gpu.sparse24_matmul)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +229,11 @@ def kernel_cases(target: Target, shape: FamilyShape):
            (spec((T, N), bf16), spec((N, H), jnp.int8), spec((N // 32, H), f16)))
     yield ("quantized_matmul", f"int8 g16 offsets T={T} {N}->{H}", functools.partial(quantized_matmul, mode="int8", group_size=16),
            (spec((T, N), bf16), spec((N, H), jnp.int8), spec((N // 16, H), jnp.float32), spec((N // 16, H), jnp.float32)))
+
+    # 2:4 sparse weights read compressed (pallas_kernels.sparse24_matmul): the down projection
+    if F % 8 == 0:
+        yield ("sparse24_matmul", f"2:4 T={T} {F}->{H}", k["sparse24_matmul"],
+               (spec((T, F), bf16), spec((4, F // 8, H), bf16), spec((F // 8, H), jnp.uint8)))
 
     # mxfp4 experts (GPT-OSS): the gate/up and down grouped matmuls over one chip's experts, for a
     # decode bucket's (token, expert) pairs on one chip and as an expert-parallel step receives them

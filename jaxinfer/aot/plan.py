@@ -14,7 +14,9 @@ compiling every bucket of the serving step for the target, with no chip and no w
    `memory_analysis()` per bucket, and an HLO check that no bucket copies the pool (the cache
    must be updated in place).
 4. A decode estimate from bytes moved per step over the chip's HBM bandwidth: an HBM roofline,
-   labelled as an estimate, not a measurement.
+   labelled as an estimate, not a measurement. With 2:4 sparse projections (`ServingShape.sparsity`,
+   `--sparsity 2:4`: compressed, read by the sparse24_matmul kernel in every bucket) also the
+   weight bytes a step reads against the same model dense, and both bounds (`_sparse24_lines`).
 5. A vision model (a `VisionSpec`): its image encoder (jaxinfer.aot.vision_compile), and the image
    variant of the step for the largest prefill bucket, the batch with the image inputs (zeros) as
    the engine's warm-up compiles it (`mm_embeds`, `mm_mask`; Gemma 3's `span_end` and its
@@ -138,11 +140,12 @@ class Plan:
     def target(self) -> Target:
         return self.step.target
 
-    def decode_estimate(self, context: int) -> tuple[int, float, float]:
+    def decode_estimate(self, context: int, weight_bytes: int | None = None) -> tuple[int, float, float]:
         """(sequences per replica, seconds per decode step, tokens/s over all replicas) for the
         largest decode batch the compiled pool holds at `context` tokens each: per chip, the
-        weights plus those sequences' K and V are read once per step (a hybrid model's recurrent
-        states read and written), at the chip's HBM bandwidth. An estimate."""
+        weights (`weight_bytes`, default the step's) plus those sequences' K and V are read once
+        per step (a hybrid model's recurrent states read and written), at the chip's HBM
+        bandwidth. An estimate."""
         s = self.step
         decode = [b.key.num_seqs for b in self.buckets if b.kind == "decode"] or [s.shape.max_num_seqs]
         held = s.pages_held(context)  # a sequence's pages, all groups
@@ -153,7 +156,7 @@ class Plan:
                    for w, f in zip(s.windows, s.page_factors))
         if s.kv.state is not None:  # a hybrid model's recurrent states: each sequence's read and written once
             read += 2 * s.state_bytes_per_chip() / s.kv.state.num_slots * s.parallel.num_replicas
-        step_bytes = s.weight_bytes_per_chip() + seqs * read
+        step_bytes = (s.weight_bytes_per_chip() if weight_bytes is None else weight_bytes) + seqs * read
         seconds = step_bytes / self.target.chip.hbm_bytes_per_second
         return seqs, seconds, seqs * s.parallel.num_replicas / seconds
 
@@ -331,6 +334,28 @@ def _group_lines(s: AbstractStep, held: int, whole: int, largest_pages: int) -> 
             f"full-attention cache {(largest_pages - 1) // whole}"]
 
 
+def _sparse24_lines(plan: Plan) -> list[str]:
+    """2:4 sparse weights (`--sparsity 2:4`): the weight bytes a decode step reads per chip,
+    compressed and dense, and the HBM-roofline decode bound both ways (batch 1: the weights alone;
+    and the decode table's largest batch at its shortest context)."""
+    s = plan.step
+    stored, dense = s.sparse24_bytes_per_chip()
+    if not dense:
+        return []
+    weights = s.weight_bytes_per_chip()
+    dense_weights = weights - stored + dense
+    bandwidth = plan.target.chip.hbm_bytes_per_second
+    context = min(1024, s.shape.max_model_len)
+    seqs, _, sparse_rate = plan.decode_estimate(context)
+    _, _, dense_rate = plan.decode_estimate(context, dense_weights)
+    return ["", f"2:4 sparsity (projections kept compressed, read by the sparse24_matmul kernel; HBM roofline, an estimate): "
+            f"a decode step reads {_gib(weights)} GiB of weights per chip against {_gib(dense_weights)} GiB dense "
+            f"({100 * weights / dense_weights:.0f}%: the 2:4 matrices {_gib(stored)} GiB of values and bitmasks for "
+            f"{_gib(dense)} GiB dense); batch 1 bound {bandwidth / weights:,.0f} tokens/s against {bandwidth / dense_weights:,.0f} "
+            f"dense ({dense_weights / weights:.2f}x); {seqs} sequences at {context} tokens: {sparse_rate:,.0f} tokens/s "
+            f"against {dense_rate:,.0f} dense ({sparse_rate / dense_rate:.2f}x)"]
+
+
 def format_plan(plan: Plan) -> str:
     s, t = plan.step, plan.target
     shape = s.shape
@@ -401,6 +426,7 @@ def format_plan(plan: Plan) -> str:
             continue
         seqs, seconds, tokens_per_second = plan.decode_estimate(context)
         lines.append(f"| {context} | {seqs} | {seconds * 1e3:.2f} | {tokens_per_second:,.0f} |")
+    lines += _sparse24_lines(plan)
     if replicas > 1:
         lines.append(f"({replicas} replicas, each with its own batch and KV pool)")
     if any(b.pool_copies for b in plan.buckets + ([plan.image_step] if plan.image_step else [])):

@@ -31,6 +31,7 @@ from jaxinfer.models.lora import LoraTable
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.kv_cache import KVCache, page_factors
 from jaxinfer.ops.quantization import QuantizedWeight, quantize_model, replace_weights
+from jaxinfer.ops.sparsity import SPARSE24_WEIGHT_NAMES, Sparse24Weight
 from jaxinfer.runtime.loading import QUANTIZABLE, abstract_model
 from jaxinfer.tree import nested_to_flat
 from jaxinfer.runtime.placement import param_partition_specs
@@ -72,6 +73,27 @@ def weights_as_stored(graphdef, params, stored: str):
     return new_graphdef[0], params
 
 
+def weights_as_sparse24(graphdef, params):
+    """(graphdef, abstract params) with the projections (qkv, o, gate/up, down: what a 2:4 pruned
+    checkpoint stores 2:4; not the embedding or LM head) as 2:4 Sparse24Weights, as a TPU / GPU
+    keeps them: values [..., 4, K / 8, N] in the weight's dtype and a uint8 mask [..., K / 8, N]."""
+    new_graphdef = []
+
+    def as_sparse(a) -> Sparse24Weight:
+        *lead, K, N = a.shape
+        return Sparse24Weight(jnp.zeros((*lead, 4, K // 8, N), a.dtype), jnp.zeros((*lead, K // 8, N), jnp.uint8))
+
+    def replace(state):
+        flat = nested_to_flat(nnx.to_pure_dict(state))
+        g, new_state = replace_weights(graphdef, state, {n: as_sparse(a) for n, a in flat.items()
+                                                         if n.rsplit(".", 1)[-1] in SPARSE24_WEIGHT_NAMES and a.shape[-2] % 8 == 0})
+        new_graphdef.append(g)
+        return new_state
+
+    params = jax.eval_shape(replace, params)
+    return new_graphdef[0], params
+
+
 @dataclasses.dataclass(frozen=True)
 class ServingShape:
     """What the deployment serves: the engine arguments that decide compiled shapes."""
@@ -93,10 +115,16 @@ class ServingShape:
     group_size: int = 128  # int4's groups (the other modes: one scale per output column)
     max_loras: int = 0  # > 0: the LoRA slot table of LLM(enable_lora=True, max_loras=..., max_lora_rank=...)
     max_lora_rank: int = 16
+    sparsity: str | None = None  # "2:4": the projections 2:4 sparse, kept compressed (the sparse24_matmul kernel)
 
     def __post_init__(self):
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: expected a fraction in (0, 1]")
+        if self.sparsity not in (None, "2:4"):
+            raise ValueError(f"sparsity={self.sparsity!r}: expected None or '2:4'")
+        if self.sparsity and self.quantization:
+            raise ValueError(f"sparsity={self.sparsity!r} with quantization={self.quantization!r}: 2:4 weights are kept as "
+                             f"float values (quantized 2:4 matrices are not supported)")
 
     def state_slots(self, max_num_seqs: int) -> int:
         """A hybrid model's recurrent-state slots per replica, as the engine makes them: the
@@ -109,6 +137,8 @@ class ServingShape:
 
     def weights_name(self, config: ModelConfig) -> str:
         """The weights' dtype or quantization, as the plan prints it."""
+        if self.sparsity:
+            return f"{self.dtype} (projections {self.sparsity} sparse, compressed)"
         if not self.keeps_stored_weights(config):
             return self.quantization or self.dtype
         what = "experts mxfp4" if config.stored_quantization == "mxfp4" else "fp8 in 128 x 128 blocks"
@@ -162,6 +192,8 @@ class AbstractStep:
 
             params = jax.eval_shape(quantize, params)
             graphdef = quantized_graphdef[0]
+        elif shape.sparsity == "2:4":
+            graphdef, params = weights_as_sparse24(graphdef, params)
         elif shape.keeps_stored_weights(config):
             graphdef, params = weights_as_stored(graphdef, params, config.stored_quantization)
         specs = param_partition_specs(params, config)
@@ -192,6 +224,13 @@ class AbstractStep:
 
     def kv_bytes_per_chip(self) -> int:
         return bytes_per_device(self.kv.page_arrays())  # K, V and a quantized pool's scales
+
+    def sparse24_bytes_per_chip(self) -> tuple[int, int]:
+        """(bytes the 2:4 weights take as stored: values and masks, bytes the same matrices take
+        dense) per chip; (0, 0) without 2:4 weights."""
+        sparse = [w for w in jax.tree.leaves(self.params, is_leaf=lambda x: isinstance(x, Sparse24Weight))
+                  if isinstance(w, Sparse24Weight)]
+        return bytes_per_device([(w.values, w.mask) for w in sparse]), 2 * bytes_per_device([w.values for w in sparse])
 
     def state_bytes_per_chip(self) -> int:
         """A hybrid model's recurrent states (`ServingShape.state_slots` per replica), whatever the pages."""

@@ -12,17 +12,21 @@ own pieces (`models.layers`, `split_qkv`, RoPE, the flash-attention reference):
         ... quantize layer i from taps ...
         x = layer_forward(w_i_quantized, x)         # the next layer's input
 
-`tests/test_calibration.py` holds it to the serving model: the same logits.
+`tests/test_calibration.py` holds it to the serving model: the same logits. `layer_by_layer` is
+that loop with a compression step per layer (pruning's driver; calibrate.py runs its own copy).
 """
 
 from __future__ import annotations
 
 import functools
+import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.calibration.obs import fast_jit
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import embed_lookup, linear, matmul, rms_norm, swiglu, tied_logits
 from jaxinfer.models.rope import rope_cos_sin
@@ -43,7 +47,7 @@ def layer_weights(flat: dict, i: int) -> dict:
     return {name.split(".", 1)[1]: jax.tree.map(lambda a: a[i], w) for name, w in flat.items() if name.startswith("layers.")}
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(fast_jit, static_argnums=0)  # (XLA's full optimization on the CPU: run for every layer and sequence)
 def _layer(config: ModelConfig, w: dict, x: jax.Array, cos: jax.Array, sin: jax.Array):
     """One decoder layer over one sequence: x [T, H] float32 -> (x after the layer, the four matmul inputs)."""
     c = config
@@ -63,6 +67,7 @@ def _layer(config: ModelConfig, w: dict, x: jax.Array, cos: jax.Array, sin: jax.
     return x, {"qkv_proj": h, "o_proj": attn, "gate_up_proj": h2, "down_proj": act}
 
 
+@functools.lru_cache(maxsize=8)  # (computed op by op: once per length, not once per layer and sequence)
 def rope_tables(config: ModelConfig, T: int):
     positions = jnp.arange(T)
     return rope_cos_sin(config, positions, jnp.full((T,), T))
@@ -77,6 +82,29 @@ def layer_forward(config: ModelConfig, w: dict, x: jax.Array):
     """(x after layer w, {matmul: its input}) for one sequence x [T, H]."""
     cos, sin = rope_tables(config, x.shape[0])
     return _layer(config, w, x, cos, sin)
+
+
+def layer_by_layer(config: ModelConfig, flat: dict, sequences: list[list[int]], compress_layer: Callable[[int, dict, dict], dict],
+                   log: Callable[[str], None] | None = None) -> list[dict]:
+    """The decoder layer by layer over calibration `sequences`, each layer compressed from the
+    inputs that reach its matmuls with the layers before it already compressed (as GPTQ, AWQ,
+    Wanda and SparseGPT do): `compress_layer(i, w, inputs)` gets layer i's weights (name ->
+    array) and {matmul: [its input [T, K] per sequence]} and returns the weights the compressed
+    layer computes with (pruned / dequantized floats). No sequences: no forward (the inputs
+    empty). Returns each layer's compressed weights."""
+    flat = {name: jnp.asarray(a, jnp.float32) for name, a in flat.items()}
+    xs = [embed(flat, ids) for ids in sequences]
+    layers = []
+    for i in range(config.num_layers):
+        t0 = time.perf_counter()
+        w = layer_weights(flat, i)
+        taps = [layer_forward(config, w, x)[1] for x in xs]
+        w = compress_layer(i, w, {name: [t[name] for t in taps] for name in MATMULS})
+        xs = [layer_forward(config, w, x)[0] for x in xs]
+        layers.append(w)
+        if log:
+            log(f"layer {i + 1}/{config.num_layers}: {time.perf_counter() - t0:.1f} s")
+    return layers
 
 
 def logits(config: ModelConfig, flat: dict, x: jax.Array) -> jax.Array:

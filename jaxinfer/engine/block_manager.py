@@ -29,6 +29,12 @@ checks the whole prompt fits) but a sliding group's only for the chunk a step co
 (`allocate`'s `lookahead`, then `reserve`), so a long prompt prefilled in chunks holds about a
 window of pages in each sliding group, never the prompt.
 
+KV eviction (a group whose spec is a `KVEviction`: jaxinfer.ops.kv_eviction) is a sliding group
+that also holds its first `kv_groups.kept_prefix_pages` pages (StreamingLLM's sinks, H2O's
+heavy-hitter slots) for good: it gives back the pages between those and its window, so a sequence
+holds at most those pages and a window's, however long it runs. No prefix caching with it (an H2O
+group rewrites its kept pages).
+
 Prefix cache. Page i of a sequence, once full and computed, is keyed by
 `blake2b(key of page i-1 || page_size token ids as little-endian int32)` (16-byte digest; the
 first page chains from `salt`, e.g. a LoRA id), per group: group g's page is registered under
@@ -99,7 +105,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from jaxinfer.kv_groups import first_kept, span_tokens, window_pages
+from jaxinfer.kv_groups import first_kept, kept_prefix_pages, span_tokens, window_pages
 
 SCRATCH_PAGE = 0  # same as jaxinfer.ops.batch.SCRATCH_PAGE (not imported: keep this module free of JAX)
 
@@ -156,6 +162,9 @@ class BlockManager:
             raise ValueError(f"need num_pages >= 2 (page 0 is scratch) and page_size >= 1, got {num_pages}, {page_size}")
         if not windows or any(w is not None and span_tokens(w) < 1 for w in windows):
             raise ValueError(f"windows={tuple(windows)}: one entry per layer group, None, a window >= 1 or a Chunk")
+        if enable_prefix_caching and any(kept_prefix_pages(w, page_size) for w in windows):
+            raise ValueError("prefix caching with KV eviction (a group that keeps its first pages) is not supported: "
+                             "pass enable_prefix_caching=False")
         self.num_pages = num_pages
         self.page_size = page_size  # tokens per page of a group of factor 1, and per prefix-cache block
         self.windows = tuple(windows)
@@ -229,8 +238,13 @@ class BlockManager:
         return need <= self.num_free_pages
 
     def _first_kept(self, group: int, num_computed: int) -> int:
-        """The first page index group `group` still needs once num_computed tokens are done."""
+        """The first page index group `group` still needs once num_computed tokens are done (past
+        its kept prefix: `_kept_prefix`)."""
         return first_kept(self.windows[group], num_computed) // self.page_sizes[group]
+
+    def _kept_prefix(self, group: int) -> int:
+        """Leading pages group `group` never gives back (KV eviction's sinks / heavy slots; else 0)."""
+        return kept_prefix_pages(self.windows[group], self.page_sizes[group])
 
     def page_table(self, seq_id: Hashable) -> list[list[int]]:
         """The sequence's page-table rows, one per group."""
@@ -239,9 +253,10 @@ class BlockManager:
     def held_rows(self, seq_id: Hashable) -> tuple[list[int], list[list[int]]]:
         """(offsets, rows): each group's row from its first held page on (a long sequence's
         sliding rows are mostly scratch, which the step's page table holds already), and where
-        in the full row it starts."""
+        in the full row it starts; a group with a kept prefix (KV eviction): its whole row)."""
         seq = self.seqs[seq_id]
-        return list(seq.first_held), [row[first:] for first, row in zip(seq.first_held, seq.pages)]
+        offsets = [0 if self._kept_prefix(g) else first for g, first in enumerate(seq.first_held)]
+        return offsets, [row[first:] for first, row in zip(offsets, seq.pages)]
 
     # ------------------------------------------------------------------ prefix look-up
     def _num_lookup(self, num_tokens: int, max_cached_tokens: int | None) -> int:
@@ -581,7 +596,7 @@ class BlockManager:
                         self._key_of_page[page] = (g, key)
         for g, row in enumerate(seq.pages):  # (a full group keeps everything: first_kept is 0)
             first_kept = min(self._first_kept(g, num_computed_tokens), len(row))
-            for i in range(seq.first_held[g], first_kept):
+            for i in range(max(seq.first_held[g], self._kept_prefix(g)), first_kept):  # (past a kept prefix)
                 self._release(row[i])
                 row[i] = SCRATCH_PAGE
             seq.first_held[g] = max(seq.first_held[g], first_kept)
@@ -640,7 +655,9 @@ class BlockManager:
                 live = [p for p in row if p != SCRATCH_PAGE]
                 assert len(set(live)) == len(live), f"{sid!r} holds a page twice in group {g}: {row}"
                 first = self._first_kept(g, seq.num_computed)
-                assert all(p == SCRATCH_PAGE for p in row[:first]), f"{sid!r} group {g} keeps pages its window left: {row}"
+                prefix = self._kept_prefix(g)
+                assert all(p == SCRATCH_PAGE for p in row[prefix:first]), f"{sid!r} group {g} keeps pages its window left: {row}"
+                assert all(p != SCRATCH_PAGE for p in row[:prefix]), f"{sid!r} group {g} lacks a kept prefix page: {row}"
                 assert all(p != SCRATCH_PAGE for p in row[first:]), f"{sid!r} group {g} lacks a page: {row}"
                 assert seq.first_held[g] == min(first, len(row)), f"{sid!r} group {g}: first_held {seq.first_held[g]}"
                 f = self.page_factors[g]

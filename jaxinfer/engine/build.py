@@ -61,7 +61,7 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
     records the phases (config, weights, tokenizer, KV cache and engine, warmup)."""
     clock = clock or PhaseClock()
     source = resolve_model(config.model, revision=config.revision)
-    model_config = read_config(source)
+    model_config = config.with_kv_eviction(read_config(source))  # (KV eviction: the model attends over what it keeps)
     parallel = config.parallel(model_config)
     sized_by = config.pool_sized_by
     config = config.resolved(model_config)
@@ -73,7 +73,7 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
     tokenizer_thread.shutdown(wait=False)
     weights = load_params(source, model_config, config.param_dtype, config.activation_dtype, kernels=config.kernels,
                           parallel=parallel, mesh=mesh, progress=config.progress,
-                          keep_quantized=config.keeps_checkpoint_quantization)
+                          keep_quantized=config.keeps_checkpoint_quantization, keep_w8a8=config.keeps_w8a8_checkpoint)
     placed = place_weights(model_config, config, mesh, weights, quantization=config.quantization)
     if config.enable_lora:
         placed = add_lora_table(placed, model_config, config, mesh)
@@ -205,7 +205,8 @@ def kv_tiers_description(config: EngineConfig, model_config: ModelConfig, source
                      "kv_dtype": str(config.kv_dtype), "quantization": config.quantization,
                      "quantization_group_size": config.quantization_group_size,
                      "quantization_symmetric": config.quantization_symmetric,
-                     "keeps_checkpoint_quantization": config.keeps_checkpoint_quantization},
+                     "keeps_checkpoint_quantization": config.keeps_checkpoint_quantization,
+                     "keeps_w8a8_checkpoint": config.keeps_w8a8_checkpoint},
         "page_size": config.page_size,
         "arrays": layout.describe(),
     }
@@ -261,15 +262,20 @@ def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights:
                  return_hidden: bool = False, return_stream: bool = False, pooling: bool = False) -> ModelRunner:
     """A model's runner on `mesh`: its placed weights and a KV pool of the (resolved) config's page geometry."""
     parallel = config.parallel(model_config)
-    specs = kv_partition_spec(quantized=is_quantized(config.kv_dtype), combined=combined_pool(model_config, config.kernels))
+    h2o = model_config.kv_eviction is not None and model_config.kv_eviction.method == "h2o"  # (its scores beside the pages)
+    specs = kv_partition_spec(quantized=is_quantized(config.kv_dtype), combined=combined_pool(model_config, config.kernels),
+                              outliers=config.kv_cache_outliers > 0, eviction=h2o)
     spec_block = draft_inputs_block(config, model_config, parallel)
+    named = lambda spec: jax.sharding.NamedSharding(mesh, spec) if spec is not None else None  # noqa: E731
     state_sharding = jax.tree.map(lambda spec: jax.sharding.NamedSharding(mesh, spec), linear_state_spec(spec_block > 0),
                                   is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     kv = KVCache.create(model_config, config.num_pages * parallel.num_replicas, config.page_size, config.kv_dtype,
                         tp=parallel.tp, sharding=jax.sharding.NamedSharding(mesh, specs.pages),
                         scale_sharding=jax.sharding.NamedSharding(mesh, specs.scales) if specs.scales else None,
                         kernels=config.kernels, state_slots=state_slots(config, parallel),
-                        state_dtype=config.activation_dtype, state_sharding=state_sharding, spec_block=spec_block)
+                        state_dtype=config.activation_dtype, state_sharding=state_sharding, spec_block=spec_block,
+                        outliers=config.kv_cache_outliers, outlier_sharding=named(specs.k_outlier),
+                        outlier_token_sharding=named(specs.outlier_token), eviction_sharding=named(specs.evict_score))
     groups = kv_groups(model_config)
     runner = ModelRunner(weights.graphdef, weights.params, kv, config.buckets(parallel, groups.num_groups),
                          num_top_logprobs=num_top_logprobs, mesh=mesh, param_specs=weights.param_specs,
@@ -409,6 +415,7 @@ def pages_from_device_memory(config: EngineConfig, model_config: ModelConfig, me
     def pool(model: ModelConfig, pages: int):  # pages per replica
         return abstract_pool(model, pages * replicas, config.page_size, config.kv_dtype, tp=parallel.tp,
                              kernels=config.kernels, mesh=mesh, state_slots=state_slots(config, parallel),
+                             outliers=config.kv_cache_outliers,
                              state_dtype=config.activation_dtype, spec_block=draft_inputs_block(config, model, parallel))
 
     # (a hybrid model's recurrent states are a fixed cost beside the weights, whatever the pages)

@@ -12,12 +12,13 @@ build_engine measures once the weights are placed). The names are vLLM's where v
 `data_parallel_size`, `enable_expert_parallel`, `speculative_config`, `kv_cache_memory_bytes`,
 `gpu_memory_utilization`, `num_gpu_blocks_override`, `revision`, `enable_lora`, `max_loras`,
 `max_lora_rank`, `kv_offloading_size`);
-jaxinfer's own: `page_size` (vLLM's `block_size`), `num_pages` (= `num_gpu_blocks_override`,
+jaxinfer's own: `page_size` (vLLM's `block_size`), `kv_cache_outliers`, `num_pages` (= `num_gpu_blocks_override`,
 per data-parallel replica), `compute_dtype`,
 `quantization_group_size`, `quantization_symmetric`, `keep_checkpoint_quantization`, `kernel_impl` (alias `attention_impl`),
 `check_kernels`, `xla_kernels`, `sequence_parallel_size`,
 `expert_parallel_size`, `sequence_parallel_attention`, `warmup`, `log_stats_interval`, `num_prefix_states`,
-`kv_offloading_dir`, `kv_offloading_disk_size`; vLLM's `runner` ("generate" | "pooling") and
+`kv_offloading_dir`, `kv_offloading_disk_size`, `kv_eviction` (with `kv_eviction_window`,
+`kv_eviction_sink_tokens`, `kv_eviction_heavy_tokens`: jaxinfer.ops.kv_eviction); vLLM's `runner` ("generate" | "pooling") and
 `pooler_config`; for images vLLM's `limit_mm_per_prompt`,
 `max_num_encoder_input_tokens`, `encoder_cache_size`, `allowed_media_domains`.
 """
@@ -31,19 +32,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import KVEviction, ModelConfig
 from jaxinfer.engine.memory import CPU_KV_CACHE_MEMORY_BYTES, GPU_MEMORY_UTILIZATION, pages_for_bytes
 from jaxinfer.engine.spec_decode import SpeculativeConfig
 from jaxinfer.kv_groups import kv_groups
 from jaxinfer.ops.batch import Buckets
 from jaxinfer.ops.kernels import KERNEL_IMPLS, OPERATIONS, Kernels, resolve_kernels
-from jaxinfer.ops.kv_cache import KVCache, is_quantized, page_factors
+from jaxinfer.ops.kv_cache import KVCache, check_outliers, is_quantized, page_factors
 from jaxinfer.ops.quantization import QUANTIZATION_GROUP_SIZES, QUANTIZATION_MODES, default_group_size
 from sharding.mesh import ParallelConfig, ShardingError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 KV_DTYPES = {**DTYPES, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "float8_e4m3fn": jnp.float8_e4m3fn}
 PREEMPTION_MODES = ("recompute", "swap")
+KV_EVICTION_METHODS = ("streaming", "h2o")
+# RoPE tables whose angle is the position times a fixed frequency: StreamingLLM's cache positions are then
+# a rotation of the query alone (jaxinfer.ops.kv_eviction); dynamic NTK and LongRoPE change with the length
+KV_EVICTION_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 RUNNERS = ("generate", "pooling")
 
 
@@ -71,6 +76,8 @@ class EngineConfig:
     dtype: Any = "auto"
     compute_dtype: Any = None  # default: float32 on the CPU, bfloat16 elsewhere
     kv_cache_dtype: Any = None  # default: compute_dtype
+    # int8 / fp8 KV: residual slots per page for its worst-quantized tokens, kept in bfloat16 (ops.kv_cache; 0: off)
+    kv_cache_outliers: int = 0
     quantization: str | None = None
     quantization_group_size: int | None = None  # default: int4 128, int8 one scale per output column
     quantization_symmetric: bool = True
@@ -123,6 +130,13 @@ class EngineConfig:
     # what the engine runs: "generate" (text) or "pooling" (embeddings and classifier scores, engine.pooling)
     runner: str = "generate"
     pooler_config: dict | None = None  # runner="pooling": {"pooling_type", "normalize"} over the model's own
+    # KV eviction for unbounded streams (jaxinfer.ops.kv_eviction): None (off), "streaming" (StreamingLLM: the first
+    # kv_eviction_sink_tokens tokens, default 4, and the last kv_eviction_window) or "h2o" (the
+    # kv_eviction_heavy_tokens, default the window, with the most accumulated attention, and the last kv_eviction_window)
+    kv_eviction: str | None = None
+    kv_eviction_window: int | None = None
+    kv_eviction_sink_tokens: int | None = None
+    kv_eviction_heavy_tokens: int | None = None
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
@@ -142,6 +156,15 @@ class EngineConfig:
         for field in ("dtype", "compute_dtype"):
             dtype_of(getattr(self, field), field)  # raises for an unknown name
         dtype_of(self.kv_cache_dtype, "kv_cache_dtype", KV_DTYPES)
+        if self.kv_cache_outliers:
+            # (the kernels and the model are checked in `resolved`: "auto" names need the backend)
+            named = self.kv_cache_dtype not in (None, "auto")
+            check_outliers(self.kv_cache_outliers, self.page_size, dtype_of(self.kv_cache_dtype, "kv_cache_dtype", KV_DTYPES)
+                           if named else jnp.float32)
+            if self.sequence_parallel_size > 1 and self.sequence_parallel_attention == "ring":
+                raise ValueError(f"kv_cache_outliers={self.kv_cache_outliers} with sequence_parallel_attention='ring': each "
+                                 f"device writes the ring's blocks in its own order, so pages' outlier slots would differ; "
+                                 f"use sequence_parallel_attention='allgather'")
         if self.keep_checkpoint_quantization and (self.quantization is not None or self.dtype != "auto"):
             raise ValueError("keep_checkpoint_quantization=True runs the checkpoint's own grid: it takes neither a "
                              f"quantization ({self.quantization!r}) nor a dtype ({self.dtype!r}) of its own")
@@ -183,6 +206,7 @@ class EngineConfig:
         set_("max_num_seqs", min(self.max_num_seqs, self.max_num_batched_tokens))  # a sequence needs a token
         self._check_kv_offloading()
         self._check_runner()
+        self._check_kv_eviction()
         if isinstance(self.speculative_config, dict) or self.speculative_config is None:
             set_("speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         if self.enable_lora:
@@ -205,6 +229,75 @@ class EngineConfig:
         for at_fault, setting in refused:
             if at_fault:
                 raise ValueError(f"runner='pooling' with {setting} is not supported")
+
+    def _check_kv_eviction(self) -> None:
+        """The KV eviction settings, alone and against the other settings (the model: `with_kv_eviction`)."""
+        method = self.kv_eviction
+        given = [name for name in ("kv_eviction_window", "kv_eviction_sink_tokens", "kv_eviction_heavy_tokens")
+                 if getattr(self, name) is not None]
+        if method is None:
+            if given:
+                raise ValueError(f"{given[0]}={getattr(self, given[0])!r} without kv_eviction: set kv_eviction="
+                                 f"'streaming' or 'h2o'")
+            return
+        if method not in KV_EVICTION_METHODS:
+            raise ValueError(f"kv_eviction={method!r}: expected None, 'streaming' (StreamingLLM's attention sinks) or 'h2o' "
+                             f"(heavy hitters)")
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
+        other = "kv_eviction_heavy_tokens" if method == "streaming" else "kv_eviction_sink_tokens"
+        if getattr(self, other) is not None:
+            raise ValueError(f"{other}={getattr(self, other)!r} does not apply to kv_eviction={method!r}")
+        if self.kv_eviction_window is None:
+            raise ValueError(f"kv_eviction={method!r} needs kv_eviction_window: the recent tokens every query sees (its own included)")
+        if method == "streaming" and self.kv_eviction_sink_tokens is None:
+            set_("kv_eviction_sink_tokens", 4)
+        if method == "h2o" and self.kv_eviction_heavy_tokens is None:
+            set_("kv_eviction_heavy_tokens", self.kv_eviction_window)
+        for name, least in (("kv_eviction_window", 1), ("kv_eviction_sink_tokens", 0), ("kv_eviction_heavy_tokens", 1)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ValueError(f"{name}={value!r}: expected an integer >= {least}")
+        named_kv = self.kv_cache_dtype not in (None, "auto")
+        refused = [(self.kernels.pallas, f"kernel_impl={self.kernel_impl!r} (the Pallas attention kernels have no KV eviction: "
+                                         f"its attention runs on the XLA path; use kernel_impl='reference')"),
+                   (named_kv and is_quantized(dtype_of(self.kv_cache_dtype, "kv_cache_dtype", KV_DTYPES)),
+                    f"kv_cache_dtype={self.kv_cache_dtype!r} (it reads float K and V pools)"),
+                   (self.kv_cache_outliers > 0, f"kv_cache_outliers={self.kv_cache_outliers}"),
+                   (self.enable_lora, "enable_lora"),
+                   (self.speculative_config is not None, "speculative_config (a draft's rollback and H2O's slots do not mix)"),
+                   (self.sequence_parallel_size > 1, "sequence_parallel_size > 1"),
+                   (self.preemption_mode == "swap", "preemption_mode='swap' (use 'recompute')"),
+                   (self.kv_offloading_size is not None, "kv_offloading_size (the KV tiers keep prefix-cache pages)"),
+                   (self.runner != "generate", f"runner={self.runner!r}")]
+        for at_fault, setting in refused:
+            if at_fault:
+                raise ValueError(f"kv_eviction={method!r} with {setting} is not supported")
+
+    def with_kv_eviction(self, model_config: ModelConfig) -> ModelConfig:
+        """The model's config with this engine's KV eviction (`ModelConfig.kv_eviction`), after
+        checking the model: full attention in every layer (no sliding, chunked, latent, linear or
+        KV-shared layers, no learned sinks) with a RoPE table linear in the position (or none)."""
+        if self.kv_eviction is None:
+            return model_config
+        c, what = model_config, f"kv_eviction={self.kv_eviction!r}"
+        kinds = c.layer_kinds()
+        refused = [(c.is_mla, "multi-head latent attention (MLA)"),
+                   (c.has_linear_layers, "Gated DeltaNet (linear attention) layers"),
+                   (any(k.window is not None or k.chunk is not None for k in kinds), "sliding-window or chunked layers"),
+                   (c.kv_shared_layers > 0, "KV-shared layers"),
+                   (c.attention_sinks, "learned attention sinks"),
+                   (len({(c.kind_head_dim(k), c.kind_kv_heads(k)) for k in kinds}) > 1, "layers of several K/V shapes"),
+                   (any(k.rope == "local" for k in kinds), "a second RoPE table"),
+                   (c.mrope_section is not None, "M-RoPE"),
+                   (c.rope_scaling.rope_type not in KV_EVICTION_ROPE_TYPES,
+                    f"rope_type {c.rope_scaling.rope_type!r} (its angles change with the sequence's length; supported: "
+                    f"{', '.join(KV_EVICTION_ROPE_TYPES)})")]
+        for at_fault, feature in refused:
+            if at_fault:
+                raise ValueError(f"{what}: {c.model_type}'s {feature} are not supported; it runs full-attention "
+                                 f"(Llama-family) models")
+        keep = self.kv_eviction_sink_tokens if self.kv_eviction == "streaming" else self.kv_eviction_heavy_tokens
+        return dataclasses.replace(c, kv_eviction=KVEviction(self.kv_eviction, keep, self.kv_eviction_window))
 
     def _check_kv_offloading(self) -> None:
         """The KV tiers' settings (engine/kv_tiers.py), alone and against the others."""
@@ -249,6 +342,15 @@ class EngineConfig:
         if self.keep_checkpoint_quantization is not None:
             return self.keep_checkpoint_quantization
         return self.dtype == "auto" and self.quantization is None and jax.default_backend() != "cpu"
+
+    @property
+    def keeps_w8a8_checkpoint(self) -> bool:
+        """Whether a W8A8 checkpoint's matrices (compressed-tensors int-quantized: int8 weights and
+        activations, SmoothQuant's) run as stored even where other grids are dequantized: on every
+        backend by default (no float copy is made for its int8 x int8 dot; on the CPU it is the
+        fastest matmul, as the w8a8 mode is), unless keep_checkpoint_quantization=False, a dtype or
+        a quantization of our own is given."""
+        return self.keep_checkpoint_quantization is not False and self.dtype == "auto" and self.quantization is None
 
     @property
     def activation_dtype(self):
@@ -298,14 +400,18 @@ class EngineConfig:
         CPU_KV_CACHE_MEMORY_BYTES), at most every sequence at max_model_len). On a TPU or GPU
         with neither given num_pages stays None: build_engine sizes the pool from the devices'
         memory once the weights are placed (gpu_memory_utilization)."""
+        model_config = self.with_kv_eviction(model_config)  # (checks the model; build_engine runs the model with it)
         max_model_len = self.max_model_len if self.max_model_len is not None else model_config.max_position_embeddings
         if not 0 < max_model_len <= model_config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} must be in [1, {model_config.max_position_embeddings}] "
                              f"(the model's max_position_embeddings)")
+        if self.kv_cache_outliers:
+            check_outliers(self.kv_cache_outliers, self.page_size, self.kv_dtype, kernels=self.kernels, config=model_config)
         if model_config.index_topk and is_quantized(self.kv_dtype):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} with {model_config.model_type}'s sparse attention, which "
                              "reads a float latent pool; leave kv_cache_dtype at 'auto'")
-        enable_prefix_caching, num_prefix_states = self.enable_prefix_caching, 0
+        # KV eviction: no prefix caching (H2O rewrites its kept pages; block_manager)
+        enable_prefix_caching, num_prefix_states = self.enable_prefix_caching and self.kv_eviction is None, 0
         if model_config.has_linear_layers:  # its prefix hits resume saved recurrent states (engine.block_manager)
             self._check_linear_attention(model_config)
             num_prefix_states = self.max_num_seqs if self.num_prefix_states is None else self.num_prefix_states
@@ -329,7 +435,7 @@ class EngineConfig:
             kv_bytes = CPU_KV_CACHE_MEMORY_BYTES
         if num_pages is None and kv_bytes is not None:
             page_bytes = KVCache.page_bytes(model_config, self.page_size, self.kv_dtype, tp=self.tensor_parallel_size,
-                                            kernels=self.kernels)
+                                            kernels=self.kernels, outliers=self.kv_cache_outliers)
             num_pages = pages_for_bytes(kv_bytes, page_bytes, self.max_num_seqs * pages_per_seq + 1)
         return dataclasses.replace(self, max_model_len=max_model_len, num_pages=num_pages,
                                    enable_prefix_caching=enable_prefix_caching, num_prefix_states=num_prefix_states)

@@ -222,6 +222,9 @@ class InputProcessor:
                 self.lora.check(lora_request)
             except ValueError as e:
                 raise ValueError(f"{label}: {e}") from None
+        if p.n > 1 and any(getattr(w, "method", None) == "h2o" for w in self.kv_windows):
+            raise ValueError(f"{label}: n={p.n} with kv_eviction='h2o': completions would share the prompt's heavy-hitter "
+                             f"pages, which each rewrites; ask for one completion per request")
         total = min(c.max_model_len, len(ids) + (p.max_tokens or c.max_model_len))
         # its pages in every layer group (a sliding group's: its window and a chunk), and a partial
         # page per group for each extra completion

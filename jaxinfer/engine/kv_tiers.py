@@ -83,7 +83,8 @@ MAGIC = b"JXKVPAGE"
 VERSION = 1
 _FIXED = struct.Struct("<8sII")  # magic, version, header length
 _DIGEST = 32  # sha256
-PAGE_FIELDS = ("k", "v", "k_scale", "v_scale", "kv", "kv_scale")  # KVCache's page arrays, in this order
+PAGE_FIELDS = ("k", "v", "k_scale", "v_scale", "kv", "kv_scale",  # KVCache's page arrays, in this order
+               "k_outlier", "v_outlier", "outlier_token", "outlier_error")
 GiB = 2**30
 
 PageContent = dict  # array name -> [slots, page_size, ...] (jax array in host memory, or numpy)

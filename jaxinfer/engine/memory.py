@@ -40,7 +40,7 @@ from jaxinfer.kv_groups import describe, window_pages
 from jaxinfer.engine.model_runner import empty_inputs, every_processor_sampling
 from jaxinfer.ops.batch import BucketKey, Buckets
 from jaxinfer.ops.kernels import Kernels
-from jaxinfer.ops.kv_cache import KVCache, combined_pool, is_quantized
+from jaxinfer.ops.kv_cache import OUTLIER_DTYPE, KVCache, combined_pool, is_quantized
 from jaxinfer.ops.linear_state import DraftInputs, LinearState
 from jaxinfer.runtime.placement import kv_partition_spec, linear_state_spec
 from jaxinfer.runtime.step import StepFunction
@@ -101,11 +101,25 @@ def bytes_per_device(tree) -> int:
 
 
 def abstract_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, *, tp: int, kernels: Kernels,
-                  mesh, state_slots: int = 0, state_dtype=None, spec_block: int = 0) -> KVCache:
+                  mesh, state_slots: int = 0, state_dtype=None, spec_block: int = 0, outliers: int = 0) -> KVCache:
     """The KV pool `KVCache.create` would place (`num_pages` over every replica; a hybrid model's
     `state_slots` recurrent states too, and with `spec_block` > 0 its verification chunks'
-    inputs), as ShapeDtypeStructs with their shardings on `mesh`: nothing allocated."""
+    inputs; `outliers` residual slots per page), as ShapeDtypeStructs with their shardings on `mesh`:
+    nothing allocated."""
     pool = _abstract_pages(config, num_pages, page_size, dtype, tp=tp, kernels=kernels, mesh=mesh)
+    if outliers:
+        specs = kv_partition_spec(True, outliers=True)
+        residual, token, error = KVCache.outlier_shapes(config, num_pages, page_size, outliers, tp=tp)
+        at = lambda shape, dt, spec: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))  # noqa: E731
+        pool = dataclasses.replace(pool, k_outlier=at(residual, OUTLIER_DTYPE, specs.k_outlier),
+                                   v_outlier=at(residual, OUTLIER_DTYPE, specs.v_outlier),
+                                   outlier_token=at(token, jnp.int32, specs.outlier_token),
+                                   outlier_error=at(error, jnp.float32, specs.outlier_error))
+    if config.kv_eviction is not None and config.kv_eviction.method == "h2o":  # its scores beside the pages
+        spec = kv_partition_spec(eviction=True).evict_score
+        shape = KVCache.eviction_shape(config, num_pages, page_size, tp=tp)
+        pool = dataclasses.replace(pool, evict_score=jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec)),
+                                   evict_pos=jax.ShapeDtypeStruct(shape, jnp.int32, sharding=NamedSharding(mesh, spec)))
     if not config.has_linear_layers:
         return pool
     conv, recurrent = LinearState.shapes(config, state_slots)

@@ -436,7 +436,7 @@ class ModelRunner:
     def _page_ops(self) -> "PageOps":
         state = self.kv.state
         return page_ops(self.step_fn.mesh, self.kv.quantized, self.kv.combined, state is not None,
-                        state is not None and state.drafts is not None)
+                        state is not None and state.drafts is not None, self.kv.outliers > 0, self.kv.evict_score is not None)
 
     def read_pages(self, replica: int, pages: Sequence[int]) -> KVCache:
         """A replica's pages, all layers, on the host: a KVCache of numpy arrays, k and v
@@ -495,7 +495,7 @@ class ModelRunner:
                 continue
             padded = np.zeros(_power_of_two(len(chunk)), np.int32)
             padded[: len(chunk)] = chunk
-            read = _reader_to_host(self.step_fn.mesh, self.kv.quantized, self.kv.combined, len(padded))
+            read = _reader_to_host(self.step_fn.mesh, self.kv.quantized, self.kv.combined, len(padded), self.kv.outliers > 0)
             out += read(self.kv.page_arrays(), self._global_pages(replica, padded))[: len(chunk)]
         return out
 
@@ -720,10 +720,10 @@ def _write_state(kv: KVCache, slot, saved) -> KVCache:
 
 
 @functools.cache
-def _reader_to_host(mesh, quantized: bool, combined: bool, n: int) -> Callable:
+def _reader_to_host(mesh, quantized: bool, combined: bool, n: int, outliers: bool = False) -> Callable:
     """Jitted (page arrays, pages [n]) -> n dicts, array name -> that page's [slots, page_size, ...]
     in pinned host memory, each its own buffer, split over the tensor axis as the pool is."""
-    specs = kv_partition_spec(quantized, combined)
+    specs = kv_partition_spec(quantized, combined, outliers=outliers)
     fields = [(f.name, getattr(specs, f.name)) for f in dataclasses.fields(specs) if f.name != "state"]
     fields = [(name, tuple(spec)) for name, spec in fields if spec is not None]
     per_page = {name: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec[:1], *spec[2:]),
@@ -736,11 +736,12 @@ def _reader_to_host(mesh, quantized: bool, combined: bool, n: int) -> Callable:
 
 
 @functools.cache
-def page_ops(mesh, quantized: bool, combined: bool = False, linear: bool = False, drafts: bool = False) -> PageOps:
+def page_ops(mesh, quantized: bool, combined: bool = False, linear: bool = False, drafts: bool = False,
+             outliers: bool = False, eviction: bool = False) -> PageOps:
     """Every page array of the cache (K, V and a quantized pool's scales) shares the [L, P] leading
     axes, so each operation is the same on all of them; a hybrid model's recurrent states
     (`linear`) stay as they are."""
-    kv_sharding = kv_shardings(mesh, quantized, combined, linear, drafts)
+    kv_sharding = kv_shardings(mesh, quantized, combined, linear, drafts, outliers, eviction)
     everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def copy(kv: KVCache, src, dst) -> KVCache:

@@ -18,7 +18,8 @@ one decoder layer, reading top to bottom like the architecture. Everything else 
   it reads another layer's K/V, beside its attention kind;
 - `attention(...)`: QKV projection, q/k(/v) norms, RoPE, the paged KV write, attention and o_proj,
   at the layer kind's head dim and KV heads, through its group's view of the pool (pages of
-  page_size * f tokens, or a TPU pool's lane blocks: `jaxinfer.ops.kv_cache.page_factors`);
+  page_size * f tokens, or a TPU pool's lane blocks: `jaxinfer.ops.kv_cache.page_factors`) (with
+  `ModelConfig.kv_eviction`: over the kept tokens only, `jaxinfer.ops.kv_eviction`);
 - `mlp(...)`: a gated MLP (SwiGLU or GeGLU) or a mixture of experts (`jaxinfer.models.moe`).
 
 The residual stream travels as (hidden, residual), stream = hidden + residual: each norm takes
@@ -54,6 +55,7 @@ from jaxinfer.models.layers import (add_rms_norm, embed_lookup, gate_up_swiglu, 
 from jaxinfer.models.lora import LoraSlots, LoraTable, lora_shapes
 from jaxinfer.models.param_layout import base_name, param_shapes, stack_of, stack_slots
 from jaxinfer.models.rope import rope_tables
+from jaxinfer.ops import kv_eviction
 from jaxinfer.ops.attention import attend_written_kv, kv_write_locations, write_kv_and_attend
 from jaxinfer.ops.batch import SCRATCH_PAGE, RaggedBatch
 from jaxinfer.ops.kernels import Kernels
@@ -118,6 +120,9 @@ class StepInputs:
     num_pages: int  # pages per slot: slot s's pages start at s * num_pages in the folded pool
     nope_query_scale: jax.Array | None = None  # [Tl]: NoPE layers' query scale per token (Llama 4), else None
     per_layer_inputs: jax.Array | None = None  # [Tl, L, P]: each layer's extra input per token (Gemma 4's PLE), else None
+    # KV eviction "streaming": LayerKind.rope -> (cos, sin) at each token's position inside its cache
+    # (ops.kv_eviction.cache_positions), what its sinks are scored with; else None
+    cache_rope: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +170,9 @@ class Decoder(nnx.Module):
         if max(self.lane_blocks) > 1 and parallel.sp > 1:
             raise ConfigError(f"{config.model_type}: KV layer groups of several row widths on TPU pools with sequence "
                               "parallelism are not supported")
+        if config.kv_eviction is not None and (kernels.combines_kv or parallel.sp > 1):
+            raise ConfigError(f"kv_eviction={config.kv_eviction.method!r} runs the XLA attention over separate K and V pools, "
+                              "without sequence parallelism (jaxinfer.ops.kv_eviction)")
         if config.kv_shared_layers and parallel.sp > 1:
             raise ConfigError(f"{config.model_type}: layers sharing K/V (num_kv_shared_layers={config.kv_shared_layers}) "
                               "with sequence parallelism are not supported")
@@ -230,7 +238,12 @@ class Decoder(nnx.Module):
             positions = jax.lax.dynamic_slice_in_dim(batch.positions, first_row, Tl).astype(jnp.float32)
             query_scale = jnp.log1p(jnp.floor((positions + 1.0) / c.attn_temperature_floor)) * c.attn_temperature_scale + 1.0
         ple = self._per_layer_inputs(token_ids, x) if c.per_layer_input_size else None
-        step = StepInputs(batch, write_page, write_offset, rope, slot, query_block, spec_block, kv.num_pages, query_scale, ple)
+        cache_rope = None
+        if c.kv_eviction is not None and c.kv_eviction.method == "streaming":  # the sinks' query rotation
+            cache_rope = rope_tables(c, kv_eviction.cache_positions(batch.positions, c.kv_eviction),
+                                     batch.kv_lens[seq_of_token])
+        step = StepInputs(batch, write_page, write_offset, rope, slot, query_block, spec_block, kv.num_pages, query_scale, ple,
+                          cache_rope)
 
         num_slots = kv.num_slots
         # Fold the slot axis into the page axis: slot s's page p is page s * P + p of one pool.
@@ -353,7 +366,14 @@ class Decoder(nnx.Module):
                        sinks=w.get("sinks"), query_block=step.query_block, spec_block=step.spec_block, kernels=kernels,
                        lane_blocks=lanes)
         first_page = layer.slot * step.num_pages * lanes  # where the layer's (lane-block) pages start
-        if layer.kv_shared:  # Gemma 4: another layer's K/V, already in the pages
+        if c.kv_eviction is not None:  # StreamingLLM / H2O (ops.kv_eviction): the kept tokens only
+            attn, view = kv_eviction.write_kv_and_attend(
+                q, k, v, cos, sin, step.cache_rope[kind.rope] if step.cache_rope is not None else None, view, first_page,
+                step.write_page[layer.group], step.write_offset[layer.group], layer.batch_view(step.batch),
+                eviction=c.kv_eviction, sm_scale=c.sm_scale, query_block=step.query_block, soft_cap=c.attn_logit_softcap,
+                kernels=kernels)
+            pool = view.like(pool)
+        elif layer.kv_shared:  # Gemma 4: another layer's K/V, already in the pages
             attn = attend_written_kv(q, cos, sin, view, first_page, layer.batch_view(step.batch),
                                      num_kv_heads=num_kv_heads, **options)
         else:

@@ -12,16 +12,23 @@ import jax.numpy as jnp
 
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.quantization import QuantizedWeight, int8_activation_matmul, rotate_rows
+from jaxinfer.ops.sparsity import Sparse24Weight
 
 
-def matmul(x: jax.Array, w: jax.Array | QuantizedWeight, kernels: Kernels = Kernels()) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array | QuantizedWeight | Sparse24Weight, kernels: Kernels = Kernels()) -> jax.Array:
     """x [..., in] @ w [in, out] -> float32 [..., out].
 
     A plain weight takes x cast to its dtype with f32 accumulation. A QuantizedWeight (int8 /
     int4 / fp8, per column or group, maybe with offsets: jaxinfer.ops.quantization) goes through
     the kernel table's quantized matmul,
     which dequantizes inside the call; one with int8 activations (w8a8) multiplies integers.
+    A Sparse24Weight (2:4 sparse, kept compressed: jaxinfer.ops.sparsity) goes through the
+    table's 2:4 matmul, x cast to the values' dtype as for a plain weight.
     """
+    if isinstance(w, Sparse24Weight):
+        x2 = x.reshape(-1, x.shape[-1]).astype(w.dtype)
+        y = kernels.sparse24_matmul(x2, w.values, w.mask)
+        return y.astype(jnp.float32).reshape(*x.shape[:-1], y.shape[-1])
     if not isinstance(w, QuantizedWeight):
         return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
     x2 = x.reshape(-1, x.shape[-1])  # [M, in]
@@ -39,7 +46,7 @@ def embed_lookup(table: jax.Array | QuantizedWeight, token_ids: jax.Array) -> ja
     if isinstance(table, QuantizedWeight):
         columns = jax.tree.map(lambda a: a[..., token_ids], table)  # qweight [H (/2), T], scales [G, T]
         w = columns.dequantize()  # [H, T]
-        if table.activations == "int8":  # w8a8 stores R^T w: turn it back
+        if table.rotated:  # w8a8 stores R^T w: turn it back
             w = rotate_rows(w, axis=0, inverse=True)
         return w.T
     return table[token_ids]
@@ -95,7 +102,7 @@ def gate_up_swiglu(x, w_gate_up, b_gate_up=None, kernels: Kernels = Kernels()):
     [T, 2I] projection never reaches memory); a quantized or biased one through `linear`, then
     `swiglu`.
     """
-    if b_gate_up is None and not isinstance(w_gate_up, QuantizedWeight):
+    if b_gate_up is None and not isinstance(w_gate_up, (QuantizedWeight, Sparse24Weight)):
         return kernels.swiglu_matmul(x, w_gate_up)
     return swiglu(linear(x, w_gate_up, b_gate_up, kernels))
 

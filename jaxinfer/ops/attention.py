@@ -28,7 +28,7 @@ from jaxinfer.ops.kernels import PREFILL_KV_TOKENS_PER_ITEM, Kernels
 from jaxinfer.ops.kv_cache import KVCache
 from jaxinfer.ops.quantization import hadamard, random_orthogonal
 from pallas_kernels.ragged_paged_attention import split_kv
-from pallas_kernels.ragged_paged_attention.reference import quantize_kv
+from pallas_kernels.ragged_paged_attention.reference import dequantize_kv, quantize_kv
 from pallas_kernels.ragged_paged_attention.combined import combine_kv
 from pallas_kernels.rope_kv_write import apply_rope
 from sharding.mesh import ParallelConfig
@@ -54,7 +54,7 @@ def kv_write_locations(batch: RaggedBatch, page_size: int, scratch_page: int) ->
 
 
 def rope_and_write_kv(q, k, v, cos, sin, pool: KVCache, write_page, write_offset, kernels: Kernels = Kernels(),
-                      lane_blocks: int = 1):
+                      lane_blocks: int = 1, *, first=None, prev_pages=None, tensor_axis: str | None = None):
     """RoPE on q and k, then the rotated keys and the values into their page slots.
 
     q [T, Hq, D], k / v [T, Hkv, D], cos / sin [T, D], `pool` the folded page pools (kv_cache),
@@ -62,20 +62,29 @@ def rope_and_write_kv(q, k, v, cos, sin, pool: KVCache, write_page, write_offset
     Separate float pools: the kernel table's `rope_kv_write` (one kernel on a GPU that writes each
     token's rows into its page in place). A combined pool (TPU: a token's row cannot be DMA'd
     alone, pallas_kernels.rope_kv_write) or a quantized one: RoPE in XLA, then `write_rows`, which
-    writes each token's row in place (and quantizes it for a quantized pool).
+    writes each token's row in place (and quantizes it for a quantized pool; `first`,
+    `prev_pages` and `tensor_axis` as write_rows takes them, for its outlier tokens).
     """
     if pool.combined or pool.quantized or cos.shape[-1] != q.shape[-1]:  # (partial RoPE: the XLA path too)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return q, k, write_rows(pool, write_page, write_offset, k, v, lane_blocks)
+        return q, k, write_rows(pool, write_page, write_offset, k, v, lane_blocks, first=first, prev_pages=prev_pages,
+                                tensor_axis=tensor_axis)
     q, k, k_pages, v_pages = kernels.rope_kv_write(q, k, v, cos, sin, pool.k, pool.v, write_page, write_offset)
     return q, k, dataclasses.replace(pool, k=k_pages, v=v_pages)
 
 
-def write_rows(pool: KVCache, pages, offsets, k, v, lane_blocks: int = 1) -> KVCache:
+def write_rows(pool: KVCache, pages, offsets, k, v, lane_blocks: int = 1, *, first=None, prev_pages=None,
+               tensor_axis: str | None = None) -> KVCache:
     """Rows k, v [n, Hkv, D] (after RoPE) into slots (pages [n], offsets [n]) of the pool: one
     combined row per token, or K and V in separate pools. A quantized pool's rows are turned by
     `kv_rotation` and stored as entries and a scale per head (kv_cache). lane_blocks f > 1 (a
-    combined pool of a narrower KV layer group): page v is lane block v % f of pool page v // f."""
+    combined pool of a narrower KV layer group): page v is lane block v % f of pool page v // f.
+
+    A pool with outlier slots (kv_cache) also keeps the residuals of the tokens whose rows quantize
+    worst (`write_outliers`): `first` [n] bool marks the tokens that always get a slot (a
+    sequence's position 0), `prev_pages` [n] each token's sequence's page before its own (-1:
+    none; `outlier_history`), and `tensor_axis` names the mesh axis the KV heads are split over
+    (None: all here), so every shard picks the same tokens."""
     if not pool.quantized:
         if pool.combined:
             rows = combine_kv(k, v).astype(pool.kv.dtype)
@@ -89,6 +98,8 @@ def write_rows(pool: KVCache, pages, offsets, k, v, lane_blocks: int = 1) -> KVC
     rotation = kv_rotation(k.shape[-1])
     k, v = k.astype(jnp.float32) @ rotation, v.astype(jnp.float32) @ rotation
     dtype = pool.pages.dtype
+    if pool.outliers:
+        pool = write_outliers(pool, pages, offsets, k, v, first, prev_pages, tensor_axis)
     (k, k_scale), (v, v_scale) = quantize_kv(k, dtype), quantize_kv(v, dtype)  # entries [n, Hkv, D], scales [n, Hkv]
     if not pool.combined:
         return dataclasses.replace(pool, k=pool.k.at[pages, offsets].set(k), v=pool.v.at[pages, offsets].set(v),
@@ -101,6 +112,109 @@ def write_rows(pool: KVCache, pages, offsets, k, v, lane_blocks: int = 1) -> KVC
     scales = jnp.stack([k_scale, v_scale], axis=-1).reshape(n, 2 * Hkv)  # (head, K|V) order
     return dataclasses.replace(pool, kv=write_page_rows(pool.kv, pages, offsets, combine_kv(k, v)),
                                kv_scale=pool.kv_scale.at[pages[:, None], slot].set(scales))
+
+
+def outlier_history(pool: KVCache, batch: RaggedBatch, layer_page_offset, sliding_window, attention_chunk) -> dict:
+    """What a write of the step's rows needs for a pool's outlier slots (`select_outliers`): `first`
+    [T] (position 0 of a sequence) and `prev_pages` [T] (the pool page holding the page_size
+    positions before the row's page, -1 for none: a sequence's first page, padding, and a layer
+    with a window or chunks, which may have given that page back). {} for a pool without them."""
+    if not pool.outliers:
+        return {}
+    T, S = batch.token_ids.shape[0], batch.kv_lens.shape[0]
+    t = jnp.arange(T)
+    seq = jnp.minimum(jnp.searchsorted(batch.cu_q_lens[1:], t, side="right"), S - 1)
+    block = batch.positions // pool.pages.shape[1]
+    prev = batch.page_table[seq, jnp.maximum(block - 1, 0)] + layer_page_offset
+    has_prev = (block > 0) & (t < batch.cu_q_lens[batch.num_seqs[0]])
+    if sliding_window is not None or attention_chunk is not None:
+        has_prev = jnp.zeros_like(has_prev)
+    return dict(first=batch.positions == 0, prev_pages=jnp.where(has_prev, prev, -1))
+
+
+def outlier_errors(k, k_back, v, v_back, tensor_axis: str | None = None) -> jax.Array:
+    """Each token's quantization error, what its outlier slot is chosen by: the squared error of
+    its K and V rows summed over its heads, ||k - k_back||^2 + ||v - v_back||^2 (the scores' error
+    grows with the first, the output's with the second). k, v [n, Hkv, D] turned rows, k_back,
+    v_back their dequantized entries; `tensor_axis`: the heads are split over that mesh axis (the
+    sum spans its shards). [n] float32. (On SmolLM2's held-out text, 4 slots per page given to each
+    page's largest errors, KL of the next-token distribution from the float pool's: 0.97e-4 nats
+    for int8, 1.92e-3 for fp8; by K's error alone 1.03e-4 / 1.87e-3, V's alone 0.95e-4 / 1.86e-3,
+    the error relative to each row's norm 1.10e-4 / 1.99e-3, the key's norm 1.07e-4 / 2.01e-3, at
+    random 1.08e-4 / 2.19e-3; plain int8 1.62e-4, fp8 3.02e-3: the measure matters little.)"""
+    error = jnp.sum(jnp.sum(jnp.square(k - k_back), axis=-1) + jnp.sum(jnp.square(v - v_back), axis=-1), axis=-1)
+    return jax.lax.psum(error, tensor_axis) if tensor_axis else error
+
+
+def select_outliers(token, error, pages, offsets, errors, first, prev_pages):
+    """Which of the written tokens take an outlier slot of their page (kv_cache). In offset order,
+    a token takes the page's next free slot when it is the first token of a sequence (`first`), or
+    its error is among the R largest of the page_size tokens of its sequence ending at it (itself
+    and the page_size - 1 before it: its page's earlier tokens, and the later ones of the page before
+    (`prev_pages`); a token without page_size - 1 before it, R of them), or the page's slots left are
+    as many as its tokens left (a page's R slots are always used). Slots stay with their tokens
+    (never given to a later one) until a write at offset o drops those at o and past (a page handed
+    to a new sequence, a rollback): a token's slot depends only on the tokens before it, so however
+    the writes were cut the same tokens hold slots.
+
+    token [N, R] (page offsets, -1 empty) and error [N, page_size]: every page's slots and tokens'
+    errors; pages, offsets, errors, first, prev_pages [n]: this write's tokens. The tokens of one
+    page in one write are consecutive rows, at most page_size of them (a sequence's rows run in
+    position order), so each token is compared with the page_size - 1 rows either side, never all
+    n. Returns (token, error) updated and (dest [n], slot [n]): where each token's residual goes
+    (dest N: nowhere)."""
+    N, R = token.shape
+    n, page_size = pages.shape[0], error.shape[1]
+    error = error.at[pages, offsets].set(errors)  # this write's tokens join their pages' history
+    lane = jnp.arange(page_size)[None, :]
+    earlier = jnp.where(lane < offsets[:, None], error[pages], -jnp.inf)  # [n, page_size]: the page's tokens before
+    has_prev = prev_pages >= 0
+    tail = jnp.where((lane > offsets[:, None]) & has_prev[:, None], error[jnp.maximum(prev_pages, 0)], -jnp.inf)
+    worse = jnp.sum(earlier > errors[:, None], axis=1) + jnp.sum(tail > errors[:, None], axis=1)
+    chosen = first | ((worse < R) & (has_prev | (offsets >= R)))  # by their errors; the rest go to a page's last tokens
+    reach = min(page_size, n) - 1  # rows either side that may share a token's page
+    near = jnp.arange(n)[:, None] + jnp.arange(2 * reach + 1)[None, :] - reach  # [n, w]
+    inside = (near >= 0) & (near < n)
+    near = jnp.clip(near, 0, n - 1)
+    mate = inside & (pages[near] == pages[:, None])  # [n, w]: this write's tokens in the same page, itself too
+    lowest = jnp.min(jnp.where(mate, offsets[near], page_size), axis=1)  # the lowest offset this write gives the page
+    slot_token = token[pages]  # [n, R]
+    stays = (slot_token >= 0) & (slot_token < lowest[:, None])  # slots of earlier writes' tokens, kept
+    # slots taken before each offset o of the page, were only the chosen to take them: then from the
+    # first offset written now where the slots left reach the tokens left, every token takes one
+    at = mate[:, :, None] & (offsets[near][:, :, None] == lane[None])  # [n, w, page_size]
+    written = jnp.any(at, axis=1)  # [n, page_size]: offsets of the page this write gives
+    chosen_at = jnp.any(at & chosen[near][:, :, None], axis=1)
+    taken = jnp.sum(stays, axis=1)[:, None] + jnp.cumsum(chosen_at, axis=1) - chosen_at  # [n, page_size]
+    fills = written & (taken <= R - page_size + lane)
+    takes = chosen | jnp.any(fills & (lane <= offsets[:, None]), axis=1)
+    ordinal = jnp.sum(mate & takes[near] & (offsets[near] < offsets[:, None]), axis=1)  # this write's earlier takers
+    free = ~stays
+    target = free & (jnp.cumsum(free, axis=1) - 1 == ordinal[:, None])  # [n, R]: the ordinal-th free slot
+    slot = jnp.argmax(target, axis=1)
+    dest = jnp.where(takes & jnp.any(target, axis=1), pages, N)
+    token = token.at[pages].set(jnp.where(stays, slot_token, -1))  # (every token of a page writes the same row)
+    return token.at[dest, slot].set(offsets, mode="drop"), error, dest, slot
+
+
+def write_outliers(pool: KVCache, pages, offsets, k, v, first=None, prev_pages=None, tensor_axis: str | None = None) -> KVCache:
+    """The outlier slots of a quantized pool (kv_cache) after writing turned rows k, v [n, Hkv, D]
+    at (pages, offsets): each token's error (`outlier_errors`), the slots taken (`select_outliers`;
+    `first` [n]: tokens that always take one), the takers' residuals (row - dequantized entries)
+    stored in bfloat16 (as its bytes)."""
+    dtype = pool.pages.dtype
+    (kq, ks), (vq, vs) = quantize_kv(k, dtype), quantize_kv(v, dtype)
+    k_res, v_res = k - dequantize_kv(kq, ks), v - dequantize_kv(vq, vs)
+    errors = outlier_errors(k, k - k_res, v, v - v_res, tensor_axis)
+    first = jnp.zeros(errors.shape, bool) if first is None else first
+    prev_pages = jnp.full(errors.shape, -1, jnp.int32) if prev_pages is None else prev_pages
+    token, error, dest, slot = select_outliers(pool.outlier_token, pool.outlier_error, pages, offsets, errors, first,
+                                               prev_pages)
+    as_bytes = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), pool.k_outlier.dtype)  # noqa: E731  (kv_cache.OUTLIER_DTYPE)
+    return dataclasses.replace(
+        pool, outlier_token=token, outlier_error=error,
+        k_outlier=pool.k_outlier.at[dest, slot].set(as_bytes(k_res), mode="drop"),
+        v_outlier=pool.v_outlier.at[dest, slot].set(as_bytes(v_res), mode="drop"))
 
 
 def write_page_rows(pages_array: jax.Array, pages, offsets, rows) -> jax.Array:
@@ -182,8 +296,11 @@ def write_kv_and_attend(
         if lane_blocks > 1:
             raise ValueError("sequence parallelism over pages held as lane blocks is not supported")
         return attend_sequence_parallel(q, k, v, cos, sin, pool, layer_page_offset, write_page, write_offset,
-                                        batch, mode=parallel.sp_attention, **options)
-    q, k, pool = rope_and_write_kv(q, k, v, cos, sin, pool, layer_page_offset + write_page, write_offset, kernels, lane_blocks)
+                                        batch, mode=parallel.sp_attention, tensor_axis="tensor" if parallel.tp > 1 else None,
+                                        **options)
+    q, k, pool = rope_and_write_kv(q, k, v, cos, sin, pool, layer_page_offset + write_page, write_offset, kernels, lane_blocks,
+                                   **outlier_history(pool, batch, layer_page_offset, sliding_window, attention_chunk),
+                                   tensor_axis="tensor" if parallel.tp > 1 else None)
     return paged_attention(q, k, v, pool, layer_page_offset, batch, lane_blocks=lane_blocks, **options), pool
 
 
@@ -325,6 +442,8 @@ def paged_attention(q, k, v, pool: KVCache, layer_page_offset, batch: RaggedBatc
         if not pool.quantized:
             return attend(q, pool.pages, pool.v, page_table, batch, **options)
         rotation = kv_rotation(q.shape[-1])  # the pool holds K and V turned: turn q, and the output back
+        if pool.outliers:  # (given only then: attention implementations without the option take none)
+            options["outliers"] = outlier_slots(pool)
         out = attend((q.astype(jnp.float32) @ rotation).astype(q.dtype), pool.pages, pool.v, page_table, batch,
                      k_scale=pool.scales, v_scale=pool.v_scale, **options)
         return (out.astype(jnp.float32) @ rotation.T).astype(q.dtype)
@@ -363,8 +482,15 @@ def attend_images_both_ways(out: jax.Array, q: jax.Array, batch: RaggedBatch, at
     return jnp.where(sees_ahead[:, None, None], both_ways, out)
 
 
+def outlier_slots(pool: KVCache) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+    """A folded pool's outlier slots as the XLA attention reads them: (token [N, R], k_res, v_res
+    [N, R, Hkv, D]), or None without them (split_kv)."""
+    return (pool.outlier_token, pool.k_outlier, pool.v_outlier) if pool.outliers else None
+
+
 def _xla_span_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale, sliding_window,
-                        attention_chunk, soft_cap, sinks, query_block: int, seq_mask, k_scale=None, v_scale=None) -> jax.Array:
+                        attention_chunk, soft_cap, sinks, query_block: int, seq_mask, k_scale=None, v_scale=None,
+                        outliers=None) -> jax.Array:
     """The split-KV attention of the sequences in seq_mask [S], each query seeing keys up to its span_end."""
     del num_kv_heads
     page_size = k_pages.shape[1]
@@ -373,7 +499,7 @@ def _xla_span_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, 
     return split_kv.ragged_paged_attention(
         q, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, sm_scale=sm_scale,
         sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale,
-        v_scale=v_scale, num_queries_per_block=query_block, num_kv_pages_per_block=max(1, PREFILL_KV_TOKENS_PER_ITEM // page_size), items_per_step=8,
+        v_scale=v_scale, outliers=outliers, num_queries_per_block=query_block, num_kv_pages_per_block=max(1, PREFILL_KV_TOKENS_PER_ITEM // page_size), items_per_step=8,
         seq_mask=seq_mask & (q_lens > 1), max_query_blocks=min(T, -(-T // query_block) + min(S, MAX_PREFILL_CHUNKS)),
         q_span_end=batch.span_end)
 
@@ -403,7 +529,8 @@ def local_view(batch: RaggedBatch, first_row, num_rows: int) -> RaggedBatch:
 def attend_sequence_parallel(q, k, v, cos, sin, pool: KVCache, layer_page_offset, write_page, write_offset,
                              batch: RaggedBatch, *, mode: str, sm_scale, sliding_window, query_block: int,
                              attention_chunk: int | None = None,
-                             spec_block: int = 0, soft_cap: float | None = None, sinks=None, kernels: Kernels = Kernels()):
+                             spec_block: int = 0, soft_cap: float | None = None, sinks=None, kernels: Kernels = Kernels(),
+                             tensor_axis: str | None = None):
     """Attention with the step's rows split over the mesh axis "sequence" (sp devices).
 
     q [Tl, Hq, D], k / v [Tl, Hkv, D]: this device's block of rows (before RoPE); cos / sin /
@@ -433,13 +560,16 @@ def attend_sequence_parallel(q, k, v, cos, sin, pool: KVCache, layer_page_offset
         options["sinks"] = sinks
         k_all = jax.lax.all_gather(k, "sequence", axis=0, tiled=True)  # [T, Hkv, D]
         v_all = jax.lax.all_gather(v, "sequence", axis=0, tiled=True)
-        pool = write_rows(pool, pages, write_offset, k_all, v_all)
+        pool = write_rows(pool, pages, write_offset, k_all, v_all, tensor_axis=tensor_axis,
+                          **outlier_history(pool, batch, layer_page_offset, sliding_window, attention_chunk))
         out = paged_attention(q, k, v, pool, layer_page_offset, view, query_block=query_block,
                               spec_block=spec_block, kernels=kernels, **options)
         return out, pool
 
     if sinks is not None:
         raise NotImplementedError("attention sinks with ring attention (sequence parallelism): use sp_attention='allgather'")
+    if pool.outliers:  # each device writes the blocks in its own ring order: a page's slots would differ between them
+        raise NotImplementedError("KV outlier slots with ring attention (sequence parallelism): use sp_attention='allgather'")
     T = Tl * sp
     S = batch.kv_lens.shape[0]
     q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]

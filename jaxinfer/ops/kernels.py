@@ -73,12 +73,15 @@ from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
 from pallas_kernels.ragged_paged_attention import split_kv
 from pallas_kernels.ragged_paged_attention import tpu as rpa_tpu
 from pallas_kernels.rope_kv_write import gpu_supports, rope_kv_write_gpu, rope_kv_write_reference
+from pallas_kernels.sparse24_matmul import densify as sparse24_densify
+from pallas_kernels.sparse24_matmul import gpu as s24_gpu
+from pallas_kernels.sparse24_matmul import tpu as s24_tpu
 from pallas_kernels.swiglu_matmul import swiglu_matmul_gpu, swiglu_matmul_tpu
 
 KERNEL_IMPLS = ("auto", "reference", "pallas", "pallas-tpu", "pallas-gpu")
 # The table's operations (its other entries describe the KV pool's layout and the scale dtype).
 OPERATIONS = ("ragged_attention", "flash_attention", "rope_kv_write", "quantized_matmul", "add_rms_norm", "swiglu_matmul",
-              "lora_delta", "grouped_matmul", "mla_attention", "gated_delta_rule", "causal_conv")
+              "lora_delta", "grouped_matmul", "mla_attention", "gated_delta_rule", "causal_conv", "sparse24_matmul")
 
 # KV tokens per work item of the XLA split-KV attention, and items per loop iteration (measured
 # on the CPU, 30 layers of SmolLM2's attention). Decodes (one query row per block) contract by
@@ -95,12 +98,13 @@ PREFILL_KV_TOKENS_PER_ITEM = 128
 # ----------------------------------------------------------------------------- the XLA paths
 def xla_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale: float,
                          sliding_window: int | None, query_block: int, attention_chunk: int | None = None, spec_block: int = 0, soft_cap: float | None = None, sinks=None, k_scale=None,
-                         v_scale=None, lane_blocks: int = 1) -> jax.Array:
+                         v_scale=None, lane_blocks: int = 1, outliers=None) -> jax.Array:
     """Split-KV ragged paged attention (`pallas_kernels.ragged_paged_attention.split_kv`), in
     passes over disjoint sequences: one-token ones with query blocks of 1, with spec_block the
     short chunks of speculating sequences, then the (at most MAX_PREFILL_CHUNKS) prefill chunks
     with large query blocks. Rows a pass does not serve come out as zeros, so the sum is the
-    answer. A decode bucket (query_block 1) is one pass. [T, Hq, D]."""
+    answer. A decode bucket (query_block 1) is one pass. [T, Hq, D]. `outliers`: a quantized
+    pool's outlier-token residual slots (split_kv; jaxinfer.ops.kv_cache)."""
     del num_kv_heads  # the XLA pools hold exactly the model's heads
     if lane_blocks != 1:
         raise ValueError("lane_blocks: only the TPU kernel reads pages as lane blocks (combined pools)")
@@ -109,7 +113,7 @@ def xla_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *,
     attend = lambda query_block, kv_tokens, items, **kw: split_kv.ragged_paged_attention(  # noqa: E731
         q, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap, sinks=sinks,
-        k_scale=k_scale, v_scale=v_scale, num_queries_per_block=query_block,
+        k_scale=k_scale, v_scale=v_scale, num_queries_per_block=query_block, outliers=outliers,
         num_kv_pages_per_block=max(1, kv_tokens // page_size), items_per_step=items, **kw,
     )
     decode_items = min(max(S, 2), 16)
@@ -146,6 +150,13 @@ def xla_quantized_matmul(x, qweight, scales, offsets=None, *, mode: str, group_s
     return qmm_reference.quantized_matmul(x.astype(jnp.float32), qweight, scales, offsets, mode=mode, group_size=group_size)
 
 
+def xla_sparse24_matmul(x, values, mask) -> jax.Array:
+    """A 2:4 weight expanded (pallas_kernels.sparse24_matmul.densify, in the values' dtype), then
+    one dense dot with f32 accumulation, as a plain weight's: the CPU's path. [M, N] in x's dtype."""
+    w = sparse24_densify(values, mask)
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def xla_swiglu_matmul(x, w_gate_up) -> jax.Array:
     """silu(x @ gate) * (x @ up): one matmul ([T, 2I] in x's dtype), then the activation in f32."""
     gate_up = jnp.dot(x.astype(w_gate_up.dtype), w_gate_up, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -160,14 +171,16 @@ def same_dtype(dtype):
 # ----------------------------------------------------------------------------- Pallas adapters
 def _tpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale: float,
                           sliding_window: int | None, query_block: int, attention_chunk: int | None = None, spec_block: int = 0, soft_cap: float | None = None, sinks=None, k_scale=None, v_scale=None,
-                          lane_blocks: int = 1, interpret: bool) -> jax.Array:
+                          lane_blocks: int = 1, outliers=None, interpret: bool) -> jax.Array:
     """Combined pages (v_pages None): the TPU kernel (pages as lane blocks of the pool's: `lane_blocks`), a quantized pool's scales (k_scale: the combined
     scale pool) included when its pages are whole 128-lane rows of scales (page_size a multiple of
-    128), attention sinks included. Otherwise (separate pools, smaller pages of a quantized pool) the XLA path."""
-    if v_pages is not None or (k_scale is not None and k_pages.shape[1] % 128):
+    128), attention sinks included. Otherwise (separate pools, smaller pages of a quantized pool,
+    outlier-token residuals) the XLA path."""
+    if v_pages is not None or (k_scale is not None and k_pages.shape[1] % 128) or outliers is not None:
         return xla_ragged_attention(q, k_pages, v_pages, page_table, batch, num_kv_heads=num_kv_heads, sm_scale=sm_scale,
                                     sliding_window=sliding_window, attention_chunk=attention_chunk, query_block=query_block,
-                                    spec_block=spec_block, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+                                    spec_block=spec_block, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                                    outliers=outliers)
     return rpa_tpu.ragged_paged_attention(
         q, k_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, k_scale, sinks, sm_scale=sm_scale,
         sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap, num_queries_per_block=query_block,
@@ -176,11 +189,12 @@ def _tpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *
 
 def _gpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *, num_kv_heads: int, sm_scale: float,
                           sliding_window: int | None, query_block: int, attention_chunk: int | None = None, spec_block: int = 0, soft_cap: float | None = None, sinks=None, k_scale=None, v_scale=None,
-                          interpret: bool) -> jax.Array:
-    if k_scale is not None:  # a quantized pool: the XLA path (module docstring)
+                          outliers=None, interpret: bool) -> jax.Array:
+    if k_scale is not None or outliers is not None:  # a quantized pool: the XLA path (module docstring)
         return xla_ragged_attention(q, k_pages, v_pages, page_table, batch, num_kv_heads=num_kv_heads, sm_scale=sm_scale,
                                     sliding_window=sliding_window, attention_chunk=attention_chunk, query_block=query_block,
-                                    spec_block=spec_block, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+                                    spec_block=spec_block, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                                    outliers=outliers)
     return rpa_gpu.ragged_paged_attention(
         q, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, sm_scale=sm_scale,
         sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap, num_queries_per_block=query_block,
@@ -237,7 +251,8 @@ class Kernels:
         (attention_chunk: Llama 4's chunked local attention, pallas_kernels.visible_span)
         (sinks [Hq]: attention sinks, GPT-OSS; the TPU kernel leaves them to the XLA path)
         (k_scale / v_scale: a quantized pool's scales [pages, page_size, heads], else None; a
-        combined pool comes as k_pages with v_pages None)
+        combined pool comes as k_pages with v_pages None; outliers, given only when the pool keeps
+        them: (token [pages, R], k_res, v_res [pages, R, heads, D]), read by the XLA path)
     flash_attention(q, k, v, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, causal, attention_chunk) -> [T,Hq,D];
         None: no flash path (the XLA attention serves every step)
     rope_kv_write(q, k, v, cos, sin, k_pages, v_pages, write_page, write_offset) -> (q, k, k_pages, v_pages)
@@ -260,6 +275,9 @@ class Kernels:
     causal_conv(x [T,C], before [K-1,C], weight [K,C], valid_len) -> (out [T,C], last [K-1,C]): one
         sequence's chunk through Gated DeltaNet's causal depthwise convolution, last = the K-1 inputs
         ending at valid_len (jaxinfer.ops.linear_attention; pallas_kernels.causal_conv)
+    sparse24_matmul(x [M,K], values [4,K/8,N], mask uint8 [K/8,N]) -> [M,N]: a 2:4 sparse weight kept
+        compressed (jaxinfer.ops.sparsity); the kernels expand it tile by tile on the chip, the XLA
+        path densifies it first (pallas_kernels.sparse24_matmul)
     scale_dtype(dtype): the dtype a quantized weight's scales and offsets are placed in for the
         quantized matmul (the TPU kernel cannot load float16: float32 instead)
     """
@@ -279,6 +297,7 @@ class Kernels:
     mla_attention: Callable = dataclasses.field(default=None, compare=False, repr=False)
     gated_delta_rule: Callable = dataclasses.field(default=None, compare=False, repr=False)
     causal_conv: Callable = dataclasses.field(default=None, compare=False, repr=False)
+    sparse24_matmul: Callable = dataclasses.field(default=None, compare=False, repr=False)
     scale_dtype: Callable = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -313,6 +332,7 @@ def _xla_table(interpret: bool) -> dict[str, Callable | None]:
                 quantized_matmul=xla_quantized_matmul, add_rms_norm=add_rms_norm_reference, swiglu_matmul=xla_swiglu_matmul,
                 lora_delta=lora_delta_xla, grouped_matmul=gmm_reference.grouped_quantized_matmul,
                 mla_attention=xla_mla_attention, gated_delta_rule=gdn_reference.chunked, causal_conv=conv_reference.causal_conv,
+                sparse24_matmul=xla_sparse24_matmul,
                 scale_dtype=same_dtype)
 
 
@@ -323,6 +343,7 @@ def _tpu_table(interpret: bool) -> dict[str, Callable]:
                 add_rms_norm=pallas(add_rms_norm_tpu), swiglu_matmul=pallas(_tpu_swiglu_matmul), lora_delta=pallas(lora_delta_tpu),
                 grouped_matmul=pallas(gmm_tpu.grouped_quantized_matmul), mla_attention=pallas(_tpu_mla_attention),
                 gated_delta_rule=pallas(gdn_tpu.chunked), causal_conv=pallas(conv_tpu.causal_conv),
+                sparse24_matmul=pallas(s24_tpu.sparse24_matmul),
                 scale_dtype=_tpu_scale_dtype)
 
 
@@ -333,6 +354,7 @@ def _gpu_table(interpret: bool) -> dict[str, Callable]:
                 add_rms_norm=pallas(add_rms_norm_gpu), swiglu_matmul=pallas(swiglu_matmul_gpu), lora_delta=pallas(lora_delta_gpu),
                 grouped_matmul=pallas(gmm_gpu.grouped_quantized_matmul), mla_attention=pallas(_gpu_mla_attention),
                 gated_delta_rule=pallas(gdn_gpu.chunked), causal_conv=pallas(conv_gpu.causal_conv),
+                sparse24_matmul=pallas(s24_gpu.sparse24_matmul),
                 scale_dtype=same_dtype)
 
 

@@ -65,6 +65,38 @@ with head_dim 128, 1.94x / 3.9x (`pallas_kernels.ragged_paged_attention.referenc
 quantizes, its attention reads them). e4m3 entries are stored as their bytes (uint8,
 `reference.storage_dtype`): XLA:CPU scatters into a float8 array by converting all of it. Every page operation (copy-on-write, swap, sharding) moves the
 scales with their pages: they share the page axis, so `jax.tree.map` over the cache does it.
+
+Outlier tokens (`kv_cache_outliers=R`, separate quantized pools only): each page also keeps R
+residual slots, tokens of the page whose rows quantize badly keeping their quantization error in
+bfloat16 (residual = turned row - dequantized entries), which the attention adds back:
+
+    k_outlier, v_outlier       [num_slots, num_pages, R, num_kv_heads, head_dim]   bfloat16 (its bytes: uint16)
+    outlier_token              [num_slots, num_pages, R]          int32: the page offset a slot holds, -1 none
+    outlier_error              [num_slots, num_pages, page_size]  float32: each token's error
+
+A token's error is its K and V rows' squared quantization error summed over its heads
+(`attention.outlier_errors`). It is chosen as its row is written, from the tokens before it alone
+(`attention.select_outliers`): a token takes a free slot of its page when its error is among the R
+largest of the page_size tokens of its sequence ending at it (its page's earlier tokens and the
+previous page's later ones; without a previous page to read, in a sequence's first page and in layers
+with a sliding window or chunks, among its page's earlier tokens from offset R on), when it is the first token of a sequence (position 0: the attention
+sink), or when the page's slots left are as many as its tokens left (so they are all used). A slot
+is never given up to a later token: a row reads the same from its write on, whatever follows, and
+the pool does not depend on how a sequence's tokens were cut into steps, as above (a write at
+offset o drops the slots at offsets >= o: a page handed to a new sequence, a speculative rollback).
+(Keeping each page's R worst tokens would need later tokens to take slots from earlier ones: what
+a row reads, and so every later layer's K and V of the tokens before it in a step, would change
+with the tokens written after it in the same step.)
+
+Storage: R x (2 x Hkv x D x 2 + 4) + page_size x 4 bytes per page and layer; SmolLM2 (3 KV heads
+of 64, pages of 16): R x 772 + 64 against 6,528 for the int8 page (+12.8 % at R = 1, +24.6 % at 2).
+
+KV eviction "h2o" (`ModelConfig.kv_eviction`, jaxinfer.ops.kv_eviction) keeps beside the pages
+each token's accumulated attention per KV head and the position a slot holds (heavy-hitter slots
+take the rows of other tokens):
+
+    evict_score   [num_slots, num_pages, page_size, num_kv_heads]   float32
+    evict_pos     [num_slots, num_pages, page_size, num_kv_heads]   int32
 """
 
 from __future__ import annotations
@@ -143,6 +175,35 @@ def is_quantized(dtype) -> bool:
     return jnp.dtype(dtype) in QUANTIZED_KV_DTYPES
 
 
+# outlier tokens' residuals (module docstring): bfloat16 values stored as their bytes (uint16), since
+# XLA:CPU scatters into a bfloat16 array by converting all of it (measured: 300 ms a write into a
+# 100 000-page pool, against 0.01 ms as bytes), as e4m3 pages are (`reference.storage_dtype`)
+OUTLIER_DTYPE = jnp.uint16
+
+
+def check_outliers(outliers: int, page_size: int, dtype, *, kernels: Kernels | None = None,
+                   config: ModelConfig | None = None) -> None:
+    """ValueError, naming the setting, unless R = `outliers` residual slots per page can be kept:
+    0 < R <= page_size, an int8 / e4m3 pool of separate K and V pages (the XLA attention reads
+    them: not the TPU kernels' combined rows, not a latent MLA pool). `kernels` / `config`: None
+    leaves those checks for later (before the backend and the model are known)."""
+    what = f"kv_cache_outliers={outliers!r}"
+    if isinstance(outliers, bool) or not isinstance(outliers, int) or not 0 < outliers <= page_size:
+        raise ValueError(f"{what}: expected residual slots per page, an integer in [1, page_size={page_size}] (0: off)")
+    if not is_quantized(dtype):
+        raise ValueError(f"{what} keeps the worst-quantized tokens' residuals of an int8 / fp8 KV cache; "
+                         f"kv_cache_dtype is {jnp.dtype(dtype).name}: set kv_cache_dtype='int8' or 'fp8'")
+    if config is not None and getattr(config, "kv_eviction", None) is not None:
+        raise ValueError(f"{what} with KV eviction ({config.kv_eviction.method!r}) is not supported: eviction moves "
+                         f"rows within pages, which the outlier slots point at; use one or the other")
+    if config is not None and config.is_mla:
+        raise ValueError(f"{what} with {config.model_type}'s latent (MLA) KV rows is not supported: leave it at 0")
+    if kernels is not None and kernels.combines_kv:
+        raise ValueError(f"{what} is read by the XLA attention over separate K and V pools; the TPU attention kernel "
+                         f"(kernel_impl 'pallas' / 'pallas-tpu') reads combined K|V rows and cannot add the residuals: "
+                         f"use kernel_impl='reference' (or xla_kernels=('ragged_attention',)), or leave it at 0")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
@@ -152,6 +213,15 @@ class KVCache:
     v_scale: jax.Array | None = None
     kv: jax.Array | None = None  # [slots, P, page_size, Hkv * 2 * Ds]: combined layout (TPU kernels)
     kv_scale: jax.Array | None = None  # [slots, P, Hkv * 2 * page_size] float32: a quantized combined pool's
+    # outlier tokens' residuals (kv_cache_outliers R > 0, separate quantized pools; module docstring)
+    k_outlier: jax.Array | None = None  # [slots, P, R, Hkv, D] bfloat16, as its bytes (uint16: OUTLIER_DTYPE)
+    v_outlier: jax.Array | None = None
+    outlier_token: jax.Array | None = None  # [slots, P, R] int32: page offset, -1 for an empty slot
+    outlier_error: jax.Array | None = None  # [slots, P, page_size] float32: each token's error
+    # KV eviction "h2o" (jaxinfer.ops.kv_eviction): each slot's accumulated attention per KV head, and
+    # the text position it holds (heavy-hitter slots take other tokens' rows)
+    evict_score: jax.Array | None = None  # [slots, P, page_size, Hkv] float32
+    evict_pos: jax.Array | None = None  # [slots, P, page_size, Hkv] int32
     # a hybrid model's per-sequence recurrent states (Gated DeltaNet layers: jaxinfer.ops.linear_state),
     # beside the pages; page operations never touch them
     state: LinearState | None = None
@@ -159,15 +229,32 @@ class KVCache:
     @staticmethod
     def create(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, *, tp: int = 1,
                sharding=None, scale_sharding=None, kernels: Kernels = Kernels(), state_slots: int = 0,
-               state_dtype=None, state_sharding=None, spec_block: int = 0) -> "KVCache":
+               state_dtype=None, state_sharding=None, spec_block: int = 0, outliers: int = 0,
+               outlier_sharding=None, outlier_token_sharding=None, eviction_sharding=None) -> "KVCache":
         """Zeroed pages in the kernels' layout (and scales when `dtype` is int8 / e4m3).
         `sharding` (a jax Sharding for the page arrays; `scale_sharding` for the scales) places
         each device's part directly, nothing whole anywhere. A hybrid model's cache also holds
         `state_slots` recurrent states (its convolutions' in `state_dtype`, default `dtype`),
         placed with `state_sharding` (jaxinfer.ops.linear_state; with `spec_block` > 0 also the
-        inputs of verification chunks of that many tokens)."""
+        inputs of verification chunks of that many tokens). `outliers` R > 0: R outlier-token
+        residual slots per page (module docstring), placed with `outlier_sharding` (the residuals)
+        and `outlier_token_sharding` (tokens and errors). A model with KV eviction "h2o" also gets
+        its scores and positions (`eviction_shape`, placed with `eviction_sharding`)."""
         pool = KVCache._create_pages(config, num_pages, page_size, dtype, tp=tp, sharding=sharding,
                                      scale_sharding=scale_sharding, kernels=kernels)
+        if outliers:
+            check_outliers(outliers, page_size, dtype, kernels=kernels, config=config)
+            shapes = KVCache.outlier_shapes(config, num_pages, page_size, outliers, tp=tp)
+            residuals = jax.jit(lambda: jnp.zeros(shapes[0], OUTLIER_DTYPE), out_shardings=outlier_sharding)
+            tokens = jax.jit(lambda: jnp.full(shapes[1], -1, jnp.int32), out_shardings=outlier_token_sharding)
+            errors = jax.jit(lambda: jnp.zeros(shapes[2], jnp.float32), out_shardings=outlier_token_sharding)
+            pool = dataclasses.replace(pool, k_outlier=residuals(), v_outlier=residuals(), outlier_token=tokens(),
+                                       outlier_error=errors())
+        if config.kv_eviction is not None and config.kv_eviction.method == "h2o":
+            shape = KVCache.eviction_shape(config, num_pages, page_size, tp=tp)
+            scores = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=eviction_sharding)
+            positions = jax.jit(lambda: jnp.zeros(shape, jnp.int32), out_shardings=eviction_sharding)
+            pool = dataclasses.replace(pool, evict_score=scores(), evict_pos=positions())
         if not config.has_linear_layers:
             return pool
         if state_slots < 2:
@@ -193,12 +280,34 @@ class KVCache:
         return KVCache(kv=zeros()) if combined else KVCache(k=zeros(), v=zeros())
 
     @staticmethod
-    def page_bytes(config: ModelConfig, page_size: int, dtype, *, tp: int = 1, kernels: Kernels = Kernels()) -> int:
-        """Bytes of one page id: every slot, K and V (with their scales)."""
+    def page_bytes(config: ModelConfig, page_size: int, dtype, *, tp: int = 1, kernels: Kernels = Kernels(),
+                   outliers: int = 0) -> int:
+        """Bytes of one page id: every slot, K and V (with their scales, and `outliers` residual slots)."""
         combined = combined_pool(config, kernels)
         entries = math.prod(KVCache.shape(config, 1, page_size, dtype, tp=tp, kernels=kernels)) * jnp.dtype(dtype).itemsize
         scales = math.prod(KVCache.scale_shape(config, 1, page_size, tp=tp, combined=combined)) * 4 if is_quantized(dtype) else 0
-        return entries + scales if combined else 2 * (entries + scales)
+        extra = 0
+        if outliers:  # K and V residuals in bfloat16 and a token (int32) per slot, an error (float32) per token
+            residual, token, error = KVCache.outlier_shapes(config, 1, page_size, outliers, tp=tp)
+            extra = 2 * math.prod(residual) * jnp.dtype(OUTLIER_DTYPE).itemsize + (math.prod(token) + math.prod(error)) * 4
+        if config.kv_eviction is not None and config.kv_eviction.method == "h2o":  # a score and a position per head
+            extra += math.prod(KVCache.eviction_shape(config, 1, page_size, tp=tp)) * 8
+        return (entries + scales if combined else 2 * (entries + scales)) + extra
+
+    @staticmethod
+    def eviction_shape(config: ModelConfig, num_pages: int, page_size: int, *, tp: int = 1) -> tuple[int, ...]:
+        """Shape of KV eviction "h2o"'s evict_score / evict_pos: [slots, P, page_size, Hkv]."""
+        return (kv_groups(config).num_slots, num_pages, page_size, pool_kv_heads(config, tp=tp))
+
+    @staticmethod
+    def outlier_shapes(config: ModelConfig, num_pages: int, page_size: int, outliers: int, *,
+                       tp: int = 1) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """Shapes of k_outlier / v_outlier [slots, P, R, Hkv, D], outlier_token [slots, P, R] and
+        outlier_error [slots, P, page_size] (module docstring)."""
+        heads, head_dim = pool_kv_shape(config, tp=tp)
+        slots = kv_groups(config).num_slots
+        return ((slots, num_pages, outliers, kv_heads_per_shard(heads, tp) * tp, head_dim), (slots, num_pages, outliers),
+                (slots, num_pages, page_size))
 
     @staticmethod
     def scale_shape(config: ModelConfig, num_pages: int, page_size: int, *, tp: int = 1, combined: bool) -> tuple[int, ...]:
@@ -220,6 +329,11 @@ class KVCache:
     @property
     def combined(self) -> bool:
         return self.kv is not None
+
+    @property
+    def outliers(self) -> int:
+        """Outlier-token residual slots per page (0: none)."""
+        return 0 if self.outlier_token is None else self.outlier_token.shape[-1]
 
     @property
     def pages(self) -> jax.Array:

@@ -22,6 +22,11 @@ spreads a few large channels over all of them, so a row's absmax no longer sets 
 for the rest. It changes the arithmetic (the activations lose precision too), not just the
 storage; on the CPU it is the fastest mode (XLA:CPU's int8 dots, no float copy of
 the weight), and it quantizes a tied embedding too, stored [H, V] as the LM head reads it.
+A W8A8 checkpoint (compressed-tensors' "int-quantized" format: int8 weights per channel, int8
+activations per token, dynamic; `jaxinfer quantize --method smoothquant` writes one) runs
+through the same int8 x int8 matmul without the rotation (`QuantizedWeight.rotated=False`): its
+weights are stored as they are, and SmoothQuant's answer to the large channels (dividing them
+down, folded into the norms and projections before) is already in its floats.
 
 Asymmetric groups fit [min, max] instead of [-absmax, absmax]: a group whose values are not
 centred on 0 loses less. Checkpoints quantized elsewhere (GGUF blocks, AWQ, GPTQ) become
@@ -208,7 +213,10 @@ class QuantizedWeight:
     quantized with act-order stores its rows sorted by group: `input_order` says which input
     each row is, and the matmul reads x's columns in that order (x[..., input_order] @ rows).
     `activations="int8"` (static; int8 per column only): the matmul quantizes x's rows to int8
-    as it runs and multiplies integers (the w8a8 mode, `quantize_rows_int8`).
+    as it runs and multiplies integers (the w8a8 mode, `quantize_rows_int8`). `rotated` (static,
+    with int8 activations): the weight stores R^T w and the matmul turns x by R first (what
+    `quantize(w, "w8a8")` makes); a W8A8 checkpoint (compressed-tensors "int-quantized", e.g.
+    SmoothQuant's: the smoothing is folded into its floats) stores w itself, rotated=False.
     """
 
     qweight: jax.Array
@@ -219,6 +227,7 @@ class QuantizedWeight:
     group_size: int | None = None
     in_features: int | None = None  # K; None: all of qweight's rows (2 per byte row for int4)
     activations: str | None = None  # None: x as it comes; "int8": x quantized per row at run time
+    rotated: bool = False  # (int8 activations) qweight holds R^T w and x is turned by R (rotate_rows)
 
     def __post_init__(self):
         if self.activations not in ACTIVATION_MODES:
@@ -226,6 +235,8 @@ class QuantizedWeight:
         if self.activations == "int8" and (self.mode != "int8" or self.group_size is not None
                                            or self.offsets is not None or self.input_order is not None):
             raise ValueError("int8 activations need an int8 weight with one symmetric scale per output column")
+        if self.rotated and self.activations != "int8":
+            raise ValueError("rotated=True is the w8a8 mode's (int8 activations)")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -249,7 +260,7 @@ class QuantizedWeight:
 
 jax.tree_util.register_dataclass(
     QuantizedWeight, data_fields=["qweight", "scales", "offsets", "input_order"],
-    meta_fields=["mode", "group_size", "in_features", "activations"]
+    meta_fields=["mode", "group_size", "in_features", "activations", "rotated"]
 )
 
 
@@ -317,9 +328,10 @@ def quantize_rows_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def int8_activation_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """x [M, K] @ w (int8 per column, activations="int8") -> float32 [M, N]: x's rows quantized to
-    int8, an int8 x int8 dot accumulated in int32, times the row and column scales."""
-    xq, x_scales = quantize_rows_int8(rotate_rows(x, axis=-1))
+    """x [M, K] @ w (int8 per column, activations="int8") -> float32 [M, N]: x's rows (turned by R
+    first when w is rotated) quantized to int8, an int8 x int8 dot accumulated in int32, times the
+    row and column scales."""
+    xq, x_scales = quantize_rows_int8(rotate_rows(x, axis=-1) if w.rotated else x)
     acc = jnp.dot(xq, w.qweight, preferred_element_type=jnp.int32)          # [M, N] exact
     return acc.astype(jnp.float32) * x_scales * w.scales.astype(jnp.float32)
 
@@ -336,7 +348,7 @@ def quantize(w: jax.Array, mode: str, group_size: int | None = None, symmetric: 
     if mode == "w8a8":
         if group_size is not None or not symmetric:
             raise ValueError("w8a8 is symmetric int8 with one scale per output column: no group_size, symmetric only")
-        return QuantizedWeight(*quantize_int8(rotate_rows(w, axis=-2)), mode="int8", activations="int8")
+        return QuantizedWeight(*quantize_int8(rotate_rows(w, axis=-2)), mode="int8", activations="int8", rotated=True)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES} (or w8a8), got {mode!r}")
     check_mode(mode, group_size)

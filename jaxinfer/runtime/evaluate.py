@@ -22,10 +22,11 @@ from jaxinfer.runtime.step import StepFunction
 
 def prompt_log_softmax(
     config: ModelConfig, graphdef: nnx.GraphDef, params: nnx.State, token_ids: list[int], page_size: int = 16,
-    kv_dtype=jnp.float32,
+    kv_dtype=jnp.float32, kv_outliers: int = 0,
 ) -> np.ndarray:
     """log-softmax [n, V] (float64) of the next-token distribution at every position of token_ids
-    (the text's K/V stored in a KV cache of `kv_dtype`, int8 / e4m3 included, and read back)."""
+    (the text's K/V stored in a KV cache of `kv_dtype`, int8 / e4m3 included, with `kv_outliers`
+    residual slots per page (kv_cache_outliers), and read back)."""
     n = len(token_ids)
     if not 0 < n <= config.max_position_embeddings:
         raise ValueError(f"token_ids has {n} tokens; need 1..{config.max_position_embeddings} (max_position_embeddings)")
@@ -37,7 +38,7 @@ def prompt_log_softmax(
         Buckets((bucket,), max_num_seqs=1, pages_per_seq=num_pages, num_groups=G),
         page_size,
     )
-    kv = KVCache.create(config, G * num_pages + 1, page_size, kv_dtype)  # page 0 is the scratch page
+    kv = KVCache.create(config, G * num_pages + 1, page_size, kv_dtype, outliers=kv_outliers)  # page 0 is the scratch page
     step = StepFunction(graphdef, num_top_logprobs=0)
     logits, _ = step.forward(params, kv, step.place_inputs(stack_replicas([batch])), query_block=key.query_block)
     return np.asarray(jax.nn.log_softmax(logits[0], axis=-1), np.float64)[rows[0]]
@@ -71,9 +72,9 @@ def _hidden_step(graphdef: nnx.GraphDef) -> StepFunction:
 
 
 def perplexity(config: ModelConfig, graphdef: nnx.GraphDef, params: nnx.State, token_ids: list[int],
-               kv_dtype=jnp.float32) -> float:
+               kv_dtype=jnp.float32, kv_outliers: int = 0) -> float:
     """exp(mean negative log-likelihood) of token_ids[1:] given their prefixes."""
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least 2 tokens")
-    logprobs = prompt_log_softmax(config, graphdef, params, token_ids, kv_dtype=kv_dtype)
+    logprobs = prompt_log_softmax(config, graphdef, params, token_ids, kv_dtype=kv_dtype, kv_outliers=kv_outliers)
     return float(np.exp(-np.mean(logprobs[np.arange(len(token_ids) - 1), token_ids[1:]])))

@@ -66,6 +66,7 @@ from jaxinfer.ops.kernels import OPERATIONS, Kernels
 from jaxinfer.ops.kv_cache import is_quantized, latent_row_width
 from jaxinfer.ops.linear_attention import CHUNK_SIZE
 from jaxinfer.ops.quantization import QuantizedWeight
+from jaxinfer.ops.sparsity import Sparse24Weight
 from jaxinfer.tree import nested_to_flat
 from pallas_kernels.flash_attention import flash_attention_reference
 from pallas_kernels.gated_delta_rule.reference import l2_normalize
@@ -192,7 +193,7 @@ def step_shapes(config: ModelConfig, params, *, parallel: ParallelConfig = Paral
     swiglu = []
     for name in ("layers.gate_up_proj", "layers.shared_gate_up"):
         w = flat.get(name)
-        if w is not None and not isinstance(w, QuantizedWeight) and "layers.gate_up_bias" not in flat:
+        if w is not None and not isinstance(w, (QuantizedWeight, Sparse24Weight)) and "layers.gate_up_bias" not in flat:
             if Tensor.of(w, 1) not in swiglu:
                 swiglu.append(Tensor.of(w, 1))
     lora = []

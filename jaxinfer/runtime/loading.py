@@ -15,7 +15,8 @@ onto any mesh (fused parameters are re-laid out for the mesh's tensor-parallel d
 
 Matrices a checkpoint stores quantized (GGUF blocks; GPTQ, AWQ and compressed-tensors folders)
 load as `QuantizedWeight`s in their own grid, with no float copy made (`keep_quantized`; the
-engine's default depends on the backend: EngineConfig.keeps_checkpoint_quantization): the
+engine's default depends on the backend: EngineConfig.keeps_checkpoint_quantization; W8A8
+ones, int8 activations too, stay so on every backend by default: `keep_w8a8`): the
 embedding, the attention and MLP projections and the LM head, when every tensor of the parameter
 is quantized (a parameter's tensors are joined into one layout that holds each exactly:
 checkpoints_conv.quantized). GPT-OSS's MXFP4 experts and block-scaled fp8 ones (DeepSeek-V3)
@@ -42,6 +43,7 @@ from jaxinfer.ops.kernels import Kernels
 from jaxinfer.models.registry import model_class
 from jaxinfer.models.param_layout import param_shapes, quantized_in_out, quantized_loader_spec, relayout_indices
 from jaxinfer.ops.quantization import MATMUL_WEIGHT_NAMES, QuantizedWeight, replace_weights
+from jaxinfer.ops.sparsity import SPARSE24_WEIGHT_NAMES, sparsify_weights
 from jaxinfer.runtime.hub import hub_snapshot, is_hub_id
 from jaxinfer.runtime.placement import param_shardings
 from jaxinfer.tree import flat_to_nested, nested_to_flat
@@ -136,14 +138,15 @@ def abstract_model(
 def load_params(
     source: ModelSource, config: ModelConfig, param_dtype, compute_dtype, *, kernels: Kernels = Kernels(),
     parallel: ParallelConfig = ParallelConfig(), mesh=None, progress: bool = True, keep_quantized: bool = True,
-    mtp_layer: int | None = None,
+    mtp_layer: int | None = None, keep_w8a8: bool = False,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's structure and its parameters, placed on `mesh` (default: one device) with the
     shardings of `sharding.rules` in the tensor-parallel layout of `parallel.tp`. Matrices the
     checkpoint stores quantized stay so (keep_quantized; otherwise they load as param_dtype).
     `mtp_layer`: the checkpoint's multi-token-prediction layer of that index, for a `config` with
     `mtp_module` (checkpoints_conv.views.mtp_views); its embedding and LM head are the target's,
-    not read: they stay abstract in the returned state, for the caller to fill."""
+    not read: they stay abstract in the returned state, for the caller to fill. `keep_w8a8`: with
+    keep_quantized False, the W8A8 matrices (int8 activations) stay quantized all the same."""
     mesh = mesh if mesh is not None else make_mesh(ParallelConfig(), jax.devices()[:1])
     parallel.check_model(config)
     graphdef, state = abstract_model(config, param_dtype, compute_dtype, kernels, parallel)
@@ -155,8 +158,8 @@ def load_params(
     tensors = checkpoints_conv.open_checkpoint(source.path, checkpoints_conv.read_checkpoint_config(source.path),
                                                mtp_layer=mtp_layer)
     layouts = {}
-    if keep_quantized:
-        layouts, per_tensor = stored_quantization(tensors, config, parallel.tp)
+    if keep_quantized or keep_w8a8:
+        layouts, per_tensor = stored_quantization(tensors, config, parallel.tp, w8a8_only=not keep_quantized)
         if per_tensor:
             tensors = checkpoints_conv.QuantizedSource(tensors, per_tensor)
     spec = quantized_loader_spec(config, jnp.dtype(param_dtype), parallel.tp, layouts)
@@ -168,10 +171,41 @@ def load_params(
     quantized = {}
     for name, layout in layouts.items():
         K, _ = quantized_in_out(name, param_shapes(config, parallel.tp)[name])
+        if layout.activations:  # W8A8: one scale per output column ([..., 1, N] as stored), the int8 x int8 matmul
+            quantized[name] = QuantizedWeight(flat.pop(f"{name}:qweight"), flat.pop(f"{name}:scales")[..., 0, :],
+                                              mode="int8", activations=layout.activations)
+            continue
         quantized[name] = QuantizedWeight(flat.pop(f"{name}:qweight"), flat.pop(f"{name}:scales"), flat.pop(f"{name}:offsets", None),
                                           orders.get(name), mode=layout.mode, group_size=layout.group_size, in_features=K)
     nnx.replace_by_pure_dict(state, flat_to_nested(flat))
-    return replace_weights(graphdef, state, quantized) if quantized else (graphdef, state)
+    graphdef, state = replace_weights(graphdef, state, quantized) if quantized else (graphdef, state)
+    sparse = stored_sparse24(tensors, config, parallel.tp) if keep_quantized and mtp_layer is None else []
+    return sparsify_weights(graphdef, state, sparse) if sparse else (graphdef, state)
+
+
+def stored_sparse24(tensors, config: ModelConfig, tp: int) -> list[str]:
+    """The projections (flat param names) whose every checkpoint tensor a compressed-tensors
+    sparse-24-bitmask checkpoint stores 2:4: found through the reader's `sparse_24()` (the HF
+    names it holds 2:4: checkpoints_conv.sparse.SparseHFSource, somewhere under `tensors`).
+    `load_params` reads them dense, then keeps them compressed (`jaxinfer.ops.sparsity.
+    sparsify_weights`: exact, the same matrices; a transient dense copy per weight), the 2:4
+    matmul's input on TPU / GPU (keep_quantized). A row-split weight needs whole mask rows per
+    tensor shard (K / 8 divisible by tp)."""
+    source = tensors
+    while source is not None and not hasattr(source, "sparse_24"):
+        source = getattr(source, "source", None)
+    if source is None:
+        return []
+    two_four = set(source.sparse_24())
+    names = checkpoints_conv.arch_names(config.model_type)
+    found: dict[str, list[bool]] = {}
+    for hf_name, _ in tensors.listing():
+        target = names.target(hf_name)
+        if target is not None and target.param.rsplit(".", 1)[-1] in SPARSE24_WEIGHT_NAMES:
+            found.setdefault(target.param, []).append(hf_name in two_four)
+    shapes = param_shapes(config, tp)
+    return sorted(name for name, stored in found.items() if all(stored) and shapes[name][-2] % 8 == 0
+                  and (name not in ROW_PARALLEL or (shapes[name][-2] // 8) % tp == 0))
 
 
 ROW_PARALLEL = ("layers.o_proj", "layers.down_proj", "layers.experts_down", "layers.shared_down", "lm_head",
@@ -182,10 +216,11 @@ EXPERTS = frozenset({"experts_gate_up", "experts_down", "shared_gate_up", "share
 QUANTIZABLE = MATMUL_WEIGHT_NAMES | {"embed"} | EXPERTS  # what the model runs quantized (the embedding: a column gather)
 
 
-def stored_quantization(tensors, config: ModelConfig, tp: int) -> tuple[dict, dict]:
+def stored_quantization(tensors, config: ModelConfig, tp: int, w8a8_only: bool = False) -> tuple[dict, dict]:
     """(param -> QuantLayout, HF name -> the layout of its param) of the parameters whose every
-    tensor the checkpoint stores quantized; the others load as floats. ValueError when a
-    tensor-parallel shard of a row-split weight would not hold whole groups."""
+    tensor the checkpoint stores quantized (w8a8_only: of those, the W8A8 ones); the others load
+    as floats. ValueError when a tensor-parallel shard of a row-split weight would not hold whole
+    groups."""
     stored = tensors.quantized()
     if not stored:
         return {}, {}
@@ -200,9 +235,15 @@ def stored_quantization(tensors, config: ModelConfig, tp: int) -> tuple[dict, di
         del layouts[name]  # (GGUF's quantized experts load as floats)
     if config.tie_word_embeddings:
         layouts.pop("lm_head", None)
+    if w8a8_only:
+        layouts = {name: layout for name, layout in layouts.items() if layout.activations}
     shapes = param_shapes(config, tp)
     for name, layout in layouts.items():
         K, _ = quantized_in_out(name, shapes[name])
+        if tp > 1 and name in ROW_PARALLEL and layout.activations:
+            raise ValueError(f"tensor_parallel_size={tp}: {name} is stored W8A8 (int8 weights per column, int8 activations), "
+                             f"whose input rows are not split over tensor shards here; use tensor_parallel_size=1 or "
+                             f"load it as floats (keep_checkpoint_quantization=False)")
         if tp > 1 and name in ROW_PARALLEL and (K // tp) % layout.group_size:
             raise ValueError(f"tensor_parallel_size={tp}: {name} has {K} input rows, {K // tp} per shard, not whole "
                              f"groups of the checkpoint's {layout.group_size}; load it as floats (keep_checkpoint_quantization=False)")

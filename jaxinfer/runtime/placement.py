@@ -24,19 +24,21 @@ from sharding import rules
 def param_spec(axes: tuple, shape: tuple[int, ...], mesh: Mesh | None = None, *, field: str | None = None) -> PartitionSpec:
     """PartitionSpec of one parameter with logical `axes` and `shape`, or of one `field` of a
     quantized one: per-column scales ([..., N]) drop the input dim's axis, an input order
-    ([..., K]) the output dim's. With a mesh, an axis whose size does not divide the dimension is
+    ([..., K]) the output dim's; a 2:4 weight's values ([..., 4, K / 8, N]) keep their planes whole. With a mesh, an axis whose size does not divide the dimension is
     dropped (the dimension stays whole)."""
     if field in ("scales", "offsets") and len(shape) == len(axes) - 1:
         axes = axes[:-2] + axes[-1:]
     if field == "input_order":
         axes = axes[:-1]
+    if field == "values":  # a Sparse24Weight's kept values [..., 4, K / 8, N]: the planes' axis whole
+        axes = axes[:-2] + (None,) + axes[-2:]
     spec = rules.logical_to_spec(axes)
     if mesh is None:
         return spec
     return PartitionSpec(*(a if a is None or shape[i] % _axis_size(mesh, a) == 0 else None for i, a in enumerate(spec)))
 
 
-QUANTIZED_FIELDS = ("qweight", "scales", "offsets", "input_order")
+QUANTIZED_FIELDS = ("qweight", "scales", "offsets", "input_order", "values", "mask")  # (values, mask: a Sparse24Weight's)
 
 
 def param_partition_specs(params, config: ModelConfig) -> object:
@@ -67,13 +69,26 @@ def param_shardings(config: ModelConfig, mesh: Mesh, tp: int | None = None, spec
     return out
 
 
-def kv_partition_spec(quantized: bool = False, combined: bool = False, linear: bool = False, drafts: bool = False) -> KVCache:
+def kv_partition_spec(quantized: bool = False, combined: bool = False, linear: bool = False, drafts: bool = False,
+                      outliers: bool = False, eviction: bool = False) -> KVCache:
     """The KV cache's spec: pages split over the replica axes, KV heads over "tensor" (a
     quantized pool's scales, [L, P, page_size, Hkv], likewise; a combined pool's rows
     [L, P, page_size, Hkv * 2 * Ds] split into runs of whole heads); `linear`: with a hybrid
     model's recurrent states, their slots split over the replica axes like pages, their channels and
     value heads over "tensor" like the projections that make them (`drafts`: with the inputs of
-    verification chunks, likewise)."""
+    verification chunks, likewise); `outliers`: with a quantized pool's outlier slots, their
+    residuals [L, P, R, Hkv, D] split like the pages, their tokens [L, P, R] and errors
+    [L, P, page_size] over the replica axes only (every tensor shard picks the same tokens:
+    ops.attention.outlier_errors);
+    `eviction`: with KV eviction "h2o"'s scores and positions [L, P, page_size, Hkv], split like
+    a quantized pool's scales (ops.kv_eviction)."""
+    if eviction:
+        if combined or quantized:
+            raise ValueError("KV eviction scores live beside separate float K and V pools")
+        spec = rules.logical_to_spec(rules.KV_CACHE_AXES)
+        per_head = rules.logical_to_spec(rules.KV_CACHE_AXES[:-1])
+        return KVCache(k=spec, v=spec, evict_score=per_head, evict_pos=per_head,
+                       state=linear_state_spec(drafts) if linear else None)
     state = linear_state_spec(drafts) if linear else None
     spec = rules.logical_to_spec(rules.KV_CACHE_AXES)
     if combined:  # rows [L, P, page_size, Hkv * 2 * Ds] and scales [L, P, Hkv * 2 * page_size], head-major
@@ -83,6 +98,10 @@ def kv_partition_spec(quantized: bool = False, combined: bool = False, linear: b
     if not quantized:
         return KVCache(k=spec, v=spec, state=state)
     scale_spec = rules.logical_to_spec(rules.KV_CACHE_AXES[:-1])
+    if outliers:
+        token_spec = rules.logical_to_spec(rules.KV_CACHE_AXES[:3])
+        return KVCache(k=spec, v=spec, k_scale=scale_spec, v_scale=scale_spec, k_outlier=spec, v_outlier=spec,
+                       outlier_token=token_spec, outlier_error=token_spec, state=state)
     return KVCache(k=spec, v=spec, k_scale=scale_spec, v_scale=scale_spec, state=state)
 
 
@@ -101,12 +120,14 @@ def linear_state_spec(drafts: bool = False) -> LinearState:
 
 def cache_spec(kv: KVCache) -> KVCache:
     """The spec of this cache (`kv_partition_spec` of its kind)."""
-    return kv_partition_spec(kv.quantized, kv.combined, kv.state is not None, kv.state is not None and kv.state.drafts is not None)
+    return kv_partition_spec(kv.quantized, kv.combined, kv.state is not None, kv.state is not None and kv.state.drafts is not None,
+                             kv.outliers > 0, kv.evict_score is not None)
 
 
 def kv_shardings(mesh: Mesh, quantized: bool = False, combined: bool = False, linear: bool = False,
-                 drafts: bool = False) -> KVCache:
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_partition_spec(quantized, combined, linear, drafts),
+                 drafts: bool = False, outliers: bool = False, eviction: bool = False) -> KVCache:
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec),
+                        kv_partition_spec(quantized, combined, linear, drafts, outliers, eviction),
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 

@@ -40,6 +40,10 @@ Combined pages (`combined.py`, the TPU layout: one row of K and V per token) are
 and splits them, so the pool is never copied whole. Quantized combined pages take their scales as
 one pool, `k_scale` [P, Hkv * 2 * page_size] in (head, K|V, token) order, and `v_scale` None
 (jaxinfer.ops.kv_cache).
+
+Outlier tokens (separate quantized pages): `outliers` = (token [P, R], k_res [P, R, Hkv, D], v_res
+[P, R, Hkv, D]) gives R residual slots per page; the slot holding page offset token[p, r] (-1: none)
+adds its residuals to that token's dequantized K and V rows as they are read (jaxinfer.ops.kv_cache).
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ def ragged_paged_attention(
     return_lse: bool = False,  # also return lse [T, Hq] float32 (log-sum-exp of the visible scores)
     contraction: str = "dot",  # "dot" | "reduce": see the module docstring
     sinks: jax.Array | None = None,  # [Hq] float32: attention sinks (reference.py)
+    outliers: tuple[jax.Array, jax.Array, jax.Array] | None = None,  # (token, k_res, v_res): module docstring
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     if sinks is not None and return_lse:
         raise ValueError("attention sinks with return_lse: a partial attention has no sink (add it once, after merging)")
@@ -111,6 +116,8 @@ def ragged_paged_attention(
                              f"no v_scale; got k_scale {getattr(k_scale, 'shape', k_scale)}, v_scale {getattr(v_scale, 'shape', v_scale)}")
     else:
         check_kv_scales(k_pages, k_pages if combined else v_pages, k_scale, v_scale)
+    if outliers is not None and (combined or k_scale is None):
+        raise ValueError("outliers: residual slots add to the dequantized rows of separate int8 / e4m3 K and V pages")
     if contraction not in ("dot", "reduce"):
         raise ValueError(f"contraction={contraction!r}: expected 'dot' or 'reduce'")
     T, Hq, D = q.shape
@@ -201,8 +208,10 @@ def ragged_paged_attention(
         else:
             k_s = k_scale[pages] if is_pool(k_scale) else k_scale
             v_s = v_scale[pages] if is_pool(v_scale) else v_scale
-        k = dequantize_kv(k, k_s).reshape(W, kv_block, Hkv, D)
-        v = dequantize_kv(v, v_s).reshape(W, kv_block, Hkv, D)
+        k, v = dequantize_kv(k, k_s), dequantize_kv(v, v_s)  # [W, C, page_size, Hkv, D]
+        if outliers is not None:
+            k, v = add_outlier_residuals(k, v, pages, *outliers)
+        k, v = k.reshape(W, kv_block, Hkv, D), v.reshape(W, kv_block, Hkv, D)
         s = _scores(qb[item_block], k, contraction) * sm_scale  # [W, Hkv, Bq*G, kv_block]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -246,6 +255,22 @@ def ragged_paged_attention(
     if not return_lse:
         return result
     return result, _scatter_lse(m_blk, l_blk, rows, T)
+
+
+def add_outlier_residuals(k, v, pages, token, k_res, v_res):
+    """Dequantized rows k, v [..., page_size, Hkv, D] of pages [...] plus their outlier slots'
+    residuals: slot r of page p adds k_res[p, r] / v_res[p, r] to the row at offset token[p, r]
+    (residuals stored as bfloat16's bytes, uint16, are read as bfloat16)."""
+    page_size = k.shape[-3]
+    hit = (token[pages][..., None] == jnp.arange(page_size)).astype(jnp.float32)  # [..., R, page_size]
+
+    def values(res):  # the gathered slots only: a bitcast of the small array
+        res = res[pages]
+        return (jax.lax.bitcast_convert_type(res, jnp.bfloat16) if res.dtype == jnp.uint16 else res).astype(jnp.float32)
+
+    k = k + jnp.einsum("...rt,...rhd->...thd", hit, values(k_res))
+    v = v + jnp.einsum("...rt,...rhd->...thd", hit, values(v_res))
+    return k, v
 
 
 def _scores(q, k, contraction: str) -> jax.Array:
