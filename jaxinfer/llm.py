@@ -15,6 +15,7 @@ from jaxinfer.engine.build import build_draft_runner, build_engine, make_propose
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.multimodal import split_images
+from jaxinfer.engine.pooling import cosine
 from jaxinfer.engine.spec_decode import SpeculativeConfig
 from jaxinfer.generation_defaults import generation_defaults
 from jaxinfer.lora_request import LoRARequest
@@ -327,12 +328,8 @@ class LLM:
             return [ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(o.outputs.score)) for o in outs]
         unique = list(dict.fromkeys(first + second))
         vectors = dict(zip(unique, (np.asarray(o.outputs.embedding) for o in self.embed(unique, use_tqdm=use_tqdm))))
-        scores = []
-        for i, (a, b) in enumerate(zip(first, second)):
-            u, v = vectors[a], vectors[b]
-            cosine = float(u @ v / max(float(np.linalg.norm(u) * np.linalg.norm(v)), 1e-12))
-            scores.append(ScoringRequestOutput(f"score-{i}", [], ScoringOutput(cosine)))
-        return scores
+        return [ScoringRequestOutput(f"score-{i}", [], ScoringOutput(cosine(vectors[a], vectors[b])))
+                for i, (a, b) in enumerate(zip(first, second))]
 
     @staticmethod
     def _raise_if_failed(out: RequestOutput, request_ids: list[str]) -> None:

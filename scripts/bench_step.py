@@ -31,6 +31,7 @@ compare ratios measured in one run rather than absolute numbers across runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.metadata
 import importlib.util
@@ -39,6 +40,7 @@ import os
 import platform
 import resource
 import statistics
+import threading
 import subprocess
 import sys
 import tempfile
@@ -790,3 +792,21 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+@contextlib.contextmanager
+def serving(app):
+    """Yields the base URL ("http://127.0.0.1:PORT") while uvicorn serves `app` on a free port in
+    a thread (the server benchmarks; needs the serve extra)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)

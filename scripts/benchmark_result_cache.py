@@ -22,19 +22,21 @@ at a time; compiles are paid by warm-up requests first.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
-import threading
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import jax
 import numpy as np
-import uvicorn
 
 from jaxinfer import LLM
 from jaxinfer.server.app import build_app
 from jaxinfer.server.result_cache import ResultCache, llm_embedder
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step import serving  # noqa: E402  (the scripts' shared helpers)
 
 SUBJECTS = ["the moon", "volcanoes", "honey bees", "the Roman empire", "photosynthesis", "jazz", "glaciers", "chess",
             "the printing press", "octopuses", "tea", "lightning", "the Silk Road", "coral reefs", "bicycles",
@@ -53,20 +55,6 @@ QUESTIONS = [  # the semantic rows: questions of unlike forms, so that only a ne
     "Convert 72 degrees Fahrenheit to Celsius.", "Who painted the ceiling of the Sistine Chapel?",
     "How do vaccines train the immune system?", "Plan a two-day trip to Lisbon.",
 ]
-
-
-@contextlib.contextmanager
-def serving(app):
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def near_duplicate(question: str) -> str:

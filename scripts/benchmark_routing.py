@@ -24,11 +24,14 @@ bounds a decode step on a TPU / GPU (memory-bound).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import statistics
-import threading
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step import serving  # noqa: E402  (the scripts' shared helpers)
 
 EASY = ["The capital of France is", "One, two, three, four,", "Monday, Tuesday, Wednesday,", "The sun rises in the",
         "January, February, March,", "Twinkle, twinkle, little", "The opposite of hot is", "A, B, C, D,"]
@@ -43,22 +46,6 @@ PARAGRAPH = ("The history of the printing press begins in the fifteenth century,
 def workload(long_prompts: int) -> list[tuple[str, str]]:
     longs = [f"Document {i}. " + PARAGRAPH * 5 + f"Question {i}: in one sentence, what changed?" for i in range(long_prompts)]
     return [("easy", p) for p in EASY] + [("hard", p) for p in HARD] + [("long", p) for p in longs]
-
-
-@contextlib.contextmanager
-def serving(app):
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def main() -> None:

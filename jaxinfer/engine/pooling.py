@@ -160,6 +160,11 @@ class PoolState:
         return self.total / self.num_tokens if self.pooling_type == "MEAN" else self.total
 
 
+def cosine(u: np.ndarray, v: np.ndarray) -> float:
+    """The cosine similarity of two vectors (an embedding model's score of a pair)."""
+    return float(u @ v / max(float(np.linalg.norm(u) * np.linalg.norm(v)), 1e-12))
+
+
 def _sentence_transformers(folder: Path, pooling_type: str, normalize: bool) -> tuple[str, bool]:
     """(pooling type, normalize) from a sentence-transformers folder's modules.json, or the
     defaults given when it has none."""

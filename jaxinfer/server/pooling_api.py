@@ -22,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 from fastapi import APIRouter, Request
 
+from jaxinfer.engine.pooling import cosine
 from jaxinfer.outputs import PoolingRequestOutput
 from jaxinfer.pooling_params import PoolingParams
 from jaxinfer.server import protocol
@@ -121,10 +122,6 @@ def add_pooling_routes(v1: APIRouter, *, llm, engine, model_name: str, body_of: 
 
 class ClientLeft(Exception):
     """The client disconnected before its inputs were pooled (app.build_app answers 499)."""
-
-
-def cosine(u: np.ndarray, v: np.ndarray) -> float:
-    return float(u @ v / max(float(np.linalg.norm(u) * np.linalg.norm(v)), 1e-12))
 
 
 def encode_vector(vector: list[float], encoding: str) -> list[float] | str:
