@@ -5,7 +5,13 @@ and compare them with prompt lookup on held-out prompts.
     python scripts/train_draft_head.py --out heads/smollm2            # SmolLM2 on the CPU, ~8 min
     python scripts/train_draft_head.py --kind medusa --out heads/smollm2-medusa --data-cache /tmp/smollm2.npz
     python scripts/train_draft_head.py --model ./Qwen2.5-0.5B-Instruct --out heads/qwen --heads 4
+    python scripts/train_draft_head.py --kind eagle3 --out heads/smollm2-eagle3   # an EAGLE-3 head, published format
     LLM(model, speculative_config={"method": "eagle", "model": "heads/smollm2", "num_speculative_tokens": 3})
+    LLM(model, speculative_config={"method": "eagle3", "model": "heads/smollm2-eagle3", "num_speculative_tokens": 3})
+
+With --kind eagle3 the head is an EAGLE-3 head (`jaxinfer.models.eagle3`, `jaxinfer.training.eagle3`):
+trained on the target's aux streams of its own text by teacher forcing (and its own second
+guess), saved as config.json + model.safetensors in the format vLLM and SGLang load.
 
 1. The model answers chat prompts (templates x topics) greedily: its own text, no data download.
 2. One forward pass over each prompt + answer gives the final-normed hidden state at every
@@ -31,6 +37,9 @@ import numpy as np
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.runtime.evaluate import hidden_states
 from jaxinfer.models.draft_heads import KINDS, save_heads
+from jaxinfer.models.eagle3 import eagle3_spec, head_config_dict, published_tensors, save_eagle3
+from jaxinfer.runtime.evaluate import stream_states
+from jaxinfer.training.eagle3 import draft_vocabulary, pack, train_eagle3
 from jaxinfer.training.draft_heads import evaluate_heads, train_heads, training_windows
 from jaxinfer.models.layers import matmul, tied_logits
 from jaxinfer.ops.quantization import QuantizedWeight
@@ -102,7 +111,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--out", required=True, help="folder to save the heads in")
-    p.add_argument("--kind", choices=KINDS, default="eagle", help="eagle (one layer, chained; default) or medusa (K heads)")
+    p.add_argument("--kind", choices=(*KINDS, "eagle3"), default="eagle",
+                   help="eagle (one layer, chained; default), medusa (K heads) or eagle3 (a published-format EAGLE-3 head)")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="eagle3: the draft vocabulary's size (default 8192)")
+    p.add_argument("--prompts", type=int, default=0, help="use only the first N training prompts (0: all; smoke runs)")
     p.add_argument("--heads", type=int, default=3, help="guesses trained (medusa: heads; eagle: unrolled steps)")
     p.add_argument("--max-tokens", type=int, default=128, help="answer length for training text (default 128)")
     p.add_argument("--steps", type=int, default=300)
@@ -124,6 +136,10 @@ def main(argv=None) -> int:
     llm = LLM(**llm_kwargs)
     tokenizer = llm.get_tokenizer()
     train_prompts, held_out = chat_prompts(tokenizer, TRAIN_TOPICS), chat_prompts(tokenizer, HELD_OUT_TOPICS)
+    if args.prompts:
+        train_prompts, held_out = train_prompts[: args.prompts], held_out[: max(1, args.prompts // 4)]
+    if args.kind == "eagle3":
+        return main_eagle3(args, llm, llm_kwargs, train_prompts, held_out, started)
 
     t = time.perf_counter()
     if args.data_cache and Path(args.data_cache).exists():
@@ -168,6 +184,38 @@ def main(argv=None) -> int:
     (Path(path) / "report.json").write_text(json.dumps({
         "train_positions": len(window), "held_out_top1": accuracy.tolist(), "train_seconds": train_seconds,
         "total_minutes": total / 60, "kind": args.kind, "runs": runs}, indent=2))
+    return 0
+
+
+def main_eagle3(args, llm, llm_kwargs, train_prompts, held_out, started) -> int:
+    """--kind eagle3: generate, read the aux streams, train, save in the published format, compare."""
+    config = llm.config
+    head_config = head_config_dict(config, draft_vocab=min(args.draft_vocab, config.vocab_size))
+    spec = eagle3_spec(head_config, config)
+    t = time.perf_counter()
+    outs = llm.generate(train_prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens), use_tqdm=False)
+    sequences = [np.asarray(prompt + list(out.outputs[0].token_ids), np.int32) for prompt, out in zip(train_prompts, outs)]
+    aux = [stream_states(config, llm.runner.graphdef, llm.runner.params, list(tokens), spec.aux_layers) for tokens in sequences]
+    tokens, states = pack(sequences, aux, max(len(s) for s in sequences))
+    draft_ids = draft_vocabulary(sequences, config.vocab_size, spec.draft_vocab)
+    print(f"data: {len(sequences)} texts, {sum(len(s) for s in sequences)} tokens ({time.perf_counter() - t:.0f} s)")
+    t = time.perf_counter()
+    params = train_eagle3(spec, float_embedding(llm), tokens, states, draft_ids, steps=args.steps,
+                          batch_size=min(args.batch_size, 16), learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+                          log=lambda step, loss, acc: print(f"  step {step:4d}  loss {loss:.3f}  train top-1 {np.round(acc, 3).tolist()}"))
+    print(f"trained an EAGLE-3 head in {time.perf_counter() - t:.0f} s")
+    path = save_eagle3(Path(args.out).absolute(), head_config, published_tensors(jax.device_get(params), spec))
+    print(f"saved {path}; data + training took {(time.perf_counter() - started) / 60:.1f} min")
+    k = args.heads
+    runs = {"ngram": acceptance(llm_kwargs, held_out, {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3},
+                                args.max_tokens),
+            "eagle3": acceptance(llm_kwargs, held_out, {"method": "eagle3", "num_speculative_tokens": k, "model": str(path)},
+                                 args.max_tokens)}
+    print("\n| proposer (held-out prompts, k = %d) | acceptance | mean accepted length | drafted tokens |" % k)
+    print("|---|---|---|---|")
+    for name, r in runs.items():
+        print(f"| {name} | {r['acceptance']:.0%} | {r['mean_accepted_length']:.2f} | {r['drafted']} |")
+    (path / "report.json").write_text(json.dumps({"kind": "eagle3", "runs": runs}, indent=2))
     return 0
 
 

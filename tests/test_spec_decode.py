@@ -90,8 +90,8 @@ def test_prompt_lookup_drafts_what_followed_the_latest_earlier_occurrence():
 
 
 def test_config_errors_name_the_key():
-    with pytest.raises(SpecConfigError, match=r"\['method'\]='eagle3'"):
-        SpeculativeConfig.from_dict({"method": "eagle3", "num_speculative_tokens": 2})
+    with pytest.raises(SpecConfigError, match=r"\['method'\]='jacobi'"):  # (an unknown method)
+        SpeculativeConfig.from_dict({"method": "jacobi", "num_speculative_tokens": 2})
     with pytest.raises(SpecConfigError, match="method 'eagle' needs 'model'"):
         SpeculativeConfig.from_dict({"method": "eagle", "num_speculative_tokens": 2})
     with pytest.raises(SpecConfigError, match=r"num_speculative_tokens'\]=0"):

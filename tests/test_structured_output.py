@@ -3,7 +3,9 @@ request generates, in the batched engine, without changing any unconstrained req
 
 The model is a tiny random Llama over a byte-level tokenizer (one token per byte), so its
 choices among the allowed tokens are arbitrary: every property below holds because of the
-constraint, not because the model knows JSON.
+constraint, not because the model knows JSON. Constrained requests speculate (n-gram drafts cut
+by the grammar, each verification row masked by the state after the drafts before it), also
+through the server, whose /metrics counts the drafts.
 """
 
 from __future__ import annotations
@@ -11,12 +13,16 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import jsonschema
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, SamplingParams, StructuredOutputsParams
+import jaxinfer
+from jaxinfer import LLM, SamplingParams, StructuredOutputsParams, cli
 from jaxinfer.ops.sampling import allowed_mask
+from jaxinfer.server.app import build_app
+from http_server import running
 from tiny_models import save_hf_model
 
 SETTINGS = dict(max_model_len=512, page_size=8, num_pages=1024, max_num_batched_tokens=256, max_num_seqs=64, progress=False)
@@ -241,20 +247,131 @@ def test_constrained_requests_survive_preemption(model_dir):
         assert re.fullmatch(pattern, o.outputs[0].text), o.outputs[0].text
 
 
-def test_constrained_requests_do_not_speculate_and_others_still_do(model_dir):
-    spec = LLM(model_dir, **SETTINGS, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                          "prompt_lookup_min": 1, "prompt_lookup_max": 2})
-    pattern = r"(ab){3,10}c"
+# ----------------------------------------------------------------------------- speculative decoding
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}},
+          "required": ["name", "id", "ok"], "additionalProperties": False}
+# prompts whose n-grams the drafts come from: JSON the schema's keys repeat, and "ab" followed
+# by letters the pattern forbids (so some drafts are cut by the grammar)
+PERSON_PROMPT = '{"name": "abxy", "id": 12, "ok": true} {"name": "q", "id": 7, "ok": false} '
+AB_PROMPT = "abxabyabzabw: "
+
+
+@pytest.fixture(scope="module")
+def spec_llm(model_dir):
+    return LLM(model_dir, **SETTINGS, speculative_config=NGRAM)
+
+
+def spec_counters(llm):
+    core = llm.engine.core
+    return np.array([core.num_draft_tokens, core.num_accepted_tokens, core.num_draft_tokens_cut_by_grammar])
+
+
+def test_drafts_are_checked_and_masked_without_moving_the_matcher(llm):
+    """A chain's drafts end before the first forbidden token; a tree keeps the nodes whose paths
+    the grammar allows; each verification row's mask is the state after the drafts before it."""
+    backend = llm.engine.grammar
+    a, b, c, x = (llm.get_tokenizer().encode(ch, add_special_tokens=False)[0] for ch in "abcx")
+    eos = sorted(llm.engine.output.eos_token_ids)
+    matcher = backend.matcher(backend.compile(StructuredOutputsParams(regex=r"(ab){2,4}c")))
+
+    def allowed(rows):
+        return [set(np.flatnonzero(np.unpackbits(r.view(np.uint8), bitorder="little"))) for r in rows]
+
+    assert matcher.valid_prefix([a, b, x, a]) == 2 and matcher.valid_prefix([b]) == 0
+    assert matcher.valid_nodes([a, x, b, c, a], [-1, -1, 0, 0, 2]) == [True, False, True, False, True]
+    chain = np.empty((5, backend.num_words), np.int32)
+    backend.fill_bitmasks([matcher], chain, [[a, b, a, b]])
+    assert allowed(chain) == [{a}, {b}, {a}, {b}, {a, c}]
+    tree = np.empty((7, backend.num_words), np.int32)  # "abab", then "a" or "c" (which completes it: EOS only)
+    backend.fill_bitmasks([matcher], tree, [[a, b, a, b, a, c]], [[-1, 0, 1, 2, 3, 3]])
+    assert allowed(tree) == [{a}, {b}, {a}, {b}, {a, c}, {b}, set(eos)]
+    assert matcher.valid_prefix([a]) == 1 and matcher.valid_prefix([b]) == 0  # nothing was consumed
+
+
+def test_constrained_greedy_speculation_equals_unspeculated_decoding(llm, spec_llm):
+    """Drafts are cut where the grammar forbids them and each verification row is masked as
+    decoding would mask it: greedy output is token for token the unspeculated constrained output
+    (and an unconstrained request speculating beside them is unchanged too)."""
     repetitive = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 7]
-    outputs = spec.generate(["Pattern: ", repetitive], [
-        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=pattern)),
-        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
-    ], use_tqdm=False)
-    assert re.fullmatch(pattern, outputs[0].outputs[0].text)
-    assert spec.engine.core.num_draft_tokens > 0  # the unconstrained request drafted
-    plain = LLM(model_dir, **SETTINGS).generate([repetitive], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
-                                                use_tqdm=False)
-    assert outputs[1].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    prompts = [PERSON_PROMPT, AB_PROMPT, repetitive]
+    params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=PERSON)),
+              SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=r"(ab){3,10}c")),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    before = spec_counters(spec_llm)
+    speculated = spec_llm.generate(prompts, params, use_tqdm=False)
+    drafted, accepted, cut = spec_counters(spec_llm) - before
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in speculated] == [o.outputs[0].token_ids for o in plain]
+    jsonschema.validate(json.loads(speculated[0].outputs[0].text), PERSON)
+    assert re.fullmatch(r"(ab){3,10}c", speculated[1].outputs[0].text)
+    assert drafted > 0 and accepted > 0 and cut > 0, (drafted, accepted, cut)
+    stats = spec_llm.engine.get_stats()  # each accepted draft counted at its position, the first the most
+    per_pos = stats.num_accepted_tokens_per_pos
+    assert sum(per_pos) == stats.num_accepted_tokens and list(per_pos) == sorted(per_pos, reverse=True)
+
+
+def test_a_grammar_that_forbids_every_draft_still_decodes(llm, spec_llm):
+    """Every draft prompt lookup finds here continues the digits the wrong way: all are cut, none verified."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex="0123456789"))
+    before = spec_counters(spec_llm)
+    [o] = spec_llm.generate(["9876543210 9876543210 "], params, use_tqdm=False)
+    drafted, accepted, cut = spec_counters(spec_llm) - before
+    assert o.outputs[0].text == "0123456789" and o.outputs[0].finish_reason == "stop"
+    assert drafted == 0 and cut > 0
+
+
+def test_sampled_constrained_speculation_follows_the_constraint(spec_llm):
+    pattern = r"(ab){2,6}(c|d)[0-9]{2}"
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=pattern))
+              for i in range(4)]
+    params.append(SamplingParams(temperature=0.8, seed=9, max_tokens=80, structured_outputs=StructuredOutputsParams(json=PERSON)))
+    before = spec_counters(spec_llm)
+    outputs = spec_llm.generate([AB_PROMPT] * 4 + [PERSON_PROMPT], params, use_tqdm=False)
+    assert (spec_counters(spec_llm) - before)[0] > 0
+    for o in outputs[:4]:
+        assert re.fullmatch(pattern, o.outputs[0].text), o.outputs[0].text
+    jsonschema.validate(json.loads(outputs[4].outputs[0].text), PERSON)
+
+
+def test_the_server_speculates_constrained_requests_and_reports_acceptance(spec_llm):
+    """`jaxinfer serve --speculative-config` (the CLI passes it to LLM: test_serve_and_generate_pass_the_speculative_config)."""
+    def metric(text, name, position=None):
+        label = "" if position is None else f'{{position="{position}"}}'
+        return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(f"jaxinfer:{name}{label} ")))
+
+    with running(build_app(spec_llm, served_model_name="tiny")) as url:
+        before = httpx.get(url + "/metrics").text
+        reply = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": PERSON_PROMPT, "max_tokens": 80, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}})
+        assert reply.status_code == 200, reply.text
+        jsonschema.validate(json.loads(reply.json()["choices"][0]["text"]), PERSON)
+        after = httpx.get(url + "/metrics").text
+    for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total"):
+        assert metric(after, name) > metric(before, name), name
+    assert metric(after, "spec_decode_num_accepted_tokens_per_pos_total", 0) > metric(before, "spec_decode_num_accepted_tokens_per_pos_total", 0)
+    assert metric(after, "spec_decode_num_accepted_tokens_per_pos_total", NGRAM["num_speculative_tokens"] - 1) >= 0
+    assert 0 < metric(after, "spec_decode_acceptance_rate") <= 1
+
+
+def test_serve_and_generate_pass_the_speculative_config(monkeypatch, model_dir):
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(*args, **kwargs):
+        seen.append(kwargs["speculative_config"])
+        raise Stop
+
+    monkeypatch.setattr(jaxinfer, "LLM", fake_llm)
+    flag = ["--speculative-config", json.dumps(NGRAM)]
+    for argv in (["generate", "hi", "--model", model_dir, *flag], ["serve", model_dir, *flag]):
+        with pytest.raises(Stop):
+            cli.main(argv)
+    assert seen == [NGRAM, NGRAM]
 
 
 def test_beam_search_refuses_a_constraint():

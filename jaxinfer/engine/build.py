@@ -26,6 +26,8 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.draft_head import DraftHeadProposer
 from jaxinfer.engine.draft_model import DraftModelProposer
+from jaxinfer.engine.eagle3 import Eagle3Proposer
+from jaxinfer.engine.lookahead import LookaheadProposer
 from jaxinfer.engine.mtp import MTPProposer
 from jaxinfer.engine.lora import LoraManager
 from jaxinfer.engine.memory import (PoolSummary, abstract_pool, bytes_per_device, device_capacity_bytes, kv_pool_pages,
@@ -40,6 +42,7 @@ from jaxinfer.engine.pooling import PoolerConfig
 from jaxinfer.engine.spec_decode import NgramProposer, SpeculativeConfig
 from jaxinfer.kv_groups import kv_groups
 from jaxinfer.models.draft_heads import load_heads
+from jaxinfer.models.eagle3 import load_eagle3
 from jaxinfer.ops.kv_cache import KVCache, combined_pool, is_quantized
 from jaxinfer.ops.linear_state import LinearState
 from jaxinfer.ops.quantization import cast_scales, default_group_size, quantize_model
@@ -78,13 +81,17 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
     if config.enable_lora:
         placed = add_lora_table(placed, model_config, config, mesh)
     spec = config.speculative_config
+    if spec is not None and spec.is_tree:
+        check_token_tree(spec, model_config, config, parallel)
     return_hidden = spec is not None and spec.method in ("eagle", "medusa")
     return_stream = spec is not None and spec.method == "mtp"  # the MTP module reads every token's stream
-    draft = None  # (config, weights) of a model drafting beside the target: a draft model's, or the MTP module's
+    draft = None  # (config, weights) of a model drafting beside the target: a draft model's, the MTP module's, EAGLE-3's
     if spec is not None and spec.method == "draft_model":
         draft = load_draft_weights(spec, model_config, config, mesh, placed)
     elif return_stream:
         draft = load_mtp_weights(source, model_config, config, mesh, placed)
+    elif spec is not None and spec.method == "eagle3":  # the head reads three layers' streams of every token
+        return_stream, draft = load_eagle3_weights(spec, model_config, config, mesh, placed)
     clock.mark("weights")
     config, placed = check_kernels_on_device(config, model_config, parallel, placed, clock)
     if draft is not None and config.xla_kernels:  # a draft model runs the same table: the same fallbacks
@@ -110,10 +117,16 @@ def build_engine(config: EngineConfig, clock: PhaseClock | None = None) -> LLMEn
     pooler = build_pooler(config, source, model_config) if config.runner == "pooling" else None
     runner = build_runner(model_config, config, mesh, placed, num_top_logprobs=config.max_logprobs,
                           return_hidden=return_hidden, return_stream=return_stream, pooling=pooler is not None)
+    if spec is not None and spec.is_tree:  # draft trees: every batch carries tree masks; accepted nodes' K/V move
+        runner.with_tree = True
+        runner.max_tree_moves = config.max_num_seqs * runner.num_replicas * spec.max_tree_depth
     if draft is not None:
         draft_config, draft_weights = draft
-        if return_stream:
-            proposer = MTPProposer(build_runner(draft_config, config, mesh, draft_weights, num_top_logprobs=1, return_stream=True))
+        if return_stream:  # MTP / EAGLE-3: a module in lockstep with the target, reading its streams
+            proposer_class = Eagle3Proposer if spec.method == "eagle3" else MTPProposer
+            proposer = proposer_class(build_runner(draft_config, config, mesh, draft_weights, num_top_logprobs=1,
+                                                   return_stream=True),
+                                      tree=spec.speculative_token_tree, tree_top_k=spec.tree_top_k, tree_depth=spec.tree_depth)
         else:
             check_draft_groups(model_config, draft_config)
             proposer = DraftModelProposer(build_runner(draft_config, config, mesh, draft_weights, num_top_logprobs=1))
@@ -300,13 +313,39 @@ def make_proposer(spec: SpeculativeConfig | dict, model_config: ModelConfig, con
         heads = load_heads(spec.model, model_config.hidden_size, kind=spec.method)
         tied = model_config.tie_word_embeddings
         embed = runner.params["embed"].get_value()
+        if spec.is_tree and not runner.with_tree:
+            raise ValueError("speculative_config['speculative_token_tree']: this LLM's steps carry no tree masks; build "
+                             "the LLM with a speculative_config that has a speculative_token_tree")
         proposer = DraftHeadProposer(heads, embed if tied else runner.params["lm_head"].get_value(), tied, embed,
-                                     confidence_threshold=spec.draft_confidence_threshold)
-        if proposer.max_k < spec.num_speculative_tokens:
+                                     confidence_threshold=spec.draft_confidence_threshold, tree=spec.speculative_token_tree,
+                                     tree_top_k=spec.tree_top_k, tree_depth=spec.tree_depth)
+        if proposer.max_k < spec.max_tree_depth:
             raise ValueError(f"speculative_config: num_speculative_tokens={spec.num_speculative_tokens} but "
-                             f"{spec.model} has {proposer.max_k} heads")
+                             f"{spec.model} has {proposer.max_k} heads" if not spec.is_tree else
+                             f"speculative_config['speculative_token_tree']: {spec.max_tree_depth} levels but {spec.model} "
+                             f"has {proposer.max_k} heads")
         return proposer
+    if spec.method == "lookahead":  # (no model: Jacobi window rows beside a trie of n-grams, tree masks)
+        if not runner.with_tree:
+            raise ValueError("speculative_config: method 'lookahead' verifies tries and computes its window with tree "
+                             "masks, which this LLM's steps do not carry; build the LLM with a speculative_config of "
+                             "method 'lookahead'")
+        return LookaheadProposer(spec.lookahead_window, spec.lookahead_ngram, spec.lookahead_candidates)
     return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
+
+
+def check_token_tree(spec: SpeculativeConfig, model_config: ModelConfig, config: EngineConfig, parallel) -> None:
+    """What draft trees (verified with tree masks, accepted nodes' K/V moved) do not run with yet;
+    the message names the setting."""
+    refused = [(model_config.has_linear_layers, f"{model_config.model_type}'s Gated DeltaNet (linear attention) layers "
+                                                f"(their recurrent states advance along one chain)"),
+               (model_config.is_mla, f"{model_config.model_type}'s multi-head latent attention (MLA)"),
+               (parallel.sp > 1, "sequence_parallel_size > 1"),
+               (config.kv_cache_outliers > 0, f"kv_cache_outliers={config.kv_cache_outliers}")]
+    what = "speculative_config method 'lookahead'" if spec.method == "lookahead" else "speculative_config['speculative_token_tree']"
+    for at_fault, setting in refused:
+        if at_fault:
+            raise ValueError(f"{what} with {setting} is not supported yet")
 
 
 def build_draft_runner(spec: SpeculativeConfig, model_config: ModelConfig, config: EngineConfig,
@@ -394,6 +433,29 @@ def load_mtp_weights(source, model_config: ModelConfig, config: EngineConfig, me
     if not model_config.tie_word_embeddings:
         module.lm_head = shared.lm_head
     return mtp_config, place_weights(mtp_config, config, mesh, nnx.split(module), quantization=config.quantization)
+
+
+def load_eagle3_weights(spec: SpeculativeConfig, model_config: ModelConfig, config: EngineConfig, mesh,
+                        target: PlacedWeights) -> tuple[tuple[int, ...], tuple[ModelConfig, PlacedWeights]]:
+    """(the target layers whose input streams the head reads, (its config, placed weights)) of
+    method "eagle3" (models.eagle3: a published head folder; the target's placed embedding unless
+    the head has its own). Its weights are whole on every device: tensor and sequence parallelism
+    are refused, and so are targets whose pages move with a window or carry recurrent states."""
+    parallel = config.parallel(model_config)
+    if parallel.tp > 1 or parallel.sp > 1:
+        raise ValueError("speculative_config method 'eagle3' runs without tensor or sequence parallelism "
+                         f"(tensor_parallel_size={parallel.tp}, sequence parallelism {parallel.sp})")
+    if any(kind.window or kind.chunk for kind in model_config.layer_kinds()) or model_config.has_linear_layers:
+        raise ValueError(f"speculative_config method 'eagle3': the target ({model_config.model_type}) has sliding-window, "
+                         "chunked or linear-attention layers; an EAGLE-3 head needs a target with full attention in every layer")
+    if model_config.is_mla:
+        raise ValueError(f"speculative_config method 'eagle3': the target ({model_config.model_type}) has latent attention "
+                         "(MLA); its K/V pages are not the head's")
+    embed = nnx.merge(target.graphdef, target.params).embed.get_value()  # the target's, as placed (maybe quantized)
+    head, graphdef, state = load_eagle3(resolve_model(spec.model).path, model_config, embed, param_dtype=config.param_dtype,
+                                        compute_dtype=config.activation_dtype, kernels=config.kernels)
+    specs = jax.tree.map(lambda _: jax.sharding.PartitionSpec(), state)  # every weight whole on every device
+    return head.aux_layers, (head.config, PlacedWeights(graphdef, put_global(state, specs, mesh), specs))
 
 
 def pages_from_device_memory(config: EngineConfig, model_config: ModelConfig, mesh, weights: PlacedWeights, *,

@@ -32,7 +32,9 @@ Speculative decoding: before scheduling, each sequence that speculates gets draf
 proposer, which sees the core only through `DraftContext` (page tables, slot reservation, the
 last hidden states). Its chunk is its newest token plus the drafts; the rows verify them on the
 device (rejection sampling) and reading the step keeps the accepted drafts plus one token,
-rewinding the rest (`BlockManager.truncate`).
+rewinding the rest (`BlockManager.truncate`). A draft tree may bring extra rows after its nodes
+(`SpecState.draft_extra`: lookahead's Jacobi window) that are never accepted: their K/V is dropped
+with the rejected nodes', and the tokens sampled at them go back to the proposer (`observe`).
 
 Failures: a step that raises never leaves the engine broken. Work that belongs to one request
 (planning its chunk, its grammar's mask, its LoRA slot, packing its rows, reading its results)
@@ -72,8 +74,8 @@ from jaxinfer.engine.pooling import PoolerConfig
 from jaxinfer.engine.request import PENDING, Request, Sequence, SwappedKV
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxinfer.engine.seeds import child_seed
-from jaxinfer.engine.spec_decode import draft_budget, replica_speculates
-from jaxinfer.engine.step_plan import plan_chunk
+from jaxinfer.engine.spec_decode import accepted_path, draft_budget, replica_speculates, tree_depths
+from jaxinfer.engine.step_plan import plan_chunk, spec_layout
 
 logger = logging.getLogger("jaxinfer")
 
@@ -134,6 +136,10 @@ class EngineCore:
         self.last_hidden = None  # [replicas, R, H] hidden states of the last step read (draft heads read them)
         self.num_steps = self.num_prompt_tokens_computed = 0
         self.num_spec_verifications = self.num_draft_tokens = self.num_accepted_tokens = 0
+        # draft trees: verifications that accepted 2+ nodes along a path off the top-ranked chain
+        self.num_tree_side_accepts = 0
+        self.num_accepted_tokens_per_pos: list[int] = []  # [i]: verifications that accepted draft i (0-based) and those before it
+        self.num_draft_tokens_cut_by_grammar = 0  # constrained sequences' drafted tokens their grammar forbade (never verified)
 
     # ------------------------------------------------------------------ requests (any thread)
     def add(self, request: Request) -> None:
@@ -422,22 +428,53 @@ class EngineCore:
     def _fill_allowed_tokens(self, constrained: list[ScheduledSeq], advanced: dict[str, Request]) -> None:
         """Each constrained sampling chunk's bitmask of allowed tokens, from its sequence's
         matcher, which has taken every token so far (such a step is read before the next one is
-        scheduled: `_dispatched`). One parallel call for the whole step; if it fails, one call
-        per sequence finds the matchers at fault, whose requests fail."""
+        scheduled: `_dispatched`). A verification chunk gets one per row: row r the tokens allowed
+        after its newest token and drafts 1..r (a draft tree's row r + 1: after node r's path; the
+        matcher walks the drafts and rolls back; the drafts hold only tokens the grammar allows:
+        `_cut_drafts_by_grammar`), so each row is masked as unspeculated decoding would mask it.
+        One parallel call for the whole step; if it fails, one call per sequence finds the
+        matchers at fault, whose requests fail."""
         if not constrained:
             return
-        masks = np.empty((len(constrained), self.grammar.num_words), np.int32)
+        drafts = [list(s.seq.draft[: s.num_draft]) for s in constrained]
+        parents = [list(s.seq.spec.draft_parents[: s.num_draft]) if s.num_draft else [] for s in constrained]  # (trees)
+        starts = np.cumsum([0] + [len(d) + 1 for d in drafts])
+        masks = np.empty((int(starts[-1]), self.grammar.num_words), np.int32)
         try:
-            self.grammar.fill_bitmasks([s.seq.grammar for s in constrained], masks)
+            self.grammar.fill_bitmasks([s.seq.grammar for s in constrained], masks, drafts, parents)
         except Exception:  # noqa: BLE001 - find the matcher at fault
             for i, s in enumerate(constrained):
                 try:
-                    self.grammar.fill_bitmasks([s.seq.grammar], masks[i : i + 1])
+                    self.grammar.fill_bitmasks([s.seq.grammar], masks[starts[i] : starts[i + 1]], [drafts[i]], [parents[i]])
                 except Exception as error:  # noqa: BLE001
                     self._fail(s.seq.request, error, advanced)
-        for s, mask in zip(constrained, masks):
-            if not s.seq.finished:
-                s.chunk.sampling.allowed_tokens = mask
+        for i, s in enumerate(constrained):
+            if not s.seq.finished:  # [num_draft + 1, words] for a verification chunk's rows, else one for all its rows
+                s.chunk.sampling.allowed_tokens = masks[starts[i] : starts[i + 1]] if s.num_draft else masks[starts[i]]
+
+    def _cut_drafts_by_grammar(self, seq: Sequence) -> None:
+        """A constrained sequence's drafts end before the first token its grammar forbids from
+        where it stands (nothing is consumed; counted in num_draft_tokens_cut_by_grammar). A
+        matcher that cannot say drafts nothing: `_fill_allowed_tokens` then fails its request."""
+        spec = seq.spec
+        if seq.grammar is None or not spec.draft:
+            return
+        try:
+            if spec.draft_parents:  # a draft tree: the nodes whose paths it allows (their ancestors kept too)
+                keep = [i for i, ok in enumerate(seq.grammar.valid_nodes(spec.draft, spec.draft_parents)) if ok]
+            else:
+                keep = list(range(seq.grammar.valid_prefix(spec.draft)))
+        except Exception:  # noqa: BLE001 - its own failure, found again (and failed alone) when its mask is made
+            logger.exception("request %r: checking its drafts against its grammar failed", seq.request.request_id)
+            keep = []
+        self.num_draft_tokens_cut_by_grammar += len(spec.draft) - len(keep)
+        if len(keep) == len(spec.draft):
+            return
+        index = {old: new for new, old in enumerate(keep)}
+        if spec.draft_parents:
+            spec.draft_parents = [index[spec.draft_parents[i]] if spec.draft_parents[i] >= 0 else -1 for i in keep]
+        spec.draft = [spec.draft[i] for i in keep]
+        spec.draft_src = [spec.draft_src[i] for i in keep] if spec.draft_src else []
 
     def _dispatched(self, s: ScheduledSeq, speculates: bool) -> bool:
         """Advances a sequence past its dispatched chunk (its sampled token PENDING on the device);
@@ -450,7 +487,9 @@ class EngineCore:
         must_sync = speculates and seq.spec is not None and seq.spec.drafts_next_step  # its next draft needs the tokens
         must_sync |= seq.grammar is not None  # its next allowed tokens depend on this step's
         if s.num_draft:  # verification: num_computed and tokens are settled when it is read
-            return must_sync or bool(self.runner.state_slots_per_replica)  # (a hybrid model's states: committed then)
+            # (a hybrid model's states: committed then; a draft tree's accepted K/V: moved then, before any later step)
+            return (must_sync or bool(self.runner.state_slots_per_replica) or bool(seq.spec.draft_parents)
+                    or seq.spec.draft_extra is not None)
         seq.num_computed += s.num_tokens
         if not s.samples:
             return must_sync
@@ -471,13 +510,14 @@ class EngineCore:
         now = time.time()
         touched: dict[str, Request] = {}
         commits = []  # a hybrid model's verified chunks: (replica, (sequence, its state slot, tokens kept))
+        moves = []  # draft trees' accepted nodes: ModelRunner.move_kv_rows' entries
         for plan in inflight.plans:
             for s in plan.scheduled:
                 if s.seq.finished:  # finished or aborted after this step was dispatched
                     continue
                 try:
                     if s.num_draft:
-                        self._verified(s, now, commits)
+                        self._verified(s, now, commits, moves)
                     else:
                         self._advance(s, now)
                 except Exception as error:  # noqa: BLE001 - reading this request's results failed: it alone fails
@@ -485,6 +525,7 @@ class EngineCore:
                 touched[s.seq.request.request_id] = s.seq.request
         # (before anything reads those slots: the next step is not out yet). A sequence that finished
         # since gave its slot back, maybe to a fork made in this loop: its commit is dropped
+        self.runner.move_kv_rows(moves)  # (before the next step, and before anything reuses the pages truncate gave back)
         self.runner.commit_drafts([(r, (slot, kept)) for r, (seq, slot, kept) in commits
                                    if not seq.finished and seq.seq_id in self.replicas[r].block_manager.seqs
                                    and self.replicas[r].block_manager.state_slot(seq.seq_id) == slot])
@@ -533,7 +574,8 @@ class EngineCore:
                     state_copies.append((request.replica, (replica.block_manager.state_slot(seq.seq_id),
                                                            replica.block_manager.state_slot(child.seq_id))))
                 # its own draft length; the hidden row it came from; nothing in a draft model's cache yet
-                child.spec = dataclasses.replace(seq.spec, draft=[], draft_src=[], draft_computed=0) if seq.spec else None
+                child.spec = dataclasses.replace(seq.spec, draft=[], draft_src=[], draft_parents=[], draft_extra=None,
+                                                 draft_computed=0) if seq.spec else None
                 request.seqs.append(child)
                 replica.scheduler.add_running(child)
                 self._on_token(child, row, end, now)
@@ -562,34 +604,59 @@ class EngineCore:
         seq.finish_reason = "stop"
         self._scheduler(seq).finish(seq)
 
-    def _verified(self, s: ScheduledSeq, now: float, commits: list) -> None:
+    def _verified(self, s: ScheduledSeq, now: float, commits: list, moves: list) -> None:
         """A verification chunk's results: keep the accepted drafts and the sampled token after
         them, rewind the sequence's length past them (the rejected drafts' K/V are dropped; a
-        hybrid model's states are to advance by the newest token and the accepted drafts: `commits`)."""
+        hybrid model's states are to advance by the newest token and the accepted drafts: `commits`).
+
+        A draft tree (`spec.draft_parents`): the accepted path is walked from the root along each
+        row's accepted child (`accepted_path`); its nodes' K/V, written at their slots root + row,
+        are to move to root + 1 .. root + depth (`moves`, done by `_process` before the next step).
+        Extra rows after the nodes (`spec.draft_extra`) are on no path: truncating past the accepted
+        nodes drops their K/V, and the tokens sampled at them go to the proposer's `observe`."""
         seq, spec, rows = s.seq, s.seq.spec, s.chunk.results
         draft = spec.draft[: s.num_draft]
-        accepted = next((i for i, row in enumerate(rows[: s.num_draft]) if not row.accepted), s.num_draft)
-        computed = s.start + 1 + accepted  # the newest token's K/V and the accepted drafts'
+        parents, extra = spec_layout(spec, s.num_draft)
+        num_nodes = s.num_draft - (len(extra.tokens) if extra is not None else 0)
+        if parents or extra is not None:  # a tree: rows are the root (0) and the nodes (1 ..), the path the accepted nodes' rows
+            path = accepted_path(parents, [row.child for row in rows[: num_nodes + 1]])
+        else:
+            path = list(range(1, 1 + next((i for i, row in enumerate(rows[: s.num_draft]) if not row.accepted), s.num_draft)))
+        accepted = len(path)
+        path_rows = [0] + path  # emitted token i comes from row path_rows[i]
+        root = s.start + s.num_tokens - s.num_draft - 1  # the newest token's slot
+        computed = root + 1 + accepted  # the newest token's K/V and the accepted drafts'
         bm = self.replicas[seq.request.replica].block_manager
         if seq.seq_id in bm.seqs:  # not preempted meanwhile
+            c = s.chunk.chunk
+            moves += [(seq.request.replica, c.pages, c.page_offsets, root + row, root + i)
+                      for i, row in enumerate(path, start=1) if row != i]
             bm.truncate(seq.seq_id, computed)
             seq.num_computed = computed
             if self.runner.state_slots_per_replica:  # a hybrid model's states advance by the tokens kept
                 commits.append((seq.request.replica, (seq, bm.state_slot(seq.seq_id), 1 + accepted)))
-            emitted = draft[:accepted] + [rows[accepted].token]
+            emitted = [draft[row - 1] for row in path] + [rows[path_rows[-1]].token]
             bm.mark_computed(seq.seq_id, computed, seq.cache_ids(seq.token_ids + emitted))
         else:
             emitted = []
-        spec.hidden_row, spec.hidden_step = s.chunk.rows[accepted], self.num_processed  # the row y came from
+        if parents and accepted >= 2 and any(rows[row].child > 0 for row in path_rows[:-1]):
+            self.num_tree_side_accepts += 1
+        spec.hidden_row, spec.hidden_step = s.chunk.rows[path_rows[-1]], self.num_processed  # the row y came from
         self.num_spec_verifications += 1
-        self.num_draft_tokens += s.num_draft
+        self.num_draft_tokens += num_nodes
         self.num_accepted_tokens += accepted
-        spec.update(s.num_draft, accepted)
-        spec.draft, spec.draft_src = [], []
+        self.num_accepted_tokens_per_pos += [0] * (accepted - len(self.num_accepted_tokens_per_pos))
+        for i in range(accepted):
+            self.num_accepted_tokens_per_pos[i] += 1
+        if getattr(self.proposer, "backs_off", True):  # (lookahead's rows are its configured cost: no back-off)
+            spec.update(max(tree_depths(parents)) if parents else num_nodes, accepted)  # (a tree: per level drafted)
+        if extra is not None and hasattr(self.proposer, "observe"):  # the target's tokens at the extra rows
+            self.proposer.observe(seq, [row.token for row in rows[num_nodes + 1 : num_nodes + 1 + len(extra.tokens)]])
+        spec.draft, spec.draft_src, spec.draft_parents, spec.draft_extra = [], [], [], None
         spec.draft_computed = min(spec.draft_computed, seq.num_computed)  # a draft model's cache past the accepted drafts is stale
         for i, token in enumerate(emitted):
             seq.token_ids.append(token)
-            self._on_token(seq, dataclasses.replace(rows[i], token=token), len(seq.token_ids) - 1, now)
+            self._on_token(seq, dataclasses.replace(rows[path_rows[i]], token=token), len(seq.token_ids) - 1, now)
             if seq.finished:
                 break
 
@@ -619,7 +686,7 @@ class EngineCore:
             speculates = self._speculates(replica)
             for seq in replica.scheduler.running:
                 if seq.spec is not None:
-                    seq.spec.draft, seq.spec.draft_src = [], []
+                    seq.spec.draft, seq.spec.draft_src, seq.spec.draft_parents, seq.spec.draft_extra = [], [], [], None
                 k = draft_budget(seq, self.config.max_model_len) if speculates else 0
                 if k:
                     asked.append((seq, k))
@@ -631,7 +698,24 @@ class EngineCore:
         for i, (seq, k) in enumerate(asked):
             seq.spec.draft = list(drafts.tokens[i][:k])
             seq.spec.draft_src = list(drafts.src[i][:k]) if drafts.src else []
+            seq.spec.draft_parents = list(drafts.parents[i][:k]) if drafts.parents else []
+            self._cut_drafts_by_grammar(seq)
+            extra = drafts.extra[i] if drafts.extra else None
+            if extra is not None and extra.tokens and seq.grammar is None:  # (a grammar's masks are for the tree's rows)
+                self._add_extra_rows(seq, extra, k, len(drafts.tokens[i]))
             seq.spec.proposed(len(seq.spec.draft))
+
+    @staticmethod
+    def _add_extra_rows(seq: Sequence, extra, k: int, num_nodes: int) -> None:
+        """A tree's extra rows (lookahead's window) after its nodes, within the sequence's budget of k
+        drafted rows (the first ones: an extra row sees only rows before it). Their masks count the
+        tree's num_nodes nodes: a tree cut to k keeps none."""
+        kept = k - num_nodes
+        if kept <= 0:
+            return
+        seq.spec.draft_extra = dataclasses.replace(extra, tokens=list(extra.tokens[:kept]), masks=list(extra.masks[:kept]),
+                                                   offsets=list(extra.offsets[:kept]))
+        seq.spec.draft += seq.spec.draft_extra.tokens
 
     def _speculates(self, replica: Replica) -> bool:
         spec = self.config.speculative_config

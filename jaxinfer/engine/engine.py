@@ -56,6 +56,8 @@ class EngineStats:
     num_spec_verifications: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [i]: verifications that accepted the draft at position i
+    num_draft_tokens_cut_by_grammar: int = 0  # constrained sequences' drafted tokens their grammar forbade (never verified)
     # per KV layer group (jaxinfer.kv_groups), pages held by sequences, all replicas together
     kv_pages_in_use_by_group: tuple[int, ...] = ()
     # prefix cache in pages: looked up, and loaded back from the KV tiers (engine.kv_tiers) rather than computed
@@ -220,6 +222,8 @@ class LLMEngine:
             num_spec_verifications=core.num_spec_verifications,
             num_draft_tokens=core.num_draft_tokens,
             num_accepted_tokens=core.num_accepted_tokens,
+            num_accepted_tokens_per_pos=tuple(core.num_accepted_tokens_per_pos),
+            num_draft_tokens_cut_by_grammar=core.num_draft_tokens_cut_by_grammar,
             kv_pages_in_use_by_group=tuple(map(sum, zip(*(bm.pages_in_use for bm in bms)))),
             prefix_cache_queries=queries,
             prefix_cache_host_hits=sum(bm.stats.host_hits for bm in bms),

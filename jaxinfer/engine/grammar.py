@@ -7,6 +7,14 @@ and the bitmask of allowed tokens for each constrained row of a step.
     backend.fill_bitmasks([matcher, ...], out)            # out: int32 [n, ceil(vocab / 32)]
     matcher.accept(token)                                 # each emitted token, in order
 
+Speculative decoding: a constrained sequence's drafts end before the first token its grammar
+forbids (`matcher.valid_prefix(draft)`, nothing consumed), and its verification rows get one mask
+each: `backend.fill_bitmasks(matchers, out, drafts)` writes len(draft) + 1 rows per matcher, the
+tokens allowed now and after each draft in turn (llguidance walks the matcher through the drafts
+and rolls it back; a draft tree, `parents` given: the row after each node's path, nodes cut by
+`matcher.valid_nodes`), so every row is masked as unspeculated decoding would mask it. The matcher
+then takes the accepted drafts and the token sampled after them through `accept`, as any token.
+
 Bit t % 32 of word t // 32 is set when token t is allowed (llguidance's layout, which the
 device's `ops.sampling.allowed_mask` reads). Logits past the tokenizer's vocabulary (the model's
 padding rows) are never allowed. When the grammar is complete and cannot continue, only EOS is.
@@ -62,6 +70,21 @@ class Matcher:
     def copy(self) -> "Matcher":
         return Matcher(self._m.deep_copy())
 
+    def valid_prefix(self, tokens) -> int:
+        """How many leading `tokens` the grammar allows from here, in order (nothing consumed).
+        Past the token that completes the grammar only EOS is allowed, and nothing past EOS."""
+        return self._m.validate_tokens([int(t) for t in tokens]) if len(tokens) else 0
+
+    def valid_nodes(self, tokens, parents) -> list[bool]:
+        """A draft tree's (tokens in topological order, parents[i] node i's parent, -1 the root):
+        whether the grammar allows each node's path from here (nothing consumed)."""
+        ok, paths = [], []
+        for token, parent in zip(tokens, parents):
+            path = (paths[parent] if parent >= 0 else []) + [int(token)]
+            paths.append(path)
+            ok.append((parent < 0 or ok[parent]) and self._m.validate_tokens(path) == len(path))
+        return ok
+
 
 class GrammarBackend:
     """llguidance behind the engine's grammar interface (module docstring)."""
@@ -116,11 +139,61 @@ class GrammarBackend:
             raise GrammarError(f"structured_outputs: {m.get_error()}")
         return Matcher(m)
 
-    def fill_bitmasks(self, matchers: list[Matcher], out: np.ndarray) -> None:
-        """Row i of `out` (int32 [n, num_words], C-contiguous) <- the tokens matchers[i] allows."""
+    def fill_bitmasks(self, matchers: list[Matcher], out: np.ndarray, drafts: list[list[int]] | None = None,
+                      parents: list[list[int]] | None = None) -> None:
+        """Row i of `out` (int32 [n, num_words], C-contiguous) <- the tokens matchers[i] allows.
+        With `drafts` (speculative decoding; each a prefix the grammar allows: `valid_prefix`),
+        matcher i has len(drafts[i]) + 1 consecutive rows, in matcher order: the tokens allowed
+        now, then after each of its drafts in turn. A draft tree (`parents[i]` not empty: each
+        node's parent, -1 the root; every path allowed: `valid_nodes`) has the row after each
+        node's path instead. No matcher is advanced."""
         assert out.dtype == np.int32 and out.shape[1] == self.num_words and out.flags["C_CONTIGUOUS"]
-        if matchers:
+        if not matchers:
+            return
+        if drafts is None:
             llguidance.numpy.fill_next_token_bitmask_par(self.executor, [(m._m, i) for i, m in enumerate(matchers)], out)
+            return
+        starts = np.cumsum([0] + [len(d) + 1 for d in drafts])
+        assert len(drafts) == len(matchers) and starts[-1] == len(out)
+        out[:] = 0
+        trees = [bool(parents and len(parents[i])) and len(drafts[i]) > 0 for i in range(len(matchers))]
+        for i in (i for i, tree in enumerate(trees) if tree):
+            self._fill_tree(matchers[i], drafts[i], parents[i], out[starts[i] : starts[i + 1]])
+        plain = [(m._m, int(first)) for m, first, d, tree in zip(matchers, starts, drafts, trees) if not len(d)]
+        drafted = [(m._m, int(first), [int(t) for t in d]) for m, first, d, tree in zip(matchers, starts, drafts, trees)
+                   if len(d) and not tree]
+        if plain:
+            llguidance.numpy.fill_next_token_bitmask_par(self.executor, plain, out)
+        if drafted:  # (llguidance refuses an empty draft here)
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafted, out)
+        # llguidance writes no row past a draft it does not take: after an EOS draft, where the
+        # sequence ends anyway (a row allowing nothing could not be sampled): only EOS, as when complete
+        unwritten = ~out.any(axis=1)
+        if unwritten.any():
+            out[unwritten] = self.eos_bitmask
+
+    def _fill_tree(self, matcher: Matcher, tokens, parents, out: np.ndarray) -> None:
+        """Row 0: the tokens allowed now; row i + 1: after node i's path (taken, then rolled back).
+        After an EOS node, where the sequence ends, the row is left for `fill_bitmasks`' EOS-only."""
+        m, paths = matcher._m, []
+        llguidance.numpy.fill_next_token_bitmask(m, out, 0)
+        for i, (token, parent) in enumerate(zip(tokens, parents)):
+            paths.append((paths[parent] if parent >= 0 else []) + [int(token)])
+            if int(token) in self._eos:
+                continue
+            if not m.consume_tokens(paths[i]):
+                raise GrammarError(f"structured_outputs: a draft the grammar forbids: {m.get_error()}")
+            try:
+                llguidance.numpy.fill_next_token_bitmask(m, out, i + 1)
+            finally:
+                m.rollback(len(paths[i]))
+
+    @property
+    def eos_bitmask(self) -> np.ndarray:
+        """int32 [num_words]: the EOS tokens alone."""
+        mask = np.zeros(self.num_words * 32, bool)
+        mask[[t for t in self._eos if t < self.vocab_size]] = True
+        return np.packbits(mask, bitorder="little").view(np.int32)
 
     def _after_reasoning(self, answer: str, p: StructuredOutputsParams) -> str:
         """`answer` (a grammar) preceded by free text up to and including p.reasoning_end: a

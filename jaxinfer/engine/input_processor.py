@@ -268,13 +268,13 @@ class InputProcessor:
             raise ValueError(f"{label}: {e}") from None
 
     def draft_length(self, p: SamplingParams) -> int:
-        """A new request's maximum draft length (0: it does not speculate)."""
+        """A new request's maximum draft length (0: it does not speculate). Constrained requests
+        speculate too: their drafts are cut by the grammar and each verification row gets the
+        mask of the state after the drafts before it (engine.core `_fill_allowed_tokens`)."""
         spec = self.config.speculative_config
         if spec is None:
             return 0
         if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
             return 0  # penalties depend on every token before: verified rows could not apply them
-        if p.structured_outputs is not None:
-            return 0  # each row's allowed tokens depend on the tokens before it, drafts included
         k = spec.num_speculative_tokens if p.num_speculative_tokens is None else p.num_speculative_tokens
         return min(k, spec.num_speculative_tokens)

@@ -36,7 +36,7 @@ import numpy as np
 from jaxinfer.ops.batch import BucketKey, Buckets, RaggedBatch, SequenceChunk, pack_batch, shared_key, stack_replicas
 from jaxinfer.ops.kv_cache import KVCache
 from jaxinfer.ops.linear_state import commit_drafts
-from jaxinfer.ops.sampling import MAX_BANNED_IDS, SampleOutput, SamplingTensors
+from jaxinfer.ops.sampling import MAX_BANNED_IDS, MAX_TREE_CHILDREN, SampleOutput, SamplingTensors
 from jaxinfer.runtime.placement import kv_partition_spec, kv_shardings
 from jaxinfer.runtime.step import StepFunction
 from jaxinfer.sampling_params import SamplingParams
@@ -61,7 +61,9 @@ class RowSampling:
     num_prompt_history: int = 0  # how many leading `history` ids are the prompt
     draft_tokens: Sequence[int] = ()  # per logits row: the drafted token it verifies, -1 = none (speculative decoding)
     draft_src: Sequence[int] = ()  # per logits row: its draft's distribution, a row of dispatch's draft_buffer (-1 = one-hot)
-    allowed_tokens: np.ndarray | None = None  # int32 [ceil(V / 32)]: bitmask of the tokens its rows may sample (structured outputs)
+    tree_children: Sequence[Sequence[int]] = ()  # draft trees: per logits row (a tree node), its children's tokens in rank order
+    # int32 [ceil(V / 32)]: bitmask of the tokens its rows may sample (structured outputs); [rows, ceil(V / 32)]: one per row
+    allowed_tokens: np.ndarray | None = None
 
     @property
     def uses_penalties(self) -> bool:
@@ -94,6 +96,7 @@ class RowResult:
     top_ids: np.ndarray  # [K]
     top_logprobs: np.ndarray  # [K]
     accepted: bool = False  # the row's drafted token was accepted
+    child: int = -1  # draft trees: the index of the row's accepted child among its children (-1: none)
     hidden: np.ndarray | None = None  # [H] float32: its final-normed hidden state (a pooling runner's rows)
 
 
@@ -157,6 +160,10 @@ class ModelRunner:
                              if self.lora_enabled else {})
         self._write_lora = None
         self.with_rope_positions = False  # every batch carries M-RoPE positions (a Qwen2.5-VL model: build_runner)
+        # every batch carries tree masks (speculative decoding with draft trees: build_engine), so
+        # that steps verifying trees and the others run the same compiled variants
+        self.with_tree = False
+        self.max_tree_moves = 0  # draft trees: the most token rows one step's verifications move (move_kv_rows)
         # a vision model's image steps: (rows' width, deepstack rows, span_end) of their batches (build_engine)
         self.image_inputs: tuple[int, int, bool] | None = None
 
@@ -175,6 +182,11 @@ class ModelRunner:
     @property
     def num_compiles(self) -> int:
         return self.step_fn.num_compiles
+
+    @property
+    def _tree_switch(self) -> dict:
+        """pack_batch's keyword for tree masks (only passed when on)."""
+        return {"with_tree": True} if self.with_tree else {}
 
     @property
     def page_size(self) -> int:
@@ -217,7 +229,7 @@ class ModelRunner:
         span_end = any(c.span_ends for c in chunks_of_step)
         packed = [pack_batch([s.chunk for s in chunks], self.buckets, page_sizes, key, with_lora=with_lora,
                              with_hidden=with_hidden, mm_width=mm_width, mm_deepstack=mm_deepstack, with_span_end=span_end,
-                             with_rope_positions=self.with_rope_positions) for chunks in scheduled]
+                             with_rope_positions=self.with_rope_positions, **self._tree_switch) for chunks in scheduled]
         rows_of_chunk = [rows for _, _, rows in packed]
         for chunks, (_, replica_batch, replica_rows) in zip(scheduled, packed):
             for s, rows, first in zip(chunks, replica_rows, replica_batch.cu_q_lens):
@@ -227,10 +239,11 @@ class ModelRunner:
         num_banned = max((len(s.sampling.banned_ids) for s in everything), default=0)
         penalties = any(s.sampling.uses_penalties for s in everything)
         drafts = any(s.sampling.draft_tokens for s in everything)
-        mask_words = max((len(s.sampling.allowed_tokens) for s in everything if s.sampling.allowed_tokens is not None), default=0)
+        trees = any(s.sampling.tree_children for s in everything)
+        mask_words = max((s.sampling.allowed_tokens.shape[-1] for s in everything if s.sampling.allowed_tokens is not None), default=0)
         sampling = jax.tree.map(lambda *a: np.stack(a), *(
             self._sampling_tensors(key, chunks, rows, want_logprobs, max_banned=num_banned, penalties=penalties,
-                                  drafts=drafts, mask_words=mask_words)
+                                  drafts=drafts, mask_words=mask_words, trees=trees)
             for chunks, rows in zip(scheduled, rows_of_chunk)
         ))
         if return_probs:
@@ -298,10 +311,11 @@ class ModelRunner:
             logprobs = np.zeros(tokens.shape, np.float32)
             top_ids = top_lps = np.zeros(tokens.shape + (0,))
         accepted = np.zeros(tokens.shape, bool) if out.accepted is None else np.asarray(out.accepted)
+        child = np.full(tokens.shape, -1, np.int32) if out.accepted_child is None else np.asarray(out.accepted_child)
         for i, chunks in enumerate(step.chunks):
             for s in chunks:
                 s.results = [RowResult(int(tokens[i, r]), float(logprobs[i, r]), top_ids[i, r], top_lps[i, r],
-                                       bool(accepted[i, r])) for r in s.rows]
+                                       bool(accepted[i, r]), int(child[i, r])) for r in s.rows]
 
     def execute(self, scheduled: Sequence[Sequence[ScheduledChunk]], *, want_logprobs: bool = False) -> list[list[list[RowResult]]]:
         """Runs one step and waits for it; per replica, per chunk, its results."""
@@ -323,7 +337,7 @@ class ModelRunner:
         with_lora = self.lora_enabled if with_lora is None else with_lora
         batch = empty_inputs(key, self.buckets.pages_per_seq, self.num_replicas, with_lora, self.buckets.num_groups,
                              with_rope_positions=self.with_rope_positions,
-                             image_inputs=self.image_inputs if with_images else None)
+                             image_inputs=self.image_inputs if with_images else None, with_tree=self.with_tree)
         return batch if self.pass_host_inputs else self._put(batch)
 
     def warmup(self, keys: Sequence[BucketKey] | None = None, *, drafts: bool = False) -> None:
@@ -367,8 +381,9 @@ class ModelRunner:
             rows, vocab = key.num_logits, logits.shape[-1]
             sharding = self.step_fn.logits_layout(rows, vocab).sharding
             outputs = _zeros([jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (logits, *hidden)])
-            for with_drafts in (False, True) if drafts else (False,):
-                sampling = every_processor_sampling(rows, vocab, self.max_history, self.num_replicas, drafts=with_drafts)
+            for with_drafts in (False, True) if drafts else (False,):  # (an engine with draft trees verifies trees)
+                sampling = every_processor_sampling(rows, vocab, self.max_history, self.num_replicas,
+                                                    drafts=with_drafts and not self.with_tree, trees=with_drafts and self.with_tree)
                 sampling = sampling if self.pass_host_inputs else self._put(sampling)
                 jax.block_until_ready(self.step_fn.sample(outputs[0], sampling, *outputs[1:]))
 
@@ -424,6 +439,31 @@ class ModelRunner:
         for i, (r, (slot, count)) in enumerate(commits):
             slots[i], kept[i] = r * n + slot, count
         self.kv = _commit_drafts(self.kv, slots, kept)
+
+    def move_kv_rows(self, moves: Sequence[tuple[int, Sequence[Sequence[int]], Sequence[int], int, int]]) -> None:
+        """Moves single tokens' K/V within their sequences' pages, in place: every layer, every KV
+        layer group, a quantized pool's scales too. Draft trees: the accepted nodes' rows go from
+        the slots they were verified in to the positions right after the root (engine.core).
+        `moves`: (replica, the sequence's page-table rows per group and their page_offsets (as its
+        chunk held them: `SequenceChunk.pages`), from position, to position). All sources are
+        read before any row is written. Padded with scratch-to-scratch moves to `max_tree_moves`
+        (one compiled size, `warmup_page_ops`; a power of two past it)."""
+        if not moves:
+            return
+        n, G = _power_of_two(max(len(moves), self.max_tree_moves)), len(self.kv_page_factors)
+        src = np.zeros((2, G, n), np.int32)  # (global page, offset in it) per group and move
+        dst = np.zeros((2, G, n), np.int32)
+        for i, (replica, rows, offsets, a, b) in enumerate(moves):
+            for g, row in enumerate(rows):
+                size = self.page_size * self.kv_page_factors[g]  # the group's tokens per page
+                first = offsets[g] if offsets else 0
+                for out, pos in ((src, a), (dst, b)):
+                    out[0, g, i] = replica * self.pages_per_replica + row[pos // size - first]
+                    out[1, g, i] = pos % size
+        mover = row_mover(self.step_fn.mesh, self.kv.quantized, self.kv.combined, self.kv.outliers > 0,
+                          self.kv.evict_score is not None, self.kv.state is not None,
+                          self.kv.state is not None and self.kv.state.drafts is not None, self.kv_page_factors)
+        self.kv = mover(self.kv, src, dst)
 
     def read_state(self, replica: int, slot: int):
         """One sequence slot's recurrent states, every linear layer, on the host (numpy arrays [L_lin, 1, ...])."""
@@ -518,10 +558,13 @@ class ModelRunner:
         """Compiles the page programs for every padded size: copies of up to `max_copies` pages
         (copy-on-write: a step copies at most a page per sequence) and, with swapping, reads and
         writes of up to `max_swapped` pages (a sequence's), with the KV tiers reads to host memory
-        of up to `max_offloaded`. Each runs once on the scratch page. A hybrid model's state
+        of up to `max_offloaded`, with draft trees the move of token rows (`move_kv_rows`). Each
+        runs once on the scratch page. A hybrid model's state
         programs too (a fork's copy, a swap's read and write), on the scratch slot."""
         for n in _powers_of_two_to(max_copies):
             self.copy_pages([(0, (0, 0))] * n)
+        if self.max_tree_moves:  # draft trees' accepted nodes (one size: scratch to scratch)
+            self.move_kv_rows([(0, [[0]] * len(self.kv_page_factors), (), 0, 0)])
         for n in _powers_of_two_to(max(max_swapped, max_offloaded)):
             self.write_pages(0, [0] * n, self.read_pages(0, [0] * n))
         for n in _powers_of_two_to(min(max_offloaded, self.buckets.pages_per_seq)):
@@ -546,11 +589,11 @@ def _powers_of_two_to(n: int) -> list[int]:
 
 def sampling_tensors(num_rows: int, scheduled, rows_of_chunk, max_history: int, want_logprobs: bool = False,
                       max_banned: int | None = None, penalties: bool | None = None,
-                      drafts: bool | None = None, mask_words: int | None = None) -> SamplingTensors:
+                      drafts: bool | None = None, mask_words: int | None = None, trees: bool | None = None) -> SamplingTensors:
     """One replica's sampling tensors for `num_rows` logits rows (host arrays); `max_history`: the
     longest a sequence can be (the penalties' history width). The optional fields are switched on by
     `max_banned` (the most banned ids of a row; always MAX_BANNED_IDS columns), `penalties`,
-    `drafts` and `mask_words` (the allowed-token bitmask's width), by default when one of these
+    `drafts`, `trees` (draft trees' children) and `mask_words` (the allowed-token bitmask's width), by default when one of these
     chunks needs them; a step passes what any replica needs, so the replicas' trees stack."""
     if max_banned is None:
         max_banned = max((len(s.sampling.banned_ids) for s in scheduled), default=0)
@@ -558,8 +601,10 @@ def sampling_tensors(num_rows: int, scheduled, rows_of_chunk, max_history: int, 
         penalties = any(s.sampling.uses_penalties for s in scheduled)
     if drafts is None:
         drafts = any(s.sampling.draft_tokens for s in scheduled)
+    if trees is None:
+        trees = any(s.sampling.tree_children for s in scheduled)
     if mask_words is None:
-        mask_words = max((len(s.sampling.allowed_tokens) for s in scheduled if s.sampling.allowed_tokens is not None), default=0)
+        mask_words = max((s.sampling.allowed_tokens.shape[-1] for s in scheduled if s.sampling.allowed_tokens is not None), default=0)
     R = num_rows
     temperature = np.zeros(R, np.float32)
     top_k = np.zeros(R, np.int32)
@@ -588,6 +633,11 @@ def sampling_tensors(num_rows: int, scheduled, rows_of_chunk, max_history: int, 
         for s, rows in zip(scheduled, rows_of_chunk):
             if s.sampling.draft_tokens:
                 st.draft_token[rows] = s.sampling.draft_tokens
+    if trees:
+        st.tree_children = np.full((R, MAX_TREE_CHILDREN), -1, np.int32)
+        for s, rows in zip(scheduled, rows_of_chunk):
+            for row, children in zip(rows, s.sampling.tree_children):
+                st.tree_children[row, : len(children)] = children
     if max_banned:
         if max_banned > MAX_BANNED_IDS:  # the input checks refuse such a request
             raise ValueError(f"{max_banned} banned ids in one row; the sampler holds at most {MAX_BANNED_IDS}")
@@ -617,11 +667,12 @@ def sampling_tensors(num_rows: int, scheduled, rows_of_chunk, max_history: int, 
 
 def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int, with_lora: bool = False,
                  num_groups: int = 1, *, with_rope_positions: bool = False,
-                 image_inputs: tuple[int, int, bool] | None = None) -> RaggedBatch:
+                 image_inputs: tuple[int, int, bool] | None = None, with_tree: bool = False) -> RaggedBatch:
     """A host batch of the key's shapes with no sequences in it (every token writes to scratch),
     stacked over the replicas: what warm-up compiles the model for and what ahead-of-time
     compiles take the shapes of. `image_inputs` (width, deepstack rows, span_end): the image
-    variant, as `ModelRunner.image_inputs` describes it (its fields, zeros)."""
+    variant, as `ModelRunner.image_inputs` describes it (its fields, zeros). `with_tree`: with
+    tree masks (every row plain causal attention: `pack_batch(with_tree=True)` of no chunks)."""
     T, S, R = key.num_tokens, key.num_seqs, key.num_logits
     batch = RaggedBatch(
         token_ids=np.zeros(T, np.int32),
@@ -642,16 +693,23 @@ def empty_inputs(key: BucketKey, pages_per_seq: int, num_replicas: int, with_lor
         batch.mm_embeds, batch.mm_mask = np.zeros((T, width), np.float32), np.zeros(T, bool)
         batch.mm_deepstack = np.zeros((deepstack, T, width), np.float32) if deepstack else None
         batch.span_end = np.zeros(T, np.int32) if span_end else None
+    if with_tree:  # (the fields pack_batch gives a batch of no chunks)
+        buckets = Buckets((T,), S, pages_per_seq, num_groups=num_groups)
+        _, empty, _ = pack_batch([], buckets, 1, key, with_tree=True)
+        for field in dataclasses.fields(empty):
+            if field.name.startswith("tree"):
+                setattr(batch, field.name, getattr(empty, field.name))
     return jax.tree.map(lambda a: np.stack([a] * num_replicas), batch)
 
 
 def every_processor_sampling(num_rows: int, vocab: int, max_history: int, num_replicas: int, *,
-                             drafts: bool = False) -> SamplingTensors:
+                             drafts: bool = False, trees: bool = False) -> SamplingTensors:
     """Host sampling tensors of `num_rows` rows, stacked over the replicas, with every logits
     processor switched on (penalties, held-back ids, the allowed-token mask) and with `drafts`
-    draft verification: what warm-up runs the sampling programs on and memory sizing measures."""
+    draft verification (`trees`: draft trees' verification): what warm-up runs the sampling
+    programs on and memory sizing measures."""
     st = sampling_tensors(num_rows, [], [], max_history, penalties=True, max_banned=1, drafts=drafts,
-                          mask_words=-(-vocab // 32))
+                          mask_words=-(-vocab // 32), trees=trees)
     return jax.tree.map(lambda a: np.stack([a] * num_replicas), st)
 
 
@@ -756,3 +814,36 @@ def page_ops(mesh, quantized: bool, combined: bool = False, linear: bool = False
     return PageOps(copy=jax.jit(copy, donate_argnums=0, out_shardings=kv_sharding),
                    write=jax.jit(write, donate_argnums=0, out_shardings=kv_sharding),
                    read=jax.jit(read, out_shardings=everywhere))
+
+
+@functools.cache
+def row_mover(mesh, quantized: bool, combined: bool, outliers: bool, eviction: bool, linear: bool, drafts: bool,
+              factors: tuple[int, ...]) -> Callable:
+    """Jitted (kv, src [2, G, n], dst [2, G, n]) -> kv, donated: for each KV layer group g and move i,
+    the token row at (page src[0, g, i], offset src[1, g, i]) of every slot copied to dst's, in every
+    page array. A group whose pages hold page_size * f tokens (`factors`: jaxinfer.kv_groups) sees
+    each page as that many rows (`KVCache.group_view`: the same bytes); a combined pool's scales
+    [slots, P, Hkv * 2 * page_size] run (head, K|V, token), so their token is the last axis."""
+    if outliers or eviction:
+        raise ValueError("moving single tokens' K/V (draft trees) is not supported with kv_cache_outliers or KV eviction")
+    kv_sharding = kv_shardings(mesh, quantized, combined, linear, drafts, False, False)
+
+    def move_rows(kv: KVCache, src, dst) -> KVCache:
+        def move(name: str, a: jax.Array) -> jax.Array:
+            slots, pages = a.shape[:2]
+            for g, f in enumerate(factors):
+                (sp, so), (dp, do) = src[:, g], dst[:, g]
+                if name == "kv_scale":  # [slots, P, Hkv * 2, page_size]: the token is the last axis
+                    view = a.reshape(slots, pages, -1, kv.page_size)
+                    a = view.at[:, dp, :, do].set(view[:, sp, :, so]).reshape(a.shape)
+                else:  # [slots, P, page_size * f, the rest]
+                    view = a.reshape(slots, pages, a.shape[2] * f, -1)
+                    a = view.at[:, dp, do].set(view[:, sp, so]).reshape(a.shape)
+            return a
+
+        arrays = kv.page_arrays()
+        moved = {f.name: move(f.name, getattr(arrays, f.name)) for f in dataclasses.fields(arrays)
+                 if f.name != "state" and getattr(arrays, f.name) is not None}
+        return dataclasses.replace(kv, **moved)
+
+    return jax.jit(move_rows, donate_argnums=0, out_shardings=kv_sharding)

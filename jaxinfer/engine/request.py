@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import itertools
 import time
+from typing import Any
 
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from jaxinfer.engine.grammar import Matcher
@@ -90,6 +91,10 @@ class SpecState:
     empty: int = 0  # proposals in a row that drafted nothing
     draft: list[int] = dataclasses.field(default_factory=list)  # drafted tokens to verify in its next step
     draft_src: list[int] = dataclasses.field(default_factory=list)  # their rows of the step's draft_buffer (draft models)
+    draft_parents: list[int] = dataclasses.field(default_factory=list)  # a draft tree's: each draft's parent (-1: root); [] = a chain
+    # rows after the tree's nodes, never accepted (lookahead's window: spec_decode.ExtraRows; its
+    # tokens are the last ones of `draft`); None: none
+    draft_extra: Any = None
     draft_computed: int = 0  # tokens a draft model's own cache holds for it
     hidden_row: int | None = None  # draft heads: the logits row (of step hidden_step) its newest token came from
     hidden_step: int = -1

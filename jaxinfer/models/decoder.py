@@ -141,6 +141,20 @@ class LayerRef:
         return dataclasses.replace(batch, page_table=batch.page_table[self.group])
 
 
+def check_tree_support(config: ModelConfig, batch: RaggedBatch) -> None:
+    """ValueError for a batch with tree masks (draft trees) on a model that cannot take them: M-RoPE
+    (three positions per token), KV eviction (its own masks and positions), recurrent layers (their
+    state runs through a chunk's tokens in order, not along the tree's branches)."""
+    if batch.tree_rope is None or batch.tree_bits is None:
+        raise ValueError("a batch with tree_base needs tree_bits and tree_rope too (ops.batch.pack_batch(with_tree=True))")
+    if batch.rope_positions is not None or config.mrope_section is not None:
+        raise ValueError("tree attention masks (draft trees) with M-RoPE positions are not supported")
+    if config.kv_eviction is not None:
+        raise ValueError("tree attention masks (draft trees) with KV eviction are not supported")
+    if config.has_linear_layers:
+        raise ValueError("tree attention masks (draft trees) with linear-attention (recurrent) layers are not supported")
+
+
 class Decoder(nnx.Module):
     """A decoder-only language model; a family file supplies `block` (see the module docstring)."""
 
@@ -195,16 +209,20 @@ class Decoder(nnx.Module):
 
     # ------------------------------------------------------------------ the step
     def __call__(self, kv: KVCache, batch: RaggedBatch, *, query_block: int, spec_block: int = 0,
-                 return_hidden: bool = False, return_stream: bool = False, input_hidden: jax.Array | None = None):
+                 return_hidden: bool = False, return_stream: bool | tuple[int, ...] = False,
+                 input_hidden: jax.Array | None = None):
         """One device's part of a step (see the module docstring).
 
         kv: this device's pages, [slots, P, page_size, Hkv_local, D]; batch: its replica's batch (T
         tokens, S sequence slots). Returns (logits [R, V] float32 for the rows
         batch.logits_indices, the same on every device of the replica; the updated cache), then
         with return_hidden the rows' final-normed hidden states [R, H] (draft heads read them),
-        with return_stream the residual stream after the last layer, before the final norm, of
-        every token [T, H] (a multi-token-prediction module reads it). `input_hidden` [T, H]: a
-        hidden state per token beside its id, for models whose input takes one (`step_input`).
+        with return_stream every token's residual stream (hidden + residual) at the input of the
+        layers it names, side by side: True names layer num_layers, the stream after the last
+        layer before the final norm, [T, H] (a multi-token-prediction module reads it); a tuple of
+        layer indices in 0..num_layers gives [T, len * H] (EAGLE-3 reads three: models.eagle3).
+        `input_hidden` [T, H']: a hidden state per token beside its id, for models whose input
+        takes one (`step_input`).
         """
         c, par = self.config, self.parallel
         T = batch.token_ids.shape[0]
@@ -228,14 +246,18 @@ class Decoder(nnx.Module):
         write_page = jnp.stack([page for page, _ in locations])  # [G, T]: every token's page and offset in each group
         write_offset = jnp.stack([offset for _, offset in locations])
         seq_of_token = jnp.minimum(jnp.searchsorted(batch.cu_q_lens[1:], jnp.arange(T), side="right"), S - 1)
-        rope = rope_tables(c, batch.positions, batch.kv_lens[seq_of_token], batch.rope_positions)  # kind -> [T, rotary_dim] each
+        logical_positions = batch.positions  # [T]: where RoPE (and position-dependent scales) put each token
+        if batch.tree_base is not None:  # draft trees: a node rotates at its root's position + its depth (ops.batch)
+            check_tree_support(c, batch)
+            logical_positions = batch.tree_rope
+        rope = rope_tables(c, logical_positions, batch.kv_lens[seq_of_token], batch.rope_positions)  # kind -> [T, dim] each
         slot = None  # LoRA: each of this device's tokens' adapter slot
         if getattr(self, "lora", None) is not None and batch.lora_slots is not None:
             slot_of_token = jnp.where(jnp.arange(T) < batch.cu_q_lens[-1], batch.lora_slots[seq_of_token], 0)  # padding: none
             slot = jax.lax.dynamic_slice_in_dim(slot_of_token, first_row, Tl)  # [Tl]
         query_scale = None
         if c.attn_temperature_scale is not None:  # Llama 4's attention temperature tuning, by each token's position
-            positions = jax.lax.dynamic_slice_in_dim(batch.positions, first_row, Tl).astype(jnp.float32)
+            positions = jax.lax.dynamic_slice_in_dim(logical_positions, first_row, Tl).astype(jnp.float32)
             query_scale = jnp.log1p(jnp.floor((positions + 1.0) / c.attn_temperature_floor)) * c.attn_temperature_scale + 1.0
         ple = self._per_layer_inputs(token_ids, x) if c.per_layer_input_size else None
         cache_rope = None
@@ -247,13 +269,18 @@ class Decoder(nnx.Module):
 
         num_slots = kv.num_slots
         # Fold the slot axis into the page axis: slot s's page p is page s * P + p of one pool.
-        stream, residual, pool = self.run_layers(step, (x, jnp.zeros_like(x), kv.fold_slots()))
+        stream_layers = (c.num_layers,) if return_stream is True else tuple(return_stream or ())
+        if any(not 0 <= i <= c.num_layers for i in stream_layers):
+            raise ValueError(f"return_stream={return_stream!r}: layer indices must be in 0..{c.num_layers}")
+        (stream, residual, pool), captured = self.run_layers(
+            step, (x, jnp.zeros_like(x), kv.fold_slots()), capture=tuple(i for i in stream_layers if i < c.num_layers))
+        captured[c.num_layers] = stream + residual
         hidden, rows_residual = self._logits_rows(stream, residual, batch.logits_indices, first_row)  # [R, H] each
         h, _ = add_rms_norm(hidden, rows_residual, self.norm_weight(self.final_norm[...]), c.rms_norm_eps, self.kernels)
         kv = pool.unfold_slots(num_slots)
         extras = (h,) if return_hidden else ()  # the final-normed hidden state of each logits row [R, H]
-        if return_stream:  # every token's stream [T, H] before the final norm
-            extras += (stream + residual,)
+        if stream_layers:  # every token's stream at the input of those layers [T, len * H]
+            extras += (jnp.concatenate([captured[i] for i in stream_layers], axis=-1),)
         return (self._lm_head(h), kv, *extras)
 
     def step_input(self, token_ids: jax.Array, positions: jax.Array, input_hidden: jax.Array | None) -> jax.Array:
@@ -261,10 +288,12 @@ class Decoder(nnx.Module):
         (a multi-token-prediction module also reads `input_hidden`: models.deepseek_mtp)."""
         return self._embed(token_ids)
 
-    def run_layers(self, step: StepInputs, carry):
+    def run_layers(self, step: StepInputs, carry, capture: tuple[int, ...] = ()):
         """carry = (hidden, residual, pool) through every layer (the period loop of the module docstring);
         with `batch.mm_deepstack` [K, T, H] (Qwen3-VL's deepstack) layer j < K's output at the image
-        tokens gains row j (added to hidden: the stream is hidden + residual)."""
+        tokens gains row j (added to hidden: the stream is hidden + residual). Returns (carry,
+        {layer: stream [T, H] at its input} for the layers in `capture`): the runs of layers are
+        cut at those layers, so the stream is read between two loops, not copied in every layer."""
         c, groups = self.config, self.kv_groups
         stacked = self.layers.stacked()
         # what a layer's code specialises on: its attention kind, its KV group, which stacks hold its
@@ -313,10 +342,14 @@ class Decoder(nnx.Module):
 
         first = c.first_dense_layers if c.is_moe else 0  # GLM-4.5's dense layers before the MoE ones
         shared = c.num_layers - c.kv_shared_layers  # Gemma 4's KV-shared layers after the others
-        for start, end in ((0, first), (first, shared), (shared, c.num_layers)):
+        cuts = sorted({0, first, shared, c.num_layers, *capture})
+        captured = {}
+        for start, end in zip(cuts, cuts[1:]):
+            if start in capture:
+                captured[start] = carry[0] + carry[1]
             if end > start:
                 carry = run(start, end, carry)
-        return carry
+        return carry, captured
 
     def block(self, step: StepInputs, layer: LayerRef, kind: LayerKind, w: dict, lw: dict | None, hidden, residual, pool):
         """One decoder layer (its K/V's place `layer`, static `kind`): (hidden, residual, pool) -> the same."""

@@ -359,6 +359,9 @@ def sparse_latent_attention(
     `write_latent_and_attend`; values: the rows' first value_dim dims). Returns [T, Hq, value_dim]
     float32. Queries go SPARSE_QUERY_BLOCK at a time, each block gathering its sequences' whole
     contexts [block, P * page_size, W]: memory linear in the context, time quadratic over a prefill."""
+    if batch.tree_base is not None:
+        raise ValueError("tree attention masks (draft trees) with DeepSeek sparse attention (its indexer's top-k) "
+                         "are not supported")
     T, D = q.shape[0], q.shape[-1]
     Di, S = q_index.shape[-1], page_table.shape[0]
     context = page_table.shape[1] * pages.shape[1]
@@ -432,7 +435,14 @@ def paged_attention(q, k, v, pool: KVCache, layer_page_offset, batch: RaggedBatc
     of a fresh prefill reads them instead of the pages). [T, Hq, D].
 
     spec_block > 0 (speculative decoding): sequences of 2 .. spec_block queries (verifying drafted
-    tokens; any number of them) get a pass of their own with query blocks of spec_block."""
+    tokens; any number of them) get a pass of their own with query blocks of spec_block.
+
+    Draft trees: a batch with tree masks (`batch.tree_base`, `tree_bits`: pallas_kernels.tree_mask)
+    reaches the kernel table's attention with them (every implementation honours them). The flash
+    path (causal over the step's own K/V) stays open to it: it runs only when every sequence starts
+    at position 0, and a tree's root always follows a cached prefix, so such a step holds no tree
+    rows (their masks there are plain causal). Images attended both ways (`span_end`) cannot be
+    combined with them."""
     page_table = batch.page_table + layer_page_offset
     lanes = {"lane_blocks": lane_blocks} if lane_blocks > 1 else {}  # (the TPU kernel's option)
 
@@ -451,6 +461,9 @@ def paged_attention(q, k, v, pool: KVCache, layer_page_offset, batch: RaggedBatc
     def paged():
         return on_pages(kernels.ragged_attention, q, query_block=query_block, spec_block=spec_block, **lanes)
 
+    tree = batch.tree_base is not None
+    if tree and batch.span_end is not None:
+        raise ValueError("tree attention masks (draft trees) with images attended both ways (span_end) are not supported")
     fresh_prefill = takes_flash_path(batch, q.shape[0], query_block=query_block, kernels=kernels)
     if not flash or fresh_prefill is False or sinks is not None:
         out = paged()  # (the flash kernels have no attention sinks)
@@ -516,6 +529,8 @@ def local_view(batch: RaggedBatch, first_row, num_rows: int) -> RaggedBatch:
     q_lens = cu[1:] - cu[:-1]
     end_in_rows = jnp.clip(first_row + num_rows - cu[:-1], 0, q_lens)  # [S]: how many of its queries end before the rows' end
     local_rows = lambda a: jax.lax.dynamic_slice_in_dim(a, first_row, num_rows)  # noqa: E731
+    tree = {name: local_rows(getattr(batch, name)) for name in ("tree_base", "tree_bits", "tree_rope")
+            if getattr(batch, name) is not None}  # draft trees' per-row masks (and RoPE positions)
     return dataclasses.replace(
         batch,
         token_ids=local_rows(batch.token_ids),
@@ -523,6 +538,7 @@ def local_view(batch: RaggedBatch, first_row, num_rows: int) -> RaggedBatch:
         token_src=local_rows(batch.token_src),
         cu_q_lens=jnp.clip(cu - first_row, 0, num_rows),
         kv_lens=batch.kv_lens - q_lens + end_in_rows,
+        **tree,
     )
 
 
@@ -568,6 +584,9 @@ def attend_sequence_parallel(q, k, v, cos, sin, pool: KVCache, layer_page_offset
 
     if sinks is not None:
         raise NotImplementedError("attention sinks with ring attention (sequence parallelism): use sp_attention='allgather'")
+    if batch.tree_base is not None:  # the ring attends the step's own keys causally, without the rows' masks
+        raise NotImplementedError("tree attention masks (draft trees) with ring attention (sequence parallelism): "
+                                  "use sp_attention='allgather'")
     if pool.outliers:  # each device writes the blocks in its own ring order: a page's slots would differ between them
         raise NotImplementedError("KV outlier slots with ring attention (sequence parallelism): use sp_attention='allgather'")
     T = Tl * sp

@@ -32,6 +32,16 @@ buckets, so the step compiles once per bucket.
     span_end        [T]              optional (images attended both ways: Gemma 3): the last
                                      position the token's query sees (its own position, or its
                                      image's last one)
+    tree_base       [T]              optional (draft trees: speculative decoding): the first cache
+                                     position the token's tree mask covers; tokens outside a tree
+                                     and padding: their position + 1 (plain causal)
+    tree_bits       [T]              optional, with tree_base: the mask as int32 bits, bit j = the
+                                     key at tree_base + j is visible (pallas_kernels.tree_mask);
+                                     keys before tree_base always are, at tree_base + 32 or later
+                                     never, and none past the token's own position; 0 outside trees
+    tree_rope       [T]              optional, with tree_base: each token's RoPE position (a node's
+                                     root position + its depth; outside trees its position), read
+                                     instead of `positions` for RoPE; K/V go to `positions` as usual
 """
 
 from __future__ import annotations
@@ -67,6 +77,9 @@ class RaggedBatch:
     mm_mask: jax.Array | None = None  # [T] bool: the token reads its mm_embeds row
     mm_deepstack: jax.Array | None = None  # [K, T, H]: image tokens' stream += row j after layer j (Qwen3-VL)
     span_end: jax.Array | None = None  # [T] int32: last key position its query sees (bidirectional images)
+    tree_base: jax.Array | None = None  # [T] int32: first cache position of its tree mask (draft trees; None: causal)
+    tree_bits: jax.Array | None = None  # [T] int32: the tree mask's bits (with tree_base)
+    tree_rope: jax.Array | None = None  # [T] int32: RoPE positions (with tree_base; positions elsewhere)
 
 
 @dataclasses.dataclass
@@ -97,6 +110,14 @@ class SequenceChunk:
     # image's last: images attended both ways)
     span_ends: Sequence[tuple[int, int, int]] = ()
     rope_positions: np.ndarray | None = None  # [3, n]: its tokens' M-RoPE positions (None: its positions, thrice)
+    # draft trees (speculative decoding; pallas_kernels.tree_mask): tree_base -1 = an ordinary causal
+    # chunk; >= 0 = the first KV position its masks cover (maybe written by an earlier step), and
+    # tree_masks gives each token a 32-bit mask: bit j = its query sees the key at tree_base + j
+    # (keys before tree_base always, at tree_base + 32 or later never; the causal bound holds too).
+    # tree_positions: each token's RoPE position (root position + depth); () = its slot position.
+    tree_base: int = -1
+    tree_masks: Sequence[int] = ()
+    tree_positions: Sequence[int] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +259,33 @@ class Buckets:
         return keys
 
 
+def tree_fields(chunks: Sequence[SequenceChunk], positions: np.ndarray, cu_q_lens: np.ndarray):
+    """(tree_base, tree_bits, tree_rope) [T] int32 each for a batch's chunks (RaggedBatch): tree
+    chunks' masks and RoPE positions; every other token (padding too) base = position + 1, bits 0,
+    RoPE at its position, which the visibility rule makes plain causal."""
+    base = positions + 1
+    bits = np.zeros_like(positions)
+    rope = positions.copy()
+    for s, c in enumerate(chunks):
+        first, n = int(cu_q_lens[s]), len(c.token_ids)
+        if c.tree_base < 0:
+            if c.tree_masks or c.tree_positions:
+                raise ValueError(f"sequence slot {s}: tree_masks / tree_positions without a tree_base")
+            continue
+        if len(c.tree_masks) != n:
+            raise ValueError(f"sequence slot {s}: {len(c.tree_masks)} tree masks for {n} tokens")
+        if c.tree_positions and len(c.tree_positions) != n:
+            raise ValueError(f"sequence slot {s}: {len(c.tree_positions)} tree positions for {n} tokens")
+        masks = np.asarray(c.tree_masks, np.int64)
+        if np.any((masks < 0) | (masks >= 2**32)):
+            raise ValueError(f"sequence slot {s}: tree masks must be 32-bit (0 <= mask < 2**32)")
+        base[first : first + n] = c.tree_base
+        bits[first : first + n] = masks.astype(np.uint32).view(np.int32)
+        if c.tree_positions:
+            rope[first : first + n] = c.tree_positions
+    return base, bits, rope
+
+
 def fresh_pages(num_groups: int, num_pages: int) -> list[list[int]]:
     """Page-table rows of one sequence alone in a pool: num_pages pages for each of num_groups KV
     layer groups, all distinct, from page 1 on (a pool of num_groups * num_pages + 1 pages)."""
@@ -260,7 +308,7 @@ def stack_replicas(batches: Sequence[RaggedBatch]) -> RaggedBatch:
 def pack_batch(
     chunks: Sequence[SequenceChunk], buckets: Buckets, page_size: int | Sequence[int], key: BucketKey | None = None, *,
     with_lora: bool = False, with_hidden: bool | None = None, mm_width: int = 0, mm_deepstack: int = 0,
-    with_span_end: bool = False, with_rope_positions: bool = False,
+    with_span_end: bool = False, with_rope_positions: bool = False, with_tree: bool = False,
 ) -> tuple[BucketKey, RaggedBatch, list[list[int]]]:
     """Flattens chunks into a padded RaggedBatch (numpy arrays), in the bucket `key` (default:
     the smallest that holds them); `with_lora`: with each sequence's LoRA slot (`lora_slots`);
@@ -268,7 +316,9 @@ def pack_batch(
     `mm_width` > 0: with image rows of that width (`mm_embeds`, `mm_mask`: chunks' `mm_rows`);
     `mm_deepstack` > 0: with that many deepstack rows per image token (`mm_deepstack`: theirs);
     `with_span_end`: with each query's last visible position (`span_end`: chunks' `span_ends`);
-    `with_rope_positions`: with M-RoPE positions (`rope_positions`).
+    `with_rope_positions`: with M-RoPE positions (`rope_positions`);
+    `with_tree`: with tree masks and RoPE positions (`tree_base`, `tree_bits`, `tree_rope`: chunks'
+    `tree_base`, `tree_masks`, `tree_positions`; every other token plain causal at its position).
     page_size: tokens per page, or per KV layer group (groups of another shape: jaxinfer.kv_groups).
 
     Returns the bucket key, the batch, and for each chunk the indices (into the R logits rows)
@@ -375,6 +425,10 @@ def pack_batch(
             for lo, hi, last in c.span_ends:
                 span_end[first + lo : first + hi] = last
         batch.span_end = span_end
+    if with_tree:
+        batch.tree_base, batch.tree_bits, batch.tree_rope = tree_fields(chunks, positions, cu_q_lens)
+    elif any(c.tree_base >= 0 for c in chunks):
+        raise ValueError("a chunk has a tree mask (tree_base >= 0) in a batch packed without them (with_tree=False)")
     if with_lora:
         batch.lora_slots = np.zeros(S, np.int32)
         batch.lora_slots[: len(chunks)] = [c.lora_slot for c in chunks]

@@ -104,7 +104,8 @@ def xla_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *,
     short chunks of speculating sequences, then the (at most MAX_PREFILL_CHUNKS) prefill chunks
     with large query blocks. Rows a pass does not serve come out as zeros, so the sum is the
     answer. A decode bucket (query_block 1) is one pass. [T, Hq, D]. `outliers`: a quantized
-    pool's outlier-token residual slots (split_kv; jaxinfer.ops.kv_cache)."""
+    pool's outlier-token residual slots (split_kv; jaxinfer.ops.kv_cache). Every pass applies the
+    batch's tree masks when it has them (`batch.tree_base`, `tree_bits`)."""
     del num_kv_heads  # the XLA pools hold exactly the model's heads
     if lane_blocks != 1:
         raise ValueError("lane_blocks: only the TPU kernel reads pages as lane blocks (combined pools)")
@@ -114,7 +115,8 @@ def xla_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *,
         q, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap, sinks=sinks,
         k_scale=k_scale, v_scale=v_scale, num_queries_per_block=query_block, outliers=outliers,
-        num_kv_pages_per_block=max(1, kv_tokens // page_size), items_per_step=items, **kw,
+        num_kv_pages_per_block=max(1, kv_tokens // page_size), items_per_step=items,
+        tree_base=batch.tree_base, tree_bits=batch.tree_bits, **kw,
     )
     decode_items = min(max(S, 2), 16)
     # products and sums read K and V once per query head sharing them: with many heads per KV head
@@ -182,7 +184,8 @@ def _tpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *
                                     spec_block=spec_block, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
                                     outliers=outliers)
     return rpa_tpu.ragged_paged_attention(
-        q, k_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, k_scale, sinks, sm_scale=sm_scale,
+        q, k_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, k_scale, sinks,
+        tree_base=batch.tree_base, tree_bits=batch.tree_bits, sm_scale=sm_scale,
         sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap, num_queries_per_block=query_block,
         lane_blocks=lane_blocks, interpret=interpret)
 
@@ -198,14 +201,14 @@ def _gpu_ragged_attention(q, k_pages, v_pages, page_table, batch: RaggedBatch, *
     return rpa_gpu.ragged_paged_attention(
         q, k_pages, v_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs, sm_scale=sm_scale,
         sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap, num_queries_per_block=query_block,
-        interpret=interpret, sinks=sinks)
+        interpret=interpret, sinks=sinks, tree_base=batch.tree_base, tree_bits=batch.tree_bits)
 
 
 def _tpu_mla_attention(q, latent_pages, page_table, batch: RaggedBatch, *, value_dim: int, sm_scale: float,
                        query_block: int, spec_block: int = 0, scales=None, interpret: bool) -> jax.Array:
     """The TPU kernel reads float rows and values of whole 128-lane rows (DeepSeek's 512); a
-    quantized pool and other widths (tiny test models) take the XLA path."""
-    if value_dim % 128 or scales is not None:
+    quantized pool, other widths (tiny test models) and tree masks (batch.tree_base) take the XLA path."""
+    if value_dim % 128 or scales is not None or batch.tree_base is not None:
         return xla_mla_attention(q, latent_pages, page_table, batch, value_dim=value_dim, sm_scale=sm_scale,
                                  query_block=query_block, spec_block=spec_block, scales=scales)
     return mla_tpu.mla_attention(q, latent_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs,
@@ -215,8 +218,8 @@ def _tpu_mla_attention(q, latent_pages, page_table, batch: RaggedBatch, *, value
 def _gpu_mla_attention(q, latent_pages, page_table, batch: RaggedBatch, *, value_dim: int, sm_scale: float,
                        query_block: int, spec_block: int = 0, scales=None, interpret: bool) -> jax.Array:
     """The Triton kernel reads float rows, the latent part as one power-of-two block (DeepSeek's
-    512), then a rope part; a quantized pool and other widths take the XLA path."""
-    if value_dim < 16 or value_dim & (value_dim - 1) or scales is not None:
+    512), then a rope part; a quantized pool, other widths and tree masks take the XLA path."""
+    if value_dim < 16 or value_dim & (value_dim - 1) or scales is not None or batch.tree_base is not None:
         return xla_mla_attention(q, latent_pages, page_table, batch, value_dim=value_dim, sm_scale=sm_scale,
                                  query_block=query_block, spec_block=spec_block, scales=scales)
     return mla_gpu.mla_attention(q, latent_pages, batch.kv_lens, page_table, batch.cu_q_lens, batch.num_seqs,
@@ -249,7 +252,9 @@ class Kernels:
     ragged_attention(q [T,Hq,D], k_pages, v_pages, page_table [S,pages], batch, *, num_kv_heads,
         sm_scale, sliding_window, query_block, attention_chunk, spec_block, soft_cap, sinks, k_scale, v_scale) -> [T,Hq,D]
         (attention_chunk: Llama 4's chunked local attention, pallas_kernels.visible_span)
-        (sinks [Hq]: attention sinks, GPT-OSS; the TPU kernel leaves them to the XLA path)
+        (sinks [Hq]: attention sinks, GPT-OSS)
+        (tree masks: the batch's `tree_base` / `tree_bits` [T] when set (draft trees,
+        pallas_kernels.tree_mask), honoured by every implementation; None: causal, compiled as before)
         (k_scale / v_scale: a quantized pool's scales [pages, page_size, heads], else None; a
         combined pool comes as k_pages with v_pages None; outliers, given only when the pool keeps
         them: (token [pages, R], k_res, v_res [pages, R, heads, D]), read by the XLA path)
@@ -263,7 +268,7 @@ class Kernels:
     mla_attention(q [T,Hq,D], latent_pages [P,page_size,W], page_table, batch, *, value_dim, sm_scale, query_block,
         spec_block, scales) -> [T,Hq,value_dim]: multi-head latent attention over one latent row per token,
         the keys of every head and, their first value_dim entries, the values (pallas_kernels.mla_attention);
-        scales [P,page_size]: an int8 / e4m3 pool's, one per row (the XLA path reads those)
+        scales [P,page_size]: an int8 / e4m3 pool's, one per row (the XLA path reads those, and tree masks)
     add_rms_norm(x, residual, weight, *, eps) -> (normed, x + residual)
     swiglu_matmul(x [T,H], w_gate_up [H,2I]) -> silu(gate) * up [T,I]
     lora_delta(x [T,K], a [N,K,P R], bs (P x [N,R,O_p]), slot [T]) -> float32 [T, sum O_p]: the

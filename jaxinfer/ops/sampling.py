@@ -40,6 +40,18 @@ rejected (when the row has no draft, that is p itself: the bonus token after a f
 draft, or an ordinary row). This is the standard rejection sampler; the output distribution is
 exactly the target's. The acceptance draw and the sample use independent keys derived from the
 row's (seed, counter), and rows without a draft sample exactly as without speculation.
+
+Draft trees (`tree_children` set, another static switch): a row is a node of a draft tree and
+carries its children's tokens [R, C] in rank order (-1 padding), each a deterministic proposal
+(q one-hot). Multi-draft rejection sampling (SpecInfer's, with one-hot drafts): with p' = the
+row's processed target distribution p, each child in turn is accepted with probability p'(t); a
+rejected child's token gets p'(t) = 0 and p' is renormalised; if none is accepted, the row's
+token is drawn from the final p'. Per child that is u_j * mass_j < p(t_j), mass_j being the mass
+p keeps after the earlier children's (distinct) tokens are removed, so the whole row is a few
+[R, C] operations. The emitted token (the accepted child's, or the draw) is distributed exactly
+as p; greedy rows accept the child equal to the argmax. `verify_tree` returns, per row, the
+accepted child's index (-1: none) and the draw; the host walks from the root along accepted
+children (engine.core).
 """
 
 from __future__ import annotations
@@ -52,6 +64,9 @@ import jax.numpy as jnp
 # Columns of `SamplingTensors.banned_ids`: a request with min_tokens holds back at most this many
 # token ids (its stop_token_ids and EOS); the engine's input checks refuse more.
 MAX_BANNED_IDS = 32
+# Columns of `SamplingTensors.tree_children`: a draft tree node's children (a tree of at most 31
+# nodes under its root gives a node at most 31); one fixed width, so no tree picks a shape.
+MAX_TREE_CHILDREN = 32
 
 
 @jax.tree_util.register_dataclass
@@ -82,6 +97,9 @@ class SamplingTensors:
     # [R, ceil(V / 32)] int32 structured outputs: bit t % 32 of word t // 32 set = token t allowed
     # (-1: every token); None = no row is constrained
     allowed_tokens: jax.Array | None = None
+    # [R, MAX_TREE_CHILDREN] int32 draft trees: the row's children's tokens in rank order, -1 = padding;
+    # None = no row verifies a tree
+    tree_children: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -94,6 +112,7 @@ class SampleOutput:
     accepted: jax.Array | None = None  # [R] bool: the row's drafted token was accepted (speculative steps only)
     probs: jax.Array | None = None  # [R, V] float32: the distribution each row sampled from (SamplingTensors.return_probs)
     hidden: jax.Array | None = None  # [R, H] float32: each row's final-normed hidden state (StepFunction(return_hidden=True))
+    accepted_child: jax.Array | None = None  # [R] int32: draft trees: the accepted child's column of tree_children, -1 = none
 
 
 def filter_top_k_top_p_by_sorting(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -270,10 +289,15 @@ def sample(logits: jax.Array, st: SamplingTensors, num_top_logprobs: int, raw_lo
         return jnp.where(is_random, drawn, greedy)
 
     tokens = jax.lax.cond(jnp.any(is_random), draw, lambda: greedy)
-    accepted = None
+    accepted = child = None
     if st.draft_token is not None:
         tokens, accepted = verify_drafts(logits, st, tokens)
+    if st.tree_children is not None:
+        tokens, child = verify_tree(logits, st, tokens)
     emitted = tokens if accepted is None else jnp.where(accepted, st.draft_token, tokens)
+    if child is not None:
+        child_token = jnp.take_along_axis(st.tree_children, jnp.maximum(child, 0)[:, None], axis=-1)[:, 0]
+        emitted = jnp.where(child >= 0, child_token, emitted)
     target = jnp.where(st.target_ids >= 0, st.target_ids, emitted)
 
     def with_logprobs():
@@ -294,7 +318,7 @@ def sample(logits: jax.Array, st: SamplingTensors, num_top_logprobs: int, raw_lo
     else:
         token_logprobs, top_ids, top_logprobs = jax.lax.cond(jnp.any(st.want_logprobs), with_logprobs, without_logprobs)
     probs = processed_probs(logits, st) if st.return_probs is not None else None
-    return SampleOutput(tokens, token_logprobs, top_ids, top_logprobs, accepted, probs)
+    return SampleOutput(tokens, token_logprobs, top_ids, top_logprobs, accepted, probs, accepted_child=child)
 
 
 def processed_probs(logits: jax.Array, st: SamplingTensors) -> jax.Array:
@@ -343,3 +367,50 @@ def _rejection_sample(logits: jax.Array, st: SamplingTensors, plain_tokens: jax.
     drawn = jnp.argmax(jnp.log(residual) + gumbel, axis=-1).astype(jnp.int32)
     replacement = jnp.where(st.temperature > 0, drawn, jnp.argmax(residual, axis=-1).astype(jnp.int32))
     return jnp.where(has_draft, replacement, plain_tokens), accepted
+
+
+def verify_tree(logits: jax.Array, st: SamplingTensors, plain_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Multi-draft rejection sampling of draft trees' children (module docstring). logits [R, V]
+    after penalties and bans; plain_tokens [R]: what the rows drew so far (kept for rows without
+    children: leaves sample their bonus token as plain rows do). Returns (tokens [R]: the draw from
+    p without the children's tokens, used when none is accepted; accepted child [R] int32, -1 = none)."""
+    children = st.tree_children  # [R, C]
+    valid = children >= 0
+    has_children = valid.any(axis=-1)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def all_greedy():  # p one-hot at the argmax: the first child equal to it, else the argmax
+        match = valid & (children == greedy[:, None])
+        child = jnp.where(match.any(axis=-1), jnp.argmax(match, axis=-1), -1).astype(jnp.int32)
+        return jnp.where(has_children, greedy, plain_tokens), child
+
+    any_random = jnp.any(has_children & (st.temperature > 0))
+    return jax.lax.cond(any_random, lambda: _tree_rejection_sample(logits, st, plain_tokens), all_greedy)
+
+
+def _tree_rejection_sample(logits: jax.Array, st: SamplingTensors, plain_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    R, V = logits.shape
+    children = st.tree_children  # [R, C]
+    C = children.shape[1]
+    valid = children >= 0
+    has_children = valid.any(axis=-1)
+    p = processed_probs(logits, st)  # [R, V] (greedy rows: one-hot at the argmax)
+    p_child = jnp.take_along_axis(p, jnp.maximum(children, 0), axis=-1)  # [R, C]
+    # a child repeating an earlier sibling's token was rejected with it (its p' is 0 by then)
+    earlier = jnp.tril(jnp.ones((C, C), bool), k=-1)[None]  # [1, C (this child), C (an earlier one)]
+    repeat = (valid[:, :, None] & (children[:, :, None] == children[:, None, :]) & earlier).any(axis=-1)
+    p_child = jnp.where(valid & ~repeat, p_child, 0.0)
+    mass = p.sum(axis=-1, keepdims=True) - (jnp.cumsum(p_child, axis=-1) - p_child)  # [R, C]: p' unnormalised, before child j
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(st.seed, st.counter)
+    u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1), (C,), jnp.float32))(keys)  # [R, C]
+    accept = valid & (u * mass < p_child)  # u < p'(t): p(t) / mass
+    child = jnp.where(accept.any(axis=-1), jnp.argmax(accept, axis=-1), -1).astype(jnp.int32)
+    # no child accepted: draw from p without every child's token, renormalised
+    rows = jnp.broadcast_to(jnp.arange(R)[:, None], (R, C))
+    residual = p.at[rows, jnp.where(valid, children, V)].set(0.0, mode="drop")
+    total = residual.sum(axis=-1, keepdims=True)
+    residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p)  # (rounding left nothing: p)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(keys)
+    drawn = jnp.argmax(jnp.log(residual) + gumbel, axis=-1).astype(jnp.int32)
+    replacement = jnp.where(st.temperature > 0, drawn, jnp.argmax(residual, axis=-1).astype(jnp.int32))
+    return jnp.where(has_children, replacement, plain_tokens), child

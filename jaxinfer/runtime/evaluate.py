@@ -71,6 +71,35 @@ def _hidden_step(graphdef: nnx.GraphDef) -> StepFunction:
     return StepFunction(graphdef, num_top_logprobs=0, return_hidden=True)
 
 
+def stream_states(config: ModelConfig, graphdef: nnx.GraphDef, params: nnx.State, token_ids: list[int],
+                  layers: tuple[int, ...], page_size: int = 16) -> np.ndarray:
+    """The residual streams at the input of `layers`, side by side, [n, len(layers) * H] (float32),
+    at every position of token_ids (an EAGLE-3 head trains on them: jaxinfer.training.eagle3); the
+    target's own model program with `return_stream=layers`, compiled once per power-of-two length."""
+    n = len(token_ids)
+    if not 0 < n <= config.max_position_embeddings:
+        raise ValueError(f"token_ids has {n} tokens; need 1..{config.max_position_embeddings} (max_position_embeddings)")
+    pages_per_seq = -(-config.max_position_embeddings // page_size)
+    bucket = 1 << max(4, (n - 1).bit_length())
+    G = kv_groups(config).num_groups
+    key, batch, rows = pack_batch(
+        [SequenceChunk(list(token_ids), 0, fresh_pages(G, pages_per_seq), list(range(n)))],
+        Buckets((bucket,), max_num_seqs=1, pages_per_seq=pages_per_seq, num_groups=G),
+        page_size,
+    )
+    step = _stream_step(graphdef, tuple(layers), bucket)
+    kv = KVCache.create(config, G * pages_per_seq + 1, page_size)
+    prev_tokens = jnp.zeros((1, bucket), jnp.int32)
+    _, _, stream = step._model(params, kv, step.place_inputs(stack_replicas([batch])), prev_tokens,
+                               query_block=key.query_block)
+    return np.asarray(stream[0], np.float32)[:n]  # (the text is the batch's first n token rows)
+
+
+@functools.lru_cache(maxsize=8)
+def _stream_step(graphdef: nnx.GraphDef, layers: tuple[int, ...], rows: int) -> StepFunction:
+    return StepFunction(graphdef, num_top_logprobs=0, max_rows=rows, return_stream=layers)
+
+
 def perplexity(config: ModelConfig, graphdef: nnx.GraphDef, params: nnx.State, token_ids: list[int],
                kv_dtype=jnp.float32, kv_outliers: int = 0) -> float:
     """exp(mean negative log-likelihood) of token_ids[1:] given their prefixes."""

@@ -84,14 +84,16 @@ TPU_COMPILER_OPTIONS = {"xla_tpu_enable_offloading_scatter_to_sparsecore": "fals
 
 class StepFunction:
     def __init__(self, graphdef: nnx.GraphDef, num_top_logprobs: int, max_rows: int = 1, *,
-                 mesh: Mesh | None = None, param_specs=None, return_hidden: bool = False, return_stream: bool = False,
-                 pooling: bool = False):
+                 mesh: Mesh | None = None, param_specs=None, return_hidden: bool = False,
+                 return_stream: bool | tuple[int, ...] = False, pooling: bool = False):
         """`mesh` defaults to one device; `param_specs` (`param_partition_specs`) is needed with a
         mesh of more than one device (on one device every parameter is whole). `return_hidden`:
         the step's SampleOutput also carries the logits rows' hidden states (`hidden` [R, H]).
         `return_stream`: the model program also returns every token's residual stream before the
         final norm, [replicas, max_rows, H] (rows past the batch's tokens: padding), left on the
-        device for the next program that reads it (`__call__`'s fourth result; models.deepseek_mtp).
+        device for the next program that reads it (`__call__`'s fourth result; models.deepseek_mtp);
+        a tuple of layer indices instead: the streams at the input of those layers side by side,
+        [replicas, max_rows, len * H] (EAGLE-3's auxiliary hidden states: models.eagle3).
         `pooling` (runner="pooling"): the step returns the rows' hidden states alone (the
         SampleOutput's `hidden`, its other fields None): no LM head is computed (XLA drops it, its
         logits being unused), nothing is sampled, the token buffer passes through unchanged."""

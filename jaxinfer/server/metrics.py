@@ -4,7 +4,10 @@ Latency histograms are observed as each request finishes, from its `RequestMetri
 first token, mean inter-token latency (per generated token), end to end, and queue time
 (arrival to first scheduled step). Gauges and counters are read from the engine's stats when
 scraped: running / waiting / swapped requests, KV cache usage, prefix cache hit rate (the KV
-tiers': host and disk, engine.kv_tiers), preemptions, speculative acceptance, compiles, tokens.
+tiers': host and disk, engine.kv_tiers), preemptions, compiles, tokens, and speculative decoding:
+verifications (spec_decode_num_drafts), drafted and accepted tokens, accepted tokens per draft
+position (spec_decode_num_accepted_tokens_per_pos{position="i"}, as vLLM's), drafted tokens a
+structured output's grammar cut.
 """
 
 from __future__ import annotations
@@ -83,7 +86,17 @@ class _EngineCollector:
             ("prefix_cache_host_hits", "Prefix pages loaded back from the host memory tier", s.prefix_cache_host_hits),
             ("prefix_cache_disk_hits", "Prefix pages loaded back from the disk tier", s.prefix_cache_disk_hits),
             ("kv_offloaded_pages", "Evicted prefix pages kept in the host memory tier", s.kv_offloaded_pages),
-            ("spec_decode_num_draft_tokens", "Speculative tokens drafted", s.num_draft_tokens),
+            ("spec_decode_num_drafts", "Verification steps of speculated sequences", s.num_spec_verifications),
+            ("spec_decode_num_draft_tokens", "Speculative tokens drafted and verified", s.num_draft_tokens),
             ("spec_decode_num_accepted_tokens", "Speculative tokens accepted", s.num_accepted_tokens),
+            ("spec_decode_num_draft_tokens_cut_by_grammar", "Drafted tokens a structured output's grammar forbade "
+             "(dropped before verification)", s.num_draft_tokens_cut_by_grammar),
         ):
             yield CounterMetricFamily(f"jaxinfer:{name}", doc, value=value)
+        per_pos = CounterMetricFamily("jaxinfer:spec_decode_num_accepted_tokens_per_pos",
+                                      "Verifications that accepted the draft at each position (0: the first)", labels=["position"])
+        k = self.engine.config.speculative_config.num_speculative_tokens if self.engine.config.speculative_config else 0
+        counts = s.num_accepted_tokens_per_pos
+        for position in range(max(k, len(counts))):
+            per_pos.add_metric([str(position)], counts[position] if position < len(counts) else 0)
+        yield per_pos

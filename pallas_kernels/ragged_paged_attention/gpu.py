@@ -36,6 +36,12 @@ How it computes:
 The partial results cost num_kv_splits x (query rows) x Hq x Dp float32 values of memory; for
 prefill-heavy batches, where the query blocks already fill the GPU, use num_kv_splits=1.
 
+Tree masks (`tree_base`, `tree_bits` [T] int32: draft trees of speculative decoding,
+`pallas_kernels.tree_mask`): each block's rows' (base, bits) come in as two more blocks [R] int32
+beside q (padding rows: base 0, bits 0, masked anyway), and `tree_visible` joins the mask. The
+tiles walked are those of the causal span (a mask only removes keys). A static option: a call
+without them compiles exactly as before.
+
 Quantized pages (int8 / float8_e4m3fn, per-tensor scales): each tile is converted to the dot's
 input dtype in the kernel, which is exact (int8 and e4m3 values are exact in bfloat16 and
 float32), and the scales are applied where they commute with the dots: k_scale multiplies the
@@ -55,6 +61,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels.compat import patch_interpret_mode
 from pallas_kernels import cost
 from pallas_kernels.ragged_paged_attention.reference import check_kv_scales, sink_weight
+from pallas_kernels.tree_mask import check_tree, tree_visible
 from pallas_kernels.visible_span import limits_span, span_start
 
 DEFAULT_KV_TOKENS_PER_BLOCK = 64  # KV tokens per tile when num_kv_pages_per_block is not given
@@ -122,13 +129,16 @@ def _kernel(
     q_ref,  # [R, Dp]: block b's queries x the G heads of KV head h
     k_pages_ref,  # [P, page_size, Hkv, D] (global memory)
     v_pages_ref,  # [P, page_size, Hkv, D] (global memory)
-    o_ref,  # [R, Dp] float32, unnormalised output of this split
-    m_ref,  # [R] float32, running max of the scores
-    l_ref,  # [R] float32, sum of exp(score - max)
-    *,
+    # with has_tree: tree_base_ref, tree_bits_ref, [R] int32 each (the block rows' tree masks); then
+    #   o_ref: [R, Dp] float32, unnormalised output of this split
+    #   m_ref: [R] float32, running max of the scores
+    #   l_ref: [R] float32, sum of exp(score - max)
+    *refs,
+    has_tree,
     G, page_size, tile_tokens, tile_width, head_dim, num_kv_splits,
     sm_scale, sliding_window, attention_chunk, soft_cap, k_scale, v_scale,
 ):
+    tree_refs, (o_ref, m_ref, l_ref) = (refs[:2], refs[2:]) if has_tree else ((), refs)
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     R, Dp = q_ref.shape
     seq, kv_len = seq_ref[b], kv_len_ref[b]
@@ -140,6 +150,8 @@ def _kernel(
     d = jnp.arange(Dp)
     d_valid = d < head_dim  # [Dp]
     q = q_ref[...]  # [R, Dp]
+    if has_tree:
+        tree_base, tree_bits = (ref[...][:, None] for ref in tree_refs)  # [R, 1] each
     dot_dtype = q.dtype  # quantized K/V tiles are converted to it (exactly)
     # float32 dots in full precision (Triton's default for them is tf32), bfloat16 as they come
     dot = functools.partial(
@@ -168,6 +180,8 @@ def _kernel(
         visible = row_valid[:, None] & in_seq[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         if limits_span(sliding_window, attention_chunk):
             visible &= kv_pos[None, :] >= span_start(q_pos, sliding_window=sliding_window, attention_chunk=attention_chunk)[:, None]
+        if has_tree:  # draft trees: each row's keys narrowed by its (base, bits)
+            visible &= tree_visible(kv_pos[None, :], tree_base, tree_bits)
         s = jnp.where(visible, s, -jnp.inf)
 
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -237,6 +251,8 @@ def ragged_paged_attention(
     num_stages: int = 2,
     interpret: bool = False,
     sinks: jax.Array | None = None,  # [Hq] float32: attention sinks (reference.py), added when the splits merge
+    tree_base: jax.Array | None = None,  # [T] int32: tree masks (module docstring; pallas_kernels.tree_mask)
+    tree_bits: jax.Array | None = None,  # [T] int32
 ) -> jax.Array:
     """Attention of a ragged batch over paged K/V; [T, Hq, D] in q's dtype (see the module docstring).
 
@@ -247,6 +263,7 @@ def ragged_paged_attention(
     """
     check_kv_scales(k_pages, v_pages, k_scale, v_scale)
     T, Hq, D = q.shape
+    has_tree = check_tree(tree_base, tree_bits, T)
     page_size, Hkv = k_pages.shape[1], k_pages.shape[2]
     S, pages_per_seq = page_indices.shape
     if Hq % Hkv:
@@ -271,8 +288,14 @@ def ragged_paged_attention(
     qb = qb.transpose(0, 2, 1, 3, 4).reshape(NB, Hkv, Bq * G, D)
     qb = jnp.pad(qb, ((0, 0), (0, 0), (0, R - Bq * G), (0, Dp - D)))
 
+    tree_inputs, tree_specs = (), []
+    if has_tree:  # each block row's (base, bits), laid out like its queries and padded to R rows: [NB, R] each
+        tree_inputs = tuple(jnp.pad(jnp.repeat(a[jnp.minimum(blocks.rows, T - 1)], G, axis=1), ((0, 0), (0, R - Bq * G)))
+                            for a in (tree_base, tree_bits))
+        tree_specs = [pl.BlockSpec((None, R), lambda b, h, j: (b, 0))] * 2
+
     kernel = functools.partial(
-        _kernel, G=G, page_size=page_size, tile_tokens=tile_tokens, tile_width=N, head_dim=D,
+        _kernel, has_tree=has_tree, G=G, page_size=page_size, tile_tokens=tile_tokens, tile_width=N, head_dim=D,
         num_kv_splits=num_kv_splits, sm_scale=sm_scale, sliding_window=sliding_window, attention_chunk=attention_chunk,
         soft_cap=soft_cap,
         k_scale=k_scale, v_scale=v_scale,
@@ -285,7 +308,7 @@ def ragged_paged_attention(
         kernel,
         grid=(NB, Hkv, J),
         in_specs=[whole] * 7
-        + [pl.BlockSpec((None, None, R, Dp), lambda b, h, j: (b, h, 0, 0)), whole, whole],
+        + [pl.BlockSpec((None, None, R, Dp), lambda b, h, j: (b, h, 0, 0)), whole, whole] + tree_specs,
         out_specs=[
             pl.BlockSpec((None, None, None, R, Dp), lambda b, h, j: (j, b, h, 0, 0)),
             pl.BlockSpec((None, None, None, R), lambda b, h, j: (j, b, h, 0)),
@@ -305,7 +328,7 @@ def ragged_paged_attention(
         name="ragged_paged_attention_split_kv",
     )(
         blocks.seq, blocks.kv_len, blocks.first_pos, blocks.num_queries, blocks.first_tile, blocks.num_tiles,
-        page_indices.astype(jnp.int32), qb, k_pages, v_pages,
+        page_indices.astype(jnp.int32), qb, k_pages, v_pages, *tree_inputs,
     )
 
     out = merge_splits(o, m, l, sinks, G)[:, :, : Bq * G, :D]  # [NB, Hkv, Bq*G, D]

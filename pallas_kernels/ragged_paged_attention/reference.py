@@ -23,6 +23,11 @@ Attention sinks (GPT-OSS): `sinks` [Hq] gives each query head one more logit tha
 scores but that carries no value: softmax over (scores, sink), the sink's column dropped, i.e. the
 output is sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)).
 
+Tree masks (speculative decoding with draft trees, `pallas_kernels.tree_mask`): `tree_base`,
+`tree_bits` [T] int32 give each query row the first cache position its mask covers and the mask's
+32 bits; a key is then visible only if it is before the base or its bit is set (on top of the
+causal and window rules). Rows outside a tree carry base = their position + 1, bits = 0.
+
 Options: `sliding_window` (a query sees the last `sliding_window` positions, its own included),
 `soft_cap` (scores become soft_cap * tanh(score / soft_cap) before the softmax), and int8 or
 float8_e4m3fn pages with scales `k_scale` / `v_scale`: entry * scale is the value, the scale
@@ -44,6 +49,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from pallas_kernels.tree_mask import check_tree, tree_visible
 from pallas_kernels.visible_span import limits_span, span_start
 
 DEFAULT_KV_TOKENS_PER_BLOCK = 128
@@ -148,9 +154,12 @@ def ragged_paged_attention(
     num_queries_per_block: int = 8,
     num_kv_pages_per_block: int | None = None,
     sinks: jax.Array | None = None,  # [Hq] float32: each head's sink logit (GPT-OSS; module docstring)
+    tree_base: jax.Array | None = None,  # [T] int32: first cache position each row's tree mask covers (module docstring)
+    tree_bits: jax.Array | None = None,  # [T] int32: its mask, bit j = key tree_base + j visible
 ) -> jax.Array:
     check_kv_scales(k_pages, v_pages, k_scale, v_scale)
     T, Hq, D = q.shape
+    has_tree = check_tree(tree_base, tree_bits, T)
     page_size, Hkv = k_pages.shape[1], k_pages.shape[2]
     S, pages_per_seq = page_indices.shape
     G = Hq // Hkv  # query heads per KV head
@@ -181,6 +190,8 @@ def ragged_paged_attention(
     qb = qb.transpose(0, 2, 1, 3, 4).reshape(NB, Hkv, Bq * G, D)
     q_pos_rows = jnp.repeat(q_pos, G, axis=1)  # [NB, Bq*G]
     row_valid_rows = jnp.repeat(row_valid, G, axis=1)
+    if has_tree:  # each block row's (base, bits), [NB, Bq*G] each
+        tree_rows = [jnp.repeat(a[jnp.minimum(rows, T - 1)], G, axis=1) for a in (tree_base, tree_bits)]
 
     # page table rows of each block, padded to whole KV blocks
     pad = (-pages_per_seq) % C
@@ -200,6 +211,8 @@ def ragged_paged_attention(
         if limits_span(sliding_window, attention_chunk):
             first = span_start(q_pos_rows, sliding_window=sliding_window, attention_chunk=attention_chunk)
             mask &= kv_pos[None, None, :] >= first[:, :, None]
+        if has_tree:
+            mask &= tree_visible(kv_pos[None, None, :], tree_rows[0][:, :, None], tree_rows[1][:, :, None])
         mask &= row_valid_rows[:, :, None]
         s = jnp.where(mask[:, None], s, -jnp.inf)  # [NB, Hkv, Bq*G, kv_block]
         m_new = jnp.maximum(m, s.max(axis=-1))

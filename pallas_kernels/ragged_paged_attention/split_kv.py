@@ -35,6 +35,10 @@ Two options make the result a *partial* attention that can be merged with others
       lse = logaddexp(lse_a, lse_b),  out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b.
   A row that sees no key has output 0 and lse -inf.
 
+Tree masks (`tree_base`, `tree_bits` [T] int32: draft trees of speculative decoding,
+`pallas_kernels.tree_mask`) narrow each row's visible keys further; the work items stay those of
+the causal span (a mask only removes keys).
+
 Combined pages (`combined.py`, the TPU layout: one row of K and V per token) are read when
 `v_pages` is None and `k_pages` is [P, page_size, Hkv * 2 * Ds]: each work item gathers its rows
 and splits them, so the pool is never copied whole. Quantized combined pages take their scales as
@@ -55,6 +59,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention import combined as combined_layout
 from pallas_kernels.ragged_paged_attention.reference import check_kv_scales, dequantize_kv, is_pool, sink_weight
+from pallas_kernels.tree_mask import check_tree, tree_visible
 from pallas_kernels.visible_span import limits_span, span_start
 
 DEFAULT_KV_TOKENS_PER_BLOCK = 128
@@ -105,6 +110,8 @@ def ragged_paged_attention(
     contraction: str = "dot",  # "dot" | "reduce": see the module docstring
     sinks: jax.Array | None = None,  # [Hq] float32: attention sinks (reference.py)
     outliers: tuple[jax.Array, jax.Array, jax.Array] | None = None,  # (token, k_res, v_res): module docstring
+    tree_base: jax.Array | None = None,  # [T] int32: first cache position each row's tree mask covers (module docstring)
+    tree_bits: jax.Array | None = None,  # [T] int32: its mask, bit j = key tree_base + j visible
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     if sinks is not None and return_lse:
         raise ValueError("attention sinks with return_lse: a partial attention has no sink (add it once, after merging)")
@@ -121,6 +128,7 @@ def ragged_paged_attention(
     if contraction not in ("dot", "reduce"):
         raise ValueError(f"contraction={contraction!r}: expected 'dot' or 'reduce'")
     T, Hq, D = q.shape
+    has_tree = check_tree(tree_base, tree_bits, T)
     page_size = k_pages.shape[1]
     Hkv = combined_layout.num_heads(k_pages, D) if combined else k_pages.shape[2]
     S, pages_per_seq = page_indices.shape
@@ -162,6 +170,8 @@ def ragged_paged_attention(
     q_pos_rows = jnp.repeat(q_pos, G, axis=1)  # [NB, Bq*G]
     q_end_rows = jnp.repeat(q_end, G, axis=1)
     row_valid_rows = jnp.repeat(row_valid, G, axis=1)
+    if has_tree:  # each block row's (base, bits), [NB, Bq*G] each
+        tree_rows = [jnp.repeat(a[jnp.minimum(rows, T - 1)], G, axis=1) for a in (tree_base, tree_bits)]
 
     # ---- the KV blocks each query block needs: [first_kv_block, last_kv_block]
     last_pos = jnp.minimum(q_offset + Bq, block_q_len) - 1 + block_kv_len - block_q_len  # last query's position
@@ -220,6 +230,8 @@ def ragged_paged_attention(
         mask = (kv_pos[:, None, :] <= q_end_rows[item_block][:, :, None]) & (kv_pos[:, None, :] < kv_visible_end[item_block][:, None, None])
         if limits_span(sliding_window, attention_chunk):
             mask &= kv_pos[:, None, :] >= span_start(qp, sliding_window=sliding_window, attention_chunk=attention_chunk)[:, :, None]
+        if has_tree:
+            mask &= tree_visible(kv_pos[:, None, :], tree_rows[0][item_block][:, :, None], tree_rows[1][item_block][:, :, None])
         mask &= row_valid_rows[item_block][:, :, None] & item_valid[:, None, None]
         s = jnp.where(mask[:, None], s, -jnp.inf)  # [W, Hkv, Bq*G, kv_block]
         m = s.max(axis=-1)  # [W, Hkv, Bq*G]; -inf where an item row sees nothing

@@ -66,6 +66,12 @@ How the work is cut
   [Hkv, R, ...]); scores masked (causal, sliding window, rows past the sequence) with -inf,
   soft-capped first when asked. Rows that see nothing end with l = 0 and output 0. Attention
   sinks (`sinks` [Hq], in SMEM) add exp(sink - m) to each row's l at the end: a logit with no value.
+* Tree masks (`tree_base`, `tree_bits` [T] int32: draft trees of speculative decoding,
+  `pallas_kernels.tree_mask`): the wrapper lays each query block's rows' (base, bits) out like its
+  queries, [NB, R, 1] int32 each, and they come in as two more VMEM tiles [R, 1] beside q; the
+  kernel ANDs `tree_visible(key, base, bits)` into its mask. The KV blocks fetched are those of
+  the causal span, as without masks (a mask only removes keys). A static option: a call without
+  them compiles exactly as before.
 * Quantized pages (int8 / float8_e4m3fn, or e4m3 as bytes) are DMA'd as stored (1 byte per entry),
   then dequantized in VMEM: float32(entry), times one scale for K and one for V, or with a scale
   pool (`kv_scale` [P, Hkv * 2 * page_size], a scale per token and head in (head, K|V, token)
@@ -105,6 +111,7 @@ from pallas_kernels.ragged_paged_attention.combined import combined_head_dim, la
 from pallas_kernels.ragged_paged_attention.reference import E4M3_BYTES, QUANTIZED_KV_DTYPES, check_kv_scales
 from pallas_kernels.tpu_chip import smem_capacity_bytes
 from pallas_kernels.tpu_chip import vmem_limit_bytes as chip_vmem_limit_bytes
+from pallas_kernels.tree_mask import check_tree, tree_visible
 from pallas_kernels.visible_span import limits_span, span_start
 
 DEFAULT_KV_TOKENS_PER_BLOCK = 128
@@ -220,20 +227,22 @@ def _kernel(
     scale_hbm,  # [P, Hkv * 2 * page_size] HBM: a quantized pool's scales, (head, K|V, token) order ([1, 1] without)
     table_hbm,  # [S * pages_per_seq] HBM: the page table, read from here with fetch_rows
     sinks_smem,  # [Hq] float32 SMEM: each query head's sink logit ([1] unused without sinks)
+    # with has_tree: tree_base_ref, tree_bits_ref, [R, 1] int32 VMEM each (the block rows' tree masks); then
     # output
-    o_ref,  # [Hkv, R, lanes] VMEM
+    #   o_ref: [Hkv, R, lanes] VMEM
     # scratch
-    kv_buf,  # [2, C * page_size, Hkv * 2 * Ds] VMEM, two slots
-    kv_sems,  # DMA semaphores [2], one per slot
-    scale_buf,  # [2, C, Hkv * 2 * page_size] float32 VMEM with a scale pool ([2, 1, 128] without)
-    scale_sems,  # DMA semaphores [2]
-    fetch_state,  # SMEM int32[2]: [slot of this program's first KV block, 1 if already fetching it]
-    m_ref,  # [Hkv, R, 1] float32: running max
-    l_ref,  # [Hkv, R, 1] float32: running sum
-    acc_ref,  # [Hkv, R, lanes] float32
-    rows_ref,  # SMEM int32 [2 * pages_per_seq] with fetch_rows: the page-table rows of this program and the next
-    rows_sem,  # DMA semaphore [1]
-    *,
+    #   kv_buf: [2, C * page_size, Hkv * 2 * Ds] VMEM, two slots
+    #   kv_sems: DMA semaphores [2], one per slot
+    #   scale_buf: [2, C, Hkv * 2 * page_size] float32 VMEM with a scale pool ([2, 1, 128] without)
+    #   scale_sems: DMA semaphores [2]
+    #   fetch_state: SMEM int32[2]: [slot of this program's first KV block, 1 if already fetching it]
+    #   m_ref: [Hkv, R, 1] float32: running max
+    #   l_ref: [Hkv, R, 1] float32: running sum
+    #   acc_ref: [Hkv, R, lanes] float32
+    #   rows_ref: SMEM int32 [2 * pages_per_seq] with fetch_rows: the page-table rows of this program and the next
+    #   rows_sem: DMA semaphore [1]
+    *refs,
+    has_tree,
     sm_scale,
     sliding_window,
     attention_chunk,
@@ -251,6 +260,8 @@ def _kernel(
     lane_blocks,
     value_dim,
 ):
+    tree_refs, refs = (refs[:2], refs[2:]) if has_tree else ((), refs)
+    (o_ref, kv_buf, kv_sems, scale_buf, scale_sems, fetch_state, m_ref, l_ref, acc_ref, rows_ref, rows_sem) = refs
     b = pl.program_id(0)
     num_blocks = pl.num_programs(0)
     num_kv_heads, rows, _ = q_ref.shape
@@ -365,6 +376,8 @@ def _kernel(
         visible = (kv_pos <= q_pos) & row_real  # [R, K]
         if limits_span(sliding_window, attention_chunk):
             visible &= kv_pos >= span_start(q_pos, sliding_window=sliding_window, attention_chunk=attention_chunk)
+        if has_tree:  # draft trees: each row's keys narrowed by its (base, bits) [R, 1]
+            visible &= tree_visible(kv_pos, tree_refs[0][...], tree_refs[1][...])
 
         for h in range(num_kv_heads):  # head by head: one head's K and V live at a time
             k, v = read_head(kv_buf.at[slot], h, stored_head_dim, k_scale, v_scale, value_dim)
@@ -433,6 +446,8 @@ def ragged_paged_attention(
     num_seqs: jax.Array,  # [] or [1]
     kv_scale: jax.Array | None = None,  # [P, Hkv * 2 * page_size] float32: int8 / fp8 pages' scale per token and head
     sinks: jax.Array | None = None,  # [Hq] float32: one sink logit per query head (GPT-OSS)
+    tree_base: jax.Array | None = None,  # [T] int32: tree masks (module docstring; pallas_kernels.tree_mask)
+    tree_bits: jax.Array | None = None,  # [T] int32
     *,
     sm_scale: float = 1.0,
     sliding_window: int | None = None,
@@ -459,6 +474,7 @@ def ragged_paged_attention(
     else:
         check_kv_scales(kv_pages, kv_pages, k_scale, v_scale)
     T, Hq, D = q.shape
+    has_tree = check_tree(tree_base, tree_bits, T)
     P, page_size, width = kv_pages.shape
     if lane_blocks > 1 and (width % lane_blocks or (width // lane_blocks) % 128):
         raise ValueError(f"pages of {width} lanes do not split into {lane_blocks} lane blocks of whole 128-lane rows")
@@ -531,11 +547,16 @@ def ragged_paged_attention(
     q_blocks = q_lanes[jnp.minimum(rows, T - 1)].reshape(NB, Bq, Hkv, G, lanes)
     q_blocks = q_blocks.transpose(0, 2, 1, 3, 4).reshape(NB, Hkv, R, lanes)
 
+    tree_inputs, tree_specs = (), []
+    if has_tree:  # each block row's (base, bits), laid out like its queries: [NB, R, 1] each
+        tree_inputs = tuple(jnp.repeat(a[jnp.minimum(rows, T - 1)], G, axis=1)[..., None] for a in (tree_base, tree_bits))
+        tree_specs = [pl.BlockSpec((None, R, 1), lambda b, *_: (b, 0, 0))] * 2
+
     tile = pl.BlockSpec((None, Hkv, R, lanes), lambda b, *_: (b, 0, 0, 0))
     out_tile = pl.BlockSpec((None, Hkv, R, out_lanes), lambda b, *_: (b, 0, 0, 0))
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap,
-        has_sinks=sinks is not None,
+        has_sinks=sinks is not None, has_tree=has_tree,
         k_scale=k_scale,
         v_scale=v_scale, Bq=Bq, G=G, pages_per_seq=pages_per_seq, page_size=page_size, stored_head_dim=Ds,
         fetch_rows=fetch_rows, scale_pool=scale_pool, lane_blocks=lane_blocks, value_dim=value_dim,
@@ -553,7 +574,7 @@ def ragged_paged_attention(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(NB,),
-            in_specs=[tile] + [pl.BlockSpec(memory_space=pl.ANY)] * 3 + [pl.BlockSpec(memory_space=pltpu.SMEM)],
+            in_specs=[tile] + [pl.BlockSpec(memory_space=pl.ANY)] * 3 + [pl.BlockSpec(memory_space=pltpu.SMEM)] + tree_specs,
             out_specs=out_tile,
             scratch_shapes=[
                 pltpu.VMEM((2, kv_block, width), kv_pages.dtype),
@@ -585,6 +606,7 @@ def ragged_paged_attention(
         kv_scale.astype(jnp.float32) if scale_pool else jnp.zeros((1, 1), jnp.float32),
         table,
         jnp.zeros(1, jnp.float32) if sinks is None else sinks.astype(jnp.float32),
+        *tree_inputs,
     )  # [NB, Hkv, R, lanes]: V's lanes of the row; with Ds = 64, the row's second half
 
     if value_dim is not None:  # [NB, 1, R, r]: the latent values
