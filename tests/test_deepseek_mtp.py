@@ -20,8 +20,8 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.model_runner import RowSampling, ScheduledChunk
 from jaxinfer.engine.spec_decode import SpecConfigError, SpeculativeConfig
 from jaxinfer.ops.batch import SequenceChunk, fresh_pages
-from jaxinfer.runtime.evaluate import prompt_log_softmax
 from test_model_families import hf_greedy
+from test_spec_decode import target_distribution
 from tiny_models import save_deepseek_with_mtp
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -147,18 +147,7 @@ def test_sampled_continuations_keep_the_targets_distribution(mtp_model):
     _, _, _, _, llm = mtp_model
     temperature, top_k, samples = 0.8, 3, 1600
     prompt = [int(t) for t in np.random.default_rng(7).integers(3, 250, 6)]
-
-    def step_probs(prefix):
-        logits = prompt_log_softmax(llm.config, llm.runner.graphdef, llm.runner.params, prefix)[-1] / temperature
-        top = np.argsort(-logits)[:top_k]
-        p = np.exp(logits[top] - logits[top].max())
-        return dict(zip(top.tolist(), p / p.sum()))
-
-    truth = {}
-    for t1, p1 in step_probs(prompt).items():
-        for t2, p2 in step_probs(prompt + [t1]).items():
-            for t3, p3 in step_probs(prompt + [t1, t2]).items():
-                truth[t1, t2, t3] = p1 * p2 * p3
+    truth = target_distribution(llm, prompt, temperature, top_k)
     drafted_before = llm.engine.get_stats().num_draft_tokens
     params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3, ignore_eos=True, seed=i, detokenize=False)
               for i in range(samples)]

@@ -26,8 +26,9 @@ from jaxinfer.engine.spec_decode import SpecConfigError, SpeculativeConfig, tree
 from jaxinfer.models.eagle3 import (eagle3_spec, head_config_dict, init_eagle3, internal_params, published_tensors,
                                     read_eagle3_config, read_eagle3_tensors, save_eagle3)
 from jaxinfer.ops.batch import SequenceChunk, fresh_pages
-from jaxinfer.runtime.evaluate import prompt_log_softmax, stream_states
+from jaxinfer.runtime.evaluate import stream_states
 from jaxinfer.training.eagle3 import draft_vocabulary, pack, train_eagle3
+from test_spec_decode import target_distribution
 from tiny_models import save_hf_model
 
 V, DRAFT_V, LAYERS = 32, 24, 5
@@ -192,24 +193,18 @@ def test_greedy_text_equals_transformers(eagle):
     assert stats_.num_draft_tokens > before.num_draft_tokens
 
 
-def test_sampled_continuations_keep_the_targets_distribution(eagle):
+@pytest.mark.parametrize("drafts", ["chain", "tree"])
+def test_sampled_continuations_keep_the_targets_distribution(eagle, drafts, request):
     """Three-token continuations (top 3 at temperature 0.9) of one prompt, each request alone,
-    against the target's own probabilities of the 27 cells (chi-square)."""
-    _, _, _, llm = eagle
+    against the target's own probabilities of the 27 cells (chi-square): with chains (the head's
+    sampled drafts, rejection sampling against their q) and with a static tree (the head's ranked
+    guesses as one-hot proposals, multi-draft rejection sampling)."""
+    llm = eagle[3] if drafts == "chain" else request.getfixturevalue("trees")
     temperature, top_k, samples = 0.9, 3, 800
-    prompt = [int(t) for t in np.random.default_rng(7).integers(3, V, 6)]
-
-    def step_probs(prefix):
-        logits = prompt_log_softmax(llm.config, llm.runner.graphdef, llm.runner.params, prefix)[-1] / temperature
-        top = np.argsort(-logits)[:top_k]
-        p = np.exp(logits[top] - logits[top].max())
-        return dict(zip(top.tolist(), p / p.sum()))
-
-    truth = {}
-    for t1, p1 in step_probs(prompt).items():
-        for t2, p2 in step_probs(prompt + [t1]).items():
-            for t3, p3 in step_probs(prompt + [t1, t2]).items():
-                truth[t1, t2, t3] = p1 * p2 * p3
+    # (a prompt where the random head's ranked guesses are sometimes in the target's top 3: with
+    # max_tokens 3 a tree is cut to its first node, the head's top guess, never a sampled one)
+    prompt = [int(t) for t in np.random.default_rng(7 if drafts == "chain" else 25).integers(3, V, 6)]
+    truth = target_distribution(llm, prompt, temperature, top_k)
     before = llm.engine.get_stats()
     params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3, ignore_eos=True, seed=i, detokenize=False)
               for i in range(samples)]

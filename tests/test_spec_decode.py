@@ -282,12 +282,12 @@ TEMPERATURE, TOP_K = 0.8, 3
 N_SAMPLES = 10000  # three-token continuations over 27 cells, per proposer
 
 
-def target_distribution(llm, prompt) -> dict[tuple[int, int, int], float]:
-    """The target's probability of every three-token continuation (top-3 at temperature 0.8),
-    from the model's own log-probabilities."""
+def target_distribution(llm, prompt, temperature: float = TEMPERATURE, top_k: int = TOP_K) -> dict[tuple[int, int, int], float]:
+    """The target's probability of every three-token continuation (top_k ** 3 cells, by default
+    top-3 at temperature 0.8), from the model's own log-probabilities."""
     def step_probs(prefix):
-        logits = prompt_log_softmax(llm.config, llm.runner.graphdef, llm.runner.params, prefix)[-1] / TEMPERATURE
-        top = np.argsort(-logits)[:TOP_K]
+        logits = prompt_log_softmax(llm.config, llm.runner.graphdef, llm.runner.params, prefix)[-1] / temperature
+        top = np.argsort(-logits)[:top_k]
         p = np.exp(logits[top] - logits[top].max())
         return dict(zip(top.tolist(), p / p.sum()))
 

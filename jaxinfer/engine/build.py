@@ -341,7 +341,12 @@ def check_token_tree(spec: SpeculativeConfig, model_config: ModelConfig, config:
                                                 f"(their recurrent states advance along one chain)"),
                (model_config.is_mla, f"{model_config.model_type}'s multi-head latent attention (MLA)"),
                (parallel.sp > 1, "sequence_parallel_size > 1"),
-               (config.kv_cache_outliers > 0, f"kv_cache_outliers={config.kv_cache_outliers}")]
+               (config.kv_cache_outliers > 0, f"kv_cache_outliers={config.kv_cache_outliers}"),
+               # (a node's window or chunk would start from its slot, root + its row, not from its
+               # position root + its depth: it would see other keys than once moved)
+               (any(kind.window is not None or kind.chunk is not None
+                    for kind in map(model_config.layer_kind, range(model_config.num_layers))),
+                f"{model_config.model_type}'s sliding-window or chunked attention layers")]
     what = "speculative_config method 'lookahead'" if spec.method == "lookahead" else "speculative_config['speculative_token_tree']"
     for at_fault, setting in refused:
         if at_fault:

@@ -48,9 +48,10 @@ past the request's max_len, so never past max_model_len), at most 31 rows beside
 sequence's budget is smaller, the trie is cut first (a prefix of it, parents first) and the
 window to the columns that still fit. A sequence whose pool has nothing for its root still
 computes its window rows. The draft-length back-off does not apply (`backs_off = False`): the
-rows are the configured cost. Like draft trees, it is refused with hybrid models, MLA, sequence
-parallelism and KV outliers (`build.check_token_tree`), and constrained sequences (structured
-outputs) verify the pool's trie pruned by their grammar but run no window.
+rows are the configured cost. Like draft trees, it is refused with hybrid models, MLA,
+sliding-window or chunked attention, sequence parallelism and KV outliers
+(`build.check_token_tree`), and constrained sequences (structured outputs) verify the pool's trie
+pruned by their grammar but run no window.
 """
 
 from __future__ import annotations

@@ -44,11 +44,11 @@ def prompt_log_softmax(
     return np.asarray(jax.nn.log_softmax(logits[0], axis=-1), np.float64)[rows[0]]
 
 
-def hidden_states(config: ModelConfig, graphdef: nnx.GraphDef, params: nnx.State, token_ids: list[int],
-                  page_size: int = 16) -> np.ndarray:
-    """The final-normed hidden state [n, H] (float32) at every position of token_ids: what the LM
-    head reads (draft heads train on them). Calls for many texts share compiled steps: the page
-    pool has room for the longest text the model takes, and lengths round up to powers of two."""
+def _whole_text(config: ModelConfig, token_ids: list[int], page_size: int):
+    """The batch of one prefill over the whole text (its bucket key, batch, logits rows) and a
+    fresh KV cache for it, shared by the calls that read hidden states or streams: the pool has
+    room for the longest text the model takes and lengths round up to powers of two (>= 16), so
+    calls for many texts share compiled steps."""
     n = len(token_ids)
     if not 0 < n <= config.max_position_embeddings:
         raise ValueError(f"token_ids has {n} tokens; need 1..{config.max_position_embeddings} (max_position_embeddings)")
@@ -60,8 +60,16 @@ def hidden_states(config: ModelConfig, graphdef: nnx.GraphDef, params: nnx.State
         Buckets((bucket,), max_num_seqs=1, pages_per_seq=pages_per_seq, num_groups=G),
         page_size,
     )
+    return key, batch, rows, KVCache.create(config, G * pages_per_seq + 1, page_size)
+
+
+def hidden_states(config: ModelConfig, graphdef: nnx.GraphDef, params: nnx.State, token_ids: list[int],
+                  page_size: int = 16) -> np.ndarray:
+    """The final-normed hidden state [n, H] (float32) at every position of token_ids: what the LM
+    head reads (draft heads train on them). Calls for many texts share compiled steps: the page
+    pool has room for the longest text the model takes, and lengths round up to powers of two."""
+    key, batch, rows, kv = _whole_text(config, token_ids, page_size)
     step = _hidden_step(graphdef)
-    kv = KVCache.create(config, G * pages_per_seq + 1, page_size)
     _, _, hidden = step.forward(params, kv, step.place_inputs(stack_replicas([batch])), query_block=key.query_block)
     return np.asarray(hidden[0], np.float32)[rows[0]]
 
@@ -76,23 +84,12 @@ def stream_states(config: ModelConfig, graphdef: nnx.GraphDef, params: nnx.State
     """The residual streams at the input of `layers`, side by side, [n, len(layers) * H] (float32),
     at every position of token_ids (an EAGLE-3 head trains on them: jaxinfer.training.eagle3); the
     target's own model program with `return_stream=layers`, compiled once per power-of-two length."""
-    n = len(token_ids)
-    if not 0 < n <= config.max_position_embeddings:
-        raise ValueError(f"token_ids has {n} tokens; need 1..{config.max_position_embeddings} (max_position_embeddings)")
-    pages_per_seq = -(-config.max_position_embeddings // page_size)
-    bucket = 1 << max(4, (n - 1).bit_length())
-    G = kv_groups(config).num_groups
-    key, batch, rows = pack_batch(
-        [SequenceChunk(list(token_ids), 0, fresh_pages(G, pages_per_seq), list(range(n)))],
-        Buckets((bucket,), max_num_seqs=1, pages_per_seq=pages_per_seq, num_groups=G),
-        page_size,
-    )
-    step = _stream_step(graphdef, tuple(layers), bucket)
-    kv = KVCache.create(config, G * pages_per_seq + 1, page_size)
-    prev_tokens = jnp.zeros((1, bucket), jnp.int32)
+    key, batch, rows, kv = _whole_text(config, token_ids, page_size)
+    step = _stream_step(graphdef, tuple(layers), key.num_tokens)
+    prev_tokens = jnp.zeros((1, key.num_tokens), jnp.int32)
     _, _, stream = step._model(params, kv, step.place_inputs(stack_replicas([batch])), prev_tokens,
                                query_block=key.query_block)
-    return np.asarray(stream[0], np.float32)[:n]  # (the text is the batch's first n token rows)
+    return np.asarray(stream[0], np.float32)[: len(token_ids)]  # (the text is the batch's first n token rows)
 
 
 @functools.lru_cache(maxsize=8)
