@@ -206,8 +206,8 @@ def test_cli_generate(model_dir, tmp_path, capsys):
     # speculative decoding from the command line: the same greedy text
     assert main(args + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']) == 0
     assert capsys.readouterr().out == printed
-    assert main(args + ["--speculative-config", '{"method": "lookahead", "num_speculative_tokens": 2}']) == 1
-    assert "speculative_config['method']='lookahead'" in capsys.readouterr().err
+    assert main(args + ["--speculative-config", '{"method": "jacobi", "num_speculative_tokens": 2}']) == 1
+    assert "speculative_config['method']='jacobi'" in capsys.readouterr().err
 
 
 def test_cli_streams_one_prompt_and_times_the_start(model_dir, capsys):
