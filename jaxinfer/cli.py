@@ -472,14 +472,9 @@ def cmd_convert(args) -> int:
 def cmd_quantize(args) -> int:
     from jaxinfer.calibration import quantize
 
-    text = None
-    if args.calibration_file:
-        with open(args.calibration_file) as f:
-            text = f.read()
-    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
     out = quantize(args.model, args.out, method=args.method, bits=args.bits, group_size=args.group_size,
-                   symmetric=args.symmetric, act_order=args.act_order, calibration_text=text, num_tokens=args.num_tokens,
-                   seq_len=args.seq_len, log=log, alpha=args.alpha, **_sensitivity_options(args))
+                   symmetric=args.symmetric, act_order=args.act_order, num_tokens=args.num_tokens, seq_len=args.seq_len,
+                   alpha=args.alpha, **_calibration_options(args))
     if args.method == "smoothquant":
         print(f"wrote {out} (smoothquant, alpha {args.alpha}: W8A8, int8 weights per column, int8 activations per token)")
     else:
@@ -488,12 +483,18 @@ def cmd_quantize(args) -> int:
     return 0
 
 
-def _sensitivity_options(args) -> dict:
-    text = None
-    if args.sensitivity_file:
-        with open(args.sensitivity_file) as f:
-            text = f.read()
-    return dict(keep_sensitive=args.keep_sensitive, ppl_budget=args.ppl_budget, sensitivity_text=text)
+def _calibration_options(args) -> dict:
+    """quantize's and prune's shared keyword arguments: the calibration and held-out texts, the
+    sensitivity options, the progress log (--verbose)."""
+    def read(path):
+        if not path:
+            return None
+        with open(path) as f:
+            return f.read()
+
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
+    return dict(calibration_text=read(args.calibration_file), log=log, keep_sensitive=args.keep_sensitive,
+                ppl_budget=args.ppl_budget, sensitivity_text=read(args.sensitivity_file))
 
 
 def _print_kept_layers(out) -> None:
@@ -513,14 +514,9 @@ def _print_kept_layers(out) -> None:
 def cmd_prune(args) -> int:
     from jaxinfer.calibration import prune
 
-    text = None
-    if args.calibration_file:
-        with open(args.calibration_file) as f:
-            text = f.read()
-    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
     out = prune(args.model, args.out, method=args.method, sparsity=args.sparsity, pattern=args.pattern, bits=args.bits,
                 quant_method=args.quant_method, group_size=args.group_size, symmetric=args.symmetric,
-                calibration_text=text, num_tokens=args.num_tokens, seq_len=args.seq_len, log=log, **_sensitivity_options(args))
+                num_tokens=args.num_tokens, seq_len=args.seq_len, **_calibration_options(args))
     shape = args.pattern or f"{args.sparsity if args.sparsity is not None else 0.5:g} unstructured"
     quant = f", then {args.quant_method or 'gptq'} {args.bits}-bit groups of {args.group_size}" if args.bits else ""
     print(f"wrote {out} ({args.method}, {shape}{quant})")

@@ -21,6 +21,7 @@ from jaxinfer.engine.lookahead import LookaheadProposer, NgramPool, trie, update
 from jaxinfer.engine.spec_decode import ExtraRows, SpecConfigError, SpeculativeConfig, tree_masks
 from jaxinfer.engine.step_plan import tree_chunk
 from jaxinfer.ops.batch import SequenceChunk
+from test_spec_tree import models_trees_refuse
 from test_tree_attention import TinyLlama
 from tiny_models import save_hf_model
 
@@ -45,19 +46,10 @@ def test_lookahead_config_defaults_and_bad_configs_refused_by_name():
     for bad, message in cases:
         with pytest.raises(SpecConfigError, match=message):
             SpeculativeConfig.from_dict(bad)
-    fine = types.SimpleNamespace(has_linear_layers=False, is_mla=False, model_type="llama", num_layers=2,
-                                 layer_kind=lambda layer: types.SimpleNamespace(window=None, chunk=None))
+    fine, refused = models_trees_refuse()
     engine = types.SimpleNamespace(kv_cache_outliers=0)
     check_token_tree(config, fine, engine, types.SimpleNamespace(sp=1))
-    for model, sp, message in [
-        (types.SimpleNamespace(**{**vars(fine), "has_linear_layers": True, "model_type": "qwen3_next"}), 1, "Gated DeltaNet"),
-        (types.SimpleNamespace(**{**vars(fine), "is_mla": True, "model_type": "deepseek_v3"}), 1, "multi-head latent attention"),
-        (fine, 2, "sequence_parallel_size > 1"),
-        (types.SimpleNamespace(**{**vars(fine), "model_type": "gemma2", "layer_kind": lambda layer: types.SimpleNamespace(
-            window=6 if layer % 2 else None, chunk=None)}), 1, "sliding-window or chunked attention"),
-        (types.SimpleNamespace(**{**vars(fine), "model_type": "llama4", "layer_kind": lambda layer: types.SimpleNamespace(
-            window=None, chunk=8192)}), 1, "sliding-window or chunked attention"),
-    ]:
+    for model, sp, message in refused:
         with pytest.raises(ValueError, match=rf"method 'lookahead' with .*{message}.* is not supported"):
             check_token_tree(config, model, engine, types.SimpleNamespace(sp=sp))
 

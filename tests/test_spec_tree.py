@@ -70,11 +70,20 @@ def test_bad_tree_configs_are_refused_by_name():
         with pytest.raises(SpecConfigError, match=message):
             SpeculativeConfig.from_dict(config)
     tree = SpeculativeConfig.from_dict({**eagle, "speculative_token_tree": STATIC})
-    fine = types.SimpleNamespace(has_linear_layers=False, is_mla=False, model_type="llama", num_layers=2,
-                                 layer_kind=lambda layer: types.SimpleNamespace(window=None, chunk=None))
+    fine, refused = models_trees_refuse()
     engine = types.SimpleNamespace(kv_cache_outliers=0)
     check_token_tree(tree, fine, engine, types.SimpleNamespace(sp=1))
-    for model, parallel, message in [
+    for model, parallel, message in refused:
+        with pytest.raises(ValueError, match=rf"speculative_token_tree'\] with .*{message}.* is not supported"):
+            check_token_tree(tree, model, engine, types.SimpleNamespace(sp=parallel))
+
+
+def models_trees_refuse():
+    """A plain model's stand-in for `check_token_tree`, and (model, sequence-parallel size, the
+    reason named) for each kind of model draft trees are refused on."""
+    fine = types.SimpleNamespace(has_linear_layers=False, is_mla=False, model_type="llama", num_layers=2,
+                                 layer_kind=lambda layer: types.SimpleNamespace(window=None, chunk=None))
+    return fine, [
         (types.SimpleNamespace(**{**vars(fine), "has_linear_layers": True, "model_type": "qwen3_next"}), 1, "Gated DeltaNet"),
         (types.SimpleNamespace(**{**vars(fine), "is_mla": True, "model_type": "deepseek_v3"}), 1, "multi-head latent attention"),
         (fine, 2, "sequence_parallel_size > 1"),
@@ -82,9 +91,7 @@ def test_bad_tree_configs_are_refused_by_name():
             window=6 if layer % 2 else None, chunk=None)}), 1, "sliding-window or chunked attention"),
         (types.SimpleNamespace(**{**vars(fine), "model_type": "llama4", "layer_kind": lambda layer: types.SimpleNamespace(
             window=None, chunk=8192)}), 1, "sliding-window or chunked attention"),
-    ]:
-        with pytest.raises(ValueError, match=rf"speculative_token_tree'\] with .*{message}.* is not supported"):
-            check_token_tree(tree, model, engine, types.SimpleNamespace(sp=parallel))
+    ]
 
 
 # ----------------------------------------------------------------------------- the sampler

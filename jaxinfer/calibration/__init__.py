@@ -65,14 +65,8 @@ def quantize(model, out, *, method: str = "gptq", bits: int = 4, group_size: int
     sensitive = bool(keep_sensitive) or ppl_budget is not None
     if sensitive and method == "smoothquant":
         raise ValueError("keep_sensitive / ppl_budget: not with smoothquant (its int8 activations are not measured)")
-    source = resolve_model(model)
-    config = read_config(source)
-    sensitivity.check_options(keep_sensitive, ppl_budget, config.num_layers)
-    _, state = load_params(source, config, jnp.float32, jnp.float32, progress=False, keep_quantized=False)
-    flat = nested_to_flat(nnx.to_pure_dict(state))
-    tokenizer = load_tokenizer(source)
-    text = calibration_text if calibration_text is not None else CALIBRATION_TEXT.read_text()
-    sequences = calibration_sequences(tokenizer, text, num_tokens, seq_len)
+    source, config, flat, tokenizer, sequences = _float_model_and_text(model, calibration_text, num_tokens, seq_len,
+                                                                       keep_sensitive, ppl_budget)
     cal = calibrate(config, flat, sequences, method=method, bits=bits, group_size=group_size, symmetric=symmetric,
                     act_order=act_order, log=log, alpha=alpha)
     hf_config = checkpoints_conv.read_checkpoint_config(source.path)
@@ -94,14 +88,8 @@ def prune(model, out, *, method: str = "sparsegpt", sparsity: float | None = Non
     (`quant_method` gptq / rtn), and write the compressed-tensors folder `out` (`pruning`).
     `keep_sensitive` / `ppl_budget`: as `quantize`'s."""
     pruning.check_options(method, sparsity, pattern, bits, quant_method)
-    source = resolve_model(model)
-    config = read_config(source)
-    sensitivity.check_options(keep_sensitive, ppl_budget, config.num_layers)
-    _, state = load_params(source, config, jnp.float32, jnp.float32, progress=False, keep_quantized=False)
-    flat = nested_to_flat(nnx.to_pure_dict(state))
-    tokenizer = load_tokenizer(source)
-    text = calibration_text if calibration_text is not None else CALIBRATION_TEXT.read_text()
-    sequences = calibration_sequences(tokenizer, text, num_tokens, seq_len)
+    source, config, flat, tokenizer, sequences = _float_model_and_text(model, calibration_text, num_tokens, seq_len,
+                                                                       keep_sensitive, ppl_budget)
     pruned = pruning.prune_layers(config, flat, sequences, method=method, sparsity=sparsity, pattern=pattern, bits=bits,
                                   quant_method=quant_method, group_size=group_size, symmetric=symmetric, log=log)
     extra = {}
@@ -111,3 +99,17 @@ def prune(model, out, *, method: str = "sparsegpt", sparsity: float | None = Non
         pruned, extra = pruning.keep_layers_float(pruned, flat, sens.kept), {sensitivity.RECORD_KEY: sens.record()}
     hf_config = checkpoints_conv.read_checkpoint_config(source.path)
     return pruning.write_pruned(out, config, hf_config, pruned, tokenizer, extra_config=extra)
+
+
+def _float_model_and_text(model, calibration_text: str | None, num_tokens: int, seq_len: int, keep_sensitive: int,
+                          ppl_budget: float | None):
+    """What `quantize` and `prune` start from: (source, config, flat float32 params, tokenizer,
+    calibration sequences); the sensitivity options checked against the model's layer count."""
+    source = resolve_model(model)
+    config = read_config(source)
+    sensitivity.check_options(keep_sensitive, ppl_budget, config.num_layers)
+    _, state = load_params(source, config, jnp.float32, jnp.float32, progress=False, keep_quantized=False)
+    flat = nested_to_flat(nnx.to_pure_dict(state))
+    tokenizer = load_tokenizer(source)
+    text = calibration_text if calibration_text is not None else CALIBRATION_TEXT.read_text()
+    return source, config, flat, tokenizer, calibration_sequences(tokenizer, text, num_tokens, seq_len)
