@@ -288,6 +288,61 @@ def speed_rows(interpret: bool, small: bool, iters: int, peak_gbps: float):
                t_xla * 1e3, t_xla / t_kernel)
 
 
+def tree_and_sparse_rows(interpret: bool, small: bool):
+    """(kernel, case, relative error, tolerance): the ragged kernel under draft-tree masks (issue 42)
+    and the 2:4 sparse matmul (issue 41) against their references."""
+    from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
+    from pallas_kernels.ragged_paged_attention import reference as rpa_ref
+    from pallas_kernels.sparse24_matmul import gpu as s24_gpu
+    from pallas_kernels.sparse24_matmul import reference as s24_ref
+
+    rng = np.random.default_rng(2)
+    seqs, context, q_len = (2, 40, 8) if small else (16, 1000, 16)
+    args, kw, _ = _attention_case(rng, seqs=seqs, context=context, q_len=q_len, Hq=32, Hkv=8, D=128,
+                                  page_size=16, kv_dtype=jnp.bfloat16)
+    # each sequence's q_len new rows form a tree: row i sees itself and a random subset of rows < i
+    base = np.repeat(np.full(seqs, context - q_len), q_len).astype(np.int32)
+    bits = np.zeros(seqs * q_len, np.int64)
+    for s in range(seqs):
+        for i in range(q_len):
+            bits[s * q_len + i] = (1 << i) | int(rng.integers(0, 1 << i)) if i else 1
+    tree = dict(tree_base=jnp.asarray(base), tree_bits=jnp.asarray(bits.astype(np.int32)))
+    for Bq in (1, 8):
+        got = rpa_gpu.ragged_paged_attention(*args, num_queries_per_block=Bq, interpret=interpret, **kw, **tree)
+        want = rpa_ref.ragged_paged_attention(*args, **kw, **tree)
+        yield "ragged_paged_attention", f"draft tree of {q_len} per seq, block {Bq}", _relative_error(got, want), 3e-2
+    K, N = (256, 256) if small else (4096, 14336)
+    weight = np.asarray(_rng_normal(rng, (K, N), jnp.float32, K**-0.5))
+    values, mask = s24_ref.from_dense_24(jnp.asarray(weight), prune=True)
+    for M in ((4, 64) if small else (16, 256)):
+        x = _rng_normal(rng, (M, K), jnp.bfloat16)
+        got = s24_gpu.sparse24_matmul(x, values.astype(jnp.bfloat16), mask, interpret=interpret)
+        want = s24_ref.sparse24_matmul(x, values.astype(jnp.bfloat16), mask)
+        yield "sparse24_matmul", f"{M} x {K} -> {N}", _relative_error(got, want), 3e-2
+
+
+def sparse24_speed_rows(interpret: bool, small: bool, iters: int, peak_gbps: float):
+    """(what, kernel ms, kernel GB/s, % of peak, dense XLA ms, speed-up over the dense bf16 matmul)."""
+    from pallas_kernels.sparse24_matmul import gpu as s24_gpu
+    from pallas_kernels.sparse24_matmul import reference as s24_ref
+
+    rng = np.random.default_rng(3)
+    K, N = (256, 512) if small else (4096, 14336)
+    weight = _rng_normal(rng, (K, N), jnp.float32, K**-0.5)
+    values, mask = s24_ref.from_dense_24(weight, prune=True)
+    values = values.astype(jnp.bfloat16)
+    dense = s24_ref.densify(values, mask, jnp.bfloat16)
+    kernel = jax.jit(functools.partial(s24_gpu.sparse24_matmul, interpret=interpret))
+    xla = jax.jit(jnp.dot)
+    for M in ((16,) if small else (1, 16, 64)):
+        x = _rng_normal(rng, (M, K), jnp.bfloat16)
+        t_kernel, t_xla = _time(kernel, x, values, mask, iters=iters), _time(xla, x, dense, iters=iters)
+        weight_bytes = values.size * 2 + mask.size
+        gbps = weight_bytes / t_kernel / 1e9
+        yield (f"2:4 sparse matmul bf16, {M} x {K} -> {N} (vs dense bf16 jnp.dot)", t_kernel * 1e3, gbps,
+               100 * gbps / peak_gbps, t_xla * 1e3, t_xla / t_kernel)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_report.md")
@@ -309,7 +364,8 @@ def main(argv=None) -> int:
     failures = 0
     for kernel, case, error, tol in itertools.chain(correctness_rows(args.interpret, args.small),
                                                     attention_option_rows(args.interpret, args.small),
-                                                    mla_rows(args.interpret, args.small)):
+                                                    mla_rows(args.interpret, args.small),
+                                                    tree_and_sparse_rows(args.interpret, args.small)):
         ok = error <= tol
         failures += not ok
         lines.append(f"| {kernel} | {case} | {error:.2e} | {tol:.0e} | {'ok' if ok else 'FAIL'} |")
@@ -317,7 +373,8 @@ def main(argv=None) -> int:
     lines += ["", "## Speed (median of %d runs)" % args.iters, "",
               "| what | kernel ms | kernel GB/s | % of peak | XLA path ms | kernel speed-up |", "|---|---:|---:|---:|---:|---:|"]
     for what, ms, gbps, share, xla_ms, speedup in itertools.chain(speed_rows(args.interpret, args.small, args.iters, peak),
-                                                                  mla_speed_rows(args.interpret, args.small, args.iters, peak)):
+                                                                  mla_speed_rows(args.interpret, args.small, args.iters, peak),
+                                                                  sparse24_speed_rows(args.interpret, args.small, args.iters, peak)):
         lines.append(f"| {what} | {ms:.3f} | {gbps:.0f} | {share:.0f}% | {xla_ms:.3f} | {speedup:.2f}x |")
         print(lines[-1], flush=True)
     lines += ["", "## Bytes read follow the window (median of %d runs)" % args.iters, "",
