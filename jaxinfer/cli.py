@@ -1,7 +1,7 @@
 """`jaxinfer generate | chat | serve | quantize | prune | convert | aot`.
 
 Parallel runs: `--tensor-parallel-size/-tp`, `--data-parallel-size/-dp`,
-`--sequence-parallel-size/-sp`, `--expert-parallel-size/-ep` (or `--enable-expert-parallel`)
+`--sequence-parallel-size/-sp`, `--pipeline-parallel-size/-pp`, `--expert-parallel-size/-ep` (or `--enable-expert-parallel`)
 lay the model out on a mesh of every process's devices. On several hosts every process runs the
 same command with `--coordinator HOST:PORT --num-processes N --process-id I` (or the
 JAXINFER_COORDINATOR / JAXINFER_NUM_PROCESSES / JAXINFER_PROCESS_ID environment, which
@@ -61,6 +61,7 @@ def _add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="Megatron sharding of heads and MLP")
     par.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="independent replicas, requests balanced")
     par.add_argument("--sequence-parallel-size", "-sp", type=int, default=1, help="a step's tokens split (long prefills)")
+    par.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="layers split into stages (models too big for a slice)")
     par.add_argument("--sequence-parallel-attention", choices=("allgather", "ring"), default="allgather")
     par.add_argument("--expert-parallel-size", "-ep", type=int, default=None, help="MoE experts split over devices")
     par.add_argument("--enable-expert-parallel", action="store_true",
@@ -149,7 +150,8 @@ def _llm(args, **extra):
         num_prefix_states=args.num_prefix_states, kv_offloading_size=args.kv_offloading_size,
         kv_offloading_dir=args.kv_offloading_dir, kv_offloading_disk_size=args.kv_offloading_disk_size,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-        sequence_parallel_size=args.sequence_parallel_size, expert_parallel_size=args.expert_parallel_size,
+        sequence_parallel_size=args.sequence_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        expert_parallel_size=args.expert_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, sequence_parallel_attention=args.sequence_parallel_attention,
         speculative_config=args.speculative_config, limit_mm_per_prompt=args.limit_mm_per_prompt,
         allowed_media_domains=tuple(args.allowed_media_domains), max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,

@@ -88,8 +88,10 @@ class LLM:
         scratch, measured by compiling the largest bucket once (jaxinfer.engine.memory); on the
         CPU, 1 GiB. The start-up log line ("jaxinfer" logger, INFO; `engine.kv_cache_summary`)
         says its pages, tokens and sequences at max_model_len.
-      tensor_parallel_size / data_parallel_size / sequence_parallel_size / expert_parallel_size:
-        the device mesh (sharding.mesh; vLLM's names where vLLM has them). Tensor: Megatron
+      tensor_parallel_size / data_parallel_size / sequence_parallel_size / expert_parallel_size /
+        pipeline_parallel_size: the device mesh (sharding.mesh; vLLM's names where vLLM has them).
+        Pipeline: the layers split into stages, micro-batches passed stage to stage inside the
+        step (jaxinfer.models.pipeline). Tensor: Megatron
         sharding of heads and MLP. Data: independent replicas, each with its own KV pages, the
         requests balanced over them. Sequence: a step's tokens split over devices (long
         prefills), `sequence_parallel_attention` "allgather" or "ring". Expert (MoE models):

@@ -1,12 +1,14 @@
-"""Device meshes for data, tensor, sequence and expert parallelism, and the multi-host start.
+"""Device meshes for pipeline, data, tensor, sequence and expert parallelism, and the multi-host start.
 
-    parallel = ParallelConfig(dp=2, tp=4)                 # sizes of the four mesh axes
+    parallel = ParallelConfig(dp=2, tp=4)                 # sizes of the five mesh axes
     check_model_fits(parallel, num_heads=32, num_kv_heads=8, intermediate_size=14336)
     mesh = make_mesh(parallel)                            # jax.sharding.Mesh over jax.devices()
 
-The mesh has the four axes `MESH_AXES` = ("data", "sequence", "expert", "tensor") in that order,
-tensor innermost: the devices of one tensor-parallel group are neighbours in `jax.devices()`,
-which on TPU slices and GPU hosts are the ones joined by the fastest links. Axes of size 1 cost
+The mesh has the five axes `MESH_AXES` = ("pipeline", "data", "sequence", "expert", "tensor") in
+that order, tensor innermost: the devices of one tensor-parallel group are neighbours in
+`jax.devices()`, which on TPU slices and GPU hosts are the ones joined by the fastest links, and
+pipeline outermost: its stages are the farthest apart (other hosts, other slices over DCN), where
+only one activation block per micro-batch crosses. Axes of size 1 cost
 nothing. The axes are `Auto` (GSPMD): arrays carry NamedShardings and XLA inserts the collectives;
 code that wants explicit collectives uses `jax.shard_map` over the same mesh.
 
@@ -25,7 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-MESH_AXES = ("data", "sequence", "expert", "tensor")
+MESH_AXES = ("pipeline", "data", "sequence", "expert", "tensor")
 
 # Environment variables read by `initialize_distributed` when an argument is not given.
 ENV_COORDINATOR = "JAXINFER_COORDINATOR"  # HOST:PORT of process 0's coordinator service
@@ -42,8 +44,8 @@ SP_ATTENTION_MODES = ("allgather", "ring")
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """Sizes of the mesh axes: data (replicas), tensor (Megatron TP), sequence (long-prefill SP),
-    expert (MoE EP). Their product is the number of devices the mesh uses. `sp_attention` picks how
+    """Sizes of the mesh axes: pipeline (stages of layers), data (replicas), tensor (Megatron TP),
+    sequence (long-prefill SP), expert (MoE EP). Their product is the number of devices the mesh uses. `sp_attention` picks how
     sequence-parallel attention sees the other devices' keys and values: "allgather" or "ring"
     (see jaxinfer.ops.attention.attend_sequence_parallel)."""
 
@@ -52,9 +54,10 @@ class ParallelConfig:
     sp: int = 1
     ep: int = 1
     sp_attention: str = "allgather"
+    pp: int = 1
 
     def __post_init__(self):
-        for name in ("dp", "tp", "sp", "ep"):
+        for name in ("dp", "tp", "sp", "ep", "pp"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ShardingError(f"{name}={value!r}: every parallel size must be a positive integer")
@@ -68,15 +71,16 @@ class ParallelConfig:
 
     @property
     def num_devices(self) -> int:
-        return self.dp * self.sp * self.ep * self.tp
+        return self.pp * self.dp * self.sp * self.ep * self.tp
 
     @property
     def axis_sizes(self) -> tuple[int, ...]:
         """Sizes in MESH_AXES order."""
-        return (self.dp, self.sp, self.ep, self.tp)
+        return (self.pp, self.dp, self.sp, self.ep, self.tp)
 
     def describe(self) -> str:
-        return " x ".join(f"{name}={size}" for name, size in zip(("dp", "sp", "ep", "tp"), self.axis_sizes))
+        return " x ".join(f"{name}={size}" for name, size in zip(("pp", "dp", "sp", "ep", "tp"), self.axis_sizes)
+                          if name != "pp" or size > 1)
 
     def check_model(self, config) -> None:
         """check_model_fits for a jaxinfer ModelConfig."""

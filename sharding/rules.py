@@ -12,6 +12,9 @@ all-reduce after o and one after down; KV heads follow the query heads. The embe
 the LM head are split on the hidden dimension ("embed_tp"): the lookup is all-gathered and the
 logits all-reduced, so no vocabulary padding is needed. Expert weights split over "expert".
 
+Pipeline parallelism splits the leading layer axis of every stacked weight, and of the KV cache's
+layer slots, over "pipeline": stage i holds layers i * L / pp .. (i + 1) * L / pp - 1 and their pages.
+
 Replicas: the "data" and "expert" axes together index the attention replicas. Each replica has
 its own batch and its own pages of the KV cache (split on the page axis); outside the MoE layers
 the expert axis is simply more data parallelism (a dense model has ep = 1).
@@ -25,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 REPLICA_AXES = ("data", "expert")
 
 RULES: dict[str, str | tuple[str, ...]] = {
+    "layers": "pipeline",  # the leading [num_layers] axis of stacked weights and KV slots: a stage's layers
     "embed_tp": "tensor",  # hidden dim of the embedding table and LM head
     "qkv": "tensor",  # fused q/k/v columns (shard-major: param_layout)
     "heads": "tensor",  # o_proj rows (query heads x head_dim)

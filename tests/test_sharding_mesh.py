@@ -35,9 +35,11 @@ def test_a_mesh_larger_than_the_devices_is_named():
 def test_mesh_axes_over_eight_devices():
     mesh = make_mesh(ParallelConfig(dp=2, tp=4))
     assert mesh.axis_names == MESH_AXES
-    assert dict(mesh.shape) == {"data": 2, "sequence": 1, "expert": 1, "tensor": 4}
-    assert [d.id for d in mesh.devices[1, 0, 0, :]] == [4, 5, 6, 7]  # a tensor group: neighbouring devices
-    assert dict(make_mesh(ParallelConfig(tp=2)).shape) == {"data": 1, "sequence": 1, "expert": 1, "tensor": 2}  # the first 2 of 8
+    assert dict(mesh.shape) == {"pipeline": 1, "data": 2, "sequence": 1, "expert": 1, "tensor": 4}
+    assert [d.id for d in mesh.devices[0, 1, 0, 0, :]] == [4, 5, 6, 7]  # a tensor group: neighbouring devices
+    assert dict(make_mesh(ParallelConfig(tp=2)).shape) == {"pipeline": 1, "data": 1, "sequence": 1, "expert": 1, "tensor": 2}  # the first 2 of 8
+    stages = make_mesh(ParallelConfig(pp=2, tp=2, dp=2))  # pipeline outermost: a stage is a block of neighbours
+    assert [d.id for d in stages.devices[1].flat] == [4, 5, 6, 7]
 
 
 def test_kv_heads_split_or_replicate():

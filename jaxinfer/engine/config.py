@@ -115,6 +115,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     sequence_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     expert_parallel_size: int | None = None
     enable_expert_parallel: bool = False
     sequence_parallel_attention: str = "allgather"
@@ -379,7 +380,7 @@ class EngineConfig:
             raise ShardingError(f"expert parallelism (size {ep}) needs a mixture-of-experts model; "
                                 f"{model_config.model_type} has no experts")
         parallel = ParallelConfig(dp=dp, tp=self.tensor_parallel_size, sp=self.sequence_parallel_size, ep=ep,
-                                  sp_attention=self.sequence_parallel_attention)
+                                  sp_attention=self.sequence_parallel_attention, pp=self.pipeline_parallel_size)
         parallel.check_model(model_config)
         return parallel
 
