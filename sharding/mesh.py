@@ -70,6 +70,12 @@ class ParallelConfig:
         return self.dp * self.ep
 
     @property
+    def token_multiple(self) -> int:
+        """What every step's token count is a multiple of: sp blocks (sequence parallelism), each
+        of pp micro-batches (pipeline parallelism: jaxinfer.models.pipeline)."""
+        return self.sp * self.pp
+
+    @property
     def num_devices(self) -> int:
         return self.pp * self.dp * self.sp * self.ep * self.tp
 

@@ -104,7 +104,7 @@ def run_scenario(model: MeshModel) -> list[np.ndarray]:
 
 def mesh_id(p: ParallelConfig) -> str:
     """"dp2-tp4", "sp4-ring": the sizes above 1, for test ids."""
-    sizes = [f"{name}{size}" for name, size in (("dp", p.dp), ("sp", p.sp), ("ep", p.ep), ("tp", p.tp)) if size > 1]
+    sizes = [f"{name}{size}" for name, size in (("pp", p.pp), ("dp", p.dp), ("sp", p.sp), ("ep", p.ep), ("tp", p.tp)) if size > 1]
     return "-".join(sizes + ([p.sp_attention] if p.sp > 1 else []))
 
 

@@ -49,6 +49,7 @@ checkpoints_conv.hf.SafetensorsSource.read = counting_read
 model = MeshModel(model_dir, ParallelConfig(tp=8))
 (out_dir / f"bytes_read_{process}.json").write_text(json.dumps(bytes_read))
 logits = run_scenario(model)
+pipeline_logits = run_scenario(MeshModel(model_dir, ParallelConfig(pp=2, tp=4)))
 
 llm = LLM(str(model_dir), data_parallel_size=2, tensor_parallel_size=4, max_model_len=96, page_size=4, num_pages=64,
           max_num_seqs=8, max_num_batched_tokens=64, progress=False)
@@ -56,6 +57,7 @@ prompts = [[int(t) for t in np.random.default_rng(i).integers(3, 250, 6)] for i 
 outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
 if process == 0:
     np.savez(out_dir / "logits.npz", *logits)
+    np.savez(out_dir / "pipeline_logits.npz", *pipeline_logits)
     (out_dir / "tokens.json").write_text(json.dumps([o.outputs[0].token_ids for o in outputs]))
 jax.distributed.shutdown()
 print(f"process {process}: done")

@@ -1,5 +1,6 @@
 """A real two-process run on one machine: `jax.distributed` over loopback, 4 CPU devices per
-process, one global mesh of 8. The sharded model gives the logits of the one-process run, `LLM`
+process, one global mesh of 8. The sharded model gives the logits of the one-process run (with
+tp = 8, and as a pipeline whose two stages are the two processes), `LLM`
 generates the same tokens, and each process reads only its slices of the checkpoint. The
 processes are started by scripts/launch_multihost.py, which stops them all on a failure or a
 timeout, so the test cannot hang."""
@@ -35,8 +36,10 @@ def test_two_processes_on_one_global_mesh_match_one_process(model_dir, tmp_path)
                     num_processes=2, cpu_devices=4, timeout=300)
     assert status == 0
 
-    saved = np.load(tmp_path / "logits.npz")
-    assert_same_logits([saved[f"arr_{i}"] for i in range(len(saved.files))], run_scenario(MeshModel(model_dir, ParallelConfig())))
+    truth = run_scenario(MeshModel(model_dir, ParallelConfig()))
+    for name in ("logits.npz", "pipeline_logits.npz"):  # tp = 8; a pipeline of two stages, one per process
+        saved = np.load(tmp_path / name)
+        assert_same_logits([saved[f"arr_{i}"] for i in range(len(saved.files))], truth)
 
     llm = LLM(str(model_dir), max_model_len=96, page_size=4, num_pages=64, max_num_seqs=8, max_num_batched_tokens=64, progress=False)
     prompts = [[int(t) for t in np.random.default_rng(i).integers(3, 250, 6)] for i in range(4)]  # one prefill step, then decodes

@@ -207,7 +207,7 @@ class AbstractStep:
                            kernels=kernels, mesh=mesh, state_slots=shape.state_slots(max_num_seqs) * parallel.num_replicas,
                            state_dtype=dtype)
         buckets = Buckets.default(shape.max_num_batched_tokens, max_num_seqs,
-                                  shape.pages_per_seq, token_multiple=parallel.sp, num_groups=groups.num_groups)
+                                  shape.pages_per_seq, token_multiple=parallel.token_multiple, num_groups=groups.num_groups)
         step = StepFunction(graphdef, NUM_TOP_LOGPROBS, max_rows=buckets.max_tokens, mesh=mesh, param_specs=specs)
         return cls(config, target, parallel, shape, mesh, step, params, kv, buckets, num_pages)
 

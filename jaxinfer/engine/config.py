@@ -462,5 +462,5 @@ class EngineConfig:
         each of the model's `num_groups` KV layer groups (jaxinfer.kv_groups)."""
         spec = self.speculative_config
         return Buckets.default(self.max_num_batched_tokens, self.max_num_seqs, -(-self.max_model_len // self.page_size),
-                               token_multiple=parallel.sp, spec_block=spec.spec_block if spec else 0,
+                               token_multiple=parallel.token_multiple, spec_block=spec.spec_block if spec else 0,
                                num_groups=num_groups)

@@ -49,7 +49,7 @@ from flax import nnx
 
 from jaxinfer.config import ConfigError, LayerKind, ModelConfig
 from jaxinfer.kv_groups import kv_groups, layer_period
-from jaxinfer.models import moe
+from jaxinfer.models import moe, pipeline
 from jaxinfer.models.layers import (add_rms_norm, embed_lookup, gate_up_swiglu, gelu_tanh_glu, linear, matmul, rms_norm,
                                    rms_norm_weight, soft_cap, swiglu, tied_logits)
 from jaxinfer.models.lora import LoraSlots, LoraTable, lora_shapes
@@ -196,6 +196,8 @@ class Decoder(nnx.Module):
         self.parallel = parallel  # static: the mesh's axis sizes (sharding.mesh.ParallelConfig)
         shapes = param_shapes(config, parallel.tp)  # global shapes; __call__ sees this device's shards
         layer_shapes = {k.split(".", 1)[1]: v for k, v in shapes.items() if k.startswith("layers.")}
+        if parallel.pp > 1:  # every stage's layers alike (one program runs them all)
+            pipeline.check_pipeline(config, parallel, self.kv_groups, tuple(layer_shapes))
         self.embed = nnx.Param(_init("embed", shapes["embed"], param_dtype, rngs.params()))
         self.layers = DecoderLayers(layer_shapes, param_dtype, rngs)
         self.final_norm = nnx.Param(_init("final_norm", shapes["final_norm"], param_dtype, None))
@@ -231,12 +233,12 @@ class Decoder(nnx.Module):
         first_row = jax.lax.axis_index("sequence") * Tl if par.sp > 1 else 0
 
         token_ids = jax.lax.dynamic_slice_in_dim(batch.token_ids, first_row, Tl)
-        if return_stream and par.sp > 1:
-            raise ValueError("the residual stream of every token is returned without sequence parallelism only")
+        if return_stream and (par.sp > 1 or par.pp > 1):
+            raise ValueError("the residual stream of every token is returned without sequence or pipeline parallelism only")
         x = self.step_input(token_ids, batch.positions, input_hidden)  # [Tl, H]
         if batch.mm_embeds is not None:  # image tokens read their encoder rows instead of their ids' embeddings
-            if par.sp > 1:
-                raise ValueError("image inputs with sequence parallelism are not supported")
+            if par.sp > 1 or par.pp > 1:
+                raise ValueError("image inputs with sequence or pipeline parallelism are not supported")
             x = jnp.where(batch.mm_mask[:, None], batch.mm_embeds.astype(x.dtype), x)
         if max(self.lane_blocks) > 1:  # a lane-block group's table names its pages' lane blocks (page_factors)
             batch = dataclasses.replace(batch, page_table=jnp.stack(
@@ -272,10 +274,17 @@ class Decoder(nnx.Module):
         stream_layers = (c.num_layers,) if return_stream is True else tuple(return_stream or ())
         if any(not 0 <= i <= c.num_layers for i in stream_layers):
             raise ValueError(f"return_stream={return_stream!r}: layer indices must be in 0..{c.num_layers}")
-        (stream, residual, pool), captured = self.run_layers(
-            step, (x, jnp.zeros_like(x), kv.fold_slots()), capture=tuple(i for i in stream_layers if i < c.num_layers))
+        if par.pp > 1:  # this stage's layers over micro-batches, handed stage to stage (models.pipeline)
+            run_stage = lambda step, carry: self.run_layers(step, carry, stage_layers=c.num_layers // par.pp)[0]  # noqa: E731
+            stream, residual, pool = pipeline.run_pipeline(run_stage, step, x, kv.fold_slots(), par.pp)
+            captured = {}
+        else:
+            (stream, residual, pool), captured = self.run_layers(
+                step, (x, jnp.zeros_like(x), kv.fold_slots()), capture=tuple(i for i in stream_layers if i < c.num_layers))
         captured[c.num_layers] = stream + residual
         hidden, rows_residual = self._logits_rows(stream, residual, batch.logits_indices, first_row)  # [R, H] each
+        if par.pp > 1:  # the rows from the last stage, on every stage
+            hidden, rows_residual = (pipeline.from_last_stage(a, par.pp) for a in (hidden, rows_residual))
         h, _ = add_rms_norm(hidden, rows_residual, self.norm_weight(self.final_norm[...]), c.rms_norm_eps, self.kernels)
         kv = pool.unfold_slots(num_slots)
         extras = (h,) if return_hidden else ()  # the final-normed hidden state of each logits row [R, H]
@@ -288,8 +297,10 @@ class Decoder(nnx.Module):
         (a multi-token-prediction module also reads `input_hidden`: models.deepseek_mtp)."""
         return self._embed(token_ids)
 
-    def run_layers(self, step: StepInputs, carry, capture: tuple[int, ...] = ()):
+    def run_layers(self, step: StepInputs, carry, capture: tuple[int, ...] = (), stage_layers: int | None = None):
         """carry = (hidden, residual, pool) through every layer (the period loop of the module docstring);
+        with `stage_layers` (pipeline parallelism) through this stage's layers only, 0 .. stage_layers - 1
+        of its shards of the stacks (models.pipeline: every stage's alike);
         with `batch.mm_deepstack` [K, T, H] (Qwen3-VL's deepstack) layer j < K's output at the image
         tokens gains row j (added to hidden: the stream is hidden + residual). Returns (carry,
         {layer: stream [T, H] at its input} for the layers in `capture`): the runs of layers are
@@ -342,7 +353,7 @@ class Decoder(nnx.Module):
 
         first = c.first_dense_layers if c.is_moe else 0  # GLM-4.5's dense layers before the MoE ones
         shared = c.num_layers - c.kv_shared_layers  # Gemma 4's KV-shared layers after the others
-        cuts = sorted({0, first, shared, c.num_layers, *capture})
+        cuts = sorted({0, first, shared, c.num_layers, *capture}) if stage_layers is None else [0, stage_layers]
         captured = {}
         for start, end in zip(cuts, cuts[1:]):
             if start in capture:

@@ -176,7 +176,8 @@ class Buckets:
     def default(max_num_batched_tokens: int, max_num_seqs: int, pages_per_seq: int, token_multiple: int = 1,
                 spec_block: int = 0, num_groups: int = 1) -> "Buckets":
         """Token buckets 2, 4, 8, ... up to max_num_batched_tokens, each rounded up to a multiple of
-        `token_multiple` (sequence parallelism splits a step's tokens evenly over that many devices).
+        `token_multiple` (sequence parallelism splits a step's tokens evenly over that many devices,
+        pipeline parallelism into that many micro-batches).
 
         There is no 1-token bucket: with one token, XLA:CPU turned the KV scatter into a
         dynamic-update-slice and copied the whole page pool each layer (seen with small
@@ -190,7 +191,7 @@ class Buckets:
         if max_num_batched_tokens % token_multiple:
             raise ValueError(
                 f"max_num_batched_tokens={max_num_batched_tokens} must be a multiple of {token_multiple} "
-                f"(the sequence-parallel size splits every step's tokens evenly)"
+                f"(sequence-parallel blocks and pipeline micro-batches split every step's tokens evenly)"
             )
         sizes, t = [], 2
         while t < max_num_batched_tokens:

@@ -69,6 +69,120 @@ MAX_BANNED_IDS = 32
 MAX_TREE_CHILDREN = 32
 
 
+@dataclasses.dataclass(frozen=True)
+class Vocab:
+    """Where a logits row's columns lie in the vocabulary. `axis` None: the row is the whole
+    vocabulary (every reduction is the plain one). Otherwise the row is this device's contiguous
+    block of `width` columns of a vocabulary split over the mesh axis `axis` (inside shard_map;
+    the LM head's "vocab" layout), columns from `size` on being padding (logits -inf, never
+    sampled); reductions over the vocabulary are a local one plus a small collective."""
+
+    size: int  # V, the real vocabulary
+    axis: str | None = None
+
+    def offset(self, width: int) -> jax.Array | int:
+        """The global id of this device's first column."""
+        return 0 if self.axis is None else jax.lax.axis_index(self.axis) * width
+
+    def ids(self, width: int) -> jax.Array:
+        """The global ids [width] of this device's columns."""
+        return self.offset(width) + jnp.arange(width)
+
+    def pad(self, logits: jax.Array) -> jax.Array:
+        """The padding columns (global id >= size) set to -inf."""
+        width = logits.shape[-1]
+        if self.axis is None and width == self.size:
+            return logits
+        return jnp.where(self.ids(width) < self.size, logits, -jnp.inf)
+
+    def max(self, x: jax.Array) -> jax.Array:
+        m = x.max(axis=-1, keepdims=True)
+        return m if self.axis is None else jax.lax.pmax(m, self.axis)
+
+    def min(self, x: jax.Array) -> jax.Array:
+        m = x.min(axis=-1, keepdims=True)
+        return m if self.axis is None else jax.lax.pmin(m, self.axis)
+
+    def sum(self, x: jax.Array) -> jax.Array:
+        t = x.sum(axis=-1, keepdims=True)
+        return t if self.axis is None else jax.lax.psum(t, self.axis)
+
+    def argmax(self, x: jax.Array) -> jax.Array:
+        """[R] int32 global ids of each row's largest value, the first one on ties (jnp.argmax's)."""
+        if self.axis is None:
+            return jnp.argmax(x, axis=-1).astype(jnp.int32)
+        local = x.max(axis=-1)
+        best = jax.lax.pmax(local, self.axis)
+        candidate = jnp.argmax(x, axis=-1).astype(jnp.int32) + self.offset(x.shape[-1])
+        return jax.lax.pmin(jnp.where(local == best, candidate, jnp.iinfo(jnp.int32).max), self.axis)
+
+    def take(self, x: jax.Array, ids: jax.Array) -> jax.Array:
+        """x [R, width] at global ids [R, n] (in the vocabulary) -> [R, n]."""
+        if self.axis is None:
+            return jnp.take_along_axis(x, ids, axis=-1)
+        width = x.shape[-1]
+        local = ids - self.offset(width)
+        inside = (local >= 0) & (local < width)
+        picked = jnp.take_along_axis(x, jnp.clip(local, 0, width - 1), axis=-1)
+        return jax.lax.psum(jnp.where(inside, picked, jnp.zeros((), x.dtype)), self.axis)
+
+    def local_ids(self, ids: jax.Array, width: int) -> jax.Array:
+        """Global ids (-1 padding) -> this device's columns, `width` (out of bounds: a scatter drops
+        it) for ids elsewhere or padding."""
+        local = ids - self.offset(width)
+        return jnp.where((ids >= 0) & (local >= 0) & (local < width), local, width)
+
+    def softmax(self, x: jax.Array) -> jax.Array:
+        if self.axis is None:
+            return jax.nn.softmax(x, axis=-1)
+        e = jnp.exp(x - self.max(x))
+        return e / self.sum(e)
+
+    def log_softmax(self, x: jax.Array) -> jax.Array:
+        if self.axis is None:
+            return jax.nn.log_softmax(x, axis=-1)
+        shifted = x - self.max(x)
+        return shifted - jnp.log(self.sum(jnp.exp(shifted)))
+
+    def gumbel(self, keys: jax.Array, width: int) -> jax.Array:
+        """Each row's Gumbel noise over its columns [R, width]: the columns' entries of the noise
+        the whole row draws (jax.random.gumbel(key, (size,))), so the split draw picks the same
+        tokens as the whole one."""
+        noise = jax.vmap(lambda key: jax.random.gumbel(key, (self.size,), jnp.float32))(keys)
+        if self.axis is None and width == self.size:
+            return noise
+        noise = jnp.pad(noise, ((0, 0), (0, max(0, self.offset_bound(width) - self.size))))
+        return jax.lax.dynamic_slice_in_dim(noise, self.offset(width), width, axis=-1)
+
+    def offset_bound(self, width: int) -> int:
+        """The padded vocabulary: width x the number of devices along `axis`."""
+        return width * (1 if self.axis is None else jax.lax.axis_size(self.axis))
+
+    def top_k(self, x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+        """Each row's k largest values and their global ids (lax.top_k's order: ties by lower id):
+        each device's own top k, all-gathered (k per device), then the top k of those."""
+        if self.axis is None:
+            values, ids = jax.lax.top_k(x, k)
+            return values, ids.astype(jnp.int32)
+        width = x.shape[-1]
+        kk = min(k, width)
+        values, ids = jax.lax.top_k(x, kk)
+        if kk < k:
+            values = jnp.pad(values, ((0, 0), (0, k - kk)), constant_values=-jnp.inf)
+            ids = jnp.pad(ids, ((0, 0), (0, k - kk)), constant_values=width - 1)
+        ids = ids.astype(jnp.int32) + self.offset(width)
+        gather = lambda a: jnp.moveaxis(jax.lax.all_gather(a, self.axis), 0, 1).reshape(a.shape[0], -1)  # noqa: E731
+        values, ids = gather(values), gather(ids)  # [R, devices * k], device by device: ids ascending on ties
+        best, where = jax.lax.top_k(values, k)
+        return best, jnp.take_along_axis(ids, where, axis=-1)
+
+    def gather_all(self, x: jax.Array) -> jax.Array:
+        """[R, width] -> the whole rows [R, size]."""
+        if self.axis is None:
+            return x
+        return jax.lax.all_gather(x, self.axis, axis=1, tiled=True)[:, : self.size]
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingTensors:
@@ -137,7 +251,7 @@ def order_keys(x: jax.Array) -> jax.Array:
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
-def filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, vocab: Vocab | None = None) -> jax.Array:
     """Masks (to -inf) logits outside each row's top-k, then outside its top-p nucleus (the
     smallest set of the largest logits whose probability reaches top_p). [R, V].
 
@@ -146,26 +260,28 @@ def filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) ->
     logits >= t (the k-th largest logit); the top-p one the smallest key t whose larger logits
     hold less than top_p of the top-k probability mass (in sorted order: the last position whose
     mass before it is under top_p). Ties with a threshold are kept, as in the sorted definition
-    (`filter_top_k_top_p_by_sorting`)."""
-    V = logits.shape[-1]
+    (`filter_top_k_top_p_by_sorting`). With a split `vocab` the counts and masses are summed
+    over its axis (one [R] psum per halving)."""
+    vocab = Vocab(logits.shape[-1]) if vocab is None else vocab
+    V = vocab.size
     keys = order_keys(logits)  # [R, V]
     k = jnp.where((top_k > 0) & (top_k < V), top_k, V)[:, None]  # [R, 1]
-    lowest, highest = keys.min(axis=-1, keepdims=True), keys.max(axis=-1, keepdims=True)
+    lowest, highest = vocab.min(keys), vocab.max(keys)
 
     def kth_largest(_, bounds):  # the largest t with count(keys >= t) >= k lies in [lo, hi]
         lo, hi = bounds
         mid = lo + (hi - lo) - (hi - lo) // 2  # the upper middle: lo + ceil((hi - lo) / 2), no overflow
-        enough = (keys >= mid).sum(axis=-1, keepdims=True) >= k
+        enough = vocab.sum((keys >= mid).astype(jnp.int32)) >= k
         return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid - 1)
 
     k_threshold, _ = jax.lax.fori_loop(0, 32, kth_largest, (lowest, highest))
     in_top_k = keys >= k_threshold
-    probs = jax.nn.softmax(jnp.where(in_top_k, logits, -jnp.inf), axis=-1)
+    probs = vocab.softmax(jnp.where(in_top_k, logits, -jnp.inf))
 
     def nucleus_edge(_, bounds):  # the smallest t with mass(keys > t) < top_p lies in [lo, hi]
         lo, hi = bounds
         mid = lo + (hi - lo) // 2
-        small = jnp.where(keys > mid, probs, 0.0).sum(axis=-1, keepdims=True) < top_p[:, None]
+        small = vocab.sum(jnp.where(keys > mid, probs, 0.0)) < top_p[:, None]
         return jnp.where(small, lo, mid + 1), jnp.where(small, mid, hi)
 
     p_threshold, _ = jax.lax.fori_loop(0, 32, nucleus_edge, (k_threshold, highest))
@@ -173,15 +289,19 @@ def filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) ->
     return jnp.where(keys >= p_threshold, logits, -jnp.inf)
 
 
-def history_counts(history_ids: jax.Array, num_prompt: jax.Array, V: int) -> tuple[jax.Array, jax.Array]:
+def history_counts(history_ids: jax.Array, num_prompt: jax.Array, V: int, vocab: Vocab | None = None) -> tuple[jax.Array, jax.Array]:
     """Per-row token counts from a -1 padded history [R, H] whose first num_prompt[r] ids are prompt.
 
-    Returns (output_counts [R, V] int32, seen [R, V] bool: in the prompt or the output).
+    Returns (output_counts [R, V] int32, seen [R, V] bool: in the prompt or the output); with a
+    split `vocab`, V is this device's width and the counts are of its columns.
     """
     R, H = history_ids.shape
     valid = history_ids >= 0
     is_output = valid & (jnp.arange(H)[None, :] >= num_prompt[:, None])
-    ids = jnp.where(valid, history_ids, V)  # padding scatters out of bounds and is dropped
+    if vocab is None or vocab.axis is None:
+        ids = jnp.where(valid, history_ids, V)  # padding scatters out of bounds and is dropped
+    else:
+        ids = vocab.local_ids(history_ids, V)  # (other devices' ids too)
     rows = jnp.broadcast_to(jnp.arange(R)[:, None], (R, H))
     output_counts = jnp.zeros((R, V), jnp.int32).at[rows, ids].add(is_output.astype(jnp.int32), mode="drop")
     all_counts = jnp.zeros((R, V), jnp.int32).at[rows, ids].add(1, mode="drop")
@@ -195,14 +315,16 @@ PENALTY_ROW_BLOCK = 16
 
 
 def apply_penalties(logits: jax.Array, history_ids: jax.Array, num_prompt_history: jax.Array,
-                    repetition_penalty: jax.Array, presence_penalty: jax.Array, frequency_penalty: jax.Array) -> jax.Array:
-    """vLLM's repetition (prompt + output), frequency and presence (output only) penalties. [R, V]."""
+                    repetition_penalty: jax.Array, presence_penalty: jax.Array, frequency_penalty: jax.Array,
+                    vocab: Vocab | None = None) -> jax.Array:
+    """vLLM's repetition (prompt + output), frequency and presence (output only) penalties. [R, V]
+    (with a split `vocab`: this device's columns, nothing exchanged)."""
     R = logits.shape[0]
     block = PENALTY_ROW_BLOCK if R % PENALTY_ROW_BLOCK == 0 else R
 
     def penalize(rows):
         logits, history_ids, num_prompt, rep, presence, frequency = rows
-        output_counts, seen = history_counts(history_ids, num_prompt, logits.shape[-1])
+        output_counts, seen = history_counts(history_ids, num_prompt, logits.shape[-1], vocab)
         rep = jnp.where(seen, rep[:, None], 1.0)
         logits = jnp.where(logits > 0, logits / rep, logits * rep)
         logits = logits - frequency[:, None] * output_counts.astype(logits.dtype)
@@ -213,17 +335,20 @@ def apply_penalties(logits: jax.Array, history_ids: jax.Array, num_prompt_histor
     return jax.lax.map(penalize, blocks).reshape(logits.shape)
 
 
-def ban_tokens(logits: jax.Array, banned_ids: jax.Array) -> jax.Array:
+def ban_tokens(logits: jax.Array, banned_ids: jax.Array, vocab: Vocab | None = None) -> jax.Array:
     """Sets each row's banned ids [R, B] (-1 = padding; ids past V are dropped) to -inf. [R, V]."""
     R, V = logits.shape
-    ids = jnp.where(banned_ids >= 0, banned_ids, V)  # padding scatters out of bounds and is dropped
+    if vocab is None or vocab.axis is None:
+        ids = jnp.where(banned_ids >= 0, banned_ids, V)  # padding scatters out of bounds and is dropped
+    else:
+        ids = vocab.local_ids(banned_ids, V)
     rows = jnp.broadcast_to(jnp.arange(R)[:, None], banned_ids.shape)
     return logits.at[rows, ids].set(-jnp.inf, mode="drop")
 
 
-def keep_allowed(logits: jax.Array, allowed_tokens: jax.Array) -> jax.Array:
+def keep_allowed(logits: jax.Array, allowed_tokens: jax.Array, vocab: Vocab | None = None) -> jax.Array:
     """Sets the tokens whose bit is clear in each row's bitmask [R, W] to -inf. [R, V]."""
-    return jnp.where(allowed_mask(allowed_tokens, logits.shape[-1]), logits, -jnp.inf)
+    return jnp.where(allowed_mask(allowed_tokens, logits.shape[-1], vocab), logits, -jnp.inf)
 
 
 # The logits processors in the order `sample` applies them: (the SamplingTensors fields each one
@@ -237,12 +362,12 @@ LOGITS_PROCESSORS = (
 )
 
 
-def process_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+def process_logits(logits: jax.Array, st: SamplingTensors, vocab: Vocab | None = None) -> jax.Array:
     """logits [R, V] after the processors `st` switches on (penalties, bans, the allowed-token mask)."""
     for fields, processor in LOGITS_PROCESSORS:
         if getattr(st, fields[0]) is not None:
             assert all(getattr(st, f) is not None for f in fields), f"{processor.__name__} needs all of {fields}"
-            logits = processor(logits, *(getattr(st, f) for f in fields))
+            logits = processor(logits, *(getattr(st, f) for f in fields), vocab=vocab)
     return logits
 
 
@@ -251,16 +376,20 @@ def without_processors(st: SamplingTensors) -> SamplingTensors:
     return dataclasses.replace(st, **{f: None for fields, _ in LOGITS_PROCESSORS for f in fields})
 
 
-def filter_min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
+def filter_min_p(scaled: jax.Array, min_p: jax.Array, vocab: Vocab | None = None) -> jax.Array:
     """Masks tokens whose probability is below min_p x the row's top probability (on scaled logits)."""
-    top = jnp.max(scaled, axis=-1, keepdims=True)
+    top = jnp.max(scaled, axis=-1, keepdims=True) if vocab is None else vocab.max(scaled)
     drop = jnp.exp(scaled - top) < min_p[:, None]
     return jnp.where(drop, -jnp.inf, scaled)
 
 
-def allowed_mask(bitmask: jax.Array, V: int) -> jax.Array:
+def allowed_mask(bitmask: jax.Array, V: int, vocab: Vocab | None = None) -> jax.Array:
     """int32 [R, W] bitmask (bit t % 32 of word t // 32: token t) -> bool [R, V]; tokens past
-    32 W are not allowed."""
+    32 W are not allowed. With a split `vocab`: the bits of this device's V columns."""
+    if vocab is not None and vocab.axis is not None:
+        ids = vocab.ids(V)  # [V] global
+        words = jnp.take(bitmask, jnp.clip(ids // 32, 0, bitmask.shape[1] - 1), axis=1)  # [R, V]
+        return (((words >> (ids % 32)) & 1) == 1) & (ids < 32 * bitmask.shape[1])[None]
     bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [R, W, 32]
     bits = bits.reshape(bitmask.shape[0], -1)[:, :V]
     if bits.shape[1] < V:
@@ -268,32 +397,41 @@ def allowed_mask(bitmask: jax.Array, V: int) -> jax.Array:
     return bits.astype(bool)
 
 
-def sample(logits: jax.Array, st: SamplingTensors, num_top_logprobs: int, raw_logits: jax.Array | None = None) -> SampleOutput:
+def sample(logits: jax.Array, st: SamplingTensors, num_top_logprobs: int, raw_logits: jax.Array | None = None,
+           vocab: Vocab | None = None) -> SampleOutput:
     """logits [R, V] float32 -> one token per row, with log-probabilities (of `raw_logits`, by
-    default `logits` before the processors: logprobs are of the raw logits, whatever the processing)."""
-    R, V = logits.shape
+    default `logits` before the processors: logprobs are of the raw logits, whatever the processing).
+
+    `vocab`: with a split one (`Vocab(V, axis)`, inside shard_map), logits are this device's
+    columns [R, V / n] and every reduction over the vocabulary is local plus a collective of
+    [R]-sized (top-logprobs: [R, n * K]) values: tokens, logprobs and top-logprobs come out the
+    same on every device and equal to the whole-vocabulary sampler's (same seeds, same tokens)."""
+    R, W = logits.shape
+    vocab = Vocab(W) if vocab is None else vocab
+    V = vocab.size
     raw_logits = logits if raw_logits is None else raw_logits
-    logits = process_logits(logits, st)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits, raw_logits = vocab.pad(logits), vocab.pad(raw_logits)
+    logits = process_logits(logits, st, vocab)
+    greedy = vocab.argmax(logits)
     is_random = st.temperature > 0
 
     def draw():
         scaled = logits / jnp.where(is_random, st.temperature, 1.0)[:, None]
         if st.min_p is not None:
-            scaled = filter_min_p(scaled, st.min_p)
+            scaled = filter_min_p(scaled, st.min_p, vocab)
         needs_filter = jnp.any(((st.top_k > 0) & (st.top_k < V)) | (st.top_p < 1.0))
-        scaled = jax.lax.cond(needs_filter, filter_top_k_top_p, lambda x, *_: x, scaled, st.top_k, st.top_p)
+        scaled = jax.lax.cond(needs_filter, lambda x, k, p: filter_top_k_top_p(x, k, p, vocab), lambda x, *_: x,
+                              scaled, st.top_k, st.top_p)
         keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(st.seed, st.counter)
-        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(keys)
-        drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+        drawn = vocab.argmax(scaled + vocab.gumbel(keys, W))
         return jnp.where(is_random, drawn, greedy)
 
     tokens = jax.lax.cond(jnp.any(is_random), draw, lambda: greedy)
     accepted = child = None
     if st.draft_token is not None:
-        tokens, accepted = verify_drafts(logits, st, tokens)
+        tokens, accepted = verify_drafts(logits, st, tokens, vocab)
     if st.tree_children is not None:
-        tokens, child = verify_tree(logits, st, tokens)
+        tokens, child = verify_tree(logits, st, tokens, vocab)
     emitted = tokens if accepted is None else jnp.where(accepted, st.draft_token, tokens)
     if child is not None:
         child_token = jnp.take_along_axis(st.tree_children, jnp.maximum(child, 0)[:, None], axis=-1)[:, 0]
@@ -301,10 +439,10 @@ def sample(logits: jax.Array, st: SamplingTensors, num_top_logprobs: int, raw_lo
     target = jnp.where(st.target_ids >= 0, st.target_ids, emitted)
 
     def with_logprobs():
-        logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
-        token_logprobs = jnp.take_along_axis(logprobs, target[:, None], axis=-1)[:, 0]
+        logprobs = vocab.log_softmax(raw_logits)
+        token_logprobs = vocab.take(logprobs, target[:, None])[:, 0]
         if num_top_logprobs > 0:
-            top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top_logprobs)
+            top_logprobs, top_ids = vocab.top_k(logprobs, num_top_logprobs)
         else:
             top_logprobs, top_ids = jnp.zeros((R, 0), jnp.float32), jnp.zeros((R, 0), jnp.int32)
         return token_logprobs, top_ids.astype(jnp.int32), top_logprobs
@@ -317,67 +455,88 @@ def sample(logits: jax.Array, st: SamplingTensors, num_top_logprobs: int, raw_lo
         token_logprobs, top_ids, top_logprobs = with_logprobs()
     else:
         token_logprobs, top_ids, top_logprobs = jax.lax.cond(jnp.any(st.want_logprobs), with_logprobs, without_logprobs)
-    probs = processed_probs(logits, st) if st.return_probs is not None else None
+    probs = vocab.gather_all(processed_probs(logits, st, vocab)) if st.return_probs is not None else None
     return SampleOutput(tokens, token_logprobs, top_ids, top_logprobs, accepted, probs, accepted_child=child)
 
 
-def processed_probs(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+def processed_probs(logits: jax.Array, st: SamplingTensors, vocab: Vocab | None = None) -> jax.Array:
     """The distribution each row samples from [R, V]: temperature, min-p, top-k and top-p applied
-    (as `sample` draws), one-hot at the argmax for greedy rows. Penalties and bans are the caller's."""
-    V = logits.shape[-1]
+    (as `sample` draws), one-hot at the argmax for greedy rows. Penalties and bans are the caller's.
+    (With a split `vocab`: this device's columns of it.)"""
+    W = logits.shape[-1]
+    vocab = Vocab(W) if vocab is None else vocab
+    V = vocab.size
     is_random = st.temperature > 0
     scaled = logits / jnp.where(is_random, st.temperature, 1.0)[:, None]
     if st.min_p is not None:
-        scaled = filter_min_p(scaled, st.min_p)
+        scaled = filter_min_p(scaled, st.min_p, vocab)
     needs_filter = jnp.any(((st.top_k > 0) & (st.top_k < V)) | (st.top_p < 1.0))  # the sort is skipped otherwise
-    scaled = jax.lax.cond(needs_filter, filter_top_k_top_p, lambda x, *_: x, scaled, st.top_k, st.top_p)
-    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
-    return jnp.where(is_random[:, None], jax.nn.softmax(scaled, axis=-1), greedy)
+    scaled = jax.lax.cond(needs_filter, lambda x, k, p: filter_top_k_top_p(x, k, p, vocab), lambda x, *_: x,
+                          scaled, st.top_k, st.top_p)
+    if vocab.axis is None:
+        greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+    else:
+        greedy = (vocab.ids(W)[None] == vocab.argmax(logits)[:, None]).astype(jnp.float32)
+    return jnp.where(is_random[:, None], vocab.softmax(scaled), greedy)
 
 
-def verify_drafts(logits: jax.Array, st: SamplingTensors, plain_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+def verify_drafts(logits: jax.Array, st: SamplingTensors, plain_tokens: jax.Array,
+                  vocab: Vocab | None = None) -> tuple[jax.Array, jax.Array]:
     """Rejection sampling of drafted tokens (module docstring). logits [R, V] after penalties and
     bans; plain_tokens [R]: what `sample` drew for each row without a draft (kept for those rows).
     Returns (tokens [R]: the replacement drawn from normalize(max(0, p - q)), accepted [R] bool)."""
+    vocab = Vocab(logits.shape[-1]) if vocab is None else vocab
     has_draft = st.draft_token >= 0
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = vocab.argmax(logits)
 
     def all_greedy():  # p is one-hot at the argmax: accept a draft equal to it, else replace it by it
         return jnp.where(has_draft, greedy, plain_tokens), has_draft & (st.draft_token == greedy)
 
     any_random = jnp.any(has_draft & (st.temperature > 0))
-    return jax.lax.cond(any_random, lambda: _rejection_sample(logits, st, plain_tokens), all_greedy)
+    return jax.lax.cond(any_random, lambda: _rejection_sample(logits, st, plain_tokens, vocab), all_greedy)
 
 
-def _rejection_sample(logits: jax.Array, st: SamplingTensors, plain_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    R, V = logits.shape
-    rows = jnp.arange(R)
+def _draft_q(st: SamplingTensors, draft: jax.Array, W: int, vocab: Vocab) -> jax.Array:
+    """The proposal distribution q of each row over this device's columns [R, W]."""
+    if st.draft_probs is None:
+        return (vocab.ids(W)[None] == draft[:, None]).astype(jnp.float32)
+    q = st.draft_probs.astype(jnp.float32)  # [R, V] whole rows
+    if vocab.axis is None and q.shape[-1] == W:
+        return q
+    q = jnp.pad(q, ((0, 0), (0, max(0, vocab.offset_bound(W) - q.shape[-1]))))
+    return jax.lax.dynamic_slice_in_dim(q, vocab.offset(W), W, axis=-1)
+
+
+def _rejection_sample(logits: jax.Array, st: SamplingTensors, plain_tokens: jax.Array,
+                      vocab: Vocab) -> tuple[jax.Array, jax.Array]:
+    R, W = logits.shape
     has_draft = st.draft_token >= 0
     draft = jnp.maximum(st.draft_token, 0)
-    p = processed_probs(logits, st)  # [R, V]
-    q = jax.nn.one_hot(draft, V, dtype=jnp.float32) if st.draft_probs is None else st.draft_probs.astype(jnp.float32)
-    q = jnp.where(has_draft[:, None], q, 0.0)
+    p = processed_probs(logits, st, vocab)  # [R, V]
+    q = jnp.where(has_draft[:, None], _draft_q(st, draft, W, vocab), 0.0)
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(st.seed, st.counter)
     u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1), (), jnp.float32))(keys)
-    accepted = has_draft & (u * q[rows, draft] < p[rows, draft])  # u < p(d) / q(d), q(d) > 0
+    p_d, q_d = vocab.take(p, draft[:, None])[:, 0], vocab.take(q, draft[:, None])[:, 0]
+    accepted = has_draft & (u * q_d < p_d)  # u < p(d) / q(d), q(d) > 0
     residual = jnp.maximum(p - q, 0.0)
-    total = residual.sum(axis=-1, keepdims=True)
+    total = vocab.sum(residual)
     residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p)  # p == q: nothing to correct
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(keys)  # the plain draw's noise
-    drawn = jnp.argmax(jnp.log(residual) + gumbel, axis=-1).astype(jnp.int32)
-    replacement = jnp.where(st.temperature > 0, drawn, jnp.argmax(residual, axis=-1).astype(jnp.int32))
+    drawn = vocab.argmax(jnp.log(residual) + vocab.gumbel(keys, W))  # the plain draw's noise
+    replacement = jnp.where(st.temperature > 0, drawn, vocab.argmax(residual))
     return jnp.where(has_draft, replacement, plain_tokens), accepted
 
 
-def verify_tree(logits: jax.Array, st: SamplingTensors, plain_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+def verify_tree(logits: jax.Array, st: SamplingTensors, plain_tokens: jax.Array,
+                vocab: Vocab | None = None) -> tuple[jax.Array, jax.Array]:
     """Multi-draft rejection sampling of draft trees' children (module docstring). logits [R, V]
     after penalties and bans; plain_tokens [R]: what the rows drew so far (kept for rows without
     children: leaves sample their bonus token as plain rows do). Returns (tokens [R]: the draw from
     p without the children's tokens, used when none is accepted; accepted child [R] int32, -1 = none)."""
+    vocab = Vocab(logits.shape[-1]) if vocab is None else vocab
     children = st.tree_children  # [R, C]
     valid = children >= 0
     has_children = valid.any(axis=-1)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = vocab.argmax(logits)
 
     def all_greedy():  # p one-hot at the argmax: the first child equal to it, else the argmax
         match = valid & (children == greedy[:, None])
@@ -385,32 +544,36 @@ def verify_tree(logits: jax.Array, st: SamplingTensors, plain_tokens: jax.Array)
         return jnp.where(has_children, greedy, plain_tokens), child
 
     any_random = jnp.any(has_children & (st.temperature > 0))
-    return jax.lax.cond(any_random, lambda: _tree_rejection_sample(logits, st, plain_tokens), all_greedy)
+    return jax.lax.cond(any_random, lambda: _tree_rejection_sample(logits, st, plain_tokens, vocab), all_greedy)
 
 
-def _tree_rejection_sample(logits: jax.Array, st: SamplingTensors, plain_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    R, V = logits.shape
+def _tree_rejection_sample(logits: jax.Array, st: SamplingTensors, plain_tokens: jax.Array,
+                           vocab: Vocab) -> tuple[jax.Array, jax.Array]:
+    R, W = logits.shape
     children = st.tree_children  # [R, C]
     C = children.shape[1]
     valid = children >= 0
     has_children = valid.any(axis=-1)
-    p = processed_probs(logits, st)  # [R, V] (greedy rows: one-hot at the argmax)
-    p_child = jnp.take_along_axis(p, jnp.maximum(children, 0), axis=-1)  # [R, C]
+    p = processed_probs(logits, st, vocab)  # [R, V] (greedy rows: one-hot at the argmax)
+    p_child = vocab.take(p, jnp.maximum(children, 0))  # [R, C]
     # a child repeating an earlier sibling's token was rejected with it (its p' is 0 by then)
     earlier = jnp.tril(jnp.ones((C, C), bool), k=-1)[None]  # [1, C (this child), C (an earlier one)]
     repeat = (valid[:, :, None] & (children[:, :, None] == children[:, None, :]) & earlier).any(axis=-1)
     p_child = jnp.where(valid & ~repeat, p_child, 0.0)
-    mass = p.sum(axis=-1, keepdims=True) - (jnp.cumsum(p_child, axis=-1) - p_child)  # [R, C]: p' unnormalised, before child j
+    mass = vocab.sum(p) - (jnp.cumsum(p_child, axis=-1) - p_child)  # [R, C]: p' unnormalised, before child j
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(st.seed, st.counter)
     u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1), (C,), jnp.float32))(keys)  # [R, C]
     accept = valid & (u * mass < p_child)  # u < p'(t): p(t) / mass
     child = jnp.where(accept.any(axis=-1), jnp.argmax(accept, axis=-1), -1).astype(jnp.int32)
     # no child accepted: draw from p without every child's token, renormalised
     rows = jnp.broadcast_to(jnp.arange(R)[:, None], (R, C))
-    residual = p.at[rows, jnp.where(valid, children, V)].set(0.0, mode="drop")
-    total = residual.sum(axis=-1, keepdims=True)
+    if vocab.axis is None:
+        columns = jnp.where(valid, children, W)
+    else:
+        columns = vocab.local_ids(children, W)
+    residual = p.at[rows, columns].set(0.0, mode="drop")
+    total = vocab.sum(residual)
     residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p)  # (rounding left nothing: p)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(keys)
-    drawn = jnp.argmax(jnp.log(residual) + gumbel, axis=-1).astype(jnp.int32)
-    replacement = jnp.where(st.temperature > 0, drawn, jnp.argmax(residual, axis=-1).astype(jnp.int32))
+    drawn = vocab.argmax(jnp.log(residual) + vocab.gumbel(keys, W))
+    replacement = jnp.where(st.temperature > 0, drawn, vocab.argmax(residual))
     return jnp.where(has_children, replacement, plain_tokens), child

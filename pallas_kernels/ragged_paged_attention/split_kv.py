@@ -35,6 +35,12 @@ Two options make the result a *partial* attention that can be merged with others
       lse = logaddexp(lse_a, lse_b),  out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b.
   A row that sees no key has output 0 and lse -inf.
 
+A strided page table (`page_stride` n > 1, `page_phase` j, traced or not): column k of
+`page_indices` holds the sequence's page k * n + j, so keys at positions (k * n + j) * page_size +
+offset; only those pages are read. This is one device's share of a context-parallel pool
+(jaxinfer.ops.attention.attend_context_parallel: page k of a sequence lives on device k % n); with
+`return_lse` the n devices' partials merge into the attention over every page.
+
 Tree masks (`tree_base`, `tree_bits` [T] int32: draft trees of speculative decoding,
 `pallas_kernels.tree_mask`) narrow each row's visible keys further; the work items stay those of
 the causal span (a mask only removes keys).
@@ -82,6 +88,7 @@ def _cdiv(a, b):
         "max_query_blocks",
         "return_lse",
         "contraction",
+        "page_stride",
     ),
 )
 def ragged_paged_attention(
@@ -112,6 +119,8 @@ def ragged_paged_attention(
     outliers: tuple[jax.Array, jax.Array, jax.Array] | None = None,  # (token, k_res, v_res): module docstring
     tree_base: jax.Array | None = None,  # [T] int32: first cache position each row's tree mask covers (module docstring)
     tree_bits: jax.Array | None = None,  # [T] int32: its mask, bit j = key tree_base + j visible
+    page_stride: int = 1,  # column k of page_indices holds the sequence's page k * page_stride + page_phase
+    page_phase: jax.Array | int = 0,  # (a context-parallel device's share of the pages: module docstring)
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     if sinks is not None and return_lse:
         raise ValueError("attention sinks with return_lse: a partial attention has no sink (add it once, after merging)")
@@ -183,7 +192,14 @@ def ragged_paged_attention(
     if kv_end is not None:
         hi = jnp.minimum(hi, kv_visible_end - 1)
         sees_keys = block_valid & (hi >= lo)  # blocks whose visible range is empty get no work item
-    kv_blocks_needed = jnp.where(sees_keys, hi // kv_block + 1 - first_kv_block, 0)  # [NB]
+    if page_stride == 1:
+        kv_blocks_needed = jnp.where(sees_keys, hi // kv_block + 1 - first_kv_block, 0)  # [NB]
+    else:  # columns of the sequence's pages lo // page_size .. hi // page_size (this phase's only)
+        first_col = jnp.maximum(_cdiv(lo // page_size - page_phase, page_stride), 0)
+        last_col = jnp.floor_divide(hi // page_size - page_phase, page_stride)
+        sees_keys = block_valid & (hi >= lo) & (last_col >= first_col)
+        first_kv_block = first_col // C
+        kv_blocks_needed = jnp.where(sees_keys, last_col // C + 1 - first_kv_block, 0)
     cu_items = jnp.cumsum(kv_blocks_needed)
     num_items = cu_items[-1]
 
@@ -226,6 +242,9 @@ def ragged_paged_attention(
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = kv_blk[:, None] * kv_block + jnp.arange(kv_block)[None, :]  # [W, kv_block]
+        if page_stride != 1:  # column c of the table is the sequence's page c * page_stride + page_phase
+            column, offset = kv_pos // page_size, kv_pos % page_size
+            kv_pos = (column * page_stride + page_phase) * page_size + offset
         qp = q_pos_rows[item_block]  # [W, Bq*G]
         mask = (kv_pos[:, None, :] <= q_end_rows[item_block][:, :, None]) & (kv_pos[:, None, :] < kv_visible_end[item_block][:, None, None])
         if limits_span(sliding_window, attention_chunk):

@@ -1,0 +1,109 @@
+"""The vocabulary-split LM head (`lm_head_parallel="vocab"`, docs/parallelism.md).
+
+Sampling on the vocabulary shards (`ops.sampling.Vocab`) equals the whole-vocabulary sampler for
+every setting: random logits split over 4 fake CPU devices on the vocabulary (201 tokens: 4 does
+not divide it, so the last shard has padding columns), the same seeds, the same tokens and
+logprobs. And a tiny tied-embedding Llama on tp = 2 with the vocabulary-split head gives the
+one-device logits and greedy tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxinfer.ops.sampling import MAX_BANNED_IDS, MAX_TREE_CHILDREN, SamplingTensors, Vocab, sample
+
+TP, V, R, K = 4, 201, 8, 3
+WIDTH = -(-V // TP)  # columns per shard; the last shard's past V are padding
+
+
+def _tensors(setting: str, rng: np.random.Generator) -> SamplingTensors:
+    random_rows = np.arange(R) % 4 != 0  # rows 0 and 4 greedy
+    st = SamplingTensors(
+        temperature=jnp.asarray(np.where(random_rows, rng.uniform(0.5, 1.5, R), 0.0), jnp.float32),
+        top_k=jnp.zeros(R, jnp.int32), top_p=jnp.ones(R, jnp.float32),
+        seed=jnp.asarray(rng.integers(0, 2**31, R), jnp.uint32), counter=jnp.asarray(rng.integers(0, 50, R), jnp.int32),
+        target_ids=jnp.asarray(np.where(np.arange(R) == 3, 7, -1), jnp.int32))
+    if setting == "temperature":
+        return st
+    if setting == "greedy":
+        return dataclasses.replace(st, temperature=jnp.zeros(R, jnp.float32))
+    if setting == "top_k":
+        return dataclasses.replace(st, top_k=jnp.asarray(rng.integers(0, 20, R), jnp.int32))
+    if setting == "top_p":
+        return dataclasses.replace(st, top_p=jnp.asarray(rng.uniform(0.3, 1.0, R), jnp.float32),
+                                   top_k=jnp.asarray(np.where(np.arange(R) == 5, 30, 0), jnp.int32))
+    if setting == "min_p":
+        return dataclasses.replace(st, min_p=jnp.asarray(rng.uniform(0.0, 0.3, R), jnp.float32))
+    if setting == "penalties":
+        history = np.where(rng.random((R, 24)) < 0.8, rng.integers(0, V, (R, 24)), -1)
+        return dataclasses.replace(
+            st, history_ids=jnp.asarray(history, jnp.int32), num_prompt_history=jnp.asarray(rng.integers(0, 24, R), jnp.int32),
+            repetition_penalty=jnp.asarray(rng.uniform(1.0, 2.0, R), jnp.float32),
+            presence_penalty=jnp.asarray(rng.uniform(0.0, 1.0, R), jnp.float32),
+            frequency_penalty=jnp.asarray(rng.uniform(0.0, 1.0, R), jnp.float32))
+    if setting == "banned":
+        banned = np.full((R, MAX_BANNED_IDS), -1)
+        banned[:, :5] = rng.integers(0, V + 3, (R, 5))  # (ids past V are dropped)
+        return dataclasses.replace(st, banned_ids=jnp.asarray(banned, jnp.int32))
+    if setting == "allowed":
+        words = -(-V // 32)
+        mask = rng.integers(-(2**31), 2**31, (R, words))
+        mask[1] = -1
+        return dataclasses.replace(st, allowed_tokens=jnp.asarray(mask, jnp.int32))
+    if setting == "logprobs":
+        return dataclasses.replace(st, want_logprobs=jnp.ones(1, bool), top_k=jnp.asarray(rng.integers(0, 20, R), jnp.int32))
+    if setting in ("draft", "draft_probs"):
+        draft = np.where(np.arange(R) % 3 == 2, -1, rng.integers(0, V, R))
+        probs = None
+        if setting == "draft_probs":
+            probs = jnp.asarray(jax.nn.softmax(jnp.asarray(rng.normal(size=(R, V)) * 3, jnp.float32)), jnp.float32)
+        return dataclasses.replace(st, draft_token=jnp.asarray(draft, jnp.int32), draft_probs=probs,
+                                   return_probs=jnp.ones(1, bool))
+    if setting == "tree":
+        children = np.full((R, MAX_TREE_CHILDREN), -1)
+        children[:6, :4] = rng.integers(0, V, (6, 4))
+        return dataclasses.replace(st, tree_children=jnp.asarray(children, jnp.int32))
+    raise ValueError(setting)
+
+
+SETTINGS = ["greedy", "temperature", "top_k", "top_p", "min_p", "penalties", "banned", "allowed", "logprobs", "draft",
+            "draft_probs", "tree"]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return Mesh(np.array(jax.devices()[:TP]), ("tensor",))
+
+
+def _split_sample(mesh, logits, st):
+    """The sampler on vocabulary shards: logits padded to TP * WIDTH (junk in the padding) and split."""
+    padded = jnp.concatenate([logits, jnp.full((R, TP * WIDTH - V), 1e4, jnp.float32)], axis=1)
+    return jax.jit(jax.shard_map(
+        lambda lg, s: sample(lg, s, K, vocab=Vocab(V, "tensor")), mesh=mesh,
+        in_specs=(PartitionSpec(None, "tensor"), PartitionSpec()), out_specs=PartitionSpec(), check_vma=False))(padded, st)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_split_sampler_equals_the_whole_vocabulary_sampler(mesh, setting):
+    rng = np.random.default_rng(SETTINGS.index(setting))
+    logits = jnp.asarray(rng.normal(size=(R, V)) * 3, jnp.float32)
+    st = _tensors(setting, rng)
+    want = jax.jit(lambda lg, s: sample(lg, s, K))(logits, st)
+    got = _split_sample(mesh, logits, st)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got.top_ids), np.asarray(want.top_ids))
+    np.testing.assert_allclose(np.asarray(got.top_logprobs), np.asarray(want.top_logprobs), atol=1e-5)
+    for field in ("accepted", "accepted_child"):
+        if getattr(want, field) is not None:
+            np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)))
+    if want.probs is not None:
+        np.testing.assert_allclose(np.asarray(got.probs), np.asarray(want.probs), atol=1e-6)
+    assert np.all(np.asarray(got.tokens) < V)
