@@ -62,7 +62,7 @@ def _add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     par.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="independent replicas, requests balanced")
     par.add_argument("--sequence-parallel-size", "-sp", type=int, default=1, help="a step's tokens split (long prefills)")
     par.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="layers split into stages (models too big for a slice)")
-    par.add_argument("--sequence-parallel-attention", choices=("allgather", "ring"), default="allgather")
+    par.add_argument("--sequence-parallel-attention", choices=("allgather", "ring", "context"), default="allgather")
     par.add_argument("--expert-parallel-size", "-ep", type=int, default=None, help="MoE experts split over devices")
     par.add_argument("--enable-expert-parallel", action="store_true",
                      help="as in vLLM: the data-parallel replicas split the experts (ep = dp)")

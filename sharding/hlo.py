@@ -114,3 +114,136 @@ def pool_sized_copies(hlo_text: str, pool_elements: int) -> int:
     """How many `copy` ops of the optimized program move an array of `pool_elements` elements (one
     device's KV pool, k or v): a step that updates its donated cache in place has none."""
     return sum(math.prod(int(d) for d in m.group(1).split(",")) == pool_elements for m in _COPY.finditer(hlo_text))
+
+
+# ----------------------------------------------------------------------------- DCN and ICI, per step
+# A program compiled for several TPU slices (a multi-slice topology: jaxinfer.aot.targets) sends what
+# crosses slices over the data-center network as host-transfer `send`s handled by the "megascale"
+# runtime, one per collective (a ppermute is a ONE_TO_ONE transfer, a psum an ALL_REDUCE); what
+# stays inside a slice is an ordinary collective over the ICI links.
+_MEGASCALE = re.compile(r'_xla_host_transfer_handler_name="xla_megascale_runtime"')
+_TRANSFER_TYPE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+_SEND = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\((\w+\[[\d,]*\])[^=]*?\)\s+send\(")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_WHILE_LINE = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
+_ENTRY = re.compile(r"^ENTRY\s+%?([\w.\-]+)")
+
+
+def dcn_transfers(hlo_text: str) -> list[Collective]:
+    """Every transfer of a compiled multi-slice TPU program that crosses slices (over DCN): kind
+    "collective-permute" for a ONE_TO_ONE transfer (a ppermute), else the collective it carries
+    ("all-reduce", "all-gather", ...); bytes: the buffer one chip sends."""
+    ops, computation = [], ""
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and not line[:1].isspace():
+            computation = header.group(1)
+            continue
+        m = _SEND.match(line)
+        if not m or not _MEGASCALE.search(line):
+            continue
+        transfer = _TRANSFER_TYPE.search(line)
+        kind = transfer.group(1) if transfer else "ONE_TO_ONE"
+        kind = "collective-permute" if kind == "ONE_TO_ONE" else kind.lower().replace("_", "-")
+        ops.append(Collective(kind, _shape_bytes(m.group(2)), computation))
+    return ops
+
+
+_CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*[su](?:32|64)\[\]\S*\s+constant\((-?\d+)\)")
+_TUPLE = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*\(.*\)\s+tuple\(%?([\w.\-]+)")
+_WHILE_OPERAND = re.compile(r"\bwhile\(%?([\w.\-]+)\).*\bcondition=%?([\w.\-]+)")
+_LT_CONSTANT = re.compile(r"^\s*ROOT\s.*compare\(%?[\w.\-]+,\s*%?([\w.\-]+)\),\s*direction=LT")
+
+
+def _trip_counts(hlo_text: str) -> dict[str, int]:
+    """while body -> its trip count: XLA's known_trip_count when recorded (XLA:CPU, GPU), else read
+    from a `fori_loop`'s shape (the TPU compiler keeps none): a condition `counter < constant N`,
+    the counter starting at the constant in the loop's initial tuple (0 when not a constant).
+    Loops of another shape count once."""
+    constants, first_of_tuple, bound_of_condition, computation = {}, {}, {}, ""
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and not line[:1].isspace():
+            computation = header.group(1)
+            continue
+        if m := _CONSTANT.match(line):
+            constants[m.group(1)] = int(m.group(2))
+        elif m := _TUPLE.match(line):
+            first_of_tuple[m.group(1)] = m.group(2)
+        elif m := _LT_CONSTANT.match(line):
+            bound_of_condition[computation] = m.group(1)
+    trips = {}
+    for line in hlo_text.splitlines():
+        m = _WHILE_LINE.search(line)
+        if not m:
+            continue
+        if count := _TRIP_COUNT.search(line):
+            trips[m.group(1)] = int(count.group(1))
+            continue
+        trips[m.group(1)] = 1
+        operand = _WHILE_OPERAND.search(line)
+        bound = operand and constants.get(bound_of_condition.get(operand.group(2), ""))
+        if bound is not None and operand:
+            start = constants.get(first_of_tuple.get(operand.group(1), ""), 0)
+            trips[m.group(1)] = max(bound - start, 1)
+    return trips
+
+
+_CALLEES = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|true_computation|false_computation)="
+                      r"(\{[^}]*\}|%?[\w.\-]+)")
+
+
+def _call_graph(hlo_text: str) -> dict[str, set[str]]:
+    """computation -> the computations its instructions call (every one of a while's condition and body)."""
+    calls: dict[str, set[str]] = {}
+    computation = ""
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and not line[:1].isspace():
+            computation = header.group(1)
+            calls.setdefault(computation, set())
+            continue
+        for group in _CALLEES.findall(line):
+            calls.setdefault(computation, set()).update(n.strip().lstrip("%") for n in group.strip("{}").split(",") if n.strip())
+    return calls
+
+
+def executions(hlo_text: str) -> dict[str, int]:
+    """computation -> how many times one run of the program runs it: a while body its loop's
+    trip count (`_trip_counts`) times its caller's, everything else as often as its caller."""
+    calls = _call_graph(hlo_text)
+    trips = _trip_counts(hlo_text)
+    entry = ""
+    for line in hlo_text.splitlines():
+        header = _ENTRY.match(line)
+        if header:
+            entry = header.group(1)
+            break
+    if not entry:
+        return {}
+    reachable = _reachable(entry, calls)  # (the call graph is acyclic)
+    callers = {name: 0 for name in reachable}  # the call graph is a DAG: add up in topological order
+    for name in reachable:
+        for callee in calls.get(name, ()):
+            callers[callee] = callers.get(callee, 0) + 1
+    times, ready = {entry: 1}, [entry]
+    while ready:
+        name = ready.pop()
+        for callee in calls.get(name, ()):
+            times[callee] = times.get(callee, 0) + times[name] * trips.get(callee, 1)
+            callers[callee] -= 1
+            if callers[callee] == 0:
+                ready.append(callee)
+    return times
+
+
+def bytes_per_step(hlo_text: str) -> dict[str, dict[str, int]]:
+    """{"ici": {kind: bytes}, "dcn": {kind: bytes}} of one run of a compiled program, per chip:
+    each collective's buffer (the result; a DCN transfer's what it sends) times how often its
+    computation runs (`executions`). On one slice everything is "ici"."""
+    times = executions(hlo_text)
+    out: dict[str, dict[str, int]] = {"ici": {}, "dcn": {}}
+    for link, ops in (("ici", collectives(hlo_text)), ("dcn", dcn_transfers(hlo_text))):
+        for op in ops:
+            out[link][op.kind] = out[link].get(op.kind, 0) + op.bytes * times.get(op.computation, 1)
+    return out

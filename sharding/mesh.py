@@ -39,7 +39,7 @@ class ShardingError(ValueError):
     """A parallel configuration that cannot run: the message names the size at fault."""
 
 
-SP_ATTENTION_MODES = ("allgather", "ring")
+SP_ATTENTION_MODES = ("allgather", "ring", "context")  # context: the KV pool sharded too (ops.attention.attend_context_parallel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +101,11 @@ def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
     """A Mesh with MESH_AXES over `devices` (default: all of jax.devices(), every process's).
 
     Uses the first `parallel.num_devices` devices when there are more; ShardingError when there
-    are fewer.
+    are fewer. Devices of several TPU slices (a `slice_index` each) are ordered slice by slice, so
+    the outermost axes (pipeline, then data) are the ones that cross slices over DCN.
     """
     devices = list(jax.devices() if devices is None else devices)
+    devices.sort(key=lambda d: getattr(d, "slice_index", None) or 0)  # (stable: each slice's own order kept)
     if parallel.num_devices > len(devices):
         raise ShardingError(
             f"the mesh {parallel.describe()} needs {parallel.num_devices} devices, but only {len(devices)} "

@@ -155,3 +155,27 @@ def ring_attention(
         if hop + 1 < axis_size:
             k_blk, v_blk = k_next, v_next
     return out, lse, carry
+
+
+def merge_partials_across(out, lse, axis_name: str, *, scatter_rows: bool = False, sinks=None):
+    """Merge partial attentions of the same rows over disjoint key sets, one per device of mesh
+    axis `axis_name` (context parallelism: each device attends every query to the keys of its own
+    pages). out [T, H, D] float32, lse [T, H] as `attention_partial` returns them. The maximum lse
+    goes around first (pmax), then the rescaled outputs and weights are summed (psum); with
+    `scatter_rows` the sums are reduce-scattered instead, so device i gets rows i * T / n ... of
+    the result (its own block of the step's rows) and the traffic is a reduce-scatter's.
+    `sinks` [H] (attention sinks: a logit without a value) join the denominator once. Returns
+    out [T or T / n, H, D] float32, normalised, 0 for a row that saw no key."""
+    m = jax.lax.pmax(lse, axis_name)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    w = jnp.exp(lse - m_safe)  # [T, H]; 0 where this device saw nothing
+    num, den = w[..., None] * out, w
+    if scatter_rows:
+        num = jax.lax.psum_scatter(num, axis_name, scatter_dimension=0, tiled=True)
+        den = jax.lax.psum_scatter(den, axis_name, scatter_dimension=0, tiled=True)
+        m_safe = jax.lax.dynamic_slice_in_dim(m_safe, jax.lax.axis_index(axis_name) * den.shape[0], den.shape[0])
+    else:
+        num, den = jax.lax.psum(num, axis_name), jax.lax.psum(den, axis_name)
+    if sinks is not None:
+        den = den + jnp.exp(sinks.astype(jnp.float32)[None, :] - m_safe)
+    return num / jnp.where(den == 0.0, 1.0, den)[..., None]

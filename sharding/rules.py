@@ -10,7 +10,9 @@ Tensor parallelism (Megatron) shards the columns of the column-parallel projecti
 gate/up) and the rows of the row-parallel ones (o, down) over "tensor", so each layer needs one
 all-reduce after o and one after down; KV heads follow the query heads. The embedding table and
 the LM head are split on the hidden dimension ("embed_tp"): the lookup is all-gathered and the
-logits all-reduced, so no vocabulary padding is needed. Expert weights split over "expert".
+logits all-reduced, so no vocabulary padding is needed; with lm_head_parallel="vocab" they are split
+on the vocabulary instead ("vocab_tp"), and the logits stay split on it for the sampler (`VOCAB_LOGITS`).
+Expert weights split over "expert".
 
 Pipeline parallelism splits the leading layer axis of every stacked weight, and of the KV cache's
 layer slots, over "pipeline": stage i holds layers i * L / pp .. (i + 1) * L / pp - 1 and their pages.
@@ -30,6 +32,7 @@ REPLICA_AXES = ("data", "expert")
 RULES: dict[str, str | tuple[str, ...]] = {
     "layers": "pipeline",  # the leading [num_layers] axis of stacked weights and KV slots: a stage's layers
     "embed_tp": "tensor",  # hidden dim of the embedding table and LM head
+    "vocab_tp": "tensor",  # their vocabulary instead, with lm_head_parallel="vocab" (param_layout.VOCAB_SPLIT_AXES)
     "qkv": "tensor",  # fused q/k/v columns (shard-major: param_layout)
     "heads": "tensor",  # o_proj rows (query heads x head_dim)
     "q_heads": "tensor",  # one entry per query head (attention sinks)
@@ -60,6 +63,10 @@ def param_specs(param_axes: dict[str, tuple[str | None, ...]]) -> dict[str, Part
 
 def replicated(ndim: int = 0) -> PartitionSpec:
     return PartitionSpec(*([None] * ndim))
+
+
+# logits rows [replicas, R, V] of a vocabulary-split LM head: split on the vocabulary too
+VOCAB_LOGITS = PartitionSpec(REPLICA_AXES, None, "tensor")
 
 
 def per_replica(ndim: int) -> PartitionSpec:

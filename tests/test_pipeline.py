@@ -18,6 +18,7 @@ import pytest
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import ConfigError
 from jaxinfer.ops.batch import SequenceChunk, pack_batch, stack_replicas
+from jaxinfer.ops.kernels import Kernels
 from mesh_model import BUCKETS, KEY, PAGE_SIZE, SHAPES, MeshModel, assert_same_logits, mesh_id, run_scenario
 from sharding.hlo import collectives
 from sharding.mesh import ParallelConfig
@@ -88,3 +89,9 @@ def test_stages_that_do_not_split_the_layers_are_refused(model_dir):
         MeshModel(model_dir, ParallelConfig(pp=3))
     with pytest.raises(ConfigError, match="sequence parallelism in a pipeline is not supported"):
         MeshModel(model_dir, ParallelConfig(pp=2, sp=2))
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_pallas_kernels_run_on_each_stages_micro_batches(model_dir, truth, platform):
+    """The attention kernels (interpret mode here) see each micro-batch as a ragged batch of its own."""
+    assert_same_logits(run_scenario(MeshModel(model_dir, ParallelConfig(pp=2), Kernels(platform, interpret=True))), truth)

@@ -10,6 +10,7 @@ one-device logits and greedy tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,14 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 
+import mesh_model
+from jaxinfer.ops.batch import SequenceChunk, pack_batch, stack_replicas
 from jaxinfer.ops.sampling import MAX_BANNED_IDS, MAX_TREE_CHILDREN, SamplingTensors, Vocab, sample
+from jaxinfer.runtime.placement import param_partition_specs, put_global
+from jaxinfer.runtime.step import StepFunction
+from mesh_model import KEY, SHAPES, MeshModel, assert_same_logits, run_scenario
+from sharding.mesh import ParallelConfig
+from tiny_models import save_hf_model
 
 TP, V, R, K = 4, 201, 8, 3
 WIDTH = -(-V // TP)  # columns per shard; the last shard's past V are padding
@@ -107,3 +115,54 @@ def test_split_sampler_equals_the_whole_vocabulary_sampler(mesh, setting):
     if want.probs is not None:
         np.testing.assert_allclose(np.asarray(got.probs), np.asarray(want.probs), atol=1e-6)
     assert np.all(np.asarray(got.tokens) < V)
+
+
+# ---------------------------------------------------------------- end to end: a tied-embedding Llama
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tied")
+    save_hf_model("llama3.2", directory, **SHAPES, vocab_size=260)  # tied embeddings; 260 = 2 x 130
+    return directory
+
+
+def _model(model_dir, parallel: ParallelConfig, lm_head_parallel: str) -> MeshModel:
+    """MeshModel with the embedding / LM head laid out as `lm_head_parallel` says, a token buffer
+    as wide as the bucket's rows (for the serving step)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mesh_model, "param_partition_specs",
+                      lambda params, config: param_partition_specs(params, config, lm_head_parallel))
+        patch.setattr(mesh_model, "StepFunction", functools.partial(StepFunction, max_rows=KEY.num_tokens))
+        model = MeshModel(model_dir, parallel)
+    model.params = put_global(model.params, model.step.param_specs, model.mesh)
+    return model
+
+
+def _greedy_tokens(model: MeshModel) -> tuple[np.ndarray, np.ndarray]:
+    """The serving step (model program, then the sampler) on a prefill of two prompts: (greedy
+    tokens, their logprobs) of the requested rows."""
+    chunks = [SequenceChunk([5, 9, 30, 200, 7], 0, model.allocate(0, 5), [2, 4]),
+              SequenceChunk([100, 3, 259], 0, model.allocate(0, 3), [0, 1, 2])]
+    batch, rows = pack_batch(chunks, model.buckets, model.page_sizes, KEY)[1:]
+    batch = model.step.place_inputs(stack_replicas([batch]))
+    n = KEY.num_logits
+    st = SamplingTensors(jnp.zeros((1, n), jnp.float32), jnp.zeros((1, n), jnp.int32), jnp.ones((1, n), jnp.float32),
+                         jnp.zeros((1, n), jnp.uint32), jnp.zeros((1, n), jnp.int32), jnp.full((1, n), -1, jnp.int32))
+    prev = model.step.place_inputs(np.zeros((1, KEY.num_tokens), np.int32))
+    out, _, model.kv, _ = model.step(model.params, model.kv, batch, model.step.place_inputs(st), prev,
+                                     query_block=KEY.query_block)
+    rows = [r for chunk_rows in rows for r in chunk_rows]
+    return np.asarray(out.tokens)[0][rows], np.asarray(out.logprobs)[0][rows]
+
+
+def test_tied_llama_with_the_vocabulary_split_head_matches_one_device(tied_dir):
+    truth = _model(tied_dir, ParallelConfig(), "hidden")
+    split = _model(tied_dir, ParallelConfig(tp=2), "vocab")
+    assert split.step.vocab_split and not truth.step.vocab_split
+    assert split.params["embed"].value.sharding.spec[0] == "tensor"  # [V, H] split on the vocabulary
+    assert_same_logits(run_scenario(split), run_scenario(truth))
+    truth, split = _model(tied_dir, ParallelConfig(), "hidden"), _model(tied_dir, ParallelConfig(tp=2), "vocab")
+    (want, want_lp), (got, got_lp) = _greedy_tokens(truth), _greedy_tokens(split)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got_lp, want_lp, atol=1e-5)

@@ -178,7 +178,7 @@ class AbstractStep:
         dtype = jnp.dtype(shape.dtype)
         kv_dtype = jnp.dtype(shape.kv_cache_dtype or shape.dtype)
         kernels = Kernels(platform=target.platform, interpret=False)
-        mesh = make_mesh(parallel, target.devices)
+        mesh = make_mesh(parallel, target.mesh_devices(parallel))  # several slices: the outer axes across them
         lora = LoraTable(shape.max_loras + 1, shape.max_lora_rank) if shape.max_loras else None
         graphdef, params = abstract_model(config, dtype, dtype, kernels, parallel, lora=lora)
         if shape.quantization is not None:

@@ -91,6 +91,15 @@ it (and clear the list). Admission checks pages as if every fetch after the firs
 failed, so a fetch that fails at commit (a bad disk file) only shortens the hit. One full-attention
 group and no recurrent states (the tiers hold one page per key).
 
+Context parallelism (`kv_shards` n > 1: the replica's pool split over the mesh axis "sequence",
+jaxinfer.ops.attention.attend_context_parallel). Shard j is the block of pages j * P / n ..
+(j + 1) * P / n - 1 that device j of the axis holds; its first page is that device's scratch page
+(page 0's twin: rows it does not own are written there), never handed out. A sequence's page
+i comes from shard i % n (each shard has its own free list), so every device holds about 1/n of
+every sequence and of its attention work. A prefix hit, a copy-on-write copy and a lower tier's
+page keep their index in the sequence, hence their shard. `num_free_pages` counts n times the
+fewest pages any shard can give (free or evictable), so what it promises every shard can give.
+
 Stats count prefix-cache queries and hits in prompt pages (tokens = pages * page_size): `hits`
 on the device, `host_hits` / `disk_hits` loaded back from the lower tiers.
 """
@@ -152,12 +161,13 @@ def page_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
 class BlockManager:
     def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True,
                  windows: Sequence[int | None] = (None,), page_factors: Sequence[int] | None = None, num_state_slots: int = 0,
-                 num_prefix_states: int = 0, lower_tiers=None):
+                 num_prefix_states: int = 0, lower_tiers=None, kv_shards: int = 1):
         """`num_state_slots`: a hybrid model's recurrent-state slots (jaxinfer.ops.linear_state),
         slot 0 the scratch one: each sequence holding pages also holds a slot of its own.
         `num_prefix_states`: saved states for its prefix cache (slots num_state_slots.. of the
         table; module docstring); a hybrid model's prefix cache hits only where one is saved.
-        `lower_tiers`: where evicted prefix pages go and prefix look-ups go on (module docstring)."""
+        `lower_tiers`: where evicted prefix pages go and prefix look-ups go on (module docstring).
+        `kv_shards`: the pool's shards over the sequence axis (context parallelism: module docstring)."""
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"need num_pages >= 2 (page 0 is scratch) and page_size >= 1, got {num_pages}, {page_size}")
         if not windows or any(w is not None and span_tokens(w) < 1 for w in windows):
@@ -165,6 +175,11 @@ class BlockManager:
         if enable_prefix_caching and any(kept_prefix_pages(w, page_size) for w in windows):
             raise ValueError("prefix caching with KV eviction (a group that keeps its first pages) is not supported: "
                              "pass enable_prefix_caching=False")
+        if kv_shards < 1 or num_pages % kv_shards or num_pages // kv_shards < 2:
+            raise ValueError(f"kv_shards={kv_shards}: the {num_pages} pages must split into that many shards of at least "
+                             f"2 pages (each shard's first is a scratch page)")
+        self.kv_shards = kv_shards
+        self.shard_pages = num_pages // kv_shards  # pages per shard (context parallelism), its first the scratch one
         self.num_pages = num_pages
         self.page_size = page_size  # tokens per page of a group of factor 1, and per prefix-cache block
         self.windows = tuple(windows)
@@ -175,8 +190,10 @@ class BlockManager:
         self._hit_blocks = math.lcm(*self.page_factors)  # a prefix hit is a multiple of this many blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_pages
-        self._free: collections.deque[int] = collections.deque(range(1, num_pages))
+        # per shard, its free pages (one shard but with context parallelism)
+        self._frees = [collections.deque(range(j * self.shard_pages + 1, (j + 1) * self.shard_pages)) for j in range(kv_shards)]
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+        self._evictable_in_shard = [0] * kv_shards
         self._key_of_page: dict[int, tuple[int, bytes]] = {}  # page -> (group, chain key)
         self._page_of_key: dict[tuple[int, bytes], int] = {}
         self._group_of_page = [0] * num_pages  # the group a page in use belongs to
@@ -203,13 +220,25 @@ class BlockManager:
         return len(self.windows)
 
     @property
+    def _free(self) -> collections.deque[int] | list[int]:
+        """The free pages (every shard's)."""
+        return self._frees[0] if self.kv_shards == 1 else [p for free in self._frees for p in free]
+
+    def shard_of(self, page: int) -> int:
+        """The shard (device of the sequence axis, context parallelism) holding `page`."""
+        return page // self.shard_pages
+
+    @property
     def num_usable_pages(self) -> int:
-        return self.num_pages - 1
+        return self.num_pages - self.kv_shards
 
     @property
     def num_free_pages(self) -> int:
-        """Pages that can be handed out now: free plus evictable."""
-        return len(self._free) + len(self._evictable)
+        """Pages that can be handed out now: free plus evictable (with shards: the fewest any shard
+        can give, times the shards, as a sequence takes its pages from them in turn)."""
+        if self.kv_shards == 1:
+            return len(self._frees[0]) + len(self._evictable)
+        return self.kv_shards * min(len(free) + n for free, n in zip(self._frees, self._evictable_in_shard))
 
     @property
     def num_cached_pages(self) -> int:
@@ -325,11 +354,20 @@ class BlockManager:
         return found
 
     # ------------------------------------------------------------------ page pool
-    def _take_page(self, group: int) -> int:
-        if self._free:
-            page = self._free.popleft()
+    def _take_page(self, group: int, index: int = 0) -> int:
+        """A page for a sequence's page `index` (its shard: index % kv_shards) of `group`."""
+        shard = index % self.kv_shards
+        if self._frees[shard]:
+            page = self._frees[shard].popleft()
         else:
-            page, _ = self._evictable.popitem(last=False)  # least recently released
+            if self.kv_shards == 1:
+                page, _ = self._evictable.popitem(last=False)  # least recently released
+            else:
+                page = next((p for p in self._evictable if self.shard_of(p) == shard), None)
+                if page is None:
+                    raise OutOfPagesError(f"no page left in shard {shard} of {self.kv_shards}")
+                del self._evictable[page]
+            self._evictable_in_shard[shard] -= 1
             cached_as = self._key_of_page.pop(page)  # (its group, its key)
             del self._page_of_key[cached_as]
             self._drop_saved_state(cached_as[1])  # (its prefix cannot be hit any more)
@@ -345,6 +383,7 @@ class BlockManager:
         """One more reference to a page (a prefix hit, a fork)."""
         if self.ref_counts[page] == 0:
             self._evictable.pop(page)
+            self._evictable_in_shard[self.shard_of(page)] -= 1
             self._group_of_page[page] = group
             self.pages_in_use[group] += 1
         self.ref_counts[page] += 1
@@ -355,8 +394,9 @@ class BlockManager:
             self.pages_in_use[self._group_of_page[page]] -= 1
             if page in self._key_of_page:
                 self._evictable[page] = None  # most recently used end
+                self._evictable_in_shard[self.shard_of(page)] += 1
             else:
-                self._free.append(page)
+                self._frees[self.shard_of(page)].append(page)
 
     # ------------------------------------------------------------------ sequences
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], *, salt: bytes = b"",
@@ -407,7 +447,7 @@ class BlockManager:
             num_hit = self._take_lower_hits(rows[0], keys, lower)
             cached = num_hit * self.page_size
         for g, w in enumerate(self.windows):
-            rows[g] += [self._take_page(g) for _ in range(self.pages_needed(len(token_ids) if w is None else end, g) - len(rows[g]))]
+            rows[g] += [self._take_page(g, i) for i in range(len(rows[g]), self.pages_needed(len(token_ids) if w is None else end, g))]
         first_held = [self._first_kept(g, cached) for g in range(self.num_groups)]
         seq = SeqPages(rows, len(token_ids), cached, keys[:num_hit], salt, first_held, self._take_state_slot())
         if self.num_prefix_states:
@@ -436,7 +476,7 @@ class BlockManager:
         for i, ((page, _), hit) in enumerate(zip(lower, fetched), start=start):
             if hit is not None:
                 tier, content = hit
-                page = self._take_page(0)
+                page = self._take_page(0, i)
                 self._page_of_key[(0, keys[i])] = page
                 self._key_of_page[page] = (0, keys[i])
                 self.pending_loads.append((page, keys[i], content))
@@ -531,14 +571,14 @@ class BlockManager:
             )
         copies = []
         for g, i in self._written_shared(seq, end):
-            src, dst = seq.pages[g][i], self._take_page(g)
+            src, dst = seq.pages[g][i], self._take_page(g, i)
             self._release(src)  # still held by someone else: ref count stays >= 1
             seq.pages[g][i] = dst
             copies.append((src, dst))
         seq.num_tokens = max(seq.num_tokens, end)
         for g, row in enumerate(seq.pages):
             while len(row) < self.pages_needed(seq.num_tokens if self.windows[g] is None else end, g):
-                row.append(self._take_page(g))
+                row.append(self._take_page(g, len(row)))
         return copies
 
     def can_append(self, seq_id: Hashable, num_new_tokens: int) -> bool:
@@ -639,8 +679,9 @@ class BlockManager:
             self._drop_saved_state(key)
         for page in self._evictable:
             del self._page_of_key[self._key_of_page.pop(page)]
-            self._free.append(page)
+            self._frees[self.shard_of(page)].append(page)
         self._evictable.clear()
+        self._evictable_in_shard = [0] * self.kv_shards
 
     # ------------------------------------------------------------------ checking
     def check_invariants(self) -> None:
@@ -685,7 +726,16 @@ class BlockManager:
         free = set(self._free)
         assert len(free) == len(self._free), "free list holds a page twice"
         assert self.ref_counts[SCRATCH_PAGE] == 0 and SCRATCH_PAGE not in free and SCRATCH_PAGE not in self._evictable
+        scratch = {j * self.shard_pages for j in range(self.kv_shards)}  # each shard's first page
+        assert not scratch & (free | set(self._evictable) | set(held)), "a shard's scratch page is handed out"
+        assert self._evictable_in_shard == [sum(self.shard_of(p) == j for p in self._evictable) for j in range(self.kv_shards)]
+        for sid, seq in self.seqs.items():  # a sequence's page i lies in shard i % kv_shards
+            for row in seq.pages:
+                assert all(self.shard_of(p) == i % self.kv_shards for i, p in enumerate(row) if p != SCRATCH_PAGE), \
+                    f"{sid!r}: a page outside its shard: {row}"
         for page in range(1, self.num_pages):
+            if page in scratch:
+                continue
             states = (page in free) + (page in self._evictable) + (held[page] > 0)
             assert states == 1, f"page {page}: free={page in free} evictable={page in self._evictable} held={held[page]}"
             assert self.ref_counts[page] == held[page], f"page {page}: ref count {self.ref_counts[page]}, held by {held[page]}"

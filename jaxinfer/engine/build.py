@@ -167,8 +167,8 @@ def build_images(config: EngineConfig, source, tokenizer, parallel) -> tuple[Pro
     images = PromptImages.for_model(source.path, tokenizer, max_images=limit, allowed_media_domains=config.allowed_media_domains)
     if images is None:
         return None, None
-    if parallel.sp > 1:
-        raise ValueError("images with sequence_parallel_size > 1 are not supported")
+    if parallel.sp > 1 or parallel.pp > 1:
+        raise ValueError("images with sequence_parallel_size > 1 or pipeline_parallel_size > 1 are not supported")
     cache_rows = config.encoder_cache_size or max(4096, 4 * config.max_num_batched_tokens)
     encoder = ImageEncoder(images.kind, images.folder, param_dtype=config.param_dtype, cache_rows=cache_rows)
     logger.info("images: %s vision tower loaded (encoder cache %d rows)", images.kind, cache_rows)
@@ -236,7 +236,7 @@ def place_weights(model_config: ModelConfig, config: EngineConfig, mesh, weights
         graphdef, params = quantize_model(graphdef, params, quantization, group_size,
                                           symmetric=config.quantization_symmetric if own else True)
     params = cast_scales(params, config.kernels.scale_dtype)  # the dtype the quantized matmul loads
-    param_specs = param_partition_specs(params, model_config)
+    param_specs = param_partition_specs(params, model_config, lm_head_split(model_config, config))
     return PlacedWeights(graphdef, put_global(params, param_specs, mesh), param_specs)  # quantized weights: onto their shards
 
 
@@ -267,7 +267,7 @@ def add_lora_table(placed: PlacedWeights, model_config: ModelConfig, config: Eng
     model = nnx.merge(placed.graphdef, placed.params)
     model.lora = LoraSlots(lora_shapes(model_config, table, config.parallel(model_config).tp), config.param_dtype)
     graphdef, params = nnx.split(model)
-    param_specs = param_partition_specs(params, model_config)
+    param_specs = param_partition_specs(params, model_config, lm_head_split(model_config, config))
     return PlacedWeights(graphdef, put_global(params, param_specs, mesh), param_specs)
 
 
@@ -276,12 +276,16 @@ def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights:
     """A model's runner on `mesh`: its placed weights and a KV pool of the (resolved) config's page geometry."""
     parallel = config.parallel(model_config)
     h2o = model_config.kv_eviction is not None and model_config.kv_eviction.method == "h2o"  # (its scores beside the pages)
+    context = parallel.sp > 1 and parallel.sp_attention == "context"  # the pages split over "sequence" too
     specs = kv_partition_spec(quantized=is_quantized(config.kv_dtype), combined=combined_pool(model_config, config.kernels),
-                              outliers=config.kv_cache_outliers > 0, eviction=h2o)
+                              outliers=config.kv_cache_outliers > 0, eviction=h2o, sequence=context)
     spec_block = draft_inputs_block(config, model_config, parallel)
     named = lambda spec: jax.sharding.NamedSharding(mesh, spec) if spec is not None else None  # noqa: E731
     state_sharding = jax.tree.map(lambda spec: jax.sharding.NamedSharding(mesh, spec), linear_state_spec(spec_block > 0),
                                   is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    if context and config.num_pages % parallel.sp:
+        raise ValueError(f"num_pages={config.num_pages} with sequence_parallel_attention='context': each replica's pages "
+                         f"split over the sequence_parallel_size={parallel.sp} devices, so they must be a multiple of it")
     kv = KVCache.create(model_config, config.num_pages * parallel.num_replicas, config.page_size, config.kv_dtype,
                         tp=parallel.tp, sharding=jax.sharding.NamedSharding(mesh, specs.pages),
                         scale_sharding=jax.sharding.NamedSharding(mesh, specs.scales) if specs.scales else None,
@@ -289,6 +293,8 @@ def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights:
                         state_dtype=config.activation_dtype, state_sharding=state_sharding, spec_block=spec_block,
                         outliers=config.kv_cache_outliers, outlier_sharding=named(specs.k_outlier),
                         outlier_token_sharding=named(specs.outlier_token), eviction_sharding=named(specs.evict_score))
+    if context:
+        kv = dataclasses.replace(kv, sequence_sharded=True)
     groups = kv_groups(model_config)
     runner = ModelRunner(weights.graphdef, weights.params, kv, config.buckets(parallel, groups.num_groups),
                          num_top_logprobs=num_top_logprobs, mesh=mesh, param_specs=weights.param_specs,
@@ -447,9 +453,9 @@ def load_eagle3_weights(spec: SpeculativeConfig, model_config: ModelConfig, conf
     the head has its own). Its weights are whole on every device: tensor and sequence parallelism
     are refused, and so are targets whose pages move with a window or carry recurrent states."""
     parallel = config.parallel(model_config)
-    if parallel.tp > 1 or parallel.sp > 1:
-        raise ValueError("speculative_config method 'eagle3' runs without tensor or sequence parallelism "
-                         f"(tensor_parallel_size={parallel.tp}, sequence parallelism {parallel.sp})")
+    if parallel.tp > 1 or parallel.sp > 1 or parallel.pp > 1:
+        raise ValueError("speculative_config method 'eagle3' runs without tensor, sequence or pipeline parallelism "
+                         f"(tensor_parallel_size={parallel.tp}, sequence parallelism {parallel.sp}, pipeline {parallel.pp})")
     if any(kind.window or kind.chunk for kind in model_config.layer_kinds()) or model_config.has_linear_layers:
         raise ValueError(f"speculative_config method 'eagle3': the target ({model_config.model_type}) has sliding-window, "
                          "chunked or linear-attention layers; an EAGLE-3 head needs a target with full attention in every layer")
@@ -499,7 +505,8 @@ def pages_from_device_memory(config: EngineConfig, model_config: ModelConfig, me
                                    with_lora=config.enable_lora,
                                    with_rope_positions=model_config.mrope_section is not None)
     pages = kv_pool_pages(capacity_bytes=capacity_bytes, utilization=config.gpu_memory_utilization,
-                          weight_bytes=weight_bytes, scratch_bytes=scratch, page_bytes=page_bytes)
+                          weight_bytes=weight_bytes, scratch_bytes=scratch, page_bytes=page_bytes,
+                          sequence_shards=parallel.sp if parallel.sp_attention == "context" else 1)  # (context parallelism)
     if pages < one_sequence:
         GiB = 2**30
         raise ValueError(
@@ -546,3 +553,10 @@ def _check_quantized_split(config: ModelConfig, tp: int, mode: str, group_size: 
 def _timed(fn, *args):
     t0 = time.perf_counter()
     return fn(*args), time.perf_counter() - t0
+
+
+def lm_head_split(model_config: ModelConfig, config: EngineConfig) -> str:
+    """How a model's embedding table and LM head split over "tensor" (EngineConfig.lm_head_parallel;
+    "hidden" for a model, e.g. a draft model, whose vocabulary tp does not divide)."""
+    vocab = config.lm_head_parallel == "vocab" and model_config.vocab_size % config.tensor_parallel_size == 0
+    return "vocab" if vocab else "hidden"

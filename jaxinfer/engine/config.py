@@ -16,7 +16,7 @@ jaxinfer's own: `page_size` (vLLM's `block_size`), `kv_cache_outliers`, `num_pag
 per data-parallel replica), `compute_dtype`,
 `quantization_group_size`, `quantization_symmetric`, `keep_checkpoint_quantization`, `kernel_impl` (alias `attention_impl`),
 `check_kernels`, `xla_kernels`, `sequence_parallel_size`,
-`expert_parallel_size`, `sequence_parallel_attention`, `warmup`, `log_stats_interval`, `num_prefix_states`,
+`expert_parallel_size`, `sequence_parallel_attention`, `lm_head_parallel`, `warmup`, `log_stats_interval`, `num_prefix_states`,
 `kv_offloading_dir`, `kv_offloading_disk_size`, `kv_eviction` (with `kv_eviction_window`,
 `kv_eviction_sink_tokens`, `kv_eviction_heavy_tokens`: jaxinfer.ops.kv_eviction); vLLM's `runner` ("generate" | "pooling") and
 `pooler_config`; for images vLLM's `limit_mm_per_prompt`,
@@ -36,6 +36,7 @@ from jaxinfer.config import KVEviction, ModelConfig
 from jaxinfer.engine.memory import CPU_KV_CACHE_MEMORY_BYTES, GPU_MEMORY_UTILIZATION, pages_for_bytes
 from jaxinfer.engine.spec_decode import SpeculativeConfig
 from jaxinfer.kv_groups import kv_groups
+from jaxinfer.models.param_layout import LM_HEAD_PARALLEL
 from jaxinfer.ops.batch import Buckets
 from jaxinfer.ops.kernels import KERNEL_IMPLS, OPERATIONS, Kernels, resolve_kernels
 from jaxinfer.ops.kv_cache import KVCache, check_outliers, is_quantized, page_factors
@@ -119,6 +120,10 @@ class EngineConfig:
     expert_parallel_size: int | None = None
     enable_expert_parallel: bool = False
     sequence_parallel_attention: str = "allgather"
+    # how tensor parallelism splits the embedding table and LM head: "hidden" (all-reduce the
+    # [R, V] logits every step) or "vocab" (vLLM's VocabParallelEmbedding / ParallelLMHead: the
+    # logits stay split on the vocabulary and are sampled there; docs/parallelism.md)
+    lm_head_parallel: str = "hidden"
     speculative_config: SpeculativeConfig | dict | None = None
     enable_lora: bool = False  # LoRA adapters per request (LoRARequest), in a slot table on the device
     max_loras: int = 4  # adapters the table holds at once (the batch's distinct adapters at most)
@@ -162,9 +167,10 @@ class EngineConfig:
             named = self.kv_cache_dtype not in (None, "auto")
             check_outliers(self.kv_cache_outliers, self.page_size, dtype_of(self.kv_cache_dtype, "kv_cache_dtype", KV_DTYPES)
                            if named else jnp.float32)
-            if self.sequence_parallel_size > 1 and self.sequence_parallel_attention == "ring":
-                raise ValueError(f"kv_cache_outliers={self.kv_cache_outliers} with sequence_parallel_attention='ring': each "
-                                 f"device writes the ring's blocks in its own order, so pages' outlier slots would differ; "
+            if self.sequence_parallel_size > 1 and self.sequence_parallel_attention in ("ring", "context"):
+                raise ValueError(f"kv_cache_outliers={self.kv_cache_outliers} with sequence_parallel_attention="
+                                 f"{self.sequence_parallel_attention!r}: the ring writes its blocks in each device's own "
+                                 f"order, and the context-parallel pool is not read with outliers; "
                                  f"use sequence_parallel_attention='allgather'")
         if self.keep_checkpoint_quantization and (self.quantization is not None or self.dtype != "auto"):
             raise ValueError("keep_checkpoint_quantization=True runs the checkpoint's own grid: it takes neither a "
@@ -199,6 +205,8 @@ class EngineConfig:
                              f"of each device's memory")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r}: expected 'recompute' or 'swap'")
+        if self.lm_head_parallel not in LM_HEAD_PARALLEL:
+            raise ValueError(f"lm_head_parallel={self.lm_head_parallel!r}: expected one of {LM_HEAD_PARALLEL}")
         for field in ("max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
@@ -406,6 +414,7 @@ class EngineConfig:
         if not 0 < max_model_len <= model_config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} must be in [1, {model_config.max_position_embeddings}] "
                              f"(the model's max_position_embeddings)")
+        self._check_lm_head_parallel(model_config)
         if self.kv_cache_outliers:
             check_outliers(self.kv_cache_outliers, self.page_size, self.kv_dtype, kernels=self.kernels, config=model_config)
         if model_config.index_topk and is_quantized(self.kv_dtype):
@@ -437,9 +446,25 @@ class EngineConfig:
         if num_pages is None and kv_bytes is not None:
             page_bytes = KVCache.page_bytes(model_config, self.page_size, self.kv_dtype, tp=self.tensor_parallel_size,
                                             kernels=self.kernels, outliers=self.kv_cache_outliers)
-            num_pages = pages_for_bytes(kv_bytes, page_bytes, self.max_num_seqs * pages_per_seq + 1)
+            context = self.sequence_parallel_size if self.sequence_parallel_attention == "context" else 1  # (pool shards)
+            num_pages = pages_for_bytes(kv_bytes, page_bytes, self.max_num_seqs * pages_per_seq + 1, context)
         return dataclasses.replace(self, max_model_len=max_model_len, num_pages=num_pages,
                                    enable_prefix_caching=enable_prefix_caching, num_prefix_states=num_prefix_states)
+
+    def _check_lm_head_parallel(self, model_config: ModelConfig) -> None:
+        """What lm_head_parallel="vocab" does not run with yet."""
+        tp, spec = self.tensor_parallel_size, self.speculative_config
+        if self.lm_head_parallel != "vocab" or tp == 1:
+            return
+        refused = [(model_config.vocab_size % tp, f"tensor_parallel_size={tp}, which does not divide the vocabulary "
+                                                  f"({model_config.vocab_size} tokens)"),
+                   (spec is not None and spec.method not in ("ngram", "draft_model"),
+                    f"speculative_config method {getattr(spec, 'method', None)!r} (its heads read the target's LM head "
+                    "whole; ngram and draft_model work)"),
+                   (self.pipeline_parallel_size > 1, "pipeline_parallel_size > 1")]
+        for at_fault, setting in refused:
+            if at_fault:
+                raise ValueError(f"lm_head_parallel='vocab' with {setting} is not supported yet; use lm_head_parallel='hidden'")
 
     def _check_linear_attention(self, model_config: ModelConfig) -> None:
         """What a hybrid model's recurrent states (Gated DeltaNet layers) do not run with yet."""

@@ -52,18 +52,23 @@ CPU_KV_CACHE_MEMORY_BYTES = 1 << 30  # the CPU's pool per replica unless given
 
 
 def kv_pool_pages(*, capacity_bytes: int, utilization: float, weight_bytes: int, scratch_bytes: int,
-                  page_bytes: int) -> int:
+                  page_bytes: int, sequence_shards: int = 1) -> int:
     """Whole KV pages (per replica, page 0 included) that fit on each device beside the weights
     and the step's scratch, within `utilization` of its capacity; 0 when none does. Every size
-    is per device."""
+    is per device. `sequence_shards` sp (context parallelism): each device holds 1/sp of its
+    replica's pages, so the replica gets sp times what one device fits."""
     budget = int(capacity_bytes * utilization) - weight_bytes - scratch_bytes
-    return max(0, budget // page_bytes)
+    return max(0, budget // page_bytes) * sequence_shards
 
 
-def pages_for_bytes(kv_bytes: int, page_bytes: int, max_pages: int) -> int:
+def pages_for_bytes(kv_bytes: int, page_bytes: int, max_pages: int, shards: int = 1) -> int:
     """A pool of `kv_bytes` (per replica, all its devices together) in pages of `page_bytes`
-    (likewise), at most `max_pages` (every sequence at max_model_len) and at least 2."""
-    return max(2, min(kv_bytes // page_bytes, max_pages))
+    (likewise), at most `max_pages` (every sequence at max_model_len) and at least 2. `shards`
+    (context parallelism: the pool split over the sequence axis, a scratch page in each shard): a
+    multiple of it, at least 2 pages a shard."""
+    if shards == 1:
+        return max(2, min(kv_bytes // page_bytes, max_pages))
+    return max(2, min(kv_bytes // page_bytes, max_pages + shards - 1) // shards) * shards
 
 
 def device_capacity_bytes(mesh) -> int | None:

@@ -476,7 +476,8 @@ class ModelRunner:
     def _page_ops(self) -> "PageOps":
         state = self.kv.state
         return page_ops(self.step_fn.mesh, self.kv.quantized, self.kv.combined, state is not None,
-                        state is not None and state.drafts is not None, self.kv.outliers > 0, self.kv.evict_score is not None)
+                        state is not None and state.drafts is not None, self.kv.outliers > 0, self.kv.evict_score is not None,
+                        self.kv.sequence_sharded)
 
     def read_pages(self, replica: int, pages: Sequence[int]) -> KVCache:
         """A replica's pages, all layers, on the host: a KVCache of numpy arrays, k and v
@@ -795,11 +796,11 @@ def _reader_to_host(mesh, quantized: bool, combined: bool, n: int, outliers: boo
 
 @functools.cache
 def page_ops(mesh, quantized: bool, combined: bool = False, linear: bool = False, drafts: bool = False,
-             outliers: bool = False, eviction: bool = False) -> PageOps:
+             outliers: bool = False, eviction: bool = False, sequence: bool = False) -> PageOps:
     """Every page array of the cache (K, V and a quantized pool's scales) shares the [L, P] leading
     axes, so each operation is the same on all of them; a hybrid model's recurrent states
     (`linear`) stay as they are."""
-    kv_sharding = kv_shardings(mesh, quantized, combined, linear, drafts, outliers, eviction)
+    kv_sharding = kv_shardings(mesh, quantized, combined, linear, drafts, outliers, eviction, sequence)  # (sequence: context parallelism)
     everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def copy(kv: KVCache, src, dst) -> KVCache:

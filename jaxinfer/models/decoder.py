@@ -31,7 +31,10 @@ only when its axis has more than one device (on one device the program is the pl
 
 - tensor (Megatron): the fused QKV and gate/up columns, o and down rows, and the hidden dim of the
   embedding / LM head are split; one `psum` after o_proj and one after down_proj per layer, an
-  all-gather of the embedded tokens and a `psum` of the logits per step;
+  all-gather of the embedded tokens and a `psum` of the logits per step (with
+  lm_head_parallel="vocab" the embedding / LM head are split on the vocabulary instead: a `psum`
+  of the embedded tokens, each shard looking up its own ids, and no collective on the logits,
+  which leave the model split on the vocabulary, [R, V / tp], for the sampler);
 - sequence: this replica's T tokens are split in `sp` contiguous blocks for everything but
   attention, which sees all of this step's K/V (all-gathered, or passed around a ring), see
   `jaxinfer.ops.attention.attend_sequence_parallel`; the logits rows are summed over the axis;
@@ -51,7 +54,8 @@ from jaxinfer.config import ConfigError, LayerKind, ModelConfig
 from jaxinfer.kv_groups import kv_groups, layer_period
 from jaxinfer.models import moe, pipeline
 from jaxinfer.models.layers import (add_rms_norm, embed_lookup, gate_up_swiglu, gelu_tanh_glu, linear, matmul, rms_norm,
-                                   rms_norm_weight, soft_cap, swiglu, tied_logits)
+                                   rms_norm_weight, soft_cap, swiglu, table_vocab, tied_logits,
+                                   vocab_parallel_lookup)
 from jaxinfer.models.lora import LoraSlots, LoraTable, lora_shapes
 from jaxinfer.models.param_layout import base_name, param_shapes, stack_of, stack_slots
 from jaxinfer.models.rope import rope_tables
@@ -423,7 +427,8 @@ class Decoder(nnx.Module):
         else:
             attn, view = write_kv_and_attend(  # RoPE, KV write, attention
                 q, k, v, cos, sin, view, first_page, step.write_page[layer.group],
-                step.write_offset[layer.group], layer.batch_view(step.batch), parallel=par, **options)
+                step.write_offset[layer.group], layer.batch_view(step.batch), parallel=par, pages_per_slot=step.num_pages,
+                **options)
             pool = view.like(pool)
         attn = attn.reshape(Tl, num_heads * D)
         if c.attn_output_gate:  # Qwen3-Next / Qwen3.5: each query head's output times sigmoid(its gate)
@@ -489,9 +494,10 @@ class Decoder(nnx.Module):
         return y.astype(x.dtype)
 
     def _hidden_shard(self, h: jax.Array) -> jax.Array:
-        """This tensor shard's columns of h [R, H] (the embedding's hidden dim is split)."""
+        """This tensor shard's columns of h [R, H] (the embedding's hidden dim is split; split on
+        the vocabulary instead, lm_head_parallel="vocab": all of h)."""
         tp = self.parallel.tp
-        if tp == 1:
+        if tp == 1 or table_vocab(self.embed.get_value()) < self.config.vocab_size:
             return h
         width = h.shape[-1] // tp
         return jax.lax.dynamic_slice_in_dim(h, jax.lax.axis_index("tensor") * width, width, axis=-1)
@@ -500,9 +506,15 @@ class Decoder(nnx.Module):
         """token_ids [T] -> [T, H] in the compute dtype; the table's hidden dim is split over tensor.
         A quantized table is stored [H / tp, V] (the tied LM head's orientation): a token's
         embedding is its column, dequantized. Gemma scales it by sqrt(H), rounded to the compute
-        dtype first as HF does."""
-        x = embed_lookup(self.embed.get_value(), token_ids).astype(self.compute_dtype)  # [T, H / tp]
-        if self.parallel.tp > 1:
+        dtype first as HF does. With the table split on the vocabulary instead (lm_head_parallel=
+        "vocab": the local table holds V / tp ids), each shard looks up its own ids and the shards'
+        rows are summed (a psum of [T, H] instead of an all-gather)."""
+        table = self.embed.get_value()
+        if self.parallel.tp > 1 and table_vocab(table) < self.config.vocab_size:
+            x = jax.lax.psum(vocab_parallel_lookup(table, token_ids, "tensor").astype(self.compute_dtype), "tensor")
+        else:
+            x = embed_lookup(table, token_ids).astype(self.compute_dtype)  # [T, H / tp]
+        if self.parallel.tp > 1 and table_vocab(table) == self.config.vocab_size:
             x = jax.lax.all_gather(x, "tensor", axis=1, tiled=True)
         if self.config.scale_embeddings:
             x = x * jnp.asarray(self.config.hidden_size**0.5, self.compute_dtype)
@@ -530,11 +542,17 @@ class Decoder(nnx.Module):
         return pick(hidden), pick(residual)
 
     def _lm_head(self, h: jax.Array) -> jax.Array:
-        """h [R, H] -> logits [R, V] float32 (the LM head, or the tied embedding; soft-capped for Gemma 2)."""
+        """h [R, H] -> logits [R, V] float32 (the LM head, or the tied embedding; soft-capped for Gemma 2).
+        With the head split on the vocabulary (lm_head_parallel="vocab"): this shard's block of
+        the logits [R, V / tp], nothing exchanged (the sampler works on the blocks)."""
         h = self._hidden_shard(h)
         if self.config.tie_word_embeddings:
-            logits = tied_logits(h, self.embed.get_value(), self.kernels)
+            table = self.embed.get_value()
+            logits, vocab = tied_logits(h, table, self.kernels), table_vocab(table)
         else:
-            logits = matmul(h, self.lm_head.get_value(), self.kernels)
+            head = self.lm_head.get_value()
+            logits, vocab = matmul(h, head, self.kernels), table_vocab(head, head=True)
+        if vocab < self.config.vocab_size:  # split on the vocabulary: no sum
+            return soft_cap(logits.astype(jnp.float32), self.config.final_logit_softcap)
         return soft_cap(self._tensor_sum(logits, jnp.float32), self.config.final_logit_softcap)  # logits stay float32
 

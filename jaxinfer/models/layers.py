@@ -52,6 +52,26 @@ def embed_lookup(table: jax.Array | QuantizedWeight, token_ids: jax.Array) -> ja
     return table[token_ids]
 
 
+def table_vocab(table: jax.Array | QuantizedWeight, head: bool = False) -> int:
+    """How many vocabulary entries a (local shard of an) embedding table [V, H] holds (a quantized
+    one is stored [H, V]); `head`: of an LM head [H, V]."""
+    if isinstance(table, QuantizedWeight):
+        return table.qweight.shape[-1]
+    return table.shape[-1] if head else table.shape[0]
+
+
+def vocab_parallel_lookup(table: jax.Array | QuantizedWeight, token_ids: jax.Array, axis: str) -> jax.Array:
+    """`embed_lookup` of a table split on the vocabulary over the mesh axis `axis` (inside
+    shard_map; each shard holds a contiguous block of ids): each shard looks up the ids in its
+    block, zeros for the others, in the table's dtype (float32 if quantized); the caller sums
+    the shards (psum over `axis`). [T, H]."""
+    rows = table_vocab(table)
+    local = token_ids - jax.lax.axis_index(axis) * rows
+    inside = (local >= 0) & (local < rows)
+    x = embed_lookup(table, jnp.where(inside, local, 0))
+    return jnp.where(inside[:, None], x, jnp.zeros((), x.dtype))
+
+
 def tied_logits(h: jax.Array, table: jax.Array | QuantizedWeight, kernels: Kernels = Kernels()) -> jax.Array:
     """h [R, H] @ the embedding table's transpose -> float32 [R, V]: the tied LM head."""
     if isinstance(table, QuantizedWeight):  # stored [H, V] already

@@ -43,6 +43,11 @@ fills `<param>:qweight`, `<param>:scales` and `<param>:offsets` (`quantized_load
 with the param's axes, in [..., K, N] orientation. A quantized embedding is stored as the tied LM
 head reads it, [H, V] (`QUANTIZED_EMBED_AXES`): the LM head is then a quantized matmul, and a
 token's embedding is a column of it.
+
+**The LM head's split** (`lm_head_parallel`): "hidden" (the default) splits the embedding table and
+the LM head on the hidden dimension ("embed_tp"); "vocab" splits them on the vocabulary
+("vocab_tp", `VOCAB_SPLIT_AXES`: vLLM's VocabParallelEmbedding / ParallelLMHead), so the step's
+logits stay split on the vocabulary and are sampled there (`jaxinfer.ops.sampling.Vocab`).
 """
 
 from __future__ import annotations
@@ -338,9 +343,17 @@ _AXES = {
 }
 
 
-def param_axes(config: ModelConfig) -> dict[str, tuple[str | None, ...]]:
-    """Flat parameter name -> logical axis name of each of its dimensions."""
-    axes = {name: _AXES[name] for name in param_shapes(config)}
+LM_HEAD_PARALLEL = ("hidden", "vocab")  # how the embedding table and LM head split over "tensor"
+# lm_head_parallel="vocab": the embedding table and LM head split on the vocabulary instead
+VOCAB_SPLIT_AXES = {"embed": ("vocab_tp", None), "lm_head": (None, "vocab_tp")}
+QUANTIZED_EMBED_VOCAB_SPLIT_AXES = (None, "vocab_tp")  # a quantized embedding [H, V], vocabulary split
+
+
+def param_axes(config: ModelConfig, lm_head_parallel: str = "hidden") -> dict[str, tuple[str | None, ...]]:
+    """Flat parameter name -> logical axis name of each of its dimensions (the embedding table and
+    LM head split as `lm_head_parallel` says: LM_HEAD_PARALLEL)."""
+    split = VOCAB_SPLIT_AXES if lm_head_parallel == "vocab" else {}
+    axes = {name: split.get(name, _AXES[name]) for name in param_shapes(config)}
     if config.qk_norm and config.qk_norm_scope == "projection":  # [L, heads * D]: split with the heads
         axes.update({"layers.q_norm": ("layers", "heads"), "layers.k_norm": ("layers", "heads")})
     return axes
@@ -349,8 +362,10 @@ def param_axes(config: ModelConfig) -> dict[str, tuple[str | None, ...]]:
 QUANTIZED_EMBED_AXES = ("embed_tp", "vocab")  # a quantized embedding: [H, V], the LM head's orientation
 
 
-def quantized_axes(name: str) -> tuple[str | None, ...]:
+def quantized_axes(name: str, lm_head_parallel: str = "hidden") -> tuple[str | None, ...]:
     """The logical axes of the arrays of a quantized parameter ([..., K or K/2 or K/g, N])."""
+    if lm_head_parallel == "vocab" and name in ("embed", "lm_head"):
+        return QUANTIZED_EMBED_VOCAB_SPLIT_AXES
     return QUANTIZED_EMBED_AXES if name == "embed" else _AXES[name]
 
 

@@ -32,7 +32,7 @@ from pallas_kernels.ragged_paged_attention.reference import dequantize_kv, quant
 from pallas_kernels.ragged_paged_attention.combined import combine_kv
 from pallas_kernels.rope_kv_write import apply_rope
 from sharding.mesh import ParallelConfig
-from sharding.ring_attention import merge_partials, ring_attention
+from sharding.ring_attention import merge_partials, merge_partials_across, ring_attention
 
 # A step this long that only prefills fresh sequences runs flash attention (Pallas kernels only).
 FLASH_MIN_TOKENS = 256
@@ -281,6 +281,7 @@ def write_kv_and_attend(
     kernels: Kernels = Kernels(),
     parallel: ParallelConfig = ParallelConfig(),
     lane_blocks: int = 1,  # pages as lane blocks of the combined pool's (write_rows)
+    pages_per_slot: int | None = None,  # this device's pages per pool slot (context parallelism: the page owners)
 ) -> tuple[jax.Array, KVCache]:
     """Returns (attention output [T, Hq, D], pool).
 
@@ -295,6 +296,10 @@ def write_kv_and_attend(
     if parallel.sp > 1:
         if lane_blocks > 1:
             raise ValueError("sequence parallelism over pages held as lane blocks is not supported")
+        if parallel.sp_attention == "context":  # the pool sharded over the axis (context parallelism)
+            del options["kernels"], options["spec_block"]  # (the XLA split-KV path only)
+            return attend_context_parallel(q, k, v, cos, sin, pool, layer_page_offset, write_page, write_offset, batch,
+                                           pages_per_slot=pages_per_slot, **options)
         return attend_sequence_parallel(q, k, v, cos, sin, pool, layer_page_offset, write_page, write_offset,
                                         batch, mode=parallel.sp_attention, tensor_axis="tensor" if parallel.tp > 1 else None,
                                         **options)
@@ -617,4 +622,78 @@ def attend_sequence_parallel(q, k, v, cos, sin, pool: KVCache, layer_page_offset
         axis_name="sequence", axis_size=sp, carry=pool, on_block=write_block, **options,
     )
     out, _ = merge_partials(cached_out, cached_lse, ring_out, ring_lse)
+    return out.astype(q.dtype), pool
+
+
+# ----------------------------------------------------------------------------- context parallelism
+def context_page_owner(pages, pages_per_device: int):
+    """(owner, local page) of replica-local page ids `pages` in a pool sharded over the axis
+    "sequence": device j holds pages j * pages_per_device ... (j + 1) * pages_per_device - 1 of
+    its replica (a contiguous block, `jaxinfer.runtime.placement`), its first one a scratch page."""
+    return pages // pages_per_device, pages % pages_per_device
+
+
+def context_local_table(page_table, device, sp: int, pages_per_device: int):
+    """This device's share of a page table [S, pages_per_seq] (replica-local page ids): column k
+    holds the sequence's page k * sp + device, which the block manager gives from this device's
+    block (`BlockManager(kv_shards=sp)`), as a local page id; a column past the row's end, or a
+    page not held here (the scratch page of a sliding window's dropped pages), reads local page 0."""
+    S, n = page_table.shape
+    cols = -(-n // sp)
+    padded = jnp.pad(page_table, ((0, 0), (0, cols * sp - n)))
+    mine = jnp.take(padded.reshape(S, cols, sp), device, axis=2)  # [S, cols]
+    owner, local = context_page_owner(mine, pages_per_device)
+    return jnp.where(owner == device, local, 0)
+
+
+def attend_context_parallel(q, k, v, cos, sin, pool: KVCache, layer_page_offset, write_page, write_offset,
+                            batch: RaggedBatch, *, pages_per_slot: int | None, sm_scale, sliding_window, query_block: int,
+                            attention_chunk: int | None = None, soft_cap: float | None = None, sinks=None):
+    """Context parallelism: attention with the step's rows AND the KV pool split over the mesh axis
+    "sequence" (sp devices). Each device holds its replica's pages j * Pl ... (j + 1) * Pl - 1
+    (Pl = `pages_per_slot`, the pool's pages per slot on this device), and a sequence's page k lies
+    on device k % sp (the block manager's round robin), so every device holds about 1/sp of every
+    sequence, and of every decode's work.
+
+    q [Tl, Hq, D], k / v [Tl, Hkv, D]: this device's block of the step's rows (before RoPE); cos /
+    sin / write_page / write_offset [T] and the batch: every row's (T = sp * Tl). The step's K/V
+    are all-gathered; each row is written by the owner of its page only (the others write it to
+    their local scratch page 0). The queries are all-gathered too, and each device attends all
+    of them to the keys of its own pages (the split-KV XLA path over its strided share of the
+    page table: `context_local_table`, `page_stride`), with their log-sum-exp; the sp partials
+    are merged exactly and reduce-scattered, so each device gets its own rows back
+    (`sharding.ring_attention.merge_partials_across`). The Pallas kernels are not used (they read
+    whole page tables): on accelerators this is the XLA path. Returns (out [Tl, Hq, D], pool)."""
+    if pages_per_slot is None:
+        raise ValueError("context parallelism (sequence_parallel_attention='context') needs the pool's pages per slot")
+    if pool.outliers:
+        raise NotImplementedError("KV outlier slots (kv_cache_outliers) with sequence_parallel_attention='context' are "
+                                  "not supported: use sequence_parallel_attention='allgather'")
+    if batch.span_end is not None:
+        raise NotImplementedError("images attended both ways with sequence_parallel_attention='context' are not supported")
+    sp = jax.lax.axis_size("sequence")
+    me = jax.lax.axis_index("sequence")
+    Tl = q.shape[0]
+    mine = lambda a: jax.lax.dynamic_slice_in_dim(a, me * Tl, Tl)  # noqa: E731  (this device's rows of a [T, ...] array)
+    q, k = apply_rope(q, mine(cos), mine(sin)), apply_rope(k, mine(cos), mine(sin))
+    gather = lambda a: jax.lax.all_gather(a, "sequence", axis=0, tiled=True)  # noqa: E731
+    q_all, k_all, v_all = gather(q), gather(k), gather(v)  # [T, ...]
+
+    owner, local = context_page_owner(write_page, pages_per_slot)
+    pool = write_rows(pool, layer_page_offset + jnp.where(owner == me, local, 0), write_offset, k_all, v_all)
+
+    D = q.shape[-1]
+    table = context_local_table(batch.page_table, me, sp, pages_per_slot) + layer_page_offset
+    scales = {}
+    if pool.quantized:  # turned K / V in the pool (kv_rotation): q turned, the output turned back
+        q_all = (q_all.astype(jnp.float32) @ kv_rotation(D)).astype(q_all.dtype)
+        scales = dict(k_scale=pool.scales, v_scale=pool.v_scale)
+    out, lse = split_kv.ragged_paged_attention(
+        q_all, pool.pages, pool.v, batch.kv_lens, table, batch.cu_q_lens, batch.num_seqs, sm_scale=sm_scale,
+        sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap, return_lse=True,
+        num_queries_per_block=query_block, num_kv_pages_per_block=max(1, PREFILL_KV_TOKENS_PER_ITEM // pool.pages.shape[1]),
+        page_stride=sp, page_phase=me, tree_base=batch.tree_base, tree_bits=batch.tree_bits, **scales)
+    out = merge_partials_across(out.astype(jnp.float32), lse, "sequence", scatter_rows=True, sinks=sinks)  # [Tl, Hq, D]
+    if pool.quantized:
+        out = out @ kv_rotation(D).T
     return out.astype(q.dtype), pool

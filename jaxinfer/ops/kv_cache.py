@@ -225,6 +225,9 @@ class KVCache:
     # a hybrid model's per-sequence recurrent states (Gated DeltaNet layers: jaxinfer.ops.linear_state),
     # beside the pages; page operations never touch them
     state: LinearState | None = None
+    # context parallelism (sequence_parallel_attention="context"): the pages are also split over the mesh
+    # axis "sequence" (jaxinfer.runtime.placement.kv_partition_spec); static, so the step's specs follow it
+    sequence_sharded: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @staticmethod
     def create(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, *, tp: int = 1,

@@ -9,6 +9,8 @@ a larger mesh, before its relayout) stays whole.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -41,16 +43,17 @@ def param_spec(axes: tuple, shape: tuple[int, ...], mesh: Mesh | None = None, *,
 QUANTIZED_FIELDS = ("qweight", "scales", "offsets", "input_order", "values", "mask")  # (values, mask: a Sparse24Weight's)
 
 
-def param_partition_specs(params, config: ModelConfig) -> object:
-    """A tree like `params` (an nnx State, maybe holding QuantizedWeights) of PartitionSpecs."""
-    axes = {**param_axes(config), **LORA_AXES}  # the LoRA slot table, when the model has one
+def param_partition_specs(params, config: ModelConfig, lm_head_parallel: str = "hidden") -> object:
+    """A tree like `params` (an nnx State, maybe holding QuantizedWeights) of PartitionSpecs
+    (`lm_head_parallel`: the embedding / LM head split, param_layout.LM_HEAD_PARALLEL)."""
+    axes = {**param_axes(config, lm_head_parallel), **LORA_AXES}  # the LoRA slot table, when the model has one
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     specs = []
     for path, leaf in leaves:
         name = ".".join(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
         field = path[-1].name if isinstance(path[-1], jax.tree_util.GetAttrKey) else None
         field = field if field in QUANTIZED_FIELDS else None  # an array of a QuantizedWeight (not a Variable's .value)
-        specs.append(param_spec(quantized_axes(name) if field else axes[name], leaf.shape, field=field))
+        specs.append(param_spec(quantized_axes(name, lm_head_parallel) if field else axes[name], leaf.shape, field=field))
     return jax.tree_util.tree_unflatten(treedef, specs)
 
 
@@ -70,7 +73,25 @@ def param_shardings(config: ModelConfig, mesh: Mesh, tp: int | None = None, spec
 
 
 def kv_partition_spec(quantized: bool = False, combined: bool = False, linear: bool = False, drafts: bool = False,
-                      outliers: bool = False, eviction: bool = False) -> KVCache:
+                      outliers: bool = False, eviction: bool = False, sequence: bool = False) -> KVCache:
+    """`kv_partition_spec_replicated`'s spec; `sequence` (context parallelism): every page array's
+    page axis also split over "sequence", after the replica axes, so each device of the axis holds a
+    contiguous block of its replica's pages (ops.attention.attend_context_parallel), and the spec
+    is marked `sequence_sharded` as the cache is."""
+    spec = kv_partition_spec_replicated(quantized, combined, linear, drafts, outliers, eviction)
+    if not sequence:
+        return spec
+    if outliers or eviction or linear:
+        raise ValueError("a KV pool split over the sequence axis (sequence_parallel_attention='context') holds pages only: "
+                         "no outlier slots, KV eviction scores or recurrent states")
+    pages = rules.logical_to_spec(("pages",))[0]
+    split = lambda p: PartitionSpec(p[0], (*pages, "sequence"), *p[2:]) if p is not None else None  # noqa: E731
+    return dataclasses.replace(jax.tree.map(split, spec, is_leaf=lambda x: isinstance(x, PartitionSpec)),
+                               sequence_sharded=True)
+
+
+def kv_partition_spec_replicated(quantized: bool = False, combined: bool = False, linear: bool = False, drafts: bool = False,
+                                 outliers: bool = False, eviction: bool = False) -> KVCache:
     """The KV cache's spec: pages split over the replica axes, KV heads over "tensor" (a
     quantized pool's scales, [L, P, page_size, Hkv], likewise; a combined pool's rows
     [L, P, page_size, Hkv * 2 * Ds] split into runs of whole heads); `linear`: with a hybrid
@@ -121,13 +142,13 @@ def linear_state_spec(drafts: bool = False) -> LinearState:
 def cache_spec(kv: KVCache) -> KVCache:
     """The spec of this cache (`kv_partition_spec` of its kind)."""
     return kv_partition_spec(kv.quantized, kv.combined, kv.state is not None, kv.state is not None and kv.state.drafts is not None,
-                             kv.outliers > 0, kv.evict_score is not None)
+                             kv.outliers > 0, kv.evict_score is not None, kv.sequence_sharded)
 
 
 def kv_shardings(mesh: Mesh, quantized: bool = False, combined: bool = False, linear: bool = False,
-                 drafts: bool = False, outliers: bool = False, eviction: bool = False) -> KVCache:
+                 drafts: bool = False, outliers: bool = False, eviction: bool = False, sequence: bool = False) -> KVCache:
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec),
-                        kv_partition_spec(quantized, combined, linear, drafts, outliers, eviction),
+                        kv_partition_spec(quantized, combined, linear, drafts, outliers, eviction, sequence),
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 

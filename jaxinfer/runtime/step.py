@@ -31,6 +31,13 @@ device runs the model on its shards (the collectives are in `jaxinfer.models.lla
 all-gathers the sampled tokens over the replicas, so every device (every process, on several
 hosts) holds all of them and the host reads them without a cross-host transfer.
 
+With a vocabulary-split LM head (lm_head_parallel="vocab": `vocab_split`) the model program
+returns the logits rows split on the vocabulary too (`sharding.rules.VOCAB_LOGITS`, [replicas, R,
+V / tp] per device) instead of all-reducing them, and the processors and the sampler run on those
+blocks (`jaxinfer.ops.sampling.Vocab`: per-shard reductions and top candidates merged with small
+collectives); the sampled tokens, logprobs and top-logprobs come out whole on every device, as
+before. Programs outside shard_map read such logits as one global array (GSPMD gathers them).
+
 Sampled tokens stay on the device: the sampler also returns them padded into a per-replica
 `token_buffer` [replicas, max_rows], and the next step's model program takes that buffer as
 `prev_tokens`, reading the tokens its batch marks in `batch.token_src`. So the host can dispatch
@@ -51,7 +58,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.ops.kv_cache import KVCache
-from jaxinfer.ops.sampling import LOGITS_PROCESSORS, SampleOutput, sample, without_processors
+from jaxinfer.ops.sampling import LOGITS_PROCESSORS, SampleOutput, Vocab, sample, without_processors
 from jaxinfer.runtime.placement import cache_spec, per_replica_specs, put_global
 from sharding import rules
 from sharding.mesh import ParallelConfig, make_mesh
@@ -85,7 +92,7 @@ TPU_COMPILER_OPTIONS = {"xla_tpu_enable_offloading_scatter_to_sparsecore": "fals
 class StepFunction:
     def __init__(self, graphdef: nnx.GraphDef, num_top_logprobs: int, max_rows: int = 1, *,
                  mesh: Mesh | None = None, param_specs=None, return_hidden: bool = False,
-                 return_stream: bool | tuple[int, ...] = False, pooling: bool = False):
+                 return_stream: bool | tuple[int, ...] = False, pooling: bool = False, vocab_split: bool | None = None):
         """`mesh` defaults to one device; `param_specs` (`param_partition_specs`) is needed with a
         mesh of more than one device (on one device every parameter is whole). `return_hidden`:
         the step's SampleOutput also carries the logits rows' hidden states (`hidden` [R, H]).
@@ -96,7 +103,10 @@ class StepFunction:
         [replicas, max_rows, len * H] (EAGLE-3's auxiliary hidden states: models.eagle3).
         `pooling` (runner="pooling"): the step returns the rows' hidden states alone (the
         SampleOutput's `hidden`, its other fields None): no LM head is computed (XLA drops it, its
-        logits being unused), nothing is sampled, the token buffer passes through unchanged."""
+        logits being unused), nothing is sampled, the token buffer passes through unchanged.
+        `vocab_split`: the LM head is split on the vocabulary over "tensor" (lm_head_parallel=
+        "vocab"), so the logits stay split on it and are sampled there; None: read from param_specs
+        (`is_vocab_split`)."""
         self.num_compiles = 0  # programs traced (each compiled variant of each program)
         self.num_model_compiles = 0  # of which model programs (one per bucket and LoRA switch)
         if pooling and return_stream:
@@ -112,6 +122,16 @@ class StepFunction:
         self.num_replicas = rules.num_replicas(self.mesh)
         replicas = rules.REPLICA_AXES
         rows_spec = rules.per_replica(3)  # logits [replicas, R, V] and hidden states [replicas, R, H]
+        if vocab_split is None:
+            vocab_split = is_vocab_split(param_specs)
+        self.vocab_split = vocab_split = bool(vocab_split) and self.mesh.shape["tensor"] > 1
+        tp = self.mesh.shape["tensor"]
+        # the logits rows as the model program returns them: split on the vocabulary too with a vocabulary-split head
+        logits_spec = rules.VOCAB_LOGITS if vocab_split else rows_spec
+        self._logits_spec = logits_spec
+
+        def vocab_of(logits):  # the sampler's view of a device's logits columns (None: whole rows)
+            return Vocab(logits.shape[-1] * tp, "tensor") if vocab_split else None
         platform = self.mesh.devices.flat[0].platform
         options = compiler_options(platform)
         sampling_options = None if platform == "cpu" else options  # (the CPU's option is the layer loop's)
@@ -146,7 +166,7 @@ class StepFunction:
                 lambda *a: per_device_model(*a, query_block=query_block, spec_block=spec_block), mesh=self.mesh,
                 in_specs=(self._specs(params), kv_specs, per_replica_specs(batch), rules.per_replica(2),
                           *(rows_spec for _ in prev_stream)),
-                out_specs=(rows_spec, kv_specs) + ((rows_spec,) if return_hidden and not pooling else ())
+                out_specs=(rows_spec if pooling else logits_spec, kv_specs) + ((rows_spec,) if return_hidden and not pooling else ())
                 + ((rows_spec,) if return_stream else ()),
                 check_vma=False,
             )(params, kv, batch, prev_tokens, *prev_stream)
@@ -155,14 +175,14 @@ class StepFunction:
             def program(logits, *fields):  # [replicas, R, V], each field [replicas, R, ...]
                 self.num_compiles += 1
                 return jax.shard_map(
-                    lambda lg, *f: processor(lg[0], *(a[0] for a in f))[None], mesh=self.mesh,
-                    in_specs=(rows_spec, *per_replica_specs(fields)), out_specs=rows_spec, check_vma=False,
+                    lambda lg, *f: processor(lg[0], *(a[0] for a in f), vocab=vocab_of(lg))[None], mesh=self.mesh,
+                    in_specs=(logits_spec, *per_replica_specs(fields)), out_specs=logits_spec, check_vma=False,
                 )(logits, *fields)
             return jax.jit(program, compiler_options=sampling_options)
 
         def per_device_sample(raw, processed, sampling, *hidden):
             raw, processed, sampling = jax.tree.map(lambda a: a[0], (raw, processed, sampling))
-            out = sample(processed, sampling, num_top_logprobs, raw_logits=raw)
+            out = sample(processed, sampling, num_top_logprobs, raw_logits=raw, vocab=vocab_of(raw))
             if hidden:
                 out = dataclasses.replace(out, hidden=hidden[0][0])
             token_buffer = jnp.zeros(max_rows, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
@@ -172,7 +192,7 @@ class StepFunction:
             self.num_compiles += 1
             return jax.shard_map(
                 per_device_sample, mesh=self.mesh,
-                in_specs=(rows_spec, rows_spec, per_replica_specs(sampling), *(rows_spec for _ in hidden)),
+                in_specs=(logits_spec, logits_spec, per_replica_specs(sampling), *(rows_spec for _ in hidden)),
                 out_specs=(rules.replicated(), rules.per_replica(2)), check_vma=False,  # every SampleOutput field replicated
             )(raw, processed, sampling, *hidden)
 
@@ -180,6 +200,8 @@ class StepFunction:
             batch = jax.tree.map(lambda a: a[0], batch)
             logits, kv, *hidden = nnx.merge(graphdef, params)(kv, batch, query_block=query_block, spec_block=spec_block,
                                                               return_hidden=return_hidden)
+            if vocab_split:  # the whole rows: this is not the serving path
+                logits = jax.lax.all_gather(logits, "tensor", axis=-1, tiled=True)
             return (gather_replicas(logits[None]), kv, *(gather_replicas(h[None]) for h in hidden))
 
         def forward(params, kv, batch, *, query_block: int, spec_block: int = 0):
@@ -250,7 +272,7 @@ class StepFunction:
     def logits_layout(self, num_rows: int, vocab: int) -> jax.ShapeDtypeStruct:
         """The model program's logits [replicas, num_rows, vocab], abstract, placed as it returns them."""
         return jax.ShapeDtypeStruct((self.num_replicas, num_rows, vocab), jnp.float32,
-                                    sharding=NamedSharding(self.mesh, rules.per_replica(3)))
+                                    sharding=NamedSharding(self.mesh, self._logits_spec))
 
     def input_shardings(self, tree):
         """NamedShardings of a per-replica input tree (batches, sampling tensors, token buffers)."""
@@ -259,3 +281,20 @@ class StepFunction:
 
     def forward(self, params, kv, batch, *, query_block: int, spec_block: int = 0):
         return self._forward(params, kv, batch, query_block=query_block, spec_block=spec_block)
+
+
+def is_vocab_split(param_specs) -> bool:
+    """Do these parameter PartitionSpecs (`placement.param_partition_specs`) split the embedding
+    table on the vocabulary over "tensor" (lm_head_parallel="vocab", param_layout.VOCAB_SPLIT_AXES)?"""
+    if param_specs is None:
+        return False
+    leaves = jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
+    for path, spec in leaves:
+        if ".".join(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey)) != "embed":
+            continue
+        field = path[-1].name if isinstance(path[-1], jax.tree_util.GetAttrKey) else None
+        if field == "qweight":  # a quantized table [H, V]
+            return len(spec) == 2 and spec[1] == "tensor"
+        if field in (None, "value", "raw_value"):  # [V, H]
+            return len(spec) == 2 and spec[0] == "tensor"
+    return False
