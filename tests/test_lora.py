@@ -212,11 +212,13 @@ def test_the_models_delta_through_the_sgmv_kernels_gives_the_same_logits(llm, ad
     assert np.abs(log_probs[1] - log_probs[0]).max() < 1e-5
 
 
-def test_tensor_parallel_lora_equals_one_device(base_dir, adapters):
+def test_tensor_and_pipeline_parallel_lora_equal_one_device(base_dir, adapters):
+    """The slot table split like the weights: over tensor shards, and by layer over pipeline stages."""
     one = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, **SETTINGS)
-    two = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, tensor_parallel_size=2, **SETTINGS)
-    for lr in adapters[:3]:
-        assert np.abs(jax_log_softmax(two, PROMPT, lr) - jax_log_softmax(one, PROMPT, lr)).max() < 1e-4
+    for sizes in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)):
+        two = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, **sizes, **SETTINGS)
+        for lr in adapters[:3]:
+            assert np.abs(jax_log_softmax(two, PROMPT, lr) - jax_log_softmax(one, PROMPT, lr)).max() < 1e-4
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "llama4"])
