@@ -95,3 +95,19 @@ def test_stages_that_do_not_split_the_layers_are_refused(model_dir):
 def test_pallas_kernels_run_on_each_stages_micro_batches(model_dir, truth, platform):
     """The attention kernels (interpret mode here) see each micro-batch as a ragged batch of its own."""
     assert_same_logits(run_scenario(MeshModel(model_dir, ParallelConfig(pp=2), Kernels(platform, interpret=True))), truth)
+
+
+@pytest.mark.parametrize("family,parallel", [
+    ("gemma2", ParallelConfig(pp=2)),  # sliding / global alternating: a whole period per stage, windows and soft-caps
+    ("qwen2_moe", ParallelConfig(pp=2, ep=2)),  # experts split over expert inside each stage
+], ids=lambda x: x if isinstance(x, str) else mesh_id(x))
+def test_other_families_in_a_pipeline_match_one_device(tmp_path, family, parallel):
+    save_hf_model(family, tmp_path, **SHAPES, num_hidden_layers=4)
+    assert_same_logits(run_scenario(MeshModel(tmp_path, parallel)), run_scenario(MeshModel(tmp_path, ParallelConfig())))
+
+
+def test_stages_whose_layers_differ_are_refused(tmp_path):
+    """Gemma 2 with 6 layers on 2 stages: stage 0 starts with a sliding layer, stage 1 with a global one."""
+    save_hf_model("gemma2", tmp_path, **SHAPES, num_hidden_layers=6)
+    with pytest.raises(ConfigError, match="layer 3 differs from layer 0 of the first stage"):
+        MeshModel(tmp_path, ParallelConfig(pp=2))

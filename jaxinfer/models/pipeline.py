@@ -64,20 +64,21 @@ def check_pipeline(config: ModelConfig, parallel: ParallelConfig, groups: KVGrou
             raise ConfigError(f"{what}: {setting} in a pipeline is not supported")
     per_stage = c.num_layers // pp
     kinds = c.layer_kinds()
-    if groups.num_slots % pp:
-        raise ConfigError(f"{what}: pp must divide the {groups.num_slots} KV slots of its layers")
-    slots_per_stage = groups.num_slots // pp
     stacks = {name: stack_slots(c, f"layers.{name}") for name in stack_names}
-    for i in range(c.num_layers):
+    for i in range(per_stage, c.num_layers):
         j, stage = i % per_stage, i // per_stage
         alike = (kinds[i] == kinds[j] and groups.group_of_layer[i] == groups.group_of_layer[j]
-                 and groups.slot_of_layer[i] == stage * slots_per_stage + groups.slot_of_layer[j]
                  and all(stack_of(c, base_name(f"layers.{n}"), i) == stack_of(c, base_name(f"layers.{n}"), j)
                          for n in stack_names)
                  and all(s[i] == (stage * per_stage + s[j] if s[j] >= 0 else -1) for s in stacks.values()))
         if not alike:
-            raise ConfigError(f"{what}: layer {i} differs from layer {j} of the first stage (kind, KV group or weights); "
-                              f"every stage of {per_stage} layers must be alike")
+            raise ConfigError(f"{what}: layer {i} differs from layer {j} of the first stage (attention kind, KV group or "
+                              f"weights); every stage of {per_stage} layers must be alike")
+    slots_per_stage = groups.num_slots // pp
+    if groups.num_slots % pp or any(groups.slot_of_layer[i] != i // per_stage * slots_per_stage + groups.slot_of_layer[i % per_stage]
+                                    for i in range(c.num_layers)):
+        raise ConfigError(f"{what}: its layers' {groups.num_slots} KV slots do not split into {pp} stages alike "
+                          f"(jaxinfer.kv_groups)")
 
 
 def micro_step(step, first_row, num_rows: int, active):
