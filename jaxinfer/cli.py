@@ -555,8 +555,10 @@ def cmd_aot(args) -> int:
     config = read_model_config(args.model)
     image_size = tuple(int(v) for v in args.image_size.lower().split("x")) if args.image_size else None
     vision = vision_spec(read_hf_dict(args.model), args.images_per_step, image_size)  # None: text only
-    target = compile_target(args.topology)
-    parallel = ParallelConfig(dp=args.data_parallel_size, tp=args.tensor_parallel_size, ep=args.expert_parallel_size)
+    target = compile_target(args.topology, num_slices=args.num_slices)
+    parallel = ParallelConfig(dp=args.data_parallel_size, tp=args.tensor_parallel_size, ep=args.expert_parallel_size,
+                              pp=args.pipeline_parallel_size, sp=args.sequence_parallel_size,
+                              sp_attention=args.sequence_parallel_attention)
     shape = ServingShape(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
                          num_prefix_states=args.num_prefix_states,
@@ -564,7 +566,7 @@ def cmd_aot(args) -> int:
                          dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                          group_size=args.group_size, keep_checkpoint_quantization=args.keep_checkpoint_quantization,
                          sparsity=args.sparsity)
-    print(f"compiling for {target.name} ({target.num_chips} x {target.chip.kind}) ...", file=sys.stderr, flush=True)
+    print(f"compiling for {target.describe()} ({target.num_chips} x {target.chip.kind}) ...", file=sys.stderr, flush=True)
 
     def progress(b):
         print(f"  {b.kind} T={b.key.num_tokens} S={b.key.num_seqs} R={b.key.num_logits}: {b.seconds:.1f} s", file=sys.stderr, flush=True)
@@ -737,9 +739,18 @@ def main(argv=None) -> int:
                         "llama-3.1-8b, llama-3.1-70b, llama-3.2-1b, mistral-7b, qwen2.5-7b, qwen3-8b, mixtral-8x7b, smollm2-135m, "
                         "gemma-3-27b, gemma-3-27b-it, gpt-oss-120b, gpt-oss-20b, llama-4-scout, gemma-4-31b, deepseek-v3")
     a.add_argument("--topology", required=True, help="v5e:2x4, v6e:2x2, v5p:2x2x1, v6e:1 (chips), h100, h200")
+    a.add_argument("--num-slices", type=int, default=1,
+                   help="TPU multi-slice: that many slices of --topology joined by DCN (e.g. --topology v5e:4x4 --num-slices 2); "
+                        "the pipeline stages (-pp, a multiple of the slices), else the data replicas, go across them")
+    a.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages (layers split over the outermost mesh axis; across slices with --num-slices)")
     a.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     a.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     a.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
+    a.add_argument("--sequence-parallel-size", "-sp", type=int, default=1)
+    a.add_argument("--sequence-parallel-attention", choices=("allgather", "ring", "context"), default="context",
+                   help="with -sp > 1: 'context' (default here: the KV pool split over the sequence axis, so each chip "
+                        "holds 1/sp of every sequence's pages) or the engine's default 'allgather' / 'ring' (pool replicated)")
     a.add_argument("--max-model-len", type=int, required=True)
     a.add_argument("--max-num-seqs", type=int, default=64)
     a.add_argument("--num-prefix-states", type=int, default=None,

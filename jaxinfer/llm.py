@@ -94,7 +94,8 @@ class LLM:
         step (jaxinfer.models.pipeline). Tensor: Megatron
         sharding of heads and MLP. Data: independent replicas, each with its own KV pages, the
         requests balanced over them. Sequence: a step's tokens split over devices (long
-        prefills), `sequence_parallel_attention` "allgather" or "ring". Expert (MoE models):
+        prefills), `sequence_parallel_attention` "allgather" or "ring" (KV pool replicated over
+        the axis) or "context" (context parallelism: the KV pool split over it). Expert (MoE models):
         experts split over devices, tokens dispatched with all_to_all; the expert axis is also
         data parallel for attention. `enable_expert_parallel=True` without an
         expert_parallel_size turns the data-parallel replicas into expert-parallel ones, as in

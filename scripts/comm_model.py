@@ -2,6 +2,7 @@
 
     python scripts/comm_model.py                  # Llama-3-8B shape at tp=8, Mixtral-8x7B shape at ep=8
     python scripts/comm_model.py --tokens 1 64 512
+    python scripts/comm_model.py --meshes-only     # by mesh axis: 8B and 70B at tp, pp x tp, dp x tp, sp x tp
 
 For an 8B-shaped dense model (Llama-3-8B: H 4096, 32 layers, 32/8 heads, I 14336, vocab 128256)
 at tensor parallelism 8, and a Mixtral-8x7B-shaped MoE (8 experts, top-2) at expert parallelism 8
@@ -21,10 +22,28 @@ that, more tensor parallelism no longer makes decoding faster. Link, latency and
 published peak numbers and rough latencies, assumptions rather than measurements (HARDWARE
 below); the byte counts come from the program.
 
+The LM head (`lm_head_report`): the collectives the embedding and the LM head cost per step at
+tp 8, for the 8B and a 70B shape (both V 128256), with the head split on the hidden dimension
+(`lm_head_parallel="hidden"`: an all-reduce of the [R, V] float32 logits, an all-gather of the
+embedded [T, H] tokens) and on the vocabulary ("vocab": a psum of the embedded tokens, and the
+collectives of the vocabulary-split sampling programs, read from their compiled programs, each
+counted as often as it runs: the bisection loops of top-k / top-p 32 times; every lax.cond
+branch counted, so the worst case: random rows with top-k / top-p, min-p, 5 top logprobs, every
+logits processor on).
+
 Last, the expert exchange of one MoE layer at DeepSeek-V3's shapes (H 7168, 256 experts, top 8)
 at ep 8 / 16 / 64: `sharding.expert_parallel.moe_experts` lowered for a TPU (ragged all-to-all)
 and for the CPU (XLA:CPU lacks it: padded all-to-all blocks of T*k rows per destination), bytes
 one device sends per layer and token, read from the two programs.
+
+By mesh axis (issue 43, `mesh_report`): the 8B and Llama-3.1-70B shapes (H 8192, 80 layers, 64/8
+heads, I 28672) at tensor, pipeline x tensor, data x tensor and sequence x tensor meshes, decode
+steps: the engine's own step (jaxinfer.aot.step_compile.AbstractStep on CPU devices, reference
+kernels) lowered, and each collective's bytes per step filed by the mesh axes its device groups
+span and by whether it sits in the layer loops (Megatron's all-reduces, the pipeline's
+stage-to-stage permutes) or not (the LM head's logits all-reduce, the embedding's all-gather, the
+pipeline's broadcast of the last stage's rows): what would cross DCN when the pipeline stages
+are slices (`jaxinfer aot --num-slices`) against what stays on ICI.
 """
 
 from __future__ import annotations
@@ -44,23 +63,26 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxinfer.ops.batch import BucketKey, RaggedBatch  # noqa: E402
+from jaxinfer.ops.batch import BucketKey  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
-from jaxinfer.ops.kv_cache import KVCache  # noqa: E402
 from jaxinfer.runtime.loading import abstract_model  # noqa: E402
-from jaxinfer.models.param_layout import num_kv_heads_stored  # noqa: E402
-from jaxinfer.runtime.placement import kv_partition_spec, param_partition_specs
+from jaxinfer.runtime.placement import param_partition_specs  # noqa: E402
 from jaxinfer.runtime.step import StepFunction  # noqa: E402
-from sharding import rules  # noqa: E402
 from sharding.expert_parallel import moe_experts  # noqa: E402
-from sharding.hlo import collectives, split_by_layer_loop  # noqa: E402
+from sharding.hlo import collectives, executions, split_by_layer_loop  # noqa: E402
+from jaxinfer.engine.memory import lower_sampling  # noqa: E402
 from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402
+from jaxinfer.aot.step_compile import AbstractStep, ServingShape  # noqa: E402
+from jaxinfer.aot.targets import Chip, Target  # noqa: E402
+from sharding.hlo import bytes_per_step_by_axis  # noqa: E402
 
 LLAMA3_8B = ModelConfig(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192)
 MIXTRAL_8X7B = ModelConfig(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
                            num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6, max_position_embeddings=32768,
                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336, norm_topk_prob=True)
+LLAMA3_70B = ModelConfig(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+                         num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192)
 
 # Published peak figures and rough per-collective latencies (assumptions, not measurements):
 # per device, one direction.
@@ -76,29 +98,23 @@ TRAFFIC = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n -
 
 
 def compiled_step_hlo(config: ModelConfig, parallel: ParallelConfig, num_tokens: int) -> str:
-    """The optimized HLO of the serving step (a decode bucket of num_tokens sequences) on 8 CPU devices."""
-    mesh = make_mesh(parallel)
-    graphdef, state = abstract_model(config, jnp.bfloat16, jnp.bfloat16, parallel=parallel)
-    specs = param_partition_specs(state, config)
-    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.NamedSharding(mesh, s)),
-                          state, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    replicas = parallel.num_replicas
-    page_size, pages_per_seq = 16, 256  # a 4096-token context
-    kv_shape = (config.num_layers, replicas * 2048, page_size, num_kv_heads_stored(config, parallel.tp), config.head_dim)
-    kv_sharding = jax.sharding.NamedSharding(mesh, kv_partition_spec().k)
-    kv = KVCache(*(jax.ShapeDtypeStruct(kv_shape, jnp.bfloat16, sharding=kv_sharding),) * 2)
-    T = S = R = num_tokens
-
-    def per_replica(shape, dtype=jnp.int32):
-        return jax.ShapeDtypeStruct((replicas, *shape), dtype, sharding=jax.sharding.NamedSharding(mesh, rules.per_replica(len(shape) + 1)))
-
-    batch = RaggedBatch(per_replica((T,)), per_replica((T,)), per_replica((S + 1,)), per_replica((S,)),
-                        per_replica((S, pages_per_seq)), per_replica((1,)), per_replica((R,)), per_replica((T,)))
-    step = StepFunction(graphdef, num_top_logprobs=0, max_rows=T, mesh=mesh, param_specs=specs)
-    # the model program (the sampler, a program of its own, holds only the all-gather of the tokens)
-    lowered = step.lower(params, kv, batch, per_replica((T,)), BucketKey(T, S, R, query_block=1))
+    """The HLO of the serving step (a decode bucket of num_tokens sequences) on CPU devices, as
+    lowered (the collectives in the model's dtype), after checking that it compiles."""
+    _, lowered = _cpu_step(config, parallel, num_tokens)
     lowered.compile()  # it compiles (the collectives below are those of a real program)
     return lowered.compiler_ir("hlo").as_hlo_text()
+
+
+def _cpu_step(config: ModelConfig, parallel: ParallelConfig, num_tokens: int) -> tuple[Mesh, jax.stages.Lowered]:
+    """The engine's own step (jaxinfer.aot.step_compile.AbstractStep: abstract bf16 weights, a pool
+    of 2048 pages per replica, the engine's inputs) on the first CPU devices, with the reference
+    kernels, lowered for a decode bucket of `num_tokens` sequences at a 4096-token context: (its mesh, the lowered step)."""
+    target = Target("reference", f"{parallel.num_devices} CPU devices", jax.devices()[:parallel.num_devices],
+                    Chip("cpu", 2**40, 10**12))
+    shape = ServingShape(max_model_len=4096, max_num_seqs=num_tokens, max_num_batched_tokens=max(num_tokens, 8),
+                         num_pages=2048)
+    step = AbstractStep.build(config, target, parallel, shape)
+    return step.mesh, step.lower(BucketKey(num_tokens, num_tokens, num_tokens, query_block=1))
 
 
 def weight_bytes_per_device(config: ModelConfig, parallel: ParallelConfig, tokens: int) -> float:
@@ -192,12 +208,132 @@ def exchange_report(token_counts) -> None:
                   f"{per_token['ragged']:,.0f} | {got['padded'] / got['ragged']:.1f}x |")
 
 
+def vocab_split_sampler_collectives(config: ModelConfig, tp: int, rows: int) -> tuple[float, int]:
+    """(bytes one device sends, collective launches) of one step's sampling programs with the LM
+    head split on the vocabulary over tp devices, `rows` logits rows (every processor on), read
+    from the compiled programs (each collective times how often its computation runs)."""
+    parallel = ParallelConfig(tp=tp)
+    mesh = make_mesh(parallel)
+    graphdef, state = abstract_model(config, jnp.bfloat16, jnp.bfloat16, parallel=parallel)
+    specs = param_partition_specs(state, config, "vocab")
+    step = StepFunction(graphdef, num_top_logprobs=5, max_rows=rows, mesh=mesh, param_specs=specs)
+    assert step.vocab_split
+    sent, launches = 0.0, 0
+    for program in lower_sampling(step, rows, config.vocab_size, max_history=64):
+        hlo = program.compile().as_text()
+        times = executions(hlo)
+        for op in collectives(hlo):
+            n = times.get(op.computation, 1)
+            sent += op.bytes * TRAFFIC[op.kind](tp) * n
+            launches += n
+    return sent, launches
+
+
+def lm_head_report(token_counts, tp: int = 8) -> None:
+    """The embedding's and LM head's collectives per step, split on the hidden dim vs on the vocabulary."""
+    print(f"\n## The LM head at tp={tp}: split on the hidden dim vs on the vocabulary (bytes one device sends per step)\n")
+    print("| model | rows/step | hidden: logits all-reduce [R, V] f32 + embed all-gather | vocab: sampler collectives + embed psum | "
+          "launches hidden / vocab | " + " | ".join(f"{hw} hidden / vocab ms" for hw in HARDWARE) + " |")
+    print("|---|---:|---:|---:|---:|" + "---:|" * len(HARDWARE))
+    sampler = {}
+    for name, config in (("Llama-3-8B shape", LLAMA3_8B), ("Llama-3-70B shape", LLAMA3_70B)):
+        V, H = config.vocab_size, config.hidden_size
+        for R in token_counts:
+            if (V, R) not in sampler:
+                sampler[V, R] = vocab_split_sampler_collectives(config, tp, R)
+            sampler_sent, sampler_launches = sampler[V, R]
+            embed = R * H * 2  # a decode step: one token per row, bf16
+            before = R * V * 4 * TRAFFIC["all-reduce"](tp) + embed * TRAFFIC["all-gather"](tp)
+            after = sampler_sent + embed * TRAFFIC["all-reduce"](tp)
+            cells = []
+            for hw in HARDWARE.values():
+                cost = lambda sent, n: sent / (hw["link_GBps"] * 1e9) * 1e3 + n * hw["latency_us"] / 1e3  # noqa: E731
+                cells.append(f"{cost(before, 2):.3f} / {cost(after, sampler_launches + 1):.3f}")
+            print(f"| {name} | {R} | {before:,.0f} | {after:,.0f} | 2 / {sampler_launches + 1} | " + " | ".join(cells) + " |")
+    print("\nThe vocabulary split's launches are every branch's (the programs' worst case: random rows with top-k / "
+          "top-p, 16 of them the threshold searches); at run time a greedy step without logprobs issues one sampler "
+          "collective (the argmax), three more with logprobs, plain temperature rows one more (ops/sampling.py).")
+
+
+# ----------------------------------------------------------------------------- meshes (issue 43)
+MESHES = {  # (model, shape, meshes): tensor, pipeline and sequence (context) parallelism side by side
+    "Llama-3-8B shape": (LLAMA3_8B, [ParallelConfig(tp=8), ParallelConfig(pp=2, tp=4), ParallelConfig(pp=2, tp=8),
+                                     ParallelConfig(dp=2, tp=4), ParallelConfig(sp=4, tp=2)]),
+    "Llama-3.1-70B shape": (LLAMA3_70B, [ParallelConfig(tp=8), ParallelConfig(pp=2, tp=4), ParallelConfig(pp=2, tp=8),
+                                         ParallelConfig(pp=4, tp=8), ParallelConfig(sp=4, tp=8)]),
+}
+# what each (mesh axes, inside the layer loops) group is called in the table
+AXIS_COLUMNS = (("tensor, layers", ("tensor",), True), ("tensor, LM head + embedding", ("tensor",), False),
+                ("pipeline, layers", ("pipeline",), True), ("pipeline, rows broadcast", ("pipeline",), False),
+                ("sequence", ("sequence",), None))
+
+
+def mesh_step_bytes(config: ModelConfig, parallel: ParallelConfig, num_tokens: int) -> dict:
+    """{(kind, mesh axes, in the layer loops): bytes per device} of one decode step of `num_tokens`
+    sequences (the engine's own step, abstract weights and pool, on CPU devices with the reference
+    kernels), read from the lowered program: every collective's buffer times how often its
+    computation runs (a pipeline's iterations times a stage's layers), filed under the mesh axes
+    its groups span (sharding.hlo.bytes_per_step_by_axis)."""
+    mesh, lowered = _cpu_step(config, parallel, num_tokens)
+    return bytes_per_step_by_axis(lowered.compiler_ir("hlo").as_hlo_text(), dict(mesh.shape))
+
+
+def mesh_report(token_counts) -> None:
+    """Bytes per step per device by mesh axis (tensor in the layers, the LM head's, the pipeline's
+    permutes and broadcast, the sequence axis's) for the 8B and 70B shapes at several meshes."""
+    print("\n## Collectives by mesh axis, decode steps (bytes one device's collectives move per step, bf16 weights)\n")
+    print("Buffers as in the program (sharding.hlo), each collective counted as often as it runs; \"sent/device\": what a "
+          "ring implementation sends, a permute its buffer once, an all-reduce 2(n-1)/n of it, an all-gather (n-1)/n.\n")
+    print("| model | mesh | tokens | " + " | ".join(name for name, *_ in AXIS_COLUMNS)
+          + " | other | total | per token | sent/device | pipeline share of sent |")
+    print("|---|---|---:|" + "---:|" * (len(AXIS_COLUMNS) + 5))
+    for name, (config, meshes) in MESHES.items():
+        for parallel in meshes:
+            for T in token_counts:
+                if T % parallel.token_multiple:
+                    continue
+                got = mesh_step_bytes(config, parallel, T)
+                cells, seen = [], set()
+                for _, axes, looped in AXIS_COLUMNS:
+                    keys = [k for k in got if k[1] == axes and (looped is None or k[2] == looped)]
+                    seen.update(keys)
+                    parts = collections.Counter()
+                    for key in keys:
+                        parts[key[0]] += got[key]
+                    cells.append(", ".join(f"{kind} {_human(v)}" for kind, v in parts.most_common()) or "-")
+                other = sum(v for k, v in got.items() if k not in seen)
+                total = sum(got.values())
+                sizes = dict(zip(("pipeline", "data", "sequence", "expert", "tensor"), parallel.axis_sizes))
+                sent = {k: v * TRAFFIC[k[0]](int(np.prod([sizes[a] for a in k[1]]))) for k, v in got.items()}
+                pipeline = sum(v for k, v in sent.items() if k[1] == ("pipeline",))
+                print(f"| {name} | {parallel.describe()} | {T} | " + " | ".join(cells)
+                      + f" | {_human(other) if other else '-'} | {_human(total)} | {_human(total / T)} | "
+                      f"{_human(sum(sent.values()))} | {100 * pipeline / sum(sent.values()):.0f}% |")
+
+
+def _human(n: float) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256], help="tokens per step (decode buckets)")
     parser.add_argument("--skip-moe", action="store_true")
     parser.add_argument("--exchange-only", action="store_true", help="only the expert exchange table")
+    parser.add_argument("--lm-head-only", action="store_true", help="only the LM head table (hidden vs vocabulary split)")
+    parser.add_argument("--meshes-only", action="store_true",
+                        help="only the table by mesh axis (8B and 70B shapes; tensor, pipeline, sequence meshes)")
+    parser.add_argument("--mesh-tokens", type=int, nargs="+", default=[8, 64, 256], help="decode batches of the mesh table")
     args = parser.parse_args(argv)
+    if args.meshes_only:
+        mesh_report(args.mesh_tokens)
+        return 0
+    if args.lm_head_only:
+        lm_head_report(args.tokens)
+        return 0
     if args.exchange_only:
         exchange_report(args.tokens)
         return 0
@@ -206,6 +342,8 @@ def main(argv=None) -> int:
     if not args.skip_moe:
         report("Mixtral-8x7B shape", MIXTRAL_8X7B, ParallelConfig(ep=8), args.tokens)
         exchange_report(args.tokens)
+    lm_head_report(args.tokens)
+    mesh_report(args.mesh_tokens)
     return 0
 
 

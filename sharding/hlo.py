@@ -4,6 +4,8 @@
     hlo = jax.jit(f).lower(*args).compiler_ir("hlo").as_hlo_text()
     ops = collectives(hlo)                  # every all-reduce / all-gather / all-to-all / ... with its bytes
     in_loop, outside = split_by_layer_loop(hlo)
+    bytes_per_step(hlo)                     # {"ici": {kind: bytes}, "dcn": {kind: bytes}} per chip, loops counted
+    bytes_per_step_by_axis(hlo, dict(mesh.shape))   # {(kind, mesh axes, in a loop): bytes}
 
 The decoder runs its layers in one `lax.fori_loop`, so the loop body (and what it calls) holds
 one layer's collectives: tests assert Megatron's two all-reduces per layer there, and
@@ -15,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+
+import numpy as np
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute", "ragged-all-to-all")
 
@@ -125,7 +129,6 @@ _MEGASCALE = re.compile(r'_xla_host_transfer_handler_name="xla_megascale_runtime
 _TRANSFER_TYPE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 _SEND = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\((\w+\[[\d,]*\])[^=]*?\)\s+send\(")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_WHILE_LINE = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
 _ENTRY = re.compile(r"^ENTRY\s+%?([\w.\-]+)")
 
 
@@ -152,7 +155,7 @@ def dcn_transfers(hlo_text: str) -> list[Collective]:
 _CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*[su](?:32|64)\[\]\S*\s+constant\((-?\d+)\)")
 _TUPLE = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*\(.*\)\s+tuple\(%?([\w.\-]+)")
 _WHILE_OPERAND = re.compile(r"\bwhile\(%?([\w.\-]+)\).*\bcondition=%?([\w.\-]+)")
-_LT_CONSTANT = re.compile(r"^\s*ROOT\s.*compare\(%?[\w.\-]+,\s*%?([\w.\-]+)\),\s*direction=LT")
+_LT_CONSTANT = re.compile(r"^\s*ROOT\s.*compare\((?:\S+\s+)?%?[\w.\-]+,\s*(?:\S+\s+)?%?([\w.\-]+)\),\s*direction=LT")
 
 
 def _trip_counts(hlo_text: str) -> dict[str, int]:
@@ -174,18 +177,17 @@ def _trip_counts(hlo_text: str) -> dict[str, int]:
             bound_of_condition[computation] = m.group(1)
     trips = {}
     for line in hlo_text.splitlines():
-        m = _WHILE_LINE.search(line)
+        m = _WHILE_BODY.search(line)
         if not m:
             continue
-        if count := _TRIP_COUNT.search(line):
-            trips[m.group(1)] = int(count.group(1))
-            continue
-        trips[m.group(1)] = 1
-        operand = _WHILE_OPERAND.search(line)
-        bound = operand and constants.get(bound_of_condition.get(operand.group(2), ""))
-        if bound is not None and operand:
-            start = constants.get(first_of_tuple.get(operand.group(1), ""), 0)
-            trips[m.group(1)] = max(bound - start, 1)
+        body, count, operand = m.group(1), _TRIP_COUNT.search(line), _WHILE_OPERAND.search(line)
+        bound = constants.get(bound_of_condition.get(operand.group(2), "")) if operand else None
+        if count:
+            trips[body] = int(count.group(1))
+        elif bound is not None:
+            trips[body] = max(bound - constants.get(first_of_tuple.get(operand.group(1), ""), 0), 1)
+        else:
+            trips[body] = 1
     return trips
 
 
@@ -246,4 +248,59 @@ def bytes_per_step(hlo_text: str) -> dict[str, dict[str, int]]:
     for link, ops in (("ici", collectives(hlo_text)), ("dcn", dcn_transfers(hlo_text))):
         for op in ops:
             out[link][op.kind] = out[link].get(op.kind, 0) + op.bytes * times.get(op.computation, 1)
+    return out
+
+
+# ----------------------------------------------------------------------------- which mesh axes
+_GROUPS_LIST = re.compile(r"\b(?:replica_groups|source_target_pairs)=\{((?:\{[\d,\s]*\},?\s*)*)\}")
+_GROUPS_IOTA = re.compile(r"\breplica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+
+
+def _groups(line: str, num_devices: int) -> list[list[int]]:
+    """The device groups of a collective's HLO line: its replica groups (all devices when empty),
+    or a collective-permute's (source, target) pairs."""
+    if m := _GROUPS_IOTA.search(line):
+        shape = [int(d) for d in m.group(1).split(",")]
+        ids = np.arange(math.prod(int(d) for d in m.group(2).split(","))).reshape([int(d) for d in m.group(2).split(",")])
+        if m.group(3):
+            ids = ids.transpose([int(d) for d in m.group(3).split(",")])
+        return ids.reshape(shape).tolist()
+    if m := _GROUPS_LIST.search(line):
+        groups = [[int(i) for i in g.split(",") if i.strip()] for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
+        if any(groups):
+            return groups
+    return [list(range(num_devices))]
+
+
+def mesh_axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes (names of `mesh_shape`, in its order: a Mesh's `.shape`) along which the
+    devices of some group differ, device ids being positions in the mesh (row-major, as the step's
+    HLO numbers them)."""
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    varying = set()
+    for group in groups:
+        coords = np.array(np.unravel_index(np.array(group), sizes)).T if group else np.zeros((0, len(sizes)))
+        varying.update(names[a] for a in range(len(sizes)) if len(coords) and len(set(coords[:, a])) > 1)
+    return tuple(n for n in names if n in varying)
+
+
+def bytes_per_step_by_axis(hlo_text: str, mesh_shape: dict[str, int]) -> dict[tuple[str, tuple[str, ...], bool], int]:
+    """{(kind, mesh axes, in a loop): bytes} of one run of a program over a mesh (`mesh_shape`: a
+    Mesh's `.shape`), per device: each collective's buffer times how often its computation runs,
+    filed under the axes its groups span ("tensor" for Megatron's all-reduces, "pipeline" for the
+    stage-to-stage permutes, ...) and whether it sits in a while loop (the decoder's layers: in
+    the step's program the loops that hold collectives are the layer loops)."""
+    times = executions(hlo_text)
+    calls = _call_graph(hlo_text)
+    looped = set().union(*(_reachable(body, calls) for body in while_bodies(hlo_text)))
+    num_devices = math.prod(mesh_shape.values())
+    ops = iter(collectives(hlo_text))
+    out: dict[tuple[str, tuple[str, ...]], int] = {}
+    for line in hlo_text.splitlines():  # collectives() keeps text order: pair each with its line
+        m = _INSTRUCTION.match(line)
+        if not m or m.group(3).removesuffix("-start") not in COLLECTIVE_KINDS or m.group(3).endswith("-done"):
+            continue
+        op = next(ops)
+        key = (op.kind, mesh_axes_of(_groups(line, num_devices), mesh_shape), op.computation in looped)
+        out[key] = out.get(key, 0) + op.bytes * times.get(op.computation, 1)
     return out

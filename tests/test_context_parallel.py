@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.aot.step_compile import AbstractStep, ServingShape
+from jaxinfer.aot.targets import compile_target
 from jaxinfer.engine.block_manager import BlockManager
+from sharding.mesh import ParallelConfig
+from test_aot import SMALL
+from pallas_kernels.ragged_paged_attention import split_kv
+from test_ragged_attention_reference import make_case
 from tiny_models import save_hf_model
 
 SHAPES = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=8, intermediate_size=96)
@@ -33,6 +39,25 @@ def test_block_manager_deals_a_sequences_pages_round_robin_over_the_shards():
         BlockManager(16, 2, kv_shards=3)
 
 
+def test_strided_shares_of_the_page_table_merge_into_the_whole_attention():
+    """split_kv over device j's share of each row (columns j, j + n, ...: `page_stride` n, `page_phase`
+    j), for j = 0 .. n - 1, merged by lse, is the attention over the whole row (with a sliding window)."""
+    case = make_case(np.random.default_rng(3), [9, 1, 1, 5, 0], [9, 23, 14, 19, 0], Hq=4, Hkv=2, D=16, page_size=4,
+                     pad_seqs=2, pad_tokens=3)
+    q, k_pages, v_pages, kv_lens, table, cu, num_seqs = case
+    kw = dict(sm_scale=0.25, sliding_window=6, num_queries_per_block=4, num_kv_pages_per_block=2, return_lse=True)
+    full_out, full_lse = split_kv.ragged_paged_attention(q, k_pages, v_pages, kv_lens, table, cu, num_seqs, **kw)
+    n = 3
+    table = np.pad(table, ((0, 0), (0, -table.shape[1] % n)))
+    parts = [split_kv.ragged_paged_attention(q, k_pages, v_pages, kv_lens, table[:, j::n], cu, num_seqs, page_stride=n,
+                                             page_phase=j, **kw) for j in range(n)]
+    lse = np.logaddexp.reduce(np.stack([np.asarray(l) for _, l in parts]), axis=0)
+    safe = np.where(np.isneginf(lse), 0.0, lse)
+    out = sum(np.exp(np.asarray(l) - safe)[..., None] * np.asarray(o) for o, l in parts)
+    np.testing.assert_allclose(out, full_out, atol=1e-5)
+    np.testing.assert_allclose(lse, full_lse, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("context-parallel")
@@ -47,12 +72,14 @@ def generate(llm, prompts):
 
 
 def test_context_parallel_over_4_devices_equals_one_device(model_dir):
+    """sp = 4 (and tp = 2: the 8 devices) against one device: a prompt of 6 pages, decodes after it, then a
+    longer prompt whose first pages are a prefix hit."""
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, 250, 22)]  # 6 pages of 4 tokens
     prompts = [[prompt], [prompt + [7, 8, 9, 10, 11]]]  # the second hits the first's cached pages
     one = LLM(model_dir, **BASE)
     reference = [generate(one, p) for p in prompts]
-    llm = LLM(model_dir, sequence_parallel_size=4, sequence_parallel_attention="context", **BASE)
+    llm = LLM(model_dir, sequence_parallel_size=4, sequence_parallel_attention="context", tensor_parallel_size=2, **BASE)
     results = [generate(llm, p) for p in prompts]
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(results, reference):
         assert tokens == ref_tokens
@@ -64,3 +91,15 @@ def test_context_parallel_over_4_devices_equals_one_device(model_dir):
     assert {shard.data.shape[1] for shard in pool.addressable_shards} == {pool.shape[1] // 4}
     assert {bm.shard_of(page) for page, _ in bm.cached_pages()} == {0, 1, 2, 3}
     bm.check_invariants()
+
+
+def test_aot_plans_a_quarter_of_the_kv_pool_per_chip_with_context_parallelism():
+    """`jaxinfer aot -sp 4` (context parallelism): the same pool per replica costs each chip a
+    quarter (built abstractly for a v6e 2x2, nothing compiled)."""
+    target = compile_target("v6e:2x2")
+    shape = ServingShape(max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=64, num_pages=1024)
+    one = AbstractStep.build(SMALL, target, ParallelConfig(), shape)
+    four = AbstractStep.build(SMALL, target, ParallelConfig(sp=4, sp_attention="context"), shape)
+    assert four.num_pages == one.num_pages == 1024
+    assert four.kv_bytes_per_chip() * 4 == one.kv_bytes_per_chip()
+    assert four.kv_bytes_per_page_per_chip() * 4 == one.kv_bytes_per_page_per_chip()

@@ -58,16 +58,18 @@ def test_each_stage_holds_only_its_layers_and_their_pages(model_dir):
     assert pages.shape[0] == LAYERS and pages.sharding.shard_shape(pages.shape)[0] == LAYERS // 2
 
 
-def test_stages_hand_micro_batches_on_by_collective_permutes(model_dir):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_stages_hand_micro_batches_on_by_collective_permutes(model_dir, tp):
     """Per iteration of the schedule, one permute of the hidden state and one of the residual
-    ([T / pp, H] float32 each); the logits rows come from the last stage by one all-reduce."""
-    model = MeshModel(model_dir, ParallelConfig(pp=2))
+    ([T / pp, H] float32 each; with tensor parallelism each shard sends 1/tp of the columns, which
+    the next stage all-gathers); the logits rows come from the last stage by one all-reduce."""
+    model = MeshModel(model_dir, ParallelConfig(pp=2, tp=tp))
     batch = model.step.place_inputs(stack_replicas([pack_batch([SequenceChunk([5, 6, 7], 0, [[1]], [2])], BUCKETS,
                                                                PAGE_SIZE, KEY)[1]]))
     hlo = model.step._forward.lower(model.params, model.kv, batch, query_block=KEY.query_block).compile().as_text()
     ops = collectives(hlo)
     permutes = [op for op in ops if op.kind == "collective-permute"]
-    assert len(permutes) == 2 and {op.bytes for op in permutes} == {KEY.num_tokens // 2 * SHAPES["hidden_size"] * 4}
+    assert len(permutes) == 2 and {op.bytes for op in permutes} == {KEY.num_tokens // 2 * SHAPES["hidden_size"] * 4 // tp}
     assert Counter(op.kind for op in ops)["all-reduce"] >= 1
 
 

@@ -19,11 +19,14 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 import mesh_model
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.config import EngineConfig
 from jaxinfer.ops.batch import SequenceChunk, pack_batch, stack_replicas
 from jaxinfer.ops.sampling import MAX_BANNED_IDS, MAX_TREE_CHILDREN, SamplingTensors, Vocab, sample
 from jaxinfer.runtime.placement import param_partition_specs, put_global
 from jaxinfer.runtime.step import StepFunction
 from mesh_model import KEY, SHAPES, MeshModel, assert_same_logits, run_scenario
+from sharding.hlo import collectives
 from sharding.mesh import ParallelConfig
 from tiny_models import save_hf_model
 
@@ -31,7 +34,7 @@ TP, V, R, K = 4, 201, 8, 3
 WIDTH = -(-V // TP)  # columns per shard; the last shard's past V are padding
 
 
-def _tensors(setting: str, rng: np.random.Generator) -> SamplingTensors:
+def _tensors(setting: str, rng: np.random.Generator, logits: jax.Array) -> SamplingTensors:
     random_rows = np.arange(R) % 4 != 0  # rows 0 and 4 greedy
     st = SamplingTensors(
         temperature=jnp.asarray(np.where(random_rows, rng.uniform(0.5, 1.5, R), 0.0), jnp.float32),
@@ -69,6 +72,7 @@ def _tensors(setting: str, rng: np.random.Generator) -> SamplingTensors:
         return dataclasses.replace(st, want_logprobs=jnp.ones(1, bool), top_k=jnp.asarray(rng.integers(0, 20, R), jnp.int32))
     if setting in ("draft", "draft_probs"):
         draft = np.where(np.arange(R) % 3 == 2, -1, rng.integers(0, V, R))
+        draft[:4] = np.argsort(np.asarray(logits[:4]), axis=-1)[:, -1]  # likely tokens: some are accepted
         probs = None
         if setting == "draft_probs":
             probs = jnp.asarray(jax.nn.softmax(jnp.asarray(rng.normal(size=(R, V)) * 3, jnp.float32)), jnp.float32)
@@ -77,6 +81,7 @@ def _tensors(setting: str, rng: np.random.Generator) -> SamplingTensors:
     if setting == "tree":
         children = np.full((R, MAX_TREE_CHILDREN), -1)
         children[:6, :4] = rng.integers(0, V, (6, 4))
+        children[:6, 1:3] = np.argsort(np.asarray(logits[:6]), axis=-1)[:, -3:-1]  # likely tokens: some are accepted
         return dataclasses.replace(st, tree_children=jnp.asarray(children, jnp.int32))
     raise ValueError(setting)
 
@@ -102,7 +107,7 @@ def _split_sample(mesh, logits, st):
 def test_split_sampler_equals_the_whole_vocabulary_sampler(mesh, setting):
     rng = np.random.default_rng(SETTINGS.index(setting))
     logits = jnp.asarray(rng.normal(size=(R, V)) * 3, jnp.float32)
-    st = _tensors(setting, rng)
+    st = _tensors(setting, rng, logits)
     want = jax.jit(lambda lg, s: sample(lg, s, K))(logits, st)
     got = _split_sample(mesh, logits, st)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
@@ -111,6 +116,7 @@ def test_split_sampler_equals_the_whole_vocabulary_sampler(mesh, setting):
     np.testing.assert_allclose(np.asarray(got.top_logprobs), np.asarray(want.top_logprobs), atol=1e-5)
     for field in ("accepted", "accepted_child"):
         if getattr(want, field) is not None:
+            assert np.any(np.asarray(getattr(want, field)) > 0)  # (some row accepts its draft)
             np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)))
     if want.probs is not None:
         np.testing.assert_allclose(np.asarray(got.probs), np.asarray(want.probs), atol=1e-6)
@@ -160,9 +166,26 @@ def test_tied_llama_with_the_vocabulary_split_head_matches_one_device(tied_dir):
     truth = _model(tied_dir, ParallelConfig(), "hidden")
     split = _model(tied_dir, ParallelConfig(tp=2), "vocab")
     assert split.step.vocab_split and not truth.step.vocab_split
-    assert split.params["embed"].value.sharding.spec[0] == "tensor"  # [V, H] split on the vocabulary
+    assert split.params["embed"].get_value().sharding.spec[0] == "tensor"  # [V, H] split on the vocabulary
     assert_same_logits(run_scenario(split), run_scenario(truth))
+    # the model program: no all-reduce of the [R, V] logits, no all-gather of the embedded tokens
+    batch = split.step.place_inputs(stack_replicas([pack_batch([SequenceChunk([5, 9], 0, split.allocate(0, 2), [1])],
+                                                               split.buckets, split.page_sizes, KEY)[1]]))
+    prev = split.step.place_inputs(np.zeros((1, KEY.num_tokens), np.int32))
+    ops = collectives(split.step.lower(split.params, split.kv, batch, prev, KEY).compiler_ir("hlo").as_hlo_text())
+    assert {op.kind for op in ops} == {"all-reduce"} and all(op.bytes < KEY.num_logits * 260 * 4 for op in ops), ops
     truth, split = _model(tied_dir, ParallelConfig(), "hidden"), _model(tied_dir, ParallelConfig(tp=2), "vocab")
     (want, want_lp), (got, got_lp) = _greedy_tokens(truth), _greedy_tokens(split)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_allclose(got_lp, want_lp, atol=1e-5)
+
+
+def test_the_switch_is_checked():
+    with pytest.raises(ValueError, match="lm_head_parallel='rows'"):
+        EngineConfig(model="unused", lm_head_parallel="rows")
+    config = EngineConfig(model="unused", tensor_parallel_size=2, lm_head_parallel="vocab")
+    model = ModelConfig(model_type="llama", vocab_size=259, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=8,
+                        num_kv_heads=2, head_dim=8, rope_theta=1e4, max_position_embeddings=256)
+    with pytest.raises(ValueError, match="does not divide the vocabulary"):
+        config.resolved(model)
+    config.resolved(dataclasses.replace(model, vocab_size=260))

@@ -22,6 +22,10 @@ compiling every bucket of the serving step for the target, with no chip and no w
    the engine's warm-up compiles it (`mm_embeds`, `mm_mask`; Gemma 3's `span_end` and its
    both-ways image attention pass, Qwen3-VL's `mm_deepstack`): one line of its compile seconds
    and peak memory per chip.
+6. The collectives of each bucket per chip and step, from its compiled program
+   (sharding.hlo.bytes_per_step): over ICI inside a slice, and with several slices
+   (`Target.num_slices`, `--num-slices`; the pipeline stages across them) over DCN between them.
+   With pipeline stages the weights and KV per chip are one stage's.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import dataclasses
 import time
 
 from jaxinfer.kv_groups import describe, span_tokens
-from jaxinfer.aot.step_compile import AbstractStep, ServingShape
+from jaxinfer.aot.step_compile import AbstractStep, ServingShape, kv_shards
 from jaxinfer.aot.targets import Target
 from jaxinfer.aot.vision_compile import VisionCompile, VisionSpec, compile_vision, format_vision
 from jaxinfer.engine.memory import kv_pool_pages, largest_bucket, pages_for_bytes, step_scratch_bytes
@@ -39,7 +43,7 @@ from jaxinfer.ops.batch import BucketKey
 from jaxinfer.config import ModelConfig
 from jaxinfer.ops.kernels import Kernels
 from jaxinfer.ops.kv_cache import KVCache
-from sharding.hlo import pool_sized_copies
+from sharding.hlo import bytes_per_step, pool_sized_copies
 from sharding.mesh import ParallelConfig
 
 GiB = 2**30
@@ -61,6 +65,17 @@ class BucketCompile:
     alias_bytes: int  # outputs that reuse an argument's buffer (the donated KV pool)
     pool_copies: int  # pool-sized copies in the optimized program (0 when updated in place)
     scratch_bytes: int  # per chip, beyond weights and pool: temporaries, inputs, outputs not aliased
+    # per chip and step, read from the compiled program (sharding.hlo.bytes_per_step): collective
+    # buffers over ICI inside a slice, and what crosses slices over DCN, by collective kind
+    link_bytes: dict = dataclasses.field(default_factory=lambda: {"ici": {}, "dcn": {}})
+
+    @property
+    def ici_bytes(self) -> int:
+        return sum(self.link_bytes["ici"].values())
+
+    @property
+    def dcn_bytes(self) -> int:
+        return sum(self.link_bytes["dcn"].values())
 
     @property
     def peak_bytes(self) -> int:
@@ -149,6 +164,10 @@ class Plan:
         s = self.step
         decode = [b.key.num_seqs for b in self.buckets if b.kind == "decode"] or [s.shape.max_num_seqs]
         held = s.pages_held(context)  # a sequence's pages, all groups
+        # pipeline: each chip runs its stage's layers once per iteration, M = pp micro-batches in
+        # M + pp - 1 iterations (jaxinfer.models.pipeline): its layers' weights are read that many
+        # times, the embedding and LM head and each sequence's K/V of its layers once
+        extra_reads = (2 * s.parallel.pp - 2) * s.layer_weight_bytes_per_chip()
         seqs = min(max(decode), (s.num_pages - 1) // held)
         page = s.kv_bytes_per_page_per_chip()  # a group's page holds page_size * its factor tokens of its layers
         # a sliding group reads its window (a chunked one at most its chunk)
@@ -156,7 +175,7 @@ class Plan:
                    for w, f in zip(s.windows, s.page_factors))
         if s.kv.state is not None:  # a hybrid model's recurrent states: each sequence's read and written once
             read += 2 * s.state_bytes_per_chip() / s.kv.state.num_slots * s.parallel.num_replicas
-        step_bytes = (s.weight_bytes_per_chip() if weight_bytes is None else weight_bytes) + seqs * read
+        step_bytes = (s.weight_bytes_per_chip() if weight_bytes is None else weight_bytes) + extra_reads + seqs * read
         seconds = step_bytes / self.target.chip.hbm_bytes_per_second
         return seqs, seconds, seqs * s.parallel.num_replicas / seconds
 
@@ -176,10 +195,11 @@ def _compile_bucket(step: AbstractStep, key: BucketKey, image_inputs: tuple[int,
         raise
     seconds = time.perf_counter() - start
     m = compiled.memory_analysis()
-    copies = pool_sized_copies(compiled.as_text(), step.kv_pool_elements_per_chip())
+    hlo = compiled.as_text()
+    copies = pool_sized_copies(hlo, step.kv_pool_elements_per_chip())
     scratch = step_scratch_bytes(m, step.weight_bytes_per_chip(), step.kv_bytes_per_chip())
     return BucketCompile(key, seconds, m.argument_size_in_bytes, m.temp_size_in_bytes, m.output_size_in_bytes,
-                         m.alias_size_in_bytes, copies, scratch)
+                         m.alias_size_in_bytes, copies, scratch, bytes_per_step(hlo))
 
 
 def size_pool(step: AbstractStep, vision: VisionCompile | None = None) -> PoolSizing:
@@ -197,7 +217,8 @@ def size_pool(step: AbstractStep, vision: VisionCompile | None = None) -> PoolSi
         kernels = Kernels(platform=target.platform, interpret=False)
         replica_page = KVCache.page_bytes(step.config, shape.page_size, shape.kv_cache_dtype or shape.dtype,
                                           tp=step.parallel.tp, kernels=kernels)
-        given = pages_for_bytes(shape.kv_cache_memory_bytes, replica_page, shape.pages_needed(step.windows, step.page_factors))
+        given = pages_for_bytes(shape.kv_cache_memory_bytes, replica_page, shape.pages_needed(step.windows, step.page_factors),
+                                kv_shards(step.parallel))
         sized_by = f"kv_cache_memory_bytes={shape.kv_cache_memory_bytes}"
     roomy = given is not None and weights + given * page_bytes < PROBE_BELOW * target.chip.hbm_bytes
     probe_pages = given if roomy else shape.sequence_pages(step.windows, step.page_factors) + 1
@@ -213,8 +234,10 @@ def size_pool(step: AbstractStep, vision: VisionCompile | None = None) -> PoolSi
     if given is None:
         given = kv_pool_pages(utilization=shape.gpu_memory_utilization, **fit)
         sized_by = f"gpu_memory_utilization={shape.gpu_memory_utilization}"
-    return PoolSizing(probe, probe_pages, weights, scratch, page_bytes, given, sized_by,
-                      kv_pool_pages(utilization=1 - HBM_HEADROOM, **fit), sampling, vision_bytes)
+    # (context parallelism: page_bytes is a replica's page's share on a chip, 1 / sp of it; whole blocks per device)
+    shards = kv_shards(step.parallel)
+    return PoolSizing(probe, probe_pages, weights, scratch, page_bytes, given // shards * shards, sized_by,
+                      kv_pool_pages(utilization=1 - HBM_HEADROOM, **fit) // shards * shards, sampling, vision_bytes)
 
 
 def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfig, shape: ServingShape, *,
@@ -225,6 +248,7 @@ def plan_deployment(config: ModelConfig, target: Target, parallel: ParallelConfi
     fit a chip."""
     if parallel.num_devices > target.num_chips:
         raise DoesNotFit(f"{parallel.describe()} needs {parallel.num_devices} chips; {target.name} has {target.num_chips}")
+    target.mesh_devices(parallel)  # several slices: TargetError unless the mesh's outer axes split over them
     parallel.check_model(config)
     start = time.perf_counter()
     step = AbstractStep.build(config, target, parallel, shape)
@@ -317,6 +341,12 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.2f}"
 
 
+def _shard_note(s: AbstractStep) -> str:
+    """Context parallelism: how the replica's pages lie on the chips of the sequence axis."""
+    shards = kv_shards(s.parallel)
+    return f", {s.num_pages // shards} on each of the {shards} chips of the sequence axis" if shards > 1 else ""
+
+
 def _group_lines(s: AbstractStep, held: int, whole: int, largest_pages: int) -> list[str]:
     """The KV layer groups' line (jaxinfer.kv_groups), for a model with sliding-window layers: what
     a sequence of max_model_len holds against a cache that kept every layer's whole sequence."""
@@ -356,11 +386,49 @@ def _sparse24_lines(plan: Plan) -> list[str]:
             f"against {dense_rate:,.0f} dense ({sparse_rate / dense_rate:.2f}x)"]
 
 
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _link_lines(plan: Plan) -> list[str]:
+    """The collectives of each bucket's step per chip, over ICI and (several slices) over DCN, read
+    from the compiled program (sharding.hlo.bytes_per_step); and, with pipeline stages, which
+    layers each chip holds."""
+    s, t = plan.step, plan.target
+    if s.mesh.devices.size == 1:
+        return []
+    lines = []
+    if s.parallel.pp > 1:
+        per = s.config.num_layers // s.parallel.pp
+        where = ("one per slice" if s.parallel.pp == t.num_slices else
+                 f"{s.parallel.pp // t.num_slices} per slice" if t.num_slices > 1 and s.parallel.pp % t.num_slices == 0 else "")
+        lines += ["", f"Pipeline: {s.parallel.pp} stages of {per} layers{f' ({where})' if where else ''}; stage i holds layers "
+                  f"i*{per} .. i*{per}+{per - 1}, their weights and KV slots only (the per-chip figures are one "
+                  f"stage's); {s.parallel.pp} micro-batches in {2 * s.parallel.pp - 1} iterations per step (the decode estimate reads a stage's weights once "
+                  f"per iteration)"]
+    slices = f" and across the {t.num_slices} slices over DCN" if t.num_slices > 1 else ""
+    lines += ["", f"Collectives per step and chip, inside a slice over ICI{slices} (buffer bytes read from the compiled "
+              f"program, loops times their trip counts; a DCN permute sends its buffer once):", "",
+              "| tokens | seqs | logits rows | bucket | ICI bytes | ICI by kind | DCN bytes | DCN by kind |",
+              "|---:|---:|---:|---|---:|---|---:|---|"]
+
+    def kinds(d: dict) -> str:
+        return ", ".join(f"{k} {_size(v)}" for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if v) or "-"
+
+    for b in plan.buckets:
+        lines.append(f"| {b.key.num_tokens} | {b.key.num_seqs} | {b.key.num_logits} | {b.kind} | {b.ici_bytes:,} | {kinds(b.link_bytes['ici'])} | "
+                     f"{b.dcn_bytes:,} | {kinds(b.link_bytes['dcn'])} |")
+    return lines
+
+
 def format_plan(plan: Plan) -> str:
     s, t = plan.step, plan.target
     shape = s.shape
     lines = [
-        f"# {t.name}: {t.num_chips} x {t.chip.kind}, {t.chip.hbm_bytes / GiB:.1f} GiB HBM and "
+        f"# {t.describe()}: {t.num_chips} x {t.chip.kind}, {t.chip.hbm_bytes / GiB:.1f} GiB HBM and "
         f"{t.chip.hbm_bytes_per_second / 1e9:.0f} GB/s per chip",
         f"model: {s.config.num_layers} layers, {s.config.num_heads}/{s.config.num_kv_heads} heads of {s.config.head_dim}, "
         f"{'MoE ' if s.config.is_moe else ''}weights {shape.weights_name(s.config)}, KV cache "
@@ -378,6 +446,7 @@ def format_plan(plan: Plan) -> str:
         lines += ["", "Sampling programs (every logits processor and the sampler), one set per count of logits rows:", "",
                   "| logits rows | programs | compile s | peak GiB |", "|---:|---:|---:|---:|"]
         lines += [f"| {c.rows} | {c.programs} | {c.seconds:.1f} | {_gib(c.peak_bytes)} |" for c in plan.sampling]
+    lines += _link_lines(plan)
     lines += ["", f"Compile: {len(plan.buckets)} buckets and {sum(c.programs for c in plan.sampling)} sampling programs, "
               f"{plan.compile_seconds:.0f} s summed over the programs; this plan, sizing included, took "
               f"{plan.wall_seconds:.0f} s of wall time."]
@@ -393,7 +462,7 @@ def format_plan(plan: Plan) -> str:
         "| per chip | GiB |",
         "|---|---:|",
         f"| weights | {_gib(s.weight_bytes_per_chip())} |",
-        f"| KV pool compiled ({s.num_pages} pages per replica) | {_gib(s.kv_bytes_per_chip())} |",
+        f"| KV pool compiled ({s.num_pages} pages per replica{_shard_note(s)}) | {_gib(s.kv_bytes_per_chip())} |",
         *([f"| recurrent states ({s.kv.state.num_slots // replicas} slots per replica: max_num_seqs + 1, and the prefix "
            f"cache's saved states) | "
            f"{_gib(s.state_bytes_per_chip())} |"] if s.kv.state is not None else []),
@@ -412,6 +481,8 @@ def format_plan(plan: Plan) -> str:
         f"{100 * plan.sizing.chip_bytes(plan.pages_requested) / t.chip.hbm_bytes:.1f}% of HBM",
         f"largest that fits: {plan.largest_pool_pages} pages = {tokens_fit} tokens per replica "
         f"= {(plan.largest_pool_pages - 1) // held} sequences at max_model_len"
+        + (f"; {tokens_fit // kv_shards(s.parallel)} tokens of KV per chip (context parallelism over "
+           f"{kv_shards(s.parallel)} chips)" if kv_shards(s.parallel) > 1 else "")
         + ("" if plan.largest_pool_pages >= plan.pages_requested else
            f" (the requested pool does NOT fit: compiled with {s.num_pages} pages)"),
         *_group_lines(s, held, whole, plan.largest_pool_pages),

@@ -41,6 +41,12 @@ from sharding.mesh import ParallelConfig, make_mesh
 NUM_TOP_LOGPROBS = 20  # LLM's default max_logprobs: part of the compiled step
 
 
+def kv_shards(parallel: ParallelConfig) -> int:
+    """How many devices share each replica's KV pages: sp with context parallelism (the pool split
+    over the sequence axis, `sequence_parallel_attention="context"`), else 1."""
+    return parallel.sp if parallel.sp > 1 and parallel.sp_attention == "context" else 1
+
+
 def weights_as_stored(graphdef, params, stored: str):
     """(graphdef, abstract params) with the weights as the checkpoint stores them and a TPU / GPU
     loads them (jaxinfer.runtime.loading): `stored` "mxfp4" (GPT-OSS): the expert stacks as E2M1
@@ -202,17 +208,22 @@ class AbstractStep:
         groups = kv_groups(config)
         factors = page_factors(groups, tp=parallel.tp, combined=kernels.combines_kv)
         num_pages = shape.num_pages or shape.pages_needed(groups.windows, factors)  # plan.size_pool resizes it
+        shards = kv_shards(parallel)
+        num_pages = -(-num_pages // shards) * shards  # (context parallelism: every device of the axis a block)
         max_num_seqs = min(shape.max_num_seqs, shape.max_num_batched_tokens)
         kv = abstract_pool(config, num_pages * parallel.num_replicas, shape.page_size, kv_dtype, tp=parallel.tp,
                            kernels=kernels, mesh=mesh, state_slots=shape.state_slots(max_num_seqs) * parallel.num_replicas,
-                           state_dtype=dtype)
+                           state_dtype=dtype, sequence=shards > 1)
         buckets = Buckets.default(shape.max_num_batched_tokens, max_num_seqs,
                                   shape.pages_per_seq, token_multiple=parallel.token_multiple, num_groups=groups.num_groups)
         step = StepFunction(graphdef, NUM_TOP_LOGPROBS, max_rows=buckets.max_tokens, mesh=mesh, param_specs=specs)
         return cls(config, target, parallel, shape, mesh, step, params, kv, buckets, num_pages)
 
     def with_num_pages(self, num_pages: int) -> "AbstractStep":
-        """The same step over a KV pool of `num_pages` pages per replica."""
+        """The same step over a KV pool of `num_pages` pages per replica (context parallelism: rounded up
+        to a multiple of the sequence axis)."""
+        shards = kv_shards(self.parallel)
+        num_pages = -(-num_pages // shards) * shards
         shape = dataclasses.replace(self.shape, num_pages=num_pages)
         kv = self.kv.map_pages(lambda a: jax.ShapeDtypeStruct((a.shape[0], num_pages * self.parallel.num_replicas) + a.shape[2:],
                                                               a.dtype, sharding=a.sharding))
@@ -221,6 +232,10 @@ class AbstractStep:
     # ------------------------------------------------------------------ per chip
     def weight_bytes_per_chip(self) -> int:
         return bytes_per_device(self.params)
+
+    def layer_weight_bytes_per_chip(self) -> int:
+        """The stacked decoder layers' part of weight_bytes_per_chip (with pipeline stages: one stage's layers)."""
+        return bytes_per_device(self.params["layers"]) if "layers" in self.params else 0
 
     def kv_bytes_per_chip(self) -> int:
         return bytes_per_device(self.kv.page_arrays())  # K, V and a quantized pool's scales
@@ -252,7 +267,8 @@ class AbstractStep:
         return sum(window_pages(w, context, self.shape.page_size * f, chunk) for w, f in zip(self.windows, self.page_factors))
 
     def kv_bytes_per_page_per_chip(self) -> int:
-        return self.kv_bytes_per_chip() // self.num_pages  # a chip holds its replica's num_pages pages
+        # a chip holds its replica's num_pages pages (context parallelism: 1 / sp of them, so a page costs a chip 1 / sp)
+        return self.kv_bytes_per_chip() // self.num_pages
 
     def kv_pool_elements_per_chip(self) -> int:
         return math.prod(self.kv.pages.sharding.shard_shape(self.kv.pages.shape))

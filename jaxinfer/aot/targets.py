@@ -67,7 +67,7 @@ class Target:
         return len(self.devices) // self.num_slices
 
     def describe(self) -> str:
-        """"v5e:4x4 (2 slices over DCN, 32 chips)" / "v6e:2x2"."""
+        """"v5e:4x4 x 2 slices over DCN (32 chips)" / "v6e:2x2"."""
         return self.name if self.num_slices == 1 else f"{self.name} x {self.num_slices} slices over DCN ({self.num_chips} chips)"
 
     def mesh_devices(self, parallel) -> list:
@@ -91,14 +91,10 @@ class Target:
             inner = n // (pp * dp)
             raise TargetError(f"{where}: only the pipeline and data axes may cross slices (DCN), and pp x dp = {pp * dp} "
                               f"does not split into {slices} slices: each group of the inner axes (sp x ep x tp = {inner} "
-                              f"chips) must lie in one slice. Use -pp {slices} (a stage per slice) or -dp a multiple of {slices}")
+                              f"chips) must lie in one slice. Use -pp {slices} (a stage per slice) or -dp a multiple of "
+                              f"{slices // math.gcd(pp, slices)}")
         per_slice = n // slices
-        if per_slice > self.chips_per_slice:
-            raise TargetError(f"{where}: {per_slice} chips per slice, a slice has {self.chips_per_slice}")
         return [d for i in range(slices) for d in self.devices[i * self.chips_per_slice:][:per_slice]]
-
-    def slice_of(self, device) -> int:
-        return getattr(device, "slice_index", 0) if self.num_slices > 1 else 0
 
     def mesh(self, axis_names: tuple[str, ...], shape: tuple[int, ...]) -> jax.sharding.Mesh:
         """A mesh over the first prod(shape) chips."""

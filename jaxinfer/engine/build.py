@@ -283,6 +283,10 @@ def build_runner(model_config: ModelConfig, config: EngineConfig, mesh, weights:
     named = lambda spec: jax.sharding.NamedSharding(mesh, spec) if spec is not None else None  # noqa: E731
     state_sharding = jax.tree.map(lambda spec: jax.sharding.NamedSharding(mesh, spec), linear_state_spec(spec_block > 0),
                                   is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    if context and (model_config.has_linear_layers or h2o or config.kv_cache_outliers):
+        raise ValueError(f"sequence_parallel_attention='context' splits a pool of pages only: {model_config.model_type}'s "
+                         f"recurrent states, KV eviction scores and kv_cache_outliers are not supported with it; use "
+                         f"sequence_parallel_attention='allgather'")
     if context and config.num_pages % parallel.sp:
         raise ValueError(f"num_pages={config.num_pages} with sequence_parallel_attention='context': each replica's pages "
                          f"split over the sequence_parallel_size={parallel.sp} devices, so they must be a multiple of it")

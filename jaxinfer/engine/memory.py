@@ -106,12 +106,13 @@ def bytes_per_device(tree) -> int:
 
 
 def abstract_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, *, tp: int, kernels: Kernels,
-                  mesh, state_slots: int = 0, state_dtype=None, spec_block: int = 0, outliers: int = 0) -> KVCache:
+                  mesh, state_slots: int = 0, state_dtype=None, spec_block: int = 0, outliers: int = 0,
+                  sequence: bool = False) -> KVCache:
     """The KV pool `KVCache.create` would place (`num_pages` over every replica; a hybrid model's
     `state_slots` recurrent states too, and with `spec_block` > 0 its verification chunks'
     inputs; `outliers` residual slots per page), as ShapeDtypeStructs with their shardings on `mesh`:
-    nothing allocated."""
-    pool = _abstract_pages(config, num_pages, page_size, dtype, tp=tp, kernels=kernels, mesh=mesh)
+    nothing allocated. `sequence` (context parallelism): the pages split over the sequence axis too."""
+    pool = _abstract_pages(config, num_pages, page_size, dtype, tp=tp, kernels=kernels, mesh=mesh, sequence=sequence)
     if outliers:
         specs = kv_partition_spec(True, outliers=True)
         residual, token, error = KVCache.outlier_shapes(config, num_pages, page_size, outliers, tp=tp)
@@ -140,18 +141,18 @@ def abstract_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, *,
 
 
 def _abstract_pages(config: ModelConfig, num_pages: int, page_size: int, dtype, *, tp: int, kernels: Kernels,
-                    mesh) -> KVCache:
+                    mesh, sequence: bool = False) -> KVCache:
     shape = KVCache.shape(config, num_pages, page_size, dtype, tp=tp, kernels=kernels)
     combined = combined_pool(config, kernels)
-    specs = kv_partition_spec(is_quantized(dtype), combined)
+    specs = kv_partition_spec(is_quantized(dtype), combined, sequence=sequence)
     struct = lambda shp, dt, spec: jax.ShapeDtypeStruct(shp, dt, sharding=NamedSharding(mesh, spec))  # noqa: E731
     stored = storage_dtype(dtype)  # e4m3 pools hold bytes
     scale_shape = KVCache.scale_shape(config, num_pages, page_size, tp=tp, combined=combined)
     scales = lambda spec: struct(scale_shape, jnp.float32, spec) if is_quantized(dtype) else None  # noqa: E731  (a float32 scale per token and head)
     if combined:
-        return KVCache(kv=struct(shape, stored, specs.kv), kv_scale=scales(specs.kv_scale))
+        return KVCache(kv=struct(shape, stored, specs.kv), kv_scale=scales(specs.kv_scale), sequence_sharded=sequence)
     return KVCache(k=struct(shape, stored, specs.k), v=struct(shape, stored, specs.v), k_scale=scales(specs.k_scale),
-                   v_scale=scales(specs.v_scale))
+                   v_scale=scales(specs.v_scale), sequence_sharded=sequence)
 
 
 def abstract_inputs(step: StepFunction, key: BucketKey, buckets: Buckets, with_lora: bool, *,

@@ -462,7 +462,8 @@ class ModelRunner:
                     out[1, g, i] = pos % size
         mover = row_mover(self.step_fn.mesh, self.kv.quantized, self.kv.combined, self.kv.outliers > 0,
                           self.kv.evict_score is not None, self.kv.state is not None,
-                          self.kv.state is not None and self.kv.state.drafts is not None, self.kv_page_factors)
+                          self.kv.state is not None and self.kv.state.drafts is not None, self.kv_page_factors,
+                          self.kv.sequence_sharded)
         self.kv = mover(self.kv, src, dst)
 
     def read_state(self, replica: int, slot: int):
@@ -531,7 +532,8 @@ class ModelRunner:
         for chunk in (pages[i : i + most] for i in range(0, len(pages), most)):
             if not self.reads_to_pinned_host:
                 saved = self.read_pages(replica, chunk)
-                fields = [(f.name, getattr(saved, f.name)) for f in dataclasses.fields(saved) if f.name != "state"]
+                fields = [(f.name, getattr(saved, f.name)) for f in dataclasses.fields(saved)
+                          if f.name not in ("state", "sequence_sharded")]  # (page arrays only)
                 out += [{name: np.ascontiguousarray(a[:, i]) for name, a in fields if a is not None} for i in range(len(chunk))]
                 continue
             padded = np.zeros(_power_of_two(len(chunk)), np.int32)
@@ -783,7 +785,7 @@ def _reader_to_host(mesh, quantized: bool, combined: bool, n: int, outliers: boo
     """Jitted (page arrays, pages [n]) -> n dicts, array name -> that page's [slots, page_size, ...]
     in pinned host memory, each its own buffer, split over the tensor axis as the pool is."""
     specs = kv_partition_spec(quantized, combined, outliers=outliers)
-    fields = [(f.name, getattr(specs, f.name)) for f in dataclasses.fields(specs) if f.name != "state"]
+    fields = [(f.name, getattr(specs, f.name)) for f in dataclasses.fields(specs) if f.name not in ("state", "sequence_sharded")]
     fields = [(name, tuple(spec)) for name, spec in fields if spec is not None]
     per_page = {name: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec[:1], *spec[2:]),
                                                  memory_kind="pinned_host") for name, spec in fields}
@@ -819,7 +821,7 @@ def page_ops(mesh, quantized: bool, combined: bool = False, linear: bool = False
 
 @functools.cache
 def row_mover(mesh, quantized: bool, combined: bool, outliers: bool, eviction: bool, linear: bool, drafts: bool,
-              factors: tuple[int, ...]) -> Callable:
+              factors: tuple[int, ...], sequence: bool = False) -> Callable:
     """Jitted (kv, src [2, G, n], dst [2, G, n]) -> kv, donated: for each KV layer group g and move i,
     the token row at (page src[0, g, i], offset src[1, g, i]) of every slot copied to dst's, in every
     page array. A group whose pages hold page_size * f tokens (`factors`: jaxinfer.kv_groups) sees
@@ -827,7 +829,7 @@ def row_mover(mesh, quantized: bool, combined: bool, outliers: bool, eviction: b
     [slots, P, Hkv * 2 * page_size] run (head, K|V, token), so their token is the last axis."""
     if outliers or eviction:
         raise ValueError("moving single tokens' K/V (draft trees) is not supported with kv_cache_outliers or KV eviction")
-    kv_sharding = kv_shardings(mesh, quantized, combined, linear, drafts, False, False)
+    kv_sharding = kv_shardings(mesh, quantized, combined, linear, drafts, False, False, sequence)  # (sequence: context parallelism)
 
     def move_rows(kv: KVCache, src, dst) -> KVCache:
         def move(name: str, a: jax.Array) -> jax.Array:
@@ -844,7 +846,7 @@ def row_mover(mesh, quantized: bool, combined: bool, outliers: bool, eviction: b
 
         arrays = kv.page_arrays()
         moved = {f.name: move(f.name, getattr(arrays, f.name)) for f in dataclasses.fields(arrays)
-                 if f.name != "state" and getattr(arrays, f.name) is not None}
+                 if f.name not in ("state", "sequence_sharded") and getattr(arrays, f.name) is not None}
         return dataclasses.replace(kv, **moved)
 
     return jax.jit(move_rows, donate_argnums=0, out_shardings=kv_sharding)

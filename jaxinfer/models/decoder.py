@@ -280,16 +280,16 @@ class Decoder(nnx.Module):
             raise ValueError(f"return_stream={return_stream!r}: layer indices must be in 0..{c.num_layers}")
         if par.pp > 1:  # this stage's layers over micro-batches, handed stage to stage (models.pipeline)
             run_stage = lambda step, carry: self.run_layers(step, carry, stage_layers=c.num_layers // par.pp)[0]  # noqa: E731
-            stream, residual, pool = pipeline.run_pipeline(run_stage, step, x, kv.fold_slots(), par.pp)
+            stream, residual, pool = pipeline.run_pipeline(run_stage, step, x, kv.fold_slots(), par.pp, par.tp)
             captured = {}
         else:
             (stream, residual, pool), captured = self.run_layers(
                 step, (x, jnp.zeros_like(x), kv.fold_slots()), capture=tuple(i for i in stream_layers if i < c.num_layers))
         captured[c.num_layers] = stream + residual
         hidden, rows_residual = self._logits_rows(stream, residual, batch.logits_indices, first_row)  # [R, H] each
-        if par.pp > 1:  # the rows from the last stage, on every stage
-            hidden, rows_residual = (pipeline.from_last_stage(a, par.pp) for a in (hidden, rows_residual))
         h, _ = add_rms_norm(hidden, rows_residual, self.norm_weight(self.final_norm[...]), c.rms_norm_eps, self.kernels)
+        if par.pp > 1:  # the normed rows from the last stage, on every stage
+            h = pipeline.from_last_stage(h, par.pp)
         kv = pool.unfold_slots(num_slots)
         extras = (h,) if return_hidden else ()  # the final-normed hidden state of each logits row [R, H]
         if stream_layers:  # every token's stream at the input of those layers [T, len * H]

@@ -24,10 +24,11 @@ a sequence cut between two micro-batches is attended exactly like a prompt prefi
 (each micro-batch is the rows' `ops.attention.local_view` of the batch). A stage idle at an
 iteration computes on padding and writes its K/V to the scratch page.
 
-The last stage holds every token's output; the logits rows are broadcast from it over the axis
-(one [R, H] psum), so the final norm, the LM head and the sampler see the same rows on every
-stage. Traffic per step: (M + pp - 1) permutes of 2 x [T / M, H] between neighbouring stages,
-which is what crosses DCN when the stages are slices.
+The last stage holds every token's output; it applies the final norm to the logits rows and
+broadcasts them over the axis (one [R, H] psum in the compute dtype), so the LM head and the
+sampler see the same rows on every stage. Traffic per step between neighbouring stages: (M + pp - 1)
+permutes of 2 x [T / M, H], each tensor shard sending 1/tp of the columns (`hand_on`): what
+crosses DCN when the stages are slices.
 """
 
 from __future__ import annotations
@@ -94,17 +95,30 @@ def micro_step(step, first_row, num_rows: int, active):
         nope_query_scale=None if step.nope_query_scale is None else rows(step.nope_query_scale))
 
 
-def run_pipeline(run_stage, step, x, pool, num_stages: int):
+def hand_on(a, num_stages: int, tp: int):
+    """a [rows, H] from each stage to the next (stage 0 receives zeros). With tensor parallelism each
+    of a stage's tp devices holds the same rows, so each sends only its 1/tp of the columns and the
+    receiving stage all-gathers them over "tensor" (its fast links): the link between stages (DCN
+    between slices) carries the activations once, not tp times."""
+    forward = [(s, s + 1) for s in range(num_stages - 1)]
+    if tp == 1:
+        return jax.lax.ppermute(a, AXIS, forward)
+    width = a.shape[1] // tp
+    part = jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index("tensor") * width, width, axis=1)
+    return jax.lax.all_gather(jax.lax.ppermute(part, AXIS, forward), "tensor", axis=1, tiled=True)
+
+
+def run_pipeline(run_stage, step, x, pool, num_stages: int, tp: int = 1):
     """Every token's (stream, residual) [T, H] after the last layer, on the last stage (zeros on the
     others), and this stage's pool: the schedule of the module docstring. x [T, H]: the embedded
-    tokens; run_stage(step, carry) runs this stage's layers on carry = (hidden, residual, pool)."""
+    tokens; run_stage(step, carry) runs this stage's layers on carry = (hidden, residual, pool); tp:
+    the tensor-parallel size (`hand_on`)."""
     T, H = x.shape
     M = num_stages  # micro-batches
     if T % M:
         raise ValueError(f"a step of {T} tokens does not split into {M} micro-batches (token buckets are multiples of pp)")
     rows = T // M
     stage = jax.lax.axis_index(AXIS)
-    forward = [(s, s + 1) for s in range(num_stages - 1)]
 
     def iteration(i, carry):
         hidden, residual, pool, out_hidden, out_residual = carry
@@ -118,8 +132,7 @@ def run_pipeline(run_stage, step, x, pool, num_stages: int):
         keep = active & (stage == num_stages - 1)
         out_hidden = jnp.where(keep, jax.lax.dynamic_update_slice_in_dim(out_hidden, hidden, first_row, 0), out_hidden)
         out_residual = jnp.where(keep, jax.lax.dynamic_update_slice_in_dim(out_residual, residual, first_row, 0), out_residual)
-        hidden = jax.lax.ppermute(hidden, AXIS, forward)  # to the next stage (stage 0 receives zeros)
-        residual = jax.lax.ppermute(residual, AXIS, forward)
+        hidden, residual = hand_on(hidden, num_stages, tp), hand_on(residual, num_stages, tp)  # to the next stage
         return hidden, residual, pool, out_hidden, out_residual
 
     zeros = jnp.zeros((rows, H), x.dtype)
@@ -129,6 +142,7 @@ def run_pipeline(run_stage, step, x, pool, num_stages: int):
 
 
 def from_last_stage(a, num_stages: int):
-    """a [..] as the last stage holds it, on every stage (a psum over the axis of it and zeros)."""
+    """a as the last stage holds it, on every stage: a psum over the axis of it and zeros, exact in
+    any dtype (x + 0 = x)."""
     last = jax.lax.axis_index(AXIS) == num_stages - 1
-    return jax.lax.psum(jnp.where(last, a.astype(jnp.float32), 0.0), AXIS).astype(a.dtype)
+    return jax.lax.psum(jnp.where(last, a, jnp.zeros_like(a)), AXIS)

@@ -552,7 +552,9 @@ def attend_sequence_parallel(q, k, v, cos, sin, pool: KVCache, layer_page_offset
                              attention_chunk: int | None = None,
                              spec_block: int = 0, soft_cap: float | None = None, sinks=None, kernels: Kernels = Kernels(),
                              tensor_axis: str | None = None):
-    """Attention with the step's rows split over the mesh axis "sequence" (sp devices).
+    """Attention with the step's rows split over the mesh axis "sequence" (sp devices), the KV
+    pool replicated over it (modes "allgather" and "ring"; "context", the pool split over the
+    axis too, is `attend_context_parallel`).
 
     q [Tl, Hq, D], k / v [Tl, Hkv, D]: this device's block of rows (before RoPE); cos / sin /
     write_page / write_offset [T] and the batch: every row's (T = sp * Tl). The KV cache is

@@ -354,7 +354,8 @@ class KVCache:
 
     def map_pages(self, fn, *others: "KVCache") -> "KVCache":
         """fn over every page array (and the matching arrays of `others`), the states kept."""
-        pages = jax.tree.map(fn, self.page_arrays(), *(other.page_arrays() for other in others))
+        pages = jax.tree.map(fn, self.page_arrays(), *(dataclasses.replace(other.page_arrays(), sequence_sharded=self.sequence_sharded)
+                                                       for other in others))  # (the flag is static: one tree structure)
         return dataclasses.replace(pages, state=self.state)
 
     def fold_slots(self) -> "KVCache":

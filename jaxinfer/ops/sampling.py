@@ -52,6 +52,18 @@ p keeps after the earlier children's (distinct) tokens are removed, so the whole
 as p; greedy rows accept the child equal to the argmax. `verify_tree` returns, per row, the
 accepted child's index (-1: none) and the draw; the host walks from the root along accepted
 children (engine.core).
+
+Vocabulary-split logits (`Vocab(V, axis)`, the LM head of lm_head_parallel="vocab"): every function
+here also runs inside shard_map on a device's block of V / n columns (padding columns past V
+masked to -inf). The processors touch only their own ids; each reduction over the vocabulary is a
+local one plus one small collective (argmax: each device's best (value, id) all-gathered, ties to
+the lowest id as jnp.argmax's; softmax and log-softmax: each device's (max, sum of exp)
+all-gathered; sums: psum of [R]; the top-k / top-p thresholds: the same keys as the bisection,
+found 4 bits a round, 8 psums of [R, 15] each); top logprobs merge each device's top K (an
+all-gather of [R, n K]). The collectives of one program are chained in trace order (`Vocab.chain`)
+so every device runs them in the same order. Each device takes its columns of the noise the
+whole row draws, so the split sampler picks the same tokens as the whole one for the same seeds,
+and its logprobs agree to rounding.
 """
 
 from __future__ import annotations
@@ -79,6 +91,39 @@ class Vocab:
 
     size: int  # V, the real vocabulary
     axis: str | None = None
+    # the output of the last collective traced (`_collective`): each collective waits for the one
+    # before it, so every device runs them in one order. XLA:CPU runs independent thunks in any
+    # order on each device; two collectives that do not depend on each other then deadlock when
+    # some devices wait in one and the rest in the other with no thread left (seen with 4 CPU
+    # devices on 2 cores). One chain per traced program: make a Vocab per trace.
+    chain: list = dataclasses.field(default_factory=list, compare=False, repr=False)
+
+    def _collective(self, fn, x):
+        """fn(x), a collective, ordered after the previous one of this trace."""
+        if self.chain:
+            x, _ = jax.lax.optimization_barrier((x, self.chain[0]))
+        y = fn(x)
+        self.chain[:] = [jax.tree.leaves(y)[0]]
+        return y
+
+    def psum(self, x: jax.Array) -> jax.Array:
+        return self._collective(lambda a: jax.lax.psum(a, self.axis), x)
+
+    def cond(self, pred, true_fn, false_fn, *operands):
+        """jax.lax.cond, whose branches' collectives follow this trace's previous one and precede its next."""
+        if self.axis is None:
+            return jax.lax.cond(pred, true_fn, false_fn, *operands)
+        start = list(self.chain)
+
+        def branch(fn):
+            def run(*args):
+                self.chain[:] = start
+                return fn(*args)
+            return run
+
+        out = jax.lax.cond(pred, branch(true_fn), branch(false_fn), *operands)
+        self.chain[:] = [jax.tree.leaves(out)[0]] if jax.tree.leaves(out) else start
+        return out
 
     def offset(self, width: int) -> jax.Array | int:
         """The global id of this device's first column."""
@@ -97,24 +142,44 @@ class Vocab:
 
     def max(self, x: jax.Array) -> jax.Array:
         m = x.max(axis=-1, keepdims=True)
-        return m if self.axis is None else jax.lax.pmax(m, self.axis)
+        return m if self.axis is None else self._collective(lambda a: jax.lax.pmax(a, self.axis), m)
 
     def min(self, x: jax.Array) -> jax.Array:
         m = x.min(axis=-1, keepdims=True)
-        return m if self.axis is None else jax.lax.pmin(m, self.axis)
+        return m if self.axis is None else self._collective(lambda a: jax.lax.pmin(a, self.axis), m)
 
     def sum(self, x: jax.Array) -> jax.Array:
         t = x.sum(axis=-1, keepdims=True)
-        return t if self.axis is None else jax.lax.psum(t, self.axis)
+        return t if self.axis is None else self.psum(t)
+
+    def _gather_pairs(self, values: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """float32 values and int32 ids of one shape, every device's, in ONE all-gather (the
+        values' bits travel as int32): ([n, ...], [n, ...]), device by device."""
+        packed = jnp.stack([jax.lax.bitcast_convert_type(values.astype(jnp.float32), jnp.int32), ids.astype(jnp.int32)], -1)
+        packed = self._collective(lambda a: jax.lax.all_gather(a, self.axis), packed)
+        return jax.lax.bitcast_convert_type(packed[..., 0], jnp.float32), packed[..., 1]
 
     def argmax(self, x: jax.Array) -> jax.Array:
-        """[R] int32 global ids of each row's largest value, the first one on ties (jnp.argmax's)."""
+        """[R] int32 global ids of each row's largest value, the first one on ties (jnp.argmax's):
+        each device's best (value, id) all-gathered, one collective."""
         if self.axis is None:
             return jnp.argmax(x, axis=-1).astype(jnp.int32)
-        local = x.max(axis=-1)
-        best = jax.lax.pmax(local, self.axis)
-        candidate = jnp.argmax(x, axis=-1).astype(jnp.int32) + self.offset(x.shape[-1])
-        return jax.lax.pmin(jnp.where(local == best, candidate, jnp.iinfo(jnp.int32).max), self.axis)
+        values, ids = self._gather_pairs(x.max(axis=-1), jnp.argmax(x, axis=-1) + self.offset(x.shape[-1]))  # [n, R]
+        first = jnp.argmax(values == values.max(axis=0), axis=0)  # the first device holding the best: the lowest id
+        return jnp.take_along_axis(ids, first[None], axis=0)[0]
+
+    def _max_and_sum_exp(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(global max M [R, 1], global sum of exp(x - M) [R, 1], this device's exp(x - M)) with
+        one all-gather of each device's (max, sum of exp(x - its max))."""
+        m = x.max(axis=-1, keepdims=True)
+        m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # a device whose columns are all -inf holds no mass
+        e = jnp.exp(x - m_safe)
+        maxima = self._collective(lambda a: jax.lax.all_gather(a, self.axis),
+                                  jnp.concatenate([m, e.sum(axis=-1, keepdims=True)], -1))  # [n, R, 2]
+        M = maxima[..., 0].max(axis=0)  # [R]
+        M_safe = jnp.where(jnp.isfinite(M), M, 0.0)
+        S = (maxima[..., 1] * jnp.exp(maxima[..., 0] - M_safe)).sum(axis=0)
+        return M[:, None], S[:, None], e * jnp.exp(m_safe - M_safe[:, None])
 
     def take(self, x: jax.Array, ids: jax.Array) -> jax.Array:
         """x [R, width] at global ids [R, n] (in the vocabulary) -> [R, n]."""
@@ -124,7 +189,7 @@ class Vocab:
         local = ids - self.offset(width)
         inside = (local >= 0) & (local < width)
         picked = jnp.take_along_axis(x, jnp.clip(local, 0, width - 1), axis=-1)
-        return jax.lax.psum(jnp.where(inside, picked, jnp.zeros((), x.dtype)), self.axis)
+        return self.psum(jnp.where(inside, picked, jnp.zeros((), x.dtype)))
 
     def local_ids(self, ids: jax.Array, width: int) -> jax.Array:
         """Global ids (-1 padding) -> this device's columns, `width` (out of bounds: a scatter drops
@@ -135,14 +200,14 @@ class Vocab:
     def softmax(self, x: jax.Array) -> jax.Array:
         if self.axis is None:
             return jax.nn.softmax(x, axis=-1)
-        e = jnp.exp(x - self.max(x))
-        return e / self.sum(e)
+        _, total, e = self._max_and_sum_exp(x)
+        return e / total
 
     def log_softmax(self, x: jax.Array) -> jax.Array:
         if self.axis is None:
             return jax.nn.log_softmax(x, axis=-1)
-        shifted = x - self.max(x)
-        return shifted - jnp.log(self.sum(jnp.exp(shifted)))
+        top, total, _ = self._max_and_sum_exp(x)
+        return x - top - jnp.log(total)
 
     def gumbel(self, keys: jax.Array, width: int) -> jax.Array:
         """Each row's Gumbel noise over its columns [R, width]: the columns' entries of the noise
@@ -171,8 +236,8 @@ class Vocab:
             values = jnp.pad(values, ((0, 0), (0, k - kk)), constant_values=-jnp.inf)
             ids = jnp.pad(ids, ((0, 0), (0, k - kk)), constant_values=width - 1)
         ids = ids.astype(jnp.int32) + self.offset(width)
-        gather = lambda a: jnp.moveaxis(jax.lax.all_gather(a, self.axis), 0, 1).reshape(a.shape[0], -1)  # noqa: E731
-        values, ids = gather(values), gather(ids)  # [R, devices * k], device by device: ids ascending on ties
+        values, ids = (jnp.moveaxis(a, 0, 1).reshape(a.shape[1], -1) for a in self._gather_pairs(values, ids))
+        # [R, devices * k], device by device: ids ascending on ties
         best, where = jax.lax.top_k(values, k)
         return best, jnp.take_along_axis(ids, where, axis=-1)
 
@@ -180,7 +245,7 @@ class Vocab:
         """[R, width] -> the whole rows [R, size]."""
         if self.axis is None:
             return x
-        return jax.lax.all_gather(x, self.axis, axis=1, tiled=True)[:, : self.size]
+        return self._collective(lambda a: jax.lax.all_gather(a, self.axis, axis=1, tiled=True), x)[:, : self.size]
 
 
 @jax.tree_util.register_dataclass
@@ -260,8 +325,11 @@ def filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, vo
     logits >= t (the k-th largest logit); the top-p one the smallest key t whose larger logits
     hold less than top_p of the top-k probability mass (in sorted order: the last position whose
     mass before it is under top_p). Ties with a threshold are kept, as in the sorted definition
-    (`filter_top_k_top_p_by_sorting`). With a split `vocab` the counts and masses are summed
-    over its axis (one [R] psum per halving)."""
+    (`filter_top_k_top_p_by_sorting`). With a split `vocab` the same thresholds are found by
+    `_radix_search` instead: 8 rounds of a [R, 15] psum each rather than 32 of [R] (each
+    collective's latency is what counts there)."""
+    if vocab is not None and vocab.axis is not None:
+        return _filter_top_k_top_p_split(logits, top_k, top_p, vocab)
     vocab = Vocab(logits.shape[-1]) if vocab is None else vocab
     V = vocab.size
     keys = order_keys(logits)  # [R, V]
@@ -289,7 +357,56 @@ def filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, vo
     return jnp.where(keys >= p_threshold, logits, -jnp.inf)
 
 
-def history_counts(history_ids: jax.Array, num_prompt: jax.Array, V: int, vocab: Vocab | None = None) -> tuple[jax.Array, jax.Array]:
+RADIX_BITS = 4  # bits of the threshold `_radix_search` settles per round (2^4 - 1 counts per collective)
+
+
+def _radix_search(pred, R: int, with_zero: bool = False):
+    """The largest uint32 t [R, 1] with pred(t) true, for a pred true from 0 up to some t and
+    false above: bit groups from the top, each round testing the 2^RADIX_BITS - 1 nonzero values
+    of the next group at once (`pred` maps [R, n] candidates to [R, n] bools, one collective).
+    `with_zero`: also (whether pred(0) holds [R, 1]), tested in the first round."""
+    n = 1 << RADIX_BITS
+    t = jnp.zeros((R, 1), jnp.uint32)
+    found = None
+    for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
+        digits = jnp.arange(0 if with_zero and found is None else 1, n, dtype=jnp.uint32)
+        ok = pred(t | (digits[None, :] << shift))  # [R, len(digits)]
+        if with_zero and found is None:
+            found, ok = ok[:, :1], ok[:, 1:]
+        t = t | (ok.sum(axis=-1, keepdims=True).astype(jnp.uint32) << shift)  # monotone: the largest true digit
+    return (t, found) if with_zero else t
+
+
+def _filter_top_k_top_p(keys, logits, top_k, top_p, vocab: Vocab):
+    """`filter_top_k_top_p`'s thresholds over split columns, by `_radix_search`."""
+    R, V = keys.shape[0], vocab.size
+    k = jnp.where((top_k > 0) & (top_k < V), top_k, V)[:, None]  # [R, 1]
+
+    def counts(candidates):  # [R, n] -> count(keys >= candidate) over the whole vocabulary
+        local = (keys[:, None, :] >= candidates[:, :, None]).sum(axis=-1, dtype=jnp.int32)  # (a fused compare-and-count)
+        return vocab.psum(local)
+
+    k_threshold = _radix_search(lambda c: counts(c) >= k, R)  # the k-th largest key
+    probs = vocab.softmax(jnp.where(keys >= k_threshold, logits, -jnp.inf))
+
+    def heavy(candidates):  # [R, n] -> mass(keys > candidate) >= top_p: false from the nucleus edge on
+        local = jnp.where(keys[:, None, :] > candidates[:, :, None], probs[:, None, :], 0.0).sum(axis=-1)
+        return vocab.psum(local) >= top_p[:, None]
+
+    last_heavy, any_heavy = _radix_search(heavy, R, with_zero=True)
+    # the smallest t >= k_threshold whose larger logits hold less than top_p: one past the last heavy t
+    p_threshold = jnp.where(any_heavy, jnp.maximum(last_heavy + jnp.uint32(1), k_threshold), k_threshold)
+    return jnp.where((top_p[:, None] >= 1.0) | ~any_heavy, k_threshold, p_threshold)
+
+
+def _filter_top_k_top_p_split(logits, top_k, top_p, vocab: Vocab):
+    keys = order_keys(logits)
+    threshold = _filter_top_k_top_p(keys, logits, top_k, top_p, vocab)
+    return jnp.where(keys >= threshold, logits, -jnp.inf)
+
+
+def history_counts(history_ids: jax.Array, num_prompt: jax.Array, V: int,
+                   vocab: Vocab | None = None) -> tuple[jax.Array, jax.Array]:
     """Per-row token counts from a -1 padded history [R, H] whose first num_prompt[r] ids are prompt.
 
     Returns (output_counts [R, V] int32, seen [R, V] bool: in the prompt or the output); with a
@@ -420,13 +537,13 @@ def sample(logits: jax.Array, st: SamplingTensors, num_top_logprobs: int, raw_lo
         if st.min_p is not None:
             scaled = filter_min_p(scaled, st.min_p, vocab)
         needs_filter = jnp.any(((st.top_k > 0) & (st.top_k < V)) | (st.top_p < 1.0))
-        scaled = jax.lax.cond(needs_filter, lambda x, k, p: filter_top_k_top_p(x, k, p, vocab), lambda x, *_: x,
+        scaled = vocab.cond(needs_filter, lambda x, k, p: filter_top_k_top_p(x, k, p, vocab), lambda x, *_: x,
                               scaled, st.top_k, st.top_p)
         keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(st.seed, st.counter)
         drawn = vocab.argmax(scaled + vocab.gumbel(keys, W))
         return jnp.where(is_random, drawn, greedy)
 
-    tokens = jax.lax.cond(jnp.any(is_random), draw, lambda: greedy)
+    tokens = vocab.cond(jnp.any(is_random), draw, lambda: greedy)
     accepted = child = None
     if st.draft_token is not None:
         tokens, accepted = verify_drafts(logits, st, tokens, vocab)
@@ -454,7 +571,7 @@ def sample(logits: jax.Array, st: SamplingTensors, num_top_logprobs: int, raw_lo
     if st.want_logprobs is None:
         token_logprobs, top_ids, top_logprobs = with_logprobs()
     else:
-        token_logprobs, top_ids, top_logprobs = jax.lax.cond(jnp.any(st.want_logprobs), with_logprobs, without_logprobs)
+        token_logprobs, top_ids, top_logprobs = vocab.cond(jnp.any(st.want_logprobs), with_logprobs, without_logprobs)
     probs = vocab.gather_all(processed_probs(logits, st, vocab)) if st.return_probs is not None else None
     return SampleOutput(tokens, token_logprobs, top_ids, top_logprobs, accepted, probs, accepted_child=child)
 
@@ -471,7 +588,7 @@ def processed_probs(logits: jax.Array, st: SamplingTensors, vocab: Vocab | None 
     if st.min_p is not None:
         scaled = filter_min_p(scaled, st.min_p, vocab)
     needs_filter = jnp.any(((st.top_k > 0) & (st.top_k < V)) | (st.top_p < 1.0))  # the sort is skipped otherwise
-    scaled = jax.lax.cond(needs_filter, lambda x, k, p: filter_top_k_top_p(x, k, p, vocab), lambda x, *_: x,
+    scaled = vocab.cond(needs_filter, lambda x, k, p: filter_top_k_top_p(x, k, p, vocab), lambda x, *_: x,
                           scaled, st.top_k, st.top_p)
     if vocab.axis is None:
         greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
@@ -493,7 +610,7 @@ def verify_drafts(logits: jax.Array, st: SamplingTensors, plain_tokens: jax.Arra
         return jnp.where(has_draft, greedy, plain_tokens), has_draft & (st.draft_token == greedy)
 
     any_random = jnp.any(has_draft & (st.temperature > 0))
-    return jax.lax.cond(any_random, lambda: _rejection_sample(logits, st, plain_tokens, vocab), all_greedy)
+    return vocab.cond(any_random, lambda: _rejection_sample(logits, st, plain_tokens, vocab), all_greedy)
 
 
 def _draft_q(st: SamplingTensors, draft: jax.Array, W: int, vocab: Vocab) -> jax.Array:
@@ -544,7 +661,7 @@ def verify_tree(logits: jax.Array, st: SamplingTensors, plain_tokens: jax.Array,
         return jnp.where(has_children, greedy, plain_tokens), child
 
     any_random = jnp.any(has_children & (st.temperature > 0))
-    return jax.lax.cond(any_random, lambda: _tree_rejection_sample(logits, st, plain_tokens, vocab), all_greedy)
+    return vocab.cond(any_random, lambda: _tree_rejection_sample(logits, st, plain_tokens, vocab), all_greedy)
 
 
 def _tree_rejection_sample(logits: jax.Array, st: SamplingTensors, plain_tokens: jax.Array,

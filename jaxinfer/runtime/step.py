@@ -166,7 +166,8 @@ class StepFunction:
                 lambda *a: per_device_model(*a, query_block=query_block, spec_block=spec_block), mesh=self.mesh,
                 in_specs=(self._specs(params), kv_specs, per_replica_specs(batch), rules.per_replica(2),
                           *(rows_spec for _ in prev_stream)),
-                out_specs=(rows_spec if pooling else logits_spec, kv_specs) + ((rows_spec,) if return_hidden and not pooling else ())
+                out_specs=(rows_spec if pooling else logits_spec, kv_specs)
+                + ((rows_spec,) if return_hidden and not pooling else ())
                 + ((rows_spec,) if return_stream else ()),
                 check_vma=False,
             )(params, kv, batch, prev_tokens, *prev_stream)
