@@ -62,7 +62,10 @@ def _add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     par.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="independent replicas, requests balanced")
     par.add_argument("--sequence-parallel-size", "-sp", type=int, default=1, help="a step's tokens split (long prefills)")
     par.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="layers split into stages (models too big for a slice)")
-    par.add_argument("--sequence-parallel-attention", choices=("allgather", "ring", "context"), default="allgather")
+    par.add_argument("--sequence-parallel-attention", choices=("allgather", "ring", "context"), default="allgather",
+                     help="context: the KV pool split over the sequence axis too (context parallelism)")
+    par.add_argument("--lm-head-parallel", choices=("hidden", "vocab"), default="hidden",
+                     help="how tensor parallelism splits the LM head: vocab samples on the shards (docs/parallelism.md)")
     par.add_argument("--expert-parallel-size", "-ep", type=int, default=None, help="MoE experts split over devices")
     par.add_argument("--enable-expert-parallel", action="store_true",
                      help="as in vLLM: the data-parallel replicas split the experts (ep = dp)")
@@ -153,7 +156,7 @@ def _llm(args, **extra):
         sequence_parallel_size=args.sequence_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         expert_parallel_size=args.expert_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, sequence_parallel_attention=args.sequence_parallel_attention,
-        speculative_config=args.speculative_config, limit_mm_per_prompt=args.limit_mm_per_prompt,
+        lm_head_parallel=args.lm_head_parallel, speculative_config=args.speculative_config, limit_mm_per_prompt=args.limit_mm_per_prompt,
         allowed_media_domains=tuple(args.allowed_media_domains), max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
         encoder_cache_size=args.encoder_cache_size, progress=_is_main_process(),
         runner=getattr(args, "runner", "generate"), pooler_config=getattr(args, "pooler_config", None), **extra,

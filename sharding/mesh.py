@@ -70,6 +70,12 @@ class ParallelConfig:
         return self.dp * self.ep
 
     @property
+    def kv_shards(self) -> int:
+        """How many devices share each replica's KV pages: sp with context parallelism (the pool split
+        over the sequence axis, sp_attention "context"), else 1."""
+        return self.sp if self.sp > 1 and self.sp_attention == "context" else 1
+
+    @property
     def token_multiple(self) -> int:
         """What every step's token count is a multiple of: sp blocks (sequence parallelism), each
         of pp micro-batches (pipeline parallelism: jaxinfer.models.pipeline)."""

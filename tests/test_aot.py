@@ -358,7 +358,7 @@ def test_a_2_4_sparse_step_compiles_with_its_kernel_for_a_tpu_and_a_gpu(v6e, h10
     down = plan.params["layers"]["down_proj"].get_value()
     assert down.values.shape == (2, 4, 1024 // 8, 512) and down.mask.dtype == jnp.uint8
     if tpu:
-        assert tuple(down.mask.sharding.spec) == (None, "tensor", None)
+        assert tuple(down.mask.sharding.spec)[1:] == ("tensor", None)  # (the layer axis: over pipeline, here of size 1)
     stored, dense = plan.sparse24_bytes_per_chip()
     assert stored * 16 == dense * 9
     decode = next(k for k in plan.buckets.all_keys() if k.query_block == 1)

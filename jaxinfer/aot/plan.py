@@ -35,7 +35,7 @@ import dataclasses
 import time
 
 from jaxinfer.kv_groups import describe, span_tokens
-from jaxinfer.aot.step_compile import AbstractStep, ServingShape, kv_shards
+from jaxinfer.aot.step_compile import AbstractStep, ServingShape
 from jaxinfer.aot.targets import Target
 from jaxinfer.aot.vision_compile import VisionCompile, VisionSpec, compile_vision, format_vision
 from jaxinfer.engine.memory import kv_pool_pages, largest_bucket, pages_for_bytes, step_scratch_bytes
@@ -218,7 +218,7 @@ def size_pool(step: AbstractStep, vision: VisionCompile | None = None) -> PoolSi
         replica_page = KVCache.page_bytes(step.config, shape.page_size, shape.kv_cache_dtype or shape.dtype,
                                           tp=step.parallel.tp, kernels=kernels)
         given = pages_for_bytes(shape.kv_cache_memory_bytes, replica_page, shape.pages_needed(step.windows, step.page_factors),
-                                kv_shards(step.parallel))
+                                step.parallel.kv_shards)
         sized_by = f"kv_cache_memory_bytes={shape.kv_cache_memory_bytes}"
     roomy = given is not None and weights + given * page_bytes < PROBE_BELOW * target.chip.hbm_bytes
     probe_pages = given if roomy else shape.sequence_pages(step.windows, step.page_factors) + 1
@@ -235,7 +235,7 @@ def size_pool(step: AbstractStep, vision: VisionCompile | None = None) -> PoolSi
         given = kv_pool_pages(utilization=shape.gpu_memory_utilization, **fit)
         sized_by = f"gpu_memory_utilization={shape.gpu_memory_utilization}"
     # (context parallelism: page_bytes is a replica's page's share on a chip, 1 / sp of it; whole blocks per device)
-    shards = kv_shards(step.parallel)
+    shards = step.parallel.kv_shards
     return PoolSizing(probe, probe_pages, weights, scratch, page_bytes, given // shards * shards, sized_by,
                       kv_pool_pages(utilization=1 - HBM_HEADROOM, **fit) // shards * shards, sampling, vision_bytes)
 
@@ -343,7 +343,7 @@ def _gib(n: float) -> str:
 
 def _shard_note(s: AbstractStep) -> str:
     """Context parallelism: how the replica's pages lie on the chips of the sequence axis."""
-    shards = kv_shards(s.parallel)
+    shards = s.parallel.kv_shards
     return f", {s.num_pages // shards} on each of the {shards} chips of the sequence axis" if shards > 1 else ""
 
 
@@ -481,8 +481,8 @@ def format_plan(plan: Plan) -> str:
         f"{100 * plan.sizing.chip_bytes(plan.pages_requested) / t.chip.hbm_bytes:.1f}% of HBM",
         f"largest that fits: {plan.largest_pool_pages} pages = {tokens_fit} tokens per replica "
         f"= {(plan.largest_pool_pages - 1) // held} sequences at max_model_len"
-        + (f"; {tokens_fit // kv_shards(s.parallel)} tokens of KV per chip (context parallelism over "
-           f"{kv_shards(s.parallel)} chips)" if kv_shards(s.parallel) > 1 else "")
+        + (f"; {tokens_fit // s.parallel.kv_shards} tokens of KV per chip (context parallelism over "
+           f"{s.parallel.kv_shards} chips)" if s.parallel.kv_shards > 1 else "")
         + ("" if plan.largest_pool_pages >= plan.pages_requested else
            f" (the requested pool does NOT fit: compiled with {s.num_pages} pages)"),
         *_group_lines(s, held, whole, plan.largest_pool_pages),

@@ -41,12 +41,6 @@ from sharding.mesh import ParallelConfig, make_mesh
 NUM_TOP_LOGPROBS = 20  # LLM's default max_logprobs: part of the compiled step
 
 
-def kv_shards(parallel: ParallelConfig) -> int:
-    """How many devices share each replica's KV pages: sp with context parallelism (the pool split
-    over the sequence axis, `sequence_parallel_attention="context"`), else 1."""
-    return parallel.sp if parallel.sp > 1 and parallel.sp_attention == "context" else 1
-
-
 def weights_as_stored(graphdef, params, stored: str):
     """(graphdef, abstract params) with the weights as the checkpoint stores them and a TPU / GPU
     loads them (jaxinfer.runtime.loading): `stored` "mxfp4" (GPT-OSS): the expert stacks as E2M1
@@ -208,7 +202,7 @@ class AbstractStep:
         groups = kv_groups(config)
         factors = page_factors(groups, tp=parallel.tp, combined=kernels.combines_kv)
         num_pages = shape.num_pages or shape.pages_needed(groups.windows, factors)  # plan.size_pool resizes it
-        shards = kv_shards(parallel)
+        shards = parallel.kv_shards
         num_pages = -(-num_pages // shards) * shards  # (context parallelism: every device of the axis a block)
         max_num_seqs = min(shape.max_num_seqs, shape.max_num_batched_tokens)
         kv = abstract_pool(config, num_pages * parallel.num_replicas, shape.page_size, kv_dtype, tp=parallel.tp,
@@ -222,7 +216,7 @@ class AbstractStep:
     def with_num_pages(self, num_pages: int) -> "AbstractStep":
         """The same step over a KV pool of `num_pages` pages per replica (context parallelism: rounded up
         to a multiple of the sequence axis)."""
-        shards = kv_shards(self.parallel)
+        shards = self.parallel.kv_shards
         num_pages = -(-num_pages // shards) * shards
         shape = dataclasses.replace(self.shape, num_pages=num_pages)
         kv = self.kv.map_pages(lambda a: jax.ShapeDtypeStruct((a.shape[0], num_pages * self.parallel.num_replicas) + a.shape[2:],

@@ -120,7 +120,7 @@ class EngineCore:
             bm = BlockManager(runner.pages_per_replica, runner.page_size, enable_prefix_caching=config.enable_prefix_caching,
                               windows=runner.kv_windows, page_factors=runner.kv_page_factors, num_state_slots=sequence_slots,
                               num_prefix_states=max(0, runner.state_slots_per_replica - sequence_slots), lower_tiers=kv_tiers,
-                              kv_shards=runner.step_fn.mesh.shape["sequence"] if runner.kv.sequence_sharded else 1)
+                              kv_shards=runner.kv_shards)
             self.replicas.append(Replica(bm, Scheduler(bm, max_num_batched_tokens=config.max_num_batched_tokens,
                                                        max_num_seqs=config.max_num_seqs, preemption_mode=config.preemption_mode,
                                                        max_loras=lora_share,

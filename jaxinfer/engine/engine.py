@@ -104,7 +104,7 @@ class LLMEngine:
         self.input = InputProcessor(config, tokenizer, vocab_size=vocab_size, pages_per_replica=runner.pages_per_replica,
                                     grammar=self.grammar, lora=lora, eos_token_ids=eos_token_ids,
                                     kv_windows=runner.kv_windows, kv_page_factors=runner.kv_page_factors, images=images,
-                                    pooler=pooler)
+                                    pooler=pooler, kv_shards=runner.kv_shards)
         self.output = OutputProcessor(tokenizer, eos_token_ids=eos_token_ids, max_model_len=config.max_model_len)
         self.core = EngineCore(config, runner, self.output, proposer, grammar=self.grammar, lora=lora, kv_tiers=kv_tiers,
                                image_encoder=image_encoder, pooler=pooler)

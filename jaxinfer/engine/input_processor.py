@@ -38,7 +38,7 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer, *, vocab_size: int, pages_per_replica: int,
                  grammar: GrammarBackend | None = None, lora: LoraManager | None = None, eos_token_ids=(),
                  kv_windows: tuple = (None,), kv_page_factors: tuple = (), images: PromptImages | None = None,
-                 pooler: PoolerConfig | None = None):
+                 pooler: PoolerConfig | None = None, kv_shards: int = 1):
         self.config = config
         self.pooler = pooler  # runner="pooling": requests take PoolingParams (engine.pooling)
         self.images = images  # a vision model's prompt processing (jaxinfer.engine.multimodal); None: text only
@@ -47,7 +47,9 @@ class InputProcessor:
         self.lora = lora  # reads a request's LoRA adapter (None: the engine has no LoRA table)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.num_usable_pages = pages_per_replica - 1  # page 0 is the scratch page
+        # page 0 is the scratch page (with context parallelism each of the kv_shards blocks has one, and a
+        # sequence takes its pages from the blocks in turn: engine.block_manager)
+        self.num_usable_pages = pages_per_replica - kv_shards
         self.kv_windows = kv_windows  # each KV layer group's window (jaxinfer.kv_groups)
         self.kv_page_sizes = tuple(self.config.page_size * f for f in kv_page_factors or (1,) * len(kv_windows))
         self._seed_rng = np.random.default_rng(config.seed)

@@ -148,6 +148,8 @@ class ModelRunner:
         if kv.num_pages % self.num_replicas:
             raise ValueError(f"{kv.num_pages} KV pages do not split over {self.num_replicas} replicas")
         self.pages_per_replica = kv.num_pages // self.num_replicas
+        # devices sharing a replica's pages, each its block of them (context parallelism: engine.block_manager)
+        self.kv_shards = self.step_fn.mesh.shape["sequence"] if kv.sequence_sharded else 1
         # the last step's sampled tokens, on the device: [replicas, max_rows]
         self.token_buffer = self._put(np.zeros((self.num_replicas, buckets.max_tokens), np.int32))
         # On one device of one process the jitted step takes the host arrays itself (JAX's C++
