@@ -258,9 +258,11 @@ def lm_head_report(token_counts, tp: int = 8) -> None:
 # ----------------------------------------------------------------------------- meshes (issue 43)
 MESHES = {  # (model, shape, meshes): tensor, pipeline and sequence (context) parallelism side by side
     "Llama-3-8B shape": (LLAMA3_8B, [ParallelConfig(tp=8), ParallelConfig(pp=2, tp=4), ParallelConfig(pp=2, tp=8),
-                                     ParallelConfig(dp=2, tp=4), ParallelConfig(sp=4, tp=2)]),
+                                     ParallelConfig(dp=2, tp=4), ParallelConfig(sp=4, tp=2),
+                                     ParallelConfig(sp=4, tp=2, sp_attention="context")]),
     "Llama-3.1-70B shape": (LLAMA3_70B, [ParallelConfig(tp=8), ParallelConfig(pp=2, tp=4), ParallelConfig(pp=2, tp=8),
-                                         ParallelConfig(pp=4, tp=8), ParallelConfig(sp=4, tp=8)]),
+                                         ParallelConfig(pp=4, tp=8), ParallelConfig(sp=4, tp=8),
+                                         ParallelConfig(sp=4, tp=8, sp_attention="context")]),
 }
 # what each (mesh axes, inside the layer loops) group is called in the table
 AXIS_COLUMNS = (("tensor, layers", ("tensor",), True), ("tensor, LM head + embedding", ("tensor",), False),

@@ -91,8 +91,9 @@ class ParallelConfig:
         return (self.pp, self.dp, self.sp, self.ep, self.tp)
 
     def describe(self) -> str:
-        return " x ".join(f"{name}={size}" for name, size in zip(("pp", "dp", "sp", "ep", "tp"), self.axis_sizes)
-                          if name != "pp" or size > 1)
+        sizes = " x ".join(f"{name}={size}" for name, size in zip(("pp", "dp", "sp", "ep", "tp"), self.axis_sizes)
+                           if name != "pp" or size > 1)
+        return sizes + (f" ({self.sp_attention})" if self.sp > 1 and self.sp_attention != "allgather" else "")
 
     def check_model(self, config) -> None:
         """check_model_fits for a jaxinfer ModelConfig."""

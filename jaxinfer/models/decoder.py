@@ -289,7 +289,7 @@ class Decoder(nnx.Module):
         hidden, rows_residual = self._logits_rows(stream, residual, batch.logits_indices, first_row)  # [R, H] each
         h, _ = add_rms_norm(hidden, rows_residual, self.norm_weight(self.final_norm[...]), c.rms_norm_eps, self.kernels)
         if par.pp > 1:  # the normed rows from the last stage, on every stage
-            h = pipeline.from_last_stage(h, par.pp)
+            h = pipeline.from_last_stage(h, par.pp, par.tp)
         kv = pool.unfold_slots(num_slots)
         extras = (h,) if return_hidden else ()  # the final-normed hidden state of each logits row [R, H]
         if stream_layers:  # every token's stream at the input of those layers [T, len * H]

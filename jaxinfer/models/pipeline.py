@@ -25,7 +25,7 @@ a sequence cut between two micro-batches is attended exactly like a prompt prefi
 iteration computes on padding and writes its K/V to the scratch page.
 
 The last stage holds every token's output; it applies the final norm to the logits rows and
-broadcasts them over the axis (one [R, H] psum in the compute dtype), so the LM head and the
+broadcasts them over the axis (one [R, H] psum in the compute dtype, 1/tp of it per tensor shard), so the LM head and the
 sampler see the same rows on every stage. Traffic per step between neighbouring stages: (M + pp - 1)
 permutes of 2 x [T / M, H], each tensor shard sending 1/tp of the columns (`hand_on`): what
 crosses DCN when the stages are slices.
@@ -141,8 +141,13 @@ def run_pipeline(run_stage, step, x, pool, num_stages: int, tp: int = 1):
     return stream, residual, pool
 
 
-def from_last_stage(a, num_stages: int):
-    """a as the last stage holds it, on every stage: a psum over the axis of it and zeros, exact in
-    any dtype (x + 0 = x)."""
+def from_last_stage(a, num_stages: int, tp: int = 1):
+    """a [R, H] as the last stage holds it, on every stage: a psum over the axis of it and zeros,
+    exact in any dtype (x + 0 = x); with tensor parallelism of 1/tp of the columns per device,
+    all-gathered over "tensor" after (as `hand_on`)."""
     last = jax.lax.axis_index(AXIS) == num_stages - 1
-    return jax.lax.psum(jnp.where(last, a, jnp.zeros_like(a)), AXIS)
+    if tp > 1:
+        width = a.shape[1] // tp
+        a = jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index("tensor") * width, width, axis=1)
+    a = jax.lax.psum(jnp.where(last, a, jnp.zeros_like(a)), AXIS)
+    return jax.lax.all_gather(a, "tensor", axis=1, tiled=True) if tp > 1 else a
