@@ -28,7 +28,6 @@ _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")  # unindented
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\(")
 _ARRAY_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 _WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
-_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|true_computation|false_computation)=\{?([%\w.\-, ]+)\}?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +67,12 @@ def collectives(hlo_text: str) -> list[Collective]:
     return ops
 
 
-def _calls(hlo_text: str) -> dict[str, set[str]]:
-    """computation -> the computations its instructions call (loop bodies, branches, calls)."""
+_CALLEES = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|true_computation|false_computation)="
+                      r"(\{[^}]*\}|%?[\w.\-]+)")
+
+
+def _call_graph(hlo_text: str) -> dict[str, set[str]]:
+    """computation -> the computations its instructions call (every one of a while's condition and body)."""
     calls: dict[str, set[str]] = {}
     computation = ""
     for line in hlo_text.splitlines():
@@ -78,8 +81,8 @@ def _calls(hlo_text: str) -> dict[str, set[str]]:
             computation = header.group(1)
             calls.setdefault(computation, set())
             continue
-        for group in _CALLED.findall(line):
-            calls.setdefault(computation, set()).update(name.strip().lstrip("%") for name in group.split(",") if name.strip())
+        for group in _CALLEES.findall(line):
+            calls.setdefault(computation, set()).update(n.strip().lstrip("%") for n in group.strip("{}").split(",") if n.strip())
     return calls
 
 
@@ -97,7 +100,7 @@ def split_by_layer_loop(hlo_text: str) -> tuple[list[Collective], list[Collectiv
     """(collectives of one trip of the decoder's layer loop, all the others). The layer loop is
     the while loop whose body, with everything it calls, holds the most collectives."""
     ops = collectives(hlo_text)
-    calls = _calls(hlo_text)
+    calls = _call_graph(hlo_text)
     best: set[str] = set()
     for body in while_bodies(hlo_text):
         inside = _reachable(body, calls)
@@ -189,25 +192,6 @@ def _trip_counts(hlo_text: str) -> dict[str, int]:
         else:
             trips[body] = 1
     return trips
-
-
-_CALLEES = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|true_computation|false_computation)="
-                      r"(\{[^}]*\}|%?[\w.\-]+)")
-
-
-def _call_graph(hlo_text: str) -> dict[str, set[str]]:
-    """computation -> the computations its instructions call (every one of a while's condition and body)."""
-    calls: dict[str, set[str]] = {}
-    computation = ""
-    for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line)
-        if header and not line[:1].isspace():
-            computation = header.group(1)
-            calls.setdefault(computation, set())
-            continue
-        for group in _CALLEES.findall(line):
-            calls.setdefault(computation, set()).update(n.strip().lstrip("%") for n in group.strip("{}").split(",") if n.strip())
-    return calls
 
 
 def executions(hlo_text: str) -> dict[str, int]:
