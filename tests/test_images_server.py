@@ -20,10 +20,14 @@ from test_images_gemma3 import gemma3, picture  # noqa: F401 - the saved model f
 
 @pytest.fixture(scope="module")
 def served(gemma3):  # noqa: F811
+    """(LLM.chat's answer to the picture-11 chat, the server's URL). The answer is computed before the
+    server starts: once it serves, its engine thread steps the engine whenever work is pending, and
+    would take the outputs of an LLM.chat running beside it."""
     llm = LLM(str(gemma3[0]), max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, num_pages=48, page_size=4,
               progress=False)
+    want = llm.chat(messages(data_uri(picture(11))), SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0]
     with running(build_app(llm, served_model_name="tiny-gemma3")) as url:
-        yield llm, url
+        yield want, url
 
 
 def data_uri(image) -> str:
@@ -39,11 +43,10 @@ def messages(url: str) -> list[dict]:
 
 
 def test_an_image_chat_over_http_equals_llm_chat(served):
-    llm, url = served
+    want, url = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
     reply = client.chat.completions.create(model="tiny-gemma3", messages=messages(data_uri(picture(11))), max_tokens=5,
                                            temperature=0)
-    want = llm.chat(messages(data_uri(picture(11))), SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0]
     assert reply.choices[0].message.content == want.outputs[0].text
     assert reply.usage.prompt_tokens == len(want.prompt_token_ids)
 
