@@ -45,14 +45,22 @@ def _shape_bytes(shape: str) -> int:
     return total
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective op of the program, in text order."""
-    ops, computation, shapes = [], "", {}
+def _lines_by_computation(hlo_text: str):
+    """(computation, instruction line) for every line of the program's text but the computations'
+    headers."""
+    computation = ""
     for line in hlo_text.splitlines():
         header = _COMPUTATION.match(line)
         if header and not line[:1].isspace():
             computation = header.group(1)
             continue
+        yield computation, line
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective op of the program, in text order."""
+    ops, shapes = [], {}
+    for computation, line in _lines_by_computation(hlo_text):
         m = _INSTRUCTION.match(line)
         if not m:
             continue
@@ -74,15 +82,10 @@ _CALLEES = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|t
 def _call_graph(hlo_text: str) -> dict[str, set[str]]:
     """computation -> the computations its instructions call (every one of a while's condition and body)."""
     calls: dict[str, set[str]] = {}
-    computation = ""
-    for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line)
-        if header and not line[:1].isspace():
-            computation = header.group(1)
-            calls.setdefault(computation, set())
-            continue
+    for computation, line in _lines_by_computation(hlo_text):
+        calls.setdefault(computation, set())
         for group in _CALLEES.findall(line):
-            calls.setdefault(computation, set()).update(n.strip().lstrip("%") for n in group.strip("{}").split(",") if n.strip())
+            calls[computation].update(n.strip().lstrip("%") for n in group.strip("{}").split(",") if n.strip())
     return calls
 
 
@@ -139,12 +142,8 @@ def dcn_transfers(hlo_text: str) -> list[Collective]:
     """Every transfer of a compiled multi-slice TPU program that crosses slices (over DCN): kind
     "collective-permute" for a ONE_TO_ONE transfer (a ppermute), else the collective it carries
     ("all-reduce", "all-gather", ...); bytes: the buffer one chip sends."""
-    ops, computation = [], ""
-    for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line)
-        if header and not line[:1].isspace():
-            computation = header.group(1)
-            continue
+    ops = []
+    for computation, line in _lines_by_computation(hlo_text):
         m = _SEND.match(line)
         if not m or not _MEGASCALE.search(line):
             continue
@@ -166,12 +165,8 @@ def _trip_counts(hlo_text: str) -> dict[str, int]:
     from a `fori_loop`'s shape (the TPU compiler keeps none): a condition `counter < constant N`,
     the counter starting at the constant in the loop's initial tuple (0 when not a constant).
     Loops of another shape count once."""
-    constants, first_of_tuple, bound_of_condition, computation = {}, {}, {}, ""
-    for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line)
-        if header and not line[:1].isspace():
-            computation = header.group(1)
-            continue
+    constants, first_of_tuple, bound_of_condition = {}, {}, {}
+    for computation, line in _lines_by_computation(hlo_text):
         if m := _CONSTANT.match(line):
             constants[m.group(1)] = int(m.group(2))
         elif m := _TUPLE.match(line):
