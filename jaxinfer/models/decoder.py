@@ -493,11 +493,16 @@ class Decoder(nnx.Module):
             y = y.astype(jnp.float32) + b.astype(jnp.float32)
         return y.astype(x.dtype)
 
+    def _split_on_vocab(self, table, head: bool = False) -> bool:
+        """Whether this shard of the embedding table (or of the LM head, `head`) holds a block of the
+        vocabulary (lm_head_parallel="vocab") rather than a block of the hidden dim."""
+        return self.parallel.tp > 1 and table_vocab(table, head=head) < self.config.vocab_size
+
     def _hidden_shard(self, h: jax.Array) -> jax.Array:
         """This tensor shard's columns of h [R, H] (the embedding's hidden dim is split; split on
         the vocabulary instead, lm_head_parallel="vocab": all of h)."""
         tp = self.parallel.tp
-        if tp == 1 or table_vocab(self.embed.get_value()) < self.config.vocab_size:
+        if tp == 1 or self._split_on_vocab(self.embed.get_value()):
             return h
         width = h.shape[-1] // tp
         return jax.lax.dynamic_slice_in_dim(h, jax.lax.axis_index("tensor") * width, width, axis=-1)
@@ -510,12 +515,12 @@ class Decoder(nnx.Module):
         "vocab": the local table holds V / tp ids), each shard looks up its own ids and the shards'
         rows are summed (a psum of [T, H] instead of an all-gather)."""
         table = self.embed.get_value()
-        if self.parallel.tp > 1 and table_vocab(table) < self.config.vocab_size:
+        if self._split_on_vocab(table):
             x = jax.lax.psum(vocab_parallel_lookup(table, token_ids, "tensor").astype(self.compute_dtype), "tensor")
         else:
             x = embed_lookup(table, token_ids).astype(self.compute_dtype)  # [T, H / tp]
-        if self.parallel.tp > 1 and table_vocab(table) == self.config.vocab_size:
-            x = jax.lax.all_gather(x, "tensor", axis=1, tiled=True)
+            if self.parallel.tp > 1:
+                x = jax.lax.all_gather(x, "tensor", axis=1, tiled=True)
         if self.config.scale_embeddings:
             x = x * jnp.asarray(self.config.hidden_size**0.5, self.compute_dtype)
         return x
@@ -548,11 +553,11 @@ class Decoder(nnx.Module):
         h = self._hidden_shard(h)
         if self.config.tie_word_embeddings:
             table = self.embed.get_value()
-            logits, vocab = tied_logits(h, table, self.kernels), table_vocab(table)
+            logits, split = tied_logits(h, table, self.kernels), self._split_on_vocab(table)
         else:
             head = self.lm_head.get_value()
-            logits, vocab = matmul(h, head, self.kernels), table_vocab(head, head=True)
-        if vocab < self.config.vocab_size:  # split on the vocabulary: no sum
+            logits, split = matmul(h, head, self.kernels), self._split_on_vocab(head, head=True)
+        if split:  # split on the vocabulary: no sum
             return soft_cap(logits.astype(jnp.float32), self.config.final_logit_softcap)
         return soft_cap(self._tensor_sum(logits, jnp.float32), self.config.final_logit_softcap)  # logits stay float32
 
